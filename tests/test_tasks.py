@@ -1,0 +1,272 @@
+"""tasks.py: the embedded task, the strict verifier, the data loaders with bad rows, and the tiny base model."""
+
+import json
+import random
+from itertools import islice
+from pathlib import Path
+
+import pytest
+
+import tasks
+from tasks import ArithmeticTask, BadRowError, MathDataset, Problem, extract_final_answer, math_answers_match
+
+# --------------------------------------------------------------------------------------------------------------
+# The embedded task
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_train_stream_is_deterministic_and_resumable():
+    task = ArithmeticTask()
+    first = list(islice(task.train_stream(seed=7), 50))
+    assert first == list(islice(task.train_stream(seed=7), 50))
+    assert first != list(islice(task.train_stream(seed=8), 50))
+    assert [i for i, _ in first] == list(range(50))
+    # Resuming at index 20 yields exactly the tail of the same stream.
+    assert list(islice(task.train_stream(seed=7, start=20), 30)) == first[20:]
+
+
+def test_validation_is_deterministic_and_disjoint_from_train():
+    task = ArithmeticTask()
+    val = task.validation(256)
+    assert val == ArithmeticTask().validation(256)
+    assert len({p.id for p in val}) == 256
+    val_ids = {p.id for p in val}
+    train_ids = {p.id for _, p in islice(task.train_stream(seed=0), 20_000)}
+    assert not val_ids & train_ids
+    # Disjoint by construction, not by luck: every train draw is outside the validation bucket.
+    for _, p in islice(task.train_stream(seed=3), 2000):
+        a, b = (int(x) for x in p.prompt.split()[1:])
+        assert tasks._split_of(a, b) == "train"
+
+
+def test_scratchpad_solves_addition_and_slips_break_it():
+    rng = random.Random(0)
+    task = ArithmeticTask()
+    for _ in range(200):
+        a, b = rng.randint(100, 999), rng.randint(100, 999)
+        steps, answer = tasks.scratchpad(a, b)
+        assert answer == a + b
+        problem = task.problem(a, b)
+        assert task.reward(problem, task.solution(problem)) == 1.0
+        assert task.reward(problem, task.solution(problem, slips={rng.randrange(3)})) == -1.0
+    assert tasks.scratchpad(347, 289)[0] == "7+9+0=16 4+8+1=13 3+2+1=06"
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [
+        ("<think> 7+9+0=16 4+8+1=13 3+2+1=06 </think> 636", 1.0),
+        ("  <think> whatever </think>636\n", 1.0),  # surrounding whitespace is fine
+        ("<think> 7+9+0=16 </think> 637", -1.0),  # wrong
+        ("636", -1.0),  # no reasoning section
+        ("<think> </think>", -1.0),  # no answer
+        ("<think> </think> 636 636", -1.0),  # two answers
+        ("<think> </think> 600 36", -1.0),
+        ("<think> </think> 0636", -1.0),  # leading zero
+        ("<think> </think> -636", -1.0),
+        ("<think> </think> +636", -1.0),
+        ("<think> </think> 636.0", -1.0),
+        ("<think> </think> 636 because", -1.0),
+        ("<think> <think> </think> 636", -1.0),  # stray tag
+        ("<think> </think> </think> 636", -1.0),
+        ("<think> </think> 636 </think>", -1.0),
+        ("<think> </think> 636<think>", -1.0),
+        ("</think> 636", -1.0),
+        ("<think> </think> " + "9" * 100_000, -1.0),  # huge number: rejected, not parsed
+        ("<think> </think> ６３６", -1.0),  # full-width digits are not ASCII digits
+    ],
+)
+def test_verifier_is_strict(completion, expected):
+    problem = ArithmeticTask().problem(347, 289)
+    assert ArithmeticTask().reward(problem, completion) == expected
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Real data: loaders, bad rows, the math checker
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+GSM8K_ROWS = [
+    {"question": f"Tom has {i} apples and buys 2 more. How many?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"}
+    for i in range(30)
+]
+POLARIS_ROWS = [{"problem": f"What is {i}/4 in lowest terms?", "answer": f"\\frac{{{i}}}{{4}}"} for i in range(1, 31)]
+
+
+def test_gsm8k_layout_jsonl(tmp_path):
+    ds = MathDataset(str(_write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)), val_size=5)
+    assert len(ds.problems) + len(ds.validation()) == 30
+    assert not {p.id for p in ds.problems} & {p.id for p in ds.validation()}
+    problem = next(p for p in ds.problems + ds.validation() if p.id.endswith("gsm8k.jsonl-3"))
+    assert problem.answer == "5" and "Tom has 3 apples" in problem.prompt and "\\boxed{}" in problem.prompt
+    assert ds.reward(problem, "<think> 3 + 2 </think> The answer is \\boxed{5}.") == 1.0
+    assert ds.reward(problem, "<think> 3 + 2 = 5 </think> \\boxed{6}") == -1.0
+    assert ds.reward(problem, "no think section, but \\boxed{5}") == 1.0
+
+
+def test_polaris_layout_json_and_parquet(tmp_path):
+    json_path = tmp_path / "polaris.json"
+    json_path.write_text(json.dumps(POLARIS_ROWS))
+    parquet_path = tmp_path / "polaris.parquet"
+    import datasets
+
+    datasets.Dataset.from_list(POLARIS_ROWS).to_parquet(str(parquet_path))
+    for path in (json_path, parquet_path):
+        ds = MathDataset(str(path), val_size=4)
+        assert len(ds.problems) == 26 and len(ds.validation()) == 4
+        problem = next(p for p in ds.problems + ds.validation() if p.answer == "\\frac{2}{4}")
+        assert ds.reward(problem, "<think>...</think> \\boxed{\\dfrac{1}{2}}") == 1.0
+        assert ds.reward(problem, "<think>...</think> \\boxed{0.5}") == 1.0
+        assert ds.reward(problem, "<think>...</think> \\boxed{0.25}") == -1.0
+
+
+def test_train_stream_over_a_dataset_is_epoch_shuffled_and_resumable(tmp_path):
+    ds = MathDataset(str(_write_jsonl(tmp_path / "d.jsonl", GSM8K_ROWS)), val_size=5)
+    stream = list(islice(ds.train_stream(seed=1), 60))
+    first_epoch = [p.id for _, p in stream[:25]]
+    assert sorted(first_epoch) == sorted(p.id for p in ds.problems)  # each problem once per epoch
+    assert list(islice(ds.train_stream(seed=1, start=37), 10)) == stream[37:47]
+
+
+@pytest.mark.parametrize(
+    "bad_row, field, why",
+    [
+        ({"answer": "#### 3"}, "question", "missing field"),
+        ({"question": "q?", "answer": ""}, "answer", "is empty"),
+        ({"question": "q?", "answer": "   "}, "answer", "is empty"),
+        ({"question": ["not", "text"], "answer": "#### 3"}, "question", "has type list"),
+        ({"question": "q?", "answer": None}, "answer", "missing field"),
+        ({"question": "q?", "answer": "work but no number ####"}, "answer", "nothing after"),
+    ],
+)
+def test_bad_rows_name_the_row_and_field_or_are_skipped(tmp_path, bad_row, field, why):
+    rows = GSM8K_ROWS[:10] + [bad_row] + GSM8K_ROWS[10:]
+    path = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(BadRowError, match=rf"row 10: .*'{field}'.*|row 10: field '{field}'") as err:
+        MathDataset(str(path), question_field="question", answer_field="answer")
+    assert why in str(err.value)
+    ds = MathDataset(str(path), question_field="question", answer_field="answer", skip_bad_rows=True, val_size=5)
+    assert ds.skipped_rows == 1
+    assert len(ds.problems) + len(ds.validation()) == 30
+
+
+def test_configurable_fields_and_missing_file(tmp_path):
+    rows = [{"q": f"{i}+{i}?", "a": str(2 * i)} for i in range(10)]
+    ds = MathDataset(str(_write_jsonl(tmp_path / "custom.jsonl", rows)), question_field="q", answer_field="a")
+    assert {p.answer for p in ds.problems + ds.validation()} == {str(2 * i) for i in range(10)}
+    with pytest.raises(BadRowError, match="row 0: missing field 'question'"):
+        MathDataset(str(tmp_path / "custom.jsonl"), question_field="question", answer_field="a")
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        MathDataset(str(tmp_path / "nope.jsonl"))
+
+
+def test_load_task_dispatch(tmp_path):
+    assert isinstance(tasks.load_task(None), ArithmeticTask)
+    assert isinstance(tasks.load_task("arithmetic"), ArithmeticTask)
+    path = _write_jsonl(tmp_path / "g.jsonl", GSM8K_ROWS)
+    assert isinstance(tasks.load_task(str(path)), MathDataset)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so \\boxed{42}.", "42"),
+        ("first \\boxed{1} then \\boxed{\\frac{3}{4}}", "\\frac{3}{4}"),  # the last box, nested braces
+        ("\\boxed{x^{2}+1}", "x^{2}+1"),
+        ("\\boxed{12", None),  # unclosed box: no answer
+        ("The answer is 17.", "17"),
+        ("#### 1,234", "1,234"),
+        ("we get 3 and then 5", "5"),
+        ("nothing here", None),
+    ],
+)
+def test_extract_final_answer(text, expected):
+    assert extract_final_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    "predicted, reference, same",
+    [
+        ("42", "42", True),
+        ("42.0", "42", True),
+        ("1,000", "1000", True),
+        ("\\frac{1}{2}", "0.5", True),
+        ("\\dfrac{1}{2}", "1/2", True),
+        ("\\frac12", "1/2", True),
+        ("$5$", "5", True),
+        ("5\\text{ apples}", "5 apples", True),
+        ("x^{2} + 1", "x^{2}+1", True),
+        ("\\left(1,2\\right)", "(1,2)", True),
+        ("43", "42", False),
+        ("1/3", "0.33", False),
+        ("", "0", False),
+        (None, "1", False),
+        ("9" * 5000, "1", False),  # huge numbers are compared as text, never parsed
+        ("1/0", "1", False),
+    ],
+)
+def test_math_answers_match(predicted, reference, same):
+    assert math_answers_match(predicted, reference) is same
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The tiny base model
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_base_model_is_an_ordinary_hf_directory(base_model_dir):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with safe_open(str(base_model_dir / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" in f.keys()  # saved explicitly: vLLM keeps a stale head otherwise
+    config = json.loads((base_model_dir / "config.json").read_text())
+    assert config["hidden_size"] // config["num_attention_heads"] in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+    assert not config["tie_word_embeddings"]
+    params = tasks.count_parameters(base_model_dir)
+    assert 100_000 <= params <= 5_000_000
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_model_dir)
+    task = ArithmeticTask()
+    problem = task.validation(1)[0]
+    prompt = tasks.chat_prompt_ids(tokenizer, problem.prompt)
+    assert tokenizer.decode(prompt) == f"<|user|>{problem.prompt}<|end|><|assistant|>"
+    solution = task.solution(problem)
+    completion = tokenizer(solution, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(completion, skip_special_tokens=True) == solution  # think tags survive decoding
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])
+    # Warm-started: the correct solution is likely token by token (the slips make it imperfect, not random).
+    assert logprobs.mean() > -0.2
+
+
+def test_base_model_cache_is_reused(base_model_dir):
+    before = (base_model_dir / "model.safetensors").stat().st_mtime
+    assert tasks.build_base_model() == base_model_dir
+    assert (base_model_dir / "model.safetensors").stat().st_mtime == before
+
+
+@pytest.mark.slow
+def test_build_base_cli_measures_pass_rate_in_band_with_vllm(base_model_dir):
+    """The issue's band: pass@1 in [0.05, 0.5] with real variance inside groups of 8 (RL has signal)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "tasks.py", "build-base", "--val-prompts", "64"], cwd=tasks.REPO_DIR,
+        capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["model_dir"] == str(base_model_dir)
+    assert 0.05 <= result["pass_at_1"] <= 0.5
+    assert result["frac_mixed_groups"] >= 0.3
+    assert result["params"] == tasks.count_parameters(base_model_dir)

@@ -1,0 +1,67 @@
+"""Run under torchrun by tests/test_train.py: the gradient of one step of every loss, for several micro-batch
+token budgets, on synthetic groups. Rank 0 saves {(loss, budget): (loss value, flat full gradient)} to argv[1]."""
+
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import importlib  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import tasks  # noqa: E402
+import train  # noqa: E402
+from pipeline_rl import Completion, Group  # noqa: E402
+from tasks import Problem  # noqa: E402
+
+
+def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0) -> list:
+    rng = random.Random(seed)
+    groups = []
+    for i in range(n_groups):
+        prompt = [rng.randrange(8, vocab) for _ in range(rng.randint(5, 9))]
+        completions = []
+        for _ in range(group_size):
+            length = rng.randint(3, 20)
+            completions.append(Completion(
+                token_ids=[rng.randrange(8, vocab) for _ in range(length)],
+                sampler_logprobs=[-3.7 + rng.uniform(-0.5, 0.5) for _ in range(length)],  # some ratios get clipped
+                versions=[0] * length, loss_mask=[rng.random() > 0.1 for _ in range(length)], text="",
+                finish_reason="stop", reward=rng.choice([1.0, -1.0])))
+        groups.append(Group(Problem(f"p{i}", "", ""), i, prompt, completions))
+    return groups
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    rank, world, device = train.init_distributed()
+    model_dir = tasks.build_base_model(progress=False)
+    results = {}
+    for loss_name in train.LOSSES:
+        loss_module = importlib.import_module(loss_name)
+        for budget in (100_000, 200):  # one micro-batch per rank, and several
+            args = train.Args(loss=loss_name, micro_batch_tokens=budget, group_size=4, dtype="float32")
+            torch.manual_seed(0)
+            model, _ = train.build_learner(str(model_dir), args, device)
+            groups = synthetic_groups(6, 4, model.config.vocab_size)
+            hp = train.loss_hyperparameters(args, loss_module)
+            rewards = torch.tensor([r for grp in groups for r in grp.rewards])
+            advantages = loss_module.compute_advantages(rewards, 4)
+            mine = [i for i in range(len(groups)) if i % world == rank]
+            my_adv = torch.cat([advantages[i * 4: (i + 1) * 4] for i in mine])
+            totals = train.loss_and_backward(model, loss_module, hp, [groups[i] for i in mine], my_adv, args,
+                                             pad_id=0, world=world, version=0)
+            metrics = train.reduce_metrics(totals, world)
+            grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+            flat = torch.cat([grads[k].flatten() for k in sorted(grads)])
+            results[(loss_name, budget)] = (metrics["loss"], flat, metrics)
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

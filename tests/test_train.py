@@ -1,0 +1,195 @@
+"""train.py: flags, batching, the micro-batch/world-size invariance of a step, and end-to-end runs under torchrun."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from pipeline_rl import Completion, Group
+from tasks import Problem
+
+REPO = Path(__file__).resolve().parent.parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Flags
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--loss", "--mode", "--max-off-policy", "--max-steps", "--prompts-per-step", "--group-size",
+                 "--eval-every", "--eval-samples", "--output-dir", "--resume", "--seed", "--model", "--dataset",
+                 "--tis", "--tis-cap", "--zero-variance", "--aggregation", "--adv-norm", "--fp32-lm-head",
+                 "--length-control", "--retire-pass-rate", "--loss-arg"):
+        assert flag in text
+    assert text.count("(default:") >= len(train.dataclasses.fields(train.Args)) - 1
+
+
+def test_unknown_loss_lists_the_valid_ones(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--loss", "ppo"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'ppo'" in err and all(name in err for name in train.LOSSES)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--loss", "grpo", "--aggregation", "token"], "CISPO's options"),
+    (["--tis-cap", "3"], "no effect without --tis"),
+    (["--think-budget", "40,60", "--max-tokens", "48"], "--think-budget must end below --max-tokens"),
+    (["--resume", "/nonexistent/run"], "no checkpoint there"),
+    (["--group-size", "1"], "no group variance"),
+    (["--loss-arg", "eps_max"], "expected KEY=VALUE"),
+])
+def test_incompatible_flags_are_explained_before_anything_starts(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_loss_arg_overrides_and_rejects_unknown_keys():
+    import cispo
+
+    args = train.parse_args(["--loss-arg", "eps_max=8", "--loss-arg", "aggregation=token"])
+    assert train.loss_hyperparameters(args, cispo) == {"eps_max": 8, "aggregation": "token"}
+    with pytest.raises(SystemExit, match="no such hyper-parameter.*eps_max"):
+        train.loss_hyperparameters(train.parse_args(["--loss-arg", "clip_eps=0.1"]), cispo)
+    import drgrpo
+
+    args = train.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
+    assert train.loss_hyperparameters(args, drgrpo) == {"max_tokens": 40}  # Dr. GRPO's constant: the budget
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Batches
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _group(i: int, lengths: list[int], rewards: list[float], prompt_len: int = 3) -> Group:
+    completions = [Completion(token_ids=list(range(10, 10 + n)), sampler_logprobs=[-0.5] * n, versions=[0] * n,
+                              loss_mask=[True] * (n - 1) + [False], text="", finish_reason="stop", reward=r)
+                   for n, r in zip(lengths, rewards)]
+    return Group(Problem(f"p{i}", "", ""), i, list(range(1, 1 + prompt_len)), completions)
+
+
+def test_micro_batches_keep_groups_whole_and_fit_the_budget():
+    groups = [_group(i, [2 + i, 3], [1.0, -1.0]) for i in range(6)]
+    batches = train.micro_batches(groups, token_budget=20, group_size=2)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        longest = max(len(groups[i].prompt_ids) + max(len(c.token_ids) for c in groups[i].completions) for i in b)
+        assert len(b) == 1 or len(b) * 2 * longest <= 20
+    assert len(train.micro_batches(groups, token_budget=10**6, group_size=2)) == 1
+
+
+def test_rows_align_each_token_with_the_position_that_predicts_it():
+    grp = _group(0, [4, 2], [1.0, -1.0], prompt_len=3)
+    rows = train.to_rows([grp], torch.tensor([1.0, -1.0]), 2, pad_id=0)
+    assert rows.input_ids.tolist() == [[1, 2, 3, 10, 11, 12, 13], [1, 2, 3, 10, 11, 0, 0]]
+    # Position t predicts input_ids[t + 1]: completion token 0 is predicted at position len(prompt) - 1.
+    assert rows.loss_mask.tolist() == [[False, False, True, True, True, False], [False, False, True, False, False, False]]
+    assert rows.attention.sum(1).tolist() == [7, 5]
+    assert rows.versions[1].tolist() == [-1, -1, 0, 0, -1, -1]
+    grp.completions[0].old_logprobs = [-1.0, -2.0, -3.0, -4.0]  # learner-recomputed old logprobs win when present
+    rows = train.to_rows([grp], torch.tensor([1.0, -1.0]), 2, pad_id=0)
+    assert rows.old_logprobs[0, 2:6].tolist() == [-1.0, -2.0, -3.0, -4.0]
+    assert rows.old_logprobs[1, 2:4].tolist() == [-0.5, -0.5]
+
+
+class FakeGenerator:
+    """Stands in for pipeline_rl.Generator to test the batch bookkeeping around it (the real one is tested in
+    test_pipeline_rl.py and in the end-to-end runs below)."""
+
+    def __init__(self, groups: list[Group]):
+        self.queue = deque(groups)
+        self.retired: list[str] = []
+
+    def get_batch(self, n: int, version: int):
+        out = [self.queue.popleft() for _ in range(min(n, len(self.queue)))]
+        return out, {"gen_tokens": 7 * len(out), "wait_s": 0.0}
+
+    def retire(self, ids):
+        self.retired.extend(ids)
+
+
+def _stream(n: int) -> list[Group]:
+    # Every third group is all-correct (zero variance), the rest mixed.
+    return [_group(i, [3, 3], [1.0, 1.0] if i % 3 == 0 else [1.0, -1.0]) for i in range(n)]
+
+
+@pytest.mark.parametrize("policy, kept, pulled", [("keep", 6, 6), ("drop", 4, 6), ("resample", 6, 9)])
+def test_zero_variance_policies(policy, kept, pulled):
+    args = train.Args(prompts_per_step=6, zero_variance=policy, group_size=2, retire_pass_rate=0)
+    out = train.next_round(args, FakeGenerator(_stream(30)), 0, {}, set())
+    assert len(out["batches"]) == 1 and len(out["batches"][0]) == kept
+    assert out["gen_stats"]["groups_pulled"] == pulled
+    assert out["gen_stats"]["frac_zero_variance"] == pytest.approx((pulled + 2) // 3 / pulled)
+
+
+def test_no_positive_resampling_retires_prompts_at_the_threshold():
+    args = train.Args(prompts_per_step=6, group_size=2, retire_pass_rate=0.9, zero_variance="keep")
+    history: dict = {"p3": [0.5]}
+    retired: set = set()
+    generator = FakeGenerator(_stream(6))
+    train.next_round(args, generator, 0, history, retired)
+    # p0 (1.0) is retired at once; p3's history is (0.5 + 1.0) / 2 = 0.75 < 0.9: kept; mixed groups: 0.5.
+    assert retired == {"p0"} and generator.retired == ["p0"]
+    assert history["p3"] == [0.5, 1.0] and history["p1"] == [0.5]
+
+
+def test_sync_round_feeds_k_steps():
+    args = train.Args(mode="sync", max_off_policy=3, prompts_per_step=2, group_size=2, zero_variance="keep",
+                      retire_pass_rate=0)
+    out = train.next_round(args, FakeGenerator(_stream(6)), 0, {}, set())
+    assert [[g.data_index for g in b] for b in out["batches"]] == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_metrics_log_is_cut_back_to_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = train.MetricsLog(path, None)
+    for step in range(5):
+        log.write({"step": step})
+    log = train.MetricsLog(path, keep_lines=3)  # a resume from a checkpoint taken after 3 rows
+    log.write({"step": 3})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The step: micro-batch size and world size do not change the loss or the gradient
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def probe_results(tmp_path_factory, base_model_dir):
+    out = {}
+    for world in (1, 2):
+        path = tmp_path_factory.mktemp("probe") / f"w{world}.pt"
+        run = subprocess.run(TORCHRUN + ["--nproc_per_node", str(world), "tests/learner_probe.py", str(path)],
+                             cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        out[world] = torch.load(path, weights_only=False)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", train.LOSSES)
+def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, loss):
+    reference_loss, reference_grad, _ = probe_results[1][(loss, 100_000)]  # one rank, one micro-batch
+    assert reference_grad.abs().max() > 0
+    for world in (1, 2):
+        for budget in (100_000, 200):
+            value, grad, metrics = probe_results[world][(loss, budget)]
+            assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), (world, budget)
+            torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-5)
+            assert metrics["num_tokens"] == probe_results[1][(loss, 100_000)][2]["num_tokens"]

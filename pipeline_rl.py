@@ -197,6 +197,9 @@ class Completion:
     interrupted: bool = False  # the interruption phrase was inserted
     truncated: bool = False  # ran into max_tokens (also possible after an interruption)
     think_budget: int | None = None  # drawn interruption point (None without interruptions)
+    # Filled in by the learner, never by the generator: its own log-probs of token_ids before the first update
+    # of a round (sync mode, TIS); None means the sampler's log-probs stand for the old policy.
+    old_logprobs: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:

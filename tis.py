@@ -4,7 +4,7 @@ Paper
     Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training" (blog post; no arXiv
     id). Masked importance sampling (MIS) and sequence-level weights follow Liu et al. 2025, "When Speed Kills
     Stability: Demystifying RL Collapse from the Training-Inference Mismatch" (blog post); IcePop is the token-level
-    mask of inclusionAI's Ring-1T report (2025).
+    mask of inclusionAI's Ring-1T report ("Every Step Evolves", arXiv 2510.18855, 2025).
 
 Why
     The sampler (vLLM) and the learner (FSDP) give different probabilities to the same tokens under the SAME

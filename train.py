@@ -352,7 +352,8 @@ def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int) -> Rows
         loss_mask[row, p - 1 : p - 1 + t] = torch.tensor(c.loss_mask, dtype=torch.bool)
         sampler[row, p - 1 : p - 1 + t] = torch.tensor(c.sampler_logprobs)
         versions[row, p - 1 : p - 1 + t] = torch.tensor(c.versions)
-        old[row, p - 1 : p - 1 + t] = torch.tensor(getattr(c, "old_logprobs", None) or c.sampler_logprobs)
+        behaviour = c.old_logprobs if c.old_logprobs is not None else c.sampler_logprobs
+        old[row, p - 1 : p - 1 + t] = torch.tensor(behaviour)
     return Rows(input_ids, attention, loss_mask, sampler, versions, old, advantages)
 
 

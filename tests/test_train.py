@@ -281,6 +281,22 @@ def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
     assert (out / "checkpoint" / "trainer_state.json").exists()
 
 
+@pytest.mark.slow
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(tmp_path, base_model_dir):
+    """A NaN cap makes every CISPO weight NaN (a real bad hyper-parameter, no fake): each step is skipped and
+    counted, and --max-bad-steps of them in a row stop the run with a message and a checkpoint to resume from."""
+    out = tmp_path / "nan"
+    run = _train(out, "--max-steps", "6", "--eval-every", "10", "--max-bad-steps", "2",
+                 "--loss-arg", "eps_max=nan", *SHORT)
+    assert run.returncode != 0
+    assert "stopping: 2 consecutive steps had a non-finite loss or gradient" in run.stderr + run.stdout
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["skipped_step"] for r in rows[1:]] == [1.0, 1.0] and rows[-1]["bad_steps_total"] == 2
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["metrics_lines"] == 3 and state["bad_steps_total"] == 2
+
+
 def _processes_of(out: Path) -> list:
     """Live processes whose command line names `out` (torchrun and its ranks)."""
     import psutil

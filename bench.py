@@ -312,6 +312,30 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", default="cispo", help="loss file used by the learner (default cispo)")
 
 
+def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0) -> list:
+    """Groups of random prompts and completions with +-1 rewards and sampler logprobs near -3.7 (so that some
+    ratios get clipped): a learner batch without a generator. tests/learner_probe.py uses it too."""
+    import random
+
+    from pipeline_rl import Completion, Group
+    from tasks import Problem
+
+    rng = random.Random(seed)
+    groups = []
+    for i in range(n_groups):
+        prompt = [rng.randrange(8, vocab) for _ in range(rng.randint(5, 9))]
+        completions = []
+        for _ in range(group_size):
+            length = rng.randint(3, 20)
+            completions.append(Completion(
+                token_ids=[rng.randrange(8, vocab) for _ in range(length)],
+                sampler_logprobs=[-3.7 + rng.uniform(-0.5, 0.5) for _ in range(length)],  # some ratios get clipped
+                versions=[0] * length, loss_mask=[rng.random() > 0.1 for _ in range(length)], text="",
+                finish_reason="stop", reward=rng.choice([1.0, -1.0])))
+        groups.append(Group(Problem(f"p{i}", "", ""), i, prompt, completions))
+    return groups
+
+
 def bench_train(args: argparse.Namespace) -> dict:
     """The learner's tokens/s (train.py's FSDP2 step: micro-batches, loss file, clipping, AdamW) against a bare
     transformers forward + backward + AdamW step on the same padded batch, in one process on one rank."""
@@ -323,7 +347,6 @@ def bench_train(args: argparse.Namespace) -> dict:
 
     import tasks
     import train
-    from tests.learner_probe import synthetic_groups
 
     os.environ.setdefault("MASTER_PORT", "29517")
     rank, world, device = train.init_distributed()

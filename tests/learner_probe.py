@@ -1,7 +1,6 @@
 """Run under torchrun by tests/test_train.py: the gradient of one step of every loss, for several micro-batch
 token budgets, on synthetic groups. Rank 0 saves {(loss, budget): (loss value, flat full gradient)} to argv[1]."""
 
-import random
 import sys
 from pathlib import Path
 
@@ -14,25 +13,7 @@ import torch.distributed as dist  # noqa: E402
 
 import tasks  # noqa: E402
 import train  # noqa: E402
-from pipeline_rl import Completion, Group  # noqa: E402
-from tasks import Problem  # noqa: E402
-
-
-def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0) -> list:
-    rng = random.Random(seed)
-    groups = []
-    for i in range(n_groups):
-        prompt = [rng.randrange(8, vocab) for _ in range(rng.randint(5, 9))]
-        completions = []
-        for _ in range(group_size):
-            length = rng.randint(3, 20)
-            completions.append(Completion(
-                token_ids=[rng.randrange(8, vocab) for _ in range(length)],
-                sampler_logprobs=[-3.7 + rng.uniform(-0.5, 0.5) for _ in range(length)],  # some ratios get clipped
-                versions=[0] * length, loss_mask=[rng.random() > 0.1 for _ in range(length)], text="",
-                finish_reason="stop", reward=rng.choice([1.0, -1.0])))
-        groups.append(Group(Problem(f"p{i}", "", ""), i, prompt, completions))
-    return groups
+from bench import synthetic_groups  # noqa: E402
 
 
 def main() -> None:

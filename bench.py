@@ -11,6 +11,7 @@ Heavy imports live inside the functions so that one benchmark does not pay for a
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -266,7 +267,9 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     # 4b. end to end, pipeline mode, same settings
     with pl.Generator(config("pipeline"), task) as gen:
         pipe_sps, pipe_stats = run_learner(gen, args.steps)
-    lag = collections_sum(s["lag_hist"] for s in pipe_stats)
+    lag: collections.Counter[int] = collections.Counter()  # {lag: loss-masked tokens} over all steps
+    for s in pipe_stats:
+        lag.update(s["lag_hist"])
     total_lag_tokens = sum(lag.values())
     print(f"pipeline mode (k={args.max_off_policy}): {pipe_sps:.1f} samples/s; lag histogram {dict(sorted(lag.items()))}",
           flush=True)
@@ -296,15 +299,6 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     return results
 
 
-def collections_sum(hists) -> dict:
-    total: dict = {}
-    for h in hists:
-        for k, n in h.items():
-            total[k] = total.get(k, 0) + n
-    return total
-
-
-# name -> (benchmark function, function adding its flags, one-line help)
 def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=32, help="groups in the batch (default 32, the tiny recipe's)")
     parser.add_argument("--group-size", type=int, default=8, help="completions per group (default 8)")
@@ -400,6 +394,7 @@ def bench_train(args: argparse.Namespace) -> dict:
             "train_throughput_ratio": round(bare_s / ours_s, 3)}
 
 
+# name -> (benchmark function, function adding its flags, one-line help)
 BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argparse.ArgumentParser], None], str]] = {
     "fit": (bench_fit, _add_fit_args, "full-grid sigmoid fit on 75 points vs exhaustive per-grid-point curve_fit"),
     "pipeline": (bench_pipeline, _add_pipeline_args,

@@ -534,8 +534,8 @@ class _GeneratorProcess:
         self.retired = set(retired_ids)
         self.version = version
         self.rng = random.Random(config.seed * 7919 + 17)
-        data_seed = getattr(config, "data_seed", None)
-        self.stream = self.task.train_stream(config.seed if data_seed is None else data_seed, start=data_start)
+        data_seed = config.seed if config.data_seed is None else config.data_seed
+        self.stream = self.task.train_stream(data_seed, start=data_start)
         self.requeue: collections.deque[tuple[int, Problem]] = collections.deque()
         self.groups: dict[int, _GroupState] = {}  # unconsumed training groups (in flight or ready)
         self.eval_groups: dict[int, _GroupState] = {}
@@ -1241,4 +1241,4 @@ class Generator:
 
 __all__ = ["GeneratorConfig", "Completion", "Group", "Generator", "GeneratorError", "GeneratorTimeout",
            "admission_allowed", "should_admit", "mandatory_count", "plan_batch", "lag_histogram", "lag_stats", "interruption_start",
-           "split_devices", "InterruptionLogitsProcessor", "WeightSyncExtension"]
+           "split_devices", "set_parent_death_signal", "InterruptionLogitsProcessor", "WeightSyncExtension"]

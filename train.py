@@ -262,16 +262,20 @@ def loss_hyperparameters(args: Args, loss_module: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def init_distributed() -> tuple[int, int, Any]:
+def init_distributed(gen_devices: str | None = None) -> tuple[int, int, Any]:
+    """(rank, world size, this rank's device). On GPU the learner keeps off the generator's `gen_devices`."""
     import torch
     import torch.distributed as dist
+
+    import pipeline_rl
 
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        learner_ids, _ = pipeline_rl.split_devices(gen_devices, torch.cuda.device_count())
+        device = torch.device("cuda", learner_ids[int(os.environ["LOCAL_RANK"]) % len(learner_ids)])
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     else:
@@ -624,7 +628,7 @@ def main(argv: list[str] | None = None) -> None:
         # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
         # training on, and a --resume would then race them for OUTPUT_DIR: die with the launcher instead.
         pipeline_rl.set_parent_death_signal(signal.SIGKILL)
-    rank, world, device = init_distributed()
+    rank, world, device = init_distributed(args.gen_devices)
     is_main = rank == 0
     out = Path(args.output_dir)
     # One run per OUTPUT_DIR at a time (the lock dies with its process, so a killed run never blocks its resume).

@@ -47,6 +47,20 @@ losses: it moves prompts, completions, per-token logprobs, per-token weight vers
    too stale (the learner consumed fewer groups per step than announced, or pushed no weights for k steps), it is
    dropped, counted in `stale_dropped`, and its prompt is generated again with fresh weights, so no data index is
    lost. Tests prove lag <= k and stale_dropped == 0 with a slow learner and with a slow generator.
+   Freshness: the buffer limit (`buffer_steps`, b). k is a guarantee, not a target: a generator faster than the
+   learner would fill the k steps of room the admission rule leaves, and every batch would be trained at lag ~k.
+   So while the learner is fed, a new group is admitted only if U + 1 <= b * B as well (at most b learner steps'
+   worth of groups admitted ahead of the learner's next request): with b = 1 the generator samples the next batch
+   while the learner trains on this one, and the lag stays near 1 however fast the generator is. When the learner
+   is starved (blocked in get_batch with fewer finished groups than it asked for), generation is the bottleneck
+   and the limit is lifted: the generator fills its engine up to `max_concurrent_groups` and k, so a slow
+   generator loses no throughput and the lag is what its latency requires. The metrics show both: `lag_mean` and
+   `buffer_depth_steps` (finished groups waiting, in learner steps). How this relates to the papers' k: in
+   PipelineRL and ScaleRL, k (ScaleRL: 8; PipelineRL's code counts it in samples) is the only limit, and the
+   trainers wait when they get k steps ahead; at their scale generation dominates, so the realised lag is set by
+   generation latency, far below k. On one CPU whose generator outruns its learner, k alone lets the lag reach k
+   (8 steps at lr 1e-4 moved the tiny policy enough to make runs swing); the buffer restores the regime those
+   papers ran in. `buffer_steps=None` (or >= k + 1) gives the k-only behaviour.
    Synchronous mode (`mode="sync"`): get_batch generates exactly num_groups fresh groups with the current weights
    (all lag 0), the conventional RL loop; PPO-off-policy-k is that with a k-times larger batch split by train.py.
 
@@ -134,6 +148,9 @@ class GeneratorConfig:
         "generation budget without interruptions, and the overall cap of a completion with them"))
     max_off_policy: int = field(default=8, metadata=_help(
         "k: the learner never trains on a token sampled more than k optimizer steps ago (ScaleRL: 8)"))
+    buffer_steps: int | None = field(default=1, metadata=_help(
+        "freshness: admit at most this many learner steps' worth of groups ahead of the learner's next request "
+        "(1: generate the next batch while the learner trains on this one; None: only k limits it)"))
     mode: str = field(default="pipeline", metadata=_help(
         "pipeline: stream continuously with in-flight weight updates (PipelineRL-k); sync: generate a batch, train, sync"))
     seed: int = field(default=0, metadata=_help("seed of vLLM's sampler and the think budgets (and of the data stream "
@@ -160,6 +177,9 @@ class GeneratorConfig:
     weight_dir: str | None = field(default=None, metadata=_help(
         "where weight files go (default: /dev/shm if it has room, else the temp dir)"))
     vllm_log_level: str = field(default="WARNING", metadata=_help("VLLM_LOGGING_LEVEL in the generator process"))
+    debug_slowdown: float = field(default=1.0, metadata=_help(
+        "debug knob: sleep (x - 1) times the duration of every engine step, to emulate a generator x times slower "
+        "(tests and the staleness experiment turn the generator/learner speed ratio with it)"))
 
     def __post_init__(self) -> None:
         self.think_budget = tuple(int(x) for x in self.think_budget)  # type: ignore[assignment]
@@ -171,6 +191,10 @@ class GeneratorConfig:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if self.max_off_policy < 0:
             raise ValueError(f"max_off_policy must be >= 0, got {self.max_off_policy}")
+        if self.buffer_steps is not None and self.buffer_steps < 0:
+            raise ValueError(f"buffer_steps must be >= 0 or None, got {self.buffer_steps}")
+        if not self.debug_slowdown >= 1:
+            raise ValueError(f"debug_slowdown must be >= 1, got {self.debug_slowdown}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 (sampling; greedy has no usable logprobs), got {self.temperature}")
         lo, hi = self.think_budget
@@ -262,13 +286,19 @@ def admission_allowed(unconsumed: int, gen_version: int, next_learner_version: i
 
 
 def should_admit(*, unconsumed: int, in_flight: int, max_in_flight: int, gen_version: int,
-                 next_learner_version: int, k: int, groups_per_step: int, waiting_for: int = 0) -> bool:
-    """The generator's admission decision: the concurrency cap, then the staleness rule (`admission_allowed`).
-    A learner blocked in get_batch for `waiting_for` groups is never left without them (no deadlock when the
-    groups per step were under-estimated; plan_batch's hard check still holds)."""
+                 next_learner_version: int, k: int, groups_per_step: int, waiting_for: int = 0,
+                 buffer_steps: int | None = None, learner_starved: bool = False) -> bool:
+    """The generator's admission decision: the concurrency cap, then the staleness rule (`admission_allowed`),
+    then the buffer limit, which applies only while the learner is fed: a learner blocked in get_batch without
+    enough finished groups (`learner_starved`) shows that generation is the bottleneck, and the generator then
+    fills its engine up to the concurrency cap and k. A learner blocked for `waiting_for` groups is never left
+    without them (no deadlock when the groups per step were under-estimated or the buffer is 0; plan_batch's
+    hard check still holds)."""
     if in_flight >= max_in_flight:
         return False
-    if admission_allowed(unconsumed, gen_version, next_learner_version, k, groups_per_step):
+    # the buffer limit: at most buffer_steps learner steps' worth of groups admitted ahead of the next request
+    fresh = buffer_steps is None or learner_starved or unconsumed + 1 <= buffer_steps * max(1, groups_per_step)
+    if fresh and admission_allowed(unconsumed, gen_version, next_learner_version, k, groups_per_step):
         return True
     return unconsumed < waiting_for
 
@@ -436,12 +466,27 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+class _RotaryCacheFilter:
+    """logging filter: drops vLLM's reload warning about RotaryEmbedding, whose buffer is not a checkpoint weight."""
+
+    def filter(self, record: Any) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`); reached through `LLM.collective_rpc`."""
 
     def scalerl_load_weights(self, path: str) -> int:
         """Reload all weights in place from a safetensors file (HF names, checkpoint format)."""
+        import logging
+
         from safetensors import safe_open
+
+        # vLLM warns "RotaryEmbedding: Failed to load weights" at every reload: its cos/sin cache is computed, not
+        # a checkpoint weight, and vLLM keeps it. Drop that one message (once per worker), keep every other.
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        if not any(isinstance(f, _RotaryCacheFilter) for f in reload_log.filters):
+            reload_log.addFilter(_RotaryCacheFilter())
 
         def weights():
             with safe_open(path, framework="pt", device="cpu") as f:
@@ -591,6 +636,8 @@ class _GeneratorProcess:
             if self.engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 outputs = self.engine.step()
+                if self.cfg.debug_slowdown > 1:  # debug knob: an engine `debug_slowdown` times slower than this one
+                    time.sleep((self.cfg.debug_slowdown - 1) * (time.perf_counter() - t0))
                 self.engine_busy_s += time.perf_counter() - t0
                 for out in outputs:
                     if out.finished:
@@ -695,9 +742,11 @@ class _GeneratorProcess:
         if self.cfg.mode != "pipeline" or not self.started:
             return
         need = self.pending[1] if self.pending and self.pending[0] == "batch" else 0
+        starved = need > 0 and sum(g.ready for g in self.groups.values()) < need  # the learner waits on us
         while should_admit(unconsumed=len(self.groups), in_flight=self.in_flight(), max_in_flight=self.max_groups,
                            gen_version=self.version, next_learner_version=self.next_learner_version,
-                           k=self.cfg.max_off_policy, groups_per_step=self.groups_per_step or 1, waiting_for=need):
+                           k=self.cfg.max_off_policy, groups_per_step=self.groups_per_step or 1, waiting_for=need,
+                           buffer_steps=self.cfg.buffer_steps, learner_starved=starved):
             self.admit_one()
 
     # ---- completions out --------------------------------------------------------------------------------------
@@ -847,6 +896,8 @@ class _GeneratorProcess:
             "skipped_long_prompts": self.skipped_long_prompts,
             "groups_in_flight": self.in_flight(),
             "groups_ready": sum(g.ready for g in self.groups.values()),
+            # buffer depth: learner steps' worth of groups already finished and waiting for the next requests
+            "buffer_depth_steps": sum(g.ready for g in self.groups.values()) / max(1, self.groups_per_step),
             "generator_version": self.version,
             "groups_per_step": self.groups_per_step,
             "multi_version_completions": sum(len(set(c.versions)) > 1 for g in groups for c in g.completions),
@@ -1166,7 +1217,7 @@ class Generator:
         {lag: loss-masked tokens}, frac_tokens_by_lag, lag_mean, lag_max, reward_errors, interrupted, truncated,
         multi_version_completions; of the generator since the last call: gen_tokens_per_s, gen_busy_frac;
         run totals: stale_dropped, reward_errors_total, skipped_long_prompts; and its state: groups_in_flight,
-        groups_ready, generator_version, groups_per_step."""
+        groups_ready, buffer_depth_steps, generator_version, groups_per_step."""
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         t0 = time.perf_counter()

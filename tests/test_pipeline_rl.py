@@ -59,7 +59,7 @@ def test_plan_batch_waits_for_due_groups_and_drops_only_stale_ones():
 
 
 def _simulate(k: int, B: int, learner_time: int, gen_len: tuple[int, int], max_in_flight: int, steps: int,
-              seed: int = 0) -> dict:
+              seed: int = 0, buffer_steps: int | None = None) -> dict:
     """Discrete-time model of the generator loop and a learner: groups take gen_len time units (random), tokens
     get the generator's version at the time they are sampled, the learner trains `learner_time` units a step and
     pushes weights at once. Uses the module's own should_admit / plan_batch."""
@@ -73,7 +73,8 @@ def _simulate(k: int, B: int, learner_time: int, gen_len: tuple[int, int], max_i
         in_flight = sum(1 for x in groups.values() if x["remaining"] > 0)
         while pl.should_admit(unconsumed=len(groups), in_flight=in_flight, max_in_flight=max_in_flight,
                               gen_version=g, next_learner_version=next_learner_version, k=k, groups_per_step=B,
-                              waiting_for=B if waiting else 0):
+                              waiting_for=B if waiting else 0, buffer_steps=buffer_steps,
+                              learner_starved=waiting and sum(x["remaining"] == 0 for x in groups.values()) < B):
             groups[next_gid] = {"deadline": g + k, "remaining": rng.randint(*gen_len), "versions": [], "order": 0}
             next_gid += 1
             in_flight += 1
@@ -104,7 +105,8 @@ def _simulate(k: int, B: int, learner_time: int, gen_len: tuple[int, int], max_i
                     consumed.append(gid)
                 waiting, next_learner_version = False, V + 1
                 learner_busy_until = t + learner_time
-    return {"lags": lags, "dropped": dropped, "consumed": consumed, "admitted": next_gid, "left": set(groups)}
+    return {"lags": lags, "dropped": dropped, "consumed": consumed, "admitted": next_gid, "left": set(groups),
+            "time": t}
 
 
 @pytest.mark.parametrize("learner_time,gen_len", [(20, (1, 6)), (1, (5, 40)), (6, (2, 30))],
@@ -118,6 +120,54 @@ def test_simulated_pipeline_never_exceeds_k_and_never_drops(learner_time, gen_le
     assert set(out["consumed"]) | out["left"] == set(range(out["admitted"]))
     if learner_time == 20 and k > 0:
         assert max(out["lags"]) == k  # a slow learner does consume groups at the staleness limit
+
+
+def test_buffer_limit_counts_steps_ahead_of_the_learner_until_the_learner_starves():
+    # the learner is training (next request: version 6), the generator holds 5, B = 4, k = 8: k alone allows 8 steps
+    kw = dict(in_flight=0, max_in_flight=64, gen_version=5, next_learner_version=6, k=8, groups_per_step=4)
+    assert pl.should_admit(unconsumed=31, **kw) and not pl.should_admit(unconsumed=32, **kw)
+    # a buffer of 1 step allows one batch ahead, of 2 steps two
+    assert pl.should_admit(unconsumed=3, buffer_steps=1, **kw)
+    assert not pl.should_admit(unconsumed=4, buffer_steps=1, **kw)
+    assert pl.should_admit(unconsumed=7, buffer_steps=2, **kw)
+    assert not pl.should_admit(unconsumed=8, buffer_steps=2, **kw)
+    # a starved learner (waiting, too few groups finished) lifts the buffer, never k
+    assert pl.should_admit(unconsumed=20, buffer_steps=1, learner_starved=True, **kw)
+    assert not pl.should_admit(unconsumed=32, buffer_steps=1, learner_starved=True, **kw)
+    # the buffer never loosens k: k = 1 leaves 1 step, whatever the buffer
+    assert not pl.should_admit(unconsumed=4, buffer_steps=3, **{**kw, "k": 1})
+    # a buffer of 0 admits only for a learner that waits (on-policy generation, no overlap)
+    assert not pl.should_admit(unconsumed=0, buffer_steps=0, **kw)
+    assert pl.should_admit(unconsumed=0, buffer_steps=0, waiting_for=4, **kw)
+
+
+@pytest.mark.parametrize("buffer_steps", [0, 1, 2])
+def test_simulated_buffer_keeps_lag_near_the_buffer_with_a_fast_generator(buffer_steps):
+    """A generator 20x faster than the learner: k = 8 alone lets every batch age to lag 8; the buffer keeps it at
+    buffer_steps (a group admitted just after one request is consumed buffer_steps requests later)."""
+    only_k = _simulate(k=8, B=4, learner_time=20, gen_len=(1, 1), max_in_flight=4, steps=40)
+    assert sum(only_k["lags"][40:]) / len(only_k["lags"][40:]) == 8
+    out = _simulate(k=8, B=4, learner_time=20, gen_len=(1, 1), max_in_flight=4, steps=40, buffer_steps=buffer_steps)
+    assert out["dropped"] == 0 and max(out["lags"]) == buffer_steps
+    # the learner is not slowed down by the buffer while the generator keeps up (buffer 0 gives up the overlap)
+    if buffer_steps >= 1:
+        assert out["time"] <= only_k["time"] + 2
+
+
+@pytest.mark.parametrize("learner_time,gen_len", [(20, (1, 6)), (1, (5, 40)), (6, (2, 30))],
+                         ids=["slow-learner", "slow-generator", "variable-lengths"])
+def test_simulated_buffer_of_one_step_never_drops_and_costs_a_slow_generator_little(learner_time, gen_len):
+    """Where generation is the bottleneck the learner waits, and a starved learner lifts the buffer limit: the
+    generator fills its engine, the lag is what generation latency requires, and throughput stays near k's."""
+    only_k = _simulate(k=8, B=4, learner_time=learner_time, gen_len=gen_len, max_in_flight=12, steps=60)
+    out = _simulate(k=8, B=4, learner_time=learner_time, gen_len=gen_len, max_in_flight=12, steps=60,
+                    buffer_steps=1)
+    assert out["dropped"] == 0 and max(out["lags"]) <= 8
+    assert sum(out["lags"]) / len(out["lags"]) <= sum(only_k["lags"]) / len(only_k["lags"])
+    assert len(out["consumed"]) == len(set(out["consumed"])) >= 60 * 4
+    assert set(out["consumed"]) | out["left"] == set(range(out["admitted"]))
+    # time for the same 60 steps: within 1.35x of the k-only pipeline's
+    assert out["time"] <= 1.35 * only_k["time"], (out["time"], only_k["time"])
 
 
 def test_lag_histogram_counts_loss_masked_tokens_only():
@@ -267,8 +317,11 @@ class Learner:
 
 @pytest.fixture(scope="module")
 def pipeline(base_model_dir, hf_model):
+    # buffer_steps=None: only k limits the generator, so these tests can show that the hard bound holds when the
+    # generator runs as far ahead as it may (the buffer's own rule is tested in the simulation above and end to
+    # end in test_train.py)
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE,
-                                max_off_policy=K, groups_per_batch=B, seed=1)
+                                max_off_policy=K, groups_per_batch=B, seed=1, buffer_steps=None)
     with pl.Generator(config, tasks.ArithmeticTask()) as gen:
         yield Learner(gen, hf_model)
 

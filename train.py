@@ -23,7 +23,7 @@ fit ScaleRL's sigmoid to the evaluation rows and draw OUTPUT_DIR/scaling.png.
 
 How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (tasks.py), so it runs on 2 CPU cores
-    in minutes. Its optimiser settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 200 steps) are tuned for that
+    in minutes. Its optimiser settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 100 steps) are tuned for that
     model and marked as such in --help; the paper's (lr 5e-7, AdamW eps 1e-15, weight decay 0.01, 100 warm-up steps,
     48 x 16) apply to real models (--model).
   - compute_hours counts wall-clock hours x devices in use, where on CPU a "device" is a learner rank or the
@@ -83,6 +83,10 @@ class Args:
                      choices=("pipeline", "sync"))
     max_off_policy: int = _arg(8, "k: pipeline: a sample's oldest token is at most k optimizer steps old (ScaleRL: "
                                "8); sync: k optimizer steps per generation round (PPO-off-policy-k; 1 = on-policy)")
+    buffer_steps: int = _arg(1, "pipeline: freshness bound under k: the generator admits at most this many "
+                             "learner steps' worth of prompts ahead of the learner (1: it samples the next batch "
+                             "while the learner trains on this one; the lag then stays near 1 however fast the "
+                             "generator is); k + 1 or more: only k limits it, as in PipelineRL and ScaleRL")
     aggregation: str | None = _arg(None, "CISPO loss aggregation: prompt (ScaleRL), sample or token",
                                    choices=("prompt", "sample", "token"))
     adv_norm: str | None = _arg(None, "CISPO advantage normalisation: batch (ScaleRL) or group",
@@ -102,7 +106,8 @@ class Args:
                            "(default: off)", choices=("token", "sequence"))
     tis_cap: float = _arg(2.0, "TIS truncation cap C (Yao et al.: 2)")
     # batch and schedule
-    max_steps: int = _arg(200, "optimizer steps (tiny-task default)")
+    max_steps: int = _arg(100, "optimizer steps (tiny-task default: the pass rate levels off near 0.95 by step "
+                          "50-60)")
     prompts_per_step: int = _arg(32, "prompts per optimizer step (ScaleRL: 48; tiny-task default 32)")
     group_size: int = _arg(8, "completions per prompt (ScaleRL: 16; tiny-task default 8)")
     temperature: float = _arg(1.0, "sampling temperature; the learner divides its logits by the same value")
@@ -120,7 +125,8 @@ class Args:
     micro_batch_tokens: int = _arg(8192, "token budget of a micro-batch (padded rows x length); whole groups only")
     max_bad_steps: int = _arg(3, "stop (with a checkpoint) after this many consecutive non-finite steps")
     # evaluation, logging, checkpoints
-    eval_every: int = _arg(10, "evaluate every N steps (and at step 0 and the end)")
+    eval_every: int = _arg(5, "evaluate every N steps (and at step 0 and the end); tiny task: 5, so the rise of "
+                           "the curve has enough points for the sigmoid fit")
     eval_samples: int = _arg(4, "k of the mean@k validation pass rate (ScaleRL: 16)")
     eval_prompts: int = _arg(128, "held-out validation prompts (ScaleRL: 1000)")
     log_every: int = _arg(5, "print a one-line summary every N steps")
@@ -135,6 +141,12 @@ class Args:
                                    "learner uses the others); ScaleRL split 64 generator / 16 trainer GPUs")
     tensor_parallel_size: int = _arg(1, "GPU only: vLLM tensor parallelism of the generator")
     dtype: str | None = _arg(None, "float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
+    # debugging: turn the generator/learner speed ratio on purpose
+    debug_gen_slowdown: float = _arg(1.0, "debug: make the generator X times slower (it sleeps X-1 times each "
+                                     "engine step's duration), to see how the recipe behaves on a machine "
+                                     "whose generator is slower relative to its learner")
+    debug_learner_slowdown: float = _arg(1.0, "debug: make the learner X times slower (each rank sleeps X-1 "
+                                         "times each step's compute), to emulate a relatively faster generator")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,6 +214,11 @@ def check_args(args: Args) -> list[str]:
         problems.append("--max-off-policy must be >= 1 in sync mode (1 = on-policy)")
     if args.mode == "pipeline" and args.max_off_policy < 0:
         problems.append("--max-off-policy must be >= 0")
+    if args.buffer_steps < 0:
+        problems.append("--buffer-steps must be >= 0")
+    for flag in ("debug_gen_slowdown", "debug_learner_slowdown"):
+        if not getattr(args, flag) >= 1:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 1 (1 = full speed)")
     if args.zero_variance == "drop" and args.group_size < 2:
         problems.append("--group-size 1 has no group variance: every group would be dropped")
     if args.tis is None and args.tis_cap != 2.0:
@@ -292,7 +309,7 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     model.config.use_cache = False
     low_precision = args.dtype == "bfloat16"
@@ -706,8 +723,8 @@ def main(argv: list[str] | None = None) -> None:
                 model=model_path, group_size=args.group_size, temperature=args.temperature,
                 interruptions=args.length_control == "interruptions", think_budget=_budget(args.think_budget),
                 answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_off_policy=args.max_off_policy,
-                mode=args.mode, seed=args.seed + state["step"], data_seed=args.seed, dtype=args.dtype,
-                fp32_lm_head=args.fp32_lm_head,
+                buffer_steps=args.buffer_steps, mode=args.mode, seed=args.seed + state["step"], data_seed=args.seed,
+                dtype=args.dtype, fp32_lm_head=args.fp32_lm_head, debug_slowdown=args.debug_gen_slowdown,
                 groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
                 gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
             )
@@ -817,6 +834,8 @@ def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, sche
                 consecutive_bad += int(not finite)
                 state["bad_steps_total"] += int(not finite)
             scheduler.step()
+            if args.debug_learner_slowdown > 1:  # debug knob: a learner X times slower than this one
+                time.sleep((args.debug_learner_slowdown - 1) * (time.time() - step_start))
             state["step"] += 1
             consumed.update(grp.data_index for grp in batch)
 

@@ -709,10 +709,18 @@ def plot_fits(
 
     fig, ax = plt.subplots(figsize=(7.5, 5.0))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    base_points: list[tuple[float, str]] = []  # (R0, color) of runs whose first point is the untrained model
     for index, curve in enumerate(curves):
         label, compute, reward, fit, fit_until, min_compute = PlotCurve(*curve)
         C, R = np.asarray(compute, dtype=float), np.asarray(reward, dtype=float)
         color = colors[index % len(colors)]
+        order = np.argsort(C)
+        C, R = C[order], R[order]
+        # The evaluation before any training sits at compute ~0 (1e-7 h): on a log axis it would take decades
+        # of the axis for one point. Draw it as R0, a line from the axis edge, and give the axis to the run.
+        if C.size >= 2 and (C[0] <= 0 or C[0] < C[1] / 10):
+            base_points.append((float(R[0]), color))
+            C, R = C[1:], R[1:]
         positive = C > 0
         C, R = C[positive], R[positive]  # a log axis cannot show compute 0
         if C.size == 0:
@@ -736,6 +744,12 @@ def plot_fits(
         if fit_until is not None:
             ax.axvline(fit_until, color=color, linestyle="-.", linewidth=0.6, alpha=0.5)
     ax.set_xscale("log")
+    for r0, color in base_points:  # R0: a marker at the left edge and a faint line, labelled once
+        ax.axhline(r0, color=color, linestyle="-.", linewidth=0.8, alpha=0.6)
+        ax.plot([0.0], [r0], marker=">", color=color, markersize=8, transform=ax.get_yaxis_transform(),
+                clip_on=False, zorder=4)
+    if base_points:
+        ax.plot([], [], color="gray", linestyle="-.", marker=">", label="R0: before training (step 0)")
     ax.set_xlabel(x_label)
     ax.set_ylabel(y_label)
     ax.set_title(title or "ScaleRL sigmoid fits. Dashed: extrapolation; dotted: asymptote A; "

@@ -330,3 +330,20 @@ def test_cli_help_explains_every_flag():
     assert result.returncode == 0
     for flag in ("--x", "--y", "--min-compute", "--fit-until", "--shared-A", "--bootstrap", "--out"):
         assert flag in result.stdout
+
+
+def test_plot_gives_the_log_axis_to_the_run_and_draws_the_step_0_point_as_r0(tmp_path, monkeypatch):
+    """The evaluation before training sits at compute ~1e-7 h; it must not take five decades of the log axis."""
+    import matplotlib.figure
+
+    figures = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    compute = np.concatenate([[1e-7], np.geomspace(0.01, 0.5, 20)])
+    reward = sf.sigmoid(compute, A=0.95, B=1.5, C_mid=0.08, R0=0.4)
+    fit = sf.fit_sigmoid(compute, reward)
+    sf.plot_fits([("run", compute, reward, fit, None)], tmp_path / "fit.png")
+    ax = figures[0].axes[0]
+    left, right = ax.get_xlim()
+    assert 1e-3 < left < 0.01 and right > 0.5  # the axis starts just before the first trained point
+    assert any(line.get_linestyle() == "-." and line.get_ydata()[0] == pytest.approx(0.4)
+               for line in ax.get_lines())  # R0 drawn as a line

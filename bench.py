@@ -3,6 +3,10 @@ and ends with one line holding a JSON object of the results (the LAST line print
 
     python bench.py fit        # ScaleRL's full-grid sigmoid fit vs exhaustive per-grid-point curve_fit
     python bench.py pipeline   # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync RL
+    python bench.py train      # train.py's learner step vs a bare transformers training step
+    python bench.py staleness  # the tiny recipe at k = 0, 1, 2, 4, 8 with a fast generator (an experiment)
+    python bench.py leave-one-out   # ScaleRL's leave-one-out in miniature, several seeds (an experiment)
+    python bench.py report RUN_DIR...   # what finished runs show: pass rate, lag, fit, first-half prediction
 
 A subcommand is a function ``bench_<name>(args)`` registered in ``BENCHMARKS`` with its argument setup.
 Heavy imports live inside the functions so that one benchmark does not pay for another's.
@@ -394,6 +398,243 @@ def bench_train(args: argparse.Namespace) -> dict:
             "train_throughput_ratio": round(bare_s / ours_s, 3)}
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Experiments made of real train.py runs: the staleness bound, leave-one-out, and the report of any runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[dict]:
+    """Run train.py under torchrun into `run_dir` unless a finished run is there already (so a killed experiment
+    continues where it stopped and never reruns a finished run); its metrics rows."""
+    import subprocess
+    from pathlib import Path
+
+    import scaling_fit as sf
+
+    run_dir = Path(run_dir)
+    rows = sf.read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    if rows and rows[-1]["step"] >= steps and "val_pass_rate" in rows[-1]:
+        return rows
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py",
+           "--output-dir", str(run_dir), "--overwrite", "--max-steps", str(steps), *flags]
+    print(f"[run] torchrun ... {' '.join(cmd[6:])}", flush=True)
+    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent)
+    return sf.read_metrics(run_dir)
+
+
+def run_report(rows: list[dict], devices: int = 3) -> dict:
+    """What a run shows, from its metrics rows: the validation curve, its largest fall once it passed 0.8, the
+    token-weighted lag, the final sigmoid fit, and how well a fit on the first half of the compute predicted the
+    last evaluation. `devices`: learner ranks + generator, to turn compute_hours back into wall time."""
+    import scaling_fit as sf
+
+    evals = [r for r in rows if "val_pass_rate" in r]
+    C = [r["compute_hours"] for r in evals]
+    R = [r["val_pass_rate"] for r in evals]
+    after_08 = next((i for i, r in enumerate(R) if r >= 0.8), len(R))
+    lags: collections.Counter[int] = collections.Counter()
+    for row in rows:
+        lags.update({int(lag): n for lag, n in row.get("lag_hist", {}).items()})
+    tokens = sum(lags.values())
+    report = {
+        "steps": rows[-1]["step"], "val_first": R[0], "val_final": R[-1], "val_best": max(R),
+        "largest_fall_after_0.8": max((a - b for a, b in zip(R[after_08:], R[after_08 + 1:])), default=0.0),
+        "lag_mean": sum(lag * n for lag, n in lags.items()) / max(tokens, 1), "lag_max": max(lags, default=0),
+        "lag_hist": {lag: lags[lag] / tokens for lag in sorted(lags)} if tokens else {},
+        "stale_dropped": rows[-1].get("stale_dropped", 0), "compute_hours": C[-1],
+        "wall_s": rows[-1]["compute_hours"] * 3600 / devices, "curve": list(zip(C, R)),
+        "fit": None, "half_fit_error": None, "compute_to_0.8": None,
+    }
+    try:
+        fit = sf.fit_sigmoid(C, R)
+        report["fit"] = {"A": fit.A, "B": fit.B, "C_mid": fit.C_mid, "R0": fit.R0, "r2": fit.r2}
+        half = [i for i, c in enumerate(C) if c <= C[-1] / 2]
+        half_fit = sf.fit_sigmoid([C[i] for i in half], [R[i] for i in half])
+        report["half_fit_error"] = float(half_fit.predict(C[-1])) - R[-1]
+    except ValueError as err:  # flat curve or too few points: say so in the report
+        report["fit_error"] = str(err)
+    report["compute_to_0.8"] = next((c for c, r in zip(C, R) if r >= 0.8), None)
+    return report
+
+
+def _mean_spread(values: list[float | None], fmt: str) -> str:
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return f"{mean:{fmt}}"
+    return f"{mean:{fmt}} ({min(values):{fmt}}..{max(values):{fmt}})"
+
+
+def _add_report_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("runs", nargs="+", help="run directories (train.py --output-dir) to report")
+    parser.add_argument("--devices", type=int, default=3, help="learner ranks + generator of the runs (default 3)")
+
+
+def bench_report(args: argparse.Namespace) -> dict:
+    """One line per run: the pass rate from step 0 to the end, its largest fall once past 0.8, the mean lag, the
+    final fit's R^2, the first-half fit's prediction error, the wall time; then the mean and range over the runs."""
+    import scaling_fit as sf
+
+    reports = {run: run_report(sf.read_metrics(run), args.devices) for run in args.runs}
+    print("| run | val pass 0 -> end (best) | largest fall after 0.8 | mean lag (max) | final fit A, R^2 "
+          "| first-half fit: predicted - final | wall |")
+    print("|---|---|---|---|---|---|---|")
+    for run, rep in reports.items():
+        fit = rep["fit"]
+        print(f"| {run} | {rep['val_first']:.3f} -> {rep['val_final']:.3f} ({rep['val_best']:.3f}) | "
+              f"{rep['largest_fall_after_0.8']:.3f} | {rep['lag_mean']:.2f} ({rep['lag_max']}) | "
+              + (f"{fit['A']:.3f}, {fit['r2']:.3f} | " if fit else f"{rep.get('fit_error')} | ")
+              + (f"{rep['half_fit_error']:+.3f} | " if rep["half_fit_error"] is not None else "- | ")
+              + f"{rep['wall_s']:.0f} s |")
+    reps = list(reports.values())
+    print(f"| mean (range) over {len(reps)} | {_mean_spread([r['val_final'] for r in reps], '.3f')} | "
+          f"{_mean_spread([r['largest_fall_after_0.8'] for r in reps], '.3f')} | "
+          f"{_mean_spread([r['lag_mean'] for r in reps], '.2f')} | "
+          f"R^2 {_mean_spread([r['fit']['r2'] if r['fit'] else None for r in reps], '.3f')} | "
+          f"{_mean_spread([abs(r['half_fit_error']) if r['half_fit_error'] is not None else None for r in reps], '.3f')} (abs) | "
+          f"{_mean_spread([r['wall_s'] for r in reps], '.0f')} s |")
+    return {"benchmark": "report", "runs": {run: {k: v for k, v in rep.items() if k != "curve"}
+                                            for run, rep in reports.items()}}
+
+
+def _add_staleness_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ks", default="0,1,2,4,8",
+                        help="staleness bounds k to compare; 0 is synchronous on-policy RL (--mode sync "
+                             "--max-off-policy 1), k >= 1 PipelineRL-k with only k limiting the lag (default 0,1,2,4,8)")
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
+    parser.add_argument("--learner-slowdown", type=float, default=2.0,
+                        help="train.py --debug-learner-slowdown: a generator this much faster relative to the learner "
+                             "than the machine's own ratio (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of every run (default 0)")
+    parser.add_argument("--out-dir", default="runs/staleness",
+                        help="one run directory per k under it, plus staleness.png and staleness.md; finished runs "
+                             "are not run again (default runs/staleness)")
+
+
+def bench_staleness(args: argparse.Namespace) -> dict:
+    """The tiny recipe at several staleness bounds k with a generator faster than the learner, so that k alone
+    sets the lag (--buffer-steps k + 1): validation pass rate against compute and the lag histogram of each run,
+    the picture of why the off-policyness of an asynchronous pipeline must be bounded."""
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(args.out_dir)
+    results = {}
+    for k in (int(k) for k in args.ks.split(",")):
+        mode = ["--mode", "sync", "--max-off-policy", "1"] if k == 0 else \
+            ["--mode", "pipeline", "--max-off-policy", str(k), "--buffer-steps", str(k + 1)]
+        rows = _train_run(out_dir / f"k{k}", args.steps, ["--seed", str(args.seed), "--debug-learner-slowdown",
+                                                           str(args.learner_slowdown), *mode])
+        results[k] = run_report(rows)
+
+    fig, (ax_curve, ax_lag) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for k, rep in results.items():
+        label = "k=0 (sync, on-policy)" if k == 0 else f"k={k}"
+        x, y = zip(*rep["curve"][1:])  # compute of step 0 is ~0: leave it off the log axis
+        ax_curve.plot(x, y, marker="o", markersize=3, label=f"{label}: mean lag {rep['lag_mean']:.1f}")
+        ax_lag.plot(list(rep["lag_hist"]), list(rep["lag_hist"].values()), marker="o", label=label)
+    r0 = sum(rep["val_first"] for rep in results.values()) / len(results)
+    ax_curve.axhline(r0, color="gray", linestyle="-.", linewidth=0.8, label=f"R0 (step 0, mean) {r0:.2f}")
+    ax_curve.set_xscale("log")
+    ax_curve.set(xlabel="compute_hours (wall hours x 3 devices)", ylabel="validation pass rate (mean@4)",
+                 title=f"Tiny recipe, generator far ahead of the learner (learner slowed {args.learner_slowdown:g}x)")
+    ax_lag.set(xlabel="lag of a trained token (optimizer steps)", ylabel="fraction of trained tokens",
+               title="Lag histogram over the run")
+    for ax in (ax_curve, ax_lag):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.title.set_fontsize(10)
+    fig.tight_layout()
+    fig.savefig(out_dir / "staleness.png", dpi=110)
+    plt.close(fig)
+    lines = ["| k | mean lag (max) | val pass 0 -> end (best) | largest fall after 0.8 | final fit A, R^2 | wall |",
+             "|---|---|---|---|---|---|"]
+    for k, rep in results.items():
+        fit = rep["fit"]
+        lines.append(f"| {k}{' (sync)' if k == 0 else ''} | {rep['lag_mean']:.2f} ({rep['lag_max']}) | "
+                     f"{rep['val_first']:.3f} -> {rep['val_final']:.3f} ({rep['val_best']:.3f}) | "
+                     f"{rep['largest_fall_after_0.8']:.3f} | "
+                     + (f"{fit['A']:.3f}, {fit['r2']:.3f}" if fit else "no sigmoid") + f" | {rep['wall_s']:.0f} s |")
+    (out_dir / "staleness.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"[staleness] figure: {out_dir / 'staleness.png'}")
+    return {"benchmark": "staleness", "learner_slowdown": args.learner_slowdown, "steps": args.steps,
+            "runs": {k: {key: v for key, v in rep.items() if key != "curve"} for k, rep in results.items()}}
+
+
+# ScaleRL's leave-one-out (Figure 7, in miniature): the recipe, then one component changed at a time.
+LEAVE_ONE_OUT: dict[str, tuple[str, list[str]]] = {
+    "scalerl": ("ScaleRL recipe", []),
+    "sync8": ("PPO-off-policy-8 instead of PipelineRL-8", ["--mode", "sync", "--max-off-policy", "8"]),
+    "dapo": ("DAPO loss instead of CISPO", ["--loss", "dapo"]),
+    "sample": ("sample instead of prompt aggregation", ["--aggregation", "sample"]),
+    "group": ("group instead of batch advantage norm", ["--adv-norm", "group"]),
+    "keep": ("keep zero-variance groups", ["--zero-variance", "keep"]),
+    "nonpr": ("no No-Positive-Resampling", ["--retire-pass-rate", "0"]),
+    "overlong": ("DAPO overlong penalty instead of interruptions", ["--length-control", "overlong"]),
+}
+
+
+def _add_leave_one_out_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variants", default=",".join(LEAVE_ONE_OUT),
+                        help=f"which variants to run (default all: {','.join(LEAVE_ONE_OUT)})")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds of every variant (default 0,1,2)")
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
+    parser.add_argument("--out-dir", default="runs/leave-one-out",
+                        help="runs go to OUT_DIR/VARIANT-sSEED; finished runs are not run again; the table and "
+                             "figure to OUT_DIR/leave_one_out.{md,png} (default runs/leave-one-out)")
+
+
+def bench_leave_one_out(args: argparse.Namespace) -> dict:
+    """Each variant of LEAVE_ONE_OUT on each seed (resumable), fitted; one table with the mean and range over seeds
+    and one figure of the fits (seed 0 of each variant)."""
+    from pathlib import Path
+
+    import scaling_fit as sf
+
+    out_dir = Path(args.out_dir)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in LEAVE_ONE_OUT]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {list(LEAVE_ONE_OUT)}")
+    reports: dict[str, list[dict]] = {}
+    for name in variants:
+        for seed in seeds:
+            rows = _train_run(out_dir / f"{name}-s{seed}", args.steps, ["--seed", str(seed), *LEAVE_ONE_OUT[name][1]])
+            reports.setdefault(name, []).append(run_report(rows))
+    lines = [f"| variant (NAME) | FLAGS | val pass 0 -> {args.steps} | A | B | C_mid (device-h) | device-h to 0.8 "
+             "| mean lag | wall |", "|---|---|---|---|---|---|---|---|---|"]
+    curves = []
+    for name, reps in reports.items():
+        title, flags = LEAVE_ONE_OUT[name]
+        fits = [r["fit"] for r in reps]
+        lines.append(
+            f"| {title} ({name}) | {'`' + ' '.join(flags) + '`' if flags else ''} | "
+            f"{_mean_spread([r['val_first'] for r in reps], '.3f')} -> {_mean_spread([r['val_final'] for r in reps], '.3f')} | "
+            f"{_mean_spread([f['A'] if f else None for f in fits], '.3f')} | "
+            f"{_mean_spread([f['B'] if f else None for f in fits], '.2f')} | "
+            f"{_mean_spread([f['C_mid'] if f else None for f in fits], '.3f')} | "
+            f"{_mean_spread([r['compute_to_0.8'] for r in reps], '.3f')} | "
+            f"{_mean_spread([r['lag_mean'] for r in reps], '.2f')} | {_mean_spread([r['wall_s'] for r in reps], '.0f')} s |")
+        C, R = zip(*reps[0]["curve"])
+        fit = sf.fit_sigmoid(C, R) if reps[0]["fit"] else None
+        curves.append((name, C, R, fit, None))
+    table = "\n".join(lines) + f"\n\n(mean and, in brackets, range over seeds {args.seeds}; {args.steps} steps each)\n"
+    (out_dir / "leave_one_out.md").write_text(table)
+    sf.plot_fits(curves, out_dir / "leave_one_out.png", title=f"Leave-one-out on the tiny task (seed {seeds[0]}, "
+                 f"{args.steps} steps): dotted = asymptote A")
+    print(table)
+    return {"benchmark": "leave-one-out", "steps": args.steps, "seeds": seeds,
+            "runs": {name: [{k: v for k, v in r.items() if k != "curve"} for r in reps] for name, reps in reports.items()}}
+
+
 # name -> (benchmark function, function adding its flags, one-line help)
 BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argparse.ArgumentParser], None], str]] = {
     "fit": (bench_fit, _add_fit_args, "full-grid sigmoid fit on 75 points vs exhaustive per-grid-point curve_fit"),
@@ -401,6 +642,12 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
                  "vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync samples/s (tiny model)"),
     "train": (bench_train, _add_train_args,
               "train.py's FSDP2 learner step vs a bare transformers forward+backward+AdamW, tokens/s (tiny model)"),
+    "report": (bench_report, _add_report_args,
+               "targets of finished runs: pass rate, largest fall, mean lag, fit R^2, first-half prediction error"),
+    "leave-one-out": (bench_leave_one_out, _add_leave_one_out_args,
+                      "ScaleRL's leave-one-out on the tiny task: each variant x seed (resumable), fits, one table"),
+    "staleness": (bench_staleness, _add_staleness_args,
+                  "the tiny recipe at k = 0 (sync), 1, 2, 4, 8 with a fast generator: pass rate vs compute, lag"),
 }
 
 

@@ -1,6 +1,9 @@
 # Two commands, on a fresh machine:
 #   make run    set up .venv, build the tiny base model, run the ScaleRL recipe (torchrun ... train.py --loss cispo)
 #   make test   set up .venv, run the whole test suite (the slow end-to-end runs included)
+# and two for teaching (teach.py):
+#   make exercise ALGO=dapo DIR=path   write a student copy of dapo.py, its core function bodies removed, into DIR
+#   make grade ALGO=dapo DIR=path      grade DIR/dapo.py with tests/test_dapo.py (exit status 0: all tests pass)
 # Set DEVICE=gpu to install requirements.txt (CUDA vLLM) instead of the CPU build.
 
 PYTHON ?= python3
@@ -11,7 +14,7 @@ ARGS   ?=
 REQS   := $(if $(filter gpu,$(DEVICE)),requirements.txt,requirements-cpu.txt)
 STAMP  := $(VENV)/.installed-$(DEVICE)
 
-.PHONY: setup run test clean
+.PHONY: setup run test exercise grade clean
 setup: $(STAMP)
 
 $(STAMP): $(REQS)
@@ -28,6 +31,12 @@ run: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest $(ARGS)
+
+exercise: setup
+	$(VENV)/bin/python teach.py exercise $(ALGO) $(DIR)
+
+grade: setup
+	$(VENV)/bin/python teach.py grade $(ALGO) $(DIR)
 
 clean:
 	rm -rf $(VENV) .cache runs

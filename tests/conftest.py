@@ -1,5 +1,7 @@
 """Shared test setup: the repository root on sys.path, so tests import the top-level modules as `import grpo`."""
 
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +12,23 @@ import pytest  # noqa: E402
 import tasks  # noqa: E402
 
 tasks.set_vllm_cpu_env()  # before any test imports vllm
+
+# Teaching kit (`teach.py grade`): SCALERL_STUDENT_FILE names a student's copy of one algorithm file, e.g.
+# /tmp/alice/dapo.py. It is loaded under the reference's module name before any test imports it, so the tests'
+# `import dapo` gets the student's copy, while every other module (grpo for test_drgrpo.py, ...) stays the reference.
+STUDENT_FILE = Path(os.environ["SCALERL_STUDENT_FILE"]).resolve() if os.environ.get("SCALERL_STUDENT_FILE") else None
+if STUDENT_FILE is not None:
+    _spec = importlib.util.spec_from_file_location(STUDENT_FILE.stem, STUDENT_FILE)
+    sys.modules[STUDENT_FILE.stem] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules[STUDENT_FILE.stem])
+
+
+@pytest.fixture(autouse=True)
+def _graded_module_is_the_students_copy(request: pytest.FixtureRequest) -> None:
+    """In a graded run, fail any test that would not see the student's file: a grade of the reference is no grade."""
+    if STUDENT_FILE is not None:
+        module = getattr(request.module, STUDENT_FILE.stem, None) or sys.modules[STUDENT_FILE.stem]
+        assert Path(module.__file__).resolve() == STUDENT_FILE, f"{module.__file__} is not the graded {STUDENT_FILE}"
 
 
 @pytest.fixture(scope="session")

@@ -744,6 +744,8 @@ def plot_fits(
         if fit_until is not None:
             ax.axvline(fit_until, color=color, linestyle="-.", linewidth=0.6, alpha=0.5)
     ax.set_xscale("log")
+    # label 2x and 5x between the decades: a run often spans less than two decades, and 3x/4x labels collide
+    ax.xaxis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(2.0, 5.0)))
     for r0, color in base_points:  # R0: a marker at the left edge and a faint line, labelled once
         ax.axhline(r0, color=color, linestyle="-.", linewidth=0.8, alpha=0.6)
         ax.plot([0.0], [r0], marker=">", color=color, markersize=8, transform=ax.get_yaxis_transform(),

@@ -178,8 +178,8 @@ class GeneratorConfig:
         "where weight files go (default: /dev/shm if it has room, else the temp dir)"))
     vllm_log_level: str = field(default="WARNING", metadata=_help("VLLM_LOGGING_LEVEL in the generator process"))
     debug_slowdown: float = field(default=1.0, metadata=_help(
-        "debug knob: sleep (x - 1) times the duration of every engine step, to emulate a generator x times slower "
-        "(tests and the staleness experiment turn the generator/learner speed ratio with it)"))
+        "debug knob: vLLM's engine sleeps (x - 1) times the duration of every step (SlowdownLogitsProcessor), to "
+        "emulate a generator x times slower relative to its learner"))
 
     def __post_init__(self) -> None:
         self.think_budget = tuple(int(x) for x in self.think_budget)  # type: ignore[assignment]
@@ -458,9 +458,46 @@ def _interruption_processor_class() -> type:
     return InterruptionLogitsProcessor
 
 
+_SLOWDOWN_ENV = "SCALERL_DEBUG_GEN_SLOWDOWN"  # GeneratorConfig.debug_slowdown, read inside vLLM's worker
+
+
+def _slowdown_processor_class() -> type:
+    """A vLLM logits processor that changes no logit and sleeps (x - 1) times the duration of each engine step,
+    so that the engine itself (not just our reading of its outputs: vLLM's EngineCore runs in its own process)
+    runs x times slower. The debug knob behind GeneratorConfig.debug_slowdown."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class SlowdownLogitsProcessor(LogitsProcessor):
+        def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool):
+            self.factor = float(os.environ.get(_SLOWDOWN_ENV, "1"))
+            self.last_step_end: float | None = None
+
+        def is_argmax_invariant(self) -> bool:
+            return False  # keep vLLM from skipping it
+
+        def update_state(self, batch_update: Any) -> None:
+            pass
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            now = time.perf_counter()
+            # the time since the previous step ended is this step's work; a longer gap is an idle engine
+            if self.last_step_end is not None and now - self.last_step_end < 1.0 and self.factor > 1:
+                time.sleep((self.factor - 1) * (now - self.last_step_end))
+            self.last_step_end = time.perf_counter()
+            return logits
+
+    SlowdownLogitsProcessor.__module__ = __name__
+    SlowdownLogitsProcessor.__qualname__ = "SlowdownLogitsProcessor"
+    return SlowdownLogitsProcessor
+
+
+_LAZY_CLASSES = {"InterruptionLogitsProcessor": _interruption_processor_class,
+                 "SlowdownLogitsProcessor": _slowdown_processor_class}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "InterruptionLogitsProcessor":
-        cls = _interruption_processor_class()
+    if name in _LAZY_CLASSES:
+        cls = _LAZY_CLASSES[name]()
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -530,6 +567,8 @@ def vllm_engine_kwargs(cfg: GeneratorConfig) -> dict[str, Any]:
     )
     if cfg.interruptions:
         kwargs["logits_processors"] = [f"{__name__}:InterruptionLogitsProcessor"]
+    if cfg.debug_slowdown > 1:  # the factor reaches vLLM's worker through the environment (_generator_main)
+        kwargs["logits_processors"] = kwargs.get("logits_processors", []) + [f"{__name__}:SlowdownLogitsProcessor"]
     if cfg.fp32_lm_head and _DTYPES.get(cfg.dtype, torch.float32) != torch.float32:
         kwargs["hf_overrides"] = {"head_dtype": "float32"}  # lm_head matmul and logits in float32
     if on_gpu:
@@ -636,8 +675,6 @@ class _GeneratorProcess:
             if self.engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 outputs = self.engine.step()
-                if self.cfg.debug_slowdown > 1:  # debug knob: an engine `debug_slowdown` times slower than this one
-                    time.sleep((self.cfg.debug_slowdown - 1) * (time.perf_counter() - t0))
                 self.engine_busy_s += time.perf_counter() - t0
                 for out in outputs:
                     if out.finished:
@@ -972,6 +1009,7 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
     for var in _TORCHRUN_VARS:  # a vLLM started under torchrun must not see the learner's process group
         os.environ.pop(var, None)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
+    os.environ[_SLOWDOWN_ENV] = str(config.debug_slowdown)
     if config.gen_devices is not None:  # indices into the learner's visible devices (physical ids if unset)
         ids = [x.strip() for x in config.gen_devices.split(",") if x.strip()]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -234,6 +234,27 @@ def test_engine_arguments():
                                                                           fp32_lm_head=False))
     with pytest.raises(ValueError, match="dtype"):
         pl.GeneratorConfig(model="m", dtype="int8")
+    # the debug slowdown is a logits processor inside the engine, only when asked for
+    kw = pl.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=3))
+    assert kw["logits_processors"] == ["pipeline_rl:InterruptionLogitsProcessor", "pipeline_rl:SlowdownLogitsProcessor"]
+    kw = pl.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=2, interruptions=False))
+    assert kw["logits_processors"] == ["pipeline_rl:SlowdownLogitsProcessor"]
+
+
+def test_slowdown_processor_stretches_each_engine_step_and_changes_no_logit(monkeypatch):
+    """The debug knob behind --debug-gen-slowdown: each step takes x times as long; an idle gap is not stretched."""
+    monkeypatch.setenv(pl._SLOWDOWN_ENV, "3")
+    processor = pl.SlowdownLogitsProcessor(None, torch.device("cpu"), False)
+    logits = torch.randn(2, 5)
+    assert torch.equal(processor.apply(logits.clone()), logits)  # the first step: nothing to measure yet
+    time.sleep(0.05)  # a step's work
+    t0 = time.perf_counter()
+    assert torch.equal(processor.apply(logits.clone()), logits)
+    assert 0.09 <= time.perf_counter() - t0 < 0.3  # slept about (3 - 1) x 0.05 s
+    processor.last_step_end -= 2.0  # an idle engine for 2 s: no sleep
+    t0 = time.perf_counter()
+    processor.apply(logits)
+    assert time.perf_counter() - t0 < 0.05
 
 
 def test_update_weights_requires_lm_head(base_model_dir):

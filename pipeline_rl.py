@@ -99,6 +99,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import logging
 import math
 import multiprocessing as mp
 import os
@@ -515,8 +516,6 @@ class WeightSyncExtension:
 
     def scalerl_load_weights(self, path: str) -> int:
         """Reload all weights in place from a safetensors file (HF names, checkpoint format)."""
-        import logging
-
         from safetensors import safe_open
 
         # vLLM warns "RotaryEmbedding: Failed to load weights" at every reload: its cos/sin cache is computed, not

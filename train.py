@@ -6,7 +6,9 @@
 The recipe (ScaleRL, Khatri et al. 2025, arXiv 2510.13786), one flag per component so that each leave-one-out
 ablation is one command:
   - PipelineRL-k (--mode pipeline --max-off-policy 8): a vLLM generator streams groups while the learner trains and
-    receives new weights after every optimizer step, in flight (pipeline_rl.py). --mode sync is conventional RL
+    receives new weights after every optimizer step, in flight (pipeline_rl.py). k is the hard bound; the buffer
+    limit (--buffer-steps 1) keeps the generator one batch ahead while the learner is fed, so the lag stays near 1
+    whether the generator is faster or slower than the learner. --mode sync is conventional RL
     (and PPO-off-policy-k with --max-off-policy k: one generation round, then k optimizer steps on it).
   - The CISPO loss (--loss cispo; grpo, dapo, drgrpo, gspo for comparison), each from its own file with that
     file's paper defaults, overridable with --loss-arg KEY=VALUE.
@@ -23,7 +25,8 @@ fit ScaleRL's sigmoid to the evaluation rows and draw OUTPUT_DIR/scaling.png.
 
 How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (tasks.py), so it runs on 2 CPU cores
-    in minutes. Its optimiser settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 100 steps) are tuned for that
+    in minutes. Its generator is held to one batch ahead of the learner (--buffer-steps 1): with k = 8 alone, a
+    fast generator made every batch 8 steps stale, and at lr 1e-4 that made runs swing (README, issue 10). Its optimiser settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 100 steps) are tuned for that
     model and marked as such in --help; the paper's (lr 5e-7, AdamW eps 1e-15, weight decay 0.01, 100 warm-up steps,
     48 x 16) apply to real models (--model).
   - compute_hours counts wall-clock hours x devices in use, where on CPU a "device" is a learner rank or the

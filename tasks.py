@@ -201,17 +201,26 @@ _QUESTION_FIELDS = ("question", "problem", "prompt")
 _ANSWER_FIELDS = ("answer", "solution", "final_answer")
 
 
-def load_rows(name_or_path: str, split: str = "train") -> Any:
-    """A `datasets.Dataset` from a hub name or a local .json/.jsonl/.parquet file."""
+def is_local_data_file(name_or_path: str) -> bool:
+    """A local .json/.jsonl/.parquet file (anything else is a hub data set name)."""
+    return Path(name_or_path).suffix in (".json", ".jsonl", ".parquet")
+
+
+def load_rows(name_or_path: str, split: str = "train", config: str | None = None) -> Any:
+    """A `datasets.Dataset` from a hub name (with its configuration `config`, e.g. "main" for openai/gsm8k) or a
+    local .json/.jsonl/.parquet file."""
     import datasets
 
     path = Path(name_or_path)
-    if path.suffix in (".json", ".jsonl", ".parquet"):
+    if is_local_data_file(name_or_path):
+        if config:
+            raise ValueError(f"a data set configuration ({config!r}) names a part of a hub data set; {path} is a "
+                             "local file")
         if not path.exists():
             raise FileNotFoundError(f"data file not found: {path}")
         builder = "parquet" if path.suffix == ".parquet" else "json"
         return datasets.load_dataset(builder, data_files=str(path), split="train")
-    return datasets.load_dataset(name_or_path, split=split)
+    return datasets.load_dataset(name_or_path, config, split=split)
 
 
 def rows_to_problems(
@@ -268,6 +277,7 @@ class MathDataset:
     question_field: str | None = None
     answer_field: str | None = None
     split: str = "train"
+    dataset_config: str | None = None  # hub configuration name, e.g. "main" for openai/gsm8k
     val_split: str | None = None  # a split name of the same source, or a local file; else a held-out slice
     val_size: int = 500
     skip_bad_rows: bool = False
@@ -279,11 +289,12 @@ class MathDataset:
     skipped_rows: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        rows = load_rows(self.name_or_path, self.split)
+        rows = load_rows(self.name_or_path, self.split, self.dataset_config)
         problems, self.skipped_rows = self._problems(rows, self.name_or_path)
         if self.val_split:
             val_source = self.val_split if Path(self.val_split).suffix else self.name_or_path
-            val_rows = load_rows(val_source, self.val_split)
+            val_config = self.dataset_config if val_source == self.name_or_path else None
+            val_rows = load_rows(val_source, self.val_split, val_config)
             self.val_problems, skipped = self._problems(val_rows, f"{val_source}:{self.val_split}")
             self.skipped_rows += skipped
             self.problems = problems

@@ -74,6 +74,8 @@ class Args:
                              "on first use by tasks.build_base_model)")
     dataset: str | None = _arg(None, "HF data set name or local .json/.jsonl/.parquet (default: the embedded "
                                "3-digit addition task)")
+    dataset_config: str | None = _arg(None, "configuration (subset) of a hub --dataset, passed on as "
+                                      "datasets.load_dataset(NAME, CONFIG); e.g. main for openai/gsm8k")
     test_dataset: str | None = _arg(None, "optional test set (local file or HF name), evaluated with the validation")
     question_field: str | None = _arg(None, "question field of --dataset (default: question, problem or prompt)")
     answer_field: str | None = _arg(None, "answer field of --dataset (default: answer, solution or final_answer)")
@@ -233,6 +235,10 @@ def check_args(args: Args) -> list[str]:
     elif not args.resume and existing and not args.overwrite:
         problems.append(f"--output-dir {args.output_dir} already holds a run ({', '.join(existing)}): continue it "
                         f"with --resume {args.output_dir}, start afresh with --overwrite, or pick another directory")
+    if args.dataset_config and not (args.dataset and args.dataset != "arithmetic"
+                                    and not tasks.is_local_data_file(args.dataset)):
+        problems.append("--dataset-config names a configuration of a hub data set: give --dataset NAME too, not a "
+                        "local file or the embedded task")
     for item in args.loss_arg or []:
         if "=" not in item:
             problems.append(f"--loss-arg {item!r}: expected KEY=VALUE")
@@ -621,6 +627,18 @@ def current_asymptote(rows: list[dict]) -> float | None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
+    """The training task behind --dataset (with --dataset-config for a hub data set) and the optional test task."""
+    task = tasks.load_task(args.dataset, **{k: v for k, v in (("question_field", args.question_field),
+                                                                ("answer_field", args.answer_field),
+                                                                ("skip_bad_rows", args.skip_bad_rows),
+                                                                ("dataset_config", args.dataset_config)) if v})
+    test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
+                                answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
+        if args.test_dataset else None
+    return task, test_task
+
+
 def resolve_defaults(args: Args, embedded: bool, on_gpu: bool) -> None:
     """The tiny model's tuned optimiser defaults, or the paper's for real models."""
     tiny = {"lr": 1e-4, "adam_eps": 1e-8, "weight_decay": 0.0, "warmup_steps": 0}
@@ -669,12 +687,7 @@ def main(argv: list[str] | None = None) -> None:
     adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
 
     # Data and model. Rank 0 builds the embedded model once (cached); the others wait at the barrier.
-    task = tasks.load_task(args.dataset, **{k: v for k, v in (("question_field", args.question_field),
-                                                                ("answer_field", args.answer_field),
-                                                                ("skip_bad_rows", args.skip_bad_rows)) if v})
-    test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
-                                answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
-        if args.test_dataset else None
+    task, test_task = load_tasks(args)
     embedded = args.model is None
     if embedded and is_main:
         tasks.build_base_model()

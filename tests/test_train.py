@@ -60,6 +60,8 @@ def test_unknown_loss_lists_the_valid_ones(capsys):
     (["--buffer-steps", "-1"], "--buffer-steps must be >= 0"),
     (["--debug-gen-slowdown", "0.5"], "--debug-gen-slowdown must be >= 1"),
     (["--debug-learner-slowdown", "nan"], "--debug-learner-slowdown must be >= 1"),
+    (["--dataset-config", "main"], "--dataset-config names a configuration of a hub data set"),
+    (["--dataset", "tests/data/gsm8k_small.jsonl", "--dataset-config", "main"], "not a local file"),
 ])
 def test_incompatible_flags_are_explained_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -78,6 +80,23 @@ def test_loss_arg_overrides_and_rejects_unknown_keys():
 
     args = train.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
     assert train.loss_hyperparameters(args, drgrpo) == {"max_tokens": 40}  # Dr. GRPO's constant: the budget
+
+
+@pytest.mark.parametrize("argv, config", [(["--dataset-config", "main"], "main"), ([], None)])
+def test_dataset_config_reaches_load_dataset(monkeypatch, argv, config):
+    """--dataset-config NAME becomes datasets.load_dataset(DATASET, NAME) (openai/gsm8k has no default config)."""
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(path, name=None, **kwargs):  # the plumbing is under test, not the hub
+        calls.append((path, name, kwargs.get("split")))
+        return [{"question": f"What is {i} + 2?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(10)]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    task, test_task = train.load_tasks(train.parse_args(["--dataset", "openai/gsm8k", *argv]))
+    assert calls == [("openai/gsm8k", config, "train")]
+    assert test_task is None and len(task.problems) + len(task.validation()) == 10
 
 
 # --------------------------------------------------------------------------------------------------------------

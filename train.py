@@ -53,6 +53,9 @@ from typing import Any
 import tasks
 
 LOSSES = ("grpo", "dapo", "drgrpo", "gspo", "cispo")
+EMBEDDED_MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings; its prompts are ~10 tokens
+PROMPT_ALLOWANCE = 512  # prompt tokens a real model's context keeps beside --max-tokens: a chat template (with its
+                        # system prompt) around a GSM8K or Polaris problem fits with room to spare
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -117,6 +120,11 @@ class Args:
                              "(ScaleRL: 10240,12288; tiny task: 34,40, above its ~29-token scratchpad)")
     answer_budget: int = _arg(8, "tokens allowed after an interruption (ScaleRL: 2048; tiny task: 8)")
     max_tokens: int = _arg(48, "generation budget per completion (ScaleRL: 14336; tiny task: 48)")
+    max_model_len: int | None = _arg(None, "vLLM's context per sequence, prompt + completion tokens (default: "
+                                     f"{EMBEDDED_MAX_MODEL_LEN} for the embedded tiny model, its context length; "
+                                     f"--max-tokens + {PROMPT_ALLOWANCE} with --model, room for a chat-templated "
+                                     "prompt); a training prompt that does not fit is skipped and counted in "
+                                     "skipped_long_prompts")
     # optimiser
     lr: float | None = _arg(None, "AdamW learning rate (default: 1e-4 for the tiny model, tuned here, where 2e-4 "
                             "diverged; the paper's 5e-7 for --model)")
@@ -227,6 +235,9 @@ def check_args(args: Args) -> list[str]:
         problems.append("--tis-cap has no effect without --tis token|sequence")
     if args.length_control == "interruptions" and _budget(args.think_budget)[1] >= args.max_tokens:
         problems.append("--think-budget must end below --max-tokens so that an answer fits")
+    if model_context(args) <= args.max_tokens:
+        problems.append(f"--max-model-len ({model_context(args)}) must exceed --max-tokens ({args.max_tokens}): it "
+                        "holds the prompt and the completion")
     if args.resume and not (Path(args.resume) / "checkpoint" / "trainer_state.json").exists():
         problems.append(f"--resume {args.resume}: no checkpoint there (expected {args.resume}/checkpoint/)")
     existing = [name for name in ("metrics.jsonl", "checkpoint") if (Path(args.output_dir) / name).exists()]
@@ -245,6 +256,13 @@ def check_args(args: Args) -> list[str]:
     if args.eval_every < 1 or args.max_steps < 1 or args.prompts_per_step < 1:
         problems.append("--eval-every, --max-steps and --prompts-per-step must be >= 1")
     return problems
+
+
+def model_context(args: Args) -> int:
+    """vLLM's max_model_len: --max-model-len, else the tiny model's context, else --max-tokens + a prompt allowance."""
+    if args.max_model_len is not None:
+        return args.max_model_len
+    return EMBEDDED_MAX_MODEL_LEN if args.model is None else args.max_tokens + PROMPT_ALLOWANCE
 
 
 def _budget(text: str) -> tuple[int, int]:
@@ -732,15 +750,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if is_main:
             data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
-            config = pipeline_rl.GeneratorConfig(
-                model=model_path, group_size=args.group_size, temperature=args.temperature,
-                interruptions=args.length_control == "interruptions", think_budget=_budget(args.think_budget),
-                answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_off_policy=args.max_off_policy,
-                buffer_steps=args.buffer_steps, mode=args.mode, seed=args.seed + state["step"], data_seed=args.seed,
-                dtype=args.dtype, fp32_lm_head=args.fp32_lm_head, debug_slowdown=args.debug_gen_slowdown,
-                groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
-                gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
-            )
+            config = generator_config(args, model_path, state)
             generator = pipeline_rl.Generator(config, task, data_start=data_start,
                                               skip_indices={i for i in consumed if i >= data_start},
                                               retired_ids=retired)
@@ -760,6 +770,22 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[scaling fit] A={fit.A:.3f} B={fit.B:.2f} C_mid={fit.C_mid:.4g} R0={fit.R0:.3f} "
                   f"R2={fit.r2:.3f} on {fit.n_points} points -> {out / 'scaling.png'}")
     dist.destroy_process_group()
+
+
+def generator_config(args: Args, model_path: str, state: dict) -> Any:
+    """The vLLM generator's settings for this run; it restarts from step `state["step"]` after a resume."""
+    import pipeline_rl
+
+    return pipeline_rl.GeneratorConfig(
+        model=model_path, group_size=args.group_size, temperature=args.temperature,
+        interruptions=args.length_control == "interruptions", think_budget=_budget(args.think_budget),
+        answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_model_len=model_context(args),
+        max_off_policy=args.max_off_policy, buffer_steps=args.buffer_steps, mode=args.mode,
+        seed=args.seed + state["step"], data_seed=args.seed, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
+        debug_slowdown=args.debug_gen_slowdown,
+        groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
+        gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
+    )
 
 
 def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, scheduler: Any, loss_module: Any,

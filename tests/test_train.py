@@ -60,6 +60,8 @@ def test_unknown_loss_lists_the_valid_ones(capsys):
     (["--buffer-steps", "-1"], "--buffer-steps must be >= 0"),
     (["--debug-gen-slowdown", "0.5"], "--debug-gen-slowdown must be >= 1"),
     (["--debug-learner-slowdown", "nan"], "--debug-learner-slowdown must be >= 1"),
+    (["--max-model-len", "48"], "--max-model-len (48) must exceed --max-tokens (48)"),
+    (["--max-tokens", "300", "--think-budget", "200,250"], "--max-model-len (256) must exceed --max-tokens (300)"),
     (["--dataset-config", "main"], "--dataset-config names a configuration of a hub data set"),
     (["--dataset", "tests/data/gsm8k_small.jsonl", "--dataset-config", "main"], "not a local file"),
 ])
@@ -80,6 +82,22 @@ def test_loss_arg_overrides_and_rejects_unknown_keys():
 
     args = train.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
     assert train.loss_hyperparameters(args, drgrpo) == {"max_tokens": 40}  # Dr. GRPO's constant: the budget
+
+
+@pytest.mark.parametrize("argv, max_model_len", [
+    ([], 256),  # the embedded tiny model: its context length, as before the flag
+    (["--model", "m", "--max-tokens", "64", "--think-budget", "40,48"], 64 + 512),  # a real model: + 512 of prompt
+    (["--model", "m", "--max-tokens", "14336", "--think-budget", "10240,12288"], 14336 + 512),  # ScaleRL's budget
+    (["--model", "m", "--max-tokens", "64", "--think-budget", "40,48", "--max-model-len", "200"], 200),
+    (["--max-model-len", "128"], 128),
+])
+def test_generator_context_follows_the_flags(argv, max_model_len):
+    args = train.parse_args(argv)
+    train.resolve_defaults(args, embedded=args.model is None, on_gpu=False)
+    config = train.generator_config(args, "model-dir", {"step": 3})  # builds the config only: nothing starts
+    assert config.max_model_len == max_model_len
+    assert config.max_tokens == args.max_tokens and config.think_budget == train._budget(args.think_budget)
+    assert config.model == "model-dir" and config.seed == args.seed + 3 and config.data_seed == args.seed
 
 
 @pytest.mark.parametrize("argv, config", [(["--dataset-config", "main"], "main"), ([], None)])

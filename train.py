@@ -339,9 +339,13 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     low_precision = args.dtype == "bfloat16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if low_precision else None
     if args.fp32_lm_head:
-        # FP32 LM head (ScaleRL, MiniMax-M1): its own FSDP unit kept in float32, fed float32 hidden states.
+        # FP32 LM head (ScaleRL, MiniMax-M1): its own FSDP unit kept in float32, fed float32 hidden states. A head
+        # tied to the input embedding (SmolLM2 and other small models) is one parameter, which FSDP2 refuses in two
+        # units: the embedding joins the head's unit (and is kept in float32 with it).
         model.lm_head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(),))
-        fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+        tied = model.lm_head.weight is model.get_input_embeddings().weight
+        head = [model.get_input_embeddings(), model.lm_head] if tied else model.lm_head
+        fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
     for layer in model.model.layers:
         fully_shard(layer, **({"mp_policy": mp} if mp else {}))
     fully_shard(model, **({"mp_policy": mp} if mp else {}))

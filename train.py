@@ -26,7 +26,8 @@ fit ScaleRL's sigmoid to the evaluation rows and draw OUTPUT_DIR/scaling.png.
 How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (tasks.py), so it runs on 2 CPU cores
     in minutes. Its generator is held to one batch ahead of the learner (--buffer-steps 1): with k = 8 alone, a
-    fast generator made every batch 8 steps stale, and at lr 1e-4 that made runs swing (README, issue 10). Its optimiser settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 100 steps) are tuned for that
+    fast generator made every batch 8 steps stale, and at lr 1e-4 that made runs swing (README: the staleness
+    experiment). Its optimiser settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 100 steps) are tuned for that
     model and marked as such in --help; the paper's (lr 5e-7, AdamW eps 1e-15, weight decay 0.01, 100 warm-up steps,
     48 x 16) apply to real models (--model).
   - compute_hours counts wall-clock hours x devices in use, where on CPU a "device" is a learner rank or the

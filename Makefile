@@ -4,6 +4,8 @@
 # and two for teaching (teach.py):
 #   make exercise ALGO=dapo DIR=path   write a student copy of dapo.py, its core function bodies removed, into DIR
 #   make grade ALGO=dapo DIR=path      grade DIR/dapo.py with tests/test_dapo.py (exit status 0: all tests pass)
+#   make pictures                      redraw docs/gradients.png, aggregation.png and staleness.png (the last from
+#                                      the runs of `bench.py staleness`, made first if missing: about 20 minutes)
 # Set DEVICE=gpu to install requirements.txt (CUDA vLLM) instead of the CPU build.
 
 PYTHON ?= python3
@@ -14,7 +16,7 @@ ARGS   ?=
 REQS   := $(if $(filter gpu,$(DEVICE)),requirements.txt,requirements-cpu.txt)
 STAMP  := $(VENV)/.installed-$(DEVICE)
 
-.PHONY: setup run test exercise grade clean
+.PHONY: setup run test exercise grade pictures clean
 setup: $(STAMP)
 
 $(STAMP): $(REQS)
@@ -39,6 +41,10 @@ exercise: setup
 
 grade: setup
 	$(VENV)/bin/python teach.py grade $(ALGO) $(DIR)
+
+pictures: setup
+	$(VENV)/bin/python teach.py pictures --out docs
+	$(VENV)/bin/python bench.py staleness --figure docs/staleness.png
 
 clean:
 	rm -rf $(VENV) .cache runs

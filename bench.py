@@ -166,6 +166,9 @@ def _train_step(model, optimizer, groups) -> None:
     optimizer.step()
 
 
+QUIET_S = 1.5  # longer than the 1 s that vLLM's processes spin after their last step (shm_broadcast.SpinCondition)
+
+
 def bench_pipeline(args: argparse.Namespace) -> dict:
     """The generator against vLLM's own LLM.generate, the weight-sync latency against a training step, and
     end-to-end samples/s of pipeline mode against synchronous mode with a real (CPU) learner in this process."""
@@ -231,9 +234,13 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     try:
         gen.get_batch(W, 0)  # warm-up on the same W prompts
         for r in range(args.repeats):
+            # vLLM's worker (and engine core, when in a process of its own) busy-waits for 1 s after its last step:
+            # a run that starts right after the other engine's would share the 2 cores with that spin
+            time.sleep(QUIET_S)
             t0 = time.perf_counter()
             outs = llm.generate(inputs[W + r * N : W + (r + 1) * N], params, use_tqdm=False)
             base_rates.append(sum(len(c.token_ids) for o in outs for c in o.outputs) / (time.perf_counter() - t0))
+            time.sleep(QUIET_S)
             t0 = time.perf_counter()
             groups, _ = gen.get_batch(N, 0)
             ours_rates.append(sum(c.num_tokens for g in groups for c in g.completions) / (time.perf_counter() - t0))

@@ -175,6 +175,10 @@ class GeneratorConfig:
     gpu_memory_utilization: float = field(default=0.5, metadata=_help("GPU path: vLLM's share of each generator GPU"))
     enforce_eager: bool | None = field(default=None, metadata=_help("vLLM enforce_eager (default: True on CPU)"))
     max_num_seqs: int | None = field(default=None, metadata=_help("vLLM max_num_seqs (default: vLLM's)"))
+    engine_process: bool | None = field(default=None, metadata=_help(
+        "run vLLM's engine core in processes of its own (vLLM's default) rather than inside the generator process; "
+        "None: own processes on GPU, inside on CPU, where the engine core's and the worker's busy-wait loops "
+        "(vLLM spins up to 1 s after every step) take cores the learner needs"))
     weight_dir: str | None = field(default=None, metadata=_help(
         "where weight files go (default: /dev/shm if it has room, else the temp dir)"))
     vllm_log_level: str = field(default="WARNING", metadata=_help("VLLM_LOGGING_LEVEL in the generator process"))
@@ -971,7 +975,11 @@ class _GeneratorProcess:
     def apply_update(self, path: str, version: int) -> float:
         t0 = time.perf_counter()
         core = self.engine.engine_core
-        core.call_utility("pause_scheduler", "keep", False)  # no step runs until resume: version labels stay exact
+        # An engine core in its own process steps on its own: pause it so that no step runs until resume and the
+        # version labels stay exact. In this process it steps only when run() calls engine.step(), not now.
+        in_process = not hasattr(core, "call_utility")
+        if not in_process:
+            core.call_utility("pause_scheduler", "keep", False)
         try:
             self.llm.collective_rpc("scalerl_load_weights", args=(path,))
             if not self.engine.has_unfinished_requests():
@@ -979,7 +987,8 @@ class _GeneratorProcess:
             core.set_weight_version(str(version))
             self.version = version
         finally:
-            core.call_utility("resume_scheduler")
+            if not in_process:
+                core.call_utility("resume_scheduler")
             try:
                 os.unlink(path)
             except OSError:
@@ -1035,6 +1044,8 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
         os.environ.pop(var, None)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
     os.environ[_SLOWDOWN_ENV] = str(config.debug_slowdown)
+    engine_process = config.gen_devices is not None if config.engine_process is None else config.engine_process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
     if config.gen_devices is not None:  # indices into the learner's visible devices (physical ids if unset)
         ids = [x.strip() for x in config.gen_devices.split(",") if x.strip()]
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -364,6 +364,13 @@ def pipeline(base_model_dir, hf_model):
         yield Learner(gen, hf_model)
 
 
+@pytest.mark.slow
+def test_cpu_engine_runs_inside_the_generator_process(pipeline):
+    # on CPU the engine core steps inside the generator process: no vLLM process of its own whose busy-wait
+    # loops would take a core from the learner
+    assert pipeline.gen.info["descendants"] == []
+
+
 def _check_staleness(groups, stats, V):
     assert all(V - g.min_version <= K for g in groups)
     assert stats["lag_max"] <= K and max(stats["lag_hist"], default=0) <= K
@@ -468,8 +475,10 @@ def test_pipeline_evaluate_uses_current_weights(pipeline):
 
 @pytest.fixture(scope="module")
 def sync_gen(base_model_dir):
+    # engine_process=True: vLLM's engine core and worker in processes of their own (the GPU default), so that
+    # both ways of running the engine are tested; the pipeline fixture runs it inside the generator (CPU default)
     config = pl.GeneratorConfig(model=str(base_model_dir), mode="sync", group_size=4, temperature=TEMPERATURE,
-                                think_budget=(6, 12), answer_budget=6, seed=2)
+                                think_budget=(6, 12), answer_budget=6, seed=2, engine_process=True)
     with pl.Generator(config, FlakyTask()) as gen:
         yield gen
 

@@ -5,18 +5,19 @@ Paper
     arXiv 2503.14476, equation 8 (sections 3.1-3.4).
 
 Equation (J is maximised; compute_loss returns -J)
-    A_i      = (r_i - mean_g r) / std_g r                                  GRPO's group z-score, same on every token
+    A_i      = (r_i - mean_g r) / std_g r                                  group z-score, same on every token
     r_{i,t}  = pi_theta(y_{i,t}) / pi_old(y_{i,t})                         token ratio
     J        = mean_prompts 1/(sum_i |y_i|) sum_i sum_t min(r_{i,t} A_i, clip(r_{i,t}, 1-eps_low, 1+eps_high) A_i)
-    No KL term. The rest of the recipe lives in two helpers the trainer calls:
+    A_i and r_{i,t} are GRPO's; there is no KL term. The rest of the recipe lives in two helpers the trainer calls:
     filter_groups     dynamic sampling: keep only the groups with mixed accuracy (0 < acc < 1)
     overlong_penalty  soft overlong punishment R_len(|y|), added to the correctness reward
 
 Aggregation unit
     The prompt: per prompt, the token sum over its G completions divided by their total number of tokens (the
-    equation above, inside the expectation over prompts), then the mean over prompts. loss_denominator counts
-    prompts: N / G. Popular implementations (verl's loss_agg_mode="token-mean", TRL's loss_type="dapo") divide
-    by the token count of the whole batch instead, i.e. cispo.py's aggregation="token"; with one prompt they agree.
+    equation above, inside the expectation over prompts), then the mean over prompts. Popular implementations
+    (verl's loss_agg_mode="token-mean", TRL's loss_type="dapo") divide by the token count of the whole batch
+    instead, i.e. cispo.py's aggregation="token"; with one prompt they agree.
+    loss_denominator counts prompts: N / G.
 
 Defaults and their source
     clip_eps_low  = 0.2    paper, clip-higher (section 3.1)
@@ -27,8 +28,9 @@ Deviations from the paper
     - Dynamic sampling keeps sampling new prompts until the batch is full; that loop is the trainer's.
       filter_groups only says which groups to keep. Overlong filtering (masking truncated samples) is the
       trainer's mask, not a loss option.
-    - A group whose rewards are all equal has std 0 and the paper's A is undefined; we set A = 0 there (dynamic
-      sampling would drop it anyway). We add no epsilon to the std, so other groups get the exact z-score.
+    - A group whose rewards are all equal has std 0 and the paper's A is undefined; we set A = 0 there. We add no
+      epsilon to the std (TRL adds 1e-4, verl 1e-6), so other groups get the exact z-score.
+      (Dynamic sampling would drop such a group anyway.)
     - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
 """
 
@@ -122,8 +124,8 @@ def compute_loss(
     adv = advantages.detach()[:, None]                                        # [N, 1], the same on every token
 
     # PPO's pessimistic bound: once the ratio has left [low, high] in the direction the advantage favours, the
-    # clipped branch wins the min and the token stops pulling. Clip-higher: high is further from 1 than low.
-    low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high
+    # clipped branch wins the min and the token stops pulling.
+    low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high                       # clip-higher: high - 1 > 1 - low
     token_loss = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)    # [N, T]
     if is_weights is not None:
         token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)

@@ -24,12 +24,13 @@ Defaults and their source
                         barely changes the update); it must not change during a run.
 
 Deviations from the paper
-    - Many prompts per batch: the loss is the mean over all N completions (every prompt has G of them).
+    - Many prompts per batch: the loss is the mean over all N completions (every prompt has G of them, so this is
+      the mean over prompts of the paper's per-group 1/G sum).
+    - A group whose rewards are all equal gets A = 0 exactly (the mean of equal floats can be off by an ulp).
+    - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
     - The paper's written objective drops 1/|y_i| outright; its code divides by the constant MAX_TOKENS instead,
       which only rescales. We follow the code so the loss magnitude is comparable with the other files.
     - No KL term: the paper writes the objective without one, as R1-Zero-like recipes do; grpo.py has it.
-    - A group whose rewards are all equal gets A = 0 exactly (the mean of equal floats can be off by an ulp).
-    - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
 """
 
 from __future__ import annotations

@@ -11,23 +11,23 @@ Equation (J is maximised; compute_loss returns -J)
     KL_{i,t} = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1                 k3 estimator, per token, >= 0
 
 Aggregation unit
-    The completion ("sample-level"): token mean within each completion, then the mean over completions.
+    The completion ("sample-level"): the token mean within each completion, then the mean over completions.
     loss_denominator counts completions: N.
 
 Defaults and their source
     clip_eps = 0.2   the paper does not state eps; 0.2 is PPO's convention (TRL and verl use it too).
-    kl_coef  = 0.0   the paper used beta = 0.04. We default to 0, as DAPO, Dr. GRPO and ScaleRL do: with a
-                     verifiable reward there is no reward model to exploit, the penalty holds the policy near
-                     the base model, and it costs a reference-model forward pass. kl_coef=0.04 with
-                     ref_logprobs gives the paper's loss.
+    kl_coef  = 0.0   the paper used beta = 0.04 (kl_coef=0.04 with ref_logprobs gives its loss). We default to 0,
+                     as DAPO, Dr. GRPO and ScaleRL do: a verifiable reward leaves no reward model to exploit, the
+                     penalty holds the policy near the base model, and it costs a reference-model forward pass.
 
 Deviations from the paper
     - Many prompts per batch: the loss is the mean over all N completions (every prompt has G of them, so this is
       the mean over prompts of the paper's per-group 1/G sum).
     - A group whose rewards are all equal has std 0 and the paper's A is undefined; we set A = 0 there. We add no
       epsilon to the std (TRL adds 1e-4, verl 1e-6), so other groups get the exact z-score.
-    - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the whole per-token loss, KL term included.
-    - As in every implementation, the k3 KL is evaluated on tokens sampled from pi_old, not pi_theta.
+    - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
+    - The KL term is part of the per-token loss, so is_weights multiply it too. As in every implementation, it is
+      evaluated on the tokens sampled from pi_old, not from pi_theta.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def compute_loss(
         loss: scalar to minimise.
         metrics: python floats. clip_frac (fraction of masked tokens where the clip removes the gradient; split into
             clip_frac_low and clip_frac_high), ratio_mean (mean token ratio), kl_k3 (k3 estimate of
-            KL(pi_old || pi_theta)), num_tokens (masked tokens), and kl_ref when ref_logprobs is given.
+            KL(pi_old || pi_theta)), num_tokens (masked tokens).
+            With ref_logprobs, also kl_ref (k3 estimate of KL(pi_theta || pi_ref)).
     """
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs ref_logprobs")

@@ -5,14 +5,14 @@ Paper
     arXiv 2507.18071 (the GSPO objective and its GSPO-token variant).
 
 Equation (J is maximised; compute_loss returns -J)
-    A_i      = (r_i - mean_g r) / std_g r                                  GRPO's group z-score, one per sequence
+    A_i      = (r_i - mean_g r) / std_g r                                  group z-score, same on every token
     s_i      = exp( 1/|y_i| sum_t log(pi_theta(y_{i,t}) / pi_old(y_{i,t})) )   sequence ratio (geometric mean)
     J        = 1/G sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)
+    A_i is GRPO's; there is no KL term. Pitfall: s_i is the MEAN of the token log-ratios, not the sum (a sum makes
+    the ratio and the clip scale with the length of the sequence).
     GSPO-token (token_level=True): s_{i,t} = sg(s_i) pi_theta(y_{i,t}) / sg(pi_theta(y_{i,t})), equal to s_i in
     value, and J = 1/G sum_i 1/|y_i| sum_t min(s_{i,t} A_{i,t}, clip(s_{i,t}, ...) A_{i,t}); with A_{i,t} = A_i it
     has exactly GSPO's gradient, and it lets per-token advantages A_{i,t} ([N, T]) flow.
-    Pitfall: s_i is the MEAN of the token log-ratios, not the sum (a sum makes the ratio and the clip scale with
-    the length of the sequence).
 
 Aggregation unit
     The completion: one clipped term per sequence, then the mean over completions. We write the sequence term on
@@ -25,12 +25,14 @@ Defaults and their source
     token_level   = False  the plain sequence-level GSPO
 
 Deviations from the paper
-    - Many prompts per batch: the loss is the mean over all N completions (every prompt has G of them).
+    - Many prompts per batch: the loss is the mean over all N completions (every prompt has G of them, so this is
+      the mean over prompts of the paper's per-group 1/G sum).
     - A group whose rewards are all equal has std 0 and the paper's A is undefined; we set A = 0 there. We add no
-      epsilon to the std, so other groups get the exact z-score.
-    - is_weights (e.g. TIS): the sequence term sits on every token, so each token's weight multiplies it and the
-      token mean makes the sequence term scale by the MEAN of its is_weights (per token in GSPO-token). A
-      sequence-level weight (tis.tis_weights(level="sequence")) is constant along the row and multiplies it exactly.
+      epsilon to the std (TRL adds 1e-4, verl 1e-6), so other groups get the exact z-score.
+    - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
+      The sequence term sits on every token, so the token mean makes it scale by the MEAN of its is_weights (per
+      token in GSPO-token). A sequence-level weight (tis.tis_weights(level="sequence")) is constant along the row
+      and multiplies it exactly.
     - Metrics: clip_frac, clip_frac_low/high and ratio_mean are over sequences, not tokens (kl_k3 is per token).
 """
 
@@ -113,7 +115,8 @@ def compute_loss(
         loss: scalar to minimise.
         metrics: python floats. clip_frac (fraction of SEQUENCES where the clip removes the gradient; split into
             clip_frac_low and clip_frac_high), ratio_mean (mean sequence ratio), kl_k3 (k3 estimate of
-            KL(pi_old || pi_theta), per token), num_tokens (masked tokens).
+            KL(pi_old || pi_theta)), num_tokens (masked tokens).
+            kl_k3 and num_tokens are over tokens, as in GRPO.
     """
     if advantages.dim() == 2 and not token_level:
         raise ValueError("per-token advantages [N, T] need token_level=True")
@@ -134,15 +137,15 @@ def compute_loss(
     adv = advantages.detach()                                                 # [N], or [N, T] for GSPO-token
     adv = adv[:, None] if adv.dim() == 1 else torch.where(mask, adv, 0.0)     # [N, 1] or [N, T]
 
-    # PPO's pessimistic bound, on the sequence ratio: once s_i has left [low, high] in the direction the advantage
-    # favours, the clipped branch wins the min and the whole sequence stops pulling.
-    low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high
+    # PPO's pessimistic bound: once the ratio has left [low, high] in the direction the advantage favours, the
+    # clipped branch wins the min and the token stops pulling.
+    low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high                       # on s_i: whole sequences stop
     token_loss = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)    # [N, T]
     if is_weights is not None:
         token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)
     token_loss = torch.where(mask, token_loss, 0.0)                           # [N, T]
 
-    # Sample-level aggregation: the token mean within each completion (its sequence term) is one unit.
+    # Sample-level aggregation: the token mean within each completion is one unit.
     unit_terms = token_loss.sum(dim=1) / tokens_per_completion                # [N]
     if denominator is None:
         denominator = loss_denominator(mask, group_size)

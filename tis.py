@@ -133,8 +133,9 @@ def mismatch_metrics(
 
 def _log_ratio(learner_logprobs: Tensor, sampler_logprobs: Tensor, mask: Tensor) -> Tensor:
     """log pi_learner_old - log pi_sampler: [N, T], detached, at least float32, exactly 0 where masked."""
+    # Sanitise before any arithmetic: garbage in masked slots must reach neither exp() nor a sum over the sequence.
+    # Work in at least float32: a sum of hundreds of bf16 log-ratios is meaningless.
     dtype = torch.promote_types(torch.promote_types(learner_logprobs.dtype, sampler_logprobs.dtype), torch.float32)
-    # Sanitise before any arithmetic: garbage in masked slots must not reach exp() or a sum over the sequence.
     learner = torch.where(mask, learner_logprobs.detach().to(dtype), 0.0)     # [N, T]
     sampler = torch.where(mask, sampler_logprobs.detach().to(dtype), 0.0)     # [N, T]
     return learner - sampler

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import dapo
+import dapo as algo  # every test file names its algorithm `algo`, so that they diff line for line
 
 
 def random_batch(num_prompts: int = 3, group_size: int = 4, max_len: int = 6, seed: int = 0):
@@ -32,33 +32,48 @@ def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g
 
 
-def reference_loss(logprobs, old, adv, mask, group_size, eps_low=0.2, eps_high=0.28, is_weights=None):
-    """DAPO's equation 8 as written: per prompt, 1 / sum_i |y_i| times the token sum; then the mean over prompts."""
+def reference_loss(logprobs, old, adv, mask, group_size, clip_eps_low=0.2, clip_eps_high=0.28, is_weights=None):
+    """DAPO's equation 8 as written, one completion and one token at a time: each completion's token sum over its
+    prompt's sum_i |y_i| (the tokens of all G completions), then the mean over prompts."""
     n, t_max = logprobs.shape
     total = 0.0
-    for p in range(n // group_size):
-        rows = range(p * group_size, (p + 1) * group_size)
-        tokens = sum(int(mask[i].sum()) for i in rows)
-        prompt_sum = 0.0
-        for i in rows:
-            for t in range(t_max):
-                if not mask[i, t]:
-                    continue
-                r = torch.exp(logprobs[i, t] - old[i, t])
-                term = -torch.minimum(r * adv[i], torch.clamp(r, 1 - eps_low, 1 + eps_high) * adv[i])
-                if is_weights is not None:
-                    term = term * is_weights[i, t]
-                prompt_sum = prompt_sum + term
-        total = total + prompt_sum / max(tokens, 1)
+    for i in range(n):
+        prompt = slice(i - i % group_size, i - i % group_size + group_size)
+        length = int(mask[prompt].sum())  # sum_i |y_i| over the prompt, not |y_i|
+        seq = 0.0
+        for t in range(t_max):
+            if not mask[i, t]:
+                continue
+            r = torch.exp(logprobs[i, t] - old[i, t])
+            term = -torch.minimum(r * adv[i], torch.clamp(r, 1 - clip_eps_low, 1 + clip_eps_high) * adv[i])
+            if is_weights is not None:
+                term = term * is_weights[i, t]
+            seq = seq + term
+        total = total + seq / max(length, 1)
     return total / (n // group_size)
 
 
-def test_advantages_are_grpos_group_z_score():
+def test_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
-    s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0]
+    adv = algo.compute_advantages(rewards, group_size=3)
+    # [1, 0, 0]: mean 1/3, unbiased std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3).
+    s = math.sqrt(1 / 3)
     expected = [(2 / 3) / s, -(1 / 3) / s, -(1 / 3) / s, (1 / 3) / s, (1 / 3) / s, -(2 / 3) / s, 0.0, 0.0, 0.0]
-    torch.testing.assert_close(dapo.compute_advantages(rewards, 3), torch.tensor(expected))
-    assert (dapo.compute_advantages(torch.tensor([0.7] * 7), 7) == 0).all()
+    torch.testing.assert_close(adv, torch.tensor(expected))
+
+
+def test_constant_groups_get_exactly_zero():
+    # 0.7 seven times: the float32 mean is off by an ulp, so (r - mean) / std would be ulp / ulp, not 0.
+    rewards = torch.tensor([0.7] * 7 + [1.0, 0.0] * 3 + [0.0])
+    adv = algo.compute_advantages(rewards, group_size=7)
+    assert torch.isfinite(adv).all()
+    assert (adv[:7] == 0).all()
+    assert (algo.compute_advantages(torch.ones(8), 4) == 0).all()
+
+
+def test_bad_group_size_raises():
+    with pytest.raises(ValueError):
+        algo.compute_advantages(torch.ones(5), 2)
 
 
 def test_loss_metrics_and_gradient_hand_computed():
@@ -68,21 +83,34 @@ def test_loss_metrics_and_gradient_hand_computed():
     logprobs = torch.log(torch.tensor([[1.5, 1.25], [0.5, 7.0]], dtype=torch.float64)).requires_grad_()
     mask = torch.tensor([[True, True], [True, False]])
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    loss, m = dapo.compute_loss(logprobs, old, adv, mask, group_size=2)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, group_size=2)
     # Token sum (-1.28 - 1.25 + 0.8) over the prompt's 3 tokens.
     assert loss.item() == pytest.approx((-1.28 - 1.25 + 0.8) / 3)
-    # The 1.25 token still pulls: d/dlogp of -r A / 3 is -1.25 / 3. Clipped tokens give nothing.
+    # Clipped tokens give no gradient; the 1.25 token still pulls: d/dlogp of -r A / 3 is -1.25 / 3.
     torch.testing.assert_close(
         grad_of(loss, logprobs), torch.tensor([[0.0, -1.25 / 3], [0.0, 0.0]], dtype=torch.float64)
     )
     assert m["clip_frac"] == pytest.approx(2 / 3)
-    assert m["clip_frac_low"] == pytest.approx(1 / 3) and m["clip_frac_high"] == pytest.approx(1 / 3)
+    assert m["clip_frac_low"] == pytest.approx(1 / 3)
+    assert m["clip_frac_high"] == pytest.approx(1 / 3)
     assert m["ratio_mean"] == pytest.approx((1.5 + 1.25 + 0.5) / 3)
     assert m["kl_k3"] == pytest.approx(sum(r - 1 - math.log(r) for r in (1.5, 1.25, 0.5)) / 3)
     assert m["num_tokens"] == 3.0
+    assert all(isinstance(v, float) for v in m.values())
     # With a symmetric range the 1.25 token is clipped too: that is what clip-higher changes.
-    symmetric, _ = dapo.compute_loss(logprobs, old, adv, mask, 2, clip_eps_high=0.2)
+    symmetric, _ = algo.compute_loss(logprobs, old, adv, mask, 2, clip_eps_high=0.2)
     assert grad_of(symmetric, logprobs).abs().sum() == 0
+
+
+def test_matches_the_formula_as_written():
+    logprobs, old, rewards, mask = random_batch()
+    adv = algo.compute_advantages(rewards, 4).double()
+    w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
+    expected = reference_loss(logprobs, old, adv, mask, 4, is_weights=w)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
+    assert 0 < m["clip_frac"] < 1
 
 
 def test_aggregation_is_per_prompt_not_batch_token_mean():
@@ -91,32 +119,21 @@ def test_aggregation_is_per_prompt_not_batch_token_mean():
     logprobs = old.clone().requires_grad_()
     mask = torch.tensor([[1, 0, 0], [0, 0, 0], [1, 1, 0], [1, 0, 0]], dtype=torch.float32)
     adv = torch.tensor([2.0, 0.0, 1.0, 1.0], dtype=torch.float64)
-    loss, _ = dapo.compute_loss(logprobs, old, adv, mask, group_size=2)
+    loss, _ = algo.compute_loss(logprobs, old, adv, mask, group_size=2)
     per_prompt = ((-2.0 / 1) + (-1.0 * 3 / 3)) / 2
     batch_token_mean = (-2.0 - 3.0) / 4
     assert loss.item() == pytest.approx(per_prompt)
     assert loss.item() != pytest.approx(batch_token_mean)
 
 
-def test_matches_the_formula_as_written():
-    logprobs, old, rewards, mask = random_batch()
-    adv = dapo.compute_advantages(rewards, 4).double()
-    w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
-    loss, m = dapo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
-    expected = reference_loss(logprobs, old, adv, mask, 4, is_weights=w)
-    torch.testing.assert_close(loss, expected)
-    torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
-    assert 0 < m["clip_frac"] < 1
-
-
 def test_right_padding_changes_nothing():
     logprobs, old, rewards, mask = random_batch(seed=2)
-    adv = dapo.compute_advantages(rewards, 4)
-    loss, m = dapo.compute_loss(logprobs, old, adv, mask, 4)
+    adv = algo.compute_advantages(rewards, 4)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4)
     padded = torch.cat([logprobs, torch.randn(logprobs.shape[0], 3, dtype=torch.float64)], dim=1)
     padded_old = torch.cat([old, torch.randn(old.shape[0], 3, dtype=torch.float64)], dim=1)
     padded_mask = torch.cat([mask, torch.zeros(mask.shape[0], 3, dtype=torch.bool)], dim=1)
-    padded_loss, padded_m = dapo.compute_loss(padded, padded_old, adv, padded_mask, 4)
+    padded_loss, padded_m = algo.compute_loss(padded, padded_old, adv, padded_mask, 4)
     torch.testing.assert_close(padded_loss, loss)
     torch.testing.assert_close(grad_of(padded_loss, padded)[:, : mask.shape[1]], grad_of(loss, logprobs))
     assert padded_m == pytest.approx(m)
@@ -124,12 +141,13 @@ def test_right_padding_changes_nothing():
 
 def test_garbage_in_masked_slots_changes_nothing():
     logprobs, old, rewards, mask = random_batch(seed=3)
-    adv = dapo.compute_advantages(rewards, 4)
+    adv = algo.compute_advantages(rewards, 4)
     w = torch.rand(mask.shape, dtype=torch.float64)
-    loss, m = dapo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
     dirty = with_garbage(logprobs, mask).requires_grad_()
-    dirty_loss, dirty_m = dapo.compute_loss(
-        dirty, with_garbage(old, mask), adv, mask.float(), 4, is_weights=with_garbage(w, mask)
+    dirty_loss, dirty_m = algo.compute_loss(
+        dirty, with_garbage(old, mask), adv, mask.float(), 4,
+        is_weights=with_garbage(w, mask),
     )
     torch.testing.assert_close(dirty_loss, loss)
     dirty_grad = grad_of(dirty_loss, dirty)
@@ -140,15 +158,15 @@ def test_garbage_in_masked_slots_changes_nothing():
 
 def test_micro_batches_sum_to_the_full_batch():
     logprobs, old, rewards, mask = random_batch(num_prompts=4, seed=4)
-    adv = dapo.compute_advantages(rewards, 4)
-    full, _ = dapo.compute_loss(logprobs, old, adv, mask, 4)
+    adv = algo.compute_advantages(rewards, 4)
+    full, _ = algo.compute_loss(logprobs, old, adv, mask, 4)
     full_grad = grad_of(full, logprobs)
-    denominator = dapo.loss_denominator(mask, 4, clip_eps_low=0.2, clip_eps_high=0.28)
+    denominator = algo.loss_denominator(mask, 4, clip_eps_low=0.2, clip_eps_high=0.28)
     assert denominator == 4.0  # prompts
     total, total_grad = 0.0, torch.zeros_like(full_grad)
     for rows in (slice(0, 4), slice(4, 16)):  # split on group boundaries, unevenly
         part = logprobs.detach()[rows].requires_grad_()
-        loss, _ = dapo.compute_loss(part, old[rows], adv[rows], mask[rows], 4, denominator=denominator)
+        loss, _ = algo.compute_loss(part, old[rows], adv[rows], mask[rows], 4, denominator=denominator)
         total = total + loss.detach()
         total_grad[rows] = grad_of(loss, part)
     torch.testing.assert_close(total, full.detach())
@@ -157,15 +175,15 @@ def test_micro_batches_sum_to_the_full_batch():
 
 def test_filter_groups_keeps_mixed_groups():
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
-    assert dapo.filter_groups(rewards, 2).tolist() == [True, False, False, True]
+    assert algo.filter_groups(rewards, 2).tolist() == [True, False, False, True]
 
 
 def test_overlong_penalty_hand_computed():
     lengths = torch.tensor([0, 16384, 16385, 18432, 20480, 20481, 30000])
     expected = torch.tensor([0.0, 0.0, -1 / 4096, -0.5, -1.0, -1.0, -1.0])
-    torch.testing.assert_close(dapo.overlong_penalty(lengths), expected)
+    torch.testing.assert_close(algo.overlong_penalty(lengths), expected)
     # A small budget: no penalty up to 6 tokens, then a ramp to -1 at 10.
     torch.testing.assert_close(
-        dapo.overlong_penalty(torch.tensor([6, 7, 8, 10, 11]), max_len=10, cache_len=4),
+        algo.overlong_penalty(torch.tensor([6, 7, 8, 10, 11]), max_len=10, cache_len=4),
         torch.tensor([0.0, -0.25, -0.5, -1.0, -1.0]),
     )

@@ -1,11 +1,11 @@
-"""drgrpo.py: hand-computed values, the formula as written, padding, garbage, micro-batching, no length bias."""
+"""drgrpo.py: hand-computed values, the formula as written, padding, garbage, micro-batching and no length bias."""
 
 import math
 
 import pytest
 import torch
 
-import drgrpo
+import drgrpo as algo  # every test file names its algorithm `algo`, so that they diff line for line
 import grpo
 
 
@@ -34,7 +34,8 @@ def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def reference_loss(logprobs, old, adv, mask, max_tokens, clip_eps=0.2, is_weights=None):
-    """Dr. GRPO as written: per completion, the token SUM over the constant max_tokens; mean over completions."""
+    """Dr. GRPO as written, one completion and one token at a time: each token SUM over the constant max_tokens,
+    then the mean over completions."""
     n, t_max = logprobs.shape
     total = 0.0
     for i in range(n):
@@ -51,36 +52,54 @@ def reference_loss(logprobs, old, adv, mask, max_tokens, clip_eps=0.2, is_weight
     return total / n
 
 
-def test_advantages_are_centred_rewards_without_std():
+def test_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 3.0, 3.0, 3.0])
+    adv = algo.compute_advantages(rewards, group_size=3)
+    # [1, 0, 0]: mean 1/3, and no std to divide by: Dr. GRPO only centres.
     expected = [2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3, 0.0, 0.0, 0.0]
-    torch.testing.assert_close(drgrpo.compute_advantages(rewards, 3), torch.tensor(expected))
-    # 0.7 seven times: the float32 mean is off by an ulp; the advantage must still be exactly 0.
-    assert (drgrpo.compute_advantages(torch.tensor([0.7] * 7), 7) == 0).all()
+    torch.testing.assert_close(adv, torch.tensor(expected))
+
+
+def test_constant_groups_get_exactly_zero():
+    # 0.7 seven times: the float32 mean is off by an ulp, so r - mean would be an ulp, not 0.
+    rewards = torch.tensor([0.7] * 7 + [1.0, 0.0] * 3 + [0.0])
+    adv = algo.compute_advantages(rewards, group_size=7)
+    assert torch.isfinite(adv).all()
+    assert (adv[:7] == 0).all()
+    assert (algo.compute_advantages(torch.ones(8), 4) == 0).all()
+
+
+def test_bad_group_size_raises():
+    with pytest.raises(ValueError):
+        algo.compute_advantages(torch.ones(5), 2)
 
 
 def test_loss_metrics_and_gradient_hand_computed():
-    # As in test_grpo: completion 0 (A = +1) ratios 1.5 (clipped) and 1.0; completion 1 (A = -1) ratio 0.5
-    # (clipped) and a masked token. Now each token SUM is divided by max_tokens = 4.
+    # Completion 0 (A = +1): ratios 1.5 (clipped high to 1.2) and 1.0. Completion 1 (A = -1): ratio 0.5 (clipped
+    # low to 0.8), and one masked token.
     old = torch.zeros(2, 2, dtype=torch.float64)
     logprobs = torch.log(torch.tensor([[1.5, 1.0], [0.5, 7.0]], dtype=torch.float64)).requires_grad_()
     mask = torch.tensor([[1, 1], [1, 0]])
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    loss, m = drgrpo.compute_loss(logprobs, old, adv, mask, group_size=2, max_tokens=4)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, group_size=2, max_tokens=4)
+    # Completion 0: sum(-1.2, -1.0) / 4. Completion 1: -min(-0.5, -0.8) / 4 = 0.8 / 4. Mean over completions.
     assert loss.item() == pytest.approx(((-1.2 - 1.0) / 4 + 0.8 / 4) / 2)
-    torch.testing.assert_close(
-        grad_of(loss, logprobs), torch.tensor([[0.0, -1 / 8], [0.0, 0.0]], dtype=torch.float64)
-    )
+    # Clipped tokens give no gradient; the one unclipped token gives -r A / (max_tokens N) = -1 / 8.
+    torch.testing.assert_close(grad_of(loss, logprobs), torch.tensor([[0.0, -1 / 8], [0.0, 0.0]], dtype=torch.float64))
     assert m["clip_frac"] == pytest.approx(2 / 3)
+    assert m["clip_frac_low"] == pytest.approx(1 / 3)
+    assert m["clip_frac_high"] == pytest.approx(1 / 3)
     assert m["ratio_mean"] == pytest.approx(1.0)
+    assert m["kl_k3"] == pytest.approx(((0.5 - math.log(1.5)) + 0.0 + (-0.5 - math.log(0.5))) / 3)
     assert m["num_tokens"] == 3.0
+    assert all(isinstance(v, float) for v in m.values())
 
 
 def test_matches_the_formula_as_written():
     logprobs, old, rewards, mask = random_batch()
-    adv = drgrpo.compute_advantages(rewards, 4).double()
+    adv = algo.compute_advantages(rewards, 4).double()
     w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
-    loss, m = drgrpo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, max_tokens=8)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, max_tokens=8)
     expected = reference_loss(logprobs, old, adv, mask, 8, is_weights=w)
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
@@ -89,10 +108,57 @@ def test_matches_the_formula_as_written():
 
 def test_max_tokens_only_rescales():
     logprobs, old, rewards, mask = random_batch(seed=1)
-    adv = drgrpo.compute_advantages(rewards, 4)
-    small, _ = drgrpo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=16)
-    large, _ = drgrpo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=1024)
+    adv = algo.compute_advantages(rewards, 4)
+    small, _ = algo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=16)
+    large, _ = algo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=1024)
     torch.testing.assert_close(small * 16, large * 1024)
+
+
+def test_right_padding_changes_nothing():
+    logprobs, old, rewards, mask = random_batch(seed=2)
+    adv = algo.compute_advantages(rewards, 4)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4)
+    padded = torch.cat([logprobs, torch.randn(logprobs.shape[0], 3, dtype=torch.float64)], dim=1)
+    padded_old = torch.cat([old, torch.randn(old.shape[0], 3, dtype=torch.float64)], dim=1)
+    padded_mask = torch.cat([mask, torch.zeros(mask.shape[0], 3, dtype=torch.bool)], dim=1)
+    padded_loss, padded_m = algo.compute_loss(padded, padded_old, adv, padded_mask, 4)
+    torch.testing.assert_close(padded_loss, loss)
+    torch.testing.assert_close(grad_of(padded_loss, padded)[:, : mask.shape[1]], grad_of(loss, logprobs))
+    assert padded_m == pytest.approx(m)
+
+
+def test_garbage_in_masked_slots_changes_nothing():
+    logprobs, old, rewards, mask = random_batch(seed=3)
+    adv = algo.compute_advantages(rewards, 4)
+    w = torch.rand(mask.shape, dtype=torch.float64)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
+    dirty = with_garbage(logprobs, mask).requires_grad_()
+    dirty_loss, dirty_m = algo.compute_loss(
+        dirty, with_garbage(old, mask), adv, mask.float(), 4,
+        is_weights=with_garbage(w, mask),
+    )
+    torch.testing.assert_close(dirty_loss, loss)
+    dirty_grad = grad_of(dirty_loss, dirty)
+    assert torch.isfinite(dirty_grad).all() and (dirty_grad[~mask] == 0).all()
+    torch.testing.assert_close(dirty_grad, grad_of(loss, logprobs))
+    assert dirty_m == pytest.approx(m)
+
+
+def test_micro_batches_sum_to_the_full_batch():
+    logprobs, old, rewards, mask = random_batch(num_prompts=4, seed=4)
+    adv = algo.compute_advantages(rewards, 4)
+    full, _ = algo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=6)
+    full_grad = grad_of(full, logprobs)
+    denominator = algo.loss_denominator(mask, 4, max_tokens=6)
+    assert denominator == 16.0  # completions
+    total, total_grad = 0.0, torch.zeros_like(full_grad)
+    for rows in (slice(0, 4), slice(4, 16)):  # split on group boundaries, unevenly
+        part = logprobs.detach()[rows].requires_grad_()
+        loss, _ = algo.compute_loss(part, old[rows], adv[rows], mask[rows], 4, denominator=denominator, max_tokens=6)
+        total = total + loss.detach()
+        total_grad[rows] = grad_of(loss, part)
+    torch.testing.assert_close(total, full.detach())
+    torch.testing.assert_close(total_grad, full_grad)
 
 
 def test_no_per_completion_length_normalisation():
@@ -108,8 +174,8 @@ def test_no_per_completion_length_normalisation():
     """
     logprobs, _, rewards, mask = random_batch(seed=5)
     old = logprobs.detach()  # on-policy: ratio 1, nothing clipped, each token's loss is -A_i
-    adv = drgrpo.compute_advantages(rewards, 4).double()
-    loss, _ = drgrpo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=10)
+    adv = algo.compute_advantages(rewards, 4).double()
+    loss, _ = algo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=10)
     token_losses = torch.where(mask, -adv[:, None] * torch.exp(logprobs - old), 0.0)
     torch.testing.assert_close(loss, token_losses.sum() / (mask.shape[0] * 10))  # (1)
 
@@ -119,55 +185,9 @@ def test_no_per_completion_length_normalisation():
     first_token_grads = {}
     for length in (2, 6):
         mask = torch.tensor([[t < length for t in range(6)], [True] * 6])
-        dr, _ = drgrpo.compute_loss(logprobs, logprobs.detach(), adv, mask, 2, max_tokens=10)
+        dr, _ = algo.compute_loss(logprobs, logprobs.detach(), adv, mask, 2, max_tokens=10)
         gr, _ = grpo.compute_loss(logprobs, logprobs.detach(), adv, mask, 2)
         first_token_grads[length] = (grad_of(dr, logprobs)[0, 0].item(), grad_of(gr, logprobs)[0, 0].item())
     assert first_token_grads[2][0] == first_token_grads[6][0] == pytest.approx(1 / (2 * 10))
     assert first_token_grads[2][1] == pytest.approx(1 / (2 * 2))
     assert first_token_grads[6][1] == pytest.approx(1 / (2 * 6))
-
-
-def test_right_padding_changes_nothing():
-    logprobs, old, rewards, mask = random_batch(seed=2)
-    adv = drgrpo.compute_advantages(rewards, 4)
-    loss, m = drgrpo.compute_loss(logprobs, old, adv, mask, 4)
-    padded = torch.cat([logprobs, torch.randn(logprobs.shape[0], 3, dtype=torch.float64)], dim=1)
-    padded_old = torch.cat([old, torch.randn(old.shape[0], 3, dtype=torch.float64)], dim=1)
-    padded_mask = torch.cat([mask, torch.zeros(mask.shape[0], 3, dtype=torch.bool)], dim=1)
-    padded_loss, padded_m = drgrpo.compute_loss(padded, padded_old, adv, padded_mask, 4)
-    torch.testing.assert_close(padded_loss, loss)
-    torch.testing.assert_close(grad_of(padded_loss, padded)[:, : mask.shape[1]], grad_of(loss, logprobs))
-    assert padded_m == pytest.approx(m)
-
-
-def test_garbage_in_masked_slots_changes_nothing():
-    logprobs, old, rewards, mask = random_batch(seed=3)
-    adv = drgrpo.compute_advantages(rewards, 4)
-    w = torch.rand(mask.shape, dtype=torch.float64)
-    loss, m = drgrpo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
-    dirty = with_garbage(logprobs, mask).requires_grad_()
-    dirty_loss, dirty_m = drgrpo.compute_loss(
-        dirty, with_garbage(old, mask), adv, mask.float(), 4, is_weights=with_garbage(w, mask)
-    )
-    torch.testing.assert_close(dirty_loss, loss)
-    dirty_grad = grad_of(dirty_loss, dirty)
-    assert torch.isfinite(dirty_grad).all() and (dirty_grad[~mask] == 0).all()
-    torch.testing.assert_close(dirty_grad, grad_of(loss, logprobs))
-    assert dirty_m == pytest.approx(m)
-
-
-def test_micro_batches_sum_to_the_full_batch():
-    logprobs, old, rewards, mask = random_batch(num_prompts=4, seed=4)
-    adv = drgrpo.compute_advantages(rewards, 4)
-    full, _ = drgrpo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=6)
-    full_grad = grad_of(full, logprobs)
-    denominator = drgrpo.loss_denominator(mask, 4, max_tokens=6)
-    assert denominator == 16.0  # completions
-    total, total_grad = 0.0, torch.zeros_like(full_grad)
-    for rows in (slice(0, 4), slice(4, 16)):  # split on group boundaries, unevenly
-        part = logprobs.detach()[rows].requires_grad_()
-        loss, _ = drgrpo.compute_loss(part, old[rows], adv[rows], mask[rows], 4, denominator=denominator, max_tokens=6)
-        total = total + loss.detach()
-        total_grad[rows] = grad_of(loss, part)
-    torch.testing.assert_close(total, full.detach())
-    torch.testing.assert_close(total_grad, full_grad)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-import grpo
+import grpo as algo  # every test file names its algorithm `algo`, so that they diff line for line
 
 
 def random_batch(num_prompts: int = 3, group_size: int = 4, max_len: int = 6, seed: int = 0):
@@ -56,7 +56,7 @@ def reference_loss(logprobs, old, adv, mask, clip_eps=0.2, kl_coef=0.0, ref=None
 
 def test_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
-    adv = grpo.compute_advantages(rewards, group_size=3)
+    adv = algo.compute_advantages(rewards, group_size=3)
     # [1, 0, 0]: mean 1/3, unbiased std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3).
     s = math.sqrt(1 / 3)
     expected = [(2 / 3) / s, -(1 / 3) / s, -(1 / 3) / s, (1 / 3) / s, (1 / 3) / s, -(2 / 3) / s, 0.0, 0.0, 0.0]
@@ -66,15 +66,15 @@ def test_advantages_hand_computed():
 def test_constant_groups_get_exactly_zero():
     # 0.7 seven times: the float32 mean is off by an ulp, so (r - mean) / std would be ulp / ulp, not 0.
     rewards = torch.tensor([0.7] * 7 + [1.0, 0.0] * 3 + [0.0])
-    adv = grpo.compute_advantages(rewards, group_size=7)
+    adv = algo.compute_advantages(rewards, group_size=7)
     assert torch.isfinite(adv).all()
     assert (adv[:7] == 0).all()
-    assert (grpo.compute_advantages(torch.ones(8), 4) == 0).all()
+    assert (algo.compute_advantages(torch.ones(8), 4) == 0).all()
 
 
 def test_bad_group_size_raises():
     with pytest.raises(ValueError):
-        grpo.compute_advantages(torch.ones(5), 2)
+        algo.compute_advantages(torch.ones(5), 2)
 
 
 def test_loss_metrics_and_gradient_hand_computed():
@@ -84,7 +84,7 @@ def test_loss_metrics_and_gradient_hand_computed():
     logprobs = torch.log(torch.tensor([[1.5, 1.0], [0.5, 7.0]], dtype=torch.float64)).requires_grad_()
     mask = torch.tensor([[1, 1], [1, 0]])
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    loss, m = grpo.compute_loss(logprobs, old, adv, mask, group_size=2)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, group_size=2)
     # Completion 0: mean(-1.2, -1.0) = -1.1. Completion 1: -min(-0.5, -0.8) = 0.8. Mean over completions: -0.15.
     assert loss.item() == pytest.approx(-0.15)
     # Clipped tokens give no gradient; the one unclipped token gives -r A / (|y_0| N) = -1 / 4.
@@ -100,9 +100,9 @@ def test_loss_metrics_and_gradient_hand_computed():
 
 def test_matches_the_formula_as_written():
     logprobs, old, rewards, mask = random_batch()
-    adv = grpo.compute_advantages(rewards, 4).double()
+    adv = algo.compute_advantages(rewards, 4).double()
     w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
-    loss, m = grpo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
     expected = reference_loss(logprobs, old, adv, mask, is_weights=w)
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
@@ -112,24 +112,24 @@ def test_matches_the_formula_as_written():
 def test_kl_penalty_matches_the_formula():
     logprobs, old, rewards, mask = random_batch(seed=1)
     ref = old + 0.2 * torch.randn(old.shape, dtype=torch.float64)
-    adv = grpo.compute_advantages(rewards, 4).double()
-    loss, m = grpo.compute_loss(logprobs, old, adv, mask, 4, kl_coef=0.04, ref_logprobs=ref)
+    adv = algo.compute_advantages(rewards, 4).double()
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, kl_coef=0.04, ref_logprobs=ref)
     expected = reference_loss(logprobs, old, adv, mask, kl_coef=0.04, ref=ref)
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
     assert m["kl_ref"] > 0
     with pytest.raises(ValueError):
-        grpo.compute_loss(logprobs, old, adv, mask, 4, kl_coef=0.04)
+        algo.compute_loss(logprobs, old, adv, mask, 4, kl_coef=0.04)
 
 
 def test_right_padding_changes_nothing():
     logprobs, old, rewards, mask = random_batch(seed=2)
-    adv = grpo.compute_advantages(rewards, 4)
-    loss, m = grpo.compute_loss(logprobs, old, adv, mask, 4)
+    adv = algo.compute_advantages(rewards, 4)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4)
     padded = torch.cat([logprobs, torch.randn(logprobs.shape[0], 3, dtype=torch.float64)], dim=1)
     padded_old = torch.cat([old, torch.randn(old.shape[0], 3, dtype=torch.float64)], dim=1)
     padded_mask = torch.cat([mask, torch.zeros(mask.shape[0], 3, dtype=torch.bool)], dim=1)
-    padded_loss, padded_m = grpo.compute_loss(padded, padded_old, adv, padded_mask, 4)
+    padded_loss, padded_m = algo.compute_loss(padded, padded_old, adv, padded_mask, 4)
     torch.testing.assert_close(padded_loss, loss)
     torch.testing.assert_close(grad_of(padded_loss, padded)[:, : mask.shape[1]], grad_of(loss, logprobs))
     assert padded_m == pytest.approx(m)
@@ -137,12 +137,12 @@ def test_right_padding_changes_nothing():
 
 def test_garbage_in_masked_slots_changes_nothing():
     logprobs, old, rewards, mask = random_batch(seed=3)
-    adv = grpo.compute_advantages(rewards, 4)
+    adv = algo.compute_advantages(rewards, 4)
     ref = old - 0.1
     w = torch.rand(mask.shape, dtype=torch.float64)
-    loss, m = grpo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, kl_coef=0.04, ref_logprobs=ref)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, kl_coef=0.04, ref_logprobs=ref)
     dirty = with_garbage(logprobs, mask).requires_grad_()
-    dirty_loss, dirty_m = grpo.compute_loss(
+    dirty_loss, dirty_m = algo.compute_loss(
         dirty, with_garbage(old, mask), adv, mask.float(), 4,
         is_weights=with_garbage(w, mask), kl_coef=0.04, ref_logprobs=with_garbage(ref, mask),
     )
@@ -155,15 +155,15 @@ def test_garbage_in_masked_slots_changes_nothing():
 
 def test_micro_batches_sum_to_the_full_batch():
     logprobs, old, rewards, mask = random_batch(num_prompts=4, seed=4)
-    adv = grpo.compute_advantages(rewards, 4)
-    full, _ = grpo.compute_loss(logprobs, old, adv, mask, 4)
+    adv = algo.compute_advantages(rewards, 4)
+    full, _ = algo.compute_loss(logprobs, old, adv, mask, 4)
     full_grad = grad_of(full, logprobs)
-    denominator = grpo.loss_denominator(mask, 4, clip_eps=0.2)
-    assert denominator == 16.0
+    denominator = algo.loss_denominator(mask, 4, clip_eps=0.2)
+    assert denominator == 16.0  # completions
     total, total_grad = 0.0, torch.zeros_like(full_grad)
     for rows in (slice(0, 4), slice(4, 16)):  # split on group boundaries, unevenly
         part = logprobs.detach()[rows].requires_grad_()
-        loss, _ = grpo.compute_loss(part, old[rows], adv[rows], mask[rows], 4, denominator=denominator)
+        loss, _ = algo.compute_loss(part, old[rows], adv[rows], mask[rows], 4, denominator=denominator)
         total = total + loss.detach()
         total_grad[rows] = grad_of(loss, part)
     torch.testing.assert_close(total, full.detach())
@@ -173,8 +173,8 @@ def test_micro_batches_sum_to_the_full_batch():
 def test_on_policy_gradient_is_reinforce_with_per_completion_length_weights():
     """With ratio 1 nothing is clipped: the gradient is -A_i / (|y_i| N) on each token of completion i."""
     logprobs, _, rewards, mask = random_batch(seed=5)
-    adv = grpo.compute_advantages(rewards, 4).double()
-    loss, m = grpo.compute_loss(logprobs, logprobs.detach(), adv, mask, 4)
+    adv = algo.compute_advantages(rewards, 4).double()
+    loss, m = algo.compute_loss(logprobs, logprobs.detach(), adv, mask, 4)
     expected = -adv[:, None] / mask.sum(dim=1, keepdim=True) / mask.shape[0] * mask
     torch.testing.assert_close(grad_of(loss, logprobs), expected)
     assert m["clip_frac"] == 0.0 and m["ratio_mean"] == pytest.approx(1.0) and m["kl_k3"] == pytest.approx(0.0)

@@ -1,11 +1,11 @@
-"""gspo.py: hand-computed values, the formula as written, GSPO-token, padding, garbage and micro-batching."""
+"""gspo.py: hand-computed values, the formula as written, padding, garbage, micro-batching and GSPO-token."""
 
 import math
 
 import pytest
 import torch
 
-import gspo
+import gspo as algo  # every test file names its algorithm `algo`, so that they diff line for line
 
 
 def random_batch(num_prompts: int = 3, group_size: int = 4, max_len: int = 6, seed: int = 0):
@@ -38,30 +38,43 @@ def near(old: torch.Tensor, scale: float, seed: int = 0) -> torch.Tensor:
     return (old + scale * torch.randn(old.shape, generator=gen, dtype=torch.float64)).requires_grad_()
 
 
-def reference_loss(logprobs, old, adv, mask, eps_low=3e-4, eps_high=4e-4, is_weights=None):
-    """GSPO as written: s_i = exp(mean_t log ratio), one clipped term per sequence, mean over sequences.
-
-    is_weights: the sequence term times the mean of the sequence's weights (gspo.py's documented choice).
-    """
+def reference_loss(logprobs, old, adv, mask, clip_eps_low=3e-4, clip_eps_high=4e-4, is_weights=None):
+    """GSPO as written, one completion at a time: s_i = exp(mean_t log ratio), one clipped term per sequence, then
+    the mean over sequences. is_weights: the term times the mean of its sequence's weights (gspo.py's documented
+    choice)."""
     n, t_max = logprobs.shape
     total = 0.0
     for i in range(n):
         tokens = [t for t in range(t_max) if mask[i, t]]
-        log_s = sum(logprobs[i, t] - old[i, t] for t in tokens) / len(tokens)
-        s = torch.exp(log_s)
-        term = -torch.minimum(s * adv[i], torch.clamp(s, 1 - eps_low, 1 + eps_high) * adv[i])
+        s = torch.exp(sum(logprobs[i, t] - old[i, t] for t in tokens) / len(tokens))  # the MEAN, not the sum
+        seq = -torch.minimum(s * adv[i], torch.clamp(s, 1 - clip_eps_low, 1 + clip_eps_high) * adv[i])
         if is_weights is not None:
-            term = term * sum(is_weights[i, t] for t in tokens) / len(tokens)
-        total = total + term
+            seq = seq * sum(is_weights[i, t] for t in tokens) / len(tokens)
+        total = total + seq
     return total / n
 
 
-def test_advantages_are_grpos_group_z_score():
+def test_advantages_hand_computed():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 1.0])
-    s = math.sqrt(1 / 3)  # unbiased std of [1, 0, 0]
+    adv = algo.compute_advantages(rewards, group_size=3)
+    # [1, 0, 0]: mean 1/3, unbiased std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3).
+    s = math.sqrt(1 / 3)
     expected = [(2 / 3) / s, -(1 / 3) / s, -(1 / 3) / s, (1 / 3) / s, (1 / 3) / s, -(2 / 3) / s, 0.0, 0.0, 0.0]
-    torch.testing.assert_close(gspo.compute_advantages(rewards, 3), torch.tensor(expected))
-    assert (gspo.compute_advantages(torch.tensor([0.7] * 7), 7) == 0).all()
+    torch.testing.assert_close(adv, torch.tensor(expected))
+
+
+def test_constant_groups_get_exactly_zero():
+    # 0.7 seven times: the float32 mean is off by an ulp, so (r - mean) / std would be ulp / ulp, not 0.
+    rewards = torch.tensor([0.7] * 7 + [1.0, 0.0] * 3 + [0.0])
+    adv = algo.compute_advantages(rewards, group_size=7)
+    assert torch.isfinite(adv).all()
+    assert (adv[:7] == 0).all()
+    assert (algo.compute_advantages(torch.ones(8), 4) == 0).all()
+
+
+def test_bad_group_size_raises():
+    with pytest.raises(ValueError):
+        algo.compute_advantages(torch.ones(5), 2)
 
 
 def test_loss_metrics_and_gradient_hand_computed():
@@ -72,16 +85,32 @@ def test_loss_metrics_and_gradient_hand_computed():
     logprobs = torch.tensor([[0.1, -0.1, 5.0], [0.3, 0.1, 9.0]], dtype=torch.float64, requires_grad=True)
     mask = torch.tensor([[True, True, False], [True, True, False]])
     adv = torch.tensor([-1.0, 1.0], dtype=torch.float64)
-    loss, m = gspo.compute_loss(logprobs, old, adv, mask, group_size=2)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, group_size=2)
+    # Completion 0: -s_0 A_0 = 1. Completion 1: -(1 + 4e-4). Mean over completions.
     assert loss.item() == pytest.approx((1.0 - 1.0004) / 2)
-    # Completion 0: d(-s_0 A_0)/dlogp_t = -A_0 s_0 / |y_0|, over N = 2. Completion 1 is clipped: no gradient.
+    # Completion 1 is clipped: no gradient. Completion 0: d(-s_0 A_0)/dlogp_t = -A_0 s_0 / (|y_0| N) = 1 / 4.
     torch.testing.assert_close(
         grad_of(loss, logprobs), torch.tensor([[0.25, 0.25, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     )
-    assert m["clip_frac"] == 0.5 and m["clip_frac_high"] == 0.5 and m["clip_frac_low"] == 0.0  # of sequences
+    assert m["clip_frac"] == 0.5  # of sequences
+    assert m["clip_frac_low"] == 0.0
+    assert m["clip_frac_high"] == 0.5
     assert m["ratio_mean"] == pytest.approx((1.0 + math.exp(0.2)) / 2)
     assert m["kl_k3"] == pytest.approx(sum(math.exp(x) - 1 - x for x in (0.1, -0.1, 0.3, 0.1)) / 4)
     assert m["num_tokens"] == 4.0
+    assert all(isinstance(v, float) for v in m.values())
+
+
+def test_matches_the_formula_as_written():
+    logprobs, old, rewards, mask = random_batch()
+    logprobs = near(old, 2e-3)
+    adv = algo.compute_advantages(rewards, 4).double()
+    w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
+    expected = reference_loss(logprobs, old, adv, mask, is_weights=w)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
+    assert 0 < m["clip_frac"] < 1
 
 
 def test_sequence_ratio_is_a_mean_so_it_does_not_grow_with_length():
@@ -89,31 +118,19 @@ def test_sequence_ratio_is_a_mean_so_it_does_not_grow_with_length():
     adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
     log_ratios = torch.tensor([[1e-4, 2e-4, 1e-4, 2e-4], [1e-4, 2e-4, 0.0, 0.0]], dtype=torch.float64)
     mask = torch.tensor([[True] * 4, [True, True, False, False]])
-    _, m = gspo.compute_loss(log_ratios, torch.zeros_like(log_ratios), adv, mask, 2)
+    _, m = algo.compute_loss(log_ratios, torch.zeros_like(log_ratios), adv, mask, 2)
     assert m["ratio_mean"] == pytest.approx(math.exp(1.5e-4))
     assert m["clip_frac"] == 0.0  # a sum (6e-4 and 3e-4) would clip the longer one
-
-
-def test_matches_the_formula_as_written():
-    logprobs, old, rewards, mask = random_batch()
-    logprobs = near(old, 2e-3)
-    adv = gspo.compute_advantages(rewards, 4).double()
-    w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
-    loss, m = gspo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
-    expected = reference_loss(logprobs, old, adv, mask, is_weights=w)
-    torch.testing.assert_close(loss, expected)
-    torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
-    assert 0 < m["clip_frac"] < 1
 
 
 def test_gspo_token_equals_gspo_with_per_sequence_advantages():
     logprobs, old, rewards, mask = random_batch(seed=1)
     logprobs = near(old, 2e-3)
-    adv = gspo.compute_advantages(rewards, 4).double()
-    seq, seq_m = gspo.compute_loss(logprobs, old, adv, mask, 4)
-    tok, tok_m = gspo.compute_loss(logprobs, old, adv, mask, 4, token_level=True)
+    adv = algo.compute_advantages(rewards, 4).double()
+    seq, seq_m = algo.compute_loss(logprobs, old, adv, mask, 4)
+    tok, tok_m = algo.compute_loss(logprobs, old, adv, mask, 4, token_level=True)
     # The same per-sequence advantage written on every token is the same thing.
-    tok_2d, _ = gspo.compute_loss(logprobs, old, adv[:, None].expand(mask.shape), mask, 4, token_level=True)
+    tok_2d, _ = algo.compute_loss(logprobs, old, adv[:, None].expand(mask.shape), mask, 4, token_level=True)
     torch.testing.assert_close(tok, seq)
     torch.testing.assert_close(tok_2d, seq)
     seq_grad = grad_of(seq, logprobs)
@@ -129,64 +146,68 @@ def test_gspo_token_lets_per_token_advantages_flow():
     logprobs = near(old, 1e-5)  # nothing clipped
     adv = torch.randn(mask.shape, dtype=torch.float64)
     w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
-    loss, m = gspo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, token_level=True)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, token_level=True)
     assert m["clip_frac"] == 0.0
     lengths = mask.sum(dim=1, keepdim=True)
     s = torch.exp(torch.where(mask, logprobs - old, 0.0).sum(dim=1, keepdim=True) / lengths).detach()
     expected = torch.where(mask, -w * adv * s / lengths / mask.shape[0], 0.0)
     torch.testing.assert_close(grad_of(loss, logprobs), expected)
     with pytest.raises(ValueError):
-        gspo.compute_loss(logprobs, old, adv, mask, 4)  # per-token advantages need token_level=True
+        algo.compute_loss(logprobs, old, adv, mask, 4)  # per-token advantages need token_level=True
 
 
-def test_right_padding_changes_nothing():
+@pytest.mark.parametrize("token_level", [False, True])
+def test_right_padding_changes_nothing(token_level):
     logprobs, old, rewards, mask = random_batch(seed=2)
-    adv = gspo.compute_advantages(rewards, 4)
+    adv = algo.compute_advantages(rewards, 4)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, token_level=token_level)
     padded = torch.cat([logprobs, torch.randn(logprobs.shape[0], 3, dtype=torch.float64)], dim=1)
     padded_old = torch.cat([old, torch.randn(old.shape[0], 3, dtype=torch.float64)], dim=1)
     padded_mask = torch.cat([mask, torch.zeros(mask.shape[0], 3, dtype=torch.bool)], dim=1)
-    for token_level in (False, True):
-        loss, m = gspo.compute_loss(logprobs, old, adv, mask, 4, token_level=token_level)
-        padded_loss, padded_m = gspo.compute_loss(padded, padded_old, adv, padded_mask, 4, token_level=token_level)
-        torch.testing.assert_close(padded_loss, loss)
-        torch.testing.assert_close(grad_of(padded_loss, padded)[:, : mask.shape[1]], grad_of(loss, logprobs))
-        assert padded_m == pytest.approx(m)
+    padded_loss, padded_m = algo.compute_loss(padded, padded_old, adv, padded_mask, 4, token_level=token_level)
+    torch.testing.assert_close(padded_loss, loss)
+    torch.testing.assert_close(grad_of(padded_loss, padded)[:, : mask.shape[1]], grad_of(loss, logprobs))
+    assert padded_m == pytest.approx(m)
 
 
-def test_garbage_in_masked_slots_changes_nothing():
+@pytest.mark.parametrize("token_level", [False, True])
+def test_garbage_in_masked_slots_changes_nothing(token_level):
     logprobs, old, rewards, mask = random_batch(seed=3)
-    adv = gspo.compute_advantages(rewards, 4)
+    adv = algo.compute_advantages(rewards, 4)
     w = torch.rand(mask.shape, dtype=torch.float64)
-    for token_level in (False, True):
-        loss, m = gspo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, token_level=token_level)
-        dirty = with_garbage(logprobs, mask).requires_grad_()
-        dirty_loss, dirty_m = gspo.compute_loss(
-            dirty, with_garbage(old, mask), adv, mask.float(), 4,
-            is_weights=with_garbage(w, mask), token_level=token_level,
-        )
-        torch.testing.assert_close(dirty_loss, loss)
-        dirty_grad = grad_of(dirty_loss, dirty)
-        assert torch.isfinite(dirty_grad).all() and (dirty_grad[~mask] == 0).all()
-        torch.testing.assert_close(dirty_grad, grad_of(loss, logprobs))
-        assert dirty_m == pytest.approx(m)
-    # Per-token advantages may hold garbage in masked slots too.
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, token_level=token_level)
+    dirty = with_garbage(logprobs, mask).requires_grad_()
+    dirty_loss, dirty_m = algo.compute_loss(
+        dirty, with_garbage(old, mask), adv, mask.float(), 4,
+        is_weights=with_garbage(w, mask), token_level=token_level,
+    )
+    torch.testing.assert_close(dirty_loss, loss)
+    dirty_grad = grad_of(dirty_loss, dirty)
+    assert torch.isfinite(dirty_grad).all() and (dirty_grad[~mask] == 0).all()
+    torch.testing.assert_close(dirty_grad, grad_of(loss, logprobs))
+    assert dirty_m == pytest.approx(m)
+
+
+def test_garbage_in_masked_slots_of_per_token_advantages_changes_nothing():
+    logprobs, old, rewards, mask = random_batch(seed=3)
+    adv = algo.compute_advantages(rewards, 4)
     adv_2d = with_garbage(adv[:, None].expand(mask.shape).double(), mask)
-    dirty_loss, _ = gspo.compute_loss(logprobs, old, adv_2d, mask, 4, token_level=True)
-    torch.testing.assert_close(dirty_loss, gspo.compute_loss(logprobs, old, adv, mask, 4)[0])
+    dirty_loss, _ = algo.compute_loss(logprobs, old, adv_2d, mask, 4, token_level=True)
+    torch.testing.assert_close(dirty_loss, algo.compute_loss(logprobs, old, adv, mask, 4)[0])
 
 
 def test_micro_batches_sum_to_the_full_batch():
     logprobs, old, rewards, mask = random_batch(num_prompts=4, seed=4)
     logprobs = near(old, 2e-3)
-    adv = gspo.compute_advantages(rewards, 4)
-    full, _ = gspo.compute_loss(logprobs, old, adv, mask, 4)
+    adv = algo.compute_advantages(rewards, 4)
+    full, _ = algo.compute_loss(logprobs, old, adv, mask, 4)
     full_grad = grad_of(full, logprobs)
-    denominator = gspo.loss_denominator(mask, 4, clip_eps_low=3e-4, clip_eps_high=4e-4)
+    denominator = algo.loss_denominator(mask, 4, clip_eps_low=3e-4, clip_eps_high=4e-4)
     assert denominator == 16.0  # completions
     total, total_grad = 0.0, torch.zeros_like(full_grad)
     for rows in (slice(0, 4), slice(4, 16)):  # split on group boundaries, unevenly
         part = logprobs.detach()[rows].requires_grad_()
-        loss, _ = gspo.compute_loss(part, old[rows], adv[rows], mask[rows], 4, denominator=denominator)
+        loss, _ = algo.compute_loss(part, old[rows], adv[rows], mask[rows], 4, denominator=denominator)
         total = total + loss.detach()
         total_grad[rows] = grad_of(loss, part)
     torch.testing.assert_close(total, full.detach())

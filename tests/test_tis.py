@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import grpo
-import tis
+import tis as algo  # every test file names its algorithm `algo`, so that they diff line for line
 
 
 def ratios_batch(ratios, mask):
@@ -21,9 +21,9 @@ def test_weights_are_one_when_sampler_and_learner_agree():
     mask = torch.arange(6)[None, :] < torch.tensor([[6], [3], [1], [4]])
     for level in ("token", "sequence"):
         for mode in ("truncate", "mask"):
-            w = tis.tis_weights(logprobs, logprobs.clone(), mask, level=level, mode=mode, cap_min=0.5)
+            w = algo.tis_weights(logprobs, logprobs.clone(), mask, level=level, mode=mode, cap_min=0.5)
             assert (w[mask] == 1).all() and (w[~mask] == 0).all()
-    m = tis.mismatch_metrics(logprobs, logprobs.clone(), mask)
+    m = algo.mismatch_metrics(logprobs, logprobs.clone(), mask)
     assert m == {
         "mismatch_log_ratio_mean": 0.0, "mismatch_kl_k3": 0.0, "mismatch_max_abs_diff": 0.0, "mismatch_trunc_frac": 0.0
     }
@@ -38,9 +38,9 @@ def test_token_weights_hand_computed():
         ("mask", 0.8): [0.0, 0.0, 1.5, 0.0],  # MIS with a lower bound
     }
     for (mode, cap_min), expected in cases.items():
-        w = tis.tis_weights(learner, sampler, mask, mode=mode, cap_min=cap_min)
+        w = algo.tis_weights(learner, sampler, mask, mode=mode, cap_min=cap_min)
         torch.testing.assert_close(w, torch.tensor([expected]))
-    icepop = tis.tis_weights(learner, sampler, mask, cap=5.0, cap_min=0.5, mode="mask")
+    icepop = algo.tis_weights(learner, sampler, mask, cap=5.0, cap_min=0.5, mode="mask")
     torch.testing.assert_close(icepop, torch.tensor([[0.5, 3.0, 1.5, 0.0]]))
 
 
@@ -49,9 +49,9 @@ def test_sequence_weights_hand_computed():
     learner, sampler, mask = ratios_batch(
         [[0.5, 3.0, 1.5, 9.0], [0.5, 1.5, 7.0, 7.0]], [[True, True, True, False], [True, True, False, False]]
     )
-    truncated = tis.tis_weights(learner, sampler, mask, level="sequence")
+    truncated = algo.tis_weights(learner, sampler, mask, level="sequence")
     torch.testing.assert_close(truncated, torch.tensor([[2.0, 2.0, 2.0, 0.0], [0.75, 0.75, 0.0, 0.0]]))
-    masked = tis.tis_weights(learner, sampler, mask, level="sequence", mode="mask")
+    masked = algo.tis_weights(learner, sampler, mask, level="sequence", mode="mask")
     torch.testing.assert_close(masked, torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.75, 0.75, 0.0, 0.0]]))
 
 
@@ -60,19 +60,19 @@ def test_sequence_ratio_is_computed_in_float32_from_summed_log_ratios():
     sampler = torch.full((1, 2000), -1.0)
     learner = sampler + 1e-3
     mask = torch.ones(1, 2000, dtype=torch.bool)
-    w = tis.tis_weights(learner, sampler, mask, level="sequence", cap=100.0)
+    w = algo.tis_weights(learner, sampler, mask, level="sequence", cap=100.0)
     assert w.dtype == torch.float32
     torch.testing.assert_close(w, torch.full((1, 2000), math.exp(2.0)), rtol=1e-3, atol=0)
     # bf16 logprobs: the subtraction and sum happen after the cast to float32, so the result is float32.
-    w16 = tis.tis_weights(learner.bfloat16(), sampler.bfloat16(), mask, level="sequence", cap=100.0)
+    w16 = algo.tis_weights(learner.bfloat16(), sampler.bfloat16(), mask, level="sequence", cap=100.0)
     assert w16.dtype == torch.float32 and torch.isfinite(w16).all()
     # float64 stays float64.
-    assert tis.tis_weights(learner.double(), sampler.double(), mask).dtype == torch.float64
+    assert algo.tis_weights(learner.double(), sampler.double(), mask).dtype == torch.float64
 
 
 def test_weights_are_detached():
     learner = torch.randn(2, 3, requires_grad=True)
-    w = tis.tis_weights(learner, torch.randn(2, 3), torch.ones(2, 3))
+    w = algo.tis_weights(learner, torch.randn(2, 3), torch.ones(2, 3))
     assert not w.requires_grad
 
 
@@ -84,23 +84,23 @@ def test_garbage_in_masked_slots_changes_nothing():
     dirty_sampler = torch.where(mask, sampler, torch.tensor([[math.inf, math.nan, math.inf, -math.inf]] * 2))
     for level in ("token", "sequence"):
         for mode in ("truncate", "mask"):
-            clean = tis.tis_weights(learner, sampler, mask, level=level, mode=mode)
-            dirty = tis.tis_weights(dirty_learner, dirty_sampler, mask.float(), level=level, mode=mode)
+            clean = algo.tis_weights(learner, sampler, mask, level=level, mode=mode)
+            dirty = algo.tis_weights(dirty_learner, dirty_sampler, mask.float(), level=level, mode=mode)
             torch.testing.assert_close(dirty, clean)
-    assert tis.mismatch_metrics(dirty_learner, dirty_sampler, mask) == pytest.approx(
-        tis.mismatch_metrics(learner, sampler, mask)
+    assert algo.mismatch_metrics(dirty_learner, dirty_sampler, mask) == pytest.approx(
+        algo.mismatch_metrics(learner, sampler, mask)
     )
 
 
 def test_mismatch_metrics_hand_computed():
     learner, sampler, mask = ratios_batch([[0.5, 3.0, 1.5, 9.0]], [[True, True, True, False]])
-    m = tis.mismatch_metrics(learner, sampler, mask)
+    m = algo.mismatch_metrics(learner, sampler, mask)
     logs = [math.log(0.5), math.log(3.0), math.log(1.5)]
     assert m["mismatch_log_ratio_mean"] == pytest.approx(sum(logs) / 3, rel=1e-5)
     assert m["mismatch_kl_k3"] == pytest.approx(sum(math.exp(x) - 1 - x for x in logs) / 3, rel=1e-5)
     assert m["mismatch_max_abs_diff"] == pytest.approx(math.log(3.0), rel=1e-5)
     assert m["mismatch_trunc_frac"] == pytest.approx(1 / 3)  # only rho = 3 is above the default cap of 2
-    assert tis.mismatch_metrics(learner, sampler, mask, cap=1.2)["mismatch_trunc_frac"] == pytest.approx(2 / 3)
+    assert algo.mismatch_metrics(learner, sampler, mask, cap=1.2)["mismatch_trunc_frac"] == pytest.approx(2 / 3)
 
 
 def test_unit_weights_leave_a_loss_unchanged_and_weights_scale_it():
@@ -111,10 +111,10 @@ def test_unit_weights_leave_a_loss_unchanged_and_weights_scale_it():
     mask = torch.arange(5)[None, :] < torch.tensor([[5], [2], [3], [4]])
     adv = grpo.compute_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), 2)
     plain, _ = grpo.compute_loss(logprobs, old, adv, mask, 2)
-    ones = tis.tis_weights(old, old.clone(), mask)
+    ones = algo.tis_weights(old, old.clone(), mask)
     weighted, _ = grpo.compute_loss(logprobs, old, adv, mask, 2, is_weights=ones)
     torch.testing.assert_close(weighted, plain)
-    halves = tis.tis_weights(old, old - math.log(2.0), mask, level="sequence", mode="truncate", cap=0.5)
+    halves = algo.tis_weights(old, old - math.log(2.0), mask, level="sequence", mode="truncate", cap=0.5)
     halved, _ = grpo.compute_loss(logprobs, old, adv, mask, 2, is_weights=halves)
     torch.testing.assert_close(halved, plain * 0.5)
 
@@ -122,6 +122,6 @@ def test_unit_weights_leave_a_loss_unchanged_and_weights_scale_it():
 def test_unknown_level_or_mode_raises():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError):
-        tis.tis_weights(x, x, x.bool(), level="prompt")
+        algo.tis_weights(x, x, x.bool(), level="prompt")
     with pytest.raises(ValueError):
-        tis.tis_weights(x, x, x.bool(), mode="clip")
+        algo.tis_weights(x, x, x.bool(), mode="clip")

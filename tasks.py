@@ -16,11 +16,13 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
    - Strict parsing: the completion must be exactly `<think> ... </think> INTEGER` (surrounding whitespace is
      allowed). Two answers, stray or repeated tags, signs, leading zeros or anything after the answer score -1.
 
-2. Real data (`MathDataset`): math problems through `datasets`, from a hub name or a local JSON/JSONL/Parquet file,
-   with configurable question/answer fields (GSM8K: question/answer with "#### 42"; Polaris-53K: problem/answer).
+2. Real data (`MathDataset`): math problems from a hub name or a Parquet file (through `datasets`) or a local
+   JSONL/JSON/CSV file (read line by line with the standard library, so that every row keeps its file line), with
+   configurable question/answer fields (GSM8K: question/answer with "#### 42"; Polaris-53K: problem/answer).
    `math_answers_match` extracts the final or \\boxed{} answer and compares numbers, fractions and normalised
-   expressions. Malformed rows raise `BadRowError` naming the row index and the field, or are skipped and counted
-   with `skip_bad_rows=True`.
+   expressions. Bad rows (a line that is not JSON, a missing field, a question that is not text...) are all
+   collected and raised as one `DataFileError` naming each by file, line (or row) and field, or are skipped and
+   reported (`MathDataset.skipped_summary`) with `skip_bad_rows=True`.
 
 3. The tiny base model: `build_base_model()` trains a digit-level tokenizer with `tokenizers`, builds a Llama-style
    model of about 0.8M parameters with `transformers` (head_dim 64, as vLLM's CPU attention needs; untied
@@ -194,84 +196,336 @@ def parse_answer(completion: str) -> str | None:
 
 
 class BadRowError(ValueError):
-    """A data row that cannot become a Problem; the message names the row index and the field."""
+    """Data rows that cannot become Problems; the message names the file (or hub split), the line or row, and the
+    field. What the loaders raise is its subclass DataFileError."""
 
 
+@dataclass(frozen=True)
+class BadRow:
+    """One row that cannot become a Problem. `reason` is short and the same for alike rows (skipped rows are
+    counted by it); `detail` says what this row holds."""
+
+    where: str  # "data.jsonl line 7", "data.json line 3, item 1", "data.parquet row 12", "openai/gsm8k:train row 5"
+    reason: str  # "not JSON", "missing field 'answer'", "field 'question' has type int instead of a string", ...
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.reason}" + (f" ({self.detail})" if self.detail else "")
+
+
+class DataFileError(BadRowError):
+    """Every bad row of one data source at once (the first BAD_ROWS_SHOWN listed, then a count of the rest, by
+    reason), or a file that cannot be read as rows at all. `bad_rows` holds all of them (empty for a whole file)."""
+
+    def __init__(self, message: str, bad_rows: list[BadRow] | None = None) -> None:
+        super().__init__(message)
+        self.bad_rows = bad_rows or []
+
+
+BAD_ROWS_SHOWN = 30  # an error lists this many bad rows, then counts the rest
 _QUESTION_FIELDS = ("question", "problem", "prompt")
 _ANSWER_FIELDS = ("answer", "solution", "final_answer")
+_LOCAL_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
 def is_local_data_file(name_or_path: str) -> bool:
-    """A local .json/.jsonl/.parquet file (anything else is a hub data set name)."""
-    return Path(name_or_path).suffix in (".json", ".jsonl", ".parquet")
+    """A local .json/.jsonl/.csv/.parquet file (anything else is a hub data set name)."""
+    return Path(name_or_path).suffix.lower() in _LOCAL_SUFFIXES
 
 
-def load_rows(name_or_path: str, split: str = "train", config: str | None = None) -> Any:
-    """A `datasets.Dataset` from a hub name (with its configuration `config`, e.g. "main" for openai/gsm8k) or a
-    local .json/.jsonl/.parquet file."""
-    import datasets
+@dataclass(frozen=True)
+class _NotARow:
+    """A line of a file that holds no row (not JSON, not UTF-8, a CSV line with the wrong number of cells)."""
 
-    path = Path(name_or_path)
-    if is_local_data_file(name_or_path):
-        if config:
-            raise ValueError(f"a data set configuration ({config!r}) names a part of a hub data set; {path} is a "
-                             "local file")
-        if not path.exists():
-            raise FileNotFoundError(f"data file not found: {path}")
-        builder = "parquet" if path.suffix == ".parquet" else "json"
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
-    return datasets.load_dataset(name_or_path, config, split=split)
+    reason: str
+    detail: str = ""
+
+
+@dataclass
+class DataRows:
+    """The rows of one data source as they are in it, unvalidated, each with where it is."""
+
+    source: str  # the file or hub split, as messages name it
+    # (index, where, row): the index counts the rows of the source from 0 (the Problem ids use it); a row is what
+    # the source holds there (a dict when all is well), or a _NotARow for a line that could not be read as one.
+    rows: list[tuple[int, str, Any]] = field(default_factory=list)
+
+
+def read_rows(name_or_path: str, split: str = "train", config: str | None = None) -> DataRows:
+    """The rows of a local .jsonl/.json/.csv/.parquet file or of a hub data set split (with its configuration
+    `config`, e.g. "main" for openai/gsm8k), as they are in the source, each named by where it is.
+
+    JSON Lines, JSON and CSV files are read with the standard library, so that every row keeps its 1-based file
+    line and a line that is not JSON is a bad row of its own: datasets' JSON reader fails on the whole file with
+    a pyarrow message that names neither, and fills the keys a row lacks with None. A .json file holds one list
+    of row objects (a row is named by the line it starts on and its list index from 0) or JSON Lines, as datasets
+    accepts. CSV: the header line names the fields and every cell is text. Parquet files and hub sets go through
+    `datasets.load_dataset`; their rows are named "row N", counted from 0 as `dataset[N]` counts them.
+    """
+    if not is_local_data_file(name_or_path):
+        import datasets
+
+        label = f"{name_or_path}{f' ({config})' if config else ''}:{split}"
+        return _dataset_rows(datasets.load_dataset(name_or_path, config, split=split), label)
+    path, source = Path(name_or_path), name_or_path
+    if config:
+        raise ValueError(f"a data set configuration ({config!r}) names a part of a hub data set; {path} is a "
+                         "local file")
+    if not path.exists():
+        raise FileNotFoundError(f"data file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import datasets
+
+        return _dataset_rows(datasets.load_dataset("parquet", data_files=str(path), split="train"), source)
+    data = path.read_bytes()
+    if suffix == ".csv":
+        return _csv_rows(data, source)
+    if suffix == ".json" and data.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"[":  # past a byte order mark
+        return _json_array_rows(data, source)
+    rows = _json_lines_rows(data, source)
+    if suffix == ".json" and rows.rows and all(isinstance(r, _NotARow) for _, _, r in rows.rows):
+        # Most likely one pretty-printed object: say so rather than list each of its lines as "not JSON".
+        raise DataFileError(f"{source}: neither a list of row objects nor one JSON object per line")
+    return rows
+
+
+def _dataset_rows(rows: Any, source: str) -> DataRows:
+    # datasets gives every row every column, None where the row has no value: drop those, so that a missing field
+    # is judged, and the row's keys listed, as the row really is.
+    return DataRows(source, [(i, f"{source} row {i}", {k: v for k, v in row.items() if v is not None}
+                              if isinstance(row, dict) else row) for i, row in enumerate(rows)])
+
+
+def _excerpt(value: Any, width: int = 40) -> str:
+    """A short view of a value for a message: a string quoted, anything else as JSON (or repr) text."""
+    if isinstance(value, str):
+        return repr(value[:width] + "..." if len(value) > width else value)
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):  # parquet and hub rows may hold bytes, dates...
+        text = repr(value)
+    return text[:width] + "..." if len(text) > width else text
+
+
+def _decode(data: bytes, source: str) -> str:
+    """A whole .json or .csv file as text; a file that is not UTF-8 is named with the line of its first bad byte."""
+    try:
+        return data.decode("utf-8-sig")  # -sig: spreadsheets write a byte order mark
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataFileError(f"{source} line {line}: not UTF-8 text ({e.reason})") from None
+
+
+def _json_lines_rows(data: bytes, source: str) -> DataRows:
+    out, index = DataRows(source), 0
+    # Split the bytes on "\n" (not str.splitlines, which also splits on \r, \x0c, \u2028...): lines as editors count.
+    for lineno, raw in enumerate(data.split(b"\n"), 1):
+        where = f"{source} line {lineno}"
+        try:
+            text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+        except UnicodeDecodeError as e:
+            out.rows.append((index, where, _NotARow("not UTF-8", f"byte {e.start + 1} of the line")))
+            index += 1
+            continue
+        if not text.strip():
+            continue  # blank lines hold no row (datasets skips them too), and do not count as rows
+        try:
+            row: Any = json.loads(text)
+        except json.JSONDecodeError as e:
+            row = _NotARow("not JSON", f"{e.msg} at column {e.colno}: {_excerpt(text.strip())}")
+        except (ValueError, RecursionError) as e:  # an integer past Python's digit limit, absurd nesting
+            row = _NotARow("not JSON", str(e)[:100])
+        out.rows.append((index, where, row))
+        index += 1
+    return out
+
+
+def _json_array_rows(data: bytes, source: str) -> DataRows:
+    """A .json file holding one list: each item is a row, named by the line it starts on and its index."""
+    text = _decode(data, source)
+    decoder, out = json.JSONDecoder(), DataRows(source)
+    pos = _JSON_SPACE.match(text, text.index("[") + 1).end()
+    line, counted_to = 1, 0
+    try:
+        if text[pos : pos + 1] != "]":
+            while True:  # json.load would do, but says nothing of where each item starts
+                line, counted_to = line + text.count("\n", counted_to, pos), pos
+                item, end = decoder.raw_decode(text, pos)
+                out.rows.append((len(out.rows), f"{source} line {line}, item {len(out.rows)}", item))
+                pos = _JSON_SPACE.match(text, end).end()
+                if text[pos : pos + 1] == ",":
+                    pos = _JSON_SPACE.match(text, pos + 1).end()
+                elif text[pos : pos + 1] == "]":
+                    break
+                else:
+                    raise json.JSONDecodeError("Expecting ',' delimiter or ']'", text, pos)
+        if text[pos + 1 :].strip(" \t\n\r"):
+            raise json.JSONDecodeError("Extra data", text, _JSON_SPACE.match(text, pos + 1).end())
+    except json.JSONDecodeError as e:  # the list itself is broken: no row of it can be trusted, skipped or not
+        raise DataFileError(f"{source} line {e.lineno} column {e.colno}: not JSON ({e.msg}); a .json file holds "
+                            "one list of row objects, or one object per line") from None
+    except (ValueError, RecursionError) as e:
+        raise DataFileError(f"{source}: not JSON ({str(e)[:100]})") from None
+    return out
+
+
+def _csv_rows(data: bytes, source: str) -> DataRows:
+    """CSV with a header line: every cell is text, so here a question "42" is the string "42"."""
+    import csv
+    import io
+
+    reader = csv.reader(io.StringIO(_decode(data, source), newline=""))
+    out = DataRows(source)
+    try:
+        header = [name.strip() for name in next(reader, [])]
+        start = reader.line_num + 1  # a quoted cell may span lines: a row is named by its first line
+        for cells in reader:
+            if cells:  # [] is a blank line
+                where = f"{source} line {start}"
+                if len(cells) == len(header):
+                    out.rows.append((len(out.rows), where, dict(zip(header, cells))))
+                else:  # most often an unquoted comma inside a question
+                    out.rows.append((len(out.rows), where, _NotARow(
+                        "wrong number of cells", f"{len(cells)} cells, the header has {len(header)}")))
+            start = reader.line_num + 1
+    except csv.Error as e:  # e.g. a cell over csv.field_size_limit(): the reader cannot go on
+        raise DataFileError(f"{source} line {reader.line_num}: not CSV ({e})") from None
+    return out
+
+
+class _Reject(Exception):
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(reason)
+        self.reason, self.detail = reason, detail
 
 
 def rows_to_problems(
-    rows: Any, question_field: str | None = None, answer_field: str | None = None, skip_bad_rows: bool = False,
-    source: str = "data",
-) -> tuple[list[Problem], int]:
-    """Validate rows into Problems. Returns (problems, number of skipped rows)."""
-    columns = list(getattr(rows, "column_names", None) or (rows[0].keys() if len(rows) else []))
-    q_field = question_field or next((f for f in _QUESTION_FIELDS if f in columns), _QUESTION_FIELDS[0])
-    a_field = answer_field or next((f for f in _ANSWER_FIELDS if f in columns), _ANSWER_FIELDS[0])
-    problems, skipped = [], 0
-    for index, row in enumerate(rows):
+    rows: DataRows | Any, question_field: str | None = None, answer_field: str | None = None,
+    skip_bad_rows: bool = False, source: str = "data",
+) -> tuple[list[Problem], list[BadRow]]:
+    """Validate rows into Problems with ids f"{source}-{row index}"; returns (problems, the bad rows skipped).
+
+    `rows` is a DataRows from `read_rows`, or any sequence of dicts (a datasets.Dataset, a list), whose rows are
+    then named f"{source} row N". The question and answer fields are `question_field`/`answer_field`, else the
+    first of question/problem/prompt and answer/solution/final_answer that the rows have. A row is bad when:
+    - it is not an object (or its line is not JSON), or a field is absent or null (judged on the row as it is in
+      the file; the message lists the keys the row has);
+    - the question is not a non-empty string: a number such as 42 is a bad row, never the prompt "42" (in CSV
+      every cell is text, so there "42" is a string);
+    - the answer is neither a non-empty string nor a finite number: math sets often store answers as numbers, so
+      42 or 0.5 become "42" or "0.5" (a bool is bad);
+    - a GSM8K answer has nothing after "####", or a solution with </think> or \\boxed has no final answer.
+    Every bad row is found before anything is raised: without `skip_bad_rows`, one DataFileError lists them all
+    (the first BAD_ROWS_SHOWN, then a count of the rest), each with its file and line (or row) and field.
+    """
+    data = rows if isinstance(rows, DataRows) else _dataset_rows(rows, source)
+    keys = list(dict.fromkeys(k for _, _, row in data.rows if isinstance(row, dict) for k in row))
+    q_field = _pick_field(question_field, _QUESTION_FIELDS, keys, "question", data.source)
+    a_field = _pick_field(answer_field, _ANSWER_FIELDS, keys, "answer", data.source)
+    problems, bad = [], []
+    for index, where, row in data.rows:
         try:
-            question = _field(row, q_field, index, source)
-            answer = _field(row, a_field, index, source)
-            if "####" in answer:  # GSM8K: worked solution, then "#### 42"
-                answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
-                if not answer:
-                    raise BadRowError(f"{source} row {index}: field '{a_field}' has nothing after '####'")
-            elif THINK_CLOSE in answer or "\\boxed" in answer:
-                answer = extract_final_answer(answer) or ""
-                if not answer:
-                    raise BadRowError(f"{source} row {index}: field '{a_field}' has no final answer")
-        except BadRowError:
-            if not skip_bad_rows:
-                raise
-            skipped += 1
+            if isinstance(row, _NotARow):
+                raise _Reject(row.reason, row.detail)
+            if not isinstance(row, dict):
+                raise _Reject("not a JSON object", f"{type(row).__name__} {_excerpt(row)}")
+            question = _text_field(row, q_field, numbers=False)
+            answer = _final_answer(_text_field(row, a_field, numbers=True), a_field)
+        except _Reject as e:
+            bad.append(BadRow(where, e.reason, e.detail))
             continue
         problems.append(Problem(id=f"{source}-{index}", prompt=question, answer=answer))
-    return problems, skipped
+    if bad and not skip_bad_rows:
+        raise DataFileError(_bad_rows_message(data.source, bad), bad)
+    return problems, bad
 
 
-def _field(row: dict, name: str, index: int, source: str) -> str:
-    if not isinstance(row, dict):
-        raise BadRowError(f"{source} row {index}: expected an object, got {type(row).__name__}")
-    if name not in row or row[name] is None:
-        raise BadRowError(f"{source} row {index}: missing field '{name}' (row has {sorted(row)})")
+def _pick_field(given: str | None, candidates: tuple[str, ...], keys: list[str], kind: str, source: str) -> str:
+    """The field named `given`, else the first candidate that the rows have. A field that no row has is not a bad
+    row but a wrong file or setting (every row would be bad, or skipped): one error says so, skipping or not."""
+    name = given or next((f for f in candidates if f in keys), None)
+    if keys and name not in keys:
+        expected = f"'{given}'" if given else f"({', '.join(candidates[:-1])} or {candidates[-1]})"
+        raise DataFileError(f"{source}: no row has the {kind} field {expected}; the rows have {keys} (set "
+                            f"{kind}_field / --{kind}-field)")
+    return name or candidates[0]
+
+
+def _text_field(row: dict, name: str, numbers: bool) -> str:
+    if row.get(name) is None:
+        null = "it is null; " if name in row else ""
+        raise _Reject(f"missing field '{name}'", f"{null}row has {list(row)}")
     value = row[name]
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise BadRowError(f"{source} row {index}: field '{name}' has type {type(value).__name__}, expected a string")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise BadRowError(f"{source} row {index}: field '{name}' is {value}")
-    text = str(value).strip()
+    if isinstance(value, str):
+        text = value.strip()
+    elif numbers and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise _Reject(f"field '{name}' is not a finite number", repr(value))
+        text = str(value)
+    else:
+        expected = "a string or a number" if numbers else "a string"  # no comma: reasons are listed with commas
+        raise _Reject(f"field '{name}' has type {type(value).__name__} instead of {expected}", _excerpt(value))
     if not text:
-        raise BadRowError(f"{source} row {index}: field '{name}' is empty")
+        raise _Reject(f"field '{name}' is empty")
     return text
+
+
+def _final_answer(answer: str, name: str) -> str:
+    if "####" in answer:  # GSM8K: worked solution, then "#### 42"
+        answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
+        if not answer:
+            raise _Reject(f"field '{name}' has nothing after '####'")
+    elif THINK_CLOSE in answer or "\\boxed" in answer:
+        answer = extract_final_answer(answer) or ""
+        if not answer:
+            raise _Reject(f"field '{name}' has no final answer")
+    return answer
+
+
+def summarize_bad_rows(bad: list[BadRow]) -> str:
+    """How many bad rows by reason, most frequent first: "2 not JSON, 1 missing field 'answer'"."""
+    from collections import Counter
+
+    return ", ".join(f"{n} {reason}" for reason, n in Counter(b.reason for b in bad).most_common())
+
+
+def _bad_rows_message(source: str, bad: list[BadRow]) -> str:
+    lines = [f"{source}: {len(bad)} bad row{'s' * (len(bad) != 1)} (to skip bad rows, set skip_bad_rows / "
+             "--skip-bad-rows):"]
+    lines += [f"  {b}" for b in bad[:BAD_ROWS_SHOWN]]
+    if len(bad) > BAD_ROWS_SHOWN:
+        lines.append(f"  ... and {len(bad) - BAD_ROWS_SHOWN} more; all {len(bad)} by reason: {summarize_bad_rows(bad)}")
+    return "\n".join(lines)
+
+
+def load_rows(
+    name_or_path: str, split: str = "train", config: str | None = None, question_field: str | None = None,
+    answer_field: str | None = None, skip_bad_rows: bool = False, source: str | None = None,
+) -> tuple[Any, list[BadRow]]:
+    """The validated rows of a data file or hub split (see `read_rows` and `rows_to_problems`) as a
+    `datasets.Dataset` with the string columns id, question and answer, and the bad rows that were skipped.
+    `source` prefixes the ids (default: `name_or_path`). Raises DataFileError listing every bad row unless
+    `skip_bad_rows`, FileNotFoundError for a local file that does not exist."""
+    import datasets
+
+    problems, skipped = rows_to_problems(read_rows(name_or_path, split, config), question_field, answer_field,
+                                         skip_bad_rows, source or name_or_path)
+    # Built from the validated rows only: built from the raw ones, pyarrow would refuse a column of mixed types.
+    columns = {"id": [p.id for p in problems], "question": [p.prompt for p in problems],
+               "answer": [p.answer for p in problems]}
+    features = datasets.Features({name: datasets.Value("string") for name in columns})
+    return datasets.Dataset.from_dict(columns, features=features), skipped
 
 
 @dataclass
 class MathDataset:
-    """A math data set as a Task: the prompt asks for a \\boxed{} answer, the reward is +1/-1 by `math_answers_match`."""
+    """A math data set as a Task: the prompt asks for a \\boxed{} answer, the reward is +1/-1 by `math_answers_match`.
+
+    Every data file is read and every row validated here, when the task is constructed: bad rows raise one
+    DataFileError naming each by file, line (or row) and field, or with `skip_bad_rows` are skipped and kept in
+    `skipped` (`skipped_rows` counts them, `skipped_summary` says it in one line for the run log)."""
 
     name_or_path: str
     question_field: str | None = None
@@ -287,16 +541,14 @@ class MathDataset:
     problems: list[Problem] = field(default_factory=list, init=False)
     val_problems: list[Problem] = field(default_factory=list, init=False)
     skipped_rows: int = field(default=0, init=False)
+    skipped: list[BadRow] = field(default_factory=list, init=False)  # the rows skipped, in file order
 
     def __post_init__(self) -> None:
-        rows = load_rows(self.name_or_path, self.split, self.dataset_config)
-        problems, self.skipped_rows = self._problems(rows, self.name_or_path)
+        problems = self._problems(self.name_or_path, self.split, self.dataset_config, self.name_or_path)
         if self.val_split:
             val_source = self.val_split if Path(self.val_split).suffix else self.name_or_path
             val_config = self.dataset_config if val_source == self.name_or_path else None
-            val_rows = load_rows(val_source, self.val_split, val_config)
-            self.val_problems, skipped = self._problems(val_rows, f"{val_source}:{self.val_split}")
-            self.skipped_rows += skipped
+            self.val_problems = self._problems(val_source, self.val_split, val_config, f"{val_source}:{self.val_split}")
             self.problems = problems
         else:  # hold out a fixed, seeded slice so train and validation stay disjoint
             order = list(range(len(problems)))
@@ -305,12 +557,33 @@ class MathDataset:
             held = set(order[:n_val])
             self.val_problems = [problems[i] for i in sorted(held)]
             self.problems = [p for i, p in enumerate(problems) if i not in held]
+        self.skipped_rows = len(self.skipped)
         if not self.problems:
-            raise ValueError(f"{self.name_or_path}: no usable training rows ({self.skipped_rows} skipped)")
+            raise ValueError(f"{self.name_or_path}: no usable training rows ({self.skipped_summary or 'no rows'})")
 
-    def _problems(self, rows: Any, source: str) -> tuple[list[Problem], int]:
-        problems, skipped = rows_to_problems(rows, self.question_field, self.answer_field, self.skip_bad_rows, source)
-        return [Problem(p.id, f"{p.prompt}\n{self.instruction}", p.answer) for p in problems], skipped
+    def _problems(self, name_or_path: str, split: str, config: str | None, id_prefix: str) -> list[Problem]:
+        rows, skipped = load_rows(name_or_path, split, config, self.question_field, self.answer_field,
+                                  self.skip_bad_rows, id_prefix)
+        self.skipped += skipped
+        columns = rows.to_dict()  # all at once: rows["id"] and the like go through datasets' formatting, 40x slower
+        return [Problem(i, f"{q}\n{self.instruction}", a)
+                for i, q, a in zip(columns["id"], columns["question"], columns["answer"])]
+
+    @property
+    def skipped_reasons(self) -> dict[str, int]:
+        """Skipped rows by reason, most frequent first, e.g. {"not JSON": 2, "missing field 'answer'": 1}."""
+        from collections import Counter
+
+        return dict(Counter(b.reason for b in self.skipped).most_common())
+
+    @property
+    def skipped_summary(self) -> str:
+        """One line for the run log, "" when no row was skipped: how many, why, and the first three."""
+        if not self.skipped:
+            return ""
+        first = "; ".join(str(b) for b in self.skipped[:3])
+        return (f"skipped {len(self.skipped)} bad row{'s' * (len(self.skipped) != 1)} "
+                f"({summarize_bad_rows(self.skipped)}); first: {first}")
 
     def train_stream(self, seed: int, start: int = 0) -> Iterator[tuple[int, Problem]]:
         """Epoch after epoch, each in its own seeded order; index i is the i-th problem drawn since the start."""

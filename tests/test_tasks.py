@@ -183,7 +183,7 @@ def test_train_stream_over_a_dataset_is_epoch_shuffled_and_resumable(tmp_path):
 def test_bad_rows_name_the_row_and_field_or_are_skipped(tmp_path, bad_row, field, why):
     rows = GSM8K_ROWS[:10] + [bad_row] + GSM8K_ROWS[10:]
     path = _write_jsonl(tmp_path / "bad.jsonl", rows)
-    with pytest.raises(BadRowError, match=rf"row 10: .*'{field}'.*|row 10: field '{field}'") as err:
+    with pytest.raises(BadRowError, match=rf"bad.jsonl line 11: .*'{field}'") as err:  # line 11 holds row 10
         MathDataset(str(path), question_field="question", answer_field="answer")
     assert why in str(err.value)
     ds = MathDataset(str(path), question_field="question", answer_field="answer", skip_bad_rows=True, val_size=5)
@@ -195,10 +195,205 @@ def test_configurable_fields_and_missing_file(tmp_path):
     rows = [{"q": f"{i}+{i}?", "a": str(2 * i)} for i in range(10)]
     ds = MathDataset(str(_write_jsonl(tmp_path / "custom.jsonl", rows)), question_field="q", answer_field="a")
     assert {p.answer for p in ds.problems + ds.validation()} == {str(2 * i) for i in range(10)}
-    with pytest.raises(BadRowError, match="row 0: missing field 'question'"):
+    with pytest.raises(BadRowError, match=re.escape("custom.jsonl: no row has the question field 'question'; the "
+                                                    "rows have ['q', 'a'] (set question_field / --question-field)")):
         MathDataset(str(tmp_path / "custom.jsonl"), question_field="question", answer_field="a")
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         MathDataset(str(tmp_path / "nope.jsonl"))
+
+
+def _lines(path: Path, lines: list) -> Path:
+    """A data file line by line: dicts and lists as JSON, strings as they are (broken lines)."""
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def test_a_line_that_is_not_json_is_a_bad_row_named_by_file_and_line(tmp_path):
+    """The issue's file: a number where the other rows have a string, and a line that is not JSON. datasets' JSON
+    reader failed on the whole file in pyarrow ("changed from string to number"), naming neither file nor line."""
+    lines = GSM8K_ROWS[:5] + [{"question": 42, "answer": "#### 42"}, "{'question': 'single quotes', 'answer': 1}"]
+    path = _lines(tmp_path / "data.jsonl", lines + GSM8K_ROWS[5:])
+    with pytest.raises(tasks.DataFileError) as err:
+        MathDataset(str(path))
+    message = str(err.value)
+    assert f"{path} line 7: not JSON (Expecting property name enclosed in double quotes at column 2" in message
+    assert f"{path} line 6: field 'question' has type int instead of a string (42)" in message
+    assert "pyarrow" not in message and "Traceback" not in message
+    assert [b.where for b in err.value.bad_rows] == [f"{path} line 6", f"{path} line 7"]
+
+
+def test_every_bad_row_is_reported_at_once_in_one_error(tmp_path):
+    lines = [*GSM8K_ROWS[:2], {"question": "q?"}, GSM8K_ROWS[2], "not json", {"question": "", "answer": "1"},
+             ["a", "list"], "", {"question": "q?", "answer": "no number ####"}]
+    path = _lines(tmp_path / "d.jsonl", lines)
+    with pytest.raises(BadRowError) as err:  # DataFileError is a BadRowError: old `except BadRowError` still works
+        MathDataset(str(path))
+    assert str(err.value).splitlines() == [
+        f"{path}: 5 bad rows (to skip bad rows, set skip_bad_rows / --skip-bad-rows):",
+        f"  {path} line 3: missing field 'answer' (row has ['question'])",
+        f"  {path} line 5: not JSON (Expecting value at column 1: 'not json')",
+        f"  {path} line 6: field 'question' is empty",
+        f"  {path} line 7: not a JSON object (list [\"a\", \"list\"])",
+        f"  {path} line 9: field 'answer' has nothing after '####'",  # line 8 is blank: no row, no error
+    ]
+    assert [b.where for b in err.value.bad_rows] == [f"{path} line {n}" for n in (3, 5, 6, 7, 9)]
+    # Many bad rows: the first BAD_ROWS_SHOWN are listed, the rest counted, all of them by reason.
+    many = _lines(tmp_path / "many.jsonl", GSM8K_ROWS[:5] + [{"question": f"q{i}"} for i in range(40)] + ["{"] * 5)
+    with pytest.raises(tasks.DataFileError) as err:
+        MathDataset(str(many))
+    message = str(err.value).splitlines()
+    assert len(err.value.bad_rows) == 45 and len(message) == 1 + tasks.BAD_ROWS_SHOWN + 1
+    assert message[1] == f"  {many} line 6: missing field 'answer' (row has ['question'])"
+    assert message[-1] == "  ... and 15 more; all 45 by reason: 40 missing field 'answer', 5 not JSON"
+
+
+def test_missing_field_is_judged_on_the_row_as_it_is_in_the_file(tmp_path):
+    """datasets filled an absent key with None across rows, so the message said "missing field 'answer' (row has
+    ['answer', 'question'])". The row itself is judged now, and its real keys listed."""
+    path = _lines(tmp_path / "d.jsonl", GSM8K_ROWS[:3] + [{"question": "q?", "level": 2},
+                                                          {"answer": None, "question": "q?"}])
+    with pytest.raises(tasks.DataFileError) as err:
+        MathDataset(str(path))
+    assert [str(b) for b in err.value.bad_rows] == [
+        f"{path} line 4: missing field 'answer' (row has ['question', 'level'])",
+        f"{path} line 5: missing field 'answer' (it is null; row has ['answer', 'question'])",
+    ]
+
+
+@pytest.mark.parametrize(
+    "row, error",
+    [
+        ({"question": 42, "answer": "42"}, "field 'question' has type int instead of a string (42)"),
+        ({"question": 4.5, "answer": "42"}, "field 'question' has type float instead of a string (4.5)"),
+        ({"question": True, "answer": "1"}, "field 'question' has type bool instead of a string (true)"),
+        ({"question": {"text": "q?"}, "answer": "1"}, "field 'question' has type dict instead of a string"),
+        ({"question": "q?", "answer": True}, "field 'answer' has type bool instead of a string or a number"),
+        ({"question": "q?", "answer": [1, 2]}, "field 'answer' has type list instead of a string or a number"),
+        ({"question": "q?", "answer": float("nan")}, "field 'answer' is not a finite number (nan)"),
+        ({"question": "q?", "answer": "<think> no final </think>"}, "field 'answer' has no final answer"),
+    ],
+)
+def test_a_question_must_be_text_and_an_answer_text_or_a_number(tmp_path, row, error):
+    path = _lines(tmp_path / "d.jsonl", GSM8K_ROWS[:4] + [row])
+    with pytest.raises(tasks.DataFileError, match=re.escape(f"{path} line 5: {error}")):
+        MathDataset(str(path))
+
+
+def test_numeric_answers_become_strings(tmp_path):
+    rows = [{"problem": f"What is {i} / 2?", "answer": i / 2 if i % 2 else i // 2} for i in range(1, 11)]
+    ds = MathDataset(str(_lines(tmp_path / "d.jsonl", rows)), val_size=0)
+    assert [p.answer for p in ds.problems] == ["0.5", "1", "1.5", "2", "2.5", "3", "3.5", "4", "4.5", "5"]
+    assert ds.reward(ds.problems[0], "\\boxed{\\frac{1}{2}}") == 1.0
+
+
+def test_skip_bad_rows_skips_every_bad_row_and_says_how_many_and_why(tmp_path):
+    lines = [*GSM8K_ROWS[:10], "oops", {"question": 42, "answer": "1"}, {"question": "q?"}, "{\"question\": ",
+             *GSM8K_ROWS[10:], {"question": "q?", "answer": None}]
+    path = _lines(tmp_path / "d.jsonl", lines)
+    ds = MathDataset(str(path), skip_bad_rows=True, val_size=5)
+    assert ds.skipped_rows == 5 and len(ds.problems) + len(ds.validation()) == 30
+    assert ds.skipped_reasons == {"not JSON": 2, "missing field 'answer'": 2,
+                                  "field 'question' has type int instead of a string": 1}
+    assert [b.where for b in ds.skipped] == [f"{path} line {n}" for n in (11, 12, 13, 14, 35)]
+    assert ds.skipped_summary == (
+        "skipped 5 bad rows (2 not JSON, 2 missing field 'answer', 1 field 'question' has type int instead of a "
+        f"string); first: {path} line 11: not JSON (Expecting value at column 1: 'oops'); {path} line 12: field "
+        f"'question' has type int instead of a string (42); {path} line 13: missing field 'answer' (row has "
+        "['question'])")
+    # The ids of the good rows do not move when a bad line is fixed or skipped: they count rows from 0.
+    assert {p.id for p in ds.problems + ds.validation()} == {f"{path}-{i}" for i in [*range(10), *range(14, 34)]}
+    assert MathDataset(str(_lines(tmp_path / "good.jsonl", GSM8K_ROWS))).skipped_summary == ""
+
+
+def test_csv_files_are_read_with_the_same_checks_and_line_numbers(tmp_path):
+    """A .csv file used to be taken for a hub name ("Couldn't find any data file"). It is read with the csv module:
+    the header names the fields, every cell is text, a row is named by the file line it starts on."""
+    assert tasks.is_local_data_file("data.csv") and tasks.is_local_data_file("DATA.JSONL")
+    good = ["question,answer"] + [f"What is {i} + 1?,{i + 1}" for i in range(10)]
+    ds = MathDataset(str(_lines(tmp_path / "good.csv", good)), val_size=0)
+    assert [p.answer for p in ds.problems] == [str(i + 1) for i in range(10)]
+    text = ("problem,answer\n"
+            '"A question over\ntwo lines?",5\n'  # lines 2-3: one row
+            "What is 1, and 2?,3\n"  # line 4: an unquoted comma
+            "Empty answer?,\n"  # line 5
+            "\n"  # line 6: blank
+            "42,42\n")  # line 7: a question "42" is text in CSV, so a good row
+    path = tmp_path / "data.csv"
+    path.write_text(text)
+    with pytest.raises(tasks.DataFileError) as err:
+        MathDataset(str(path))
+    assert [str(b) for b in err.value.bad_rows] == [
+        f"{path} line 4: wrong number of cells (3 cells, the header has 2)",
+        f"{path} line 5: field 'answer' is empty",
+    ]
+    ds = MathDataset(str(path), skip_bad_rows=True, val_size=0)
+    assert [(p.prompt.split("\n")[:2], p.answer) for p in ds.problems] == [
+        (["A question over", "two lines?"], "5"), (["42", ds.instruction], "42")]
+    with pytest.raises(FileNotFoundError, match="nope.csv"):
+        MathDataset(str(tmp_path / "nope.csv"))
+
+
+def test_json_lists_name_each_item_by_line_and_a_broken_list_by_line_and_column(tmp_path):
+    import datasets
+
+    rows = POLARIS_ROWS[:8] + [{"problem": "no answer"}, "a string"] + POLARIS_ROWS[8:]
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(rows, indent=1))  # each item starts on its own line, objects span three
+    with pytest.raises(tasks.DataFileError) as err:
+        MathDataset(str(path))
+    assert [str(b) for b in err.value.bad_rows] == [
+        f"{path} line 34, item 8: missing field 'answer' (row has ['problem'])",
+        f"{path} line 37, item 9: not a JSON object (str 'a string')",
+    ]
+    file_lines = path.read_text().splitlines()
+    assert file_lines[33].strip() == "{" and file_lines[36].strip() == '"a string",'  # lines 34 and 37, from 1
+    dataset, skipped = tasks.load_rows(str(path), skip_bad_rows=True)
+    assert isinstance(dataset, datasets.Dataset) and dataset.column_names == ["id", "question", "answer"]
+    assert len(dataset) == 30 and len(skipped) == 2 and dataset[8]["id"] == f"{path}-10"
+    # A list that is itself broken cannot be read row by row: named by line and column, skipped or not.
+    path.write_text('[\n {"problem": "q", "answer": "1"},\n {"problem": "q", "answer": 2,}\n]\n')
+    for skip in (False, True):
+        with pytest.raises(tasks.DataFileError, match=rf"d.json line 3 column 31: not JSON \(Expecting property"):
+            MathDataset(str(path), skip_bad_rows=skip)
+    # A .json file may hold JSON Lines, as datasets accepts; one pretty-printed object is neither.
+    ds = MathDataset(str(_lines(tmp_path / "lines.json", POLARIS_ROWS)), val_size=0)
+    assert len(ds.problems) == 30
+    (tmp_path / "object.json").write_text(json.dumps({"data": POLARIS_ROWS}, indent=1))
+    with pytest.raises(tasks.DataFileError, match="object.json: neither a list of row objects nor one JSON object"):
+        MathDataset(str(tmp_path / "object.json"), skip_bad_rows=True)
+
+
+def test_parquet_and_hub_rows_are_named_row_n(tmp_path, monkeypatch):
+    import datasets
+
+    rows = POLARIS_ROWS[:10] + [{"problem": "q?", "answer": None}] + POLARIS_ROWS[10:]
+    path = tmp_path / "d.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    with pytest.raises(tasks.DataFileError, match=re.escape(
+            f"{path} row 10: missing field 'answer' (row has ['problem'])")):  # the column's null is no key
+        MathDataset(str(path))
+    assert MathDataset(str(path), skip_bad_rows=True).skipped_rows == 1
+
+    def fake_load_dataset(name, config=None, split=None, **kwargs):  # the hub is out of reach: its rows, as lists
+        return [{"question": "q?", "answer": "1"}] * 3 + [{"question": 7, "answer": "1"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    with pytest.raises(tasks.DataFileError, match=re.escape(
+            "some/set (main):test row 3: field 'question' has type int instead of a string (7)")):
+        MathDataset("some/set", dataset_config="main", split="test")
+
+
+def test_a_field_that_no_row_has_is_one_error_naming_the_keys(tmp_path):
+    """Not a bad row but a wrong file or setting: one line says so (not one per row), and skipping would skip all."""
+    path = _lines(tmp_path / "d.jsonl", [{"text": "q?", "answer": "1"}] * 5)
+    for skip in (False, True):
+        with pytest.raises(tasks.DataFileError, match=re.escape(
+                f"{path}: no row has the question field (question, problem or prompt); the rows have ['text', "
+                "'answer'] (set question_field / --question-field)")):
+            MathDataset(str(path), skip_bad_rows=skip)
+        with pytest.raises(tasks.DataFileError, match=re.escape(f"{path}: no row has the answer field 'answr';")):
+            MathDataset(str(path), question_field="text", answer_field="answr", skip_bad_rows=skip)
+    assert len(MathDataset(str(path), question_field="text").problems) == 4
 
 
 def test_load_task_dispatch(tmp_path):

@@ -688,7 +688,7 @@ class _GeneratorProcess:
         import psutil
 
         procs = psutil.Process().children(recursive=True)
-        return {"pid": os.getpid(), "descendants": [(p.pid, p.create_time()) for p in procs],
+        return {"pid": os.getpid(), "descendants": [(p.pid, p.create_time(), p.name()) for p in procs],
                 "max_concurrent_groups": self.max_groups, "max_num_seqs": max_num_seqs,
                 "phrase_ids": self.phrase_ids, "close_ids": self.close_ids,
                 "head": self.llm.collective_rpc("scalerl_head_info")[0]}
@@ -1208,7 +1208,7 @@ class Generator:
         except ImportError:  # pragma: no cover
             return
         survivors = []
-        for pid, created in self._info.get("descendants", []):
+        for pid, created, _ in self._info.get("descendants", []):
             try:
                 p = psutil.Process(pid)
                 if abs(p.create_time() - created) < 1e-3:
@@ -1224,6 +1224,24 @@ class Generator:
         while survivors and time.monotonic() < deadline:
             survivors = [p for p in survivors if _alive(p)]
             time.sleep(0.05)
+
+    def _dead_engine_process(self) -> str | None:
+        """'vLLM process NAME (pid P)' if one of the generator's vLLM processes (engine core, workers; only with
+        engine_process) has died, else None. Checked by the learner while it waits, so no vLLM call can hang it."""
+        descendants = self._info.get("descendants", [])
+        if not descendants:
+            return None
+        import psutil
+
+        for pid, created, name in descendants:
+            try:
+                p = psutil.Process(pid)
+                if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.Error:
+                pass
+            return f"vLLM process {name} (pid {pid})"
+        return None
 
     # ---- messaging --------------------------------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -1273,6 +1291,9 @@ class Generator:
                 if self._conn.poll(0):  # a last message (its error) may still be in the pipe
                     continue
                 self._die(f"generator process died during {what}")
+            dead = self._dead_engine_process()
+            if dead:  # vLLM's engine core or worker died: the generator would wait for its outputs forever
+                self._die(f"{dead} died during {what}")
             if deadline is not None and time.monotonic() >= deadline:
                 # the request is still pending in the generator: its late answer would be taken for the next one's
                 self._dead_reason = f"no answer to {what} within {timeout} s"

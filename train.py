@@ -48,6 +48,8 @@ import os
 import random
 import shutil
 import signal
+import sys
+import tempfile
 import time
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -164,8 +166,8 @@ class Args:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        description="The ScaleRL recipe: vLLM generator + FSDP2 learner. Run under torchrun.",
+    parser = _Parser(
+        prog="train.py", description="The ScaleRL recipe: vLLM generator + FSDP2 learner. Run under torchrun.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Args):
         meta = dict(f.metadata)
@@ -182,6 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 class _Unset:
     """Marks a flag the command line did not give."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors in one line, printed once: every torchrun rank parses the same flags, so only rank 0
+    speaks and the others exit quietly with the same status."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
@@ -208,7 +220,7 @@ def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_
     saved = {}
     if saved_file.exists():
         saved = json.loads(saved_file.read_text())
-    elif (Path(run_dir) / "checkpoint").exists():
+    elif complete_checkpoints(Path(run_dir)):
         parser.error(f"--resume {run_dir}: no args.json there, so the flags of the run are unknown")
     values = {f.name: f.default for f in dataclasses.fields(Args)}
     values.update({k: v for k, v in saved.items() if k in values})
@@ -237,14 +249,47 @@ def check_args(args: Args) -> list[str]:
         problems.append("--group-size 1 has no group variance: every group would be dropped")
     if args.tis is None and args.tis_cap != 2.0:
         problems.append("--tis-cap has no effect without --tis token|sequence")
-    if args.length_control == "interruptions" and _budget(args.think_budget)[1] >= args.max_tokens:
-        problems.append("--think-budget must end below --max-tokens so that an answer fits")
+    try:
+        low, high = _budget(args.think_budget)
+        if not 1 <= low <= high:
+            raise ValueError
+        if args.length_control == "interruptions" and high >= args.max_tokens:
+            problems.append("--think-budget must end below --max-tokens so that an answer fits")
+    except ValueError:
+        problems.append(f"--think-budget {args.think_budget!r}: expected MIN,MAX with 1 <= MIN <= MAX, e.g. 34,40")
+    if not args.temperature > 0:
+        problems.append(f"--temperature must be > 0 (got {args.temperature}): RL samples, and greedy decoding has no "
+                        "usable logprobs")
+    for flag in ("lr", "adam_eps"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            problems.append(f"--{flag.replace('_', '-')} must be > 0 (got {value})")
+    for flag in ("weight_decay", "warmup_steps"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 0 (got {value})")
+    for flag in ("group_size", "max_tokens", "answer_budget", "eval_samples", "eval_prompts", "checkpoint_every",
+                 "log_every", "micro_batch_tokens", "max_bad_steps"):
+        if getattr(args, flag) < 1:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    if not args.grad_clip > 0:
+        problems.append(f"--grad-clip must be > 0 (got {args.grad_clip})")
+    if args.model is not None and not Path(args.model).exists() and (
+            args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1):
+        problems.append(f"--model {args.model}: no such directory (a hub model is named ORG/NAME)")
+    if args.dataset and tasks.is_local_data_file(args.dataset) and not Path(args.dataset).is_file():
+        problems.append(f"--dataset {args.dataset}: no such file")
+    problems += _output_dir_problems(Path(args.output_dir))
     if model_context(args) <= args.max_tokens:
         problems.append(f"--max-model-len ({model_context(args)}) must exceed --max-tokens ({args.max_tokens}): it "
                         "holds the prompt and the completion")
-    if args.resume and not (Path(args.resume) / "checkpoint" / "trainer_state.json").exists():
-        problems.append(f"--resume {args.resume}: no checkpoint there (expected {args.resume}/checkpoint/)")
-    existing = [name for name in ("metrics.jsonl", "checkpoint") if (Path(args.output_dir) / name).exists()]
+    if args.resume and not complete_checkpoints(Path(args.resume)):
+        problems.append(f"--resume {args.resume}: no complete checkpoint there (expected {args.resume}/checkpoint/ "
+                        f"or checkpoint.old/ with trainer_state.json); a run killed before its first checkpoint "
+                        f"cannot be continued: start it afresh with --output-dir {args.resume} --overwrite")
+    existing = [name for name in ("metrics.jsonl", "checkpoint", "checkpoint.old")
+                if (Path(args.output_dir) / name).exists()
+                and not (name == "metrics.jsonl" and (Path(args.output_dir) / name).stat().st_size == 0)]
     if args.resume and args.overwrite:
         problems.append("--resume continues a run and --overwrite deletes it: choose one")
     elif not args.resume and existing and not args.overwrite:
@@ -260,6 +305,22 @@ def check_args(args: Args) -> list[str]:
     if args.eval_every < 1 or args.max_steps < 1 or args.prompts_per_step < 1:
         problems.append("--eval-every, --max-steps and --prompts-per-step must be >= 1")
     return problems
+
+
+def _output_dir_problems(out: Path) -> list[str]:
+    """--output-dir must be a directory this process can write, or a path where one can be made."""
+    if out.exists() and not out.is_dir():
+        return [f"--output-dir {out} is a file, not a directory"]
+    probe = out
+    while not probe.exists():  # the nearest existing ancestor is where the directory would be made
+        probe = probe.parent
+    if not probe.is_dir():
+        return [f"--output-dir {out}: {probe} is a file, not a directory"]
+    try:  # a real write: permission bits say little to root, or on a read-only file system
+        tempfile.TemporaryDirectory(dir=probe, prefix=".scalerl-probe-").cleanup()
+    except OSError as e:
+        return [f"--output-dir {out}: {probe} is not writable ({e.strerror})"]
+    return []
 
 
 def model_context(args: Args) -> int:
@@ -520,46 +581,92 @@ def reduce_metrics(totals: dict[str, float], world: int) -> dict[str, float]:
 
 
 def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: int) -> None:
+    """OUTPUT_DIR/checkpoint/ (the previous one kept as checkpoint.old/ until the next save completes). Each rank's
+    RNG states go into rng-RANK.pt; trainer_state.json is written last, so a directory that has it is complete."""
     import numpy as np
     import torch
+    import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                    cpu_offload=True))
+    tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        torch.save({"model": model_sd, "optimizer": optim_sd}, tmp / "weights.pt")
+    dist.barrier()  # tmp exists before the other ranks write their RNG states into it
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    torch.save(rng, tmp / f"rng-{rank}.pt")
+    dist.barrier()
     if rank != 0:
         return
-    tmp, final = out / "checkpoint.tmp", out / "checkpoint"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    torch.save({"model": model_sd, "optimizer": optim_sd}, tmp / "weights.pt")
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    torch.save(rng, tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps(state))
-    # Replace atomically-enough: a crash between the two renames leaves checkpoint.old, which resume also reads.
-    old = out / "checkpoint.old"
-    shutil.rmtree(old, ignore_errors=True)
+    # At every moment one complete checkpoint exists: a crash between these renames leaves checkpoint.old.
     if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
         final.rename(old)
     tmp.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(out: Path, model: Any, optimizer: Any) -> dict:
+def complete_checkpoints(out: Path) -> list[Path]:
+    """The complete checkpoints of a run directory, newest first (checkpoint/, then checkpoint.old/)."""
+    return [d for d in (out / "checkpoint", out / "checkpoint.old") if (d / "trainer_state.json").is_file()]
+
+
+def load_checkpoint(out: Path, model: Any, optimizer: Any, rank: int) -> tuple[dict, Path]:
+    """Restore the newest complete checkpoint that loads; a corrupt one is named and the older one used instead."""
     import numpy as np
     import torch
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-    ckpt = out / "checkpoint"
-    if not (ckpt / "trainer_state.json").exists() and (out / "checkpoint.old" / "trainer_state.json").exists():
-        ckpt = out / "checkpoint.old"
-    weights = torch.load(ckpt / "weights.pt", map_location="cpu", weights_only=False)
-    set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optimizer"],
-                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    rng = torch.load(ckpt / "rng.pt", weights_only=False)
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    return json.loads((ckpt / "trainer_state.json").read_text())
+    failures = []
+    for ckpt in complete_checkpoints(out):
+        try:
+            state = json.loads((ckpt / "trainer_state.json").read_text())
+            weights = torch.load(ckpt / "weights.pt", map_location="cpu", weights_only=False)
+            rng_file = ckpt / f"rng-{rank}.pt"
+            rng = torch.load(rng_file if rng_file.exists() else ckpt / "rng-0.pt", weights_only=False)
+        except Exception as e:  # a file cut short or garbled: name it, try the older checkpoint
+            failures.append(f"{ckpt} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            if rank == 0:
+                print(f"[resume] {failures[-1]}; trying the previous checkpoint", file=sys.stderr)
+            continue
+        set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optimizer"],
+                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+        return state, ckpt
+    raise SystemExit(f"--resume {out}: no checkpoint could be read: " + "; ".join(failures))
+
+
+class GracefulStop:
+    """SIGINT (Ctrl-C; torchrun passes it on to every rank) or SIGTERM: finish the current step, save a checkpoint
+    and exit, so that a --resume redoes nothing. A second signal stops at once."""
+
+    def __init__(self, announce: bool, device: Any = "cpu"):
+        self.signal: str | None = None
+        self.announce, self.device = announce, device
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping at once")
+        self.signal = signal.Signals(signum).name
+        if self.announce:
+            print(f"\n[{self.signal}] stopping after this step, with a checkpoint (again to stop at once)",
+                  file=sys.stderr, flush=True)
+
+    def agreed(self) -> bool:
+        """True on every rank if any rank was signalled (a collective: every rank calls it at the same point)."""
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(self.signal is not None)], device=self.device)  # NCCL reduces on the GPU
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 class OutputDirBusyError(RuntimeError):
@@ -587,6 +694,22 @@ def lock_output_dir(out: Path) -> Any:
     return handle
 
 
+def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:
+    """`value` with every non-finite float replaced by None, and the dotted names of the replaced fields."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, [name]
+    if isinstance(value, dict):
+        out, bad = {}, []
+        for key, item in value.items():
+            out[key], found = _json_safe(item, f"{name}.{key}" if name else str(key))
+            bad += found
+        return out, bad
+    if isinstance(value, (list, tuple)):
+        pairs = [_json_safe(item, f"{name}[{i}]") for i, item in enumerate(value)]
+        return [item for item, _ in pairs], [n for _, found in pairs for n in found]
+    return value, []
+
+
 class MetricsLog:
     """metrics.jsonl (format: scaling_fit.py's docstring). On resume it is cut back to the checkpoint's line
     count, so steps re-done after a crash are neither lost nor duplicated."""
@@ -600,8 +723,11 @@ class MetricsLog:
         path.write_text("".join(lines))
 
     def write(self, row: dict) -> None:
+        row, non_finite = _json_safe(row)
+        if non_finite:  # strict JSON has no NaN or Infinity: write null and name the fields
+            row["non_finite"] = non_finite
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(row, allow_nan=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
         self.lines += 1
@@ -691,7 +817,9 @@ def main(argv: list[str] | None = None) -> None:
         pipeline_rl.set_parent_death_signal(signal.SIGKILL)
     rank, world, device = init_distributed(args.gen_devices)
     is_main = rank == 0
+    stopper = GracefulStop(announce=is_main, device=device)
     out = Path(args.output_dir)
+    fresh_dir = not out.exists()  # a start that fails removes what it made
     # One run per OUTPUT_DIR at a time (the lock dies with its process, so a killed run never blocks its resume).
     output_lock, lock_error = None, [None]  # the open lock file: held until this function returns
     if is_main:
@@ -703,59 +831,64 @@ def main(argv: list[str] | None = None) -> None:
     if lock_error[0]:
         dist.destroy_process_group()
         raise SystemExit(lock_error[0])
-    if is_main and args.overwrite:
-        for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
-            shutil.rmtree(out / name, ignore_errors=True)
-        for name in ("metrics.jsonl", "scaling.png"):
-            (out / name).unlink(missing_ok=True)
-    loss_module = importlib.import_module(args.loss)
-    hp = loss_hyperparameters(args, loss_module)
-    adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
-
-    # Data and model. Rank 0 builds the embedded model once (cached); the others wait at the barrier.
-    task, test_task = load_tasks(args)
-    embedded = args.model is None
-    if embedded and is_main:
-        tasks.build_base_model()
-    dist.barrier()
-    model_path = str(tasks.build_base_model()) if embedded else args.model
-    resolve_defaults(args, embedded, device.type == "cuda")
-    random.seed(args.seed + rank)
-    np.random.seed(args.seed + rank)
-    torch.manual_seed(args.seed)
-    model, n_params = build_learner(model_path, args, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    warmup = max(args.warmup_steps, 0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
-    from transformers import AutoTokenizer
-
-    pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
-
-    # Trainer state (saved in every checkpoint).
-    state: dict[str, Any] = {
-        "step": 0, "metrics_lines": 0, "elapsed_hours": 0.0, "flops": 0.0, "gen_tokens": 0, "train_tokens": 0,
-        "consumed": [], "history": {}, "retired": [], "bad_steps_total": 0, "reward_errors": 0,
-    }
-    if args.resume:
-        state = load_checkpoint(out, model, optimizer)
-        for _ in range(state["step"]):
-            scheduler.step()
-    out.mkdir(parents=True, exist_ok=True)
-    log = MetricsLog(out / "metrics.jsonl", state["metrics_lines"] if args.resume else 0) if is_main else None
-    if is_main:
-        (out / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
-
-    # The generator (rank 0 owns it; its process is vLLM's).
     generator = None
-    consumed: set[int] = set(state["consumed"])
-    history: dict[str, list[float]] = dict(state["history"])
-    retired: set[str] = set(state["retired"])
-    val_problems = task.validation(args.eval_prompts)
-    test_problems = test_task.validation(None) if test_task else []
-    devices_in_use = world + 1  # learner ranks + the generator (on GPU: its device count)
-    if args.gen_devices:
-        devices_in_use = world + len(args.gen_devices.split(","))
-    try:
+    log: MetricsLog | None = None
+    try:  # until the first metrics row, a failure leaves the output directory as it was found
+        if is_main and args.overwrite:
+            for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
+                shutil.rmtree(out / name, ignore_errors=True)
+            for name in ("metrics.jsonl", "scaling.png"):
+                (out / name).unlink(missing_ok=True)
+        loss_module = importlib.import_module(args.loss)
+        hp = loss_hyperparameters(args, loss_module)
+        adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
+
+        # Data and model. Rank 0 builds the embedded model once (cached); the others wait at the barrier.
+        task, test_task = load_tasks(args)
+        for t in (task, test_task):
+            if is_main and getattr(t, "skipped_summary", ""):
+                print(f"[data] {t.name_or_path}: {t.skipped_summary}", file=sys.stderr)
+        embedded = args.model is None
+        if embedded and is_main:
+            tasks.build_base_model()
+        dist.barrier()
+        model_path = str(tasks.build_base_model()) if embedded else args.model
+        resolve_defaults(args, embedded, device.type == "cuda")
+        random.seed(args.seed + rank)
+        np.random.seed(args.seed + rank)
+        torch.manual_seed(args.seed)
+        model, n_params = build_learner(model_path, args, device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
+        warmup = max(args.warmup_steps, 0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        from transformers import AutoTokenizer
+
+        pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
+
+        # Trainer state (saved in every checkpoint).
+        state: dict[str, Any] = {
+            "step": 0, "metrics_lines": 0, "elapsed_hours": 0.0, "flops": 0.0, "gen_tokens": 0, "train_tokens": 0,
+            "consumed": [], "history": {}, "retired": [], "bad_steps_total": 0, "reward_errors": 0,
+        }
+        if args.resume:
+            state, ckpt = load_checkpoint(out, model, optimizer, rank)
+            if is_main:
+                print(f"[resume] {ckpt}: step {state['step']}", file=sys.stderr)
+            for _ in range(state["step"]):
+                scheduler.step()
+        if not args.resume and is_main:
+            state["data_skipped"] = {"rows": getattr(task, "skipped_rows", 0),
+                                     "reasons": getattr(task, "skipped_reasons", {})}
+
+        # The generator (rank 0 owns it; its process is vLLM's).
+        consumed: set[int] = set(state["consumed"])
+        history: dict[str, list[float]] = dict(state["history"])
+        retired: set[str] = set(state["retired"])
+        val_problems = task.validation(args.eval_prompts)
+        test_problems = test_task.validation(None) if test_task else []
+        devices_in_use = world + 1  # learner ranks + the generator (on GPU: its device count)
+        if args.gen_devices:
+            devices_in_use = world + len(args.gen_devices.split(","))
         if is_main:
             data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
             config = generator_config(args, model_path, state)
@@ -767,8 +900,16 @@ def main(argv: list[str] | None = None) -> None:
             sd = full_state_dict(model)
             if is_main:
                 generator.update_weights(sd, state["step"])
+        if is_main:  # the run's files appear only once it has started
+            log = MetricsLog(out / "metrics.jsonl", state["metrics_lines"] if args.resume else 0)
+            (out / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
         run_loop(args, rank, world, model, optimizer, scheduler, loss_module, hp, adv_kwargs, generator, state,
-                 consumed, history, retired, log, out, val_problems, test_problems, pad_id, n_params, devices_in_use)
+                 consumed, history, retired, log, out, val_problems, test_problems, pad_id, n_params, devices_in_use,
+                 stopper)
+    except BaseException:
+        if is_main and not args.resume and (log is None or log.lines == 0):
+            _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
+        raise
     finally:
         if generator is not None:
             generator.close()
@@ -778,6 +919,17 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[scaling fit] A={fit.A:.3f} B={fit.B:.2f} C_mid={fit.C_mid:.4g} R0={fit.R0:.3f} "
                   f"R2={fit.r2:.3f} on {fit.n_points} points -> {out / 'scaling.png'}")
     dist.destroy_process_group()
+
+
+def _remove_failed_start(out: Path, fresh_dir: bool) -> None:
+    """Leave the output directory as a failed start found it."""
+    for name in ("metrics.jsonl", "args.json", ".lock"):
+        (out / name).unlink(missing_ok=True)
+    if fresh_dir:
+        try:
+            out.rmdir()
+        except OSError:  # something else is in it now: keep it
+            pass
 
 
 def generator_config(args: Args, model_path: str, state: dict) -> Any:
@@ -799,7 +951,7 @@ def generator_config(args: Args, model_path: str, state: dict) -> Any:
 def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, scheduler: Any, loss_module: Any,
              hp: dict, adv_kwargs: dict, generator: Any, state: dict, consumed: set, history: dict, retired: set,
              log: MetricsLog | None, out: Path, val_problems: list, test_problems: list, pad_id: int,
-             n_params: int, devices_in_use: int) -> None:
+             n_params: int, devices_in_use: int, stopper: GracefulStop) -> None:
     import torch
     import torch.distributed as dist
     from tqdm import tqdm
@@ -835,8 +987,23 @@ def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, sche
         if asymptote is not None:
             row["fit_asymptote"] = asymptote
 
-    if state["step"] == 0 and is_main:
+    def checkpoint() -> None:
+        state["elapsed_hours"] = (time.time() - start_wall) / 3600.0
+        state["metrics_lines"] = log.lines if is_main else 0
+        state.update(consumed=sorted(consumed), history=dict(history), retired=sorted(retired))
+        box = [state]
+        dist.broadcast_object_list(box, src=0)  # rank 0's bookkeeping is the one to save
+        save_checkpoint(out, model, optimizer, box[0], rank)
+
+    def stop_if_signalled() -> None:
+        if stopper.agreed():
+            checkpoint()
+            raise SystemExit(f"stopped by {stopper.signal or 'a signal to another rank'} after step {state['step']}; "
+                             f"checkpoint saved in {out / 'checkpoint'}: continue with --resume {out}")
+
+    if state["step"] == 0 and is_main and log.lines == 0:  # (a run stopped at step 0 has its row already)
         row = compute_row()
+        row.update({f"data_skipped_{k}": v for k, v in state.pop("data_skipped", {}).items()})
         do_eval(row)
         log.write(row)
         tqdm.write(f"step 0: val pass rate {row['val_pass_rate']:.3f} (the base model)")
@@ -858,6 +1025,7 @@ def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, sche
         for batch, my_groups in zip(round_batches, my_batches):
             if state["step"] >= args.max_steps:
                 break
+            stop_if_signalled()
             step_start = time.time()
             version = state["step"]
             # 3. Advantages over the whole batch (every rank computes the same), then this rank's rows.
@@ -922,12 +1090,7 @@ def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, sche
                     tqdm.write(summary_line(row, recent))
             stop_bad = consecutive_bad >= args.max_bad_steps
             if state["step"] % args.checkpoint_every == 0 or state["step"] == args.max_steps or stop_bad:
-                state["elapsed_hours"] = (time.time() - start_wall) / 3600.0
-                state["metrics_lines"] = log.lines if is_main else 0
-                state.update(consumed=sorted(consumed), history=dict(history), retired=sorted(retired))
-                box = [state]
-                dist.broadcast_object_list(box, src=0)  # rank 0's bookkeeping is the one to save
-                save_checkpoint(out, model, optimizer, box[0], rank)
+                checkpoint()
             if stop_bad:
                 raise SystemExit(f"stopping: {consecutive_bad} consecutive steps had a non-finite loss or gradient "
                                  f"(last at step {state['step']}); checkpoint saved in {out / 'checkpoint'}. Lower "

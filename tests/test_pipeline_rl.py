@@ -473,6 +473,19 @@ def test_pipeline_evaluate_uses_current_weights(pipeline):
 # ---- synchronous mode, interruptions, reward errors, lifecycle -------------------------------------------------
 
 
+@pytest.mark.slow
+def test_killing_the_generator_raises_generator_error_quickly(pipeline):
+    """The last test of the pipeline fixture: its generator process (with vLLM's engine inside) is killed."""
+    gen = pipeline.gen
+    os.kill(gen.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(pl.GeneratorError, match="died"):
+        gen.get_batch(2, pipeline.V)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(pl.GeneratorError, match="closed"):
+        gen.get_batch(2, pipeline.V)
+
+
 @pytest.fixture(scope="module")
 def sync_gen(base_model_dir):
     # engine_process=True: vLLM's engine core and worker in processes of their own (the GPU default), so that
@@ -569,20 +582,24 @@ def test_sync_evaluate(sync_gen):
 
 
 @pytest.mark.slow
-def test_killing_the_generator_raises_generator_error_quickly(sync_gen):
+def test_killing_vllms_engine_core_raises_generator_error_quickly(sync_gen):
+    """vLLM's engine core in a process of its own (sync_gen: engine_process=True) dies: the generator would wait
+    in engine.step() forever, so the learner watches vLLM's processes while it waits and names the dead one."""
     import psutil
 
-    descendants = [pid for pid, _ in sync_gen.info["descendants"]]
-    assert descendants  # vLLM's EngineCore (and worker) processes
-    os.kill(sync_gen.pid, signal.SIGKILL)
+    descendants = {pid: name for pid, _, name in sync_gen.info["descendants"]}
+    core = [pid for pid, name in descendants.items() if "EngineCore" in name]
+    assert core, descendants  # vLLM's EngineCore (and worker) processes
+    os.kill(core[0], signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(pl.GeneratorError, match="died"):
+    with pytest.raises(pl.GeneratorError, match=f"EngineCore.*pid {core[0]}.*died during get_batch"):
         sync_gen.get_batch(2, 1)
     assert time.monotonic() - t0 < 10
     with pytest.raises(pl.GeneratorError, match="closed"):
         sync_gen.get_batch(2, 1)
-    alive = [p for p in descendants if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert not alive  # no orphans: vLLM's processes went with it
+    gone = [sync_gen.pid, *descendants]
+    alive = [p for p in gone if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive  # no orphans: the generator and vLLM's other processes went with it
 
 
 @pytest.mark.slow

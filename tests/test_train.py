@@ -55,7 +55,17 @@ def test_unknown_loss_lists_the_valid_ones(capsys):
     (["--loss", "grpo", "--aggregation", "token"], "CISPO's options"),
     (["--tis-cap", "3"], "no effect without --tis"),
     (["--think-budget", "40,60", "--max-tokens", "48"], "--think-budget must end below --max-tokens"),
-    (["--resume", "/nonexistent/run"], "no checkpoint there"),
+    (["--resume", "/nonexistent/run"], "no complete checkpoint there"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--lr", "-1"], "--lr must be > 0 (got -1.0)"),
+    (["--think-budget", "40"], "--think-budget '40': expected MIN,MAX"),
+    (["--think-budget", "30,20"], "--think-budget '30,20': expected MIN,MAX"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
+    (["--dataset", "/nonexistent/data.jsonl"], "--dataset /nonexistent/data.jsonl: no such file"),
+    (["--output-dir", "/proc/version"], "--output-dir /proc/version is a file"),
+    (["--output-dir", "/proc/version/run"], "/proc/version is a file, not a directory"),
+    (["--output-dir", "/proc/scalerl-run"], "/proc is not writable"),
+    (["--eval-samples", "0"], "--eval-samples must be >= 1"),
     (["--group-size", "1"], "no group variance"),
     (["--loss-arg", "eps_max"], "expected KEY=VALUE"),
     (["--buffer-steps", "-1"], "--buffer-steps must be >= 0"),
@@ -69,7 +79,16 @@ def test_unknown_loss_lists_the_valid_ones(capsys):
 def test_incompatible_flags_are_explained_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(argv)
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert "usage:" not in err and len(err.splitlines()) == 1  # one line, no usage block
+
+
+def test_argument_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(["--lr", "-1"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
 
 
 def test_loss_arg_overrides_and_rejects_unknown_keys():
@@ -210,6 +229,64 @@ def test_metrics_log_is_cut_back_to_the_checkpoint(tmp_path):
     log = train.MetricsLog(path, keep_lines=3)  # a resume from a checkpoint taken after 3 rows
     log.write({"step": 3})
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_non_finite_metrics_are_written_as_null_and_named(tmp_path):
+    import scaling_fit
+
+    log = train.MetricsLog(tmp_path / "metrics.jsonl", None)
+    log.write({"step": 0, "compute_hours": 0.1, "val_pass_rate": 0.5, "loss": float("nan")})
+    log.write({"step": 1, "compute_hours": 0.2, "val_pass_rate": 0.6, "lag_hist": {"0": float("inf")}})
+    text = (tmp_path / "metrics.jsonl").read_text()
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl")) for line in
+            text.splitlines()]
+    assert rows[0]["loss"] is None and rows[0]["non_finite"] == ["loss"]
+    assert rows[1]["lag_hist"] == {"0": None} and rows[1]["non_finite"] == ["lag_hist.0"]
+    x, y = scaling_fit.load_curve(tmp_path)  # the fitter reads such a file
+    assert list(y) == [0.5, 0.6]
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank, for the checkpoint functions' collectives."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_checkpoint_keeps_its_predecessor_and_resume_falls_back_to_it(tmp_path, one_rank_group, capsys):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in (1, 2):
+        model(torch.ones(1, 3)).sum().backward()
+        optimizer.step()
+        train.save_checkpoint(tmp_path, model, optimizer, {"step": step}, rank=0)
+    assert train.complete_checkpoints(tmp_path) == [tmp_path / "checkpoint", tmp_path / "checkpoint.old"]
+    assert (tmp_path / "checkpoint" / "rng-0.pt").exists()  # each rank's RNG states
+    state, used = train.load_checkpoint(tmp_path, model, optimizer, rank=0)
+    assert state["step"] == 2 and used == tmp_path / "checkpoint"
+    # a weights file cut in half: named, and the previous checkpoint is used
+    weights = tmp_path / "checkpoint" / "weights.pt"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    state, used = train.load_checkpoint(tmp_path, model, optimizer, rank=0)
+    assert state["step"] == 1 and used == tmp_path / "checkpoint.old"
+    assert f"{tmp_path / 'checkpoint'} is unreadable" in capsys.readouterr().err
+    # a crash between the two renames: checkpoint.old complete, checkpoint.tmp partial, no checkpoint
+    (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.tmp")
+    (tmp_path / "checkpoint.tmp" / "trainer_state.json").unlink()
+    (tmp_path / "args.json").write_text(json.dumps({"max_steps": 5}))
+    assert train.parse_args(["--resume", str(tmp_path)]).max_steps == 5  # --resume accepts it
+    assert train.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 1
+    (tmp_path / "checkpoint.old" / "weights.pt").write_bytes(b"garbage")
+    with pytest.raises(SystemExit, match="no checkpoint could be read.*checkpoint.old is unreadable"):
+        train.load_checkpoint(tmp_path, model, optimizer, rank=0)
 
 
 def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path, capsys):
@@ -370,6 +447,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint
     assert [r["skipped_step"] for r in rows[1:]] == [1.0, 1.0] and rows[-1]["bad_steps_total"] == 2
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["metrics_lines"] == 3 and state["bad_steps_total"] == 2
+    assert rows[1]["loss"] is None and "loss" in rows[1]["non_finite"]  # strict JSON: null, and the fact recorded
 
 
 def _processes_of(out: Path) -> list:
@@ -423,6 +501,51 @@ def test_kill_dash_nine_and_resume_loses_and_duplicates_no_step(tmp_path, base_m
     steps = [r["step"] for r in _rows(out)]
     assert steps == list(range(9)), steps  # every step exactly once
     assert not (tmp_path / "ignored").exists()
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_without_redoing_a_step(tmp_path,
+                                                                                              base_model_dir):
+    """SIGINT to torchrun (what Ctrl-C sends) between two checkpoints: the ranks finish the step they are in, save a
+    checkpoint and exit; --resume then redoes nothing and loses nothing."""
+    out = tmp_path / "run"
+    flags = ["--max-steps", "8", "--eval-every", "3", "--checkpoint-every", "100", *SHORT]
+    cmd = TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(out), *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(_rows(out)) >= 3):
+            assert proc.poll() is None, "the run ended before it could be stopped"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        t0 = time.time()
+        output, _ = proc.communicate(timeout=60)
+        stop_s = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "stopped by SIGINT after step" in output, output[-3000:]
+    assert stop_s < 30  # a step of the tiny model and a checkpoint, well inside torchrun's 30 s grace
+    rows = _rows(out)
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert 2 <= state["step"] < 8 and state["metrics_lines"] == len(rows) == state["step"] + 1
+    run = _train(tmp_path / "ignored", "--resume", str(out))
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert f"[resume] {out / 'checkpoint'}: step {state['step']}" in run.stderr
+    assert [r["step"] for r in _rows(out)] == list(range(9))  # nothing redone, nothing lost
+
+
+@pytest.mark.slow
+def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_model_dir):
+    """A model directory that holds no model fails while the ranks load it: no traceback-only ending, and the
+    output directory the run would have made is not left behind to refuse the corrected command."""
+    not_a_model = tmp_path / "empty-model"
+    not_a_model.mkdir()
+    out = tmp_path / "run"
+    run = _train(out, "--model", str(not_a_model), "--max-steps", "2", *SHORT, timeout=300)
+    assert run.returncode != 0
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
 @pytest.mark.slow

@@ -1093,6 +1093,43 @@ def _weight_dir(preferred: str | None, nbytes: int) -> Path:
 
 
 
+def _remove_leaked_segments(since: float, shm: Path = Path("/dev/shm")) -> list[str]:
+    """Unlink vLLM's shared-memory queues (psm_*) made since `since` that no live process maps or holds open any
+    more: a killed engine core leaves them, and Python's resource tracker would remove them only when the learner
+    exits. Segments of any other live vLLM are in use, hence kept."""
+    if not shm.is_dir():
+        return []
+    candidates = {}
+    for p in shm.glob("psm_*"):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and st.st_mtime >= since - 1:
+            candidates[str(p)] = p
+    if not candidates:
+        return []
+    for proc in Path("/proc").iterdir():  # drop every segment that some process still maps or has open
+        if not proc.name.isdigit():
+            continue
+        try:
+            maps = (proc / "maps").read_text()
+            fds = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+        except OSError:
+            continue
+        for name in list(candidates):
+            if name in maps or name in fds:
+                del candidates[name]
+    removed = []
+    for name, p in candidates.items():
+        try:
+            p.unlink()
+            removed.append(p.name)
+        except OSError:
+            pass
+    return removed
+
+
 def _alive(p: Any) -> bool:
     """psutil process still running (a zombie waiting to be reaped counts as dead)."""
     try:
@@ -1117,6 +1154,7 @@ class Generator:
         self._proc: Any = None
         self._conn: Any = None
         self._info: dict = {}
+        self._started_at = 0.0
         self._closed = False
         self._dead_reason: str | None = None
         self._tied = self._read_tie_flag(config.model)
@@ -1137,6 +1175,7 @@ class Generator:
             raise GeneratorError("generator already started")
         if self._closed:
             raise GeneratorError("generator is closed")
+        self._started_at = time.time()  # vLLM's shared-memory segments are younger than this (close())
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
@@ -1200,6 +1239,8 @@ class Generator:
         if conn is not None:
             conn.close()
         self._kill_descendants()
+        if self._info.get("descendants"):
+            _remove_leaked_segments(self._started_at)
 
     def _kill_descendants(self) -> None:
         """Kill vLLM processes of the generator that outlived it (e.g. after the generator was SIGKILLed)."""

@@ -9,6 +9,7 @@ import random
 import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -590,6 +591,9 @@ def test_killing_vllms_engine_core_raises_generator_error_quickly(sync_gen):
     descendants = {pid: name for pid, _, name in sync_gen.info["descendants"]}
     core = [pid for pid, name in descendants.items() if "EngineCore" in name]
     assert core, descendants  # vLLM's EngineCore (and worker) processes
+    started = min(created for _, created, _ in sync_gen.info["descendants"])
+    shm = Path("/dev/shm")
+    segments = [p for p in shm.glob("psm_*") if p.stat().st_mtime >= started - 1] if shm.is_dir() else []
     os.kill(core[0], signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(pl.GeneratorError, match=f"EngineCore.*pid {core[0]}.*died during get_batch"):
@@ -600,6 +604,11 @@ def test_killing_vllms_engine_core_raises_generator_error_quickly(sync_gen):
     gone = [sync_gen.pid, *descendants]
     alive = [p for p in gone if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive  # no orphans: the generator and vLLM's other processes went with it
+    deadline = time.monotonic() + 10  # vLLM's shared-memory queues: removed by Python's resource tracker at its exit
+    while any(p.exists() for p in segments) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p.name for p in segments if p.exists()]
+    assert not list(shm.glob(f"scalerl-weights-{os.getpid()}-*"))  # no weight file left behind
 
 
 @pytest.mark.slow

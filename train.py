@@ -116,6 +116,17 @@ class Args:
     tis: str | None = _arg(None, "truncated importance sampling against the sampler's logprobs: token or sequence "
                            "(default: off)", choices=("token", "sequence"))
     tis_cap: float = _arg(2.0, "TIS truncation cap C (Yao et al.: 2)")
+    tis_mode: str = _arg("truncate", "truncate: w = min(rho, C) (TIS); mask: w = rho inside [--tis-cap-min, C], "
+                         "else 0 (MIS; IcePop: --tis token --tis-mode mask --tis-cap-min 0.5 --tis-cap 5)",
+                         choices=("truncate", "mask"))
+    tis_cap_min: float | None = _arg(None, "lower bound of the importance weight (default: none)")
+    overlong_filter: bool = _arg(False, "DAPO's overlong filtering: completions cut off by --max-tokens are masked "
+                                 "from the loss (their rewards still count in the group's advantages); counted "
+                                 "in overlong_filtered")
+    kl_coef: float = _arg(0.0, "GRPO's KL penalty to the reference policy (a frozen copy of the initial model, "
+                          "sharded like the policy): beta of its k3 estimate, logged as kl_ref (DeepSeekMath: "
+                          "0.04; 0 = off, as in DAPO and ScaleRL); only losses whose compute_loss takes "
+                          "ref_logprobs (grpo)")
     # batch and schedule
     max_steps: int = _arg(100, "optimizer steps (tiny-task default: the pass rate levels off near 0.95 by step "
                           "50-60)")
@@ -247,8 +258,17 @@ def check_args(args: Args) -> list[str]:
             problems.append(f"--{flag.replace('_', '-')} must be >= 1 (1 = full speed)")
     if args.zero_variance == "drop" and args.group_size < 2:
         problems.append("--group-size 1 has no group variance: every group would be dropped")
-    if args.tis is None and args.tis_cap != 2.0:
-        problems.append("--tis-cap has no effect without --tis token|sequence")
+    if args.tis is None and (args.tis_cap != 2.0 or args.tis_mode != "truncate" or args.tis_cap_min is not None):
+        problems.append("--tis-cap, --tis-mode and --tis-cap-min have no effect without --tis token|sequence")
+    if args.tis_cap_min is not None and not 0 <= args.tis_cap_min <= args.tis_cap:
+        problems.append(f"--tis-cap-min must lie in [0, --tis-cap] (got {args.tis_cap_min})")
+    if args.kl_coef < 0:
+        problems.append(f"--kl-coef must be >= 0 (got {args.kl_coef})")
+    elif args.kl_coef > 0 and args.loss in LOSSES and not _loss_takes(args.loss, "ref_logprobs"):
+        problems.append(f"--kl-coef needs a loss with a reference-policy KL term (grpo); {args.loss}.py has none")
+    if args.overlong_filter and args.length_control == "interruptions":
+        problems.append("--overlong-filter masks completions cut off by --max-tokens: use it with "
+                        "--length-control overlong (with interruptions, a long completion is interrupted instead)")
     try:
         low, high = _budget(args.think_budget)
         if not 1 <= low <= high:
@@ -307,6 +327,13 @@ def check_args(args: Args) -> list[str]:
     return problems
 
 
+def _loss_takes(loss: str, name: str) -> bool:
+    """Whether the loss file's compute_loss has the keyword `name`."""
+    import inspect
+
+    return name in inspect.signature(importlib.import_module(loss).compute_loss).parameters
+
+
 def _output_dir_problems(out: Path) -> list[str]:
     """--output-dir must be a directory this process can write, or a path where one can be made."""
     if out.exists() and not out.is_dir():
@@ -354,6 +381,8 @@ def loss_hyperparameters(args: Args, loss_module: Any) -> dict[str, Any]:
         hp["max_tokens"] = args.max_tokens  # Dr. GRPO's constant normaliser: the generation budget
     if args.aggregation:
         hp["aggregation"] = args.aggregation
+    if args.kl_coef:
+        hp["kl_coef"] = args.kl_coef  # with ref_logprobs from the reference model, per micro-batch
     for item in args.loss_arg or []:
         key, value = item.split("=", 1)
         if key not in accepted or key in ("logprobs", "old_logprobs", "advantages", "mask", "group_size"):
@@ -503,8 +532,9 @@ def token_logprobs(model: Any, rows: Rows, temperature: float) -> Any:
 
 
 def loss_and_backward(model: Any, loss_module: Any, hp: dict, groups: list, advantages: Any, args: Args,
-                      pad_id: int, world: int, version: int) -> dict[str, float]:
-    """Forward/backward over this rank's micro-batches. Denominators cover the whole batch across ranks."""
+                      pad_id: int, world: int, version: int, ref_model: Any = None) -> dict[str, float]:
+    """Forward/backward over this rank's micro-batches. Denominators cover the whole batch across ranks.
+    `ref_model`: the frozen reference policy of --kl-coef, whose logprobs go to the loss as ref_logprobs."""
     import torch
     import torch.distributed as dist
 
@@ -530,9 +560,14 @@ def loss_and_backward(model: Any, loss_module: Any, hp: dict, groups: list, adva
             old = rows.old_logprobs
             is_weights = None
             if args.tis:
-                is_weights = tis.tis_weights(old, rows.sampler_logprobs, rows.loss_mask, cap=args.tis_cap, level=args.tis)
+                is_weights = tis.tis_weights(old, rows.sampler_logprobs, rows.loss_mask, cap=args.tis_cap,
+                                             level=args.tis, mode=args.tis_mode, cap_min=args.tis_cap_min)
+            extra = {}
+            if ref_model is not None:
+                with torch.no_grad():
+                    extra["ref_logprobs"] = token_logprobs(ref_model, rows, args.temperature)
             loss, metrics = loss_module.compute_loss(logprobs, old, rows.advantages, rows.loss_mask, g,
-                                                     is_weights=is_weights, denominator=denominator, **hp)
+                                                     is_weights=is_weights, denominator=denominator, **hp, **extra)
             # FSDP averages gradients over ranks; the loss is already normalised by the global denominator.
             (loss * world).backward()
             weight = metrics.get("num_tokens", 0.0)
@@ -551,9 +586,13 @@ def loss_and_backward(model: Any, loss_module: Any, hp: dict, groups: list, adva
                 totals["mismatch_tokens"] += n_same
             if is_weights is not None:
                 totals["is_weight_mean"] += float(is_weights[rows.loss_mask].sum())
+                totals["is_weight_zero_frac"] += float((is_weights[rows.loss_mask] == 0).sum())  # masked (MIS)
         else:  # an idle rank still joins the FSDP all-gathers, with a loss that contributes nothing
             dummy = torch.full((1, 2), pad_id, dtype=torch.long)
             (model(input_ids=dummy).logits.sum() * 0.0).backward()
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref_model(input_ids=dummy)
     return dict(totals)
 
 
@@ -858,6 +897,9 @@ def main(argv: list[str] | None = None) -> None:
         np.random.seed(args.seed + rank)
         torch.manual_seed(args.seed)
         model, n_params = build_learner(model_path, args, device)
+        ref_model = None
+        if args.kl_coef:  # GRPO's reference policy: the initial model, frozen, sharded like the policy
+            ref_model = build_learner(model_path, args, device)[0].eval().requires_grad_(False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
         warmup = max(args.warmup_steps, 0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
@@ -905,7 +947,7 @@ def main(argv: list[str] | None = None) -> None:
             (out / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
         run_loop(args, rank, world, model, optimizer, scheduler, loss_module, hp, adv_kwargs, generator, state,
                  consumed, history, retired, log, out, val_problems, test_problems, pad_id, n_params, devices_in_use,
-                 stopper)
+                 stopper, ref_model)
     except BaseException:
         if is_main and not args.resume and (log is None or log.lines == 0):
             _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
@@ -951,7 +993,7 @@ def generator_config(args: Args, model_path: str, state: dict) -> Any:
 def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, scheduler: Any, loss_module: Any,
              hp: dict, adv_kwargs: dict, generator: Any, state: dict, consumed: set, history: dict, retired: set,
              log: MetricsLog | None, out: Path, val_problems: list, test_problems: list, pad_id: int,
-             n_params: int, devices_in_use: int, stopper: GracefulStop) -> None:
+             n_params: int, devices_in_use: int, stopper: GracefulStop, ref_model: Any = None) -> None:
     import torch
     import torch.distributed as dist
     from tqdm import tqdm
@@ -1036,7 +1078,8 @@ def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, sche
 
             # 4. Loss and backward over micro-batches, clip, step; a non-finite loss or gradient skips the step.
             optimizer.zero_grad(set_to_none=True)
-            totals = loss_and_backward(model, loss_module, hp, my_groups, my_adv, args, pad_id, world, version)
+            totals = loss_and_backward(model, loss_module, hp, my_groups, my_adv, args, pad_id, world, version,
+                                       ref_model)
             metrics = reduce_metrics(totals, world)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
@@ -1123,7 +1166,7 @@ def next_round(args: Args, generator: Any, version: int, history: dict, retired:
     rule and the No-Positive-Resampling bookkeeping."""
     steps = args.max_off_policy if args.mode == "sync" else 1
     want = args.prompts_per_step * steps
-    stats: dict[str, Any] = {}
+    stats: dict[str, Any] = {"overlong_filtered": 0} if args.overlong_filter else {}
     kept: list = []
     zero_var = pulled = 0
     while len(kept) < want:
@@ -1134,6 +1177,11 @@ def next_round(args: Args, generator: Any, version: int, history: dict, retired:
         for grp in batch:
             if args.length_control == "overlong":
                 apply_overlong_penalty(grp, args)
+            if args.overlong_filter:  # DAPO's overlong filtering: a cut-off completion teaches nothing
+                for c in grp.completions:
+                    if c.truncated:
+                        c.loss_mask = [False] * len(c.loss_mask)
+                        stats["overlong_filtered"] += 1
             pass_rate = sum(c.reward > 0 for c in grp.completions) / len(grp.completions)
             past = history.setdefault(grp.problem.id, [])
             past.append(pass_rate)

@@ -91,6 +91,29 @@ def test_argument_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
     assert exit_info.value.code == 2 and capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--tis-mode", "mask"], "no effect without --tis"),
+    (["--tis", "token", "--tis-cap-min", "3"], "--tis-cap-min must lie in [0, --tis-cap]"),
+    (["--kl-coef", "0.04"], "--kl-coef needs a loss with a reference-policy KL term (grpo); cispo.py has none"),
+    (["--loss", "grpo", "--kl-coef", "-1"], "--kl-coef must be >= 0"),
+    (["--overlong-filter"], "use it with --length-control overlong"),
+])
+def test_algorithm_options_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_algorithm_options_reach_the_loss():
+    import gspo
+    import grpo
+
+    args = train.parse_args(["--loss", "grpo", "--kl-coef", "0.04"])
+    assert train.loss_hyperparameters(args, grpo) == {"kl_coef": 0.04}
+    args = train.parse_args(["--loss", "gspo", "--loss-arg", "token_level=true"])  # GSPO-token
+    assert train.loss_hyperparameters(args, gspo) == {"token_level": True}
+
+
 def test_loss_arg_overrides_and_rejects_unknown_keys():
     import cispo
 
@@ -289,6 +312,25 @@ def test_a_checkpoint_keeps_its_predecessor_and_resume_falls_back_to_it(tmp_path
         train.load_checkpoint(tmp_path, model, optimizer, rank=0)
 
 
+@pytest.mark.parametrize("mode, zeroed", [("truncate", False), ("mask", True)])
+def test_tis_mode_and_cap_min_reach_the_weights(one_rank_group, base_model_dir, mode, zeroed):
+    """Importance ratios of e^3 and e^-3, outside [0.5, 5]: TIS caps them (no zero weight), MIS/IcePop zeroes them."""
+    import cispo
+
+    args = train.Args(loss="cispo", tis="token", tis_mode=mode, tis_cap_min=0.5, tis_cap=5.0, group_size=2,
+                      dtype="float32")
+    model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
+    groups = [_group(i, [4, 3], [1.0, -1.0]) for i in range(2)]
+    for grp in groups:
+        for c in grp.completions:
+            c.old_logprobs = [-0.5] * len(c.token_ids)
+            c.sampler_logprobs = [-0.5 + (3.0 if t % 2 else -3.0) for t in range(len(c.token_ids))]
+    advantages = cispo.compute_advantages(torch.tensor([1.0, -1.0, 1.0, -1.0]), 2)
+    totals = train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 0)
+    zero_frac = train.reduce_metrics(totals, 1)["is_weight_zero_frac"]
+    assert (zero_frac == 1.0) if zeroed else (zero_frac == 0.0)
+
+
 def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(SystemExit):
@@ -404,10 +446,12 @@ def _rows(out: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("loss, flags", [
     ("cispo", []),  # the ScaleRL recipe: pipeline mode, k = 8
-    ("grpo", ["--mode", "sync", "--max-off-policy", "1", "--tis", "token"]),  # on-policy RL, TIS on learner logprobs
-    ("dapo", ["--zero-variance", "resample", "--length-control", "overlong"]),
+    # on-policy RL with DeepSeekMath's KL to the reference model, and IcePop's masked importance sampling
+    ("grpo", ["--mode", "sync", "--max-off-policy", "1", "--kl-coef", "0.04",
+              "--tis", "token", "--tis-mode", "mask", "--tis-cap-min", "0.5", "--tis-cap", "5"]),
+    ("dapo", ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter"]),
     ("drgrpo", ["--mode", "sync", "--max-off-policy", "2"]),  # PPO-off-policy-2
-    ("gspo", ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3"]),
+    ("gspo", ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "--loss-arg", "token_level=true"]),
 ])
 def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
     out = tmp_path / loss
@@ -426,6 +470,13 @@ def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
     assert rows[-1]["flops"] > 0 and rows[-1]["tokens"] > 0
     if "--tis" in flags:
         assert "is_weight_mean" in rows[-1] and "mismatch_kl_k3" in rows[-1]
+    if "mask" in flags:  # MIS: weights outside [cap_min, cap] are zeroed, not capped
+        assert all(0 <= r["is_weight_zero_frac"] <= 1 for r in rows[1:])
+    if "--kl-coef" in flags:  # the reference model's KL, in every training row
+        assert all(r["kl_ref"] >= 0 and math.isfinite(r["kl_ref"]) for r in rows[1:])
+        assert "kl_coef" in json.loads((out / "args.json").read_text())
+    if "--overlong-filter" in flags:
+        assert all(r["overlong_filtered"] >= 0 for r in rows[1:])
     if "sync" in flags:  # a round of k steps trains on tokens of lag 0, 1, ..., k - 1
         k = int(flags[flags.index("--max-off-policy") + 1])
         assert [r["lag_max"] for r in rows[1:]] == [i % k for i in range(3)]

@@ -110,7 +110,7 @@ import tempfile
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -128,63 +128,69 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float
            "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
-
-
 @dataclass
 class GeneratorConfig:
-    """Settings of the generator. train.py builds command-line flags from some of these (the `help` metadata)."""
+    """Settings of the generator (train.py maps its flags onto them in generator_config)."""
 
-    model: str = field(metadata=_help("HF model directory or name that the generator starts from"))
-    group_size: int = field(default=8, metadata=_help("completions per prompt (G)"))
-    temperature: float = field(default=1.0, metadata=_help("sampling temperature (the learner divides its logits by it)"))
-    interruptions: bool = field(default=True, metadata=_help(
-        "ScaleRL interruption-based length control; off: plain max_tokens truncation (DAPO's overlong penalty)"))
-    think_budget: tuple[int, int] = field(default=(24, 32), metadata=_help(
-        "the interruption point is drawn uniformly in this range of completion tokens "
-        "(tiny-task default; ScaleRL: 10240 12288)"))
-    answer_budget: int = field(default=8, metadata=_help("tokens allowed after the interruption phrase (ScaleRL: 2048)"))
-    max_tokens: int = field(default=48, metadata=_help(
-        "generation budget without interruptions, and the overall cap of a completion with them"))
-    max_off_policy: int = field(default=8, metadata=_help(
-        "k: the learner never trains on a token sampled more than k optimizer steps ago (ScaleRL: 8)"))
-    buffer_steps: int | None = field(default=1, metadata=_help(
-        "freshness: admit at most this many learner steps' worth of groups ahead of the learner's next request "
-        "(1: generate the next batch while the learner trains on this one; None: only k limits it)"))
-    mode: str = field(default="pipeline", metadata=_help(
-        "pipeline: stream continuously with in-flight weight updates (PipelineRL-k); sync: generate a batch, train, sync"))
-    seed: int = field(default=0, metadata=_help("seed of vLLM's sampler and the think budgets (and of the data stream "
-                                                "unless data_seed is set)"))
-    dtype: str = field(default="float32", metadata=_help("generator weights dtype (bfloat16 on GPU)"))
-    fp32_lm_head: bool = field(default=True, metadata=_help(
-        "compute the LM head in float32 on the generator (automatic with float32 weights)"))
-    gen_devices: str | None = field(default=None, metadata=_help(
-        "GPU path: comma-separated CUDA device ids for the generator, e.g. '6,7' (None: CPU vLLM)"))
-    tensor_parallel_size: int = field(default=1, metadata=_help("vLLM tensor parallelism over gen_devices"))
-    max_model_len: int = field(default=256, metadata=_help("prompt + completion tokens the engine reserves per sequence"))
-    max_concurrent_groups: int | None = field(default=None, metadata=_help(
-        "cap on groups in flight in the generator (default: vLLM's max_num_seqs / group_size); "
-        "the staleness rule adds its own bound"))
-    # extras (not part of the frozen interface)
-    data_seed: int | None = field(default=None, metadata=_help(
-        "seed of the task's train stream (default: seed); keep it fixed across a resume, since data_start and "
-        "skip_indices are positions in this stream"))
-    groups_per_batch: int | None = field(default=None, metadata=_help(
-        "groups the learner consumes per step, if known up front (else learned from get_batch)"))
-    gpu_memory_utilization: float = field(default=0.5, metadata=_help("GPU path: vLLM's share of each generator GPU"))
-    enforce_eager: bool | None = field(default=None, metadata=_help("vLLM enforce_eager (default: True on CPU)"))
-    max_num_seqs: int | None = field(default=None, metadata=_help("vLLM max_num_seqs (default: vLLM's)"))
-    engine_process: bool | None = field(default=None, metadata=_help(
-        "run vLLM's engine core in processes of its own (vLLM's default) rather than inside the generator process; "
-        "None: own processes on GPU, inside on CPU, where the engine core's and the worker's busy-wait loops "
-        "(vLLM spins up to 1 s after every step) take cores the learner needs"))
-    weight_dir: str | None = field(default=None, metadata=_help(
-        "where weight files go (default: /dev/shm if it has room, else the temp dir)"))
-    vllm_log_level: str = field(default="WARNING", metadata=_help("VLLM_LOGGING_LEVEL in the generator process"))
-    debug_slowdown: float = field(default=1.0, metadata=_help(
-        "debug knob: vLLM's engine sleeps (x - 1) times the duration of every step (SlowdownLogitsProcessor), to "
-        "emulate a generator x times slower relative to its learner"))
+    # HF model directory or name that the generator starts from
+    model: str
+    # completions per prompt (G)
+    group_size: int = 8
+    # sampling temperature (the learner divides its logits by it)
+    temperature: float = 1.0
+    # ScaleRL interruption-based length control; off: plain max_tokens truncation (DAPO's overlong penalty)
+    interruptions: bool = True
+    # the interruption point is drawn uniformly in this range of completion tokens (train.py's tiny-task default,
+    # above the task's ~29-token scratchpad; ScaleRL: 10240 to 12288)
+    think_budget: tuple[int, int] = (34, 40)
+    # tokens allowed after the interruption phrase (ScaleRL: 2048)
+    answer_budget: int = 8
+    # generation budget without interruptions, and the overall cap of a completion with them
+    max_tokens: int = 48
+    # k: the learner never trains on a token sampled more than k optimizer steps ago (ScaleRL: 8)
+    max_off_policy: int = 8
+    # freshness: admit at most this many learner steps' worth of groups ahead of the learner's next request (1:
+    # generate the next batch while the learner trains on this one; None: only k limits it)
+    buffer_steps: int | None = 1
+    # pipeline: stream continuously with in-flight weight updates (PipelineRL-k); sync: generate a batch, train, sync
+    mode: str = "pipeline"
+    # seed of vLLM's sampler and the think budgets (and of the data stream unless data_seed is set)
+    seed: int = 0
+    # generator weights dtype (bfloat16 on GPU)
+    dtype: str = "float32"
+    # compute the LM head in float32 on the generator (automatic with float32 weights)
+    fp32_lm_head: bool = True
+    # GPU path: comma-separated CUDA device ids for the generator, e.g. '6,7' (None: CPU vLLM)
+    gen_devices: str | None = None
+    # vLLM tensor parallelism over gen_devices
+    tensor_parallel_size: int = 1
+    # prompt + completion tokens the engine reserves per sequence
+    max_model_len: int = 256
+    # cap on groups in flight in the generator (default: vLLM's max_num_seqs / group_size); the staleness rule adds
+    # its own bound
+    max_concurrent_groups: int | None = None
+    # seed of the task's train stream (default: seed); keep it fixed across a resume, since data_start and
+    # skip_indices are positions in this stream
+    data_seed: int | None = None
+    # groups the learner consumes per step, if known up front (else learned from get_batch)
+    groups_per_batch: int | None = None
+    # GPU path: vLLM's share of each generator GPU
+    gpu_memory_utilization: float = 0.5
+    # vLLM enforce_eager (default: True on CPU)
+    enforce_eager: bool | None = None
+    # vLLM max_num_seqs (default: vLLM's)
+    max_num_seqs: int | None = None
+    # run vLLM's engine core in processes of its own (vLLM's default) rather than inside the generator process; None:
+    # own processes on GPU, inside on CPU, where the engine core's and the worker's busy-wait loops (vLLM spins up to
+    # 1 s after every step) take cores the learner needs
+    engine_process: bool | None = None
+    # where weight files go (default: /dev/shm if it has room, else the temp dir)
+    weight_dir: str | None = None
+    # VLLM_LOGGING_LEVEL in the generator process
+    vllm_log_level: str = "WARNING"
+    # debug knob: vLLM's engine sleeps (x - 1) times the duration of every step (SlowdownLogitsProcessor), to emulate
+    # a generator x times slower relative to its learner
+    debug_slowdown: float = 1.0
 
     def __post_init__(self) -> None:
         self.think_budget = tuple(int(x) for x in self.think_budget)  # type: ignore[assignment]

@@ -8,7 +8,7 @@ C is compute (GPU-hours in the paper; FLOPs, tokens or steps work too), R_C the 
 R_0 the pass rate before training, A the asymptotic pass rate, B the efficiency exponent (the slope of
 log((A - R_0)/(R_C - R_0) - 1) against log C) and C_mid the compute at which half of the gain A - R_0 is reached.
 
-Fitting procedure (ScaleRL's, see ../shared/reference/ALGORITHMS.md):
+Fitting procedure (ScaleRL's, Khatri et al. 2025, arXiv 2510.13786):
 
 1. R_0 is the measured first evaluation (``r0`` overrides it). Points with compute below ``min_compute``
    (the paper drops the first ~1.5k GPU-hours, about one epoch) and points at compute 0 are not fitted.

@@ -184,6 +184,9 @@ class GeneratorConfig:
     # own processes on GPU, inside on CPU, where the engine core's and the worker's busy-wait loops (vLLM spins up to
     # 1 s after every step) take cores the learner needs
     engine_process: bool | None = None
+    # CPU: torch threads of the engine when it runs inside the generator process (None: torch's default, one per
+    # core); fewer leave cores to a learner that shares the machine
+    num_threads: int | None = None
     # where weight files go (default: /dev/shm if it has room, else the temp dir)
     weight_dir: str | None = None
     # VLLM_LOGGING_LEVEL in the generator process
@@ -1061,6 +1064,8 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
     else:
         tasks.set_vllm_cpu_env()
+        if config.num_threads:  # before vLLM's CPU worker starts: it refuses set_num_threads afterwards
+            torch.set_num_threads(config.num_threads)
     worker = None
     try:
         worker = _GeneratorProcess(conn, config, task_factory, data_start, skip_indices, retired_ids, version)

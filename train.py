@@ -19,9 +19,13 @@ ablation is one command:
   - FP32 LM head in generator and learner (--fp32-lm-head).
   - Optional truncated importance sampling (--tis token|sequence, --tis-cap) against the sampler's logprobs.
 
-The loop, top to bottom: pull a batch of groups -> compute the advantages -> compute the loss in micro-batches
--> step -> push the weights to the generator -> evaluate -> log a row of metrics.jsonl -> checkpoint. At the end:
-fit ScaleRL's sigmoid to the evaluation rows and draw OUTPUT_DIR/scaling.png.
+How to read this file: the flags (Args), then `main` and the loop (`train`), then one function per step of the
+loop, in the order the loop calls them:
+  pull groups -> retire solved prompts (No-Positive-Resampling) -> filter zero-variance groups -> overlong penalty
+  and overlong filter -> old logprobs -> advantages -> loss and backward -> optimizer step -> push weights
+  -> evaluate -> log -> checkpoint; at the end, fit ScaleRL's sigmoid to the evaluation rows (OUTPUT_DIR/scaling.png).
+Below the PLUMBING banner: the command line, process groups, the output-directory lock, building the FSDP2
+learner, resume, checkpoint files and signal handling, which a reader of the recipe may skip.
 
 How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (tasks.py), so it runs on 2 CPU cores
@@ -40,8 +44,11 @@ How this departs from the paper, deliberately:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
 import importlib
+import inspect
 import json
 import math
 import os
@@ -52,11 +59,24 @@ import sys
 import tempfile
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from tqdm import tqdm
+
+import dapo  # its filter_groups and overlong_penalty are the recipe's data-side helpers, whatever --loss is
+import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
+import scaling_fit
 import tasks
+import tis
 
 LOSSES = ("grpo", "dapo", "drgrpo", "gspo", "cispo")
 EMBEDDED_MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings; its prompts are ~10 tokens
@@ -65,180 +85,158 @@ PROMPT_ALLOWANCE = 512  # prompt tokens a real model's context keeps beside --ma
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Arguments
+# Arguments: one dataclass field per flag, grouped in --help by the step of the loop each one configures
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _arg(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
+class HelpGroup:
+    """The groups of `train.py --help`, in the order of the loop's steps."""
+
+    WHAT = "what to train"
+    BATCH = "batch and schedule"
+    GENERATION = "generation (pipeline)"
+    ZERO_VARIANCE = "zero-variance and No-Positive-Resampling"
+    LENGTH = "length control"
+    LOSS = "loss"
+    IMPORTANCE = "importance sampling"
+    OPTIMIZER = "optimizer"
+    EVALUATION = "evaluation and logging"
+    CHECKPOINTS = "checkpoints and resume"
+    PRECISION = "precision"
+    GPU = "GPU placement"
+    DEBUG = "debug"
+
+
+def _arg(group: str, default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"group": group, "help": help, **kw})
 
 
 @dataclass
 class Args:
-    # what to train
-    loss: str = _arg("cispo", "the loss file: grpo, dapo, drgrpo, gspo or cispo (ScaleRL: cispo)", choices=LOSSES)
-    loss_arg: list[str] = _arg(None, "override a hyper-parameter of the loss, KEY=VALUE (repeatable), e.g. "
-                               "--loss-arg eps_max=8; defaults are the loss file's paper values", action="append")
-    model: str | None = _arg(None, "HF model name or directory (default: the embedded tiny model, built and cached "
-                             "on first use by tasks.build_base_model)")
-    dataset: str | None = _arg(None, "HF data set name or local .json/.jsonl/.parquet (default: the embedded "
-                               "3-digit addition task)")
-    dataset_config: str | None = _arg(None, "configuration (subset) of a hub --dataset, passed on as "
+    loss: str = _arg(HelpGroup.WHAT, "cispo", "the loss file: grpo, dapo, drgrpo, gspo or cispo (ScaleRL: cispo)",
+                     choices=LOSSES)
+    loss_arg: list[str] = _arg(HelpGroup.WHAT, None, "override a hyper-parameter of the loss, KEY=VALUE (repeatable), "
+                               "e.g. --loss-arg eps_max=8; defaults are the loss file's paper values", action="append")
+    model: str | None = _arg(HelpGroup.WHAT, None, "HF model name or directory (default: the embedded tiny model, "
+                             "built and cached on first use by tasks.build_base_model)")
+    dataset: str | None = _arg(HelpGroup.WHAT, None, "HF data set name or local .json/.jsonl/.parquet (default: the "
+                               "embedded 3-digit addition task)")
+    dataset_config: str | None = _arg(HelpGroup.WHAT, None, "configuration (subset) of a hub --dataset, passed on as "
                                       "datasets.load_dataset(NAME, CONFIG); e.g. main for openai/gsm8k")
-    test_dataset: str | None = _arg(None, "optional test set (local file or HF name), evaluated with the validation")
-    question_field: str | None = _arg(None, "question field of --dataset (default: question, problem or prompt)")
-    answer_field: str | None = _arg(None, "answer field of --dataset (default: answer, solution or final_answer)")
-    skip_bad_rows: bool = _arg(False, "skip and count malformed data rows instead of stopping with an error")
-    # the recipe's components
-    mode: str = _arg("pipeline", "pipeline: PipelineRL in-flight updates (ScaleRL); sync: generate, then train",
-                     choices=("pipeline", "sync"))
-    max_off_policy: int = _arg(8, "k: pipeline: a sample's oldest token is at most k optimizer steps old (ScaleRL: "
-                               "8); sync: k optimizer steps per generation round (PPO-off-policy-k; 1 = on-policy)")
-    buffer_steps: int = _arg(1, "pipeline: freshness bound under k: the generator admits at most this many "
-                             "learner steps' worth of prompts ahead of the learner (1: it samples the next batch "
-                             "while the learner trains on this one; the lag then stays near 1 however fast the "
-                             "generator is); k + 1 or more: only k limits it, as in PipelineRL and ScaleRL")
-    aggregation: str | None = _arg(None, "CISPO loss aggregation: prompt (ScaleRL), sample or token",
-                                   choices=("prompt", "sample", "token"))
-    adv_norm: str | None = _arg(None, "CISPO advantage normalisation: batch (ScaleRL) or group",
-                                choices=("batch", "group"))
-    zero_variance: str = _arg("drop", "groups whose rewards are all equal: drop (ScaleRL), resample (DAPO dynamic "
-                              "sampling: pull more groups until the batch is full) or keep",
+    test_dataset: str | None = _arg(HelpGroup.WHAT, None, "optional test set (local file or HF name), evaluated with "
+                                    "the validation")
+    question_field: str | None = _arg(HelpGroup.WHAT, None, "question field of --dataset (default: question, problem "
+                                      "or prompt)")
+    answer_field: str | None = _arg(HelpGroup.WHAT, None, "answer field of --dataset (default: answer, solution or "
+                                    "final_answer)")
+    skip_bad_rows: bool = _arg(HelpGroup.WHAT, False, "skip and count malformed data rows instead of stopping with an "
+                               "error")
+    seed: int = _arg(HelpGroup.WHAT, 0, "seed of data order, sampling and initialisation")
+
+    max_steps: int = _arg(HelpGroup.BATCH, 100, "optimizer steps (tiny-task default: the pass rate levels off near "
+                          "0.95 by step 50-60)")
+    prompts_per_step: int = _arg(HelpGroup.BATCH, 32, "prompts per optimizer step (ScaleRL: 48; tiny-task default 32)")
+    group_size: int = _arg(HelpGroup.BATCH, 8, "completions per prompt (ScaleRL: 16; tiny-task default 8)")
+
+    mode: str = _arg(HelpGroup.GENERATION, "pipeline", "pipeline: PipelineRL in-flight updates (ScaleRL); sync: "
+                     "generate, then train", choices=("pipeline", "sync"))
+    max_off_policy: int = _arg(HelpGroup.GENERATION, 8, "k: pipeline: a sample's oldest token is at most k optimizer "
+                               "steps old (ScaleRL: 8); sync: k optimizer steps per generation round "
+                               "(PPO-off-policy-k; 1 = on-policy)")
+    buffer_steps: int = _arg(HelpGroup.GENERATION, 1, "pipeline: freshness bound under k: the generator admits at "
+                             "most this many learner steps' worth of prompts ahead of the learner (1: it samples the "
+                             "next batch while the learner trains on this one; the lag then stays near 1 however fast "
+                             "the generator is); k + 1 or more: only k limits it, as in PipelineRL and ScaleRL")
+    temperature: float = _arg(HelpGroup.GENERATION, 1.0, "sampling temperature; the learner divides its logits by the "
+                              "same value")
+    max_model_len: int | None = _arg(HelpGroup.GENERATION, None, "vLLM's context per sequence, prompt + completion "
+                                     f"tokens (default: {EMBEDDED_MAX_MODEL_LEN} for the embedded tiny model, its "
+                                     f"context length; --max-tokens + {PROMPT_ALLOWANCE} with --model, room for a "
+                                     "chat-templated prompt); a training prompt that does not fit is skipped and "
+                                     "counted in skipped_long_prompts")
+
+    zero_variance: str = _arg(HelpGroup.ZERO_VARIANCE, "drop", "groups whose rewards are all equal: drop (ScaleRL), "
+                              "resample (DAPO dynamic sampling: pull more groups until the batch is full) or keep",
                               choices=("drop", "resample", "keep"))
-    retire_pass_rate: float = _arg(0.9, "No-Positive-Resampling: retire a prompt once its pass-rate history reaches "
-                                   "this (ScaleRL: 0.9); 0 disables")
-    length_control: str = _arg("interruptions", "interruptions (ScaleRL) or overlong (DAPO's soft overlong penalty "
-                               "added to the reward)", choices=("interruptions", "overlong"))
-    overlong_cache: int = _arg(16, "DAPO L_cache for --length-control overlong, in tokens (paper: 4096 of 20480; "
-                               "tiny-task default 16 of 48)")
-    fp32_lm_head: bool = _arg(True, "compute the LM head in float32 in generator and learner (ScaleRL, MiniMax-M1); "
-                              "a no-op for float32 weights", action=argparse.BooleanOptionalAction)
-    tis: str | None = _arg(None, "truncated importance sampling against the sampler's logprobs: token or sequence "
-                           "(default: off)", choices=("token", "sequence"))
-    tis_cap: float = _arg(2.0, "TIS truncation cap C (Yao et al.: 2)")
-    tis_mode: str = _arg("truncate", "truncate: w = min(rho, C) (TIS); mask: w = rho inside [--tis-cap-min, C], "
-                         "else 0 (MIS; IcePop: --tis token --tis-mode mask --tis-cap-min 0.5 --tis-cap 5)",
-                         choices=("truncate", "mask"))
-    tis_cap_min: float | None = _arg(None, "lower bound of the importance weight (default: none)")
-    overlong_filter: bool = _arg(False, "DAPO's overlong filtering: completions cut off by --max-tokens are masked "
-                                 "from the loss (their rewards still count in the group's advantages); counted "
-                                 "in overlong_filtered")
-    kl_coef: float = _arg(0.0, "GRPO's KL penalty to the reference policy (a frozen copy of the initial model, "
-                          "sharded like the policy): beta of its k3 estimate, logged as kl_ref (DeepSeekMath: "
-                          "0.04; 0 = off, as in DAPO and ScaleRL); only losses whose compute_loss takes "
-                          "ref_logprobs (grpo)")
-    # batch and schedule
-    max_steps: int = _arg(100, "optimizer steps (tiny-task default: the pass rate levels off near 0.95 by step "
-                          "50-60)")
-    prompts_per_step: int = _arg(32, "prompts per optimizer step (ScaleRL: 48; tiny-task default 32)")
-    group_size: int = _arg(8, "completions per prompt (ScaleRL: 16; tiny-task default 8)")
-    temperature: float = _arg(1.0, "sampling temperature; the learner divides its logits by the same value")
-    think_budget: str = _arg("34,40", "interruption point drawn uniformly in MIN,MAX thinking tokens "
+    retire_pass_rate: float = _arg(HelpGroup.ZERO_VARIANCE, 0.9, "No-Positive-Resampling: retire a prompt once its "
+                                   "pass-rate history reaches this (ScaleRL: 0.9); 0 disables")
+
+    length_control: str = _arg(HelpGroup.LENGTH, "interruptions", "interruptions (ScaleRL) or overlong (DAPO's soft "
+                               "overlong penalty added to the reward)", choices=("interruptions", "overlong"))
+    think_budget: str = _arg(HelpGroup.LENGTH, "34,40", "interruption point drawn uniformly in MIN,MAX thinking tokens "
                              "(ScaleRL: 10240,12288; tiny task: 34,40, above its ~29-token scratchpad)")
-    answer_budget: int = _arg(8, "tokens allowed after an interruption (ScaleRL: 2048; tiny task: 8)")
-    max_tokens: int = _arg(48, "generation budget per completion (ScaleRL: 14336; tiny task: 48)")
-    max_model_len: int | None = _arg(None, "vLLM's context per sequence, prompt + completion tokens (default: "
-                                     f"{EMBEDDED_MAX_MODEL_LEN} for the embedded tiny model, its context length; "
-                                     f"--max-tokens + {PROMPT_ALLOWANCE} with --model, room for a chat-templated "
-                                     "prompt); a training prompt that does not fit is skipped and counted in "
-                                     "skipped_long_prompts")
-    # optimiser
-    lr: float | None = _arg(None, "AdamW learning rate (default: 1e-4 for the tiny model, tuned here, where 2e-4 "
-                            "diverged; the paper's 5e-7 for --model)")
-    adam_eps: float | None = _arg(None, "AdamW eps (default: 1e-8 tiny model; paper 1e-15)")
-    weight_decay: float | None = _arg(None, "AdamW weight decay (default: 0 tiny model; paper 0.01)")
-    warmup_steps: int | None = _arg(None, "linear warm-up steps (default: 0 tiny model; paper 100)")
-    grad_clip: float = _arg(1.0, "clip the global gradient norm to this (logged as grad_norm, grad_clipped)")
-    micro_batch_tokens: int = _arg(8192, "token budget of a micro-batch (padded rows x length); whole groups only")
-    max_bad_steps: int = _arg(3, "stop (with a checkpoint) after this many consecutive non-finite steps")
-    # evaluation, logging, checkpoints
-    eval_every: int = _arg(5, "evaluate every N steps (and at step 0 and the end); tiny task: 5, so the rise of "
-                           "the curve has enough points for the sigmoid fit")
-    eval_samples: int = _arg(4, "k of the mean@k validation pass rate (ScaleRL: 16)")
-    eval_prompts: int = _arg(128, "held-out validation prompts (ScaleRL: 1000)")
-    log_every: int = _arg(5, "print a one-line summary every N steps")
-    checkpoint_every: int = _arg(10, "save a checkpoint every N steps (and at the end)")
-    output_dir: str = _arg("runs/default", "where metrics.jsonl, checkpoint/, scaling.png go")
-    resume: str | None = _arg(None, "continue the run in this directory from its last checkpoint, with the flags it "
-                              "was started with (args.json); flags given now override those, e.g. --max-steps")
-    overwrite: bool = _arg(False, "start afresh in an --output-dir that already holds a run, deleting its metrics "
-                           "and checkpoint (without this flag such a directory is refused)")
-    seed: int = _arg(0, "seed of data order, sampling and initialisation")
-    gen_devices: str | None = _arg(None, "GPU only: comma-separated CUDA devices for the vLLM generator (the "
-                                   "learner uses the others); ScaleRL split 64 generator / 16 trainer GPUs")
-    tensor_parallel_size: int = _arg(1, "GPU only: vLLM tensor parallelism of the generator")
-    dtype: str | None = _arg(None, "float32 or bfloat16 (default: bfloat16 on GPU, float32 on CPU)")
+    answer_budget: int = _arg(HelpGroup.LENGTH, 8, "tokens allowed after an interruption (ScaleRL: 2048; tiny task: 8)")
+    max_tokens: int = _arg(HelpGroup.LENGTH, 48, "generation budget per completion (ScaleRL: 14336; tiny task: 48)")
+    overlong_cache: int = _arg(HelpGroup.LENGTH, 16, "DAPO L_cache for --length-control overlong, in tokens (paper: "
+                               "4096 of 20480; tiny-task default 16 of 48)")
+    overlong_filter: bool = _arg(HelpGroup.LENGTH, False, "DAPO's overlong filtering: completions cut off by "
+                                 "--max-tokens are masked from the loss (their rewards still count in the group's "
+                                 "advantages); counted in overlong_filtered")
+
+    aggregation: str | None = _arg(HelpGroup.LOSS, None, "CISPO loss aggregation: prompt (ScaleRL), sample or token",
+                                   choices=("prompt", "sample", "token"))
+    adv_norm: str | None = _arg(HelpGroup.LOSS, None, "CISPO advantage normalisation: batch (ScaleRL) or group",
+                                choices=("batch", "group"))
+    kl_coef: float = _arg(HelpGroup.LOSS, 0.0, "GRPO's KL penalty to the reference policy (a frozen copy of the "
+                          "initial model, sharded like the policy): beta of its k3 estimate, logged as kl_ref "
+                          "(DeepSeekMath: 0.04; 0 = off, as in DAPO and ScaleRL); only losses whose compute_loss "
+                          "takes ref_logprobs (grpo)")
+    micro_batch_tokens: int = _arg(HelpGroup.LOSS, 8192, "token budget of a micro-batch (padded rows x length); whole "
+                                   "groups only")
+
+    tis: str | None = _arg(HelpGroup.IMPORTANCE, None, "truncated importance sampling against the sampler's logprobs: "
+                           "token or sequence (default: off)", choices=("token", "sequence"))
+    tis_cap: float = _arg(HelpGroup.IMPORTANCE, 2.0, "TIS truncation cap C (Yao et al.: 2)")
+    tis_mode: str = _arg(HelpGroup.IMPORTANCE, "truncate", "truncate: w = min(rho, C) (TIS); mask: w = rho inside "
+                         "[--tis-cap-min, C], else 0 (MIS; IcePop: --tis token --tis-mode mask --tis-cap-min 0.5 "
+                         "--tis-cap 5)", choices=("truncate", "mask"))
+    tis_cap_min: float | None = _arg(HelpGroup.IMPORTANCE, None, "lower bound of the importance weight (default: "
+                                     "none)")
+
+    lr: float | None = _arg(HelpGroup.OPTIMIZER, None, "AdamW learning rate (default: 1e-4 for the tiny model, tuned "
+                            "here, where 2e-4 diverged; the paper's 5e-7 for --model)")
+    adam_eps: float | None = _arg(HelpGroup.OPTIMIZER, None, "AdamW eps (default: 1e-8 tiny model; paper 1e-15)")
+    weight_decay: float | None = _arg(HelpGroup.OPTIMIZER, None, "AdamW weight decay (default: 0 tiny model; paper "
+                                      "0.01)")
+    warmup_steps: int | None = _arg(HelpGroup.OPTIMIZER, None, "linear warm-up steps (default: 0 tiny model; paper "
+                                    "100)")
+    grad_clip: float = _arg(HelpGroup.OPTIMIZER, 1.0, "clip the global gradient norm to this (logged as grad_norm, "
+                            "grad_clipped)")
+    max_bad_steps: int = _arg(HelpGroup.OPTIMIZER, 3, "stop (with a checkpoint) after this many consecutive "
+                              "non-finite steps")
+
+    eval_every: int = _arg(HelpGroup.EVALUATION, 5, "evaluate every N steps (and at step 0 and the end); tiny task: "
+                           "5, so the rise of the curve has enough points for the sigmoid fit")
+    eval_samples: int = _arg(HelpGroup.EVALUATION, 4, "k of the mean@k validation pass rate (ScaleRL: 16)")
+    eval_prompts: int = _arg(HelpGroup.EVALUATION, 128, "held-out validation prompts (ScaleRL: 1000)")
+    log_every: int = _arg(HelpGroup.EVALUATION, 5, "print a one-line summary every N steps")
+
+    checkpoint_every: int = _arg(HelpGroup.CHECKPOINTS, 10, "save a checkpoint every N steps (and at the end)")
+    output_dir: str = _arg(HelpGroup.CHECKPOINTS, "runs/default", "where metrics.jsonl, checkpoint/, scaling.png go")
+    resume: str | None = _arg(HelpGroup.CHECKPOINTS, None, "continue the run in this directory from its last "
+                              "checkpoint, with the flags it was started with (args.json); flags given now override "
+                              "those, e.g. --max-steps")
+    overwrite: bool = _arg(HelpGroup.CHECKPOINTS, False, "start afresh in an --output-dir that already holds a run, "
+                           "deleting its metrics and checkpoint (without this flag such a directory is refused)")
+
+    dtype: str | None = _arg(HelpGroup.PRECISION, None, "float32 or bfloat16 (default: bfloat16 on GPU, float32 on "
+                             "CPU)")
+    fp32_lm_head: bool = _arg(HelpGroup.PRECISION, True, "compute the LM head in float32 in generator and learner "
+                              "(ScaleRL, MiniMax-M1); a no-op for float32 weights",
+                              action=argparse.BooleanOptionalAction)
+
+    gen_devices: str | None = _arg(HelpGroup.GPU, None, "GPU only: comma-separated CUDA devices for the vLLM "
+                                   "generator (the learner uses the others); ScaleRL split 64 generator / 16 trainer "
+                                   "GPUs")
+    tensor_parallel_size: int = _arg(HelpGroup.GPU, 1, "GPU only: vLLM tensor parallelism of the generator")
+
     # debugging: turn the generator/learner speed ratio on purpose
-    debug_gen_slowdown: float = _arg(1.0, "debug: make the generator X times slower (it sleeps X-1 times each "
-                                     "engine step's duration), to see how the recipe behaves on a machine "
-                                     "whose generator is slower relative to its learner")
-    debug_learner_slowdown: float = _arg(1.0, "debug: make the learner X times slower (each rank sleeps X-1 "
-                                         "times each step's compute), to emulate a relatively faster generator")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="train.py", description="The ScaleRL recipe: vLLM generator + FSDP2 learner. Run under torchrun.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Args):
-        meta = dict(f.metadata)
-        flag = "--" + f.name.replace("_", "-")
-        kwargs: dict[str, Any] = {"default": f.default, "help": meta.pop("help")}
-        kwargs.update(meta)
-        if f.type in ("bool",) and "action" not in kwargs:
-            kwargs["action"] = "store_true"
-        elif "action" not in kwargs:
-            kwargs["type"] = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
-        parser.add_argument(flag, **kwargs)
-    return parser
-
-
-class _Unset:
-    """Marks a flag the command line did not give."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """Argument errors in one line, printed once: every torchrun rank parses the same flags, so only rank 0
-    speaks and the others exit quietly with the same status."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def parse_args(argv: list[str] | None = None) -> Args:
-    parser = build_parser()
-    values = vars(parser.parse_args(argv))
-    if values["resume"]:
-        values = resumed_values(parser, argv, values["resume"])
-    args = Args(**values)
-    problems = check_args(args)
-    if problems:
-        parser.error("; ".join(problems))
-    return args
-
-
-def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_dir: str) -> dict[str, Any]:
-    """The flags a resumed run continues with: those it was started with (its args.json), overridden by the ones
-    given now (e.g. --max-steps 400 to extend it). Its output directory is `run_dir`, whatever --output-dir says."""
-    # Parse again into a namespace that already holds every field, so argparse leaves out the defaults; append
-    # actions need a list-like start, hence None for them.
-    blank = {f.name: None if f.metadata.get("action") == "append" else _Unset for f in dataclasses.fields(Args)}
-    given = {k: v for k, v in vars(parser.parse_args(argv, namespace=argparse.Namespace(**blank))).items()
-             if v is not _Unset and not (v is None and blank[k] is None)}
-    saved_file = Path(run_dir) / "args.json"
-    saved = {}
-    if saved_file.exists():
-        saved = json.loads(saved_file.read_text())
-    elif complete_checkpoints(Path(run_dir)):
-        parser.error(f"--resume {run_dir}: no args.json there, so the flags of the run are unknown")
-    values = {f.name: f.default for f in dataclasses.fields(Args)}
-    values.update({k: v for k, v in saved.items() if k in values})
-    values.update(resume=run_dir, overwrite=False)
-    values.update(given)
-    values["output_dir"] = run_dir
-    return values
+    debug_gen_slowdown: float = _arg(HelpGroup.DEBUG, 1.0, "debug: make the generator X times slower (it sleeps X-1 "
+                                     "times each engine step's duration), to see how the recipe behaves on a "
+                                     "machine whose generator is slower relative to its learner")
+    debug_learner_slowdown: float = _arg(HelpGroup.DEBUG, 1.0, "debug: make the learner X times slower (each rank "
+                                         "sleeps X-1 times each step's compute), to emulate a relatively faster "
+                                         "generator")
 
 
 def check_args(args: Args) -> list[str]:
@@ -297,6 +295,8 @@ def check_args(args: Args) -> list[str]:
     if args.model is not None and not Path(args.model).exists() and (
             args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1):
         problems.append(f"--model {args.model}: no such directory (a hub model is named ORG/NAME)")
+    elif args.model is not None:  # a local directory: config, weights, tokenizer, a head size vLLM supports here
+        problems += [f"--model {p}" for p in tasks.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]
     if args.dataset and tasks.is_local_data_file(args.dataset) and not Path(args.dataset).is_file():
         problems.append(f"--dataset {args.dataset}: no such file")
     problems += _output_dir_problems(Path(args.output_dir))
@@ -327,10 +327,635 @@ def check_args(args: Args) -> list[str]:
     return problems
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The loop
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse the flags, set up (plumbing, below), run the loop, then fit ScaleRL's sigmoid to the evaluation rows."""
+    args = parse_args(argv)
+    with set_up(args) as (learner, run, state):
+        train(args, learner, run, state)
+    if run.is_main:  # the generator is closed by now: the fit has the CPU to itself
+        fit = fit_and_plot(run.out / "metrics.jsonl", run.out / "scaling.png", f"{args.loss} ({args.mode})")
+        if fit is not None:
+            print(f"[scaling fit] A={fit.A:.3f} B={fit.B:.2f} C_mid={fit.C_mid:.4g} R0={fit.R0:.3f} "
+                  f"R2={fit.r2:.3f} on {fit.n_points} points -> {run.out / 'scaling.png'}")
+    dist.destroy_process_group()
+
+
+def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
+    """The ScaleRL loop, from `state` to --max-steps. Every learner rank runs it in step with the others (FSDP's
+    collectives); rank 0 also drives the generator and writes metrics.jsonl."""
+    if state.step == 0 and run.is_main and run.metrics.lines == 0:  # (a run stopped at step 0 has its row already)
+        row = {**new_row(run, state), **run.data_skipped}
+        evaluate(args, run, row)
+        run.metrics.write(row)
+        tqdm.write(f"step 0: val pass rate {row['val_pass_rate']:.3f} (the base model)")
+    consecutive_bad = 0
+    while state.step < args.max_steps:
+        # Pull groups, then the data-side steps on them (rank 0): retire solved prompts, filter zero-variance
+        # groups, overlong penalty and filter. A round is one step's batch (pipeline mode) or k steps' (sync mode,
+        # PPO-off-policy-k). Every rank receives the same round and trains on its share of each batch.
+        round_ = broadcast_from_rank0(pull_round(args, run.generator, state) if run.is_main else None)
+        my_batches = [this_ranks_share(batch, run) for batch in round_.batches]
+        # Old logprobs: the sampler's (pipeline mode, ScaleRL), or the learner's before the round's first update
+        # (sync mode, and --tis, whose weights are min(pi_learner_old / pi_sampler, cap)).
+        if args.mode == "sync" or args.tis:
+            with torch.no_grad():
+                attach_learner_logprobs(learner.model, [grp for b in my_batches for grp in b], args, learner.pad_id)
+
+        for batch, my_groups in zip(round_.batches, my_batches):
+            if state.step >= args.max_steps:
+                break
+            stop_if_signalled(learner, run, state)
+            step_start, version = time.time(), state.step
+            rewards, my_advantages = compute_advantages(args, learner, batch, run)
+            learner.optimizer.zero_grad(set_to_none=True)
+            totals = loss_and_backward(learner.model, learner.loss_module, learner.hp, my_groups, my_advantages, args,
+                                       learner.pad_id, run.world, version, learner.ref_model)
+            metrics = reduce_metrics(totals, run.world)
+            grad_norm, finite = optimizer_step(args, learner, metrics["loss"], has_groups=bool(batch))
+            if not finite:
+                consecutive_bad += 1
+                state.bad_steps_total += 1
+            elif batch:
+                consecutive_bad = 0
+            if args.debug_learner_slowdown > 1:  # debug knob: a learner X times slower than this one
+                time.sleep((args.debug_learner_slowdown - 1) * (time.time() - step_start))
+            state.step += 1
+            state.consumed.update(grp.data_index for grp in batch)
+            sync_s = push_weights(learner, run, state.step)
+            gen_tokens = round_.stats.pop("gen_tokens", 0)  # a sync round's generation counts at its first step
+            trained_tokens = state.count_tokens(gen_tokens, batch, learner.n_params)
+            step_s = time.time() - step_start
+
+            if run.is_main:
+                batch_rewards = rewards.tolist()
+                row = {
+                    **new_row(run, state),
+                    "reward": sum(batch_rewards) / max(len(batch_rewards), 1),
+                    "train_pass_rate": sum(r > 0 for r in batch_rewards) / max(len(batch_rewards), 1),
+                    "groups": len(batch), "lr": learner.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                    "grad_clipped": float(grad_norm > args.grad_clip), "skipped_step": float(not finite),
+                    "bad_steps_total": state.bad_steps_total, "weight_sync_s": sync_s, "step_s": step_s,
+                    "train_tokens_per_s": trained_tokens / max(step_s, 1e-9), "retired_prompts": len(state.retired),
+                    "gen_tokens": gen_tokens, **metrics, **round_.stats,
+                    # Lag of the tokens trained on at this step (in a sync round of k steps it grows 0..k-1).
+                    **pipeline_rl.lag_stats(batch, version),
+                }
+                if state.step % args.eval_every == 0 or state.step == args.max_steps:
+                    evaluate(args, run, row)
+                log_row(args, run, row)
+            stop_bad = consecutive_bad >= args.max_bad_steps
+            if state.step % args.checkpoint_every == 0 or state.step == args.max_steps or stop_bad:
+                checkpoint(learner, run, state)
+            if stop_bad:
+                raise SystemExit(f"stopping: {consecutive_bad} consecutive steps had a non-finite loss or gradient "
+                                 f"(last at step {state.step}); checkpoint saved in {run.out / 'checkpoint'}. Lower "
+                                 "--lr or check the data, then --resume.")
+    run.bar.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the loop works with: the trainer state (saved in checkpoints), this rank's learner, the run around them
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainerState:
+    """Everything the loop carries from one step to the next; saved whole in every checkpoint
+    (trainer_state.json) and restored whole by --resume."""
+
+    step: int = 0  # optimizer steps done, which is also the version of the policy's weights
+    metrics_lines: int = 0  # rows of metrics.jsonl this state covers (a resume cuts the file back to them)
+    elapsed_hours: float = 0.0  # wall-clock hours of the run so far, across resumes
+    flops: float = 0.0
+    gen_tokens: int = 0
+    train_tokens: int = 0
+    consumed: set[int] = field(default_factory=set)  # data indices trained on: a resumed generator skips them
+    history: dict[str, list[float]] = field(default_factory=dict)  # prompt id -> pass rate of each of its groups
+    retired: set[str] = field(default_factory=set)  # prompt ids retired for good (No-Positive-Resampling)
+    bad_steps_total: int = 0  # steps skipped for a non-finite loss or gradient
+
+    def count_tokens(self, gen_tokens: int, batch: list, n_params: int) -> int:
+        """Add a step's generated and trained tokens and their FLOPs (2N per generated, 6N per trained token);
+        returns the trained tokens."""
+        trained = sum(len(grp.prompt_ids) + len(c.token_ids) for grp in batch for c in grp.completions)
+        self.train_tokens += trained
+        self.gen_tokens += gen_tokens
+        self.flops += 2 * n_params * gen_tokens + 6 * n_params * trained
+        return trained
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "consumed": sorted(self.consumed), "retired": sorted(self.retired)}
+
+    @classmethod
+    def from_json(cls, saved: dict[str, Any]) -> TrainerState:
+        """Also reads older checkpoints: unknown keys (e.g. their always-zero reward_errors) are ignored."""
+        state = cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
+        state.consumed, state.retired = set(state.consumed), set(state.retired)
+        return state
+
+
+@dataclass
+class Learner:
+    """This rank's share of the policy and what trains it."""
+
+    model: Any  # the policy, FSDP2-sharded (build_learner)
+    optimizer: torch.optim.Optimizer  # AdamW
+    scheduler: Any  # linear warm-up over --warmup-steps, then constant
+    loss_module: Any  # the loss file: grpo, dapo, drgrpo, gspo or cispo
+    hp: dict[str, Any]  # its compute_loss keywords: flags over the file's paper defaults (loss_hyperparameters)
+    adv_kwargs: dict[str, Any]  # its compute_advantages keywords (--adv-norm)
+    pad_id: int
+    n_params: int
+    ref_model: Any = None  # --kl-coef: the frozen initial policy, sharded like the policy
+
+
+@dataclass
+class Run:
+    """What the loop talks to besides the learner. Rank 0 alone holds the generator, the metrics log and the
+    progress display (None or empty on the other ranks)."""
+
+    rank: int
+    world: int
+    out: Path  # --output-dir
+    stopper: GracefulStop  # Ctrl-C / SIGTERM: stop at the next step boundary, with a checkpoint
+    devices_in_use: int  # learner ranks + the generator's devices: compute_hours = wall-clock hours x this
+    started: float  # time.time() the run would have started at, had it never stopped (elapsed_hours earlier)
+    val_problems: list
+    test_problems: list
+    generator: Any = None  # pipeline_rl.Generator
+    metrics: MetricsLog | None = None  # metrics.jsonl
+    bar: Any = None  # tqdm progress bar (disabled off rank 0)
+    recent: deque = field(default_factory=deque)  # the last --log-every rows, for the summary line
+    eval_rows: list[dict] = field(default_factory=list)  # the evaluation rows so far, for the running sigmoid fit
+    data_skipped: dict[str, Any] = field(default_factory=dict)  # a fresh run's first row: bad data rows skipped
+    lock: Any = None  # the open OUTPUT_DIR/.lock (rank 0), held as long as this object lives
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def hours(self) -> float:
+        return (time.time() - self.started) / 3600.0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The steps, in the order the loop takes them. First the data side (rank 0, on the generator's groups)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    """The groups of one generation round, split into the batches of the optimizer steps that train on them, and
+    the generator's statistics of the round (logged with each of its steps)."""
+
+    batches: list[list[pipeline_rl.Group]]
+    stats: dict[str, Any]
+
+
+def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
+    """Rank 0: pull groups for one round (--prompts-per-step per optimizer step; k steps' worth in sync mode) and
+    take them through the data-side steps of the recipe."""
+    steps = args.max_off_policy if args.mode == "sync" else 1
+    want = args.prompts_per_step * steps
+    stats: dict[str, Any] = {"overlong_filtered": 0} if args.overlong_filter else {}
+    kept: list = []
+    pulled = zero_variance = 0
+    while len(kept) < want:
+        groups = pull_groups(generator, want - len(kept), state.step, stats)
+        pulled += len(groups)
+        retire_solved_prompts(groups, state, args.retire_pass_rate, generator)
+        has_signal = filter_zero_variance(groups, args.group_size)
+        zero_variance += has_signal.count(False)
+        kept += [grp for grp, keep in zip(groups, has_signal) if keep or args.zero_variance == "keep"]
+        # DAPO dynamic sampling (resample) pulls until the batch is full; it gives up rather than spin forever on a
+        # saturated task.
+        if args.zero_variance != "resample" or pulled >= 8 * want:
+            break
+    if args.length_control == "overlong":
+        apply_overlong_penalty(kept, args.max_tokens, args.overlong_cache)
+    if args.overlong_filter:
+        stats["overlong_filtered"] += apply_overlong_filter(kept)
+    stats["frac_zero_variance"] = zero_variance / max(pulled, 1)
+    stats["groups_pulled"] = pulled
+    stats["reward_errors"] = sum(c.reward_error is not None for grp in kept for c in grp.completions)
+    per_step = math.ceil(len(kept) / steps) if kept else 0
+    batches = [kept[i * per_step: (i + 1) * per_step] for i in range(steps)] if per_step else [[] for _ in range(steps)]
+    return Round(batches, stats)
+
+
+def pull_groups(generator: Any, n: int, version: int, stats: dict[str, Any]) -> list:
+    """Up to `n` finished groups from the generator for the learner at weights `version` (pipeline_rl.py bounds
+    their staleness). Its statistics go into `stats`: per-call amounts add up; run totals, histograms and rates
+    are the last call's."""
+    groups, extra = generator.get_batch(n, version)
+    for key, value in extra.items():
+        stats[key] = stats.get(key, 0) + value if key in ("gen_tokens", "wait_s") else value
+    return groups
+
+
+def retire_solved_prompts(groups: list, state: TrainerState, threshold: float, generator: Any) -> None:
+    """No-Positive-Resampling (ScaleRL): keep each prompt's pass-rate history (the fraction of correct completions
+    of each of its groups) and retire the prompt for good once the history's mean reaches `threshold`; the
+    generator never samples it again. 0 disables retiring (the history is still kept)."""
+    for grp in groups:
+        past = state.history.setdefault(grp.problem.id, [])
+        past.append(sum(c.reward > 0 for c in grp.completions) / len(grp.completions))
+        if threshold > 0 and sum(past) / len(past) >= threshold:
+            state.retired.add(grp.problem.id)
+            generator.retire([grp.problem.id])
+
+
+def filter_zero_variance(groups: list, group_size: int) -> list[bool]:
+    """Zero-variance filtering (ScaleRL) is DAPO's dynamic-sampling filter, dapo.filter_groups: True for a group
+    whose rewards are not all equal. The others have zero advantage, hence no gradient; --zero-variance drop
+    leaves them out of the batch, resample pulls more groups in their place, keep trains on them anyway.
+    It looks at the correctness rewards, before any overlong penalty, as filter_groups asks (the paper filters
+    on accuracy)."""
+    rewards = torch.tensor([r for grp in groups for r in grp.rewards], dtype=torch.float64)
+    return dapo.filter_groups(rewards, group_size).tolist()
+
+
+def apply_overlong_penalty(groups: list, max_tokens: int, cache_len: int) -> None:
+    """--length-control overlong: DAPO's soft overlong punishment (dapo.overlong_penalty, a ramp from 0 to -1 over
+    the last `cache_len` tokens of the budget) added to each completion's reward, in place. It comes after the
+    zero-variance filter, so it shapes the advantages inside a group but never decides which groups train."""
+    for grp in groups:
+        lengths = torch.tensor([sum(c.loss_mask) for c in grp.completions])
+        penalty = dapo.overlong_penalty(lengths, max_len=max_tokens, cache_len=cache_len)
+        for c, p in zip(grp.completions, penalty.tolist()):
+            c.reward = c.reward + p
+
+
+def apply_overlong_filter(groups: list) -> int:
+    """--overlong-filter: DAPO's overlong filtering. A completion cut off by --max-tokens teaches nothing about its
+    answer: it is masked from the loss (its reward still counts in its group's advantages). After the penalty,
+    which measures lengths on the unmasked completions. Returns the number of completions masked."""
+    masked = 0
+    for grp in groups:
+        for c in grp.completions:
+            if c.truncated:
+                c.loss_mask = [False] * len(c.loss_mask)
+                masked += 1
+    return masked
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The learner side: every rank, on its share of the batch
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def attach_learner_logprobs(model: Any, groups: list, args: Args, pad_id: int) -> None:
+    """Old logprobs from the learner: set `completion.old_logprobs` to the learner's logprobs of its tokens, with
+    the current weights (call under torch.no_grad)."""
+    batches = micro_batches(groups, args.micro_batch_tokens, args.group_size)
+    idle = idle_forwards_needed(len(batches))
+    for idx in batches:
+        chosen = [groups[j] for j in idx]
+        rows = to_rows(chosen, None, args.group_size, pad_id)
+        logprobs = token_logprobs(model, rows, args.temperature)
+        completions = [(len(grp.prompt_ids), c) for grp in chosen for c in grp.completions]
+        for row, (p, c) in enumerate(completions):
+            c.old_logprobs = logprobs[row, p - 1: p - 1 + len(c.token_ids)].tolist()
+    for _ in range(idle):
+        idle_forward(model, pad_id, backward=False)
+
+
+def compute_advantages(args: Args, learner: Learner, batch: list, run: Run) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss file's advantages over the whole batch (every rank computes the same: batch-level normalisation
+    needs every group), then this rank's rows of them. Returns (the batch's rewards, this rank's advantages)."""
+    g = args.group_size
+    rewards = torch.tensor([r for grp in batch for r in grp.rewards], dtype=torch.float32)
+    advantages = learner.loss_module.compute_advantages(rewards, g, **learner.adv_kwargs) if batch else torch.zeros(0)
+    mine = this_ranks_share(list(range(len(batch))), run)
+    return rewards, (torch.cat([advantages[i * g: (i + 1) * g] for i in mine]) if mine else torch.zeros(0))
+
+
+def loss_and_backward(model: Any, loss_module: Any, hp: dict, groups: list, advantages: Any, args: Args,
+                      pad_id: int, world: int, version: int, ref_model: Any = None) -> dict[str, float]:
+    """Loss and backward over this rank's groups, in micro-batches of whole groups (--micro-batch-tokens); returns
+    this rank's metric totals (reduce_metrics averages them over ranks). Every micro-batch loss is divided by the
+    WHOLE batch's denominator (prompts, completions or tokens, per the loss's aggregation), summed over ranks, so
+    the micro-batch losses and gradients add up to the full-batch ones for any micro-batch size and world size.
+    `ref_model`: the frozen reference policy of --kl-coef, whose logprobs go to the loss as ref_logprobs."""
+    g = args.group_size
+    batches = [to_rows([groups[i] for i in idx], advantages[[i * g + j for i in idx for j in range(g)]], g, pad_id)
+               for idx in micro_batches(groups, args.micro_batch_tokens, g)]
+    denominator = sum_over_ranks(sum(loss_module.loss_denominator(r.loss_mask, g, **hp) for r in batches))
+    idle = idle_forwards_needed(len(batches))
+    totals: dict[str, float] = defaultdict(float)
+    for rows in batches:
+        for key, value in micro_batch_loss(model, loss_module, hp, rows, args, denominator, world, version,
+                                           ref_model).items():
+            totals[key] += value
+    for _ in range(idle):
+        idle_forward(model, pad_id, backward=True, ref_model=ref_model)
+    return dict(totals)
+
+
+def micro_batch_loss(model: Any, loss_module: Any, hp: dict, rows: Rows, args: Args, denominator: float,
+                     world: int, version: int, ref_model: Any) -> dict[str, float]:
+    """One micro-batch: the policy's logprobs, the importance weights (--tis) and reference logprobs (--kl-coef)
+    if asked for, the loss file's loss, backward. Returns its metric totals: sums, token-weighted."""
+    logprobs = token_logprobs(model, rows, args.temperature)
+    old = rows.old_logprobs
+    is_weights = None
+    if args.tis:
+        is_weights = tis.tis_weights(old, rows.sampler_logprobs, rows.loss_mask, cap=args.tis_cap, level=args.tis,
+                                     mode=args.tis_mode, cap_min=args.tis_cap_min)
+    extra = {}
+    if ref_model is not None:
+        with torch.no_grad():
+            extra["ref_logprobs"] = token_logprobs(ref_model, rows, args.temperature)
+    loss, metrics = loss_module.compute_loss(logprobs, old, rows.advantages, rows.loss_mask, args.group_size,
+                                             is_weights=is_weights, denominator=denominator, **hp, **extra)
+    # FSDP averages gradients over ranks; the loss is already normalised by the global denominator.
+    (loss * world).backward()
+    weight = metrics.get("num_tokens", 0.0)
+    totals = {"loss": loss.item(), **{k: v * weight for k, v in metrics.items() if k != "num_tokens"},
+              "num_tokens": weight}
+    # Sampler/learner mismatch on tokens sampled by the weights being trained now (lag 0).
+    same_weights = rows.loss_mask & (rows.versions == version)
+    if same_weights.any():
+        n_same = float(same_weights.sum())
+        totals.update({k: v * n_same for k, v in tis.mismatch_metrics(logprobs.detach(), rows.sampler_logprobs,
+                                                                     same_weights).items()})
+        totals["mismatch_tokens"] = n_same
+    if is_weights is not None:
+        totals["is_weight_mean"] = float(is_weights[rows.loss_mask].sum())
+        totals["is_weight_zero_frac"] = float((is_weights[rows.loss_mask] == 0).sum())  # masked (MIS)
+    return totals
+
+
+def optimizer_step(args: Args, learner: Learner, loss: float, has_groups: bool) -> tuple[float, bool]:
+    """Clip the global gradient norm (--grad-clip) and step AdamW and the warm-up schedule. A non-finite loss or
+    gradient skips the step (its gradients are dropped), and so does an empty batch. Returns (grad norm, finite)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(learner.model.parameters(), args.grad_clip)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    finite = math.isfinite(grad_norm) and math.isfinite(loss)
+    if finite and has_groups:
+        learner.optimizer.step()
+    else:
+        learner.optimizer.zero_grad(set_to_none=True)
+    learner.scheduler.step()
+    return grad_norm, finite
+
+
+def push_weights(learner: Learner, run: Run, version: int) -> float:
+    """Push the new weights to the generator as `version` (in pipeline mode applied between two decoding steps,
+    in flight). Gathering them is a collective; rank 0 sends them. Returns the seconds rank 0 spent sending."""
+    weights = full_state_dict(learner.model)
+    return run.generator.update_weights(weights, version) if run.is_main else 0.0
+
+
+def evaluate(args: Args, run: Run, row: dict) -> None:
+    """Rank 0: the mean@k pass rate on the held-out validation prompts (and on --test-dataset), added to `row`
+    with the asymptote of the sigmoid fitted to the evaluations so far."""
+    t0 = time.time()
+    val = pass_rates(run.generator, run.val_problems, args.eval_samples, args.temperature)
+    row.update(val_pass_rate=val["pass_rate"], val_reward=val["reward"], eval_s=time.time() - t0)
+    if run.test_problems:
+        test = pass_rates(run.generator, run.test_problems, args.eval_samples, args.temperature)
+        row.update(test_pass_rate=test["pass_rate"], test_reward=test["reward"])
+    run.eval_rows.append(row)
+    asymptote = current_asymptote(run.eval_rows)
+    if asymptote is not None:
+        row["fit_asymptote"] = asymptote
+
+
+def log_row(args: Args, run: Run, row: dict) -> None:
+    """Rank 0: append the step's row to metrics.jsonl, move the progress bar, print a summary line every
+    --log-every steps and at every evaluation."""
+    run.metrics.write(row)
+    run.recent.append(row)
+    run.bar.update(1)
+    run.bar.set_postfix(reward=f"{row['reward']:+.2f}", val=f"{run.eval_rows[-1]['val_pass_rate']:.2f}")
+    if row["step"] % args.log_every == 0 or "val_pass_rate" in row:
+        tqdm.write(summary_line(row, run.recent))
+
+
+def checkpoint(learner: Learner, run: Run, state: TrainerState) -> None:
+    """Save the model, the optimizer, every rank's RNG and the trainer state (checkpoint files: plumbing, below).
+    Rank 0's state is the one written: it alone keeps the metrics log and the prompts' pass-rate history."""
+    state.elapsed_hours = run.hours()
+    state.metrics_lines = run.metrics.lines if run.is_main else 0
+    save_checkpoint(run.out, learner.model, learner.optimizer, state.to_json(), run.rank)
+
+
+def stop_if_signalled(learner: Learner, run: Run, state: TrainerState) -> None:
+    """Ctrl-C or SIGTERM to any rank: stop here, at a step boundary, with a checkpoint (a --resume redoes nothing)."""
+    if run.stopper.agreed():
+        checkpoint(learner, run, state)
+        raise SystemExit(f"stopped by {run.stopper.signal or 'a signal to another rank'} after step {state.step}; "
+                         f"checkpoint saved in {run.out / 'checkpoint'}: continue with --resume {run.out}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the steps use: padded rows of micro-batches, logprobs, evaluation, the sigmoid fit
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Rows:
+    """One micro-batch of completions, each row = prompt + completion, right-padded. Per-token fields are aligned
+    with the predicted token: position t holds the logprob of input_ids[:, t + 1]."""
+
+    input_ids: Any  # [N, L]
+    attention: Any  # [N, L] bool
+    loss_mask: Any  # [N, L-1] bool: completion tokens the model chose (not prompt, padding, injected phrase)
+    sampler_logprobs: Any  # [N, L-1]
+    versions: Any  # [N, L-1] weight version that sampled each token (-1 outside completions)
+    old_logprobs: Any  # [N, L-1] behaviour policy: learner-recomputed where attached, else the sampler's
+    advantages: Any  # [N]
+
+
+def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int) -> Rows:
+    """Pad the groups' completions (after their prompts) into one micro-batch of rows."""
+    seqs = [(g.prompt_ids, c) for g in groups for c in g.completions]
+    length = max(len(p) + len(c.token_ids) for p, c in seqs)
+    n = len(seqs)
+    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
+    attention = torch.zeros(n, length, dtype=torch.bool)
+    loss_mask = torch.zeros(n, length - 1, dtype=torch.bool)
+    sampler = torch.zeros(n, length - 1)
+    versions = torch.full((n, length - 1), -1, dtype=torch.long)
+    old = torch.zeros(n, length - 1)
+    for row, (prompt, c) in enumerate(seqs):
+        p, t = len(prompt), len(c.token_ids)
+        input_ids[row, : p + t] = torch.tensor(prompt + c.token_ids)
+        attention[row, : p + t] = True
+        loss_mask[row, p - 1 : p - 1 + t] = torch.tensor(c.loss_mask, dtype=torch.bool)
+        sampler[row, p - 1 : p - 1 + t] = torch.tensor(c.sampler_logprobs)
+        versions[row, p - 1 : p - 1 + t] = torch.tensor(c.versions)
+        behaviour = c.old_logprobs if c.old_logprobs is not None else c.sampler_logprobs
+        old[row, p - 1 : p - 1 + t] = torch.tensor(behaviour)
+    return Rows(input_ids, attention, loss_mask, sampler, versions, old, advantages)
+
+
+def micro_batches(groups: list, token_budget: int, group_size: int) -> list[list[int]]:
+    """Indices of groups per micro-batch: whole groups, padded size (rows x longest row) within the budget."""
+    batches, current, longest = [], [], 0
+    for i, g in enumerate(groups):
+        g_len = len(g.prompt_ids) + max(len(c.token_ids) for c in g.completions)
+        new_longest = max(longest, g_len)
+        if current and (len(current) + 1) * group_size * new_longest > token_budget:
+            batches.append(current)
+            current, new_longest = [], g_len
+        current.append(i)
+        longest = new_longest
+    if current:
+        batches.append(current)
+    return batches
+
+
+def token_logprobs(model: Any, rows: Rows, temperature: float) -> Any:
+    """log pi(token) for every next-token position, after dividing the logits by the sampling temperature."""
+    logits = model(input_ids=rows.input_ids, attention_mask=rows.attention.long()).logits[:, :-1]  # [N, L-1, V]
+    logits = logits.float() / temperature
+    targets = rows.input_ids[:, 1:].unsqueeze(-1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)  # [N, L-1]
+
+
+def pass_rates(generator: Any, problems: list, samples: int, temperature: float) -> dict[str, float]:
+    """mean@k pass rate (the fraction of correct completions, per prompt, averaged) and mean reward."""
+    groups = generator.evaluate(problems, samples, temperature)
+    rewards = [r for g in groups for r in g.rewards]
+    per_prompt = [sum(r > 0 for r in g.rewards) / len(g.rewards) for g in groups]
+    return {"pass_rate": sum(per_prompt) / len(per_prompt), "reward": sum(rewards) / len(rewards)}
+
+
+def current_asymptote(rows: list[dict]) -> float | None:
+    """The sigmoid fit's predicted asymptote A over the evaluation rows so far (None until it can be fitted)."""
+    points = [(r["compute_hours"], r["val_pass_rate"]) for r in rows]
+    if len(points) < 5:
+        return None
+    try:
+        return scaling_fit.fit_sigmoid(*zip(*points)).A
+    except ValueError:
+        return None
+
+
+def new_row(run: Run, state: TrainerState) -> dict[str, Any]:
+    """The start of a metrics.jsonl row: where the run stands in steps and compute."""
+    return {"step": state.step, "compute_hours": run.hours() * run.devices_in_use, "flops": state.flops,
+            "tokens": state.gen_tokens}
+
+
+def summary_line(row: dict, recent: deque) -> str:
+    mean = lambda key: sum(r.get(key, 0.0) for r in recent) / max(len(recent), 1)  # noqa: E731
+    parts = [f"step {row['step']:4d}", f"reward {mean('reward'):+.3f}", f"train pass {mean('train_pass_rate'):.3f}"]
+    if "val_pass_rate" in row:
+        parts.append(f"VAL PASS {row['val_pass_rate']:.3f}")
+    if "fit_asymptote" in row:
+        parts.append(f"fit A {row['fit_asymptote']:.3f}")
+    parts += [f"clip {mean('clip_frac'):.3f}", f"kl {mean('kl_k3'):.2e}", f"0-var {mean('frac_zero_variance'):.2f}",
+              f"lag {mean('lag_mean'):.2f}", f"wait {mean('wait_s'):.2f}s", f"step {mean('step_s'):.2f}s",
+              f"{row['compute_hours'] * 3600:.0f} dev-s"]
+    return " | ".join(parts)
+
+
+def fit_and_plot(metrics_file: Path, out_png: Path, label: str) -> Any:
+    """The end of a run: ScaleRL's sigmoid fitted to the evaluation rows, drawn with them into `out_png`."""
+    rows = [r for r in scaling_fit.read_metrics(metrics_file) if "val_pass_rate" in r]
+    compute = [r["compute_hours"] for r in rows]
+    reward = [r["val_pass_rate"] for r in rows]
+    fit = None
+    try:
+        fit = scaling_fit.fit_sigmoid(compute, reward)
+    except ValueError as err:  # too few points, or a flat curve: plot the points anyway
+        print(f"[scaling fit] {err}")
+    scaling_fit.plot_fits([(label, compute, reward, fit, None)], out_png, x_label="compute_hours",
+                          y_label="val_pass_rate")
+    return fit
+
+
+# ================================================================================================================
+# PLUMBING. A reader of the recipe may stop here: below are the command line, the setup (process groups, the
+# output-directory lock, building the FSDP2 learner, resume, the generator), the collectives that keep the ranks in
+# step, checkpoint files, signal handling and the metrics file.
+# ================================================================================================================
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command line: Args -> argparse, --resume's saved flags, loss-file options
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="train.py", description="The ScaleRL recipe: vLLM generator + FSDP2 learner. Run under torchrun.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    groups: dict[str, Any] = {}  # title -> argparse argument group, in the order of Args
+    for f in dataclasses.fields(Args):
+        meta = dict(f.metadata)
+        group = meta.pop("group")
+        if group not in groups:
+            groups[group] = parser.add_argument_group(group)
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"default": f.default, "help": meta.pop("help")}
+        kwargs.update(meta)
+        if f.type in ("bool",) and "action" not in kwargs:
+            kwargs["action"] = "store_true"
+        elif "action" not in kwargs:
+            kwargs["type"] = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
+        groups[group].add_argument(flag, **kwargs)
+    return parser
+
+
+class _Unset:
+    """Marks a flag the command line did not give."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors in one line, printed once: every torchrun rank parses the same flags, so only rank 0
+    speaks and the others exit quietly with the same status."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(argv: list[str] | None = None) -> Args:
+    parser = build_parser()
+    values = vars(parser.parse_args(argv))
+    if values["resume"]:
+        values = resumed_values(parser, argv, values["resume"])
+    args = Args(**values)
+    problems = check_args(args)
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_dir: str) -> dict[str, Any]:
+    """The flags a resumed run continues with: those it was started with (its args.json), overridden by the ones
+    given now (e.g. --max-steps 400 to extend it). Its output directory is `run_dir`, whatever --output-dir says."""
+    # Parse again into a namespace that already holds every field, so argparse leaves out the defaults; append
+    # actions need a list-like start, hence None for them.
+    blank = {f.name: None if f.metadata.get("action") == "append" else _Unset for f in dataclasses.fields(Args)}
+    given = {k: v for k, v in vars(parser.parse_args(argv, namespace=argparse.Namespace(**blank))).items()
+             if v is not _Unset and not (v is None and blank[k] is None)}
+    saved_file = Path(run_dir) / "args.json"
+    saved = {}
+    if saved_file.exists():
+        saved = json.loads(saved_file.read_text())
+    elif complete_checkpoints(Path(run_dir)):
+        parser.error(f"--resume {run_dir}: no args.json there, so the flags of the run are unknown")
+    values = {f.name: f.default for f in dataclasses.fields(Args)}
+    values.update({k: v for k, v in saved.items() if k in values})
+    values.update(resume=run_dir, overwrite=False)
+    values.update(given)
+    values["output_dir"] = run_dir
+    return values
+
+
 def _loss_takes(loss: str, name: str) -> bool:
     """Whether the loss file's compute_loss has the keyword `name`."""
-    import inspect
-
     return name in inspect.signature(importlib.import_module(loss).compute_loss).parameters
 
 
@@ -373,8 +998,6 @@ def _literal(value: str) -> Any:
 
 def loss_hyperparameters(args: Args, loss_module: Any) -> dict[str, Any]:
     """Keyword overrides for the loss file; everything not named keeps the file's paper default."""
-    import inspect
-
     accepted = inspect.signature(loss_module.compute_loss).parameters
     hp: dict[str, Any] = {}
     if args.loss == "drgrpo":
@@ -392,18 +1015,130 @@ def loss_hyperparameters(args: Args, loss_module: Any) -> dict[str, Any]:
     return hp
 
 
+def resolve_defaults(args: Args, embedded: bool, on_gpu: bool) -> None:
+    """The tiny model's tuned optimiser defaults, or the paper's for real models."""
+    tiny = {"lr": 1e-4, "adam_eps": 1e-8, "weight_decay": 0.0, "warmup_steps": 0}
+    paper = {"lr": 5e-7, "adam_eps": 1e-15, "weight_decay": 0.01, "warmup_steps": 100}
+    for key, value in (tiny if embedded else paper).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.dtype is None:
+        args.dtype = "bfloat16" if on_gpu else "float32"
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# Distributed setup and the FSDP2 learner
+# Setup: from the flags to the learner, the generator and the trainer state the loop starts from
 # ----------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
+    """Everything before the first step, on every rank: process group, OUTPUT_DIR lock, data, model, optimizer,
+    resume, generator, metrics log. On exit the generator is closed; a run that fails before its first metrics row
+    leaves OUTPUT_DIR as it found it."""
+    tasks.set_vllm_cpu_env()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
+        # training on, and a --resume would then race them for OUTPUT_DIR: die with the launcher instead.
+        pipeline_rl.set_parent_death_signal(signal.SIGKILL)
+    rank, world, device = init_distributed(args.gen_devices)
+    is_main = rank == 0
+    stopper = GracefulStop(announce=is_main, device=device)
+    out = Path(args.output_dir)
+    fresh_dir = not out.exists()  # a start that fails removes what it made
+    lock = claim_output_dir(out, is_main)
+    generator = None
+    log: MetricsLog | None = None
+    try:  # until the first metrics row, a failure leaves the output directory as it was found
+        if is_main and args.overwrite:
+            for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
+                shutil.rmtree(out / name, ignore_errors=True)
+            for name in ("metrics.jsonl", "scaling.png"):
+                (out / name).unlink(missing_ok=True)
+        loss_module = importlib.import_module(args.loss)
+        hp = loss_hyperparameters(args, loss_module)
+        adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
+
+        # Data and model. Rank 0 builds the embedded model once (cached); the others wait at the barrier.
+        task, test_task = load_tasks(args)
+        for t in (task, test_task):
+            if is_main and getattr(t, "skipped_summary", ""):
+                print(f"[data] {t.name_or_path}: {t.skipped_summary}", file=sys.stderr)
+        embedded = args.model is None
+        if embedded and is_main:
+            tasks.build_base_model()
+        dist.barrier()
+        model_path = str(tasks.build_base_model()) if embedded else args.model
+        resolve_defaults(args, embedded, device.type == "cuda")
+        random.seed(args.seed + rank)
+        np.random.seed(args.seed + rank)
+        torch.manual_seed(args.seed)
+        model, n_params = build_learner(model_path, args, device)
+        ref_model = None
+        if args.kl_coef:  # GRPO's reference policy: the initial model, frozen, sharded like the policy
+            ref_model = build_learner(model_path, args, device)[0].eval().requires_grad_(False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
+        warmup = max(args.warmup_steps, 0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+        learner = Learner(model=model, optimizer=optimizer, scheduler=scheduler, loss_module=loss_module, hp=hp,
+                          adv_kwargs=adv_kwargs, pad_id=pad_token_id(model_path), n_params=n_params,
+                          ref_model=ref_model)
+
+        state = TrainerState()
+        if args.resume:
+            saved, ckpt = load_checkpoint(out, model, optimizer, rank)
+            state = TrainerState.from_json(saved)
+            if is_main:
+                print(f"[resume] {ckpt}: step {state.step}", file=sys.stderr)
+            for _ in range(state.step):
+                scheduler.step()
+        data_skipped = {}
+        if not args.resume and is_main:
+            data_skipped = {"data_skipped_rows": getattr(task, "skipped_rows", 0),
+                            "data_skipped_reasons": getattr(task, "skipped_reasons", {})}
+
+        # The generator (rank 0 owns it; its process is vLLM's).
+        val_problems = task.validation(args.eval_prompts)
+        test_problems = test_task.validation(None) if test_task else []
+        devices_in_use = world + 1  # learner ranks + the generator (on GPU: its device count)
+        if args.gen_devices:
+            devices_in_use = world + len(args.gen_devices.split(","))
+        if is_main:
+            consumed = state.consumed
+            data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
+            generator = pipeline_rl.Generator(generator_config(args, model_path, state.step), task,
+                                              data_start=data_start,
+                                              skip_indices={i for i in consumed if i >= data_start},
+                                              retired_ids=state.retired)
+            generator.start()
+        if state.step > 0:  # the generator starts from the base weights: give it the resumed ones
+            weights = full_state_dict(model)
+            if is_main:
+                generator.update_weights(weights, state.step)
+        eval_rows: list[dict] = []
+        if is_main:  # the run's files appear only once it has started
+            log = MetricsLog(out / "metrics.jsonl", state.metrics_lines if args.resume else 0)
+            (out / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+            if log.lines:
+                eval_rows = [r for r in scaling_fit.read_metrics(log.path) if "val_pass_rate" in r]
+        bar = tqdm(total=args.max_steps, initial=state.step, desc=f"{args.loss}/{args.mode}", disable=not is_main,
+                   dynamic_ncols=True)
+        run = Run(rank=rank, world=world, out=out, stopper=stopper, devices_in_use=devices_in_use,
+                  started=time.time() - state.elapsed_hours * 3600.0, val_problems=val_problems,
+                  test_problems=test_problems, generator=generator, metrics=log, bar=bar,
+                  recent=deque(maxlen=args.log_every), eval_rows=eval_rows, data_skipped=data_skipped, lock=lock)
+        yield learner, run, state
+    except BaseException:
+        if is_main and not args.resume and (log is None or log.lines == 0):
+            _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
+        raise
+    finally:
+        if generator is not None:
+            generator.close()
 
 
 def init_distributed(gen_devices: str | None = None) -> tuple[int, int, Any]:
     """(rank, world size, this rank's device). On GPU the learner keeps off the generator's `gen_devices`."""
-    import torch
-    import torch.distributed as dist
-
-    import pipeline_rl
-
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -421,10 +1156,68 @@ def init_distributed(gen_devices: str | None = None) -> tuple[int, int, Any]:
     return rank, world, device
 
 
+def claim_output_dir(out: Path, is_main: bool) -> Any:
+    """One run per OUTPUT_DIR at a time: rank 0 takes the lock, and every rank stops if it is taken. The lock
+    dies with its process, so a killed run never blocks its own --resume. Returns the open lock file (rank 0)."""
+    lock, error = None, [None]
+    if is_main:
+        try:
+            lock = lock_output_dir(out)
+        except OutputDirBusyError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        dist.destroy_process_group()
+        raise SystemExit(error[0])
+    return lock
+
+
+def _remove_failed_start(out: Path, fresh_dir: bool) -> None:
+    """Leave the output directory as a failed start found it."""
+    for name in ("metrics.jsonl", "args.json", ".lock"):
+        (out / name).unlink(missing_ok=True)
+    if fresh_dir:
+        try:
+            out.rmdir()
+        except OSError:  # something else is in it now: keep it
+            pass
+
+
+def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
+    """The training task behind --dataset (with --dataset-config for a hub data set) and the optional test task."""
+    task = tasks.load_task(args.dataset, **{k: v for k, v in (("question_field", args.question_field),
+                                                                ("answer_field", args.answer_field),
+                                                                ("skip_bad_rows", args.skip_bad_rows),
+                                                                ("dataset_config", args.dataset_config)) if v})
+    test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
+                                answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
+        if args.test_dataset else None
+    return task, test_task
+
+
+def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.GeneratorConfig:
+    """The vLLM generator's settings for this run; it restarts from `step` after a resume."""
+    return pipeline_rl.GeneratorConfig(
+        model=model_path, group_size=args.group_size, temperature=args.temperature,
+        interruptions=args.length_control == "interruptions", think_budget=_budget(args.think_budget),
+        answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_model_len=model_context(args),
+        max_off_policy=args.max_off_policy, buffer_steps=args.buffer_steps, mode=args.mode,
+        seed=args.seed + step, data_seed=args.seed, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
+        debug_slowdown=args.debug_gen_slowdown,
+        groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
+        gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The FSDP2 learner
+# ----------------------------------------------------------------------------------------------------------------
+
+
 def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     """The policy as FSDP2: fully_shard on every decoder layer, then the root. Returns (model, param count)."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    # transformers is imported here, not at the top: it takes longer to import than torch, and `--help`, the
+    # flag checks and the tests that never build a model should not wait for it.
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -449,157 +1242,63 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     return model, n_params
 
 
+def pad_token_id(model_path: str) -> int:
+    from transformers import AutoTokenizer  # here, not at the top: see build_learner
+
+    return AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
+
+
 def full_state_dict(model: Any) -> dict:
     """HF-named full weights gathered on rank 0 (empty elsewhere); a collective: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Batches: groups -> padded tensors, micro-batches by token budget
+# Keeping the ranks in step: collectives every rank calls at the same point
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Rows:
-    """One micro-batch of completions, each row = prompt + completion, right-padded. Per-token fields are aligned
-    with the predicted token: position t holds the logprob of input_ids[:, t + 1]."""
-
-    input_ids: Any  # [N, L]
-    attention: Any  # [N, L] bool
-    loss_mask: Any  # [N, L-1] bool: completion tokens the model chose (not prompt, padding, injected phrase)
-    sampler_logprobs: Any  # [N, L-1]
-    versions: Any  # [N, L-1] weight version that sampled each token (-1 outside completions)
-    old_logprobs: Any  # [N, L-1] behaviour policy: learner-recomputed where attached, else the sampler's
-    advantages: Any  # [N]
+def broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (pickled; e.g. a round of groups)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
-def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int) -> Rows:
-    """Pad the groups' completions (after their prompts) into one micro-batch of rows."""
-    import torch
-
-    seqs = [(g.prompt_ids, c) for g in groups for c in g.completions]
-    length = max(len(p) + len(c.token_ids) for p, c in seqs)
-    n = len(seqs)
-    input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attention = torch.zeros(n, length, dtype=torch.bool)
-    loss_mask = torch.zeros(n, length - 1, dtype=torch.bool)
-    sampler = torch.zeros(n, length - 1)
-    versions = torch.full((n, length - 1), -1, dtype=torch.long)
-    old = torch.zeros(n, length - 1)
-    for row, (prompt, c) in enumerate(seqs):
-        p, t = len(prompt), len(c.token_ids)
-        input_ids[row, : p + t] = torch.tensor(prompt + c.token_ids)
-        attention[row, : p + t] = True
-        loss_mask[row, p - 1 : p - 1 + t] = torch.tensor(c.loss_mask, dtype=torch.bool)
-        sampler[row, p - 1 : p - 1 + t] = torch.tensor(c.sampler_logprobs)
-        versions[row, p - 1 : p - 1 + t] = torch.tensor(c.versions)
-        behaviour = c.old_logprobs if c.old_logprobs is not None else c.sampler_logprobs
-        old[row, p - 1 : p - 1 + t] = torch.tensor(behaviour)
-    return Rows(input_ids, attention, loss_mask, sampler, versions, old, advantages)
+def this_ranks_share(items: list, run: Run) -> list:
+    """Every world-th item, from this rank's: the groups of a batch are dealt out to the ranks like cards."""
+    return [item for i, item in enumerate(items) if i % run.world == run.rank]
 
 
-def micro_batches(groups: list, token_budget: int, group_size: int) -> list[list[int]]:
-    """Indices of groups per micro-batch: whole groups, padded size (rows x longest row) within the budget."""
-    batches, current, longest = [], [], 0
-    for i, g in enumerate(groups):
-        g_len = len(g.prompt_ids) + max(len(c.token_ids) for c in g.completions)
-        new_longest = max(longest, g_len)
-        if current and (len(current) + 1) * group_size * new_longest > token_budget:
-            batches.append(current)
-            current, new_longest = [], g_len
-        current.append(i)
-        longest = new_longest
-    if current:
-        batches.append(current)
-    return batches
+def sum_over_ranks(value: float) -> float:
+    total = torch.tensor([float(value)])
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item()
 
 
-def token_logprobs(model: Any, rows: Rows, temperature: float) -> Any:
-    """log pi(token) for every next-token position, after dividing the logits by the sampling temperature."""
-    import torch
-
-    logits = model(input_ids=rows.input_ids, attention_mask=rows.attention.long()).logits[:, :-1]  # [N, L-1, V]
-    logits = logits.float() / temperature
-    targets = rows.input_ids[:, 1:].unsqueeze(-1)
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)  # [N, L-1]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# One optimizer step: the loss over micro-batches, whose sum equals the full-batch loss on any world size
-# ----------------------------------------------------------------------------------------------------------------
+def idle_forwards_needed(n_micro_batches: int) -> int:
+    """How many forwards this rank must add to its own micro-batches to run as many as the busiest rank: FSDP2's
+    all-gathers are collectives, so a rank with no micro-batch left must still join them (idle_forward). A
+    collective itself: call it before the first forward."""
+    most = torch.tensor([n_micro_batches])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item()) - n_micro_batches
 
 
-def loss_and_backward(model: Any, loss_module: Any, hp: dict, groups: list, advantages: Any, args: Args,
-                      pad_id: int, world: int, version: int, ref_model: Any = None) -> dict[str, float]:
-    """Forward/backward over this rank's micro-batches. Denominators cover the whole batch across ranks.
-    `ref_model`: the frozen reference policy of --kl-coef, whose logprobs go to the loss as ref_logprobs."""
-    import torch
-    import torch.distributed as dist
-
-    import tis
-
-    g = args.group_size
-    rows_per_batch = []
-    for idx in micro_batches(groups, args.micro_batch_tokens, g):
-        rows_idx = [i * g + j for i in idx for j in range(g)]
-        rows_per_batch.append(to_rows([groups[i] for i in idx], advantages[rows_idx], g, pad_id))
-    # Whole-batch denominator (prompts, completions or tokens, per the loss's aggregation), summed over ranks.
-    local = sum(loss_module.loss_denominator(r.loss_mask, g, **hp) for r in rows_per_batch)
-    counts = torch.tensor([float(local), float(len(rows_per_batch))])
-    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    denominator = counts[0].item()
-    n_micro = torch.tensor([len(rows_per_batch)])
-    dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)  # FSDP collectives: every rank runs as many forwards
-    totals: dict[str, float] = defaultdict(float)
-    for i in range(int(n_micro.item())):
-        if i < len(rows_per_batch):
-            rows = rows_per_batch[i]
-            logprobs = token_logprobs(model, rows, args.temperature)
-            old = rows.old_logprobs
-            is_weights = None
-            if args.tis:
-                is_weights = tis.tis_weights(old, rows.sampler_logprobs, rows.loss_mask, cap=args.tis_cap,
-                                             level=args.tis, mode=args.tis_mode, cap_min=args.tis_cap_min)
-            extra = {}
-            if ref_model is not None:
-                with torch.no_grad():
-                    extra["ref_logprobs"] = token_logprobs(ref_model, rows, args.temperature)
-            loss, metrics = loss_module.compute_loss(logprobs, old, rows.advantages, rows.loss_mask, g,
-                                                     is_weights=is_weights, denominator=denominator, **hp, **extra)
-            # FSDP averages gradients over ranks; the loss is already normalised by the global denominator.
-            (loss * world).backward()
-            weight = metrics.get("num_tokens", 0.0)
-            totals["loss"] += loss.item()
-            for key, value in metrics.items():
-                if key != "num_tokens":
-                    totals[key] += value * weight
-            totals["num_tokens"] += weight
-            # Sampler/learner mismatch on tokens sampled by the weights being trained now (lag 0).
-            same_weights = rows.loss_mask & (rows.versions == version)
-            if same_weights.any():
-                mm = tis.mismatch_metrics(logprobs.detach(), rows.sampler_logprobs, same_weights)
-                n_same = float(same_weights.sum())
-                for key, value in mm.items():
-                    totals[key] += value * n_same
-                totals["mismatch_tokens"] += n_same
-            if is_weights is not None:
-                totals["is_weight_mean"] += float(is_weights[rows.loss_mask].sum())
-                totals["is_weight_zero_frac"] += float((is_weights[rows.loss_mask] == 0).sum())  # masked (MIS)
-        else:  # an idle rank still joins the FSDP all-gathers, with a loss that contributes nothing
-            dummy = torch.full((1, 2), pad_id, dtype=torch.long)
-            (model(input_ids=dummy).logits.sum() * 0.0).backward()
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref_model(input_ids=dummy)
-    return dict(totals)
+def idle_forward(model: Any, pad_id: int, backward: bool, ref_model: Any = None) -> None:
+    """A forward (and backward) on a dummy row that contributes nothing, with the collectives of a real micro-batch
+    in the same order: the policy's forward, the reference model's forward, the backward."""
+    dummy = torch.full((1, 2), pad_id, dtype=torch.long)
+    logits = model(input_ids=dummy).logits
+    if ref_model is not None:
+        with torch.no_grad():
+            ref_model(input_ids=dummy)
+    if backward:
+        (logits.sum() * 0.0).backward()
 
 
 def reduce_metrics(totals: dict[str, float], world: int) -> dict[str, float]:
     """Token-weighted means over all ranks (the loss is a sum of micro-batch terms, so it is summed)."""
-    import torch.distributed as dist
-
     gathered: list[dict] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(gathered, totals)
     summed: dict[str, float] = defaultdict(float)
@@ -615,18 +1314,14 @@ def reduce_metrics(totals: dict[str, float], world: int) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checkpoints: model, optimizer, step, RNG, prompt history, data position, metrics position
+# Checkpoint files: model, optimizer, every rank's RNG, the trainer state
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: int) -> None:
     """OUTPUT_DIR/checkpoint/ (the previous one kept as checkpoint.old/ until the next save completes). Each rank's
-    RNG states go into rng-RANK.pt; trainer_state.json is written last, so a directory that has it is complete."""
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
+    RNG states go into rng-RANK.pt; trainer_state.json (`state`, rank 0's) is written last, so a directory that
+    has it is complete."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                    cpu_offload=True))
     tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
@@ -654,11 +1349,8 @@ def complete_checkpoints(out: Path) -> list[Path]:
 
 
 def load_checkpoint(out: Path, model: Any, optimizer: Any, rank: int) -> tuple[dict, Path]:
-    """Restore the newest complete checkpoint that loads; a corrupt one is named and the older one used instead."""
-    import numpy as np
-    import torch
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
+    """Restore the newest complete checkpoint that loads; a corrupt one is named and the older one used instead.
+    Returns (its trainer_state.json, its directory)."""
     failures = []
     for ckpt in complete_checkpoints(out):
         try:
@@ -678,6 +1370,11 @@ def load_checkpoint(out: Path, model: Any, optimizer: Any, rank: int) -> tuple[d
         torch.set_rng_state(rng["torch"])
         return state, ckpt
     raise SystemExit(f"--resume {out}: no checkpoint could be read: " + "; ".join(failures))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Signals, the output-directory lock, the metrics file
+# ----------------------------------------------------------------------------------------------------------------
 
 
 class GracefulStop:
@@ -700,9 +1397,6 @@ class GracefulStop:
 
     def agreed(self) -> bool:
         """True on every rank if any rank was signalled (a collective: every rank calls it at the same point)."""
-        import torch
-        import torch.distributed as dist
-
         flag = torch.tensor([float(self.signal is not None)], device=self.device)  # NCCL reduces on the GPU
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
@@ -715,8 +1409,6 @@ class OutputDirBusyError(RuntimeError):
 def lock_output_dir(out: Path) -> Any:
     """Take OUTPUT_DIR/.lock for the life of this process; raise OutputDirBusyError if a live run holds it.
     flock is released by the kernel when its holder dies, however it dies."""
-    import fcntl
-
     out.mkdir(parents=True, exist_ok=True)
     handle = (out / ".lock").open("a+")
     try:
@@ -770,463 +1462,6 @@ class MetricsLog:
             f.flush()
             os.fsync(f.fileno())
         self.lines += 1
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Evaluation and the end-of-run fit
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def evaluate(generator: Any, problems: list, samples: int, temperature: float) -> dict[str, float]:
-    groups = generator.evaluate(problems, samples, temperature)
-    rewards = [r for g in groups for r in g.rewards]
-    per_prompt = [sum(r > 0 for r in g.rewards) / len(g.rewards) for g in groups]
-    return {"pass_rate": sum(per_prompt) / len(per_prompt), "reward": sum(rewards) / len(rewards)}
-
-
-def fit_and_plot(metrics_file: Path, out_png: Path, label: str) -> Any:
-    import scaling_fit
-
-    rows = [r for r in scaling_fit.read_metrics(metrics_file) if "val_pass_rate" in r]
-    compute = [r["compute_hours"] for r in rows]
-    reward = [r["val_pass_rate"] for r in rows]
-    fit = None
-    try:
-        fit = scaling_fit.fit_sigmoid(compute, reward)
-    except ValueError as err:  # too few points, or a flat curve: plot the points anyway
-        print(f"[scaling fit] {err}")
-    scaling_fit.plot_fits([(label, compute, reward, fit, None)], out_png, x_label="compute_hours",
-                          y_label="val_pass_rate")
-    return fit
-
-
-def current_asymptote(rows: list[dict]) -> float | None:
-    """The sigmoid fit's predicted asymptote A over the evaluation rows so far (None until it can be fitted)."""
-    import scaling_fit
-
-    points = [(r["compute_hours"], r["val_pass_rate"]) for r in rows]
-    if len(points) < 5:
-        return None
-    try:
-        return scaling_fit.fit_sigmoid(*zip(*points)).A
-    except ValueError:
-        return None
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The recipe
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
-    """The training task behind --dataset (with --dataset-config for a hub data set) and the optional test task."""
-    task = tasks.load_task(args.dataset, **{k: v for k, v in (("question_field", args.question_field),
-                                                                ("answer_field", args.answer_field),
-                                                                ("skip_bad_rows", args.skip_bad_rows),
-                                                                ("dataset_config", args.dataset_config)) if v})
-    test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
-                                answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
-        if args.test_dataset else None
-    return task, test_task
-
-
-def resolve_defaults(args: Args, embedded: bool, on_gpu: bool) -> None:
-    """The tiny model's tuned optimiser defaults, or the paper's for real models."""
-    tiny = {"lr": 1e-4, "adam_eps": 1e-8, "weight_decay": 0.0, "warmup_steps": 0}
-    paper = {"lr": 5e-7, "adam_eps": 1e-15, "weight_decay": 0.01, "warmup_steps": 100}
-    for key, value in (tiny if embedded else paper).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.dtype is None:
-        args.dtype = "bfloat16" if on_gpu else "float32"
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
-    import pipeline_rl
-
-    tasks.set_vllm_cpu_env()
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
-        # training on, and a --resume would then race them for OUTPUT_DIR: die with the launcher instead.
-        pipeline_rl.set_parent_death_signal(signal.SIGKILL)
-    rank, world, device = init_distributed(args.gen_devices)
-    is_main = rank == 0
-    stopper = GracefulStop(announce=is_main, device=device)
-    out = Path(args.output_dir)
-    fresh_dir = not out.exists()  # a start that fails removes what it made
-    # One run per OUTPUT_DIR at a time (the lock dies with its process, so a killed run never blocks its resume).
-    output_lock, lock_error = None, [None]  # the open lock file: held until this function returns
-    if is_main:
-        try:
-            output_lock = lock_output_dir(out)
-        except OutputDirBusyError as e:
-            lock_error = [str(e)]
-    dist.broadcast_object_list(lock_error, src=0)
-    if lock_error[0]:
-        dist.destroy_process_group()
-        raise SystemExit(lock_error[0])
-    generator = None
-    log: MetricsLog | None = None
-    try:  # until the first metrics row, a failure leaves the output directory as it was found
-        if is_main and args.overwrite:
-            for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
-                shutil.rmtree(out / name, ignore_errors=True)
-            for name in ("metrics.jsonl", "scaling.png"):
-                (out / name).unlink(missing_ok=True)
-        loss_module = importlib.import_module(args.loss)
-        hp = loss_hyperparameters(args, loss_module)
-        adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
-
-        # Data and model. Rank 0 builds the embedded model once (cached); the others wait at the barrier.
-        task, test_task = load_tasks(args)
-        for t in (task, test_task):
-            if is_main and getattr(t, "skipped_summary", ""):
-                print(f"[data] {t.name_or_path}: {t.skipped_summary}", file=sys.stderr)
-        embedded = args.model is None
-        if embedded and is_main:
-            tasks.build_base_model()
-        dist.barrier()
-        model_path = str(tasks.build_base_model()) if embedded else args.model
-        resolve_defaults(args, embedded, device.type == "cuda")
-        random.seed(args.seed + rank)
-        np.random.seed(args.seed + rank)
-        torch.manual_seed(args.seed)
-        model, n_params = build_learner(model_path, args, device)
-        ref_model = None
-        if args.kl_coef:  # GRPO's reference policy: the initial model, frozen, sharded like the policy
-            ref_model = build_learner(model_path, args, device)[0].eval().requires_grad_(False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-        warmup = max(args.warmup_steps, 0)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
-        from transformers import AutoTokenizer
-
-        pad_id = AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
-
-        # Trainer state (saved in every checkpoint).
-        state: dict[str, Any] = {
-            "step": 0, "metrics_lines": 0, "elapsed_hours": 0.0, "flops": 0.0, "gen_tokens": 0, "train_tokens": 0,
-            "consumed": [], "history": {}, "retired": [], "bad_steps_total": 0, "reward_errors": 0,
-        }
-        if args.resume:
-            state, ckpt = load_checkpoint(out, model, optimizer, rank)
-            if is_main:
-                print(f"[resume] {ckpt}: step {state['step']}", file=sys.stderr)
-            for _ in range(state["step"]):
-                scheduler.step()
-        if not args.resume and is_main:
-            state["data_skipped"] = {"rows": getattr(task, "skipped_rows", 0),
-                                     "reasons": getattr(task, "skipped_reasons", {})}
-
-        # The generator (rank 0 owns it; its process is vLLM's).
-        consumed: set[int] = set(state["consumed"])
-        history: dict[str, list[float]] = dict(state["history"])
-        retired: set[str] = set(state["retired"])
-        val_problems = task.validation(args.eval_prompts)
-        test_problems = test_task.validation(None) if test_task else []
-        devices_in_use = world + 1  # learner ranks + the generator (on GPU: its device count)
-        if args.gen_devices:
-            devices_in_use = world + len(args.gen_devices.split(","))
-        if is_main:
-            data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
-            config = generator_config(args, model_path, state)
-            generator = pipeline_rl.Generator(config, task, data_start=data_start,
-                                              skip_indices={i for i in consumed if i >= data_start},
-                                              retired_ids=retired)
-            generator.start()
-        if state["step"] > 0:  # the generator starts from the base weights: give it the resumed ones
-            sd = full_state_dict(model)
-            if is_main:
-                generator.update_weights(sd, state["step"])
-        if is_main:  # the run's files appear only once it has started
-            log = MetricsLog(out / "metrics.jsonl", state["metrics_lines"] if args.resume else 0)
-            (out / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
-        run_loop(args, rank, world, model, optimizer, scheduler, loss_module, hp, adv_kwargs, generator, state,
-                 consumed, history, retired, log, out, val_problems, test_problems, pad_id, n_params, devices_in_use,
-                 stopper, ref_model)
-    except BaseException:
-        if is_main and not args.resume and (log is None or log.lines == 0):
-            _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
-        raise
-    finally:
-        if generator is not None:
-            generator.close()
-    if is_main:
-        fit = fit_and_plot(out / "metrics.jsonl", out / "scaling.png", f"{args.loss} ({args.mode})")
-        if fit is not None:
-            print(f"[scaling fit] A={fit.A:.3f} B={fit.B:.2f} C_mid={fit.C_mid:.4g} R0={fit.R0:.3f} "
-                  f"R2={fit.r2:.3f} on {fit.n_points} points -> {out / 'scaling.png'}")
-    dist.destroy_process_group()
-
-
-def _remove_failed_start(out: Path, fresh_dir: bool) -> None:
-    """Leave the output directory as a failed start found it."""
-    for name in ("metrics.jsonl", "args.json", ".lock"):
-        (out / name).unlink(missing_ok=True)
-    if fresh_dir:
-        try:
-            out.rmdir()
-        except OSError:  # something else is in it now: keep it
-            pass
-
-
-def generator_config(args: Args, model_path: str, state: dict) -> Any:
-    """The vLLM generator's settings for this run; it restarts from step `state["step"]` after a resume."""
-    import pipeline_rl
-
-    return pipeline_rl.GeneratorConfig(
-        model=model_path, group_size=args.group_size, temperature=args.temperature,
-        interruptions=args.length_control == "interruptions", think_budget=_budget(args.think_budget),
-        answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_model_len=model_context(args),
-        max_off_policy=args.max_off_policy, buffer_steps=args.buffer_steps, mode=args.mode,
-        seed=args.seed + state["step"], data_seed=args.seed, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
-        debug_slowdown=args.debug_gen_slowdown,
-        groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
-        gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
-    )
-
-
-def run_loop(args: Args, rank: int, world: int, model: Any, optimizer: Any, scheduler: Any, loss_module: Any,
-             hp: dict, adv_kwargs: dict, generator: Any, state: dict, consumed: set, history: dict, retired: set,
-             log: MetricsLog | None, out: Path, val_problems: list, test_problems: list, pad_id: int,
-             n_params: int, devices_in_use: int, stopper: GracefulStop, ref_model: Any = None) -> None:
-    import torch
-    import torch.distributed as dist
-    from tqdm import tqdm
-
-    import pipeline_rl
-
-    is_main = rank == 0
-    g = args.group_size
-    start_wall = time.time() - state["elapsed_hours"] * 3600.0
-    eval_rows: list[dict] = []
-    if is_main and log.lines:
-        import scaling_fit
-
-        eval_rows = [r for r in scaling_fit.read_metrics(log.path) if "val_pass_rate" in r]
-    bar = tqdm(total=args.max_steps, initial=state["step"], desc=f"{args.loss}/{args.mode}", disable=not is_main,
-               dynamic_ncols=True)
-    consecutive_bad = 0
-    recent: deque = deque(maxlen=args.log_every)
-
-    def compute_row() -> dict:
-        return {"step": state["step"], "compute_hours": (time.time() - start_wall) / 3600.0 * devices_in_use,
-                "flops": state["flops"], "tokens": state["gen_tokens"]}
-
-    def do_eval(row: dict) -> None:
-        t0 = time.time()
-        val = evaluate(generator, val_problems, args.eval_samples, args.temperature)
-        row.update(val_pass_rate=val["pass_rate"], val_reward=val["reward"], eval_s=time.time() - t0)
-        if test_problems:
-            test = evaluate(generator, test_problems, args.eval_samples, args.temperature)
-            row.update(test_pass_rate=test["pass_rate"], test_reward=test["reward"])
-        eval_rows.append(row)
-        asymptote = current_asymptote(eval_rows)
-        if asymptote is not None:
-            row["fit_asymptote"] = asymptote
-
-    def checkpoint() -> None:
-        state["elapsed_hours"] = (time.time() - start_wall) / 3600.0
-        state["metrics_lines"] = log.lines if is_main else 0
-        state.update(consumed=sorted(consumed), history=dict(history), retired=sorted(retired))
-        box = [state]
-        dist.broadcast_object_list(box, src=0)  # rank 0's bookkeeping is the one to save
-        save_checkpoint(out, model, optimizer, box[0], rank)
-
-    def stop_if_signalled() -> None:
-        if stopper.agreed():
-            checkpoint()
-            raise SystemExit(f"stopped by {stopper.signal or 'a signal to another rank'} after step {state['step']}; "
-                             f"checkpoint saved in {out / 'checkpoint'}: continue with --resume {out}")
-
-    if state["step"] == 0 and is_main and log.lines == 0:  # (a run stopped at step 0 has its row already)
-        row = compute_row()
-        row.update({f"data_skipped_{k}": v for k, v in state.pop("data_skipped", {}).items()})
-        do_eval(row)
-        log.write(row)
-        tqdm.write(f"step 0: val pass rate {row['val_pass_rate']:.3f} (the base model)")
-
-    while state["step"] < args.max_steps:
-        # 1. Rank 0 pulls a round of groups: one step's worth in pipeline mode, max_off_policy steps' worth in sync
-        #    mode (PPO-off-policy-k), after zero-variance handling; every rank gets the same round.
-        box = [next_round(args, generator, state["step"], history, retired) if is_main else None]
-        dist.broadcast_object_list(box, src=0)
-        round_batches, gen_stats = box[0]["batches"], box[0]["gen_stats"]
-        my_batches = [[grp for i, grp in enumerate(batch) if i % world == rank] for batch in round_batches]
-
-        # 2. Old logprobs: the sampler's (pipeline, ScaleRL), or the learner's before the round's first update
-        #    (sync mode, and --tis, whose weights are min(pi_learner_old / pi_sampler, cap)).
-        if args.mode == "sync" or args.tis:
-            with torch.no_grad():
-                attach_learner_logprobs(model, [grp for b in my_batches for grp in b], args, pad_id)
-
-        for batch, my_groups in zip(round_batches, my_batches):
-            if state["step"] >= args.max_steps:
-                break
-            stop_if_signalled()
-            step_start = time.time()
-            version = state["step"]
-            # 3. Advantages over the whole batch (every rank computes the same), then this rank's rows.
-            rewards = torch.tensor([r for grp in batch for r in grp.rewards], dtype=torch.float32)
-            advantages = loss_module.compute_advantages(rewards, g, **adv_kwargs) if batch else torch.zeros(0)
-            mine = [i for i in range(len(batch)) if i % world == rank]
-            my_adv = torch.cat([advantages[i * g: (i + 1) * g] for i in mine]) if mine else torch.zeros(0)
-
-            # 4. Loss and backward over micro-batches, clip, step; a non-finite loss or gradient skips the step.
-            optimizer.zero_grad(set_to_none=True)
-            totals = loss_and_backward(model, loss_module, hp, my_groups, my_adv, args, pad_id, world, version,
-                                       ref_model)
-            metrics = reduce_metrics(totals, world)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            finite = math.isfinite(grad_norm) and math.isfinite(metrics.get("loss", 0.0))
-            if finite and batch:
-                optimizer.step()
-                consecutive_bad = 0
-            else:
-                optimizer.zero_grad(set_to_none=True)
-                consecutive_bad += int(not finite)
-                state["bad_steps_total"] += int(not finite)
-            scheduler.step()
-            if args.debug_learner_slowdown > 1:  # debug knob: a learner X times slower than this one
-                time.sleep((args.debug_learner_slowdown - 1) * (time.time() - step_start))
-            state["step"] += 1
-            consumed.update(grp.data_index for grp in batch)
-
-            # 5. Push the new weights to the generator (applied between decode steps in pipeline mode).
-            weights = full_state_dict(model)
-            sync_s = generator.update_weights(weights, state["step"]) if is_main else 0.0
-            del weights
-
-            # 6. Metrics row, evaluation, checkpoint.
-            trained_tokens = sum(len(grp.prompt_ids) + len(c.token_ids) for grp in batch for c in grp.completions)
-            gen_tokens = gen_stats.pop("gen_tokens", 0)  # a sync round's generation is counted at its first step
-            state["train_tokens"] += trained_tokens
-            state["gen_tokens"] += gen_tokens
-            state["flops"] += 2 * n_params * gen_tokens + 6 * n_params * trained_tokens
-            step_s = time.time() - step_start
-            if is_main:
-                batch_rewards = rewards.tolist()
-                row = compute_row()
-                row.update({
-                    "reward": sum(batch_rewards) / max(len(batch_rewards), 1),
-                    "train_pass_rate": sum(r > 0 for r in batch_rewards) / max(len(batch_rewards), 1),
-                    "groups": len(batch), "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                    "grad_clipped": float(grad_norm > args.grad_clip), "skipped_step": float(not finite),
-                    "bad_steps_total": state["bad_steps_total"], "weight_sync_s": sync_s, "step_s": step_s,
-                    "train_tokens_per_s": trained_tokens / max(step_s, 1e-9), "retired_prompts": len(retired),
-                    "gen_tokens": gen_tokens, **metrics, **gen_stats,
-                    # Lag of the tokens trained on at this step (in a sync round of k steps it grows 0..k-1).
-                    **pipeline_rl.lag_stats(batch, version),
-                })
-                if state["step"] % args.eval_every == 0 or state["step"] == args.max_steps:
-                    do_eval(row)
-                log.write(row)
-                recent.append(row)
-                bar.update(1)
-                bar.set_postfix(reward=f"{row['reward']:+.2f}", val=f"{eval_rows[-1]['val_pass_rate']:.2f}")
-                if state["step"] % args.log_every == 0 or "val_pass_rate" in row:
-                    tqdm.write(summary_line(row, recent))
-            stop_bad = consecutive_bad >= args.max_bad_steps
-            if state["step"] % args.checkpoint_every == 0 or state["step"] == args.max_steps or stop_bad:
-                checkpoint()
-            if stop_bad:
-                raise SystemExit(f"stopping: {consecutive_bad} consecutive steps had a non-finite loss or gradient "
-                                 f"(last at step {state['step']}); checkpoint saved in {out / 'checkpoint'}. Lower "
-                                 "--lr or check the data, then --resume.")
-    bar.close()
-
-
-def attach_learner_logprobs(model: Any, groups: list, args: Args, pad_id: int) -> None:
-    """Set `completion.old_logprobs` to the learner's logprobs of its tokens, with the current weights."""
-    import torch
-    import torch.distributed as dist
-
-    batches = micro_batches(groups, args.micro_batch_tokens, args.group_size)
-    n_micro = torch.tensor([len(batches)])
-    dist.all_reduce(n_micro, op=dist.ReduceOp.MAX)  # FSDP collectives: every rank runs as many forwards
-    for i in range(int(n_micro.item())):
-        if i >= len(batches):
-            model(input_ids=torch.full((1, 2), pad_id, dtype=torch.long))
-            continue
-        chosen = [groups[j] for j in batches[i]]
-        rows = to_rows(chosen, None, args.group_size, pad_id)
-        logprobs = token_logprobs(model, rows, args.temperature)
-        completions = [(len(grp.prompt_ids), c) for grp in chosen for c in grp.completions]
-        for row, (p, c) in enumerate(completions):
-            c.old_logprobs = logprobs[row, p - 1: p - 1 + len(c.token_ids)].tolist()
-
-
-def next_round(args: Args, generator: Any, version: int, history: dict, retired: set) -> dict:
-    """Rank 0: the groups of one generation round, split into optimizer-step batches, after the zero-variance
-    rule and the No-Positive-Resampling bookkeeping."""
-    steps = args.max_off_policy if args.mode == "sync" else 1
-    want = args.prompts_per_step * steps
-    stats: dict[str, Any] = {"overlong_filtered": 0} if args.overlong_filter else {}
-    kept: list = []
-    zero_var = pulled = 0
-    while len(kept) < want:
-        batch, extra = generator.get_batch(want - len(kept), version)
-        for key, value in extra.items():  # per-call amounts add up; run totals, histograms and rates: the last call's
-            stats[key] = stats.get(key, 0) + value if key in ("gen_tokens", "wait_s") else value
-        pulled += len(batch)
-        for grp in batch:
-            if args.length_control == "overlong":
-                apply_overlong_penalty(grp, args)
-            if args.overlong_filter:  # DAPO's overlong filtering: a cut-off completion teaches nothing
-                for c in grp.completions:
-                    if c.truncated:
-                        c.loss_mask = [False] * len(c.loss_mask)
-                        stats["overlong_filtered"] += 1
-            pass_rate = sum(c.reward > 0 for c in grp.completions) / len(grp.completions)
-            past = history.setdefault(grp.problem.id, [])
-            past.append(pass_rate)
-            if args.retire_pass_rate > 0 and sum(past) / len(past) >= args.retire_pass_rate:
-                retired.add(grp.problem.id)
-                generator.retire([grp.problem.id])
-            constant = len(set(grp.rewards)) == 1
-            zero_var += constant
-            if not (constant and args.zero_variance != "keep"):
-                kept.append(grp)
-        # DAPO dynamic sampling keeps pulling until the batch is full; it gives up rather than spin forever on a
-        # saturated task.
-        if args.zero_variance != "resample" or pulled >= 8 * want:
-            break
-    stats["frac_zero_variance"] = zero_var / max(pulled, 1)
-    stats["groups_pulled"] = pulled
-    stats["reward_errors"] = sum(c.reward_error is not None for grp in kept for c in grp.completions)
-    per_step = math.ceil(len(kept) / steps) if kept else 0
-    batches = [kept[i * per_step: (i + 1) * per_step] for i in range(steps)] if per_step else [[] for _ in range(steps)]
-    return {"batches": batches, "gen_stats": stats}
-
-
-def apply_overlong_penalty(grp: Any, args: Args) -> list[float]:
-    """DAPO's soft overlong punishment added to the correctness reward (in place on the completions)."""
-    import torch
-
-    dapo = importlib.import_module("dapo")
-    lengths = torch.tensor([sum(c.loss_mask) for c in grp.completions])
-    penalty = dapo.overlong_penalty(lengths, max_len=args.max_tokens, cache_len=args.overlong_cache)
-    for c, p in zip(grp.completions, penalty.tolist()):
-        c.reward = c.reward + p
-    return grp.rewards
-
-
-def summary_line(row: dict, recent: deque) -> str:
-    mean = lambda key: sum(r.get(key, 0.0) for r in recent) / max(len(recent), 1)  # noqa: E731
-    parts = [f"step {row['step']:4d}", f"reward {mean('reward'):+.3f}", f"train pass {mean('train_pass_rate'):.3f}"]
-    if "val_pass_rate" in row:
-        parts.append(f"VAL PASS {row['val_pass_rate']:.3f}")
-    if "fit_asymptote" in row:
-        parts.append(f"fit A {row['fit_asymptote']:.3f}")
-    parts += [f"clip {mean('clip_frac'):.3f}", f"kl {mean('kl_k3'):.2e}", f"0-var {mean('frac_zero_variance'):.2f}",
-              f"lag {mean('lag_mean'):.2f}", f"wait {mean('wait_s'):.2f}s", f"step {mean('step_s'):.2f}s",
-              f"{row['compute_hours'] * 3600:.0f} dev-s"]
-    return " | ".join(parts)
 
 
 if __name__ == "__main__":  # vLLM on CPU spawns its workers: the entry point must be guarded

@@ -61,6 +61,7 @@ def test_unknown_loss_lists_the_valid_ones(capsys):
     (["--think-budget", "40"], "--think-budget '40': expected MIN,MAX"),
     (["--think-budget", "30,20"], "--think-budget '30,20': expected MIN,MAX"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
+    (["--model", "/proc/self"], "--model /proc/self has no config.json"),
     (["--dataset", "/nonexistent/data.jsonl"], "--dataset /nonexistent/data.jsonl: no such file"),
     (["--output-dir", "/proc/version"], "--output-dir /proc/version is a file"),
     (["--output-dir", "/proc/version/run"], "/proc/version is a file, not a directory"),
@@ -137,7 +138,7 @@ def test_loss_arg_overrides_and_rejects_unknown_keys():
 def test_generator_context_follows_the_flags(argv, max_model_len):
     args = train.parse_args(argv)
     train.resolve_defaults(args, embedded=args.model is None, on_gpu=False)
-    config = train.generator_config(args, "model-dir", {"step": 3})  # builds the config only: nothing starts
+    config = train.generator_config(args, "model-dir", step=3)  # builds the config only: nothing starts
     assert config.max_model_len == max_model_len
     assert config.max_tokens == args.max_tokens and config.think_budget == train._budget(args.think_budget)
     assert config.model == "model-dir" and config.seed == args.seed + 3 and config.data_seed == args.seed
@@ -220,28 +221,27 @@ def _stream(n: int) -> list[Group]:
 @pytest.mark.parametrize("policy, kept, pulled", [("keep", 6, 6), ("drop", 4, 6), ("resample", 6, 9)])
 def test_zero_variance_policies(policy, kept, pulled):
     args = train.Args(prompts_per_step=6, zero_variance=policy, group_size=2, retire_pass_rate=0)
-    out = train.next_round(args, FakeGenerator(_stream(30)), 0, {}, set())
-    assert len(out["batches"]) == 1 and len(out["batches"][0]) == kept
-    assert out["gen_stats"]["groups_pulled"] == pulled
-    assert out["gen_stats"]["frac_zero_variance"] == pytest.approx((pulled + 2) // 3 / pulled)
+    out = train.pull_round(args, FakeGenerator(_stream(30)), train.TrainerState())
+    assert len(out.batches) == 1 and len(out.batches[0]) == kept
+    assert out.stats["groups_pulled"] == pulled
+    assert out.stats["frac_zero_variance"] == pytest.approx((pulled + 2) // 3 / pulled)
 
 
 def test_no_positive_resampling_retires_prompts_at_the_threshold():
     args = train.Args(prompts_per_step=6, group_size=2, retire_pass_rate=0.9, zero_variance="keep")
-    history: dict = {"p3": [0.5]}
-    retired: set = set()
+    state = train.TrainerState(history={"p3": [0.5]})
     generator = FakeGenerator(_stream(6))
-    train.next_round(args, generator, 0, history, retired)
+    train.pull_round(args, generator, state)
     # p0 (1.0) is retired at once; p3's history is (0.5 + 1.0) / 2 = 0.75 < 0.9: kept; mixed groups: 0.5.
-    assert retired == {"p0"} and generator.retired == ["p0"]
-    assert history["p3"] == [0.5, 1.0] and history["p1"] == [0.5]
+    assert state.retired == {"p0"} and generator.retired == ["p0"]
+    assert state.history["p3"] == [0.5, 1.0] and state.history["p1"] == [0.5]
 
 
 def test_sync_round_feeds_k_steps():
     args = train.Args(mode="sync", max_off_policy=3, prompts_per_step=2, group_size=2, zero_variance="keep",
                       retire_pass_rate=0)
-    out = train.next_round(args, FakeGenerator(_stream(6)), 0, {}, set())
-    assert [[g.data_index for g in b] for b in out["batches"]] == [[0, 1], [2, 3], [4, 5]]
+    out = train.pull_round(args, FakeGenerator(_stream(6)), train.TrainerState())
+    assert [[g.data_index for g in b] for b in out.batches] == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_metrics_log_is_cut_back_to_the_checkpoint(tmp_path):
@@ -373,8 +373,8 @@ config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hi
                      num_key_value_heads=1, head_dim=64, max_position_embeddings=32, tie_word_embeddings=True)
 LlamaForCausalLM(config).save_pretrained(sys.argv[1])
 rank, world, device = train.init_distributed()  # plain python: a world of one
-for flags in (["--fp32-lm-head"], ["--no-fp32-lm-head"]):
-    args = train.parse_args(["--model", sys.argv[1], *flags])
+for flags in (True, False):  # --fp32-lm-head, --no-fp32-lm-head (Args directly: this model has no tokenizer)
+    args = train.Args(model=sys.argv[1], fp32_lm_head=flags)
     train.resolve_defaults(args, embedded=False, on_gpu=False)
     model, _ = train.build_learner(sys.argv[1], args, device)
     assert model.lm_head.weight is model.get_input_embeddings().weight, flags
@@ -591,8 +591,11 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_without_r
 def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_model_dir):
     """A model directory that holds no model fails while the ranks load it: no traceback-only ending, and the
     output directory the run would have made is not left behind to refuse the corrected command."""
-    not_a_model = tmp_path / "empty-model"
-    not_a_model.mkdir()
+    import shutil
+
+    not_a_model = tmp_path / "broken-model"  # passes the flag checks (config, tokenizer, weights file), then fails
+    shutil.copytree(base_model_dir, not_a_model)
+    (not_a_model / "model.safetensors").write_bytes(b"not safetensors")
     out = tmp_path / "run"
     run = _train(out, "--model", str(not_a_model), "--max-steps", "2", *SHORT, timeout=300)
     assert run.returncode != 0

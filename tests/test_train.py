@@ -662,6 +662,41 @@ def test_bad_data_rows_are_named_once_without_a_traceback(tmp_path, base_model_d
 
 
 @pytest.mark.slow
+def test_a_dead_generator_stops_the_run_with_a_checkpoint_it_resumes_from(tmp_path, base_model_dir):
+    """`kill -9` of the generator process (vLLM's engine runs inside it on CPU) mid-run: rank 0 learns of it within
+    seconds, every rank saves a checkpoint of the steps done and the run stops with a message; --resume then
+    starts a new generator and finishes with every step once."""
+    import psutil
+
+    out = tmp_path / "run"
+    flags = ["--max-steps", "8", "--eval-every", "3", "--checkpoint-every", "100", *SHORT]
+    cmd = TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(out), *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(_rows(out)) >= 3):
+            assert proc.poll() is None, "the run ended before its generator could be killed"
+            time.sleep(0.2)
+        generators = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                      if any("spawn_main" in part for part in p.cmdline())
+                      and not any("resource_tracker" in part for part in p.cmdline())]
+        assert len(generators) == 1, [p.cmdline() for p in generators]
+        generators[0].kill()
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert "stopping after step" in output and "generator process died" in output, output[-3000:]
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] >= 2 and state["metrics_lines"] == len(_rows(out)) == state["step"] + 1
+    run = _train(tmp_path / "ignored", "--resume", str(out))
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert [r["step"] for r in _rows(out)] == list(range(9))
+
+
+@pytest.mark.slow
 def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_model_dir):
     """A model directory that holds no model fails while the ranks load it: no traceback-only ending, and the
     output directory the run would have made is not left behind to refuse the corrected command."""

@@ -1141,6 +1141,17 @@ def _remove_leaked_segments(since: float, shm: Path = Path("/dev/shm")) -> list[
     return removed
 
 
+def _same_process(pid: int, created: float) -> Any:
+    """The psutil process `pid` if it is still the one created at `created` (not gone, not a recycled pid)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return p if abs(p.create_time() - created) < 1e-3 else None
+    except psutil.Error:
+        return None
+
+
 def _alive(p: Any) -> bool:
     """psutil process still running (a zombie waiting to be reaped counts as dead)."""
     try:
@@ -1259,14 +1270,8 @@ class Generator:
             import psutil
         except ImportError:  # pragma: no cover
             return
-        survivors = []
-        for pid, created, _ in self._info.get("descendants", []):
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 1e-3:
-                    survivors.append(p)
-            except psutil.Error:
-                continue
+        survivors = [p for pid, created, _ in self._info.get("descendants", [])
+                     if (p := _same_process(pid, created)) is not None]
         for p in survivors:  # the generator is gone, so nothing can shut them down in order any more
             try:
                 p.kill()
@@ -1280,19 +1285,10 @@ class Generator:
     def _dead_engine_process(self) -> str | None:
         """'vLLM process NAME (pid P)' if one of the generator's vLLM processes (engine core, workers; only with
         engine_process) has died, else None. Checked by the learner while it waits, so no vLLM call can hang it."""
-        descendants = self._info.get("descendants", [])
-        if not descendants:
-            return None
-        import psutil
-
-        for pid, created, name in descendants:
-            try:
-                p = psutil.Process(pid)
-                if abs(p.create_time() - created) < 1e-3 and p.status() != psutil.STATUS_ZOMBIE:
-                    continue
-            except psutil.Error:
-                pass
-            return f"vLLM process {name} (pid {pid})"
+        for pid, created, name in self._info.get("descendants", []):
+            p = _same_process(pid, created)
+            if p is None or not _alive(p):
+                return f"vLLM process {name} (pid {pid})"
         return None
 
     # ---- messaging --------------------------------------------------------------------------------------------

@@ -368,22 +368,12 @@ def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
     if out_dir.exists() and any(out_dir.iterdir()):
         raise SystemExit(f"export: {out_dir} is not empty")
     base = json.loads((run_dir / "args.json").read_text()).get("model") or str(tasks.build_base_model(progress=False))
-    failures = []
-    for ckpt in complete_checkpoints(run_dir):
-        try:
-            weights = torch.load(ckpt / "weights.pt", map_location="cpu", weights_only=False)["model"]
-            step = json.loads((ckpt / "trainer_state.json").read_text())["step"]
-            break
-        except Exception as e:  # a corrupt checkpoint: name it, take the older one
-            failures.append(f"{ckpt} is unreadable ({type(e).__name__})")
-    else:
-        raise SystemExit(f"export: no readable checkpoint in {run_dir}"
-                         + (": " + "; ".join(failures) if failures else ""))
+    state, weights, _, ckpt = read_checkpoint(run_dir, 0, "export")
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model.load_state_dict(weights, strict=True)  # FSDP2's full state dict keeps the HF names
+    model.load_state_dict(weights["model"], strict=True)  # FSDP2's full state dict keeps the HF names
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
-    return {"model_dir": str(out_dir), "checkpoint": str(ckpt), "step": step, "base_model": base}
+    return {"model_dir": str(out_dir), "checkpoint": str(ckpt), "step": state["step"], "base_model": base}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -1456,9 +1446,11 @@ def complete_checkpoints(out: Path) -> list[Path]:
     return [d for d in (out / "checkpoint", out / "checkpoint.old") if (d / "trainer_state.json").is_file()]
 
 
-def load_checkpoint(out: Path, model: Any, optimizer: Any, rank: int) -> tuple[dict, Path]:
-    """Restore the newest complete checkpoint that loads; a corrupt one is named and the older one used instead.
-    Returns (its trainer_state.json, its directory)."""
+def read_checkpoint(out: Path, rank: int, purpose: str) -> tuple[dict, dict, dict, Path]:
+    """The newest complete checkpoint of run directory `out` that reads: (its trainer state, its weights
+    {"model", "optimizer"}, this rank's RNG states, its directory). A corrupt one (a file cut short or garbled) is
+    named by rank 0 and the older one read instead; none readable is a SystemExit naming each. `purpose` labels the
+    messages ("resume", "export")."""
     failures = []
     for ckpt in complete_checkpoints(out):
         try:
@@ -1466,18 +1458,24 @@ def load_checkpoint(out: Path, model: Any, optimizer: Any, rank: int) -> tuple[d
             weights = torch.load(ckpt / "weights.pt", map_location="cpu", weights_only=False)
             rng_file = ckpt / f"rng-{rank}.pt"
             rng = torch.load(rng_file if rng_file.exists() else ckpt / "rng-0.pt", weights_only=False)
-        except Exception as e:  # a file cut short or garbled: name it, try the older checkpoint
+            return state, weights, rng, ckpt
+        except Exception as e:
             failures.append(f"{ckpt} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
             if rank == 0:
-                print(f"[resume] {failures[-1]}; trying the previous checkpoint", file=sys.stderr)
-            continue
-        set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optimizer"],
-                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        return state, ckpt
-    raise SystemExit(f"--resume {out}: no checkpoint could be read: " + "; ".join(failures))
+                print(f"[{purpose}] {failures[-1]}; trying the previous checkpoint", file=sys.stderr)
+    raise SystemExit(f"{purpose} {out}: no checkpoint could be read: " + ("; ".join(failures) or "none is complete"))
+
+
+def load_checkpoint(out: Path, model: Any, optimizer: Any, rank: int) -> tuple[dict, Path]:
+    """Restore the newest complete checkpoint that loads (read_checkpoint). Returns (its trainer_state.json, its
+    directory)."""
+    state, weights, rng, ckpt = read_checkpoint(out, rank, "resume")
+    set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optimizer"],
+                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    return state, ckpt
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -322,7 +322,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     overlap_bound = sync_total_s / max(sync_gen_s, sync_total_s - sync_gen_s)
     cpu_s = sync_stats[0]["cpu_s"]
     cores = len(os.sched_getaffinity(0))
-    shared_bound = sync_total_s / max(sync_gen_s, sync_total_s - sync_gen_s, (cpu_s["generator"] + cpu_s["learner"]) / cores)
+    shared_bound = sync_total_s / max(sync_gen_s, sync_total_s - sync_gen_s,
+                                      (cpu_s["generator"] + cpu_s["learner"]) / cores)
     speedup = pipe_sps / sync_sps
     print(f"pipeline / sync: {speedup:.3f}; bound (generation + learning) / max of the two, from the sync run: "
           f"{overlap_bound:.3f} (the pipeline reached {speedup / overlap_bound:.0%} of it); bound on {cores} shared "

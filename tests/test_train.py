@@ -443,6 +443,23 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _start_run(out: Path, flags: list[str], rows: int, what: str, **popen: object) -> subprocess.Popen:
+    """torchrun train.py in a session of its own, returned once metrics.jsonl holds `rows` rows (the run must not
+    end before: `what` it is waiting to do says why)."""
+    cmd = TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(out), *flags]
+    proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, **popen)
+    try:
+        deadline = time.time() + 400
+        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(_rows(out)) >= rows):
+            assert proc.poll() is None, f"the run ended before {what}"
+            time.sleep(0.2)
+    except BaseException:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc
+
+
 EXPORT_CHECK = """
 import json, sys, torch
 from pathlib import Path
@@ -563,17 +580,9 @@ def test_kill_dash_nine_and_resume_loses_and_duplicates_no_step(tmp_path, base_m
     the ranks and the generator die with it, and metrics.jsonl ends with every step exactly once."""
     out = tmp_path / "run"
     flags = ["--max-steps", "8", "--eval-every", "3", "--checkpoint-every", "2", *SHORT]
-    cmd = TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(out), *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    # Kill between checkpoints: after step 5 is logged, the last checkpoint is step 4.
+    proc = _start_run(out, flags, 6, "it could be killed", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.time() + 400
-        # Kill between checkpoints: after step 5 is logged, the last checkpoint is step 4.
-        while time.time() < deadline:
-            if (out / "metrics.jsonl").exists() and len(_rows(out)) >= 6:
-                break
-            assert proc.poll() is None, "the run ended before it could be killed"
-            time.sleep(0.2)
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
         deadline = time.time() + 30
@@ -605,14 +614,9 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_without_r
     checkpoint and exit; --resume then redoes nothing and loses nothing."""
     out = tmp_path / "run"
     flags = ["--max-steps", "8", "--eval-every", "3", "--checkpoint-every", "100", *SHORT]
-    cmd = TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(out), *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _start_run(out, flags, 3, "it could be stopped", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                      text=True)
     try:
-        deadline = time.time() + 400
-        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(_rows(out)) >= 3):
-            assert proc.poll() is None, "the run ended before it could be stopped"
-            time.sleep(0.2)
         proc.send_signal(signal.SIGINT)
         t0 = time.time()
         output, _ = proc.communicate(timeout=60)
@@ -670,14 +674,9 @@ def test_a_dead_generator_stops_the_run_with_a_checkpoint_it_resumes_from(tmp_pa
 
     out = tmp_path / "run"
     flags = ["--max-steps", "8", "--eval-every", "3", "--checkpoint-every", "100", *SHORT]
-    cmd = TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(out), *flags]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = _start_run(out, flags, 3, "its generator could be killed", stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.time() + 400
-        while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(_rows(out)) >= 3):
-            assert proc.poll() is None, "the run ended before its generator could be killed"
-            time.sleep(0.2)
         generators = [p for p in psutil.Process(proc.pid).children(recursive=True)
                       if any("spawn_main" in part for part in p.cmdline())
                       and not any("resource_tracker" in part for part in p.cmdline())]

@@ -1303,7 +1303,10 @@ class Generator:
         try:
             self._conn.send(msg)
         except (OSError, EOFError, BrokenPipeError) as e:
-            self._die(f"lost the connection to the generator process ({e})")
+            self._proc.join(1.0)  # a broken pipe usually means the process is gone: say so, as _recv does
+            if self._proc.is_alive():
+                self._die(f"lost the connection to the generator process while sending {msg[0]!r} ({e})")
+            self._die(f"generator process died (noticed while sending {msg[0]!r}: {e})")
 
     def _die(self, reason: str) -> None:
         self._dead_reason = reason

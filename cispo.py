@@ -91,7 +91,7 @@ def compute_advantages(rewards: Tensor, group_size: int, *, normalization: str =
 
 
 def loss_denominator(mask: Tensor, group_size: int, *, aggregation: str = "prompt", **hyperparameters: object) -> float:
-    """Number of aggregation units in `mask` [N, T]: prompts N / G, completions N, or masked tokens (at least 1).
+    """Number of aggregation units in `mask` [N, T]; here prompts N / G, completions N or masked tokens (at least 1).
 
     compute_loss returns (sum over units of a per-unit term) / denominator. A trainer that splits a batch into
     micro-batches (never splitting a group) passes the whole batch's loss_denominator to every micro-batch call;
@@ -121,7 +121,7 @@ def compute_loss(
     eps_min: float | None = None,
     aggregation: str = "prompt",
 ) -> tuple[Tensor, dict[str, float]]:
-    """CISPO's loss, -J, and its metrics.
+    """The loss, -J, and its metrics.
 
     Args:
         logprobs: [N, T] log pi_theta of the sampled tokens; carries the gradient.

@@ -70,7 +70,7 @@ def compute_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def loss_denominator(mask: Tensor, group_size: int, **hyperparameters: object) -> float:
-    """Number of aggregation units in `mask` [N, T]; for DAPO, prompts: N / G.
+    """Number of aggregation units in `mask` [N, T]; here prompts: N / G.
 
     compute_loss returns (sum over units of a per-unit term) / denominator. A trainer that splits a batch into
     micro-batches (never splitting a group) passes the whole batch's loss_denominator to every micro-batch call;
@@ -93,7 +93,7 @@ def compute_loss(
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.28,
 ) -> tuple[Tensor, dict[str, float]]:
-    """DAPO's loss, -J, and its metrics.
+    """The loss, -J, and its metrics.
 
     Args:
         logprobs: [N, T] log pi_theta of the sampled tokens; carries the gradient.

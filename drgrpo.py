@@ -68,7 +68,7 @@ def compute_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def loss_denominator(mask: Tensor, group_size: int, **hyperparameters: object) -> float:
-    """Number of aggregation units in `mask` [N, T]; for Dr. GRPO, completions: N.
+    """Number of aggregation units in `mask` [N, T]; here completions: N.
 
     compute_loss returns (sum over units of a per-unit term) / denominator. A trainer that splits a batch into
     micro-batches (never splitting a group) passes the whole batch's loss_denominator to every micro-batch call;
@@ -91,7 +91,7 @@ def compute_loss(
     clip_eps: float = 0.2,
     max_tokens: int = 1024,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Dr. GRPO's loss, -J, and its metrics.
+    """The loss, -J, and its metrics.
 
     Args:
         logprobs: [N, T] log pi_theta of the sampled tokens; carries the gradient.

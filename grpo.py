@@ -66,7 +66,7 @@ def compute_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def loss_denominator(mask: Tensor, group_size: int, **hyperparameters: object) -> float:
-    """Number of aggregation units in `mask` [N, T]; for GRPO, completions: N.
+    """Number of aggregation units in `mask` [N, T]; here completions: N.
 
     compute_loss returns (sum over units of a per-unit term) / denominator. A trainer that splits a batch into
     micro-batches (never splitting a group) passes the whole batch's loss_denominator to every micro-batch call;
@@ -90,7 +90,7 @@ def compute_loss(
     kl_coef: float = 0.0,
     ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """GRPO's loss, -J, and its metrics.
+    """The loss, -J, and its metrics.
 
     Args:
         logprobs: [N, T] log pi_theta of the sampled tokens; carries the gradient.
@@ -103,14 +103,13 @@ def compute_loss(
             batch's loss_denominator instead, so that the micro-batch losses sum to the full-batch loss.
         clip_eps: PPO clip range, ratio clipped to [1 - clip_eps, 1 + clip_eps].
         kl_coef: beta of the k3 KL penalty to the reference policy; needs ref_logprobs when non-zero.
-        ref_logprobs: [N, T] log pi_ref or None; when given, its KL is also reported as metric kl_ref.
+        ref_logprobs: [N, T] log pi_ref or None; when given, metric kl_ref is its k3 estimate of KL(pi_theta || pi_ref).
 
     Returns:
         loss: scalar to minimise.
         metrics: python floats. clip_frac (fraction of masked tokens where the clip removes the gradient; split into
             clip_frac_low and clip_frac_high), ratio_mean (mean token ratio), kl_k3 (k3 estimate of
             KL(pi_old || pi_theta)), num_tokens (masked tokens).
-            With ref_logprobs, also kl_ref (k3 estimate of KL(pi_theta || pi_ref)).
     """
     if kl_coef != 0.0 and ref_logprobs is None:
         raise ValueError("kl_coef != 0 needs ref_logprobs")
@@ -130,9 +129,8 @@ def compute_loss(
     token_loss = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)    # [N, T]
     if ref_logprobs is not None:
         # k3 estimate of KL(pi_theta || pi_ref), added to the loss (not to the reward), as in DeepSeekMath eqs. 3-4.
-        ref_logprobs = torch.where(mask, ref_logprobs.detach().to(dtype), 0.0)  # [N, T]
-        ref_log_ratio = ref_logprobs - logprobs                               # [N, T], log(pi_ref / pi_theta)
-        kl_ref = torch.expm1(ref_log_ratio) - ref_log_ratio                   # [N, T]
+        ref_log_ratio = torch.where(mask, ref_logprobs.detach().to(dtype), 0.0) - logprobs  # [N, T]
+        kl_ref = torch.expm1(ref_log_ratio) - ref_log_ratio                   # [N, T], from log(pi_ref / pi_theta)
         token_loss = token_loss + kl_coef * kl_ref
     if is_weights is not None:
         token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)

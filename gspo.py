@@ -72,7 +72,7 @@ def compute_advantages(rewards: Tensor, group_size: int) -> Tensor:
 
 
 def loss_denominator(mask: Tensor, group_size: int, **hyperparameters: object) -> float:
-    """Number of aggregation units in `mask` [N, T]; for GSPO, completions: N.
+    """Number of aggregation units in `mask` [N, T]; here completions: N.
 
     compute_loss returns (sum over units of a per-unit term) / denominator. A trainer that splits a batch into
     micro-batches (never splitting a group) passes the whole batch's loss_denominator to every micro-batch call;
@@ -96,7 +96,7 @@ def compute_loss(
     clip_eps_high: float = 4e-4,
     token_level: bool = False,
 ) -> tuple[Tensor, dict[str, float]]:
-    """GSPO's loss, -J, and its metrics.
+    """The loss, -J, and its metrics.
 
     Args:
         logprobs: [N, T] log pi_theta of the sampled tokens; carries the gradient.
@@ -114,9 +114,8 @@ def compute_loss(
     Returns:
         loss: scalar to minimise.
         metrics: python floats. clip_frac (fraction of SEQUENCES where the clip removes the gradient; split into
-            clip_frac_low and clip_frac_high), ratio_mean (mean sequence ratio), kl_k3 (k3 estimate of
+            clip_frac_low and clip_frac_high), ratio_mean (mean sequence ratio), kl_k3 (per-token k3 estimate of
             KL(pi_old || pi_theta)), num_tokens (masked tokens).
-            kl_k3 and num_tokens are over tokens, as in GRPO.
     """
     if advantages.dim() == 2 and not token_level:
         raise ValueError("per-token advantages [N, T] need token_level=True")

@@ -6,18 +6,19 @@ Paper
     Stability: Demystifying RL Collapse from the Training-Inference Mismatch" (blog post); IcePop is the token-level
     mask of inclusionAI's Ring-1T report ("Every Step Evolves", arXiv 2510.18855, 2025).
 
-Why
-    The sampler (vLLM) and the learner (FSDP) give different probabilities to the same tokens under the SAME
-    weights (other kernels, precision, batch shapes). The losses take pi_old from the learner, but the tokens were
-    drawn from pi_sampler; the correction is the importance weight pi_learner_old / pi_sampler, truncated so that a
-    few tokens the sampler found unlikely cannot blow up the variance.
-
-Equation
+Equation (w is detached; the trainer multiplies it into the per-token loss: compute_loss(..., is_weights=w))
     rho_{i,t} = pi_learner_old(y_{i,t}) / pi_sampler(y_{i,t})                  learner under the sampling weights
     level="token", mode="truncate"    w_{i,t} = min(rho_{i,t}, C)          (TIS)
     level="sequence"                  rho_i = exp(sum_t log rho_{i,t}), in float32, on every token of y_i
     mode="mask"                       w = rho if cap_min <= rho <= C else 0    (MIS; IcePop: token level, [0.5, 5])
-    The weights are detached; the trainer multiplies them into the per-token loss: compute_loss(..., is_weights=w).
+    Why: the sampler (vLLM) and the learner (FSDP) give different probabilities to the same tokens under the SAME
+    weights (other kernels, precision, batch shapes). The losses take pi_old from the learner, but the tokens were
+    drawn from pi_sampler; the correction is the importance weight pi_learner_old / pi_sampler, truncated so that a
+    few tokens the sampler found unlikely cannot blow up the variance.
+
+Aggregation unit
+    None: tis.py is not a loss. Its weights are per token, [N, T], and enter the loss's per-token term before that
+    loss aggregates it; level="sequence" writes the sequence's weight on each of its tokens.
 
 Defaults and their source
     cap     = 2.0         Yao et al.'s recipe (C = 2). PipelineRL's paper truncates at c = 5.
@@ -72,12 +73,11 @@ def tis_weights(
     """
     mask = mask.bool()                                                        # [N, T]
     log_ratio = _log_ratio(learner_logprobs, sampler_logprobs, mask)          # [N, T], 0 where masked
-    if level == "token":
-        ratio = torch.exp(log_ratio)                                          # [N, T]
-    elif level == "sequence":
-        ratio = torch.exp(log_ratio.sum(dim=1, keepdim=True)).expand_as(log_ratio)  # [N, T], rho_i on each token
-    else:
+    if level == "sequence":
+        log_ratio = log_ratio.sum(dim=1, keepdim=True).expand_as(log_ratio)   # [N, T], log rho_i on each token
+    elif level != "token":
         raise ValueError(f"level must be 'token' or 'sequence', not {level!r}")
+    ratio = torch.exp(log_ratio)                                              # [N, T]
     low = 0.0 if cap_min is None else cap_min                                 # ratio >= 0: 0.0 is no lower bound
     if mode == "truncate":
         weights = ratio.clamp(low, cap)                                       # [N, T]
@@ -105,7 +105,7 @@ def mismatch_metrics(
     Args:
         learner_logprobs: [N, T] log pi_learner_old, as for tis_weights.
         sampler_logprobs: [N, T] log pi_sampler.
-        mask: [N, T] bool or float; masked slots may hold anything.
+        mask: [N, T] bool or float, true where a token counts. Masked slots may hold anything, NaN and inf included.
         cap: the cap at which to count truncated tokens (tis_weights' default).
 
     Returns:

@@ -127,8 +127,7 @@ def compute_loss(
     old_logprobs = torch.where(mask, old_logprobs.detach().to(dtype), 0.0)    # [N, T]
     log_ratio = logprobs - old_logprobs                                       # [N, T], 0 where masked
     # Sequence ratio: exp of the MEAN token log-ratio over the completion's own tokens.
-    tokens_per_completion = mask.sum(dim=1).clamp(min=1)                      # [N]
-    seq_log_ratio = log_ratio.sum(dim=1, keepdim=True) / tokens_per_completion[:, None]  # [N, 1]
+    seq_log_ratio = log_ratio.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
     if token_level:
         # GSPO-token: log s_{i,t} = sg(log s_i) + log pi - sg(log pi); the value stays s_i, the gradient is per token.
         seq_log_ratio = seq_log_ratio.detach() + (logprobs - logprobs.detach())  # [N, T]
@@ -145,6 +144,7 @@ def compute_loss(
     token_loss = torch.where(mask, token_loss, 0.0)                           # [N, T]
 
     # Sample-level aggregation: the token mean within each completion is one unit.
+    tokens_per_completion = mask.sum(dim=1).clamp(min=1)                      # [N]
     unit_terms = token_loss.sum(dim=1) / tokens_per_completion                # [N]
     if denominator is None:
         denominator = loss_denominator(mask, group_size)

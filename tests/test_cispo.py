@@ -102,18 +102,22 @@ def test_bad_group_size_raises():
         algo.compute_advantages(torch.ones(5), 2)
 
 
-def hand_batch():
+def test_unknown_aggregation_raises():
+    logprobs, old, rewards, mask = random_batch()
+    adv = algo.compute_advantages(rewards, 4)
+    with pytest.raises(ValueError):
+        algo.compute_loss(logprobs, old, adv, mask, 4, aggregation="batch")
+    with pytest.raises(ValueError):
+        algo.loss_denominator(mask, 4, aggregation="batch")
+
+
+def test_loss_metrics_and_gradient_hand_computed():
     # One prompt, G = 2. Completion 0 (A = +1): log pi = -1 with rho = 6 (truncated to 5), log pi = -2 with rho = 1.
     # Completion 1 (A = -1): log pi = -0.5 with rho = 0.5, and a masked slot.
     logprobs = torch.tensor([[-1.0, -2.0], [-0.5, 3.0]], dtype=torch.float64, requires_grad=True)
     old = logprobs.detach() - torch.log(torch.tensor([[6.0, 1.0], [0.5, 1.0]], dtype=torch.float64))
     mask = torch.tensor([[True, True], [True, False]])
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    return logprobs, old, adv, mask
-
-
-def test_loss_metrics_and_gradient_hand_computed():
-    logprobs, old, adv, mask = hand_batch()
     loss, m = algo.compute_loss(logprobs, old, adv, mask, group_size=2)
     # Token losses -w A log pi: -5 * 1 * -1 = 5, -1 * 1 * -2 = 2, -0.5 * -1 * -0.5 = -0.25; over the prompt's 3 tokens.
     assert loss.item() == pytest.approx((5 + 2 - 0.25) / 3)
@@ -190,25 +194,6 @@ def test_cispo_equals_reinforce_while_rho_below_eps_max():
     assert not torch.allclose(grad_of(dapo_loss, logprobs), grad_of(cispo_loss, logprobs))
 
 
-def test_on_policy_dapo_cispo_and_token_reinforce_gradients_coincide():
-    """On-policy (rho = 1) nothing is clipped or truncated: DAPO's grad of rho A, CISPO's sg(rho) A grad log pi and
-    REINFORCE's A grad log pi are one and the same. Aggregation must match: with one prompt, DAPO's per-prompt token
-    mean IS the token mean; with several, DAPO = CISPO "prompt" and token-level REINFORCE = CISPO "token"."""
-    for num_prompts in (1, 3):
-        logprobs, _, rewards, mask = random_batch(num_prompts=num_prompts, seed=3)
-        old = logprobs.detach()
-        adv = algo.compute_advantages(rewards, 4).double()
-        reinforce = torch.where(mask, -adv[:, None] * logprobs, 0.0).sum() / mask.sum()
-        reinforce_grad = grad_of(reinforce, logprobs)
-        dapo_grad = grad_of(dapo.compute_loss(logprobs, old, adv, mask, 4)[0], logprobs)
-        cispo_prompt_grad = grad_of(algo.compute_loss(logprobs, old, adv, mask, 4)[0], logprobs)
-        cispo_token_grad = grad_of(algo.compute_loss(logprobs, old, adv, mask, 4, aggregation="token")[0], logprobs)
-        torch.testing.assert_close(cispo_prompt_grad, dapo_grad)
-        torch.testing.assert_close(cispo_token_grad, reinforce_grad)
-        if num_prompts == 1:
-            torch.testing.assert_close(dapo_grad, reinforce_grad)
-
-
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_right_padding_changes_nothing(aggregation):
     logprobs, old, rewards, mask = random_batch(seed=2)
@@ -261,9 +246,20 @@ def test_micro_batches_sum_to_the_full_batch(aggregation):
     torch.testing.assert_close(total_grad, full_grad)
 
 
-def test_unknown_aggregation_raises():
-    logprobs, old, adv, mask = hand_batch()
-    with pytest.raises(ValueError):
-        algo.compute_loss(logprobs, old, adv, mask, 2, aggregation="batch")
-    with pytest.raises(ValueError):
-        algo.loss_denominator(mask, 2, aggregation="batch")
+def test_on_policy_dapo_cispo_and_token_reinforce_gradients_coincide():
+    """On-policy (rho = 1) nothing is clipped or truncated: DAPO's grad of rho A, CISPO's sg(rho) A grad log pi and
+    REINFORCE's A grad log pi are one and the same. Aggregation must match: with one prompt, DAPO's per-prompt token
+    mean IS the token mean; with several, DAPO = CISPO "prompt" and token-level REINFORCE = CISPO "token"."""
+    for num_prompts in (1, 3):
+        logprobs, _, rewards, mask = random_batch(num_prompts=num_prompts, seed=3)
+        old = logprobs.detach()
+        adv = algo.compute_advantages(rewards, 4).double()
+        reinforce = torch.where(mask, -adv[:, None] * logprobs, 0.0).sum() / mask.sum()
+        reinforce_grad = grad_of(reinforce, logprobs)
+        dapo_grad = grad_of(dapo.compute_loss(logprobs, old, adv, mask, 4)[0], logprobs)
+        cispo_prompt_grad = grad_of(algo.compute_loss(logprobs, old, adv, mask, 4)[0], logprobs)
+        cispo_token_grad = grad_of(algo.compute_loss(logprobs, old, adv, mask, 4, aggregation="token")[0], logprobs)
+        torch.testing.assert_close(cispo_prompt_grad, dapo_grad)
+        torch.testing.assert_close(cispo_token_grad, reinforce_grad)
+        if num_prompts == 1:
+            torch.testing.assert_close(dapo_grad, reinforce_grad)

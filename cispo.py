@@ -154,7 +154,7 @@ def compute_loss(
 
     # The importance weight is truncated to [low, high] and DETACHED; it scales a REINFORCE term A * log pi, so a
     # truncated token still pulls (with weight high or low), where PPO's clip would stop it.
-    low, high = (0.0 if eps_min is None else eps_min), eps_max              # ratio >= 0: 0.0 is no lower bound
+    low, high = (0.0 if eps_min is None else eps_min), eps_max                # ratio >= 0: 0.0 is no lower bound
     token_loss = -ratio.clamp(low, high).detach() * adv * logprobs            # [N, T]
     if is_weights is not None:
         token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)

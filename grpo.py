@@ -111,8 +111,6 @@ def compute_loss(
             clip_frac_low and clip_frac_high), ratio_mean (mean token ratio), kl_k3 (k3 estimate of
             KL(pi_old || pi_theta)), num_tokens (masked tokens).
     """
-    if kl_coef != 0.0 and ref_logprobs is None:
-        raise ValueError("kl_coef != 0 needs ref_logprobs")
     mask = mask.bool()                                                        # [N, T]
     # Sanitise before any arithmetic: garbage in masked slots must reach neither exp() nor the gradient. Work in
     # at least float32: a bf16 ratio has 3 significant digits, too few to see a clip range.
@@ -127,6 +125,8 @@ def compute_loss(
     # clipped branch wins the min and the token stops pulling.
     low, high = 1.0 - clip_eps, 1.0 + clip_eps
     token_loss = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)    # [N, T]
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs ref_logprobs")
     if ref_logprobs is not None:
         # k3 estimate of KL(pi_theta || pi_ref), added to the loss (not to the reward), as in DeepSeekMath eqs. 3-4.
         ref_log_ratio = torch.where(mask, ref_logprobs.detach().to(dtype), 0.0) - logprobs  # [N, T]

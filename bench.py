@@ -5,7 +5,7 @@ and ends with one line holding a JSON object of the results (the LAST line print
     python bench.py pipeline   # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync RL
     python bench.py train      # train.py's learner step vs a bare transformers training step
     python bench.py staleness  # the tiny recipe at k = 0, 1, 2, 4, 8 with a fast generator (an experiment)
-    python bench.py leave-one-out   # ScaleRL's leave-one-out in miniature, several seeds (an experiment)
+    python bench.py study      # ScaleRL's ablations in miniature: variants x seeds, A and B with 95% intervals
     python bench.py report RUN_DIR...   # what finished runs show: pass rate, lag, fit, first-half prediction
 
 A subcommand is a function ``bench_<name>(args)`` registered in ``BENCHMARKS`` with its argument setup.
@@ -134,8 +134,10 @@ def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--buffer-steps", type=lambda v: None if v == "none" else int(v), default=1,
                         help="buffer limit of the pipeline run in learner steps (default 1, train.py's; none: only "
                              "k limits how far the generator runs ahead)")
-    parser.add_argument("--gen-threads", type=int, default=None,
-                        help="torch threads of the generator's engine, both modes (default: one per core)")
+    parser.add_argument("--gen-threads", type=int, default=1,
+                        help="torch threads of the generator's engine, both modes (default 1: what train.py's "
+                             "generator gets, as torchrun sets OMP_NUM_THREADS=1 for the ranks it inherits from; "
+                             "0: torch's default, one per core, whose threads stall beside a busy learner)")
     parser.add_argument("--learner-threads", type=int, default=1,
                         help="torch threads of the simulated learner, both modes (default 1: one core each)")
     parser.add_argument("--train-batch", type=int, nargs=2, default=(64, 50), metavar=("ROWS", "TOKENS"),
@@ -507,7 +509,7 @@ def bench_train(args: argparse.Namespace) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Experiments made of real train.py runs: the staleness bound, leave-one-out, and the report of any runs
+# Experiments made of real train.py runs: the staleness bound, the study of variants, and the report of any runs
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -682,71 +684,158 @@ def bench_staleness(args: argparse.Namespace) -> dict:
             "runs": {k: {key: v for key, v in rep.items() if key != "curve"} for k, rep in results.items()}}
 
 
-# ScaleRL's leave-one-out (Figure 7, in miniature): the recipe, then one component changed at a time.
-LEAVE_ONE_OUT: dict[str, tuple[str, list[str]]] = {
-    "scalerl": ("ScaleRL recipe", []),
-    "sync8": ("PPO-off-policy-8 instead of PipelineRL-8", ["--mode", "sync", "--max-off-policy", "8"]),
+# ScaleRL's ablations in miniature (its Figures 7 and 9-11): the recipe, then one component changed at a time.
+VARIANTS: dict[str, tuple[str, list[str]]] = {
+    "scalerl": ("ScaleRL recipe (CISPO, PipelineRL-8)", []),
+    "gspo": ("GSPO loss instead of CISPO", ["--loss", "gspo"]),
     "dapo": ("DAPO loss instead of CISPO", ["--loss", "dapo"]),
-    "sample": ("sample instead of prompt aggregation", ["--aggregation", "sample"]),
-    "group": ("group instead of batch advantage norm", ["--adv-norm", "group"]),
+    "grpo": ("GRPO loss instead of CISPO", ["--loss", "grpo"]),
+    "sync8": ("PPO-off-policy-8 instead of PipelineRL-8", ["--mode", "sync", "--max-off-policy", "8"]),
     "keep": ("keep zero-variance groups", ["--zero-variance", "keep"]),
+    "group": ("group instead of batch advantage norm", ["--adv-norm", "group"]),
+    "sample": ("sample instead of prompt aggregation", ["--aggregation", "sample"]),
+    "batch2x": ("2x larger batch (64 prompts per step)", ["--prompts-per-step", "64"]),
     "nonpr": ("no No-Positive-Resampling", ["--retire-pass-rate", "0"]),
     "overlong": ("DAPO overlong penalty instead of interruptions", ["--length-control", "overlong"]),
 }
+# Named lists of variants: the study of ScaleRL's design axes, and the README's leave-one-out table.
+VARIANT_SETS = {
+    "study": "scalerl,gspo,dapo,grpo,sync8,keep,group,sample,batch2x",
+    "leave-one-out": "scalerl,sync8,dapo,sample,group,keep,nonpr,overlong",
+}
 
 
-def _add_leave_one_out_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--variants", default=",".join(LEAVE_ONE_OUT),
-                        help=f"which variants to run (default all: {','.join(LEAVE_ONE_OUT)})")
+def pooled_fit(reports: list[dict], n_boot: int = 200, seed: int = 0) -> dict:
+    """ScaleRL's sigmoid fitted to the evaluations of all seeds of one variant at once, with residual-bootstrap
+    95% intervals. R0 is the base model's pass rate: the mean of the runs' step-0 evaluations, one point at the
+    smallest step-0 compute. `reports` are run_report()s; a flat pooled curve gives None values and its error."""
+    import math
+
+    import scaling_fit as sf
+
+    r0 = sum(rep["curve"][0][1] for rep in reports) / len(reports)
+    C, R = [min(rep["curve"][0][0] for rep in reports)], [r0]
+    for c, r in sorted(point for rep in reports for point in rep["curve"][1:]):
+        C.append(c if c > C[-1] else math.nextafter(C[-1], math.inf))  # two seeds at one compute: keep both
+        R.append(r)
+    out = {"A": None, "A_lo": None, "A_hi": None, "B": None, "B_lo": None, "B_hi": None, "C_mid": None,
+           "R0": r0, "r2": None, "n_points": len(C), "curve": list(zip(C, R)), "fit": None}
+    try:
+        boot = sf.bootstrap_sigmoid(C, R, n_boot, r0=r0, seed=seed)
+    except ValueError as err:  # flat: no sigmoid can be identified
+        return out | {"error": str(err)}
+    fit = boot.fit
+    return out | {"A": fit.A, "A_lo": boot.A_ci[0], "A_hi": boot.A_ci[1], "B": fit.B, "B_lo": boot.B_ci[0],
+                  "B_hi": boot.B_ci[1], "C_mid": fit.C_mid, "r2": fit.r2, "fit": fit}
+
+
+def compare_asymptotes(variant: dict, baseline: dict) -> str:
+    """'higher' or 'lower' when the 95% intervals of A do not overlap, 'not separable' when they do."""
+    if variant["A"] is None or baseline["A"] is None:
+        return "no fit"
+    if variant["A_lo"] > baseline["A_hi"]:
+        return "higher"
+    if variant["A_hi"] < baseline["A_lo"]:
+        return "lower"
+    return "not separable"
+
+
+def _add_study_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variants", default="study",
+                        help=f"a named set ({', '.join(f'{k}: {v}' for k, v in VARIANT_SETS.items())}) or a comma "
+                             f"list of variants from: {', '.join(VARIANTS)} (default: study). The first is the "
+                             "baseline the others are compared with")
     parser.add_argument("--seeds", default="0,1,2", help="seeds of every variant (default 0,1,2)")
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
-    parser.add_argument("--out-dir", default="runs/leave-one-out",
-                        help="runs go to OUT_DIR/VARIANT-sSEED; finished runs are not run again; the table and "
-                             "figure to OUT_DIR/leave_one_out.{md,png} (default runs/leave-one-out)")
+    parser.add_argument("--common", default="",
+                        help="train.py flags added to every run, e.g. \"--model DIR --dataset FILE\" for another task")
+    parser.add_argument("--bootstrap", type=int, default=200,
+                        help="residual-bootstrap replicates of each pooled fit, for the 95%% intervals (default 200)")
+    parser.add_argument("--out-dir", default="runs/study",
+                        help="runs go to OUT_DIR/VARIANT-sSEED; a finished run is not run again, so a killed study "
+                             "continues where it stopped; the table, figure and summary go to OUT_DIR/study.{md,png,"
+                             "json} (default runs/study)")
+    parser.add_argument("--summary", default=None, help="also write the summary JSON here, e.g. docs/study.json")
+    parser.add_argument("--figure", default=None, help="also save the figure here, e.g. docs/study.png")
 
 
-def bench_leave_one_out(args: argparse.Namespace) -> dict:
-    """Each variant of LEAVE_ONE_OUT on each seed (resumable), fitted; one table with the mean and range over seeds
-    and one figure of the fits (seed 0 of each variant)."""
+def bench_study(args: argparse.Namespace) -> dict:
+    """Each variant on each seed (resumable), then per variant one sigmoid fitted to all its seeds' evaluations
+    with 95% bootstrap intervals of A and B, each run's first-half prediction error, and whether the variant's
+    asymptote is separable from the baseline's (the first variant): one table, one figure, one summary JSON."""
+    import shlex
     from pathlib import Path
 
     import scaling_fit as sf
 
     out_dir = Path(args.out_dir)
     seeds = [int(x) for x in args.seeds.split(",")]
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in LEAVE_ONE_OUT]
+    names = VARIANT_SETS.get(args.variants, args.variants).split(",")
+    unknown = [v for v in names if v not in VARIANTS]
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {list(LEAVE_ONE_OUT)}")
+        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}, or a set: {list(VARIANT_SETS)}")
+    common = shlex.split(args.common)
     reports: dict[str, list[dict]] = {}
-    for name in variants:
+    for name in names:
         for seed in seeds:
-            rows = _train_run(out_dir / f"{name}-s{seed}", args.steps, ["--seed", str(seed), *LEAVE_ONE_OUT[name][1]])
+            rows = _train_run(out_dir / f"{name}-s{seed}", args.steps, ["--seed", str(seed), *VARIANTS[name][1],
+                                                                        *common])
             reports.setdefault(name, []).append(run_report(rows))
-    lines = [f"| variant (NAME) | FLAGS | val pass 0 -> {args.steps} | A | B | C_mid (device-h) | device-h to 0.8 "
-             "| mean lag | wall |", "|---|---|---|---|---|---|---|---|---|"]
-    curves = []
+    fits = {name: pooled_fit(reps, args.bootstrap) for name, reps in reports.items()}
+    baseline = fits[names[0]]
+    summary_variants = []
+    lines = [f"| variant (NAME) | FLAGS | val pass 0 -> {args.steps} | A [95%] | B [95%] | C_mid (device-h) | R^2 "
+             f"| first-half fit: predicted - final, worst | A against {names[0]} |", "|---|---|---|---|---|---|---|---|---|"]
     for name, reps in reports.items():
-        title, flags = LEAVE_ONE_OUT[name]
-        fits = [r["fit"] for r in reps]
-        lines.append(
-            f"| {title} ({name}) | {'`' + ' '.join(flags) + '`' if flags else ''} | "
-            f"{_mean_spread([r['val_first'] for r in reps], '.3f')} -> {_mean_spread([r['val_final'] for r in reps], '.3f')} | "
-            f"{_mean_spread([f['A'] if f else None for f in fits], '.3f')} | "
-            f"{_mean_spread([f['B'] if f else None for f in fits], '.2f')} | "
-            f"{_mean_spread([f['C_mid'] if f else None for f in fits], '.3f')} | "
-            f"{_mean_spread([r['compute_to_0.8'] for r in reps], '.3f')} | "
-            f"{_mean_spread([r['lag_mean'] for r in reps], '.2f')} | {_mean_spread([r['wall_s'] for r in reps], '.0f')} s |")
-        C, R = zip(*reps[0]["curve"])
-        fit = sf.fit_sigmoid(C, R) if reps[0]["fit"] else None
-        curves.append((name, C, R, fit, None))
-    table = "\n".join(lines) + f"\n\n(mean and, in brackets, range over seeds {args.seeds}; {args.steps} steps each)\n"
-    (out_dir / "leave_one_out.md").write_text(table)
-    sf.plot_fits(curves, out_dir / "leave_one_out.png", title=f"Leave-one-out on the tiny task (seed {seeds[0]}, "
-                 f"{args.steps} steps): dotted = asymptote A")
+        title, flags = VARIANTS[name]
+        fit = fits[name]
+        half_errors = {str(seed): rep["half_fit_error"] for seed, rep in zip(seeds, reps)}
+        known = [e for e in half_errors.values() if e is not None]
+        worst = max(known, key=abs) if known else None
+        verdict = "(baseline)" if name == names[0] else compare_asymptotes(fit, baseline)
+        if fit["A"] is None:
+            a_text = b_text = c_text = r2_text = "no sigmoid"
+        else:
+            a_text = f"{fit['A']:.3f} [{fit['A_lo']:.3f}, {fit['A_hi']:.3f}]"
+            b_text = f"{fit['B']:.2f} [{fit['B_lo']:.2f}, {fit['B_hi']:.2f}]"
+            c_text, r2_text = f"{fit['C_mid']:.3f}", f"{fit['r2']:.3f}"
+        lines.append(f"| {title} ({name}) | {'`' + ' '.join(flags) + '`' if flags else ''} | "
+                     f"{_mean_spread([r['val_first'] for r in reps], '.3f')} -> "
+                     f"{_mean_spread([r['val_final'] for r in reps], '.3f')} | {a_text} | {b_text} | {c_text} | "
+                     f"{r2_text} | {'-' if worst is None else f'{worst:+.3f}'} | {verdict} |")
+        summary_variants.append({
+            "name": name, "title": title, "flags": flags, "seeds": seeds,
+            **{key: fit[key] for key in ("A", "A_lo", "A_hi", "B", "B_lo", "B_hi", "C_mid", "R0", "r2", "n_points")},
+            "half_fit_errors": half_errors, "val_final": [rep["val_final"] for rep in reps],
+            "compute_hours": [rep["compute_hours"] for rep in reps], "against_baseline": verdict,
+        })
+    all_reports = [rep for reps in reports.values() for rep in reps]
+    total_hours = sum(rep["compute_hours"] for rep in all_reports)
+    total_wall = sum(rep["wall_s"] for rep in all_reports)
+    known_errors = [rep["half_fit_error"] for rep in all_reports if rep["half_fit_error"] is not None]
+    summary = {
+        "steps": args.steps, "seeds": seeds, "common_flags": common, "bootstrap": args.bootstrap,
+        "baseline": names[0], "runs": len(all_reports), "total_compute_hours": total_hours,
+        "total_wall_s": total_wall,
+        "worst_half_fit_error": max(known_errors, key=abs) if known_errors else None,
+        "runs_without_half_fit": sum(rep["half_fit_error"] is None for rep in all_reports),
+        "variants": summary_variants,
+    }
+    table = "\n".join(lines) + (
+        f"\n\n(one sigmoid per variant fitted to the evaluations of seeds {args.seeds} together, {args.steps} steps "
+        f"each; 95% residual-bootstrap intervals; {len(all_reports)} runs, {total_hours:.2f} device-hours, "
+        f"{total_wall / 3600:.2f} h of wall time)\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "study.md").write_text(table)
+    for path in [out_dir / "study.json", *([Path(args.summary)] if args.summary else [])]:
+        path.write_text(json.dumps(summary, indent=1) + "\n")
+    curves = [(f"{name} ({len(seeds)} seeds)", *zip(*fits[name]["curve"]), fits[name]["fit"], None) for name in names]
+    title = f"{len(seeds)} seeds pooled per variant, {args.steps} steps: dotted = asymptote A"
+    sf.plot_fits(curves, out_dir / "study.png", title=title)
+    if args.figure:
+        sf.plot_fits(curves, args.figure, title=title)
     print(table)
-    return {"benchmark": "leave-one-out", "steps": args.steps, "seeds": seeds,
-            "runs": {name: [{k: v for k, v in r.items() if k != "curve"} for r in reps] for name, reps in reports.items()}}
+    return {"benchmark": "study", **summary}
 
 
 # name -> (benchmark function, function adding its flags, one-line help)
@@ -758,8 +847,8 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
               "train.py's FSDP2 learner step vs a bare transformers forward+backward+AdamW, tokens/s (tiny model)"),
     "report": (bench_report, _add_report_args,
                "targets of finished runs: pass rate, largest fall, mean lag, fit R^2, first-half prediction error"),
-    "leave-one-out": (bench_leave_one_out, _add_leave_one_out_args,
-                      "ScaleRL's leave-one-out on the tiny task: each variant x seed (resumable), fits, one table"),
+    "study": (bench_study, _add_study_args,
+              "ScaleRL's ablations in miniature: variants x seeds (resumable), pooled fits with 95% intervals of A, B"),
     "staleness": (bench_staleness, _add_staleness_args,
                   "the tiny recipe at k = 0 (sync), 1, 2, 4, 8 with a fast generator: pass rate vs compute, lag"),
 }

@@ -185,7 +185,8 @@ class GeneratorConfig:
     # 1 s after every step) take cores the learner needs
     engine_process: bool | None = None
     # CPU: torch threads of the engine when it runs inside the generator process (None: torch's default, one per
-    # core); fewer leave cores to a learner that shares the machine
+    # core, or OMP_NUM_THREADS, which torchrun sets to 1 for train.py's ranks and so for their generator); fewer
+    # leave cores to a learner that shares the machine (two threads beside a busy learner stall each other)
     num_threads: int | None = None
     # where weight files go (default: /dev/shm if it has room, else the temp dir)
     weight_dir: str | None = None

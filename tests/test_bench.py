@@ -1,4 +1,5 @@
-"""bench.py's experiment plumbing (fast): the report of a run's metrics, and that a finished run is not run again.
+"""bench.py's experiment plumbing (fast): the report of a run's metrics, that a finished run is not run again, and the
+study's pooled fits and verdicts (on fake runs).
 The experiments themselves are real train.py runs; their results are in the README."""
 
 import json
@@ -56,3 +57,60 @@ def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
     assert bench._train_run(run, 5, []) == rows and not calls
     bench._train_run(run, 10, ["--seed", "1"])  # unfinished for 10 steps: it runs (again, from scratch)
     assert calls and "--overwrite" in calls[0][0] and calls[0][0][-2:] == ["--seed", "1"]
+
+
+def _sigmoid_run(A: float, seed: int, steps: int = 50) -> list[dict]:
+    """The metrics rows of a fake run: evaluations every 5 steps on ScaleRL's sigmoid plus noise of 0.01."""
+    rng = np.random.default_rng(seed)
+    compute = [1e-7 * (1 + seed % 3)] + [0.004 * step * (1 + 0.05 * (seed % 3)) for step in range(5, steps + 1, 5)]
+    values = sf.sigmoid(np.array(compute), A=A, B=2.0, C_mid=0.02, R0=0.4)
+    values[1:] = np.clip(values[1:] + rng.normal(0, 0.01, len(values) - 1), 0, 1)
+    return [{"step": 5 * i, "compute_hours": c, "val_pass_rate": float(v)} for i, (c, v) in
+            enumerate(zip(compute, values))]
+
+
+def test_study_pools_the_seeds_and_tells_apart_asymptotes_whose_intervals_do_not_overlap(tmp_path, monkeypatch,
+                                                                                        capsys):
+    ran = []
+
+    def fake_train_run(run_dir, steps, flags):  # the DAPO variant tops out at 0.6, the others at 0.9
+        ran.append(run_dir.name)
+        seed = int(flags[flags.index("--seed") + 1]) + (10 if "keep" in flags else 0)  # keep: other noise
+        return _sigmoid_run(0.6 if "dapo" in flags else 0.9, seed, steps)
+
+    monkeypatch.setattr(bench, "_train_run", fake_train_run)
+    summary_path = tmp_path / "docs" / "study.json"
+    summary_path.parent.mkdir()
+    assert bench.main(["study", "--variants", "scalerl,dapo,keep", "--seeds", "0,1,2", "--bootstrap", "100",
+                       "--out-dir", str(tmp_path / "study"), "--summary", str(summary_path)]) == 0
+    assert ran == [f"{v}-s{s}" for v in ("scalerl", "dapo", "keep") for s in (0, 1, 2)]
+    summary = json.loads(summary_path.read_text())
+    assert summary == json.loads((tmp_path / "study" / "study.json").read_text())
+    by_name = {v["name"]: v for v in summary["variants"]}
+    for name, true_a in (("scalerl", 0.9), ("dapo", 0.6), ("keep", 0.9)):
+        v = by_name[name]
+        assert v["seeds"] == [0, 1, 2] and v["n_points"] == 1 + 3 * 10  # R0, then 10 evaluations per seed
+        assert v["A_lo"] <= v["A"] <= v["A_hi"] and abs(v["A"] - true_a) < 0.02
+        assert v["B_lo"] <= v["B"] <= v["B_hi"] and v["R0"] == pytest.approx(0.4, abs=1e-6)
+        assert set(v["half_fit_errors"]) == {"0", "1", "2"}
+        assert all(abs(e) < 0.05 for e in v["half_fit_errors"].values())
+    assert by_name["dapo"]["A_hi"] < by_name["scalerl"]["A_lo"] and by_name["dapo"]["against_baseline"] == "lower"
+    assert by_name["keep"]["against_baseline"] == "not separable"  # the same curve: the intervals overlap
+    assert summary["runs"] == 9 and abs(summary["worst_half_fit_error"]) < 0.05
+    table = (tmp_path / "study" / "study.md").read_text()
+    assert "| DAPO loss instead of CISPO (dapo) |" in table and "| lower |" in table
+    assert (tmp_path / "study" / "study.png").stat().st_size > 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "study"
+
+
+def test_a_study_names_unknown_variants(tmp_path):
+    with pytest.raises(SystemExit, match="unknown variants \\['cispoo'\\]"):
+        bench.main(["study", "--variants", "scalerl,cispoo", "--out-dir", str(tmp_path)])
+
+
+def test_compare_asymptotes_needs_intervals_that_do_not_overlap():
+    base = {"A": 0.9, "A_lo": 0.88, "A_hi": 0.92}
+    assert bench.compare_asymptotes({"A": 0.95, "A_lo": 0.93, "A_hi": 0.97}, base) == "higher"
+    assert bench.compare_asymptotes({"A": 0.8, "A_lo": 0.7, "A_hi": 0.87}, base) == "lower"
+    assert bench.compare_asymptotes({"A": 0.86, "A_lo": 0.80, "A_hi": 0.88}, base) == "not separable"  # touching
+    assert bench.compare_asymptotes({"A": None}, base) == "no fit"

@@ -686,7 +686,7 @@ def attach_learner_logprobs(model: Any, groups: list, args: Args, pad_id: int) -
     idle = idle_forwards_needed(len(batches))
     for idx in batches:
         chosen = [groups[j] for j in idx]
-        rows = to_rows(chosen, None, args.group_size, pad_id)
+        rows = to_rows(chosen, None, args.group_size, pad_id, model_device(model))
         logprobs = token_logprobs(model, rows, args.temperature)
         completions = [(len(grp.prompt_ids), c) for grp in chosen for c in grp.completions]
         for row, (p, c) in enumerate(completions):
@@ -713,8 +713,9 @@ def loss_and_backward(model: Any, loss_module: Any, hp: dict, groups: list, adva
     the micro-batch losses and gradients add up to the full-batch ones for any micro-batch size and world size.
     `ref_model`: the frozen reference policy of --kl-coef, whose logprobs go to the loss as ref_logprobs."""
     g = args.group_size
-    batches = [to_rows([groups[i] for i in idx], advantages[[i * g + j for i in idx for j in range(g)]], g, pad_id)
-               for idx in micro_batches(groups, args.micro_batch_tokens, g)]
+    device = model_device(model)
+    batches = [to_rows([groups[i] for i in idx], advantages[[i * g + j for i in idx for j in range(g)]], g, pad_id,
+                       device) for idx in micro_batches(groups, args.micro_batch_tokens, g)]
     denominator = sum_over_ranks(sum(loss_module.loss_denominator(r.loss_mask, g, **hp) for r in batches))
     idle = idle_forwards_needed(len(batches))
     totals: dict[str, float] = defaultdict(float)
@@ -866,8 +867,8 @@ class Rows:
     advantages: Any  # [N]
 
 
-def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int) -> Rows:
-    """Pad the groups' completions (after their prompts) into one micro-batch of rows."""
+def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int, device: Any = "cpu") -> Rows:
+    """Pad the groups' completions (after their prompts) into one micro-batch of rows, on `device` (the model's)."""
     seqs = [(g.prompt_ids, c) for g in groups for c in g.completions]
     length = max(len(p) + len(c.token_ids) for p, c in seqs)
     n = len(seqs)
@@ -886,7 +887,13 @@ def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int) -> Rows
         versions[row, p - 1 : p - 1 + t] = torch.tensor(c.versions)
         behaviour = c.old_logprobs if c.old_logprobs is not None else c.sampler_logprobs
         old[row, p - 1 : p - 1 + t] = torch.tensor(behaviour)
-    return Rows(input_ids, attention, loss_mask, sampler, versions, old, advantages)
+    fields = (input_ids, attention, loss_mask, sampler, versions, old, advantages)
+    return Rows(*(None if x is None else x.to(device) for x in fields))  # built on the CPU, moved in one copy each
+
+
+def model_device(model: Any) -> torch.device:
+    """Where the model's parameters (their local shards, under FSDP2) live: its inputs must go there."""
+    return next(model.parameters()).device
 
 
 def micro_batches(groups: list, token_budget: int, group_size: int) -> list[list[int]]:
@@ -1136,7 +1143,7 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
         pipeline_rl.set_parent_death_signal(signal.SIGKILL)
     rank, world, device = init_distributed(args.gen_devices)
     is_main = rank == 0
-    stopper = GracefulStop(announce=is_main, device=device)
+    stopper = GracefulStop(announce=is_main)
     out = Path(args.output_dir)
     fresh_dir = not out.exists()  # a start that fails removes what it made
     lock = claim_output_dir(out, is_main)
@@ -1368,8 +1375,13 @@ def this_ranks_share(items: list, run: Run) -> list:
     return [item for i, item in enumerate(items) if i % run.world == run.rank]
 
 
+def collective_device() -> torch.device:
+    """Where a collective's tensors must be: NCCL reduces on this rank's GPU only, gloo on the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def sum_over_ranks(value: float) -> float:
-    total = torch.tensor([float(value)])
+    total = torch.tensor([float(value)], device=collective_device())
     dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.item()
 
@@ -1378,7 +1390,7 @@ def idle_forwards_needed(n_micro_batches: int) -> int:
     """How many forwards this rank must add to its own micro-batches to run as many as the busiest rank: FSDP2's
     all-gathers are collectives, so a rank with no micro-batch left must still join them (idle_forward). A
     collective itself: call it before the first forward."""
-    most = torch.tensor([n_micro_batches])
+    most = torch.tensor([n_micro_batches], device=collective_device())
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
     return int(most.item()) - n_micro_batches
 
@@ -1386,7 +1398,7 @@ def idle_forwards_needed(n_micro_batches: int) -> int:
 def idle_forward(model: Any, pad_id: int, backward: bool, ref_model: Any = None) -> None:
     """A forward (and backward) on a dummy row that contributes nothing, with the collectives of a real micro-batch
     in the same order: the policy's forward, the reference model's forward, the backward."""
-    dummy = torch.full((1, 2), pad_id, dtype=torch.long)
+    dummy = torch.full((1, 2), pad_id, dtype=torch.long, device=model_device(model))
     logits = model(input_ids=dummy).logits
     if ref_model is not None:
         with torch.no_grad():
@@ -1487,9 +1499,9 @@ class GracefulStop:
     """SIGINT (Ctrl-C; torchrun passes it on to every rank) or SIGTERM: finish the current step, save a checkpoint
     and exit, so that a --resume redoes nothing. A second signal stops at once."""
 
-    def __init__(self, announce: bool, device: Any = "cpu"):
+    def __init__(self, announce: bool):
         self.signal: str | None = None
-        self.announce, self.device = announce, device
+        self.announce = announce
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -1503,7 +1515,7 @@ class GracefulStop:
 
     def agreed(self) -> bool:
         """True on every rank if any rank was signalled (a collective: every rank calls it at the same point)."""
-        flag = torch.tensor([float(self.signal is not None)], device=self.device)  # NCCL reduces on the GPU
+        flag = torch.tensor([float(self.signal is not None)], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

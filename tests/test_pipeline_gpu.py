@@ -87,3 +87,24 @@ def test_gpu_weight_update_in_flight(setup):
     groups = gen.evaluate(tasks.ArithmeticTask().validation(4), samples=2)
     assert {v for g in groups for c in g.completions for v in c.versions} == {V}
     print(f"evaluate 4x2: {time.perf_counter() - t0:.2f} s")
+
+
+def test_train_py_runs_on_gpu(tmp_path):
+    """train.py end to end on CUDA: the learner's micro-batches, its collectives (NCCL reduces on the GPU only) and
+    its idle forwards must all be on the rank's GPU. One learner rank; the generator on SCALERL_GEN_DEVICES (the
+    last GPU; on a 1-GPU machine the two share it)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    gen_devices = os.environ.get("SCALERL_GEN_DEVICES", str(torch.cuda.device_count() - 1))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "train.py",
+           "--output-dir", str(out), "--gen-devices", gen_devices, "--max-steps", "3", "--eval-every", "3",
+           "--prompts-per-step", "4", "--eval-prompts", "8", "--eval-samples", "2", "--log-every", "1"]
+    run = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "val_pass_rate" in rows[-1]

@@ -197,6 +197,17 @@ def test_rows_align_each_token_with_the_position_that_predicts_it():
     assert rows.old_logprobs[1, 2:4].tolist() == [-0.5, -0.5]
 
 
+def test_rows_go_to_the_models_device():
+    """On a GPU the micro-batch must be where the model is; the "meta" device stands in for it on a CPU machine."""
+    grp = _group(0, [4, 2], [1.0, -1.0], prompt_len=3)
+    rows = train.to_rows([grp], torch.tensor([1.0, -1.0]), 2, pad_id=0, device="meta")
+    fields = [rows.input_ids, rows.attention, rows.loss_mask, rows.sampler_logprobs, rows.versions,
+              rows.old_logprobs, rows.advantages]
+    assert all(x.device.type == "meta" for x in fields)
+    assert train.to_rows([grp], None, 2, pad_id=0, device="meta").advantages is None
+    assert train.model_device(torch.nn.Linear(2, 2, device="meta")).type == "meta"
+
+
 class FakeGenerator:
     """Stands in for pipeline_rl.Generator to test the batch bookkeeping around it (the real one is tested in
     test_pipeline_rl.py and in the end-to-end runs below)."""

@@ -700,7 +700,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
 }
 # Named lists of variants: the study of ScaleRL's design axes, and the README's leave-one-out table.
 VARIANT_SETS = {
-    "study": "scalerl,gspo,dapo,grpo,sync8,keep,group,sample,batch2x",
+    "study": "scalerl,sync8,dapo,grpo,gspo,keep,group,sample,batch2x",
     "leave-one-out": "scalerl,sync8,dapo,sample,group,keep,nonpr,overlong",
 }
 

@@ -173,3 +173,21 @@ def test_pictures_are_written(tmp_path):
     assert result.returncode == 0, result.stderr
     for name in ("gradients.png", "aggregation.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_workshop_quotes_the_diff_sizes_of_the_files_as_they_are():
+    """docs/WORKSHOP.md tells instructors how long each diff is; it must follow the algorithm files."""
+    import re
+
+    text = (REPO / "docs" / "WORKSHOP.md").read_text()
+
+    def diff_lines(a: str, b: str) -> int:
+        out = subprocess.run(["diff", a, b], cwd=REPO, capture_output=True, text=True).stdout
+        return len(out.splitlines())
+
+    quoted = dict(re.findall(r"\| `(\w+)\.py` \| (\d+) \|", text))
+    assert set(quoted) == {"drgrpo", "gspo", "dapo", "cispo"}
+    assert {name: diff_lines("grpo.py", f"{name}.py") for name in quoted} == {k: int(v) for k, v in quoted.items()}
+    lines = len((REPO / "grpo.py").read_text().splitlines())
+    assert f"`grpo.py` ({lines} lines)" in text
+    assert f"`diff dapo.py cispo.py | wc -l` counts {diff_lines('dapo.py', 'cispo.py')} lines" in text

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import fcntl
 import importlib
 import inspect
@@ -348,6 +349,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(evaluate_policy(parse_args(given), Path(scratch))))
         return
     args = parse_args(argv)
+    # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
+    faulthandler.enable(all_threads=True)
     with set_up(args) as (learner, run, state):
         train(args, learner, run, state)
     if run.is_main:  # the generator is closed by now: the fit has the CPU to itself

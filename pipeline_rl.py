@@ -85,7 +85,7 @@ losses: it moves prompts, completions, per-token logprobs, per-token weight vers
    gives the generator those CUDA devices (CUDA_VISIBLE_DEVICES in the child) and `tensor_parallel_size` splits the
    model over them with vLLM's own TP; the learner's ranks use the other devices (`split_devices`). Weights take the
    same shared-memory file path (rank 0 gathers the full state dict, writes it, every TP worker reads it). See
-   `tests/test_pipeline_gpu.py` for the GPU smoke test; the NCCL-broadcast design is in the README.
+   `tests/test_gpu.py` for the GPU smoke test; the NCCL-broadcast design is in the README.
 
 7. Lifecycle. `start()` spawns the child (spawn context, its own session so that Ctrl-C reaches only the learner,
    which then closes it) and waits for "ready". The child exits when the learner closes it, when the pipe to the

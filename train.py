@@ -68,8 +68,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
@@ -225,11 +226,18 @@ class Args:
     fp32_lm_head: bool = _arg(HelpGroup.PRECISION, True, "compute the LM head in float32 in generator and learner "
                               "(ScaleRL, MiniMax-M1); a no-op for float32 weights",
                               action=argparse.BooleanOptionalAction)
+    logits_chunk_tokens: int | None = _arg(HelpGroup.PRECISION, None, "positions whose logits the learner's LM head "
+                                           "computes at once, each chunk recomputed in backward, so that a "
+                                           "micro-batch's full [tokens, vocab] float32 logits never exist (default: "
+                                           "as many as fit in 256 MiB)")
 
     gen_devices: str | None = _arg(HelpGroup.GPU, None, "GPU only: comma-separated CUDA devices for the vLLM "
                                    "generator (the learner uses the others); ScaleRL split 64 generator / 16 trainer "
                                    "GPUs")
     tensor_parallel_size: int = _arg(HelpGroup.GPU, 1, "GPU only: vLLM tensor parallelism of the generator")
+    gen_memory_fraction: float | None = _arg(HelpGroup.GPU, None, "GPU only: vLLM's share of each generator GPU's "
+                                             "memory (default: 0.85 on GPUs of its own, 0.3 on a machine's one GPU "
+                                             "shared with the learner)")
 
     # debugging: turn the generator/learner speed ratio on purpose
     debug_gen_slowdown: float = _arg(HelpGroup.DEBUG, 1.0, "debug: make the generator X times slower (it sleeps X-1 "
@@ -242,7 +250,7 @@ class Args:
 
 def check_args(args: Args) -> list[str]:
     """Incompatible flags, explained before anything starts."""
-    problems = []
+    problems = gpu_layout_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if args.loss != "cispo" and (args.aggregation or args.adv_norm):
         problems.append(f"--aggregation and --adv-norm are CISPO's options; --loss {args.loss} fixes its own "
                         "(see its file's docstring)")
@@ -287,6 +295,8 @@ def check_args(args: Args) -> list[str]:
         value = getattr(args, flag)
         if value is not None and value < 0:
             problems.append(f"--{flag.replace('_', '-')} must be >= 0 (got {value})")
+    if args.logits_chunk_tokens is not None and args.logits_chunk_tokens < 1:
+        problems.append(f"--logits-chunk-tokens must be >= 1 (got {args.logits_chunk_tokens})")
     for flag in ("group_size", "max_tokens", "answer_budget", "eval_samples", "eval_prompts", "checkpoint_every",
                  "log_every", "micro_batch_tokens", "max_bad_steps"):
         if getattr(args, flag) < 1:
@@ -325,6 +335,31 @@ def check_args(args: Args) -> list[str]:
             problems.append(f"--loss-arg {item!r}: expected KEY=VALUE")
     if args.eval_every < 1 or args.max_steps < 1 or args.prompts_per_step < 1:
         problems.append("--eval-every, --max-steps and --prompts-per-step must be >= 1")
+    return problems
+
+
+def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[str]:
+    """Where the generator and the learner ranks of this node go, refused before anything starts when it cannot
+    work: on a GPU machine vLLM needs --gen-devices, and every learner rank a GPU of its own among the others (NCCL
+    refuses two ranks on one GPU). A machine's one GPU may be shared by the generator and a single learner rank."""
+    if num_gpus == 0:
+        return [f"--gen-devices {args.gen_devices}: no CUDA GPU here (on CPU, vLLM runs beside the learner; drop the "
+                "flag)"] if args.gen_devices else []
+    if not args.gen_devices:
+        return [f"--gen-devices is needed on a GPU machine: the CUDA devices of the vLLM generator, e.g. --gen-devices "
+                f"{num_gpus - 1} (the learner ranks take the others; on a machine with one GPU, --gen-devices 0 "
+                "shares it)"]
+    try:
+        learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, num_gpus)
+    except ValueError as e:
+        return [f"--gen-devices {args.gen_devices}: {e}"]
+    problems = []
+    if learner_ranks > len(learner_ids):
+        problems.append(f"--nproc_per_node {learner_ranks}: each learner rank needs a GPU of its own, and "
+                        f"{len(learner_ids)} of the {num_gpus} are left after --gen-devices {args.gen_devices}")
+    if args.tensor_parallel_size > len(gen_ids):
+        problems.append(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many --gen-devices (got "
+                        f"{args.gen_devices})")
     return problems
 
 
@@ -916,11 +951,69 @@ def micro_batches(groups: list, token_budget: int, group_size: int) -> list[list
 
 
 def token_logprobs(model: Any, rows: Rows, temperature: float) -> Any:
-    """log pi(token) for every next-token position, after dividing the logits by the sampling temperature."""
+    """log pi(token) for every next-token position, after dividing the logits by the sampling temperature.
+
+    A learner's LM head (build_learner: install_target_logprob_head) returns only these, chunk by chunk, so the
+    micro-batch's [N, L-1, V] float32 logits never exist at once (for a 150k-token vocabulary and long completions
+    they would be tens of GB); any other model goes through its full logits."""
+    head = model.get_output_embeddings()
+    targets = rows.input_ids[:, 1:]                                                          # [N, L-1]
+    if getattr(head, "scalerl_request", False) is None:  # an installed head, idle
+        head.scalerl_request = (targets, temperature)
+        try:
+            return model(input_ids=rows.input_ids, attention_mask=rows.attention.long()).logits  # [N, L-1]
+        finally:
+            head.scalerl_request = None
     logits = model(input_ids=rows.input_ids, attention_mask=rows.attention.long()).logits[:, :-1]  # [N, L-1, V]
+    return _target_logprobs(logits, targets, temperature)
+
+
+def _target_logprobs(logits: Any, targets: Any, temperature: float) -> Any:
+    """log_softmax(logits / T) at the targets: logits [..., V], targets [...] -> [...] float32."""
     logits = logits.float() / temperature
-    targets = rows.input_ids[:, 1:].unsqueeze(-1)
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)  # [N, L-1]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+LOGITS_CHUNK_BYTES = 1 << 28  # default of --logits-chunk-tokens: 256 MiB of float32 logits held at once
+
+
+def install_target_logprob_head(model: Any, chunk_tokens: int | None = None) -> None:
+    """Make the model's LM head compute token_logprobs' answer itself. While token_logprobs has set
+    `head.scalerl_request = (targets [N, L-1], temperature)`, the head's forward takes the hidden states [N, L, H]
+    and returns log pi(target) [N, L-1] instead of logits: over chunks of `chunk_tokens` positions (default: as many
+    as fit in LOGITS_CHUNK_BYTES of float32 logits), each recomputed in backward (activation checkpointing), so only one chunk's logits exist at a time. Otherwise
+    (an idle forward, or any other caller) it is the plain linear layer. The head's own forward hooks (FSDP2's
+    gathers, the FP32 head's cast) run as before: only its forward body changes. Not for models that transform
+    the logits after the head (Gemma's soft-capping): those keep the full logits."""
+    if getattr(model.config, "final_logit_softcapping", None):
+        return
+    head = model.get_output_embeddings()
+    head.scalerl_request = None
+
+    def forward(hidden: Any) -> Any:
+        request = head.scalerl_request
+        if request is None:
+            return torch.nn.functional.linear(hidden, head.weight, head.bias)
+        targets, temperature = request
+        n, length = targets.shape
+        flat_hidden = hidden[:, :-1].reshape(n * length, -1)                 # [N*(L-1), H]: the last predicts nothing
+        flat_targets = targets.reshape(-1)                                   # [N*(L-1)]
+        chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk
+        if flat_targets.numel() <= chunk:  # one chunk: nothing to save by recomputing it
+            logprobs = _head_chunk(flat_hidden, flat_targets, head.weight, head.bias, temperature)
+        else:
+            logprobs = torch.cat([torch.utils.checkpoint.checkpoint(
+                _head_chunk, flat_hidden[i: i + chunk], flat_targets[i: i + chunk], head.weight, head.bias,
+                temperature, use_reentrant=False) for i in range(0, flat_targets.numel(), chunk)])
+        # [N, L-1], a tensor of its own rather than a view: FSDP2 hooks its backward onto the module's output
+        return logprobs.view(n, length).clone()
+
+    head.forward = forward
+
+
+def _head_chunk(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float) -> Any:
+    """One chunk of the LM head: hidden [n, H] -> log pi(targets) [n]."""
+    return _target_logprobs(torch.nn.functional.linear(hidden, weight, bias), targets, temperature)
 
 
 def pass_rates(generator: Any, problems: list, samples: int, temperature: float) -> dict[str, float]:
@@ -1139,7 +1232,8 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
     """Everything before the first step, on every rank: process group, OUTPUT_DIR lock, data, model, optimizer,
     resume, generator, metrics log. On exit the generator is closed; a run that fails before its first metrics row
     leaves OUTPUT_DIR as it found it."""
-    tasks.set_vllm_cpu_env()
+    if not torch.cuda.is_available():  # vLLM's CPU settings (offline hub, no dynamo) are for CPU machines only
+        tasks.set_vllm_cpu_env()
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
         # training on, and a --resume would then race them for OUTPUT_DIR: die with the launcher instead.
@@ -1208,9 +1302,9 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
         # The generator (rank 0 owns it; its process is vLLM's).
         val_problems = task.validation(args.eval_prompts)
         test_problems = test_task.validation(None) if test_task else []
-        devices_in_use = world + 1  # learner ranks + the generator (on GPU: its device count)
+        devices_in_use = world + 1  # learner ranks + the generator (on GPU: its device count; one GPU: one device)
         if args.gen_devices:
-            devices_in_use = world + len(args.gen_devices.split(","))
+            devices_in_use = 1 if generator_shares_a_gpu(args) else world + len(args.gen_devices.split(","))
         if is_main:
             consumed = state.consumed
             data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
@@ -1314,7 +1408,13 @@ def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.Gene
         debug_slowdown=args.debug_gen_slowdown,
         groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
         gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gen_memory_fraction or (0.3 if generator_shares_a_gpu(args) else 0.85),
     )
+
+
+def generator_shares_a_gpu(args: Args) -> bool:
+    """True on a machine whose one GPU holds both the generator and the learner (gpu_layout_problems allows it)."""
+    return bool(args.gen_devices) and torch.cuda.is_available() and torch.cuda.device_count() == 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1323,12 +1423,18 @@ def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.Gene
 
 
 def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
-    """The policy as FSDP2: fully_shard on every decoder layer, then the root. Returns (model, param count)."""
+    """The policy as FSDP2: fully_shard on every decoder layer, then the root. Returns (model, param count).
+
+    No rank but rank 0 ever holds a full copy of the weights (FSDP2's documented way to load a large model): every
+    rank builds the model on the meta device and shards it, then allocates its shards on `device`; rank 0 reads the
+    checkpoint and broadcasts it, each rank keeping its shard. Buffers that are not in the checkpoint (the rotary
+    frequencies) come from rank 0's copy too."""
     # transformers is imported here, not at the top: it takes longer to import than torch, and `--help`, the
     # flag checks and the tests that never build a model should not wait for it.
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     model.config.use_cache = False
     low_precision = args.dtype == "bfloat16"
@@ -1344,8 +1450,17 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     for layer in model.model.layers:
         fully_shard(layer, **({"mp_policy": mp} if mp else {}))
     fully_shard(model, **({"mp_policy": mp} if mp else {}))
-    if device.type == "cuda":
-        model.to(device)
+    model.to_empty(device=device)
+    loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) if dist.get_rank() == 0 else None
+    set_model_state_dict(model, loaded.state_dict() if loaded is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    rank0_buffers = dict(loaded.named_buffers()) if loaded is not None else {}
+    for name, buffer in model.named_buffers():
+        if loaded is not None:
+            buffer.copy_(rank0_buffers[name])
+        dist.broadcast(buffer, src=0)
+    del loaded, rank0_buffers
+    install_target_logprob_head(model, args.logits_chunk_tokens)
     model.train()
     return model, n_params
 

@@ -1,5 +1,6 @@
 """Run under torchrun by tests/test_train.py: the gradient of one step of every loss, for several micro-batch
-token budgets, on synthetic groups. Rank 0 saves {(loss, budget): (loss value, flat full gradient)} to argv[1]."""
+token budgets and LM-head chunk sizes, on synthetic groups. Rank 0 saves {(loss, budget, chunk): (loss value, flat
+full gradient, metrics)} to argv[1]."""
 
 import sys
 from pathlib import Path
@@ -23,8 +24,10 @@ def main() -> None:
     results = {}
     for loss_name in train.LOSSES:
         loss_module = importlib.import_module(loss_name)
-        for budget in (100_000, 200):  # one micro-batch per rank, and several
-            args = train.Args(loss=loss_name, micro_batch_tokens=budget, group_size=4, dtype="float32")
+        # one micro-batch per rank; several; several, with the LM head's logits in chunks of 3 positions
+        for budget, chunk in ((100_000, None), (200, None), (200, 3)):
+            args = train.Args(loss=loss_name, micro_batch_tokens=budget, group_size=4, dtype="float32",
+                              logits_chunk_tokens=chunk)
             torch.manual_seed(0)
             model, _ = train.build_learner(str(model_dir), args, device)
             groups = synthetic_groups(6, 4, model.config.vocab_size)
@@ -38,7 +41,7 @@ def main() -> None:
             metrics = train.reduce_metrics(totals, world)
             grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
             flat = torch.cat([grads[k].flatten() for k in sorted(grads)])
-            results[(loss_name, budget)] = (metrics["loss"], flat, metrics)
+            results[(loss_name, budget, chunk)] = (metrics["loss"], flat, metrics)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()

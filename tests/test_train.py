@@ -164,6 +164,34 @@ def test_dataset_config_reaches_load_dataset(monkeypatch, argv, config):
     assert test_task is None and len(task.problems) + len(task.validation()) == 10
 
 
+@pytest.mark.parametrize("gen_devices, gpus, ranks, tp, message", [
+    (None, 0, 2, 1, None),  # CPU: vLLM beside the learner
+    ("0", 0, 1, 1, "--gen-devices 0: no CUDA GPU here"),
+    (None, 8, 2, 1, "--gen-devices is needed on a GPU machine"),
+    ("0,1,2,3,4,5", 8, 2, 1, None),
+    ("0,1,2,3,4,5", 8, 8, 1, "--nproc_per_node 8: each learner rank needs a GPU of its own, and 2 of the 8 are left"),
+    ("0", 1, 1, 1, None),  # one GPU, shared by the generator and one learner rank
+    ("0", 1, 2, 1, "--nproc_per_node 2: each learner rank needs a GPU of its own, and 1 of the 1"),
+    ("8", 8, 1, 1, "--gen-devices 8: gen_devices [8] out of range for 8 devices"),
+    ("6,7", 8, 6, 4, "--tensor-parallel-size 4 needs as many --gen-devices"),
+])
+def test_gpu_layouts_that_cannot_work_are_refused_before_anything_starts(gen_devices, gpus, ranks, tp, message):
+    args = train.Args(gen_devices=gen_devices, tensor_parallel_size=tp)  # parse_args would check this machine's GPUs
+    problems = train.gpu_layout_problems(args, num_gpus=gpus, learner_ranks=ranks)
+    assert (problems == []) if message is None else any(p.startswith(message) for p in problems), problems
+
+
+def test_the_generator_gets_a_smaller_share_of_a_gpu_it_shares(monkeypatch):
+    args = train.Args(gen_devices="0")
+    train.resolve_defaults(args, embedded=True, on_gpu=True)
+    for gpus, fraction in ((1, 0.3), (8, 0.85)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        assert train.generator_config(args, "model-dir", step=0).gpu_memory_utilization == fraction
+    args.gen_memory_fraction = 0.6
+    assert train.generator_config(args, "model-dir", step=0).gpu_memory_utilization == 0.6
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Batches
 # --------------------------------------------------------------------------------------------------------------
@@ -386,12 +414,22 @@ torch.manual_seed(0)
 config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
                      num_key_value_heads=1, head_dim=64, max_position_embeddings=32, tie_word_embeddings=True)
 LlamaForCausalLM(config).save_pretrained(sys.argv[1])
+plain = LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+ids = torch.randint(0, 32, (3, 9))
+rows = train.Rows(ids, torch.ones_like(ids, dtype=torch.bool), None, None, None, None, None)
+plain_logprobs = train.token_logprobs(plain, rows, 0.7)
+plain_logprobs.sum().backward()
 rank, world, device = train.init_distributed()  # plain python: a world of one
 for flags in (True, False):  # --fp32-lm-head, --no-fp32-lm-head (Args directly: this model has no tokenizer)
-    args = train.Args(model=sys.argv[1], fp32_lm_head=flags)
+    # the LM head in chunks of 5 positions (--logits-chunk-tokens): the same logprobs and gradient as the plain model
+    args = train.Args(model=sys.argv[1], fp32_lm_head=flags, logits_chunk_tokens=5)
     train.resolve_defaults(args, embedded=False, on_gpu=False)
     model, _ = train.build_learner(sys.argv[1], args, device)
     assert model.lm_head.weight is model.get_input_embeddings().weight, flags
+    logprobs = train.token_logprobs(model, rows, 0.7)
+    torch.testing.assert_close(logprobs, plain_logprobs)
+    logprobs.sum().backward()
+    torch.testing.assert_close(model.lm_head.weight.grad.full_tensor(), plain.lm_head.weight.grad)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.logsumexp(-1).sum().backward()
     optimizer.step()
@@ -403,7 +441,9 @@ print("tied learner ok")
 
 def test_fsdp_learner_keeps_a_tied_lm_head_tied(tmp_path):
     """SmolLM2 ties its LM head to the embedding: FSDP2 refuses the FP32 head as a unit of its own then (one
-    parameter in two units), so the embedding joins the head's unit, and a step keeps the two one tensor."""
+    parameter in two units), so the embedding joins the head's unit, and a step keeps the two one tensor. The
+    learner, loaded through rank 0's broadcast, gives the plain model's logprobs and head gradient with its LM head
+    computed in chunks (each recomputed in backward inside the FSDP2 unit)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-c", TIED_LEARNER, str(tmp_path / "tied")], cwd=tmp_path, env=env,
@@ -431,14 +471,14 @@ def probe_results(tmp_path_factory, base_model_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", train.LOSSES)
 def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, loss):
-    reference_loss, reference_grad, _ = probe_results[1][(loss, 100_000)]  # one rank, one micro-batch
+    reference_loss, reference_grad, reference = probe_results[1][(loss, 100_000, None)]  # one rank, one micro-batch
     assert reference_grad.abs().max() > 0
     for world in (1, 2):
-        for budget in (100_000, 200):
-            value, grad, metrics = probe_results[world][(loss, budget)]
-            assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), (world, budget)
+        for budget, chunk in ((100_000, None), (200, None), (200, 3)):  # chunk: --logits-chunk-tokens
+            value, grad, metrics = probe_results[world][(loss, budget, chunk)]
+            assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), (world, budget, chunk)
             torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-5)
-            assert metrics["num_tokens"] == probe_results[1][(loss, 100_000)][2]["num_tokens"]
+            assert metrics["num_tokens"] == reference["num_tokens"]
 
 
 # --------------------------------------------------------------------------------------------------------------

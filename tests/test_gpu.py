@@ -1,10 +1,11 @@
-"""GPU smoke test of pipeline_rl.py: the generator on its own CUDA device(s), bf16 weights with an FP32 LM head,
-weights pushed from a learner model on another device (or the same one on a 1-GPU machine).
+"""GPU tests: pipeline_rl.py's generator on its own CUDA device(s), bf16 weights with an FP32 LM head, weights
+pushed from a learner model on another device (or the same one on a 1-GPU machine); then train.py end to end on
+one GPU, with the tiny model and with SmolLM2-135M-Instruct (tasks.build_real_model).
 
 Skipped without CUDA (and so in CI, which has no GPU). On a GPU machine with the CUDA build of vLLM:
 
-    pytest tests/test_pipeline_gpu.py -s
-    SCALERL_GEN_DEVICES=6,7 SCALERL_GPU_MODEL=Qwen/Qwen3-0.6B pytest tests/test_pipeline_gpu.py -s
+    pytest tests/test_gpu.py -s
+    SCALERL_GEN_DEVICES=6,7 SCALERL_GPU_MODEL=Qwen/Qwen3-0.6B pytest tests/test_gpu.py -s
 
 SCALERL_GEN_DEVICES: the generator's devices (default: the last GPU), tensor parallel over all of them.
 SCALERL_GPU_MODEL: a HF model (default: the tiny embedded model). On one GPU the learner shares the generator's
@@ -89,10 +90,9 @@ def test_gpu_weight_update_in_flight(setup):
     print(f"evaluate 4x2: {time.perf_counter() - t0:.2f} s")
 
 
-def test_train_py_runs_on_gpu(tmp_path):
-    """train.py end to end on CUDA: the learner's micro-batches, its collectives (NCCL reduces on the GPU only) and
-    its idle forwards must all be on the rank's GPU. One learner rank; the generator on SCALERL_GEN_DEVICES (the
-    last GPU; on a 1-GPU machine the two share it)."""
+def _train_on_gpu(out, *flags: str) -> list[dict]:
+    """torchrun train.py with one learner rank; the generator on SCALERL_GEN_DEVICES (the last GPU; on a 1-GPU
+    machine the two share it, and vLLM takes 30% of its memory). Returns the metrics rows."""
     import json
     import subprocess
     import sys
@@ -100,11 +100,37 @@ def test_train_py_runs_on_gpu(tmp_path):
 
     repo = Path(__file__).resolve().parent.parent
     gen_devices = os.environ.get("SCALERL_GEN_DEVICES", str(torch.cuda.device_count() - 1))
-    out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "train.py",
-           "--output-dir", str(out), "--gen-devices", gen_devices, "--max-steps", "3", "--eval-every", "3",
-           "--prompts-per-step", "4", "--eval-prompts", "8", "--eval-samples", "2", "--log-every", "1"]
-    run = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=900)
+           "--output-dir", str(out), "--gen-devices", gen_devices, "--log-every", "1", *flags]
+    t0 = time.perf_counter()
+    run = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-4000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    print(f"train.py on GPU ({' '.join(flags)}): {time.perf_counter() - t0:.0f} s in all; per step "
+          f"{[round(r['step_s'], 2) for r in steps]} s; mismatch KL {[r.get('mismatch_kl_k3') for r in steps]}")
+    return rows
+
+
+def test_train_py_runs_on_gpu(tmp_path):
+    """train.py end to end on CUDA with the tiny model: the learner's micro-batches, its collectives (NCCL reduces
+    on the GPU only) and its idle forwards must all be on the rank's GPU."""
+    rows = _train_on_gpu(tmp_path / "run", "--max-steps", "3", "--eval-every", "3", "--prompts-per-step", "4",
+                         "--eval-prompts", "8", "--eval-samples", "2")
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and "val_pass_rate" in rows[-1]
+
+
+def test_real_model_trains_on_one_gpu_in_bf16_with_an_fp32_head(tmp_path, real_model_dir):
+    """The README's real-model path on one GPU: SmolLM2-135M-Instruct on the shipped GSM8K-layout file, bf16
+    weights with the FP32 LM head in generator and learner (the GPU defaults), loaded through rank 0 and trained
+    with the head's logits in chunks of 64 positions. The sampler and the learner then differ by bf16 kernels
+    only: the first step's tokens (all sampled by version 0) must agree to a k3 KL below 1e-2 (float32 on CPU
+    gives ~1e-6; a wrong head, template or temperature gives 0.1 or more)."""
+    rows = _train_on_gpu(tmp_path / "real", "--model", str(real_model_dir), "--dataset", "tests/data/gsm8k_small.jsonl",
+                         "--max-steps", "3", "--eval-every", "3", "--prompts-per-step", "4", "--group-size", "4",
+                         "--eval-prompts", "8", "--eval-samples", "2", "--max-tokens", "256",
+                         "--think-budget", "160,192", "--answer-budget", "48", "--zero-variance", "keep",
+                         "--logits-chunk-tokens", "64")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and "val_pass_rate" in rows[-1]
+    assert all(r["num_tokens"] > 0 and r["skipped_step"] == 0.0 for r in rows[1:]), rows[1:]
+    assert rows[1]["mismatch_kl_k3"] < 1e-2, rows[1]

@@ -18,6 +18,7 @@ import argparse
 import collections
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -140,8 +141,10 @@ def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
                              "0: torch's default, one per core, whose threads stall beside a busy learner)")
     parser.add_argument("--learner-threads", type=int, default=1,
                         help="torch threads of the simulated learner, both modes (default 1: one core each)")
-    parser.add_argument("--train-batch", type=int, nargs=2, default=(64, 50), metavar=("ROWS", "TOKENS"),
-                        help="batch of the reference training step for weight_sync_frac (default 64 x 50)")
+    parser.add_argument("--train-batch", type=int, nargs=2, default=(128, 50), metavar=("ROWS", "TOKENS"),
+                        help="batch of the reference training step for weight_sync_frac (default 128 x 50: what "
+                             "one of train.py's two learner ranks trains per step by default, 32 prompts x 8 / 2, "
+                             "and this benchmark's own learner step, 16 prompts x 8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampler")
 
 
@@ -199,7 +202,6 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     """The generator against vLLM's own LLM.generate, the weight-sync latency against a training step, and
     end-to-end samples/s of pipeline mode against synchronous mode with a real (CPU) learner in this process."""
     import gc
-    import statistics
 
     import tasks
 
@@ -553,6 +555,9 @@ def run_report(rows: list[dict], devices: int = 3) -> dict:
         "lag_mean": sum(lag * n for lag, n in lags.items()) / max(tokens, 1), "lag_max": max(lags, default=0),
         "lag_hist": {lag: lags[lag] / tokens for lag in sorted(lags)} if tokens else {},
         "stale_dropped": rows[-1].get("stale_dropped", 0), "compute_hours": C[-1],
+        # the share of a learner step (step_s includes it) that rank 0 spent pushing the weights to the generator
+        "weight_sync_frac": statistics.median(fracs) if (fracs := [r["weight_sync_s"] / r["step_s"] for r in rows
+                                                                  if r.get("step_s") and "weight_sync_s" in r]) else None,
         "wall_s": rows[-1]["compute_hours"] * 3600 / devices, "curve": list(zip(C, R)),
         "fit": None, "half_fit_error": None, "compute_to_0.8": None,
     }
@@ -590,14 +595,15 @@ def bench_report(args: argparse.Namespace) -> dict:
 
     reports = {run: run_report(sf.read_metrics(run), args.devices) for run in args.runs}
     print("| run | val pass 0 -> end (best) | largest fall after 0.8 | mean lag (max) | final fit A, R^2 "
-          "| first-half fit: predicted - final | wall |")
-    print("|---|---|---|---|---|---|---|")
+          "| first-half fit: predicted - final | weight sync / step (median) | wall |")
+    print("|---|---|---|---|---|---|---|---|")
     for run, rep in reports.items():
         fit = rep["fit"]
         print(f"| {run} | {rep['val_first']:.3f} -> {rep['val_final']:.3f} ({rep['val_best']:.3f}) | "
               f"{rep['largest_fall_after_0.8']:.3f} | {rep['lag_mean']:.2f} ({rep['lag_max']}) | "
               + (f"{fit['A']:.3f}, {fit['r2']:.3f} | " if fit else f"{rep.get('fit_error')} | ")
               + (f"{rep['half_fit_error']:+.3f} | " if rep["half_fit_error"] is not None else "- | ")
+              + (f"{rep['weight_sync_frac']:.3f} | " if rep["weight_sync_frac"] is not None else "- | ")
               + f"{rep['wall_s']:.0f} s |")
     reps = list(reports.values())
     print(f"| mean (range) over {len(reps)} | {_mean_spread([r['val_final'] for r in reps], '.3f')} | "
@@ -605,6 +611,7 @@ def bench_report(args: argparse.Namespace) -> dict:
           f"{_mean_spread([r['lag_mean'] for r in reps], '.2f')} | "
           f"R^2 {_mean_spread([r['fit']['r2'] if r['fit'] else None for r in reps], '.3f')} | "
           f"{_mean_spread([abs(r['half_fit_error']) if r['half_fit_error'] is not None else None for r in reps], '.3f')} (abs) | "
+          f"{_mean_spread([r['weight_sync_frac'] for r in reps], '.3f')} | "
           f"{_mean_spread([r['wall_s'] for r in reps], '.0f')} s |")
     return {"benchmark": "report", "runs": {run: {k: v for k, v in rep.items() if k != "curve"}
                                             for run, rep in reports.items()}}

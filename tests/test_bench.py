@@ -34,6 +34,11 @@ def test_run_report_measures_the_fall_after_0_8_and_the_token_weighted_lag():
     assert report["lag_mean"] == pytest.approx((30 + 40 + 40 + 10) / 110)
     assert report["lag_max"] == 2 and report["compute_to_0.8"] == pytest.approx(0.03 + 1e-7)
     assert report["wall_s"] == pytest.approx((0.07 + 1e-7) * 3600 / 3)
+    assert report["weight_sync_frac"] is None  # these rows log no step times
+    timed = _rows(values, lags)
+    for row, (sync_s, step_s) in zip(timed[1:], [(0.01, 1.0), (0.03, 1.0), (0.02, 0.5), (0.5, 1.0)]):
+        row.update(weight_sync_s=sync_s, step_s=step_s)
+    assert bench.run_report(timed)["weight_sync_frac"] == pytest.approx((0.03 + 0.04) / 2)  # the median share
 
 
 def test_run_report_half_fit_error_is_the_first_half_prediction_minus_the_final_value():

@@ -625,10 +625,10 @@ def _add_staleness_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learner-slowdown", type=float, default=2.0,
                         help="train.py --debug-learner-slowdown: a generator this much faster relative to the learner "
                              "than the machine's own ratio (default 2)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of every run (default 0)")
+    parser.add_argument("--seeds", default="0,1", help="seeds: every k runs on each (default 0,1)")
     parser.add_argument("--out-dir", default="runs/staleness",
-                        help="one run directory per k under it, plus staleness.png and staleness.md; finished runs "
-                             "are not run again (default runs/staleness)")
+                        help="one run directory per k and seed under it (kK-sSEED), plus staleness.png and "
+                             "staleness.md; finished runs are not run again (default runs/staleness)")
     parser.add_argument("--figure", default=None,
                         help="also save the figure here, e.g. docs/staleness.png (make pictures does)")
 
@@ -645,28 +645,38 @@ def bench_staleness(args: argparse.Namespace) -> dict:
     import matplotlib.pyplot as plt
 
     out_dir = Path(args.out_dir)
-    results = {}
+    seeds = [int(x) for x in args.seeds.split(",")]
+    results: dict[int, list[dict]] = {}  # k -> one report per seed
     for k in (int(k) for k in args.ks.split(",")):
         mode = ["--mode", "sync", "--max-off-policy", "1"] if k == 0 else \
             ["--mode", "pipeline", "--max-off-policy", str(k), "--buffer-steps", str(k + 1)]
-        rows = _train_run(out_dir / f"k{k}", args.steps, ["--seed", str(args.seed), "--debug-learner-slowdown",
-                                                           str(args.learner_slowdown), *mode])
-        results[k] = run_report(rows)
+        for seed in seeds:
+            rows = _train_run(out_dir / f"k{k}-s{seed}", args.steps, ["--seed", str(seed), "--debug-learner-slowdown",
+                                                                      str(args.learner_slowdown), *mode])
+            results.setdefault(k, []).append(run_report(rows))
 
     fig, (ax_curve, ax_lag) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for k, rep in results.items():
+    for index, (k, reps) in enumerate(results.items()):
         label = "k=0 (sync, on-policy)" if k == 0 else f"k={k}"
-        x, y = zip(*rep["curve"][1:])  # compute of step 0 is ~0: leave it off the log axis
-        ax_curve.plot(x, y, marker="o", markersize=3, label=f"{label}: mean lag {rep['lag_mean']:.1f}")
-        ax_lag.plot(list(rep["lag_hist"]), list(rep["lag_hist"].values()), marker="o", label=label)
-    r0 = sum(rep["val_first"] for rep in results.values()) / len(results)
+        color = f"C{index}"
+        lag_mean = sum(rep["lag_mean"] for rep in reps) / len(reps)
+        for n, rep in enumerate(reps):  # one line per seed: solid, dashed, dotted
+            x, y = zip(*rep["curve"][1:])  # compute of step 0 is ~0: leave it off the log axis
+            ax_curve.plot(x, y, marker="o", markersize=3, color=color, linestyle=["-", "--", ":"][n % 3],
+                          label=f"{label}: mean lag {lag_mean:.1f}" if n == 0 else None)
+        lags = sorted({lag for rep in reps for lag in rep["lag_hist"]})
+        ax_lag.plot(lags, [sum(rep["lag_hist"].get(lag, 0.0) for rep in reps) / len(reps) for lag in lags],
+                    marker="o", color=color, label=label)
+    firsts = [rep["val_first"] for reps in results.values() for rep in reps]
+    r0 = sum(firsts) / len(firsts)
     ax_curve.axhline(r0, color="gray", linestyle="-.", linewidth=0.8, label=f"R0 (step 0, mean) {r0:.2f}")
     ax_curve.set_xscale("log")
     ax_curve.xaxis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(2.0, 5.0)))
     ax_curve.set(xlabel="compute_hours (wall hours x 3 devices)", ylabel="validation pass rate (mean@4)",
-                 title=f"Tiny recipe, generator far ahead of the learner (learner slowed {args.learner_slowdown:g}x)")
+                 title=f"Tiny recipe, generator far ahead of the learner (learner slowed {args.learner_slowdown:g}x), "
+                       f"seeds {args.seeds}")
     ax_lag.set(xlabel="lag of a trained token (optimizer steps)", ylabel="fraction of trained tokens",
-               title="Lag histogram over the run")
+               title="Lag histogram over the run (mean over seeds)")
     for ax in (ax_curve, ax_lag):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -677,18 +687,23 @@ def bench_staleness(args: argparse.Namespace) -> dict:
         fig.savefig(args.figure, dpi=110)
     plt.close(fig)
     lines = ["| k | mean lag (max) | val pass 0 -> end (best) | largest fall between evaluations | final fit A, R^2 "
-             "| wall |", "|---|---|---|---|---|---|"]
-    for k, rep in results.items():
-        fit = rep["fit"]
-        lines.append(f"| {k}{' (sync)' if k == 0 else ''} | {rep['lag_mean']:.2f} ({rep['lag_max']}) | "
-                     f"{rep['val_first']:.3f} -> {rep['val_final']:.3f} ({rep['val_best']:.3f}) | "
-                     f"{rep['largest_fall']:.3f} | "
-                     + (f"{fit['A']:.3f}, {fit['r2']:.3f}" if fit else "no sigmoid") + f" | {rep['wall_s']:.0f} s |")
+             "per seed | wall |", "|---|---|---|---|---|---|"]
+    for k, reps in results.items():
+        fits = "; ".join(f"{rep['fit']['A']:.3f}, {rep['fit']['r2']:.3f}" if rep["fit"] else "no sigmoid"
+                         for rep in reps)
+        lines.append(f"| {k}{' (sync)' if k == 0 else ''} | {_mean_spread([r['lag_mean'] for r in reps], '.2f')} "
+                     f"({max(r['lag_max'] for r in reps)}) | {_mean_spread([r['val_first'] for r in reps], '.3f')} -> "
+                     f"{_mean_spread([r['val_final'] for r in reps], '.3f')} "
+                     f"({_mean_spread([r['val_best'] for r in reps], '.3f')}) | "
+                     f"{_mean_spread([r['largest_fall'] for r in reps], '.3f')} | {fits} | "
+                     f"{_mean_spread([r['wall_s'] for r in reps], '.0f')} s |")
+    lines.append(f"\n(mean and, in brackets, range over seeds {args.seeds}; {args.steps} steps each)")
     (out_dir / "staleness.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"[staleness] figure: {out_dir / 'staleness.png'}")
-    return {"benchmark": "staleness", "learner_slowdown": args.learner_slowdown, "steps": args.steps,
-            "runs": {k: {key: v for key, v in rep.items() if key != "curve"} for k, rep in results.items()}}
+    return {"benchmark": "staleness", "learner_slowdown": args.learner_slowdown, "steps": args.steps, "seeds": seeds,
+            "runs": {k: [{key: v for key, v in rep.items() if key != "curve"} for rep in reps]
+                     for k, reps in results.items()}}
 
 
 # ScaleRL's ablations in miniature (its Figures 7 and 9-11): the recipe, then one component changed at a time.

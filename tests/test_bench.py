@@ -2,6 +2,7 @@
 study's pooled fits and verdicts (on fake runs).
 The experiments themselves are real train.py runs; their results are in the README."""
 
+import argparse
 import json
 import subprocess
 
@@ -62,6 +63,30 @@ def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
     assert bench._train_run(run, 5, []) == rows and not calls
     bench._train_run(run, 10, ["--seed", "1"])  # unfinished for 10 steps: it runs (again, from scratch)
     assert calls and "--overwrite" in calls[0][0] and calls[0][0][-2:] == ["--seed", "1"]
+
+
+def test_staleness_runs_every_k_on_every_seed_and_reports_mean_and_range(tmp_path, monkeypatch):
+    """bench.py staleness on fake runs (the plumbing; the real runs are in the README): one run per k and seed,
+    the table's pass rates as mean (range) over the seeds, one figure."""
+    asked = []
+
+    def fake_run(run_dir, steps, flags):
+        asked.append((run_dir.name, flags))
+        k, seed = int(run_dir.name[1:].split("-s")[0]), int(flags[flags.index("--seed") + 1])
+        rows = _sigmoid_run(0.95 - 0.05 * k, seed)
+        for row in rows[1:]:
+            row["lag_hist"] = {str(k): 100}
+        return rows
+
+    monkeypatch.setattr(bench, "_train_run", fake_run)
+    args = argparse.Namespace(ks="0,2", seeds="0,1", steps=50, learner_slowdown=2.0, out_dir=str(tmp_path), figure=None)
+    result = bench.bench_staleness(args)
+    assert [name for name, _ in asked] == ["k0-s0", "k0-s1", "k2-s0", "k2-s1"]
+    assert "--buffer-steps" in asked[2][1] and "--mode" in asked[0][1]
+    table = (tmp_path / "staleness.md").read_text()
+    finals = [rep["val_final"] for rep in result["runs"][2]]
+    assert f"{sum(finals) / 2:.3f} ({min(finals):.3f}..{max(finals):.3f})" in table
+    assert "| 2 | 2.00 (2.00..2.00) (2) |" in table and (tmp_path / "staleness.png").stat().st_size > 0
 
 
 def _sigmoid_run(A: float, seed: int, steps: int = 50) -> list[dict]:

@@ -981,10 +981,11 @@ def install_target_logprob_head(model: Any, chunk_tokens: int | None = None) -> 
     """Make the model's LM head compute token_logprobs' answer itself. While token_logprobs has set
     `head.scalerl_request = (targets [N, L-1], temperature)`, the head's forward takes the hidden states [N, L, H]
     and returns log pi(target) [N, L-1] instead of logits: over chunks of `chunk_tokens` positions (default: as many
-    as fit in LOGITS_CHUNK_BYTES of float32 logits), each recomputed in backward (activation checkpointing), so only one chunk's logits exist at a time. Otherwise
-    (an idle forward, or any other caller) it is the plain linear layer. The head's own forward hooks (FSDP2's
-    gathers, the FP32 head's cast) run as before: only its forward body changes. Not for models that transform
-    the logits after the head (Gemma's soft-capping): those keep the full logits."""
+    as fit in LOGITS_CHUNK_BYTES of float32 logits), each recomputed in backward (activation checkpointing), so
+    only one chunk's logits exist at a time. Otherwise (an idle forward, or any other caller) it is the plain
+    linear layer. The head's own forward hooks (FSDP2's gathers, the FP32 head's cast) run as before: only its
+    forward body changes. Not for models that transform the logits after the head (Gemma's soft-capping): those
+    keep the full logits."""
     if getattr(model.config, "final_logit_softcapping", None):
         return
     head = model.get_output_embeddings()

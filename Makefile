@@ -5,7 +5,7 @@
 #   make exercise ALGO=dapo DIR=path   write a student copy of dapo.py, its core function bodies removed, into DIR
 #   make grade ALGO=dapo DIR=path      grade DIR/dapo.py with tests/test_dapo.py (exit status 0: all tests pass)
 #   make pictures                      redraw docs/gradients.png, aggregation.png and staleness.png (the last from
-#                                      the runs of `bench.py staleness`, made first if missing: about 40 minutes)
+#                                      the runs of `bench.py staleness`, made first if missing: 20-35 minutes)
 # Set DEVICE=gpu to install requirements.txt (CUDA vLLM) instead of the CPU build.
 
 PYTHON ?= python3

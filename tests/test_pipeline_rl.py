@@ -391,14 +391,25 @@ def test_pipeline_slow_learner_fast_generator(pipeline):
     assert max(lags) == K  # it did run ahead as far as allowed, and no further
 
 
+@pytest.fixture(scope="module")
+def slow_pipeline(base_model_dir, hf_model):
+    """The pipeline fixture's generator made 4x slower on purpose (debug_slowdown: vLLM's engine sleeps 3 times each
+    step's duration). Without it, whether a learner that only pushes weights outpaces the generator depends on the
+    machine: on one whose vLLM makes 13,000 tokens/s it never waited more than 0.04 s."""
+    config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE,
+                                max_off_policy=K, groups_per_batch=B, seed=1, buffer_steps=None, debug_slowdown=4.0)
+    with pl.Generator(config, tasks.ArithmeticTask()) as gen:
+        yield Learner(gen, hf_model)
+
+
 @pytest.mark.slow
-def test_pipeline_fast_learner_slow_generator(pipeline):
+def test_pipeline_fast_learner_slow_generator(slow_pipeline):
     waits = []
     for _ in range(8):
-        groups, stats = pipeline.batch()
-        _check_staleness(groups, stats, pipeline.V)
+        groups, stats = slow_pipeline.batch()
+        _check_staleness(groups, stats, slow_pipeline.V)
         waits.append(stats["wait_s"])
-        pipeline.step()
+        slow_pipeline.step()
     assert max(waits) > 0.05  # the learner outpaces the generator and waits for groups
 
 

@@ -236,8 +236,8 @@ class Args:
                                    "GPUs")
     tensor_parallel_size: int = _arg(HelpGroup.GPU, 1, "GPU only: vLLM tensor parallelism of the generator")
     gen_memory_fraction: float | None = _arg(HelpGroup.GPU, None, "GPU only: vLLM's share of each generator GPU's "
-                                             "memory (default: 0.85 on GPUs of its own, 0.3 on a machine's one GPU "
-                                             "shared with the learner)")
+                                             "memory (default: 0.85 on GPUs of its own, 0.3 on GPUs it shares with "
+                                             "the learner, when --gen-devices takes them all)")
 
     # debugging: turn the generator/learner speed ratio on purpose
     debug_gen_slowdown: float = _arg(HelpGroup.DEBUG, 1.0, "debug: make the generator X times slower (it sleeps X-1 "
@@ -341,7 +341,8 @@ def check_args(args: Args) -> list[str]:
 def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[str]:
     """Where the generator and the learner ranks of this node go, refused before anything starts when it cannot
     work: on a GPU machine vLLM needs --gen-devices, and every learner rank a GPU of its own among the others (NCCL
-    refuses two ranks on one GPU). A machine's one GPU may be shared by the generator and a single learner rank."""
+    refuses two ranks on one GPU). When --gen-devices takes every GPU (a machine's one GPU, say), the learner ranks
+    share the generator's GPUs, one rank per GPU, and vLLM gets a smaller share of their memory."""
     if num_gpus == 0:
         return [f"--gen-devices {args.gen_devices}: no CUDA GPU here (on CPU, vLLM runs beside the learner; drop the "
                 "flag)"] if args.gen_devices else []
@@ -1303,9 +1304,10 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
         # The generator (rank 0 owns it; its process is vLLM's).
         val_problems = task.validation(args.eval_prompts)
         test_problems = test_task.validation(None) if test_task else []
-        devices_in_use = world + 1  # learner ranks + the generator (on GPU: its device count; one GPU: one device)
+        devices_in_use = world + 1  # learner ranks + the generator; on GPU: the GPUs either of them uses
         if args.gen_devices:
-            devices_in_use = 1 if generator_shares_a_gpu(args) else world + len(args.gen_devices.split(","))
+            learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, torch.cuda.device_count())
+            devices_in_use = len(set(gen_ids) | set(learner_ids[:world]))
         if is_main:
             consumed = state.consumed
             data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
@@ -1414,8 +1416,12 @@ def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.Gene
 
 
 def generator_shares_a_gpu(args: Args) -> bool:
-    """True on a machine whose one GPU holds both the generator and the learner (gpu_layout_problems allows it)."""
-    return bool(args.gen_devices) and torch.cuda.is_available() and torch.cuda.device_count() == 1
+    """True when the learner shares the generator's GPUs: --gen-devices takes every GPU of the machine, and
+    pipeline_rl.split_devices then gives the learner ranks the same ones (gpu_layout_problems allows one rank each)."""
+    if not (args.gen_devices and torch.cuda.is_available()):
+        return False
+    learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, torch.cuda.device_count())
+    return bool(set(learner_ids) & set(gen_ids))
 
 
 # ----------------------------------------------------------------------------------------------------------------

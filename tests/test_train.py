@@ -184,7 +184,8 @@ def test_gpu_layouts_that_cannot_work_are_refused_before_anything_starts(gen_dev
 def test_the_generator_gets_a_smaller_share_of_a_gpu_it_shares(monkeypatch):
     args = train.Args(gen_devices="0")
     train.resolve_defaults(args, embedded=True, on_gpu=True)
-    for gpus, fraction in ((1, 0.3), (8, 0.85)):
+    for gen_devices, gpus, fraction in (("0", 1, 0.3), ("0", 8, 0.85), ("0,1", 2, 0.3)):  # shared when it has all
+        args.gen_devices = gen_devices
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
         assert train.generator_config(args, "model-dir", step=0).gpu_memory_utilization == fraction

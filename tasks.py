@@ -184,6 +184,29 @@ class ArithmeticTask:
         return 1.0 if parse_answer(completion) == problem.answer else -1.0
 
 
+@dataclass
+class VerifiedArithmeticTask(ArithmeticTask):
+    """The embedded task with its scratchpad verified as well (`--dataset arithmetic-verified`): +1 only when the
+    thinking is exactly the column procedure of `scratchpad`, spaces included, and the answer is right.
+
+    With the answer alone verified, a completion interrupted before its last column can still score by guessing
+    or by learning to add that column without writing it, and a policy can learn to drop the spaces to fit a tighter
+    budget, so a tight `--think-budget` gives a soft ceiling that keeps creeping up. Verified, the written scratchpad
+    is `<think>` plus 28 tokens, so its `</think>` is token 30 of the completion; an interrupted one always scores
+    -1, and the pass rate can never exceed P(b >= 30) for the drawn budget b: 0.7 for `--think-budget 27,36`. A
+    hard ceiling known in advance, which the miniature study (`bench.py study`) can check its fitted asymptotes
+    against. (A subclass, not a flag of ArithmeticTask: the base model's cache fingerprint reads that class.)"""
+
+    name: str = "arithmetic-verified"
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        m = _ANSWER_RE.fullmatch(completion)
+        a, b = (int(x) for x in problem.prompt.split()[1:])
+        if m is None or m.group("think") != f" {scratchpad(a, b)[0]} ":
+            return -1.0
+        return 1.0 if m.group("answer") == problem.answer else -1.0
+
+
 def parse_answer(completion: str) -> str | None:
     """Strictly parse `<think> ... </think> INTEGER`; None when the completion does not have exactly that shape."""
     m = _ANSWER_RE.fullmatch(completion)
@@ -663,9 +686,12 @@ def math_answers_match(predicted: str | None, reference: str) -> bool:
 
 
 def load_task(dataset: str | None = None, **kwargs: Any) -> Task:
-    """The task behind `--dataset`: None or 'arithmetic' is the embedded task, anything else a MathDataset."""
+    """The task behind `--dataset`: None or 'arithmetic' is the embedded task, 'arithmetic-verified' the same with
+    its scratchpad verified, anything else a MathDataset."""
     if dataset in (None, "", "arithmetic"):
         return ArithmeticTask()
+    if dataset == "arithmetic-verified":
+        return VerifiedArithmeticTask()
     return MathDataset(dataset, **kwargs)
 
 

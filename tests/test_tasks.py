@@ -83,6 +83,44 @@ def test_verifier_is_strict(completion, expected):
     assert ArithmeticTask().reward(problem, completion) == expected
 
 
+@pytest.mark.parametrize(
+    "completion,expected",
+    [
+        ("<think> 7+9+0=16 4+8+1=13 3+2+1=06 </think> 636", 1.0),
+        ("  <think> 7+9+0=16 4+8+1=13 3+2+1=06 </think> 636 ", 1.0),  # whitespace around the completion: as above
+        ("<think> </think> 636", -1.0),  # right answer, no scratchpad: the plain task's +1
+        ("<think>7+9+0=16 4+8+1=13 3+2+1=06</think> 636", -1.0),  # spaces dropped to save tokens
+        ("<think> 7+9+0=16  4+8+1=13 3+2+1=06 </think> 636", -1.0),
+        ("<think> 7+9+0=16 4+8+1=13 time is up </think> 636", -1.0),  # interrupted before the last column
+        ("<think> 7+9+0=17 4+8+1=13 3+2+1=06 </think> 636", -1.0),  # a slip, although the answer is right
+        ("<think> 7+9+0=16 4+8+1=13 3+2+1=06 </think> 637", -1.0),  # right scratchpad, wrong answer
+    ],
+)
+def test_verified_task_checks_the_scratchpad(completion, expected):
+    task = tasks.load_task("arithmetic-verified")
+    assert isinstance(task, tasks.VerifiedArithmeticTask)
+    assert task.reward(task.problem(347, 289), completion) == expected
+    assert ArithmeticTask().reward(task.problem(347, 289), "<think> </think> 636") == 1.0  # the plain task does not
+
+
+def test_verified_task_ceiling_is_the_budget_share(base_model_dir):
+    """The docstring's ceiling: a verified scratchpad puts `</think>` at token 30 of every 3-digit completion, so a
+    drawn budget below 30 always ends in an interruption (pipeline_rl.interruption_start's rule)."""
+    from transformers import AutoTokenizer
+
+    import pipeline_rl
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    task = tasks.VerifiedArithmeticTask()
+    close = tokenizer(tasks.THINK_CLOSE, add_special_tokens=False)["input_ids"]
+    for problem in task.validation(32):
+        ids = tokenizer(task.solution(problem), add_special_tokens=False)["input_ids"]
+        assert task.reward(problem, task.solution(problem)) == 1.0
+        assert pipeline_rl.interruption_start(ids, 30, close) is None
+        assert pipeline_rl.interruption_start(ids, 29, close) == 29
+    assert sum(b >= 30 for b in range(27, 37)) / len(range(27, 37)) == 0.7  # --think-budget 27,36
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Real data: loaders, bad rows, the math checker
 # --------------------------------------------------------------------------------------------------------------
@@ -399,6 +437,7 @@ def test_a_field_that_no_row_has_is_one_error_naming_the_keys(tmp_path):
 def test_load_task_dispatch(tmp_path):
     assert isinstance(tasks.load_task(None), ArithmeticTask)
     assert isinstance(tasks.load_task("arithmetic"), ArithmeticTask)
+    assert type(tasks.load_task("arithmetic-verified")) is tasks.VerifiedArithmeticTask
     path = _write_jsonl(tmp_path / "g.jsonl", GSM8K_ROWS)
     assert isinstance(tasks.load_task(str(path)), MathDataset)
 

@@ -7,23 +7,20 @@ Paper
 
 Equation (J is maximised; compute_loss returns -J)
     A_i      = (r_i - mean_g r) / std(all r_j - mean_g' r in the batch)   batch-level normalisation of centred A
-    rho_{i,t}= pi_theta(y_{i,t}) / pi_old(y_{i,t})                         token ratio; ScaleRL: pi_old = generator
-    J        = mean_prompts 1/(sum_i |y_i|) sum_i sum_t sg(min(rho_{i,t}, eps_max)) A_i log pi_theta(y_{i,t})
-    REINFORCE with a truncated, DETACHED importance weight: while rho < eps_max it is exactly importance-weighted
+    r_{i,t}  = pi_theta(y_{i,t}) / pi_old(y_{i,t})                         token ratio
+    J        = mean_prompts 1/(sum_i |y_i|) sum_i sum_t sg(min(r_{i,t}, eps_max)) A_i log pi_theta(y_{i,t})
+    REINFORCE with a truncated, DETACHED importance weight: while r_{i,t} < eps_max it is exactly importance-weighted
     REINFORCE, and a truncated token keeps its gradient (weight eps_max) where PPO's clip would zero it. No KL term.
-    MiniMax-M1's original is reachable with arguments: A_i = GRPO's group z-score, rho clipped to
-    [1 - eps_low_IS, 1 + eps_high_IS], per-prompt token normalisation:
-    compute_advantages(r, G, normalization="group") and
-    compute_loss(..., eps_min=1 - eps_low_IS, eps_max=1 + eps_high_IS, aggregation="prompt").
-    (MiniMax sets eps_low_IS very large, i.e. no lower bound, and does not publish eps_high_IS.)
+    MiniMax-M1's original (A_i = GRPO's group z-score, r_{i,t} clipped to [1 - eps_low_IS, 1 + eps_high_IS], per-prompt
+    token normalisation) is normalization="group", eps_min=1 - eps_low_IS, eps_max=1 + eps_high_IS and
+    aggregation="prompt". MiniMax sets eps_low_IS very large (no lower bound) and does not publish eps_high_IS.
 
 Aggregation unit
     aggregation="prompt" (ScaleRL's choice, DAPO's): per prompt, the token sum over its G completions divided by
-    their total number of tokens, then the mean over prompts.
-    loss_denominator counts prompts: N / G.
-    aggregation="sample": GRPO's, the token mean within each completion, then the mean over completions.
-    loss_denominator counts completions: N.
+    their total number of tokens, then the mean over prompts. loss_denominator counts prompts: N / G.
     aggregation="token": one mean over every masked token of the batch. loss_denominator counts masked tokens.
+    aggregation="sample" (GRPO's): the token mean within each completion, then the mean over completions.
+    loss_denominator counts completions: N.
 
 Defaults and their source
     eps_max       = 5.0       ScaleRL: an absolute cap, not 1 + eps (4, 5 and 8 performed the same)
@@ -32,18 +29,17 @@ Defaults and their source
     normalization = "batch"   ScaleRL (its ablation compares "group", GRPO's per-prompt std)
 
 Deviations from the paper
-    - The convention for the cap differs between implementations: ScaleRL and TRL (`epsilon_high`) use an absolute
-      cap; MiniMax-M1 and verl use 1 + eps_high (verl also bounds below at 1 - clip_ratio_low). We implement
-      ScaleRL's. TRL's scale_rewards="batch" divides by the std of the raw rewards; we use ScaleRL's std of the
-      centred advantages.
+    - The convention for the cap differs: ScaleRL and TRL (`epsilon_high`) use an absolute cap; MiniMax-M1 and verl
+      use 1 + eps_high (verl also bounds below at 1 - clip_ratio_low). We implement ScaleRL's. TRL's
+      scale_rewards="batch" divides by the std of the raw rewards; we use ScaleRL's std of the centred advantages.
     - A group whose rewards are all equal has std 0 and the paper's A is undefined; we set A = 0 there. We add no
       epsilon to the std (TRL adds 1e-4, verl 1e-6), so other groups get the exact z-score.
       With normalization="batch" such a group is centred to exactly 0 as well, and a batch where every group is
       constant has batch std 0 and gets A = 0 everywhere, never NaN. The batch std is over the rows passed in:
       ScaleRL drops zero-variance prompts from the loss, so drop their rows first if they should not count in it.
     - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
-      In ScaleRL rho's denominator already is the generator's logprob, which covers the sampler/learner mismatch;
-      pass the generator's logprobs as old_logprobs then.
+      In ScaleRL the ratio's denominator (pi_old in its rho_{i,t}) already is the generator's logprob, which covers
+      the sampler/learner mismatch; pass the generator's logprobs as old_logprobs then.
     - MiniMax-M1's unified form adds an optional PPO-style token mask M_{i,t}; we implement plain CISPO (M = 1).
 """
 

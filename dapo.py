@@ -13,11 +13,10 @@ Equation (J is maximised; compute_loss returns -J)
     overlong_penalty  soft overlong punishment R_len(|y|), added to the correctness reward
 
 Aggregation unit
-    The prompt: per prompt, the token sum over its G completions divided by their total number of tokens (the
-    equation above, inside the expectation over prompts), then the mean over prompts. Popular implementations
-    (verl's loss_agg_mode="token-mean", TRL's loss_type="dapo") divide by the token count of the whole batch
-    instead, i.e. cispo.py's aggregation="token"; with one prompt they agree.
-    loss_denominator counts prompts: N / G.
+    The prompt: per prompt, the token sum over its G completions divided by their total number of tokens (the equation
+    above, inside the expectation over prompts), then the mean over prompts. Popular implementations (verl's
+    loss_agg_mode="token-mean", TRL's loss_type="dapo") divide by the token count of the whole batch instead, i.e.
+    cispo.py's aggregation="token"; with one prompt they agree. loss_denominator counts prompts: N / G.
 
 Defaults and their source
     clip_eps_low  = 0.2    paper, clip-higher (section 3.1)
@@ -25,12 +24,11 @@ Defaults and their source
     overlong_penalty: max_len = 20480, cache_len = 4096, the paper's L_max and L_cache (sections 3.4 and 4.1)
 
 Deviations from the paper
-    - Dynamic sampling keeps sampling new prompts until the batch is full; that loop is the trainer's.
-      filter_groups only says which groups to keep. Overlong filtering (masking truncated samples) is the
-      trainer's mask, not a loss option.
+    - Dynamic sampling keeps sampling new prompts until the batch is full; that loop is the trainer's. filter_groups
+      only says which groups to keep; a group whose rewards are all equal (A = 0 below) is dropped anyway. Overlong
+      filtering (masking truncated samples) is the trainer's mask, not a loss option.
     - A group whose rewards are all equal has std 0 and the paper's A is undefined; we set A = 0 there. We add no
       epsilon to the std (TRL adds 1e-4, verl 1e-6), so other groups get the exact z-score.
-      (Dynamic sampling would drop such a group anyway.)
     - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
 """
 

@@ -6,7 +6,8 @@ Paper
 
 Equation (J is maximised; compute_loss returns -J)
     A_i      = (r_i - mean_g r) / std_g r                                  group z-score, same on every token
-    s_i      = exp( 1/|y_i| sum_t log(pi_theta(y_{i,t}) / pi_old(y_{i,t})) )   sequence ratio (geometric mean)
+    r_{i,t}  = pi_theta(y_{i,t}) / pi_old(y_{i,t})                         token ratio
+    s_i      = exp( 1/|y_i| sum_t log r_{i,t} )                            sequence ratio (geometric mean of r_{i,t})
     J        = 1/G sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)
     A_i is GRPO's; there is no KL term. Pitfall: s_i is the MEAN of the token log-ratios, not the sum (a sum makes
     the ratio and the clip scale with the length of the sequence).
@@ -15,8 +16,8 @@ Equation (J is maximised; compute_loss returns -J)
     has exactly GSPO's gradient, and it lets per-token advantages A_{i,t} ([N, T]) flow.
 
 Aggregation unit
-    The completion: one clipped term per sequence, then the mean over completions. We write the sequence term on
-    every token and take the token mean per completion, which is the same thing and shares GRPO's code.
+    The completion ("sample-level"): the token mean within each completion, then the mean over completions.
+    GSPO has one clipped term per sequence; written on every token, its token mean is that very term (GRPO's code).
     loss_denominator counts completions: N.
 
 Defaults and their source

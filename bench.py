@@ -537,15 +537,19 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     return sf.read_metrics(run_dir)
 
 
-def run_report(rows: list[dict], devices: int = 3) -> dict:
+def run_report(rows: list[dict], devices: int = 3, fit_from_step: int = 0) -> dict:
     """What a run shows, from its metrics rows: the validation curve, its largest fall once it passed 0.8, the
     token-weighted lag, the final sigmoid fit, and how well a fit on the first half of the compute predicted the
-    last evaluation. `devices`: learner ranks + generator, to turn compute_hours back into wall time."""
+    last evaluation. `devices`: learner ranks + generator, to turn compute_hours back into wall time.
+    `fit_from_step`: both fits leave out the evaluations before this step (R0 stays the step-0 evaluation), as
+    ScaleRL leaves out its first ~1.5k GPU-hours."""
     import scaling_fit as sf
 
     evals = [r for r in rows if "val_pass_rate" in r]
     C = [r["compute_hours"] for r in evals]
     R = [r["val_pass_rate"] for r in evals]
+    min_compute = next((r["compute_hours"] for r in evals if r["step"] >= fit_from_step), C[-1]) \
+        if fit_from_step else 0.0
     after_08 = next((i for i, r in enumerate(R) if r >= 0.8), len(R))
     lags: collections.Counter[int] = collections.Counter()
     for row in rows:
@@ -562,13 +566,14 @@ def run_report(rows: list[dict], devices: int = 3) -> dict:
         "weight_sync_frac": statistics.median(fracs) if (fracs := [r["weight_sync_s"] / r["step_s"] for r in rows
                                                                   if r.get("step_s") and "weight_sync_s" in r]) else None,
         "wall_s": rows[-1]["compute_hours"] * 3600 / devices, "curve": list(zip(C, R)),
+        "eval_steps": [r["step"] for r in evals], "min_compute": min_compute,
         "fit": None, "half_fit_error": None, "compute_to_0.8": None,
     }
     try:
-        fit = sf.fit_sigmoid(C, R)
+        fit = sf.fit_sigmoid(C, R, min_compute=min_compute)
         report["fit"] = {"A": fit.A, "B": fit.B, "C_mid": fit.C_mid, "R0": fit.R0, "r2": fit.r2}
         half = [i for i, c in enumerate(C) if c <= C[-1] / 2]
-        half_fit = sf.fit_sigmoid([C[i] for i in half], [R[i] for i in half])
+        half_fit = sf.fit_sigmoid([C[i] for i in half], [R[i] for i in half], min_compute=min_compute)
         report["half_fit_error"] = float(half_fit.predict(C[-1])) - R[-1]
     except ValueError as err:  # flat curve or too few points: say so in the report
         report["fit_error"] = str(err)
@@ -733,14 +738,15 @@ VARIANT_SETS = {
 def pooled_fit(reports: list[dict], n_boot: int = 200, seed: int = 0) -> dict:
     """ScaleRL's sigmoid fitted to the evaluations of all seeds of one variant at once, with residual-bootstrap
     95% intervals. R0 is the base model's pass rate: the mean of the runs' step-0 evaluations, one point at the
-    smallest step-0 compute. `reports` are run_report()s; a flat pooled curve gives None values and its error."""
+    smallest step-0 compute. Each run's evaluations below its report's `min_compute` (run_report's fit_from_step)
+    are left out of the fit. `reports` are run_report()s; a flat pooled curve gives None values and its error."""
     import math
 
     import scaling_fit as sf
 
     r0 = sum(rep["curve"][0][1] for rep in reports) / len(reports)
     C, R = [min(rep["curve"][0][0] for rep in reports)], [r0]
-    for c, r in sorted(point for rep in reports for point in rep["curve"][1:]):
+    for c, r in sorted(point for rep in reports for point in rep["curve"][1:] if point[0] >= rep["min_compute"]):
         C.append(c if c > C[-1] else math.nextafter(C[-1], math.inf))  # two seeds at one compute: keep both
         R.append(r)
     out = {"A": None, "A_lo": None, "A_hi": None, "B": None, "B_lo": None, "B_hi": None, "C_mid": None,
@@ -774,6 +780,9 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
     parser.add_argument("--common", default="",
                         help="train.py flags added to every run, e.g. \"--model DIR --dataset FILE\" for another task")
+    parser.add_argument("--fit-from-step", type=int, default=0,
+                        help="leave every run's evaluations before this step out of the fits (R0 stays the step-0 "
+                             "evaluation), as ScaleRL leaves out its first ~1.5k GPU-hours (default 0: fit them all)")
     parser.add_argument("--bootstrap", type=int, default=200,
                         help="residual-bootstrap replicates of each pooled fit, for the 95%% intervals (default 200)")
     parser.add_argument("--out-dir", default="runs/study",
@@ -805,7 +814,7 @@ def bench_study(args: argparse.Namespace) -> dict:
         for seed in seeds:
             rows = _train_run(out_dir / f"{name}-s{seed}", args.steps, ["--seed", str(seed), *VARIANTS[name][1],
                                                                         *common])
-            reports.setdefault(name, []).append(run_report(rows))
+            reports.setdefault(name, []).append(run_report(rows, fit_from_step=args.fit_from_step))
     fits = {name: pooled_fit(reps, args.bootstrap) for name, reps in reports.items()}
     baseline = fits[names[0]]
     summary_variants = []
@@ -839,7 +848,8 @@ def bench_study(args: argparse.Namespace) -> dict:
     total_wall = sum(rep["wall_s"] for rep in all_reports)
     known_errors = [rep["half_fit_error"] for rep in all_reports if rep["half_fit_error"] is not None]
     summary = {
-        "steps": args.steps, "seeds": seeds, "common_flags": common, "bootstrap": args.bootstrap,
+        "steps": args.steps, "seeds": seeds, "common_flags": common, "fit_from_step": args.fit_from_step,
+        "bootstrap": args.bootstrap,
         "baseline": names[0], "runs": len(all_reports), "total_compute_hours": total_hours,
         "total_wall_s": total_wall,
         "worst_half_fit_error": max(known_errors, key=abs) if known_errors else None,
@@ -848,14 +858,15 @@ def bench_study(args: argparse.Namespace) -> dict:
     }
     table = "\n".join(lines) + (
         f"\n\n(one sigmoid per variant fitted to the evaluations of seeds {args.seeds} together, {args.steps} steps "
-        f"each; 95% residual-bootstrap intervals; {len(all_reports)} runs, {total_hours:.2f} device-hours, "
+        f"each{f', from step {args.fit_from_step} on' if args.fit_from_step else ''}; 95% residual-bootstrap intervals; {len(all_reports)} runs, {total_hours:.2f} device-hours, "
         f"{total_wall / 3600:.2f} h of wall time)\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "study.md").write_text(table)
     for path in [out_dir / "study.json", *([Path(args.summary)] if args.summary else [])]:
         path.write_text(json.dumps(summary, indent=1) + "\n")
     curves = [(f"{name} ({len(seeds)} seeds)", *zip(*fits[name]["curve"]), fits[name]["fit"], None) for name in names]
-    title = f"{len(seeds)} seeds pooled per variant, {args.steps} steps: dotted = asymptote A"
+    title = (f"{len(seeds)} seeds pooled per variant, {args.steps} steps"
+             f"{f', fitted from step {args.fit_from_step}' if args.fit_from_step else ''}: dotted = asymptote A")
     sf.plot_fits(curves, out_dir / "study.png", title=title)
     if args.figure:
         sf.plot_fits(curves, args.figure, title=title)

@@ -52,6 +52,22 @@ def test_run_report_half_fit_error_is_the_first_half_prediction_minus_the_final_
     assert bench.run_report(rows)["half_fit_error"] > 0.15
 
 
+def test_fit_from_step_leaves_the_early_evaluations_out_of_every_fit():
+    """A run that jumps in its first steps, then follows a sigmoid to 0.7 (the verified task's shape): fitted from
+    step 0 the jump drags A off; fitted from step 3 on (R0 still the step-0 value), A and the prediction hold."""
+    compute = np.concatenate([[1e-7], np.linspace(0.01, 0.4, 30)])
+    values = sf.sigmoid(compute, A=0.7, B=2.0, C_mid=0.1, R0=0.25)
+    values[1:3] = 0.6  # the early jump
+    rows = [{"step": i, "compute_hours": c, "val_pass_rate": v} for i, (c, v) in enumerate(zip(compute, values))]
+    late = bench.run_report(rows, fit_from_step=3)
+    assert late["min_compute"] == pytest.approx(compute[3]) and late["eval_steps"] == list(range(31))
+    assert late["fit"]["A"] == pytest.approx(0.7, abs=0.01) and late["fit"]["R0"] == pytest.approx(0.25)
+    assert abs(late["half_fit_error"]) < 0.01
+    assert abs(bench.run_report(rows)["fit"]["A"] - 0.7) > 0.02  # the same curve with every point fitted
+    pooled = bench.pooled_fit([late, late], n_boot=20)
+    assert pooled["n_points"] == 1 + 2 * 28 and pooled["A"] == pytest.approx(0.7, abs=0.01)  # R0 + steps 3..30
+
+
 def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()

@@ -15,6 +15,8 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
      fraction of completions with reward > 0.
    - Strict parsing: the completion must be exactly `<think> ... </think> INTEGER` (surrounding whitespace is
      allowed). Two answers, stray or repeated tags, signs, leading zeros or anything after the answer score -1.
+   - `VerifiedArithmeticTask` (`--dataset arithmetic-verified`) checks the scratchpad too, so that a tight think
+     budget is a hard ceiling known in advance: the task of the miniature ScaleRL study (`bench.py study`).
 
 2. Real data (`MathDataset`): math problems from a hub name or a Parquet file (through `datasets`) or a local
    JSONL/JSON/CSV file (read line by line with the standard library, so that every row keeps its file line), with

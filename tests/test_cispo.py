@@ -11,7 +11,6 @@ import dapo
 
 AGGREGATIONS = ("prompt", "sample", "token")
 
-
 def random_batch(num_prompts: int = 3, group_size: int = 4, max_len: int = 6, seed: int = 0):
     """float64 logprobs [N, T] (with grad), old_logprobs [N, T], rewards [N], bool mask [N, T] of varied lengths."""
     gen = torch.Generator().manual_seed(seed)
@@ -39,8 +38,7 @@ def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def reference_loss(logprobs, old, adv, mask, group_size, aggregation="prompt", eps_max=5.0, eps_min=None,
                    is_weights=None):
     """ScaleRL's CISPO as written, one completion and one token at a time: -sg(clip(rho, eps_min, eps_max)) A log pi,
-    each completion's token sum over the tokens of its unit (its prompt, itself, or the batch), then the mean over
-    units."""
+    each completion's token sum over its unit's tokens (its prompt, itself or the batch), then the mean over units."""
     n, t_max = logprobs.shape
     total = 0.0
     for i in range(n):
@@ -84,13 +82,13 @@ def test_batch_std_is_of_centred_advantages_not_raw_rewards():
     assert adv[0].item() != pytest.approx(0.5 / raw_std)
 
 
-def test_constant_groups_get_exactly_zero():
+@pytest.mark.parametrize("normalization", ["batch", "group"])
+def test_constant_groups_get_exactly_zero(normalization):
     # 0.7 seven times: the float32 mean is off by an ulp, so (r - mean) / std would be ulp / ulp, not 0.
     rewards = torch.tensor([0.7] * 7 + [1.0] * 3 + [0.0] * 4)
-    for normalization in ("batch", "group"):
-        adv = algo.compute_advantages(rewards, group_size=7, normalization=normalization)
-        assert torch.isfinite(adv).all()
-        assert (adv[:7] == 0).all()
+    adv = algo.compute_advantages(rewards, group_size=7, normalization=normalization)
+    assert torch.isfinite(adv).all()
+    assert (adv[:7] == 0).all()
     # A batch where every group is constant has batch std 0: A = 0 everywhere, never NaN.
     assert (algo.compute_advantages(torch.ones(8), 4) == 0).all()
     assert (algo.compute_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), 2) == 0).all()
@@ -100,15 +98,6 @@ def test_constant_groups_get_exactly_zero():
 def test_bad_group_size_raises():
     with pytest.raises(ValueError):
         algo.compute_advantages(torch.ones(5), 2)
-
-
-def test_unknown_aggregation_raises():
-    logprobs, old, rewards, mask = random_batch()
-    adv = algo.compute_advantages(rewards, 4)
-    with pytest.raises(ValueError):
-        algo.compute_loss(logprobs, old, adv, mask, 4, aggregation="batch")
-    with pytest.raises(ValueError):
-        algo.loss_denominator(mask, 4, aggregation="batch")
 
 
 def test_loss_metrics_and_gradient_hand_computed():
@@ -194,6 +183,15 @@ def test_cispo_equals_reinforce_while_rho_below_eps_max():
     assert not torch.allclose(grad_of(dapo_loss, logprobs), grad_of(cispo_loss, logprobs))
 
 
+def test_unknown_aggregation_raises():
+    logprobs, old, rewards, mask = random_batch()
+    adv = algo.compute_advantages(rewards, 4)
+    with pytest.raises(ValueError):
+        algo.compute_loss(logprobs, old, adv, mask, 4, aggregation="batch")
+    with pytest.raises(ValueError):
+        algo.loss_denominator(mask, 4, aggregation="batch")
+
+
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
 def test_right_padding_changes_nothing(aggregation):
     logprobs, old, rewards, mask = random_batch(seed=2)
@@ -217,7 +215,8 @@ def test_garbage_in_masked_slots_changes_nothing(aggregation):
     dirty = with_garbage(logprobs, mask).requires_grad_()
     dirty_loss, dirty_m = algo.compute_loss(
         dirty, with_garbage(old, mask), adv, mask.float(), 4,
-        is_weights=with_garbage(w, mask), aggregation=aggregation,
+        is_weights=with_garbage(w, mask),
+        aggregation=aggregation,
     )
     torch.testing.assert_close(dirty_loss, loss)
     dirty_grad = grad_of(dirty_loss, dirty)
@@ -246,20 +245,20 @@ def test_micro_batches_sum_to_the_full_batch(aggregation):
     torch.testing.assert_close(total_grad, full_grad)
 
 
-def test_on_policy_dapo_cispo_and_token_reinforce_gradients_coincide():
+@pytest.mark.parametrize("num_prompts", [1, 3])
+def test_on_policy_gradient_is_reinforce(num_prompts):
     """On-policy (rho = 1) nothing is clipped or truncated: DAPO's grad of rho A, CISPO's sg(rho) A grad log pi and
     REINFORCE's A grad log pi are one and the same. Aggregation must match: with one prompt, DAPO's per-prompt token
     mean IS the token mean; with several, DAPO = CISPO "prompt" and token-level REINFORCE = CISPO "token"."""
-    for num_prompts in (1, 3):
-        logprobs, _, rewards, mask = random_batch(num_prompts=num_prompts, seed=3)
-        old = logprobs.detach()
-        adv = algo.compute_advantages(rewards, 4).double()
-        reinforce = torch.where(mask, -adv[:, None] * logprobs, 0.0).sum() / mask.sum()
-        reinforce_grad = grad_of(reinforce, logprobs)
-        dapo_grad = grad_of(dapo.compute_loss(logprobs, old, adv, mask, 4)[0], logprobs)
-        cispo_prompt_grad = grad_of(algo.compute_loss(logprobs, old, adv, mask, 4)[0], logprobs)
-        cispo_token_grad = grad_of(algo.compute_loss(logprobs, old, adv, mask, 4, aggregation="token")[0], logprobs)
-        torch.testing.assert_close(cispo_prompt_grad, dapo_grad)
-        torch.testing.assert_close(cispo_token_grad, reinforce_grad)
-        if num_prompts == 1:
-            torch.testing.assert_close(dapo_grad, reinforce_grad)
+    logprobs, _, rewards, mask = random_batch(num_prompts=num_prompts, seed=3)
+    old = logprobs.detach()
+    adv = algo.compute_advantages(rewards, 4).double()
+    reinforce = torch.where(mask, -adv[:, None] * logprobs, 0.0).sum() / mask.sum()
+    reinforce_grad = grad_of(reinforce, logprobs)
+    dapo_grad = grad_of(dapo.compute_loss(logprobs, old, adv, mask, 4)[0], logprobs)
+    cispo_prompt_grad = grad_of(algo.compute_loss(logprobs, old, adv, mask, 4)[0], logprobs)
+    cispo_token_grad = grad_of(algo.compute_loss(logprobs, old, adv, mask, 4, aggregation="token")[0], logprobs)
+    torch.testing.assert_close(cispo_prompt_grad, dapo_grad)
+    torch.testing.assert_close(cispo_token_grad, reinforce_grad)
+    if num_prompts == 1:
+        torch.testing.assert_close(dapo_grad, reinforce_grad)

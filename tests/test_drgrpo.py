@@ -85,7 +85,9 @@ def test_loss_metrics_and_gradient_hand_computed():
     # Completion 0: sum(-1.2, -1.0) / 4. Completion 1: -min(-0.5, -0.8) / 4 = 0.8 / 4. Mean over completions.
     assert loss.item() == pytest.approx(((-1.2 - 1.0) / 4 + 0.8 / 4) / 2)
     # Clipped tokens give no gradient; the one unclipped token gives -r A / (max_tokens N) = -1 / 8.
-    torch.testing.assert_close(grad_of(loss, logprobs), torch.tensor([[0.0, -1 / 8], [0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        grad_of(loss, logprobs), torch.tensor([[0.0, -1 / 8], [0.0, 0.0]], dtype=torch.float64)
+    )
     assert m["clip_frac"] == pytest.approx(2 / 3)
     assert m["clip_frac_low"] == pytest.approx(1 / 3)
     assert m["clip_frac_high"] == pytest.approx(1 / 3)

@@ -88,7 +88,9 @@ def test_loss_metrics_and_gradient_hand_computed():
     # Completion 0: mean(-1.2, -1.0) = -1.1. Completion 1: -min(-0.5, -0.8) = 0.8. Mean over completions: -0.15.
     assert loss.item() == pytest.approx(-0.15)
     # Clipped tokens give no gradient; the one unclipped token gives -r A / (|y_0| N) = -1 / 4.
-    torch.testing.assert_close(grad_of(loss, logprobs), torch.tensor([[0.0, -0.25], [0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        grad_of(loss, logprobs), torch.tensor([[0.0, -0.25], [0.0, 0.0]], dtype=torch.float64)
+    )
     assert m["clip_frac"] == pytest.approx(2 / 3)
     assert m["clip_frac_low"] == pytest.approx(1 / 3)
     assert m["clip_frac_high"] == pytest.approx(1 / 3)
@@ -144,7 +146,8 @@ def test_garbage_in_masked_slots_changes_nothing():
     dirty = with_garbage(logprobs, mask).requires_grad_()
     dirty_loss, dirty_m = algo.compute_loss(
         dirty, with_garbage(old, mask), adv, mask.float(), 4,
-        is_weights=with_garbage(w, mask), kl_coef=0.04, ref_logprobs=with_garbage(ref, mask),
+        is_weights=with_garbage(w, mask),
+        kl_coef=0.04, ref_logprobs=with_garbage(ref, mask),
     )
     torch.testing.assert_close(dirty_loss, loss)
     dirty_grad = grad_of(dirty_loss, dirty)
@@ -170,8 +173,8 @@ def test_micro_batches_sum_to_the_full_batch():
     torch.testing.assert_close(total_grad, full_grad)
 
 
-def test_on_policy_gradient_is_reinforce_with_per_completion_length_weights():
-    """With ratio 1 nothing is clipped: the gradient is -A_i / (|y_i| N) on each token of completion i."""
+def test_on_policy_gradient_is_reinforce():
+    """With ratio 1 nothing is clipped: REINFORCE with per-completion length weights, -A_i / (|y_i| N) per token."""
     logprobs, _, rewards, mask = random_batch(seed=5)
     adv = algo.compute_advantages(rewards, 4).double()
     loss, m = algo.compute_loss(logprobs, logprobs.detach(), adv, mask, 4)

@@ -39,9 +39,8 @@ def near(old: torch.Tensor, scale: float, seed: int = 0) -> torch.Tensor:
 
 
 def reference_loss(logprobs, old, adv, mask, clip_eps_low=3e-4, clip_eps_high=4e-4, is_weights=None):
-    """GSPO as written, one completion at a time: s_i = exp(mean_t log ratio), one clipped term per sequence, then
-    the mean over sequences. is_weights: the term times the mean of its sequence's weights (gspo.py's documented
-    choice)."""
+    """GSPO as written, one completion at a time: s_i = exp(mean_t log ratio), one clipped term per sequence times the
+    mean of its is_weights (gspo.py's documented choice), then the mean over sequences."""
     n, t_max = logprobs.shape
     total = 0.0
     for i in range(n):
@@ -101,6 +100,16 @@ def test_loss_metrics_and_gradient_hand_computed():
     assert all(isinstance(v, float) for v in m.values())
 
 
+def test_sequence_ratio_is_a_mean_so_it_does_not_grow_with_length():
+    """The same log-ratios repeated twice give the same s_i: the clip range does not depend on the length."""
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    log_ratios = torch.tensor([[1e-4, 2e-4, 1e-4, 2e-4], [1e-4, 2e-4, 0.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True] * 4, [True, True, False, False]])
+    _, m = algo.compute_loss(log_ratios, torch.zeros_like(log_ratios), adv, mask, 2)
+    assert m["ratio_mean"] == pytest.approx(math.exp(1.5e-4))
+    assert m["clip_frac"] == 0.0  # a sum (6e-4 and 3e-4) would clip the longer one
+
+
 def test_matches_the_formula_as_written():
     logprobs, old, rewards, mask = random_batch()
     logprobs = near(old, 2e-3)
@@ -111,16 +120,6 @@ def test_matches_the_formula_as_written():
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
     assert 0 < m["clip_frac"] < 1
-
-
-def test_sequence_ratio_is_a_mean_so_it_does_not_grow_with_length():
-    """The same log-ratios repeated twice give the same s_i: the clip range does not depend on the length."""
-    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
-    log_ratios = torch.tensor([[1e-4, 2e-4, 1e-4, 2e-4], [1e-4, 2e-4, 0.0, 0.0]], dtype=torch.float64)
-    mask = torch.tensor([[True] * 4, [True, True, False, False]])
-    _, m = algo.compute_loss(log_ratios, torch.zeros_like(log_ratios), adv, mask, 2)
-    assert m["ratio_mean"] == pytest.approx(math.exp(1.5e-4))
-    assert m["clip_frac"] == 0.0  # a sum (6e-4 and 3e-4) would clip the longer one
 
 
 def test_gspo_token_equals_gspo_with_per_sequence_advantages():
@@ -137,23 +136,6 @@ def test_gspo_token_equals_gspo_with_per_sequence_advantages():
     torch.testing.assert_close(grad_of(tok, logprobs), seq_grad)
     torch.testing.assert_close(grad_of(tok_2d, logprobs), seq_grad)
     assert tok_m == pytest.approx(seq_m) and 0 < seq_m["clip_frac"] < 1
-
-
-def test_gspo_token_lets_per_token_advantages_flow():
-    """Unclipped, token t of completion i gets -w_{i,t} A_{i,t} s_i / (|y_i| N): its own advantage (and is_weight)
-    times the sequence ratio."""
-    logprobs, old, _, mask = random_batch(seed=2)
-    logprobs = near(old, 1e-5)  # nothing clipped
-    adv = torch.randn(mask.shape, dtype=torch.float64)
-    w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
-    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, token_level=True)
-    assert m["clip_frac"] == 0.0
-    lengths = mask.sum(dim=1, keepdim=True)
-    s = torch.exp(torch.where(mask, logprobs - old, 0.0).sum(dim=1, keepdim=True) / lengths).detach()
-    expected = torch.where(mask, -w * adv * s / lengths / mask.shape[0], 0.0)
-    torch.testing.assert_close(grad_of(loss, logprobs), expected)
-    with pytest.raises(ValueError):
-        algo.compute_loss(logprobs, old, adv, mask, 4)  # per-token advantages need token_level=True
 
 
 @pytest.mark.parametrize("token_level", [False, True])
@@ -179,7 +161,8 @@ def test_garbage_in_masked_slots_changes_nothing(token_level):
     dirty = with_garbage(logprobs, mask).requires_grad_()
     dirty_loss, dirty_m = algo.compute_loss(
         dirty, with_garbage(old, mask), adv, mask.float(), 4,
-        is_weights=with_garbage(w, mask), token_level=token_level,
+        is_weights=with_garbage(w, mask),
+        token_level=token_level,
     )
     torch.testing.assert_close(dirty_loss, loss)
     dirty_grad = grad_of(dirty_loss, dirty)
@@ -212,3 +195,20 @@ def test_micro_batches_sum_to_the_full_batch():
         total_grad[rows] = grad_of(loss, part)
     torch.testing.assert_close(total, full.detach())
     torch.testing.assert_close(total_grad, full_grad)
+
+
+def test_gspo_token_lets_per_token_advantages_flow():
+    """Unclipped, token t of completion i gets -w_{i,t} A_{i,t} s_i / (|y_i| N): its own advantage (and is_weight)
+    times the sequence ratio."""
+    logprobs, old, _, mask = random_batch(seed=2)
+    logprobs = near(old, 1e-5)  # nothing clipped
+    adv = torch.randn(mask.shape, dtype=torch.float64)
+    w = torch.rand(mask.shape, dtype=torch.float64) + 0.5
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, token_level=True)
+    assert m["clip_frac"] == 0.0
+    lengths = mask.sum(dim=1, keepdim=True)
+    s = torch.exp(torch.where(mask, logprobs - old, 0.0).sum(dim=1, keepdim=True) / lengths).detach()
+    expected = torch.where(mask, -w * adv * s / lengths / mask.shape[0], 0.0)
+    torch.testing.assert_close(grad_of(loss, logprobs), expected)
+    with pytest.raises(ValueError):
+        algo.compute_loss(logprobs, old, adv, mask, 4)  # per-token advantages need token_level=True

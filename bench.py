@@ -771,6 +771,51 @@ def compare_asymptotes(variant: dict, baseline: dict) -> str:
     return "not separable"
 
 
+def plot_study(fits: dict[str, dict], out_path, title: str, ceiling: float | None = None) -> None:
+    """The study's figure: each variant's pooled evaluations and fit against compute, then A and B with their 95%
+    intervals, one row per variant (the first is the baseline), and the task's known ceiling where there is one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (ax_curve, ax_a, ax_b) = plt.subplots(1, 3, figsize=(15, 5.2), gridspec_kw={"width_ratios": [2.2, 1, 1]})
+    names = list(fits)
+    for row, name in enumerate(names):
+        fit, color = fits[name], f"C{row % 10}"
+        C, R = (np.asarray(v) for v in zip(*fit["curve"][1:]))  # [0] is R0 at compute ~0: off the log axis
+        ax_curve.scatter(C, R, s=7, color=color, alpha=0.45)
+        if fit["fit"] is None:
+            ax_curve.plot([], [], color=color, label=f"{name}: no sigmoid")
+            continue
+        x = np.geomspace(C.min(), C.max(), 200)
+        ax_curve.plot(x, fit["fit"].predict(x), color=color, label=name)
+        for ax, key in ((ax_a, "A"), (ax_b, "B")):
+            ax.errorbar(fit[key], row, xerr=[[fit[key] - fit[f"{key}_lo"]], [fit[f"{key}_hi"] - fit[key]]], fmt="o",
+                        color=color, capsize=3)
+    r0 = sum(fit["R0"] for fit in fits.values()) / len(fits)
+    ax_curve.axhline(r0, color="gray", linestyle="-.", linewidth=0.8, label=f"R0 (step 0) {r0:.2f}")
+    if ceiling is not None:
+        for ax, axline in ((ax_curve, ax_curve.axhline), (ax_a, ax_a.axvline)):
+            axline(ceiling, color="black", linestyle=":", linewidth=1, label=f"known ceiling {ceiling:g}")
+        ax_a.legend(fontsize=8, loc="lower right")
+    ax_curve.set_xscale("log")
+    ax_curve.set(xlabel="compute_hours (device-hours)", ylabel="validation pass rate (mean@k)", title=title)
+    ax_curve.legend(fontsize=7, ncol=2)
+    ax_a.set(xlabel="asymptote A (95% interval)", title="A: where the variant ends")
+    ax_b.set(xlabel="B (95% interval)", title="B: how fast it gets there")
+    for ax in (ax_a, ax_b):
+        ax.set_yticks(range(len(names)), names)
+        ax.set_ylim(len(names) - 0.5, -0.5)  # the baseline on top
+    for ax in (ax_curve, ax_a, ax_b):
+        ax.grid(alpha=0.3)
+        ax.title.set_fontsize(9)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=110)
+    plt.close(fig)
+
+
 def _add_study_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variants", default="study",
                         help=f"a named set ({', '.join(f'{k}: {v}' for k, v in VARIANT_SETS.items())}) or a comma "
@@ -789,6 +834,9 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
                         help="runs go to OUT_DIR/VARIANT-sSEED; a finished run is not run again, so a killed study "
                              "continues where it stopped; the table, figure and summary go to OUT_DIR/study.{md,png,"
                              "json} (default runs/study)")
+    parser.add_argument("--ceiling", type=float, default=None,
+                        help="the task's known ceiling, drawn beside the fitted asymptotes and kept in the summary "
+                             "(arithmetic-verified with --think-budget 27,36: 0.7, see tasks.VerifiedArithmeticTask)")
     parser.add_argument("--summary", default=None, help="also write the summary JSON here, e.g. docs/study.json")
     parser.add_argument("--figure", default=None, help="also save the figure here, e.g. docs/study.png")
 
@@ -849,6 +897,7 @@ def bench_study(args: argparse.Namespace) -> dict:
     known_errors = [rep["half_fit_error"] for rep in all_reports if rep["half_fit_error"] is not None]
     summary = {
         "steps": args.steps, "seeds": seeds, "common_flags": common, "fit_from_step": args.fit_from_step,
+        "ceiling": args.ceiling,
         "bootstrap": args.bootstrap,
         "baseline": names[0], "runs": len(all_reports), "total_compute_hours": total_hours,
         "total_wall_s": total_wall,
@@ -856,20 +905,18 @@ def bench_study(args: argparse.Namespace) -> dict:
         "runs_without_half_fit": sum(rep["half_fit_error"] is None for rep in all_reports),
         "variants": summary_variants,
     }
+    from_step = f", fitted from step {args.fit_from_step} on" if args.fit_from_step else ""
     table = "\n".join(lines) + (
         f"\n\n(one sigmoid per variant fitted to the evaluations of seeds {args.seeds} together, {args.steps} steps "
-        f"each{f', from step {args.fit_from_step} on' if args.fit_from_step else ''}; 95% residual-bootstrap intervals; {len(all_reports)} runs, {total_hours:.2f} device-hours, "
-        f"{total_wall / 3600:.2f} h of wall time)\n")
+        f"each{from_step}; 95% residual-bootstrap intervals; {len(all_reports)} runs, {total_hours:.2f} "
+        f"device-hours, {total_wall / 3600:.2f} h of wall time)\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "study.md").write_text(table)
     for path in [out_dir / "study.json", *([Path(args.summary)] if args.summary else [])]:
         path.write_text(json.dumps(summary, indent=1) + "\n")
-    curves = [(f"{name} ({len(seeds)} seeds)", *zip(*fits[name]["curve"]), fits[name]["fit"], None) for name in names]
-    title = (f"{len(seeds)} seeds pooled per variant, {args.steps} steps"
-             f"{f', fitted from step {args.fit_from_step}' if args.fit_from_step else ''}: dotted = asymptote A")
-    sf.plot_fits(curves, out_dir / "study.png", title=title)
-    if args.figure:
-        sf.plot_fits(curves, args.figure, title=title)
+    title = f"{len(seeds)} seeds pooled per variant (seeds {args.seeds}), {args.steps} steps{from_step}"
+    for path in [out_dir / "study.png", *([Path(args.figure)] if args.figure else [])]:
+        plot_study(fits, path, title, args.ceiling)
     print(table)
     return {"benchmark": "study", **summary}
 

@@ -128,7 +128,8 @@ def test_study_pools_the_seeds_and_tells_apart_asymptotes_whose_intervals_do_not
     summary_path = tmp_path / "docs" / "study.json"
     summary_path.parent.mkdir()
     assert bench.main(["study", "--variants", "scalerl,dapo,keep", "--seeds", "0,1,2", "--bootstrap", "100",
-                       "--out-dir", str(tmp_path / "study"), "--summary", str(summary_path)]) == 0
+                       "--out-dir", str(tmp_path / "study"), "--summary", str(summary_path), "--ceiling", "0.9",
+                       "--figure", str(tmp_path / "docs" / "study.png")]) == 0
     assert ran == [f"{v}-s{s}" for v in ("scalerl", "dapo", "keep") for s in (0, 1, 2)]
     summary = json.loads(summary_path.read_text())
     assert summary == json.loads((tmp_path / "study" / "study.json").read_text())
@@ -145,7 +146,8 @@ def test_study_pools_the_seeds_and_tells_apart_asymptotes_whose_intervals_do_not
     assert summary["runs"] == 9 and abs(summary["worst_half_fit_error"]) < 0.05
     table = (tmp_path / "study" / "study.md").read_text()
     assert "| DAPO loss instead of CISPO (dapo) |" in table and "| lower |" in table
-    assert (tmp_path / "study" / "study.png").stat().st_size > 0
+    assert (tmp_path / "study" / "study.png").stat().st_size > 0 and (tmp_path / "docs" / "study.png").exists()
+    assert summary["ceiling"] == 0.9
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "study"
 
 

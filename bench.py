@@ -794,12 +794,10 @@ def plot_study(fits: dict[str, dict], out_path, title: str, ceiling: float | Non
         for ax, key in ((ax_a, "A"), (ax_b, "B")):
             ax.errorbar(fit[key], row, xerr=[[fit[key] - fit[f"{key}_lo"]], [fit[f"{key}_hi"] - fit[key]]], fmt="o",
                         color=color, capsize=3)
-    r0 = sum(fit["R0"] for fit in fits.values()) / len(fits)
-    ax_curve.axhline(r0, color="gray", linestyle="-.", linewidth=0.8, label=f"R0 (step 0) {r0:.2f}")
     if ceiling is not None:
         for ax, axline in ((ax_curve, ax_curve.axhline), (ax_a, ax_a.axvline)):
             axline(ceiling, color="black", linestyle=":", linewidth=1, label=f"known ceiling {ceiling:g}")
-        ax_a.legend(fontsize=8, loc="lower right")
+        ax_a.legend(fontsize=8, loc="upper right")
     ax_curve.set_xscale("log")
     ax_curve.set(xlabel="compute_hours (device-hours)", ylabel="validation pass rate (mean@k)", title=title)
     ax_curve.legend(fontsize=7, ncol=2)

@@ -735,11 +735,12 @@ VARIANT_SETS = {
 }
 
 
-def pooled_fit(reports: list[dict], n_boot: int = 200, seed: int = 0) -> dict:
+def pooled_fit(reports: list[dict], n_boot: int = 200, seed: int = 0, fixed_A: float | None = None) -> dict:
     """ScaleRL's sigmoid fitted to the evaluations of all seeds of one variant at once, with residual-bootstrap
     95% intervals. R0 is the base model's pass rate: the mean of the runs' step-0 evaluations, one point at the
     smallest step-0 compute. Each run's evaluations below its report's `min_compute` (run_report's fit_from_step)
-    are left out of the fit. `reports` are run_report()s; a flat pooled curve gives None values and its error."""
+    are left out of the fit. `fixed_A`: fit B and C_mid with A held there (ScaleRL's way to compare the B of runs
+    whose A is alike). `reports` are run_report()s; a flat pooled curve gives None values and its error."""
     import math
 
     import scaling_fit as sf
@@ -750,23 +751,25 @@ def pooled_fit(reports: list[dict], n_boot: int = 200, seed: int = 0) -> dict:
         C.append(c if c > C[-1] else math.nextafter(C[-1], math.inf))  # two seeds at one compute: keep both
         R.append(r)
     out = {"A": None, "A_lo": None, "A_hi": None, "B": None, "B_lo": None, "B_hi": None, "C_mid": None,
+           "C_mid_lo": None, "C_mid_hi": None,
            "R0": r0, "r2": None, "n_points": len(C), "curve": list(zip(C, R)), "fit": None}
     try:
-        boot = sf.bootstrap_sigmoid(C, R, n_boot, r0=r0, seed=seed)
+        boot = sf.bootstrap_sigmoid(C, R, n_boot, r0=r0, seed=seed, a_grid=None if fixed_A is None else [fixed_A])
     except ValueError as err:  # flat: no sigmoid can be identified
         return out | {"error": str(err)}
     fit = boot.fit
     return out | {"A": fit.A, "A_lo": boot.A_ci[0], "A_hi": boot.A_ci[1], "B": fit.B, "B_lo": boot.B_ci[0],
-                  "B_hi": boot.B_ci[1], "C_mid": fit.C_mid, "r2": fit.r2, "fit": fit}
+                  "B_hi": boot.B_ci[1], "C_mid": fit.C_mid, "C_mid_lo": boot.C_mid_ci[0], "C_mid_hi": boot.C_mid_ci[1],
+                  "r2": fit.r2, "fit": fit}
 
 
-def compare_asymptotes(variant: dict, baseline: dict) -> str:
-    """'higher' or 'lower' when the 95% intervals of A do not overlap, 'not separable' when they do."""
-    if variant["A"] is None or baseline["A"] is None:
+def compare_asymptotes(variant: dict, baseline: dict, key: str = "A") -> str:
+    """'higher' or 'lower' when the 95% intervals of `key` (A, or B) do not overlap, 'not separable' when they do."""
+    if variant[key] is None or baseline[key] is None:
         return "no fit"
-    if variant["A_lo"] > baseline["A_hi"]:
+    if variant[f"{key}_lo"] > baseline[f"{key}_hi"]:
         return "higher"
-    if variant["A_hi"] < baseline["A_lo"]:
+    if variant[f"{key}_hi"] < baseline[f"{key}_lo"]:
         return "lower"
     return "not separable"
 
@@ -863,9 +866,16 @@ def bench_study(args: argparse.Namespace) -> dict:
             reports.setdefault(name, []).append(run_report(rows, fit_from_step=args.fit_from_step))
     fits = {name: pooled_fit(reps, args.bootstrap) for name, reps in reports.items()}
     baseline = fits[names[0]]
+    # ScaleRL compares the efficiency of runs whose asymptotes are alike with A fixed at their average: here the
+    # baseline and every variant whose A is not separable from it, refitted with A at the mean of their A.
+    alike = [name for name in names if name == names[0] or compare_asymptotes(fits[name], baseline) == "not separable"]
+    shared_a = round(statistics.mean(fits[name]["A"] for name in alike), 3) if baseline["A"] is not None else None
+    shared = {name: pooled_fit(reports[name], args.bootstrap, fixed_A=shared_a) for name in alike} \
+        if shared_a is not None else {}
     summary_variants = []
     lines = [f"| variant (NAME) | FLAGS | val pass 0 -> {args.steps} | A [95%] | B [95%] | C_mid (device-h) | R^2 "
-             f"| first-half fit: predicted - final, worst | A against {names[0]} |", "|---|---|---|---|---|---|---|---|---|"]
+             f"| first-half fit: predicted - final, worst | A against {names[0]} | at A = {shared_a}: B [95%] "
+             f"| C_mid [95%] | B, C_mid against {names[0]} |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, reps in reports.items():
         title, flags = VARIANTS[name]
         fit = fits[name]
@@ -873,6 +883,12 @@ def bench_study(args: argparse.Namespace) -> dict:
         known = [e for e in half_errors.values() if e is not None]
         worst = max(known, key=abs) if known else None
         verdict = "(baseline)" if name == names[0] else compare_asymptotes(fit, baseline)
+        at_shared = shared.get(name, {"B": None})
+        b_verdict = "(baseline)" if name == names[0] else "A differs" if name not in shared else \
+            ", ".join(compare_asymptotes(at_shared, shared[names[0]], key=key) for key in ("B", "C_mid"))
+        b_shared_text = "- | -" if at_shared["B"] is None else \
+            (f"{at_shared['B']:.2f} [{at_shared['B_lo']:.2f}, {at_shared['B_hi']:.2f}] | {at_shared['C_mid']:.4f} "
+             f"[{at_shared['C_mid_lo']:.4f}, {at_shared['C_mid_hi']:.4f}]")
         if fit["A"] is None:
             a_text = b_text = c_text = r2_text = "no sigmoid"
         else:
@@ -882,12 +898,16 @@ def bench_study(args: argparse.Namespace) -> dict:
         lines.append(f"| {title} ({name}) | {'`' + ' '.join(flags) + '`' if flags else ''} | "
                      f"{_mean_spread([r['val_first'] for r in reps], '.3f')} -> "
                      f"{_mean_spread([r['val_final'] for r in reps], '.3f')} | {a_text} | {b_text} | {c_text} | "
-                     f"{r2_text} | {'-' if worst is None else f'{worst:+.3f}'} | {verdict} |")
+                     f"{r2_text} | {'-' if worst is None else f'{worst:+.3f}'} | {verdict} | {b_shared_text} | "
+                     f"{b_verdict} |")
         summary_variants.append({
             "name": name, "title": title, "flags": flags, "seeds": seeds,
-            **{key: fit[key] for key in ("A", "A_lo", "A_hi", "B", "B_lo", "B_hi", "C_mid", "R0", "r2", "n_points")},
+            **{key: fit[key] for key in ("A", "A_lo", "A_hi", "B", "B_lo", "B_hi", "C_mid", "C_mid_lo", "C_mid_hi",
+                                         "R0", "r2", "n_points")},
             "half_fit_errors": half_errors, "val_final": [rep["val_final"] for rep in reps],
             "compute_hours": [rep["compute_hours"] for rep in reps], "against_baseline": verdict,
+            **{f"{key}_at_shared_A{end}": at_shared.get(f"{key}{end}") for key in ("B", "C_mid") for end in
+               ("", "_lo", "_hi")}, "B_C_mid_against_baseline": b_verdict,
         })
     all_reports = [rep for reps in reports.values() for rep in reps]
     total_hours = sum(rep["compute_hours"] for rep in all_reports)
@@ -895,7 +915,7 @@ def bench_study(args: argparse.Namespace) -> dict:
     known_errors = [rep["half_fit_error"] for rep in all_reports if rep["half_fit_error"] is not None]
     summary = {
         "steps": args.steps, "seeds": seeds, "common_flags": common, "fit_from_step": args.fit_from_step,
-        "ceiling": args.ceiling,
+        "ceiling": args.ceiling, "shared_A": shared_a,
         "bootstrap": args.bootstrap,
         "baseline": names[0], "runs": len(all_reports), "total_compute_hours": total_hours,
         "total_wall_s": total_wall,

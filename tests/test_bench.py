@@ -143,6 +143,12 @@ def test_study_pools_the_seeds_and_tells_apart_asymptotes_whose_intervals_do_not
         assert all(abs(e) < 0.05 for e in v["half_fit_errors"].values())
     assert by_name["dapo"]["A_hi"] < by_name["scalerl"]["A_lo"] and by_name["dapo"]["against_baseline"] == "lower"
     assert by_name["keep"]["against_baseline"] == "not separable"  # the same curve: the intervals overlap
+    # B compared as ScaleRL does, with A fixed at the mean A of the runs whose A is alike: scalerl's and keep's
+    assert summary["shared_A"] == pytest.approx((by_name["scalerl"]["A"] + by_name["keep"]["A"]) / 2, abs=1e-3)
+    assert by_name["keep"]["B_at_shared_A_lo"] <= 2.0 <= by_name["keep"]["B_at_shared_A_hi"]  # the true B
+    assert by_name["keep"]["C_mid_at_shared_A_lo"] <= 0.02 <= by_name["keep"]["C_mid_at_shared_A_hi"]
+    assert by_name["keep"]["B_C_mid_against_baseline"] == "not separable, not separable"
+    assert by_name["dapo"]["B_C_mid_against_baseline"] == "A differs" and by_name["dapo"]["B_at_shared_A"] is None
     assert summary["runs"] == 9 and abs(summary["worst_half_fit_error"]) < 0.05
     table = (tmp_path / "study" / "study.md").read_text()
     assert "| DAPO loss instead of CISPO (dapo) |" in table and "| lower |" in table

@@ -763,8 +763,9 @@ def pooled_fit(reports: list[dict], n_boot: int = 200, seed: int = 0, fixed_A: f
                   "r2": fit.r2, "fit": fit}
 
 
-def compare_asymptotes(variant: dict, baseline: dict, key: str = "A") -> str:
-    """'higher' or 'lower' when the 95% intervals of `key` (A, or B) do not overlap, 'not separable' when they do."""
+def compare_intervals(variant: dict, baseline: dict, key: str = "A") -> str:
+    """'higher' or 'lower' when the 95% intervals of `key` (A, B or C_mid) do not overlap, 'not separable' when
+    they do."""
     if variant[key] is None or baseline[key] is None:
         return "no fit"
     if variant[f"{key}_lo"] > baseline[f"{key}_hi"]:
@@ -845,11 +846,10 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
 def bench_study(args: argparse.Namespace) -> dict:
     """Each variant on each seed (resumable), then per variant one sigmoid fitted to all its seeds' evaluations
     with 95% bootstrap intervals of A and B, each run's first-half prediction error, and whether the variant's
-    asymptote is separable from the baseline's (the first variant): one table, one figure, one summary JSON."""
+    asymptote is separable from the baseline's (the first variant); then, for the variants whose A is not, B and
+    C_mid refitted at their shared A and compared the same way: one table, one figure, one summary JSON."""
     import shlex
     from pathlib import Path
-
-    import scaling_fit as sf
 
     out_dir = Path(args.out_dir)
     seeds = [int(x) for x in args.seeds.split(",")]
@@ -868,7 +868,8 @@ def bench_study(args: argparse.Namespace) -> dict:
     baseline = fits[names[0]]
     # ScaleRL compares the efficiency of runs whose asymptotes are alike with A fixed at their average: here the
     # baseline and every variant whose A is not separable from it, refitted with A at the mean of their A.
-    alike = [name for name in names if name == names[0] or compare_asymptotes(fits[name], baseline) == "not separable"]
+    alike = [name for name in names
+             if name == names[0] or compare_intervals(fits[name], baseline) == "not separable"]
     shared_a = round(statistics.mean(fits[name]["A"] for name in alike), 3) if baseline["A"] is not None else None
     shared = {name: pooled_fit(reports[name], args.bootstrap, fixed_A=shared_a) for name in alike} \
         if shared_a is not None else {}
@@ -882,10 +883,10 @@ def bench_study(args: argparse.Namespace) -> dict:
         half_errors = {str(seed): rep["half_fit_error"] for seed, rep in zip(seeds, reps)}
         known = [e for e in half_errors.values() if e is not None]
         worst = max(known, key=abs) if known else None
-        verdict = "(baseline)" if name == names[0] else compare_asymptotes(fit, baseline)
+        verdict = "(baseline)" if name == names[0] else compare_intervals(fit, baseline)
         at_shared = shared.get(name, {"B": None})
         b_verdict = "(baseline)" if name == names[0] else "A differs" if name not in shared else \
-            ", ".join(compare_asymptotes(at_shared, shared[names[0]], key=key) for key in ("B", "C_mid"))
+            ", ".join(compare_intervals(at_shared, shared[names[0]], key=key) for key in ("B", "C_mid"))
         b_shared_text = "- | -" if at_shared["B"] is None else \
             (f"{at_shared['B']:.2f} [{at_shared['B_lo']:.2f}, {at_shared['B_hi']:.2f}] | {at_shared['C_mid']:.4f} "
              f"[{at_shared['C_mid_lo']:.4f}, {at_shared['C_mid_hi']:.4f}]")

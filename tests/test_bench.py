@@ -162,9 +162,9 @@ def test_a_study_names_unknown_variants(tmp_path):
         bench.main(["study", "--variants", "scalerl,cispoo", "--out-dir", str(tmp_path)])
 
 
-def test_compare_asymptotes_needs_intervals_that_do_not_overlap():
+def test_compare_intervals_needs_intervals_that_do_not_overlap():
     base = {"A": 0.9, "A_lo": 0.88, "A_hi": 0.92}
-    assert bench.compare_asymptotes({"A": 0.95, "A_lo": 0.93, "A_hi": 0.97}, base) == "higher"
-    assert bench.compare_asymptotes({"A": 0.8, "A_lo": 0.7, "A_hi": 0.87}, base) == "lower"
-    assert bench.compare_asymptotes({"A": 0.86, "A_lo": 0.80, "A_hi": 0.88}, base) == "not separable"  # touching
-    assert bench.compare_asymptotes({"A": None}, base) == "no fit"
+    assert bench.compare_intervals({"A": 0.95, "A_lo": 0.93, "A_hi": 0.97}, base) == "higher"
+    assert bench.compare_intervals({"A": 0.8, "A_lo": 0.7, "A_hi": 0.87}, base) == "lower"
+    assert bench.compare_intervals({"A": 0.86, "A_lo": 0.80, "A_hi": 0.88}, base) == "not separable"  # touching
+    assert bench.compare_intervals({"A": None}, base) == "no fit"

@@ -203,10 +203,9 @@ class VerifiedArithmeticTask(ArithmeticTask):
 
     def reward(self, problem: Problem, completion: str) -> float:
         m = _ANSWER_RE.fullmatch(completion)
-        a, b = (int(x) for x in problem.prompt.split()[1:])
-        if m is None or m.group("think") != f" {scratchpad(a, b)[0]} ":
+        if m is None or m.group("think") != _ANSWER_RE.fullmatch(self.solution(problem)).group("think"):
             return -1.0
-        return 1.0 if m.group("answer") == problem.answer else -1.0
+        return super().reward(problem, completion)
 
 
 def parse_answer(completion: str) -> str | None:
@@ -687,13 +686,18 @@ def math_answers_match(predicted: str | None, reference: str) -> bool:
     return p == r
 
 
+# `--dataset` names of the tasks generated here (no data set behind them: --dataset-config and fields do not apply)
+EMBEDDED_TASKS: dict[str, type[ArithmeticTask]] = {"arithmetic": ArithmeticTask,
+                                                   "arithmetic-verified": VerifiedArithmeticTask}
+
+
 def load_task(dataset: str | None = None, **kwargs: Any) -> Task:
     """The task behind `--dataset`: None or 'arithmetic' is the embedded task, 'arithmetic-verified' the same with
     its scratchpad verified, anything else a MathDataset."""
-    if dataset in (None, "", "arithmetic"):
+    if not dataset:
         return ArithmeticTask()
-    if dataset == "arithmetic-verified":
-        return VerifiedArithmeticTask()
+    if dataset in EMBEDDED_TASKS:
+        return EMBEDDED_TASKS[dataset]()
     return MathDataset(dataset, **kwargs)
 
 

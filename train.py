@@ -327,7 +327,7 @@ def check_args(args: Args) -> list[str]:
     elif not args.resume and existing and not args.overwrite:
         problems.append(f"--output-dir {args.output_dir} already holds a run ({', '.join(existing)}): continue it "
                         f"with --resume {args.output_dir}, start afresh with --overwrite, or pick another directory")
-    if args.dataset_config and not (args.dataset and args.dataset != "arithmetic"
+    if args.dataset_config and not (args.dataset and args.dataset not in tasks.EMBEDDED_TASKS
                                     and not tasks.is_local_data_file(args.dataset)):
         problems.append("--dataset-config names a configuration of a hub data set: give --dataset NAME too, not a "
                         "local file or the embedded task")

@@ -75,8 +75,8 @@ EXERCISES = (
     Exercise(
         "cispo",
         "DAPO's clipped surrogate becomes a detached, truncated weight on REINFORCE (ScaleRL's loss)",
-        "Why does CISPO detach the weight min(rho, eps_max), and what gradient does a token with rho = 8 still get "
-        "where PPO's clip would give it none?",
+        "Why does CISPO detach the weight min(r_{i,t}, eps_max), and what gradient does a token with r_{i,t} = 8 "
+        "still get where PPO's clip would give it none?",
     ),
     Exercise(
         "tis",

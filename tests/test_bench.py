@@ -5,6 +5,7 @@ The experiments themselves are real train.py runs; their results are in the READ
 import argparse
 import json
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,3 +169,20 @@ def test_compare_intervals_needs_intervals_that_do_not_overlap():
     assert bench.compare_intervals({"A": 0.8, "A_lo": 0.7, "A_hi": 0.87}, base) == "lower"
     assert bench.compare_intervals({"A": 0.86, "A_lo": 0.80, "A_hi": 0.88}, base) == "not separable"  # touching
     assert bench.compare_intervals({"A": None}, base) == "no fit"
+
+
+def test_the_readme_quotes_the_committed_study_as_it_is():
+    """docs/study.json is the study's summary (issue 14's fields, at least 3 seeds a variant); the README's study
+    section must quote it: each variant's A interval and per-seed first-half errors, the worst error, the steps."""
+    repo = Path(__file__).resolve().parent.parent
+    summary = json.loads((repo / "docs" / "study.json").read_text())
+    section = (repo / "README.md").read_text().split("### A miniature ScaleRL study")[1].split("\n### ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    for variant in summary["variants"]:
+        assert {"name", "seeds", "A", "A_lo", "A_hi", "B", "C_mid", "half_fit_errors"} <= set(variant)
+        assert len(variant["seeds"]) >= 3 and set(variant["half_fit_errors"]) == {str(s) for s in variant["seeds"]}
+        row = next(line for line in rows if f"({variant['name']})" in line)
+        assert f"{variant['A']:.3f} [{variant['A_lo']:.3f}, {variant['A_hi']:.3f}]" in row, variant["name"]
+        assert ", ".join(f"{e:+.3f}" for e in variant["half_fit_errors"].values()) in row, variant["name"]
+    assert f"--steps {summary['steps']}" in section
+    assert f"{summary['worst_half_fit_error']:+.3f}" in section

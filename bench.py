@@ -22,7 +22,7 @@ import statistics
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 
 def _pin_to_one_core() -> None:
@@ -567,14 +567,21 @@ def run_report(rows: list[dict], devices: int = 3, fit_from_step: int = 0) -> di
                                                                   if r.get("step_s") and "weight_sync_s" in r]) else None,
         "wall_s": rows[-1]["compute_hours"] * 3600 / devices, "curve": list(zip(C, R)),
         "eval_steps": [r["step"] for r in evals], "min_compute": min_compute,
-        "fit": None, "half_fit_error": None, "compute_to_0.8": None,
+        "fit": None, "half_fit_error": None, "half_fit_error_vs_fit": None, "eval_sd_second_half": None,
+        "compute_to_0.8": None,
     }
     try:
         fit = sf.fit_sigmoid(C, R, min_compute=min_compute)
         report["fit"] = {"A": fit.A, "B": fit.B, "C_mid": fit.C_mid, "R0": fit.R0, "r2": fit.r2}
         half = [i for i, c in enumerate(C) if c <= C[-1] / 2]
         half_fit = sf.fit_sigmoid([C[i] for i in half], [R[i] for i in half], min_compute=min_compute)
-        report["half_fit_error"] = float(half_fit.predict(C[-1])) - R[-1]
+        half_prediction = float(half_fit.predict(C[-1]))
+        report["half_fit_error"] = half_prediction - R[-1]
+        # The last evaluation is one noisy sample of where the run ends. Against the full fit's end value the error is
+        # the first half's extrapolation alone; the residuals' spread over the second half is that sample's noise.
+        report["half_fit_error_vs_fit"] = half_prediction - float(fit.predict(C[-1]))
+        second_half = [R[i] - float(fit.predict(C[i])) for i, c in enumerate(C) if c > C[-1] / 2]
+        report["eval_sd_second_half"] = statistics.stdev(second_half) if len(second_half) > 1 else None
     except ValueError as err:  # flat curve or too few points: say so in the report
         report["fit_error"] = str(err)
     report["compute_to_0.8"] = next((c for c, r in zip(C, R) if r >= 0.8), None)
@@ -843,6 +850,12 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--figure", default=None, help="also save the figure here, e.g. docs/study.png")
 
 
+def _worst(errors: Iterable[float | None]) -> float | None:
+    """The error of largest magnitude, with its sign; None when no run has one."""
+    known = [e for e in errors if e is not None]
+    return max(known, key=abs) if known else None
+
+
 def bench_study(args: argparse.Namespace) -> dict:
     """Each variant on each seed (resumable), then per variant one sigmoid fitted to all its seeds' evaluations
     with 95% bootstrap intervals of A and B, each run's first-half prediction error, and whether the variant's
@@ -875,14 +888,15 @@ def bench_study(args: argparse.Namespace) -> dict:
         if shared_a is not None else {}
     summary_variants = []
     lines = [f"| variant (NAME) | FLAGS | val pass 0 -> {args.steps} | A [95%] | B [95%] | C_mid (device-h) | R^2 "
-             f"| first-half fit: predicted - final, worst | A against {names[0]} | at A = {shared_a}: B [95%] "
-             f"| C_mid [95%] | B, C_mid against {names[0]} |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| first-half fit: predicted - final, worst | predicted - full fit's end, worst | A against {names[0]} "
+             f"| at A = {shared_a}: B [95%] | C_mid [95%] | B, C_mid against {names[0]} |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, reps in reports.items():
         title, flags = VARIANTS[name]
         fit = fits[name]
         half_errors = {str(seed): rep["half_fit_error"] for seed, rep in zip(seeds, reps)}
-        known = [e for e in half_errors.values() if e is not None]
-        worst = max(known, key=abs) if known else None
+        errors_vs_fit = {str(seed): rep["half_fit_error_vs_fit"] for seed, rep in zip(seeds, reps)}
+        worst, worst_vs_fit = (_worst(errors.values()) for errors in (half_errors, errors_vs_fit))
         verdict = "(baseline)" if name == names[0] else compare_intervals(fit, baseline)
         at_shared = shared.get(name, {"B": None})
         b_verdict = "(baseline)" if name == names[0] else "A differs" if name not in shared else \
@@ -899,13 +913,16 @@ def bench_study(args: argparse.Namespace) -> dict:
         lines.append(f"| {title} ({name}) | {'`' + ' '.join(flags) + '`' if flags else ''} | "
                      f"{_mean_spread([r['val_first'] for r in reps], '.3f')} -> "
                      f"{_mean_spread([r['val_final'] for r in reps], '.3f')} | {a_text} | {b_text} | {c_text} | "
-                     f"{r2_text} | {'-' if worst is None else f'{worst:+.3f}'} | {verdict} | {b_shared_text} | "
+                     f"{r2_text} | {'-' if worst is None else f'{worst:+.3f}'} | "
+                     f"{'-' if worst_vs_fit is None else f'{worst_vs_fit:+.3f}'} | {verdict} | {b_shared_text} | "
                      f"{b_verdict} |")
         summary_variants.append({
             "name": name, "title": title, "flags": flags, "seeds": seeds,
             **{key: fit[key] for key in ("A", "A_lo", "A_hi", "B", "B_lo", "B_hi", "C_mid", "C_mid_lo", "C_mid_hi",
                                          "R0", "r2", "n_points")},
-            "half_fit_errors": half_errors, "val_final": [rep["val_final"] for rep in reps],
+            "half_fit_errors": half_errors, "half_fit_errors_vs_fit": errors_vs_fit,
+            "eval_sd_second_half": [rep["eval_sd_second_half"] for rep in reps],
+            "val_final": [rep["val_final"] for rep in reps],
             "compute_hours": [rep["compute_hours"] for rep in reps], "against_baseline": verdict,
             **{f"{key}_at_shared_A{end}": at_shared.get(f"{key}{end}") for key in ("B", "C_mid") for end in
                ("", "_lo", "_hi")}, "B_C_mid_against_baseline": b_verdict,
@@ -913,14 +930,14 @@ def bench_study(args: argparse.Namespace) -> dict:
     all_reports = [rep for reps in reports.values() for rep in reps]
     total_hours = sum(rep["compute_hours"] for rep in all_reports)
     total_wall = sum(rep["wall_s"] for rep in all_reports)
-    known_errors = [rep["half_fit_error"] for rep in all_reports if rep["half_fit_error"] is not None]
     summary = {
         "steps": args.steps, "seeds": seeds, "common_flags": common, "fit_from_step": args.fit_from_step,
         "ceiling": args.ceiling, "shared_A": shared_a,
         "bootstrap": args.bootstrap,
         "baseline": names[0], "runs": len(all_reports), "total_compute_hours": total_hours,
         "total_wall_s": total_wall,
-        "worst_half_fit_error": max(known_errors, key=abs) if known_errors else None,
+        "worst_half_fit_error": _worst(rep["half_fit_error"] for rep in all_reports),
+        "worst_half_fit_error_vs_fit": _worst(rep["half_fit_error_vs_fit"] for rep in all_reports),
         "runs_without_half_fit": sum(rep["half_fit_error"] is None for rep in all_reports),
         "variants": summary_variants,
     }

@@ -49,8 +49,13 @@ def test_run_report_half_fit_error_is_the_first_half_prediction_minus_the_final_
     rows = [{"step": i, "compute_hours": c, "val_pass_rate": v} for i, (c, v) in enumerate(zip(compute, values))]
     report = bench.run_report(rows)
     assert report["fit"]["r2"] > 0.99 and abs(report["half_fit_error"]) < 0.01
+    assert abs(report["half_fit_error_vs_fit"]) < 0.01 and report["eval_sd_second_half"] < 1e-3
     rows[-1]["val_pass_rate"] = values[-1] - 0.2  # a collapse at the end is what the first half cannot predict
-    assert bench.run_report(rows)["half_fit_error"] > 0.15
+    collapsed = bench.run_report(rows)
+    assert collapsed["half_fit_error"] > 0.15
+    # one low last evaluation: the full fit's end moves a little, the last sample by 0.2; the noise shows in the sd
+    assert abs(collapsed["half_fit_error_vs_fit"]) < collapsed["half_fit_error"] - 0.1
+    assert collapsed["eval_sd_second_half"] > 0.03
 
 
 def test_fit_from_step_leaves_the_early_evaluations_out_of_every_fit():
@@ -142,6 +147,7 @@ def test_study_pools_the_seeds_and_tells_apart_asymptotes_whose_intervals_do_not
         assert v["B_lo"] <= v["B"] <= v["B_hi"] and v["R0"] == pytest.approx(0.4, abs=1e-6)
         assert set(v["half_fit_errors"]) == {"0", "1", "2"}
         assert all(abs(e) < 0.05 for e in v["half_fit_errors"].values())
+        assert set(v["half_fit_errors_vs_fit"]) == {"0", "1", "2"} and len(v["eval_sd_second_half"]) == 3
     assert by_name["dapo"]["A_hi"] < by_name["scalerl"]["A_lo"] and by_name["dapo"]["against_baseline"] == "lower"
     assert by_name["keep"]["against_baseline"] == "not separable"  # the same curve: the intervals overlap
     # B compared as ScaleRL does, with A fixed at the mean A of the runs whose A is alike: scalerl's and keep's
@@ -151,6 +157,8 @@ def test_study_pools_the_seeds_and_tells_apart_asymptotes_whose_intervals_do_not
     assert by_name["keep"]["B_C_mid_against_baseline"] == "not separable, not separable"
     assert by_name["dapo"]["B_C_mid_against_baseline"] == "A differs" and by_name["dapo"]["B_at_shared_A"] is None
     assert summary["runs"] == 9 and abs(summary["worst_half_fit_error"]) < 0.05
+    assert summary["worst_half_fit_error_vs_fit"] in [e for v in summary["variants"]
+                                                      for e in v["half_fit_errors_vs_fit"].values()]
     table = (tmp_path / "study" / "study.md").read_text()
     assert "| DAPO loss instead of CISPO (dapo) |" in table and "| lower |" in table
     assert (tmp_path / "study" / "study.png").stat().st_size > 0 and (tmp_path / "docs" / "study.png").exists()

@@ -896,7 +896,7 @@ def bench_study(args: argparse.Namespace) -> dict:
         fit = fits[name]
         half_errors = {str(seed): rep["half_fit_error"] for seed, rep in zip(seeds, reps)}
         errors_vs_fit = {str(seed): rep["half_fit_error_vs_fit"] for seed, rep in zip(seeds, reps)}
-        worst, worst_vs_fit = (_worst(errors.values()) for errors in (half_errors, errors_vs_fit))
+        worst, worst_vs_fit = _worst(half_errors.values()), _worst(errors_vs_fit.values())
         verdict = "(baseline)" if name == names[0] else compare_intervals(fit, baseline)
         at_shared = shared.get(name, {"B": None})
         b_verdict = "(baseline)" if name == names[0] else "A differs" if name not in shared else \

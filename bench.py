@@ -6,7 +6,7 @@ and ends with one line holding a JSON object of the results (the LAST line print
     python bench.py train      # train.py's learner step vs a bare transformers training step
     python bench.py staleness  # the tiny recipe at k = 0, 1, 2, 4, 8 with a fast generator (an experiment)
     python bench.py study      # ScaleRL's ablations in miniature: variants x seeds, A and B with 95% intervals
-    python bench.py report RUN_DIR...   # what finished runs show: pass rate, lag, fit, first-half prediction
+    python bench.py report RUN_DIR...   # what finished runs (or study records) show: pass rate, lag, fits
 
 A subcommand is a function ``bench_<name>(args)`` registered in ``BENCHMARKS`` with its argument setup.
 Heavy imports live inside the functions so that one benchmark does not pay for another's.
@@ -22,6 +22,7 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 
@@ -522,7 +523,6 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     """Run train.py under torchrun into `run_dir` unless a finished run is there already (so a killed experiment
     continues where it stopped and never reruns a finished run); its metrics rows."""
     import subprocess
-    from pathlib import Path
 
     import scaling_fit as sf
 
@@ -535,6 +535,52 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     print(f"[run] torchrun ... {' '.join(cmd[6:])}", flush=True)
     subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent)
     return sf.read_metrics(run_dir)
+
+
+# What run_report reads from a metrics row: a run's record keeps these and nothing else.
+RECORD_KEYS = ("step", "compute_hours", "val_pass_rate", "lag_hist", "stale_dropped", "step_s", "weight_sync_s")
+
+
+def cut_rows(rows: list[dict], steps: int) -> list[dict]:
+    """The rows of a run up to `steps`: what the same run stopped there would have logged (the learning rate is
+    constant after its warm-up, so the first steps of a longer run are a shorter run). The cut must fall on an
+    evaluated step, where a shorter run would have ended with its last evaluation."""
+    kept = [row for row in rows if row["step"] <= steps]
+    if not kept or kept[-1]["step"] != steps or "val_pass_rate" not in kept[-1]:
+        evaluated = [row["step"] for row in rows if "val_pass_rate" in row]
+        raise ValueError(f"this run has no evaluation at step {steps}; cut it at one of its evaluated steps "
+                         f"{evaluated[:3]}..{evaluated[-3:]}")
+    return kept
+
+
+def load_rows(path) -> list[dict]:
+    """A run's metrics rows, from its run directory (or metrics.jsonl) or from its record (a .json file)."""
+    import scaling_fit as sf
+
+    if str(path).endswith(".json"):
+        return json.loads(Path(path).read_text())["rows"]
+    return sf.read_metrics(path)
+
+
+def _recorded_run(run_dir, record_path, steps: int, flags: list[str]) -> list[dict]:
+    """A study run's metrics rows, cut at `steps`: from its record if one holds at least that many steps with the
+    same flags, else from a train.py run (`_train_run`), whose record is then written. A record is the run's rows
+    with RECORD_KEYS only (about 40 kB for 200 steps), so a study's records can be committed and a study longer than
+    one machine's session continued on another, which has no run directories."""
+    record_path = Path(record_path)
+    if record_path.exists():
+        record = json.loads(record_path.read_text())
+        if record["flags"] != flags:
+            raise SystemExit(f"{record_path} holds a run with flags {record['flags']}, not {flags}: a study with "
+                             f"other flags needs another --records directory")
+        if record["steps"] >= steps:
+            return cut_rows(record["rows"], steps)
+    rows = _train_run(run_dir, steps, flags)
+    compact = [{key: row[key] for key in RECORD_KEYS if key in row} for row in rows]
+    record_path.parent.mkdir(parents=True, exist_ok=True)
+    record_path.write_text(json.dumps({"flags": flags, "steps": rows[-1]["step"], "rows": compact},
+                                      separators=(",", ":")) + "\n")
+    return cut_rows(rows, steps)
 
 
 def run_report(rows: list[dict], devices: int = 3, fit_from_step: int = 0) -> dict:
@@ -599,25 +645,39 @@ def _mean_spread(values: list[float | None], fmt: str) -> str:
 
 
 def _add_report_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", help="run directories (train.py --output-dir) to report")
+    parser.add_argument("runs", nargs="+",
+                        help="run directories (train.py --output-dir) or a study's run records (.json) to report")
     parser.add_argument("--devices", type=int, default=3, help="learner ranks + generator of the runs (default 3)")
+    parser.add_argument("--fit-from-step", type=int, default=0,
+                        help="leave the evaluations before this step out of the fits, as bench.py study does "
+                             "(default 0)")
+    parser.add_argument("--at-steps", default=None,
+                        help="comma list of evaluated steps: report each run as if it had stopped there too, to see "
+                             "from which length on its first half predicts its end, e.g. 100,150,200 (default: the "
+                             "whole run only)")
 
 
 def bench_report(args: argparse.Namespace) -> dict:
-    """One line per run: the pass rate from step 0 to the end, its largest fall once past 0.8, the mean lag, the
-    final fit's R^2, the first-half fit's prediction error, the wall time; then the mean and range over the runs."""
-    import scaling_fit as sf
-
-    reports = {run: run_report(sf.read_metrics(run), args.devices) for run in args.runs}
+    """One line per run (and per --at-steps length): the pass rate from step 0 to the end, its largest fall once
+    past 0.8, the mean lag, the final fit's R^2, the first-half fit's prediction error against the last evaluation
+    and against the full fit's end, the wall time; then the mean and range over the runs."""
+    reports = {}
+    for run in args.runs:
+        rows = load_rows(run)
+        cuts = [int(s) for s in args.at_steps.split(",")] if args.at_steps else [rows[-1]["step"]]
+        for steps in cuts:
+            name = run if steps == rows[-1]["step"] else f"{run} @ {steps}"
+            reports[name] = run_report(cut_rows(rows, steps), args.devices, fit_from_step=args.fit_from_step)
     print("| run | val pass 0 -> end (best) | largest fall after 0.8 | mean lag (max) | final fit A, R^2 "
-          "| first-half fit: predicted - final | weight sync / step (median) | wall |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| first-half fit: predicted - final | predicted - full fit's end | weight sync / step (median) | wall |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for run, rep in reports.items():
         fit = rep["fit"]
         print(f"| {run} | {rep['val_first']:.3f} -> {rep['val_final']:.3f} ({rep['val_best']:.3f}) | "
               f"{rep['largest_fall_after_0.8']:.3f} | {rep['lag_mean']:.2f} ({rep['lag_max']}) | "
               + (f"{fit['A']:.3f}, {fit['r2']:.3f} | " if fit else f"{rep.get('fit_error')} | ")
               + (f"{rep['half_fit_error']:+.3f} | " if rep["half_fit_error"] is not None else "- | ")
+              + (f"{rep['half_fit_error_vs_fit']:+.3f} | " if rep["half_fit_error_vs_fit"] is not None else "- | ")
               + (f"{rep['weight_sync_frac']:.3f} | " if rep["weight_sync_frac"] is not None else "- | ")
               + f"{rep['wall_s']:.0f} s |")
     reps = list(reports.values())
@@ -626,6 +686,7 @@ def bench_report(args: argparse.Namespace) -> dict:
           f"{_mean_spread([r['lag_mean'] for r in reps], '.2f')} | "
           f"R^2 {_mean_spread([r['fit']['r2'] if r['fit'] else None for r in reps], '.3f')} | "
           f"{_mean_spread([abs(r['half_fit_error']) if r['half_fit_error'] is not None else None for r in reps], '.3f')} (abs) | "
+          f"{_mean_spread([abs(r['half_fit_error_vs_fit']) if r['half_fit_error_vs_fit'] is not None else None for r in reps], '.3f')} (abs) | "
           f"{_mean_spread([r['weight_sync_frac'] for r in reps], '.3f')} | "
           f"{_mean_spread([r['wall_s'] for r in reps], '.0f')} s |")
     return {"benchmark": "report", "runs": {run: {k: v for k, v in rep.items() if k != "curve"}
@@ -652,7 +713,6 @@ def bench_staleness(args: argparse.Namespace) -> dict:
     """The tiny recipe at several staleness bounds k with a generator faster than the learner, so that k alone
     sets the lag (--buffer-steps k + 1): validation pass rate against compute and the lag histogram of each run,
     the picture of why the off-policyness of an asynchronous pipeline must be bounded."""
-    from pathlib import Path
 
     import matplotlib
 
@@ -843,6 +903,11 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
                         help="runs go to OUT_DIR/VARIANT-sSEED; a finished run is not run again, so a killed study "
                              "continues where it stopped; the table, figure and summary go to OUT_DIR/study.{md,png,"
                              "json} (default runs/study)")
+    parser.add_argument("--records", default=None,
+                        help="one small JSON record per finished run (VARIANT-sSEED.json: its flags and metrics rows) "
+                             "goes here, and a run whose record holds at least --steps steps with the same flags is "
+                             "not run again but cut at --steps: commit the records (e.g. docs/study-runs) and another "
+                             "machine continues the study, or refits it at fewer steps (default OUT_DIR/records)")
     parser.add_argument("--ceiling", type=float, default=None,
                         help="the task's known ceiling, drawn beside the fitted asymptotes and kept in the summary "
                              "(arithmetic-verified with --think-budget 27,36: 0.7, see tasks.VerifiedArithmeticTask)")
@@ -862,7 +927,6 @@ def bench_study(args: argparse.Namespace) -> dict:
     asymptote is separable from the baseline's (the first variant); then, for the variants whose A is not, B and
     C_mid refitted at their shared A and compared the same way: one table, one figure, one summary JSON."""
     import shlex
-    from pathlib import Path
 
     out_dir = Path(args.out_dir)
     seeds = [int(x) for x in args.seeds.split(",")]
@@ -871,11 +935,12 @@ def bench_study(args: argparse.Namespace) -> dict:
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}, or a set: {list(VARIANT_SETS)}")
     common = shlex.split(args.common)
+    records = Path(args.records) if args.records else out_dir / "records"
     reports: dict[str, list[dict]] = {}
     for name in names:
         for seed in seeds:
-            rows = _train_run(out_dir / f"{name}-s{seed}", args.steps, ["--seed", str(seed), *VARIANTS[name][1],
-                                                                        *common])
+            rows = _recorded_run(out_dir / f"{name}-s{seed}", records / f"{name}-s{seed}.json", args.steps,
+                                 ["--seed", str(seed), *VARIANTS[name][1], *common])
             reports.setdefault(name, []).append(run_report(rows, fit_from_step=args.fit_from_step))
     fits = {name: pooled_fit(reps, args.bootstrap) for name, reps in reports.items()}
     baseline = fits[names[0]]
@@ -934,7 +999,7 @@ def bench_study(args: argparse.Namespace) -> dict:
         "steps": args.steps, "seeds": seeds, "common_flags": common, "fit_from_step": args.fit_from_step,
         "ceiling": args.ceiling, "shared_A": shared_a,
         "bootstrap": args.bootstrap,
-        "baseline": names[0], "runs": len(all_reports), "total_compute_hours": total_hours,
+        "baseline": names[0], "records": str(records), "runs": len(all_reports), "total_compute_hours": total_hours,
         "total_wall_s": total_wall,
         "worst_half_fit_error": _worst(rep["half_fit_error"] for rep in all_reports),
         "worst_half_fit_error_vs_fit": _worst(rep["half_fit_error_vs_fit"] for rep in all_reports),

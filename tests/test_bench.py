@@ -166,6 +166,73 @@ def test_study_pools_the_seeds_and_tells_apart_asymptotes_whose_intervals_do_not
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "study"
 
 
+def test_a_study_continues_from_its_records_without_run_directories_and_cuts_them_at_fewer_steps(tmp_path,
+                                                                                                 monkeypatch):
+    """Records are what a study leaves for another machine: with the run directories gone, the same study runs
+    nothing; a shorter study is the records cut at its steps; other flags under the same records are refused."""
+    ran = []
+
+    def fake_train_run(run_dir, steps, flags):
+        ran.append((run_dir.name, steps))
+        rows = _sigmoid_run(0.9, int(flags[flags.index("--seed") + 1]), steps)
+        for row in rows:
+            row["loss"] = 1.0  # not a record key: left out of the record
+        return rows
+
+    monkeypatch.setattr(bench, "_train_run", fake_train_run)
+    records = tmp_path / "records"
+    study = ["study", "--variants", "scalerl,keep", "--seeds", "0,1", "--bootstrap", "20", "--records", str(records)]
+    assert bench.main([*study, "--steps", "50", "--out-dir", str(tmp_path / "a")]) == 0
+    assert ran == [("scalerl-s0", 50), ("scalerl-s1", 50), ("keep-s0", 50), ("keep-s1", 50)]
+    record = json.loads((records / "keep-s1.json").read_text())
+    assert record["flags"] == ["--seed", "1", "--zero-variance", "keep"] and record["steps"] == 50
+    assert record["rows"] == [{k: v for k, v in row.items() if k != "loss"} for row in _sigmoid_run(0.9, 1, 50)]
+    first = json.loads((tmp_path / "a" / "study.json").read_text())
+
+    ran.clear()  # another machine: no run directories, the same records
+    assert bench.main([*study, "--steps", "50", "--out-dir", str(tmp_path / "b")]) == 0
+    again = json.loads((tmp_path / "b" / "study.json").read_text())
+    assert not ran and again["variants"] == first["variants"]
+
+    assert bench.main([*study, "--steps", "25", "--out-dir", str(tmp_path / "c")]) == 0  # a cut, not a run
+    cut = {v["name"]: v for v in json.loads((tmp_path / "c" / "study.json").read_text())["variants"]}
+    assert not ran and cut["scalerl"]["n_points"] == 1 + 2 * 5 and cut["scalerl"]["val_final"] == [
+        bench.cut_rows(_sigmoid_run(0.9, seed, 50), 25)[-1]["val_pass_rate"] for seed in (0, 1)]
+
+    assert bench.main([*study, "--steps", "60", "--out-dir", str(tmp_path / "d")]) == 0  # longer: run again
+    assert ran == [("scalerl-s0", 60), ("scalerl-s1", 60), ("keep-s0", 60), ("keep-s1", 60)]
+    assert json.loads((records / "scalerl-s0.json").read_text())["steps"] == 60
+    with pytest.raises(SystemExit, match="holds a run with flags .* a study with other flags needs another --records"):
+        bench.main([*study, "--steps", "50", "--common", "--lr 1e-3", "--out-dir", str(tmp_path / "e")])
+
+
+def test_cut_rows_stops_a_run_at_an_evaluated_step_only():
+    rows = _sigmoid_run(0.9, 0, 50)  # evaluations every 5 steps
+    assert bench.cut_rows(rows, 20) == rows[:5] and bench.cut_rows(rows, 50) == rows
+    with pytest.raises(ValueError, match="no evaluation at step 22; cut it at one of its evaluated steps"):
+        bench.cut_rows(rows, 22)
+    with pytest.raises(ValueError, match="no evaluation at step 55"):
+        bench.cut_rows(rows, 55)
+
+
+def test_report_reads_records_and_reports_a_run_at_several_lengths(tmp_path, capsys):
+    rows = _sigmoid_run(0.9, 0, 50)
+    (tmp_path / "run.json").write_text(json.dumps({"flags": [], "steps": 50, "rows": rows}))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = bench.main(["report", str(tmp_path / "run.json"), str(run_dir), "--at-steps", "30,50",
+                         "--fit-from-step", "10"])
+    assert result == 0
+    out = capsys.readouterr().out
+    runs = json.loads(out.strip().splitlines()[-1])["runs"]
+    assert list(runs) == [f"{tmp_path / 'run.json'} @ 30", str(tmp_path / "run.json"), f"{run_dir} @ 30", str(run_dir)]
+    assert runs[str(run_dir)] == runs[str(tmp_path / "run.json")]  # a record reports as its run directory does
+    assert runs[str(run_dir) + " @ 30"]["steps"] == 30 and runs[str(run_dir)]["min_compute"] == rows[2]["compute_hours"]
+    assert "| predicted - full fit's end |" in out
+    assert f"| {runs[str(run_dir)]['half_fit_error_vs_fit']:+.3f} |" in out
+
+
 def test_a_study_names_unknown_variants(tmp_path):
     with pytest.raises(SystemExit, match="unknown variants \\['cispoo'\\]"):
         bench.main(["study", "--variants", "scalerl,cispoo", "--out-dir", str(tmp_path)])

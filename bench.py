@@ -537,8 +537,10 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     return sf.read_metrics(run_dir)
 
 
-# What run_report reads from a metrics row: a run's record keeps these and nothing else.
-RECORD_KEYS = ("step", "compute_hours", "val_pass_rate", "lag_hist", "stale_dropped", "step_s", "weight_sync_s")
+# What run_report reads from a metrics row, and the FLOPs (a compute axis that does not depend on the machine's
+# speed, for records made on different machines): a run's record keeps these and nothing else.
+RECORD_KEYS = ("step", "compute_hours", "flops", "val_pass_rate", "lag_hist", "stale_dropped", "step_s",
+               "weight_sync_s")
 
 
 def cut_rows(rows: list[dict], steps: int) -> list[dict]:

@@ -567,8 +567,8 @@ def load_rows(path) -> list[dict]:
 def _recorded_run(run_dir, record_path, steps: int, flags: list[str]) -> list[dict]:
     """A study run's metrics rows, cut at `steps`: from its record if one holds at least that many steps with the
     same flags, else from a train.py run (`_train_run`), whose record is then written. A record is the run's rows
-    with RECORD_KEYS only (about 40 kB for 200 steps), so a study's records can be committed and a study longer than
-    one machine's session continued on another, which has no run directories."""
+    with RECORD_KEYS only (about 40 kB for 200 steps), so a study's records can be committed, and the study refitted
+    or continued where its run directories are gone."""
     record_path = Path(record_path)
     if record_path.exists():
         record = json.loads(record_path.read_text())
@@ -908,8 +908,10 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--records", default=None,
                         help="one small JSON record per finished run (VARIANT-sSEED.json: its flags and metrics rows) "
                              "goes here, and a run whose record holds at least --steps steps with the same flags is "
-                             "not run again but cut at --steps: commit the records (e.g. docs/study-runs) and another "
-                             "machine continues the study, or refits it at fewer steps (default OUT_DIR/records)")
+                             "not run again but cut at --steps. Committed (e.g. docs/study-runs), they let a study be "
+                             "refitted (another fitter, fewer steps) without its run directories, or continued by a "
+                             "later session; compute_hours is wall time, so only records from machines of one speed "
+                             "pool (default OUT_DIR/records)")
     parser.add_argument("--ceiling", type=float, default=None,
                         help="the task's known ceiling, drawn beside the fitted asymptotes and kept in the summary "
                              "(arithmetic-verified with --think-budget 27,36: 0.7, see tasks.VerifiedArithmeticTask)")

@@ -578,11 +578,19 @@ def _recorded_run(run_dir, record_path, steps: int, flags: list[str]) -> list[di
         if record["steps"] >= steps:
             return cut_rows(record["rows"], steps)
     rows = _train_run(run_dir, steps, flags)
-    compact = [{key: row[key] for key in RECORD_KEYS if key in row} for row in rows]
-    record_path.parent.mkdir(parents=True, exist_ok=True)
-    record_path.write_text(json.dumps({"flags": flags, "steps": rows[-1]["step"], "rows": compact},
-                                      separators=(",", ":")) + "\n")
+    write_record(record_path, rows, run_dir, flags)
     return cut_rows(rows, steps)
+
+
+def write_record(path, rows: list[dict], run_dir=None, flags: list[str] | None = None) -> None:
+    """A run's record: its RECORD_KEYS rows, the study flags it was run with (None outside a study) and the
+    run's train.py arguments (its args.json) when `run_dir` has them."""
+    args_file = Path(run_dir) / "args.json" if run_dir is not None else None
+    record = {"flags": flags, "steps": rows[-1]["step"],
+              "args": json.loads(args_file.read_text()) if args_file and args_file.exists() else None,
+              "rows": [{key: row[key] for key in RECORD_KEYS if key in row} for row in rows]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(record, separators=(",", ":")) + "\n")
 
 
 def run_report(rows: list[dict], devices: int = 3, fit_from_step: int = 0) -> dict:
@@ -657,6 +665,10 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
                         help="comma list of evaluated steps: report each run as if it had stopped there too, to see "
                              "from which length on its first half predicts its end, e.g. 100,150,200 (default: the "
                              "whole run only)")
+    parser.add_argument("--save-records", default=None,
+                        help="also write each run directory's record (NAME.json, as bench.py study keeps them: the "
+                             "rows run_report reads and the run's args.json) into this directory, to commit what a "
+                             "table was made from")
 
 
 def bench_report(args: argparse.Namespace) -> dict:
@@ -666,6 +678,8 @@ def bench_report(args: argparse.Namespace) -> dict:
     reports = {}
     for run in args.runs:
         rows = load_rows(run)
+        if args.save_records and not str(run).endswith(".json"):
+            write_record(Path(args.save_records) / f"{Path(run).name}.json", rows, run)
         cuts = [int(s) for s in args.at_steps.split(",")] if args.at_steps else [rows[-1]["step"]]
         for steps in cuts:
             name = run if steps == rows[-1]["step"] else f"{run} @ {steps}"

@@ -186,6 +186,7 @@ def test_a_study_continues_from_its_records_without_run_directories_and_cuts_the
     assert ran == [("scalerl-s0", 50), ("scalerl-s1", 50), ("keep-s0", 50), ("keep-s1", 50)]
     record = json.loads((records / "keep-s1.json").read_text())
     assert record["flags"] == ["--seed", "1", "--zero-variance", "keep"] and record["steps"] == 50
+    assert record["args"] is None  # the fake run leaves no args.json
     assert record["rows"] == [{k: v for k, v in row.items() if k != "loss"} for row in _sigmoid_run(0.9, 1, 50)]
     first = json.loads((tmp_path / "a" / "study.json").read_text())
 
@@ -221,9 +222,13 @@ def test_report_reads_records_and_reports_a_run_at_several_lengths(tmp_path, cap
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run_dir / "args.json").write_text(json.dumps({"seed": 0, "max_steps": 50}))
     result = bench.main(["report", str(tmp_path / "run.json"), str(run_dir), "--at-steps", "30,50",
-                         "--fit-from-step", "10"])
+                         "--fit-from-step", "10", "--save-records", str(tmp_path / "saved")])
     assert result == 0
+    saved = json.loads((tmp_path / "saved" / "run.json").read_text())  # the run directory's, not the record's
+    assert saved["rows"] == rows and saved["args"] == {"seed": 0, "max_steps": 50} and saved["steps"] == 50
+    assert [p.name for p in (tmp_path / "saved").iterdir()] == ["run.json"]
     out = capsys.readouterr().out
     runs = json.loads(out.strip().splitlines()[-1])["runs"]
     assert list(runs) == [f"{tmp_path / 'run.json'} @ 30", str(tmp_path / "run.json"), f"{run_dir} @ 30", str(run_dir)]

@@ -537,6 +537,10 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     return sf.read_metrics(run_dir)
 
 
+# The compute axes a run can be fitted on. compute_hours is ScaleRL's (device-hours: wall time x learner ranks and
+# generator), so it holds the idle time of a synchronous pipeline, and it depends on the machine's speed; flops
+# (2N per generated token + 6N per trained token) does not, so runs made on machines of other speeds pool on it.
+COMPUTE_AXES = {"compute_hours": "device-h", "flops": "FLOPs"}
 # What run_report reads from a metrics row, and the FLOPs (a compute axis that does not depend on the machine's
 # speed, for records made on different machines): a run's record keeps these and nothing else.
 RECORD_KEYS = ("step", "compute_hours", "flops", "val_pass_rate", "lag_hist", "stale_dropped", "step_s",
@@ -593,18 +597,19 @@ def write_record(path, rows: list[dict], run_dir=None, flags: list[str] | None =
     Path(path).write_text(json.dumps(record, separators=(",", ":")) + "\n")
 
 
-def run_report(rows: list[dict], devices: int = 3, fit_from_step: int = 0) -> dict:
+def run_report(rows: list[dict], devices: int = 3, fit_from_step: int = 0, axis: str = "compute_hours") -> dict:
     """What a run shows, from its metrics rows: the validation curve, its largest fall once it passed 0.8, the
     token-weighted lag, the final sigmoid fit, and how well a fit on the first half of the compute predicted the
     last evaluation. `devices`: learner ranks + generator, to turn compute_hours back into wall time.
     `fit_from_step`: both fits leave out the evaluations before this step (R0 stays the step-0 evaluation), as
-    ScaleRL leaves out its first ~1.5k GPU-hours."""
+    ScaleRL leaves out its first ~1.5k GPU-hours. `axis`: the compute of the curve and the fits, one of
+    COMPUTE_AXES."""
     import scaling_fit as sf
 
     evals = [r for r in rows if "val_pass_rate" in r]
-    C = [r["compute_hours"] for r in evals]
+    C = [r[axis] for r in evals]
     R = [r["val_pass_rate"] for r in evals]
-    min_compute = next((r["compute_hours"] for r in evals if r["step"] >= fit_from_step), C[-1]) \
+    min_compute = next((r[axis] for r in evals if r["step"] >= fit_from_step), C[-1]) \
         if fit_from_step else 0.0
     after_08 = next((i for i, r in enumerate(R) if r >= 0.8), len(R))
     lags: collections.Counter[int] = collections.Counter()
@@ -617,7 +622,7 @@ def run_report(rows: list[dict], devices: int = 3, fit_from_step: int = 0) -> di
         "largest_fall_after_0.8": max([0.0] + [a - b for a, b in zip(R[after_08:], R[after_08 + 1:])]),
         "lag_mean": sum(lag * n for lag, n in lags.items()) / max(tokens, 1), "lag_max": max(lags, default=0),
         "lag_hist": {lag: lags[lag] / tokens for lag in sorted(lags)} if tokens else {},
-        "stale_dropped": rows[-1].get("stale_dropped", 0), "compute_hours": C[-1],
+        "stale_dropped": rows[-1].get("stale_dropped", 0), "compute_hours": evals[-1]["compute_hours"],
         # the share of a learner step (step_s includes it) that rank 0 spent pushing the weights to the generator
         "weight_sync_frac": statistics.median(fracs) if (fracs := [r["weight_sync_s"] / r["step_s"] for r in rows
                                                                   if r.get("step_s") and "weight_sync_s" in r]) else None,
@@ -665,6 +670,9 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
                         help="comma list of evaluated steps: report each run as if it had stopped there too, to see "
                              "from which length on its first half predicts its end, e.g. 100,150,200 (default: the "
                              "whole run only)")
+    parser.add_argument("--compute-axis", choices=list(COMPUTE_AXES), default="compute_hours",
+                        help="the compute the curves are fitted on: compute_hours (ScaleRL's device-hours, wall time) "
+                             "or flops (does not depend on the machine's speed) (default compute_hours)")
     parser.add_argument("--save-records", default=None,
                         help="also write each run directory's record (NAME.json, as bench.py study keeps them: the "
                              "rows run_report reads and the run's args.json) into this directory, to commit what a "
@@ -683,7 +691,8 @@ def bench_report(args: argparse.Namespace) -> dict:
         cuts = [int(s) for s in args.at_steps.split(",")] if args.at_steps else [rows[-1]["step"]]
         for steps in cuts:
             name = run if steps == rows[-1]["step"] else f"{run} @ {steps}"
-            reports[name] = run_report(cut_rows(rows, steps), args.devices, fit_from_step=args.fit_from_step)
+            reports[name] = run_report(cut_rows(rows, steps), args.devices, fit_from_step=args.fit_from_step,
+                                       axis=args.compute_axis)
     print("| run | val pass 0 -> end (best) | largest fall after 0.8 | mean lag (max) | final fit A, R^2 "
           "| first-half fit: predicted - final | predicted - full fit's end | weight sync / step (median) | wall |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -858,7 +867,8 @@ def compare_intervals(variant: dict, baseline: dict, key: str = "A") -> str:
     return "not separable"
 
 
-def plot_study(fits: dict[str, dict], out_path, title: str, ceiling: float | None = None) -> None:
+def plot_study(fits: dict[str, dict], out_path, title: str, ceiling: float | None = None,
+               axis: str = "compute_hours") -> None:
     """The study's figure: each variant's pooled evaluations and fit against compute, then A and B with their 95%
     intervals, one row per variant (the first is the baseline), and the task's known ceiling where there is one."""
     import matplotlib
@@ -886,7 +896,7 @@ def plot_study(fits: dict[str, dict], out_path, title: str, ceiling: float | Non
             axline(ceiling, color="black", linestyle=":", linewidth=1, label=f"known ceiling {ceiling:g}")
         ax_a.legend(fontsize=8, loc="upper right")
     ax_curve.set_xscale("log")
-    ax_curve.set(xlabel="compute_hours (device-hours)", ylabel="validation pass rate (mean@k)", title=title)
+    ax_curve.set(xlabel=f"{axis} ({COMPUTE_AXES[axis]})", ylabel="validation pass rate (mean@k)", title=title)
     ax_curve.legend(fontsize=7, ncol=2)
     ax_a.set(xlabel="asymptote A (95% interval)", title="A: where the variant ends")
     ax_b.set(xlabel="B (95% interval)", title="B: how fast it gets there")
@@ -919,6 +929,11 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
                         help="runs go to OUT_DIR/VARIANT-sSEED; a finished run is not run again, so a killed study "
                              "continues where it stopped; the table, figure and summary go to OUT_DIR/study.{md,png,"
                              "json} (default runs/study)")
+    parser.add_argument("--compute-axis", choices=list(COMPUTE_AXES), default="compute_hours",
+                        help="the compute every fit is on: compute_hours (ScaleRL's device-hours: wall time, so it "
+                             "counts a synchronous pipeline's idle time, and runs made on machines of other speeds "
+                             "do not pool) or flops (2N per generated + 6N per trained token: the same on every "
+                             "machine, blind to idle time) (default compute_hours)")
     parser.add_argument("--records", default=None,
                         help="one small JSON record per finished run (VARIANT-sSEED.json: its flags and metrics rows) "
                              "goes here, and a run whose record holds at least --steps steps with the same flags is "
@@ -959,7 +974,8 @@ def bench_study(args: argparse.Namespace) -> dict:
         for seed in seeds:
             rows = _recorded_run(out_dir / f"{name}-s{seed}", records / f"{name}-s{seed}.json", args.steps,
                                  ["--seed", str(seed), *VARIANTS[name][1], *common])
-            reports.setdefault(name, []).append(run_report(rows, fit_from_step=args.fit_from_step))
+            reports.setdefault(name, []).append(run_report(rows, fit_from_step=args.fit_from_step,
+                                                           axis=args.compute_axis))
     fits = {name: pooled_fit(reps, args.bootstrap) for name, reps in reports.items()}
     baseline = fits[names[0]]
     # ScaleRL compares the efficiency of runs whose asymptotes are alike with A fixed at their average: here the
@@ -970,7 +986,9 @@ def bench_study(args: argparse.Namespace) -> dict:
     shared = {name: pooled_fit(reports[name], args.bootstrap, fixed_A=shared_a) for name in alike} \
         if shared_a is not None else {}
     summary_variants = []
-    lines = [f"| variant (NAME) | FLAGS | val pass 0 -> {args.steps} | A [95%] | B [95%] | C_mid (device-h) | R^2 "
+    unit = COMPUTE_AXES[args.compute_axis]
+    c_fmt = ".4f" if args.compute_axis == "compute_hours" else ".3g"
+    lines = [f"| variant (NAME) | FLAGS | val pass 0 -> {args.steps} | A [95%] | B [95%] | C_mid ({unit}) | R^2 "
              f"| first-half fit: predicted - final, worst | predicted - full fit's end, worst | A against {names[0]} "
              f"| at A = {shared_a}: B [95%] | C_mid [95%] | B, C_mid against {names[0]} |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -985,14 +1003,14 @@ def bench_study(args: argparse.Namespace) -> dict:
         b_verdict = "(baseline)" if name == names[0] else "A differs" if name not in shared else \
             ", ".join(compare_intervals(at_shared, shared[names[0]], key=key) for key in ("B", "C_mid"))
         b_shared_text = "- | -" if at_shared["B"] is None else \
-            (f"{at_shared['B']:.2f} [{at_shared['B_lo']:.2f}, {at_shared['B_hi']:.2f}] | {at_shared['C_mid']:.4f} "
-             f"[{at_shared['C_mid_lo']:.4f}, {at_shared['C_mid_hi']:.4f}]")
+            (f"{at_shared['B']:.2f} [{at_shared['B_lo']:.2f}, {at_shared['B_hi']:.2f}] | {at_shared['C_mid']:{c_fmt}} "
+             f"[{at_shared['C_mid_lo']:{c_fmt}}, {at_shared['C_mid_hi']:{c_fmt}}]")
         if fit["A"] is None:
             a_text = b_text = c_text = r2_text = "no sigmoid"
         else:
             a_text = f"{fit['A']:.3f} [{fit['A_lo']:.3f}, {fit['A_hi']:.3f}]"
             b_text = f"{fit['B']:.2f} [{fit['B_lo']:.2f}, {fit['B_hi']:.2f}]"
-            c_text, r2_text = f"{fit['C_mid']:.3f}", f"{fit['r2']:.3f}"
+            c_text, r2_text = f"{fit['C_mid']:{c_fmt}}", f"{fit['r2']:.3f}"
         lines.append(f"| {title} ({name}) | {'`' + ' '.join(flags) + '`' if flags else ''} | "
                      f"{_mean_spread([r['val_first'] for r in reps], '.3f')} -> "
                      f"{_mean_spread([r['val_final'] for r in reps], '.3f')} | {a_text} | {b_text} | {c_text} | "
@@ -1015,6 +1033,7 @@ def bench_study(args: argparse.Namespace) -> dict:
     total_wall = sum(rep["wall_s"] for rep in all_reports)
     summary = {
         "steps": args.steps, "seeds": seeds, "common_flags": common, "fit_from_step": args.fit_from_step,
+        "compute_axis": args.compute_axis,
         "ceiling": args.ceiling, "shared_A": shared_a,
         "bootstrap": args.bootstrap,
         "baseline": names[0], "records": str(records), "runs": len(all_reports), "total_compute_hours": total_hours,
@@ -1027,7 +1046,8 @@ def bench_study(args: argparse.Namespace) -> dict:
     from_step = f", fitted from step {args.fit_from_step} on" if args.fit_from_step else ""
     table = "\n".join(lines) + (
         f"\n\n(one sigmoid per variant fitted to the evaluations of seeds {args.seeds} together, {args.steps} steps "
-        f"each{from_step}; 95% residual-bootstrap intervals; {len(all_reports)} runs, {total_hours:.2f} "
+        f"each{from_step}, on {args.compute_axis}; 95% residual-bootstrap intervals; {len(all_reports)} runs, "
+        f"{total_hours:.2f} "
         f"device-hours, {total_wall / 3600:.2f} h of wall time)\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "study.md").write_text(table)
@@ -1035,7 +1055,7 @@ def bench_study(args: argparse.Namespace) -> dict:
         path.write_text(json.dumps(summary, indent=1) + "\n")
     title = f"{len(seeds)} seeds pooled per variant (seeds {args.seeds}), {args.steps} steps{from_step}"
     for path in [out_dir / "study.png", *([Path(args.figure)] if args.figure else [])]:
-        plot_study(fits, path, title, args.ceiling)
+        plot_study(fits, path, title, args.ceiling, args.compute_axis)
     print(table)
     return {"benchmark": "study", **summary}
 

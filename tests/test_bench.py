@@ -207,6 +207,36 @@ def test_a_study_continues_from_its_records_without_run_directories_and_cuts_the
         bench.main([*study, "--steps", "50", "--common", "--lr 1e-3", "--out-dir", str(tmp_path / "e")])
 
 
+def test_a_study_on_flops_pools_runs_from_machines_of_other_speeds(tmp_path, monkeypatch):
+    """Seed 2 ran on a machine twice as slow: its device-hours are doubled, its FLOPs are not. Pooled on
+    compute_hours the three seeds disagree about where the midpoint is; on flops they agree."""
+    def fake_train_run(run_dir, steps, flags):
+        seed = int(flags[flags.index("--seed") + 1])
+        rng = np.random.default_rng(seed)
+        rows = []
+        for step in range(0, steps + 1, 5):
+            flops = 1e12 * step
+            noise = rng.normal(0, 0.005) if step else 0.0
+            value = float(sf.sigmoid(flops + 1e-3, A=0.8, B=2.0, C_mid=8e12, R0=0.3)) + noise
+            rows.append({"step": step, "flops": flops, "val_pass_rate": value,
+                         "compute_hours": 0.004 * step * (2.0 if seed == 2 else 1.0) + 1e-7})
+        return rows
+
+    monkeypatch.setattr(bench, "_train_run", fake_train_run)
+    fits = {}
+    for axis in ("compute_hours", "flops"):
+        out = tmp_path / axis
+        bench.main(["study", "--variants", "scalerl", "--seeds", "0,1,2", "--steps", "50", "--bootstrap", "20",
+                    "--compute-axis", axis, "--out-dir", str(out)])
+        summary = json.loads((out / "study.json").read_text())
+        assert summary["compute_axis"] == axis
+        fits[axis] = summary["variants"][0]
+        assert f"C_mid ({bench.COMPUTE_AXES[axis]})" in (out / "study.md").read_text()
+    assert fits["flops"]["r2"] > 0.98 > fits["compute_hours"]["r2"]
+    assert fits["flops"]["C_mid"] == pytest.approx(8e12, rel=0.1) and fits["flops"]["A"] == pytest.approx(0.8, abs=0.01)
+    assert fits["flops"]["compute_hours"] == fits["compute_hours"]["compute_hours"]  # still reported in device-hours
+
+
 def test_cut_rows_stops_a_run_at_an_evaluated_step_only():
     rows = _sigmoid_run(0.9, 0, 50)  # evaluations every 5 steps
     assert bench.cut_rows(rows, 20) == rows[:5] and bench.cut_rows(rows, 50) == rows

@@ -211,6 +211,9 @@ class Args:
     eval_every: int = _arg(HelpGroup.EVALUATION, 5, "evaluate every N steps (and at step 0 and the end); tiny task: "
                            "5, so the rise of the curve has enough points for the sigmoid fit")
     eval_samples: int = _arg(HelpGroup.EVALUATION, 4, "k of the mean@k validation pass rate (ScaleRL: 16)")
+    final_eval_samples: int | None = _arg(HelpGroup.EVALUATION, None, "k of the last evaluation only (default: "
+                                          "--eval-samples): the run's final value measured more exactly for the cost "
+                                          "of one evaluation, e.g. 16 when a fit's prediction is checked against it")
     eval_prompts: int = _arg(HelpGroup.EVALUATION, 128, "held-out validation prompts (ScaleRL: 1000)")
     log_every: int = _arg(HelpGroup.EVALUATION, 5, "print a one-line summary every N steps")
 
@@ -299,8 +302,8 @@ def check_args(args: Args) -> list[str]:
     if args.logits_chunk_tokens is not None and args.logits_chunk_tokens < 1:
         problems.append(f"--logits-chunk-tokens must be >= 1 (got {args.logits_chunk_tokens})")
     for flag in ("group_size", "max_tokens", "answer_budget", "eval_samples", "eval_prompts", "checkpoint_every",
-                 "log_every", "micro_batch_tokens", "max_bad_steps"):
-        if getattr(args, flag) < 1:
+                 "log_every", "micro_batch_tokens", "max_bad_steps", "final_eval_samples"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             problems.append(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     if not args.grad_clip > 0:
         problems.append(f"--grad-clip must be > 0 (got {args.grad_clip})")
@@ -848,12 +851,14 @@ def pull_round_or_error(args: Args, run: Run, state: TrainerState) -> Round:
 
 def evaluate(args: Args, run: Run, row: dict) -> None:
     """Rank 0: the mean@k pass rate on the held-out validation prompts (and on --test-dataset), added to `row`
-    with the asymptote of the sigmoid fitted to the evaluations so far."""
+    with k (--eval-samples; --final-eval-samples at the last step, when given) and the asymptote of the sigmoid
+    fitted to the evaluations so far."""
     t0 = time.time()
-    val = pass_rates(run.generator, run.val_problems, args.eval_samples, args.temperature)
-    row.update(val_pass_rate=val["pass_rate"], val_reward=val["reward"], eval_s=time.time() - t0)
+    k = args.final_eval_samples if args.final_eval_samples and row["step"] == args.max_steps else args.eval_samples
+    val = pass_rates(run.generator, run.val_problems, k, args.temperature)
+    row.update(val_pass_rate=val["pass_rate"], val_reward=val["reward"], val_samples=k, eval_s=time.time() - t0)
     if run.test_problems:
-        test = pass_rates(run.generator, run.test_problems, args.eval_samples, args.temperature)
+        test = pass_rates(run.generator, run.test_problems, k, args.temperature)
         row.update(test_pass_rate=test["pass_rate"], test_reward=test["reward"])
     run.eval_rows.append(row)
     asymptote = current_asymptote(run.eval_rows)

@@ -70,6 +70,7 @@ def test_unknown_loss_lists_the_valid_ones(capsys):
     (["--output-dir", "/proc/version/run"], "/proc/version is a file, not a directory"),
     (["--output-dir", "/proc/scalerl-run"], "/proc is not writable"),
     (["--eval-samples", "0"], "--eval-samples must be >= 1"),
+    (["--final-eval-samples", "0"], "--final-eval-samples must be >= 1"),
     (["--group-size", "1"], "no group variance"),
     (["--loss-arg", "eps_max"], "expected KEY=VALUE"),
     (["--buffer-steps", "-1"], "--buffer-steps must be >= 0"),
@@ -597,7 +598,7 @@ os._exit(0)
     ("grpo", ["--mode", "sync", "--max-off-policy", "1", "--kl-coef", "0.04",
               "--tis", "token", "--tis-mode", "mask", "--tis-cap-min", "0.5", "--tis-cap", "5"]),
     ("dapo", ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter"]),
-    ("drgrpo", ["--mode", "sync", "--max-off-policy", "2"]),  # PPO-off-policy-2
+    ("drgrpo", ["--mode", "sync", "--max-off-policy", "2", "--final-eval-samples", "3"]),  # PPO-off-policy-2
     ("gspo", ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "--loss-arg", "token_level=true"]),
 ])
 def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
@@ -608,6 +609,9 @@ def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     evals = [r for r in rows if "val_pass_rate" in r]
     assert [r["step"] for r in evals] == [0, 2, 3]
+    # mean@2 on 8 prompts; with --final-eval-samples 3 the last evaluation is mean@3 (a multiple of 1/24)
+    assert [r["val_samples"] for r in evals] == [2, 2, 3 if "--final-eval-samples" in flags else 2]
+    assert all(round(r["val_pass_rate"] * 8 * r["val_samples"], 6).is_integer() for r in evals)
     for r in rows[1:]:
         for key in ("loss", "clip_frac", "ratio_mean", "kl_k3", "grad_norm", "reward", "frac_zero_variance",
                     "lag_mean", "wait_s", "compute_hours", "flops", "tokens", "train_tokens_per_s"):

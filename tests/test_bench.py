@@ -296,3 +296,22 @@ def test_the_readme_quotes_the_committed_study_as_it_is():
         assert ", ".join(f"{e:+.3f}" for e in variant["half_fit_errors"].values()) in row, variant["name"]
     assert f"--steps {summary['steps']}" in section
     assert f"{summary['worst_half_fit_error']:+.3f}" in section
+
+
+def test_the_readme_run_length_table_is_what_the_committed_records_give():
+    """The README's run-length table (each 300-step run cut at 100..300 steps) must be what `bench.py report` gives
+    on the committed records in docs/run-length: each cell, predicted - last evaluation (predicted - full fit's end)."""
+    repo = Path(__file__).resolve().parent.parent
+    section = (repo / "README.md").read_text().split("#### How long a run must be")[1].split("\n### ")[0]
+    records = sorted((repo / "docs" / "run-length").glob("*.json"))
+    assert len(records) >= 4
+    lengths = [100, 150, 200, 250, 300]
+    for record in records:
+        rows = bench.load_rows(record)
+        assert rows[-1]["step"] == 300
+        line = next(line for line in section.splitlines() if line.startswith(f"| {record.stem} |"))
+        for steps in lengths:
+            rep = bench.run_report(bench.cut_rows(rows, steps), fit_from_step=10)
+            cell = f"{rep['half_fit_error']:+.3f}" + ("**" if abs(rep["half_fit_error"]) > 0.05 else "") + \
+                f" ({rep['half_fit_error_vs_fit']:+.3f})"
+            assert cell in line, (record.stem, steps, cell)

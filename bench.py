@@ -939,8 +939,8 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
                              "goes here, and a run whose record holds at least --steps steps with the same flags is "
                              "not run again but cut at --steps. Committed (e.g. docs/study-runs), they let a study be "
                              "refitted (another fitter, fewer steps) without its run directories, or continued by a "
-                             "later session; compute_hours is wall time, so only records from machines of one speed "
-                             "pool (default OUT_DIR/records)")
+                             "later session (on compute_hours, only records from machines of one speed pool; on "
+                             "--compute-axis flops, any do) (default OUT_DIR/records)")
     parser.add_argument("--ceiling", type=float, default=None,
                         help="the task's known ceiling, drawn beside the fitted asymptotes and kept in the summary "
                              "(arithmetic-verified with --think-budget 27,36: 0.7, see tasks.VerifiedArithmeticTask)")

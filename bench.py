@@ -659,20 +659,27 @@ def _mean_spread(values: list[float | None], fmt: str) -> str:
     return f"{mean:{fmt}} ({min(values):{fmt}}..{max(values):{fmt}})"
 
 
+def _add_curve_fit_args(parser: argparse.ArgumentParser) -> None:
+    """What run_report's fits take, the same for `report` and `study`."""
+    parser.add_argument("--fit-from-step", type=int, default=0,
+                        help="leave every run's evaluations before this step out of the fits (R0 stays the step-0 "
+                             "evaluation), as ScaleRL leaves out its first ~1.5k GPU-hours (default 0: fit them all)")
+    parser.add_argument("--compute-axis", choices=list(COMPUTE_AXES), default="compute_hours",
+                        help="the compute every fit is on: compute_hours (ScaleRL's device-hours: wall time, so it "
+                             "counts a synchronous pipeline's idle time, and runs made on machines of other speeds "
+                             "do not pool) or flops (2N per generated + 6N per trained token: the same on every "
+                             "machine, blind to idle time) (default compute_hours)")
+
+
 def _add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+",
                         help="run directories (train.py --output-dir) or a study's run records (.json) to report")
     parser.add_argument("--devices", type=int, default=3, help="learner ranks + generator of the runs (default 3)")
-    parser.add_argument("--fit-from-step", type=int, default=0,
-                        help="leave the evaluations before this step out of the fits, as bench.py study does "
-                             "(default 0)")
     parser.add_argument("--at-steps", default=None,
                         help="comma list of evaluated steps: report each run as if it had stopped there too, to see "
                              "from which length on its first half predicts its end, e.g. 100,150,200 (default: the "
                              "whole run only)")
-    parser.add_argument("--compute-axis", choices=list(COMPUTE_AXES), default="compute_hours",
-                        help="the compute the curves are fitted on: compute_hours (ScaleRL's device-hours, wall time) "
-                             "or flops (does not depend on the machine's speed) (default compute_hours)")
+    _add_curve_fit_args(parser)
     parser.add_argument("--save-records", default=None,
                         help="also write each run directory's record (NAME.json, as bench.py study keeps them: the "
                              "rows run_report reads and the run's args.json) into this directory, to commit what a "
@@ -920,20 +927,13 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
     parser.add_argument("--common", default="",
                         help="train.py flags added to every run, e.g. \"--model DIR --dataset FILE\" for another task")
-    parser.add_argument("--fit-from-step", type=int, default=0,
-                        help="leave every run's evaluations before this step out of the fits (R0 stays the step-0 "
-                             "evaluation), as ScaleRL leaves out its first ~1.5k GPU-hours (default 0: fit them all)")
+    _add_curve_fit_args(parser)
     parser.add_argument("--bootstrap", type=int, default=200,
                         help="residual-bootstrap replicates of each pooled fit, for the 95%% intervals (default 200)")
     parser.add_argument("--out-dir", default="runs/study",
                         help="runs go to OUT_DIR/VARIANT-sSEED; a finished run is not run again, so a killed study "
                              "continues where it stopped; the table, figure and summary go to OUT_DIR/study.{md,png,"
                              "json} (default runs/study)")
-    parser.add_argument("--compute-axis", choices=list(COMPUTE_AXES), default="compute_hours",
-                        help="the compute every fit is on: compute_hours (ScaleRL's device-hours: wall time, so it "
-                             "counts a synchronous pipeline's idle time, and runs made on machines of other speeds "
-                             "do not pool) or flops (2N per generated + 6N per trained token: the same on every "
-                             "machine, blind to idle time) (default compute_hours)")
     parser.add_argument("--records", default=None,
                         help="one small JSON record per finished run (VARIANT-sSEED.json: its flags and metrics rows) "
                              "goes here, and a run whose record holds at least --steps steps with the same flags is "

@@ -1,6 +1,7 @@
 """Run under torchrun by tests/test_train.py: the gradient of one step of every loss, for several micro-batch
 token budgets and LM-head chunk sizes, on synthetic groups. Rank 0 saves {(loss, budget, chunk): (loss value, flat
-full gradient, metrics)} to argv[1]."""
+full gradient, metrics)} to argv[1]. argv[2], if given, is the learner's --dtype (default float32); on a CUDA machine
+the ranks run on the GPU under NCCL (tests/test_gpu.py compares that with CPU)."""
 
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from bench import synthetic_groups  # noqa: E402
 
 def main() -> None:
     out = Path(sys.argv[1])
+    dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
     rank, world, device = train.init_distributed()
     model_dir = tasks.build_base_model(progress=False)
     results = {}
@@ -26,7 +28,7 @@ def main() -> None:
         loss_module = importlib.import_module(loss_name)
         # one micro-batch per rank; several; several, with the LM head's logits in chunks of 3 positions
         for budget, chunk in ((100_000, None), (200, None), (200, 3)):
-            args = train.Args(loss=loss_name, micro_batch_tokens=budget, group_size=4, dtype="float32",
+            args = train.Args(loss=loss_name, micro_batch_tokens=budget, group_size=4, dtype=dtype,
                               logits_chunk_tokens=chunk)
             torch.manual_seed(0)
             model, _ = train.build_learner(str(model_dir), args, device)
@@ -39,7 +41,7 @@ def main() -> None:
             totals = train.loss_and_backward(model, loss_module, hp, [groups[i] for i in mine], my_adv, args,
                                              pad_id=0, world=world, version=0)
             metrics = train.reduce_metrics(totals, world)
-            grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+            grads = {name: p.grad.full_tensor().float().cpu() for name, p in model.named_parameters()}
             flat = torch.cat([grads[k].flatten() for k in sorted(grads)])
             results[(loss_name, budget, chunk)] = (metrics["loss"], flat, metrics)
     if rank == 0:

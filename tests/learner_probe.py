@@ -1,7 +1,8 @@
 """Run under torchrun by tests/test_train.py: the gradient of one step of every loss, for several micro-batch
 token budgets and LM-head chunk sizes, on synthetic groups. Rank 0 saves {(loss, budget, chunk): (loss value, flat
-full gradient, metrics)} to argv[1]. argv[2], if given, is the learner's --dtype (default float32); on a CUDA machine
-the ranks run on the GPU under NCCL (tests/test_gpu.py compares that with CPU)."""
+full gradient, metrics)} to argv[1]. argv[2], if given, is the learner's --dtype (default float32), and argv[3] a model
+directory (default: the embedded base model); on a CUDA machine the ranks run on the GPU under NCCL (tests/test_gpu.py
+compares that with CPU)."""
 
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
     rank, world, device = train.init_distributed()
-    model_dir = tasks.build_base_model(progress=False)
+    model_dir = sys.argv[3] if len(sys.argv) > 3 else tasks.build_base_model(progress=False)
     results = {}
     for loss_name in train.LOSSES:
         loss_module = importlib.import_module(loss_name)

@@ -38,11 +38,11 @@ pytestmark = [
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _learner_probe(path: Path, dtype: str, on_gpu: bool) -> dict:
+def _learner_probe(path: Path, dtype: str, on_gpu: bool, model_dir: Path) -> dict:
     """tests/learner_probe.py under torchrun with one rank: on the GPU (NCCL), or with CUDA hidden (CPU, gloo)."""
     env = dict(os.environ) if on_gpu else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-           "tests/learner_probe.py", str(path), dtype]
+           "tests/learner_probe.py", str(path), dtype, str(model_dir)]
     t0 = time.perf_counter()
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -50,17 +50,33 @@ def _learner_probe(path: Path, dtype: str, on_gpu: bool) -> dict:
     return torch.load(path, weights_only=False)
 
 
-def test_learner_step_on_gpu_matches_cpu(tmp_path):
+def _tied_model(out: Path) -> Path:
+    """A small random Llama whose LM head is its input embedding, as SmolLM2's is: with the FP32 head, the
+    embedding joins the head's float32 FSDP2 unit (train.build_learner), a path the embedded model never takes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("model", ["embedded", "tied"])
+def test_learner_step_on_gpu_matches_cpu(tmp_path, model):
     """The learner alone (no vLLM): one step of every loss on synthetic groups, for one and several micro-batches
     and with the LM head in chunks (tests/learner_probe.py), on the GPU under NCCL against float32 on CPU under
-    gloo. Every tensor that meets the model or a collective must be on the rank's GPU, or the step fails. In
-    float32 the two agree to kernel rounding. With bf16 weights and the float32 head, bf16 rounding changes the
-    gradient's norm by up to 17% (measured on CPU, bf16 against float32: loss within 1.5%, cosine above 0.997), so
-    there only the loss (within 5%) and the gradient's direction (cosine > 0.99) are bounded. Seen on one H200
-    (torch 2.11): float32 gradients within 7e-6 relative of CPU's, bf16 losses within 0.7%, cosines above 0.998."""
-    cpu = _learner_probe(tmp_path / "cpu.pt", "float32", on_gpu=False)
-    gpu = _learner_probe(tmp_path / "gpu.pt", "float32", on_gpu=True)
-    bf16 = _learner_probe(tmp_path / "bf16.pt", "bfloat16", on_gpu=True)
+    gloo; with the embedded model and with a tied LM head. Every tensor that meets the model or a collective must
+    be on the rank's GPU, or the step fails. In float32 the two agree to kernel rounding. With bf16 weights and the
+    float32 head, bf16 rounding changes the embedded model's gradient norm by up to 17% (measured on CPU, bf16
+    against float32: loss within 1.5%, cosine above 0.997), so there only the loss (within 5%) and the gradient's
+    direction (cosine > 0.99) are bounded. Seen on one H200 (torch 2.11), against CPU: float32 gradients within
+    7e-6 relative (tied: 4e-7); bf16 losses within 0.7% (tied: 0.07%), gradient cosines above 0.998 (tied: 0.99998)."""
+    model_dir = tasks.build_base_model(progress=False) if model == "embedded" else _tied_model(tmp_path / "tied")
+    cpu = _learner_probe(tmp_path / "cpu.pt", "float32", on_gpu=False, model_dir=model_dir)
+    gpu = _learner_probe(tmp_path / "gpu.pt", "float32", on_gpu=True, model_dir=model_dir)
+    bf16 = _learner_probe(tmp_path / "bf16.pt", "bfloat16", on_gpu=True, model_dir=model_dir)
     failures = []
     for key, (loss, grad, _) in cpu.items():
         # (name, result, loss rtol, gradient rtol, least cosine)

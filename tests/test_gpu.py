@@ -11,8 +11,8 @@ SCALERL_GEN_DEVICES: the generator's devices (default: the last GPU), tensor par
 SCALERL_GPU_MODEL: a HF model (default: the tiny embedded model). On one GPU the learner shares the generator's
 device, so vLLM gets only 30% of its memory.
 
-The first test needs no vLLM: the learner's step on the GPU against the same step on CPU. The others skip, saying
-so, where vLLM is not installed (a GPU image with only PyTorch still checks the learner).
+test_learner_step_on_gpu_matches_cpu needs no vLLM: the learner's step on the GPU against the same step on CPU.
+The others skip, saying so, where vLLM is not installed (a GPU image with only PyTorch still checks the learner).
 """
 
 from __future__ import annotations

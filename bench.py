@@ -473,7 +473,7 @@ def bench_train(args: argparse.Namespace) -> dict:
     groups = synthetic_groups(args.groups, args.group_size, model.config.vocab_size)
     rewards = torch.tensor([r for grp in groups for r in grp.rewards])
     advantages = loss_module.compute_advantages(rewards, args.group_size)
-    rows = train.to_rows(groups, advantages, args.group_size, pad_id=0)
+    rows = train.to_rows(groups, advantages, args.group_size, pad_id=0, device=device)  # the bare model's batch
     tokens = int(rows.attention.sum())
 
     def ours() -> None:
@@ -484,7 +484,7 @@ def bench_train(args: argparse.Namespace) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    bare_model = AutoModelForCausalLM.from_pretrained(model_dir)
+    bare_model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
     bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-5)
 
     def bare() -> None:
@@ -494,12 +494,16 @@ def bench_train(args: argparse.Namespace) -> dict:
         (-(logprobs * rows.loss_mask).sum() / rows.loss_mask.sum()).backward()
         bare_optimizer.step()
 
+    # CUDA kernels run asynchronously: wait for them before reading the clock.
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = {}
     for name, fn in (("bare", bare), ("ours", ours), ("bare2", bare), ("ours2", ours)):  # interleaved: fair to noise
         fn()  # warm-up
+        wait()
         start = time.perf_counter()
         for _ in range(args.repeats):
             fn()
+        wait()
         times[name] = (time.perf_counter() - start) / args.repeats
     ours_s, bare_s = min(times["ours"], times["ours2"]), min(times["bare"], times["bare2"])
     print(f"batch: {len(groups)} groups x {args.group_size} = {rows.input_ids.shape[0]} rows, {tokens} tokens")

@@ -36,13 +36,13 @@ pytestmark = [
 
 
 REPO = Path(__file__).resolve().parent.parent
+TORCHRUN_ONE_RANK = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
 
 
 def _learner_probe(path: Path, dtype: str, on_gpu: bool, model_dir: Path) -> dict:
     """tests/learner_probe.py under torchrun with one rank: on the GPU (NCCL), or with CUDA hidden (CPU, gloo)."""
     env = dict(os.environ) if on_gpu else {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-           "tests/learner_probe.py", str(path), dtype, str(model_dir)]
+    cmd = [*TORCHRUN_ONE_RANK, "tests/learner_probe.py", str(path), dtype, str(model_dir)]
     t0 = time.perf_counter()
     run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -162,8 +162,8 @@ def _train_on_gpu(out, *flags: str) -> list[dict]:
 
     pytest.importorskip("vllm", reason="the generator needs the CUDA build of vLLM")
     gen_devices = os.environ.get("SCALERL_GEN_DEVICES", str(torch.cuda.device_count() - 1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "train.py",
-           "--output-dir", str(out), "--gen-devices", gen_devices, "--log-every", "1", *flags]
+    cmd = [*TORCHRUN_ONE_RANK, "train.py", "--output-dir", str(out), "--gen-devices", gen_devices, "--log-every", "1",
+           *flags]
     t0 = time.perf_counter()
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-4000:]

@@ -1284,13 +1284,11 @@ class Generator:
             time.sleep(0.05)
 
     def _dead_engine_process(self) -> str | None:
-        """'vLLM process NAME (pid P)' if one of the generator's vLLM processes (engine core, workers; only with
-        engine_process) has died, else None. Checked by the learner while it waits, so no vLLM call can hang it."""
-        for pid, created, name in self._info.get("descendants", []):
-            p = _same_process(pid, created)
-            if p is None or not _alive(p):
-                return f"vLLM process {name} (pid {pid})"
-        return None
+        """'vLLM process NAME (pid P)' for each of the generator's vLLM processes (engine core, workers; only with
+        engine_process) that has died, or None. Checked by the learner while it waits, so no vLLM call can hang it."""
+        dead = [f"vLLM process {name} (pid {pid})" for pid, created, name in self._info.get("descendants", [])
+                if (p := _same_process(pid, created)) is None or not _alive(p)]
+        return ", ".join(dead) or None
 
     # ---- messaging --------------------------------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -1330,8 +1328,12 @@ class Generator:
                     self._proc.join(1.0)
                     self._die(f"generator process died during {what}")
                 if msg[0] == "error":
+                    # Name a dead vLLM process first: the generator may see its engine die (EngineDeadError)
+                    # before this loop's watcher does, and the dead process is the cause a user must read.
+                    dead = self._dead_engine_process()
                     self._proc.join(5.0)
-                    self._die(f"generator process failed during {what}: {msg[1]}")
+                    cause = f"{dead} died during {what}; " if dead else ""
+                    self._die(f"{cause}generator process failed during {what}: {msg[1]}")
                 if msg[0] == "fail":
                     raise GeneratorError(msg[1])
                 if msg[0] == "closed":

@@ -623,6 +623,33 @@ def test_killing_vllms_engine_core_raises_generator_error_quickly(sync_gen):
     assert not list(shm.glob(f"scalerl-weights-{os.getpid()}-*"))  # no weight file left behind
 
 
+def test_an_engine_death_the_generator_reports_first_still_names_the_dead_process(tmp_path):
+    """The race behind the test above: the generator can hit vLLM's EngineDeadError and send its error before the
+    learner's watcher sees the engine core gone. The error must name the dead process either way. Checked without
+    vLLM: a real pipe carries the generator's error, and a real process that has exited plays the engine core."""
+    import multiprocessing
+    import subprocess
+
+    import psutil
+
+    core = subprocess.Popen(["sleep", "60"])
+    created = psutil.Process(core.pid).create_time()
+    core.kill()
+    core.wait()
+    gen = pl.Generator(pl.GeneratorConfig(model=str(tmp_path / "no-model")), tasks.ArithmeticTask())
+    learner_end, generator_end = multiprocessing.Pipe()
+    generator = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
+    generator.start()
+    generator.join()
+    gen._proc, gen._conn = generator, learner_end
+    gen._info = {"descendants": [(core.pid, created, "EngineCore_DP0")]}
+    gen._started_at = time.time() + 3600  # no shared-memory segment of this test session counts as this one's
+    generator_end.send(("error", "EngineDeadError: EngineCore encountered an issue"))
+    with pytest.raises(pl.GeneratorError, match=f"EngineCore_DP0 .pid {core.pid}. died during get_batch.*EngineDead"):
+        gen.get_batch(2, 1)
+    generator_end.close()
+
+
 @pytest.mark.slow
 def test_start_failure_is_reported(tmp_path):
     gen = pl.Generator(pl.GeneratorConfig(model=str(tmp_path / "no-such-model")), tasks.ArithmeticTask())

@@ -185,7 +185,8 @@ class Args:
                           "(DeepSeekMath: 0.04; 0 = off, as in DAPO and ScaleRL); only losses whose compute_loss "
                           "takes ref_logprobs (grpo)")
     micro_batch_tokens: int = _arg(HelpGroup.LOSS, 8192, "token budget of a micro-batch (padded rows x length); whole "
-                                   "groups only")
+                                   "groups only. Sized for large models' memory: on a GPU with a small model, where each "
+                                   "micro-batch costs fixed host time, a larger one is faster")
 
     tis: str | None = _arg(HelpGroup.IMPORTANCE, None, "truncated importance sampling against the sampler's logprobs: "
                            "token or sequence (default: off)", choices=("token", "sequence"))
@@ -915,23 +916,32 @@ class Rows:
 def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int, device: Any = "cpu") -> Rows:
     """Pad the groups' completions (after their prompts) into one micro-batch of rows, on `device` (the model's)."""
     seqs = [(g.prompt_ids, c) for g in groups for c in g.completions]
-    length = max(len(p) + len(c.token_ids) for p, c in seqs)
+    prompt_len = torch.tensor([len(p) for p, _ in seqs])                                  # [N]
+    completion_len = torch.tensor([len(c.token_ids) for _, c in seqs])                    # [N]
+    length = int((prompt_len + completion_len).max())
     n = len(seqs)
+    # One tensor per field for the whole micro-batch, not one per row: on a GPU the learner step is bound by the
+    # host, and a per-row loop cost as much as the bare forward + backward of a small model (bench.py train).
+    # A boolean mask assigns its true slots in row-major order, the order of the flattened lists.
+    positions = torch.arange(length)                                                      # [L]
+    attention = positions < (prompt_len + completion_len)[:, None]                        # [N, L]
+    start = (prompt_len - 1)[:, None]                                                     # position predicting token 0
+    in_completion = (positions[:-1] >= start) & (positions[:-1] < start + completion_len[:, None])  # [N, L-1]
+
+    def flat(values: Any, dtype: torch.dtype) -> Any:
+        return torch.tensor([x for v in values for x in v], dtype=dtype)
+
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    attention = torch.zeros(n, length, dtype=torch.bool)
+    input_ids[attention] = flat((p + c.token_ids for p, c in seqs), torch.long)
     loss_mask = torch.zeros(n, length - 1, dtype=torch.bool)
+    loss_mask[in_completion] = flat((c.loss_mask for _, c in seqs), torch.bool)
     sampler = torch.zeros(n, length - 1)
+    sampler[in_completion] = flat((c.sampler_logprobs for _, c in seqs), torch.float32)
     versions = torch.full((n, length - 1), -1, dtype=torch.long)
-    old = torch.zeros(n, length - 1)
-    for row, (prompt, c) in enumerate(seqs):
-        p, t = len(prompt), len(c.token_ids)
-        input_ids[row, : p + t] = torch.tensor(prompt + c.token_ids)
-        attention[row, : p + t] = True
-        loss_mask[row, p - 1 : p - 1 + t] = torch.tensor(c.loss_mask, dtype=torch.bool)
-        sampler[row, p - 1 : p - 1 + t] = torch.tensor(c.sampler_logprobs)
-        versions[row, p - 1 : p - 1 + t] = torch.tensor(c.versions)
-        behaviour = c.old_logprobs if c.old_logprobs is not None else c.sampler_logprobs
-        old[row, p - 1 : p - 1 + t] = torch.tensor(behaviour)
+    versions[in_completion] = flat((c.versions for _, c in seqs), torch.long)
+    old = torch.zeros(n, length - 1)  # behaviour policy: learner-recomputed where attached, else the sampler's
+    old[in_completion] = flat((c.sampler_logprobs if c.old_logprobs is None else c.old_logprobs for _, c in seqs),
+                              torch.float32)
     fields = (input_ids, attention, loss_mask, sampler, versions, old, advantages)
     return Rows(*(None if x is None else x.to(device) for x in fields))  # built on the CPU, moved in one copy each
 

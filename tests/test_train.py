@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -229,6 +230,43 @@ def test_rows_align_each_token_with_the_position_that_predicts_it():
     rows = train.to_rows([grp], torch.tensor([1.0, -1.0]), 2, pad_id=0)
     assert rows.old_logprobs[0, 2:6].tolist() == [-1.0, -2.0, -3.0, -4.0]
     assert rows.old_logprobs[1, 2:4].tolist() == [-0.5, -0.5]
+
+
+def test_rows_built_in_one_operation_per_field_equal_a_row_by_row_build():
+    """to_rows fills each field with one boolean-mask assignment; a row-by-row loop is the reference. Random prompt
+    and completion lengths (an empty completion too), versions, and learner old logprobs on some completions."""
+    rng = random.Random(0)
+    for trial in range(20):
+        group_size = rng.randint(1, 4)
+        groups = []
+        for i in range(rng.randint(1, 5)):
+            completions = []
+            for _ in range(group_size):
+                n = rng.randint(0 if trial % 4 == 0 else 1, 9)
+                c = Completion(token_ids=[rng.randrange(3, 99) for _ in range(n)],
+                               sampler_logprobs=[-rng.random() for _ in range(n)],
+                               versions=[rng.randint(0, 3) for _ in range(n)],
+                               loss_mask=[rng.random() < 0.8 for _ in range(n)], text="", finish_reason="stop",
+                               reward=1.0)
+                c.old_logprobs = [-rng.random() for _ in range(n)] if rng.random() < 0.5 else None
+                completions.append(c)
+            groups.append(Group(Problem(f"p{i}", "", ""), i, [rng.randrange(3, 99) for _ in range(rng.randint(1, 6))],
+                                completions))
+        rows = train.to_rows(groups, None, group_size, pad_id=1)
+        seqs = [(g.prompt_ids, c) for g in groups for c in g.completions]
+        length = max(len(p) + len(c.token_ids) for p, c in seqs)
+        assert rows.input_ids.shape == (len(seqs), length)
+        for r, (prompt, c) in enumerate(seqs):
+            p, t = len(prompt), len(c.token_ids)
+            assert rows.input_ids[r].tolist() == prompt + c.token_ids + [1] * (length - p - t)
+            assert rows.attention[r].tolist() == [True] * (p + t) + [False] * (length - p - t)
+            span = slice(p - 1, p - 1 + t)  # position p - 1 + k predicts completion token k
+            assert rows.loss_mask[r, span].tolist() == c.loss_mask and rows.loss_mask[r].sum() == sum(c.loss_mask)
+            assert rows.versions[r, span].tolist() == c.versions and (rows.versions[r] >= 0).sum() == t
+            assert rows.sampler_logprobs[r, span].tolist() == pytest.approx(c.sampler_logprobs)
+            behaviour = c.old_logprobs if c.old_logprobs is not None else c.sampler_logprobs
+            assert rows.old_logprobs[r, span].tolist() == pytest.approx(behaviour)
+            assert rows.old_logprobs[r].abs().sum() == pytest.approx(sum(-x for x in behaviour))
 
 
 def test_rows_go_to_the_models_device():

@@ -424,6 +424,8 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=8, help="completions per group (default 8)")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per method, after one warm-up (default 5)")
     parser.add_argument("--loss", default="cispo", help="loss file used by the learner (default cispo)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="the learner's micro-batch token budget (default: train.py's --micro-batch-tokens)")
 
 
 def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0) -> list:
@@ -466,6 +468,8 @@ def bench_train(args: argparse.Namespace) -> dict:
     rank, world, device = train.init_distributed()
     model_dir = str(tasks.build_base_model())
     cli = train.Args(loss=args.loss, group_size=args.group_size, dtype="float32")
+    if args.micro_batch_tokens is not None:
+        cli.micro_batch_tokens = args.micro_batch_tokens
     loss_module = importlib.import_module(args.loss)
     hp = train.loss_hyperparameters(cli, loss_module)
     model, _ = train.build_learner(model_dir, cli, device)
@@ -506,14 +510,15 @@ def bench_train(args: argparse.Namespace) -> dict:
         wait()
         times[name] = (time.perf_counter() - start) / args.repeats
     ours_s, bare_s = min(times["ours"], times["ours2"]), min(times["bare"], times["bare2"])
+    n_micro = len(train.micro_batches(groups, cli.micro_batch_tokens, args.group_size))
     print(f"batch: {len(groups)} groups x {args.group_size} = {rows.input_ids.shape[0]} rows, {tokens} tokens")
-    print(f"train.py learner step (FSDP2, {args.loss}, micro-batches of {cli.micro_batch_tokens} tokens): "
+    print(f"train.py learner step (FSDP2, {args.loss}, {n_micro} micro-batches of {cli.micro_batch_tokens} tokens): "
           f"{ours_s:.3f} s = {tokens / ours_s:,.0f} tokens/s")
     print(f"bare transformers forward+backward+AdamW:                  {bare_s:.3f} s = {tokens / bare_s:,.0f} tokens/s")
     import torch.distributed as dist
 
     dist.destroy_process_group()
-    return {"bench": "train", "tokens": tokens, "ours_s": round(ours_s, 4), "bare_s": round(bare_s, 4),
+    return {"bench": "train", "tokens": tokens, "micro_batches": n_micro, "ours_s": round(ours_s, 4), "bare_s": round(bare_s, 4),
             "ours_tokens_per_s": round(tokens / ours_s), "bare_tokens_per_s": round(tokens / bare_s),
             "train_throughput_ratio": round(bare_s / ours_s, 3)}
 

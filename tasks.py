@@ -73,7 +73,12 @@ VLLM_CPU_ENV = {
 
 
 def set_vllm_cpu_env() -> None:
-    """Set the environment vLLM needs on these CPU machines, without overriding what the user set."""
+    """Set the environment vLLM needs on these CPU machines, without overriding what the user set. On a machine
+    with CUDA it sets nothing: there vLLM runs on the GPU, may reach the hub, and compiles with dynamo."""
+    import torch  # here, as elsewhere in this file: the task and its verifier need no torch
+
+    if torch.cuda.is_available():
+        return
     for key, value in VLLM_CPU_ENV.items():
         os.environ.setdefault(key, value)
 

@@ -1250,8 +1250,7 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
     """Everything before the first step, on every rank: process group, OUTPUT_DIR lock, data, model, optimizer,
     resume, generator, metrics log. On exit the generator is closed; a run that fails before its first metrics row
     leaves OUTPUT_DIR as it found it."""
-    if not torch.cuda.is_available():  # vLLM's CPU settings (offline hub, no dynamo) are for CPU machines only
-        tasks.set_vllm_cpu_env()
+    tasks.set_vllm_cpu_env()  # vLLM's CPU settings (offline hub, no dynamo); nothing on a machine with CUDA
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
         # training on, and a --resume would then race them for OUTPUT_DIR: die with the launcher instead.

@@ -1,6 +1,7 @@
 """tasks.py: the embedded task, the strict verifier, the data loaders with bad rows, and the tiny base model."""
 
 import json
+import os
 import random
 import re
 from fractions import Fraction
@@ -629,6 +630,20 @@ def test_model_dir_problems_name_what_is_missing(tmp_path, base_model_dir):
     problems = " | ".join(tasks.model_dir_problems(str(odd)))
     assert "no weights" in problems and "no tokenizer" in problems and "attention head size 60" in problems
     assert "head size" not in " | ".join(tasks.model_dir_problems(str(odd), on_gpu=True))
+
+
+def test_vllms_cpu_environment_is_set_on_cpu_machines_only(monkeypatch):
+    import torch
+
+    for key in tasks.VLLM_CPU_ENV:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tasks.set_vllm_cpu_env()
+    assert not [key for key in tasks.VLLM_CPU_ENV if key in os.environ]  # a GPU machine keeps the hub and dynamo
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")  # what the user set stays
+    tasks.set_vllm_cpu_env()
+    assert os.environ["TORCHDYNAMO_DISABLE"] == "1" and os.environ["HF_HUB_OFFLINE"] == "0"
 
 
 @pytest.mark.slow

@@ -426,9 +426,17 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", default="cispo", help="loss file used by the learner (default cispo)")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="the learner's micro-batch token budget (default: train.py's --micro-batch-tokens)")
+    parser.add_argument("--model", default=None,
+                        help="HF model name or directory to time (default: the embedded tiny model, built on first use)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="the learner's compute dtype, as train.py's --dtype (bfloat16 keeps its FP32 LM head); "
+                             "the bare step runs its model in the same dtype (default float32)")
+    parser.add_argument("--completion-tokens", default="3,20",
+                        help="MIN,MAX length of the synthetic completions, uniform (default 3,20)")
 
 
-def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0) -> list:
+def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0,
+                     completion_tokens: tuple[int, int] = (3, 20)) -> list:
     """Groups of random prompts and completions with +-1 rewards and sampler logprobs near -3.7 (so that some
     ratios get clipped): a learner batch without a generator. tests/learner_probe.py uses it too."""
     import random
@@ -442,7 +450,7 @@ def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0) 
         prompt = [rng.randrange(8, vocab) for _ in range(rng.randint(5, 9))]
         completions = []
         for _ in range(group_size):
-            length = rng.randint(3, 20)
+            length = rng.randint(*completion_tokens)
             completions.append(Completion(
                 token_ids=[rng.randrange(8, vocab) for _ in range(length)],
                 sampler_logprobs=[-3.7 + rng.uniform(-0.5, 0.5) for _ in range(length)],  # some ratios get clipped
@@ -466,15 +474,16 @@ def bench_train(args: argparse.Namespace) -> dict:
 
     os.environ.setdefault("MASTER_PORT", "29517")
     rank, world, device = train.init_distributed()
-    model_dir = str(tasks.build_base_model())
-    cli = train.Args(loss=args.loss, group_size=args.group_size, dtype="float32")
+    model_dir = args.model or str(tasks.build_base_model())
+    cli = train.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype)
     if args.micro_batch_tokens is not None:
         cli.micro_batch_tokens = args.micro_batch_tokens
     loss_module = importlib.import_module(args.loss)
     hp = train.loss_hyperparameters(cli, loss_module)
     model, _ = train.build_learner(model_dir, cli, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    groups = synthetic_groups(args.groups, args.group_size, model.config.vocab_size)
+    low, high = (int(x) for x in args.completion_tokens.split(","))
+    groups = synthetic_groups(args.groups, args.group_size, model.config.vocab_size, completion_tokens=(low, high))
     rewards = torch.tensor([r for grp in groups for r in grp.rewards])
     advantages = loss_module.compute_advantages(rewards, args.group_size)
     rows = train.to_rows(groups, advantages, args.group_size, pad_id=0, device=device)  # the bare model's batch
@@ -488,7 +497,7 @@ def bench_train(args: argparse.Namespace) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    bare_model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
+    bare_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device)
     bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-5)
 
     def bare() -> None:
@@ -500,10 +509,16 @@ def bench_train(args: argparse.Namespace) -> dict:
 
     # CUDA kernels run asynchronously: wait for them before reading the clock.
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = {}
+    times, peak_gib = {}, {}
     for name, fn in (("bare", bare), ("ours", ours), ("bare2", bare), ("ours2", ours)):  # interleaved: fair to noise
+        if device.type == "cuda":  # the step's own memory above what is held between steps (both models' weights)
+            wait()
+            torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_allocated()
         fn()  # warm-up
         wait()
+        if device.type == "cuda":
+            peak_gib[name.rstrip("2")] = round((torch.cuda.max_memory_allocated() - held) / 2**30, 2)
         start = time.perf_counter()
         for _ in range(args.repeats):
             fn()
@@ -515,12 +530,15 @@ def bench_train(args: argparse.Namespace) -> dict:
     print(f"train.py learner step (FSDP2, {args.loss}, {n_micro} micro-batches of {cli.micro_batch_tokens} tokens): "
           f"{ours_s:.3f} s = {tokens / ours_s:,.0f} tokens/s")
     print(f"bare transformers forward+backward+AdamW:                  {bare_s:.3f} s = {tokens / bare_s:,.0f} tokens/s")
+    if peak_gib:
+        print(f"memory of a step beyond the weights held: learner {peak_gib['ours']} GiB, bare {peak_gib['bare']} GiB")
     import torch.distributed as dist
 
     dist.destroy_process_group()
-    return {"bench": "train", "tokens": tokens, "micro_batches": n_micro, "ours_s": round(ours_s, 4), "bare_s": round(bare_s, 4),
-            "ours_tokens_per_s": round(tokens / ours_s), "bare_tokens_per_s": round(tokens / bare_s),
-            "train_throughput_ratio": round(bare_s / ours_s, 3)}
+    return {"bench": "train", "dtype": args.dtype, "tokens": tokens, "micro_batches": n_micro,
+            "ours_s": round(ours_s, 4), "bare_s": round(bare_s, 4), "ours_tokens_per_s": round(tokens / ours_s),
+            "bare_tokens_per_s": round(tokens / bare_s), "train_throughput_ratio": round(bare_s / ours_s, 3),
+            **{f"{name}_step_peak_gib": gib for name, gib in peak_gib.items()}}
 
 
 # ---------------------------------------------------------------------------------------------------------------

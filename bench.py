@@ -427,7 +427,8 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="the learner's micro-batch token budget (default: train.py's --micro-batch-tokens)")
     parser.add_argument("--model", default=None,
-                        help="HF model name or directory to time (default: the embedded tiny model, built on first use)")
+                        help="HF model name or directory to time (default: the embedded tiny model, built on "
+                             "first use)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the learner's compute dtype, as train.py's --dtype (bfloat16 keeps its FP32 LM head); "
                              "the bare step runs its model in the same dtype (default float32)")

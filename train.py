@@ -185,8 +185,8 @@ class Args:
                           "(DeepSeekMath: 0.04; 0 = off, as in DAPO and ScaleRL); only losses whose compute_loss "
                           "takes ref_logprobs (grpo)")
     micro_batch_tokens: int = _arg(HelpGroup.LOSS, 8192, "token budget of a micro-batch (padded rows x length); whole "
-                                   "groups only. Sized for large models' memory: on a GPU with a small model, where each "
-                                   "micro-batch costs fixed host time, a larger one is faster")
+                                   "groups only. Sized for large models' memory: on a GPU with a small model, where "
+                                   "each micro-batch costs fixed host time, a larger one is faster")
 
     tis: str | None = _arg(HelpGroup.IMPORTANCE, None, "truncated importance sampling against the sampler's logprobs: "
                            "token or sequence (default: off)", choices=("token", "sequence"))

@@ -432,6 +432,9 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the learner's compute dtype, as train.py's --dtype (bfloat16 keeps its FP32 LM head); "
                              "the bare step runs its model in the same dtype (default float32)")
+    parser.add_argument("--fp32-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                        help="the learner's LM head in float32 under bfloat16, as train.py's --fp32-lm-head "
+                             "(default on)")
     parser.add_argument("--completion-tokens", default="3,20",
                         help="MIN,MAX length of the synthetic completions, uniform (default 3,20)")
 
@@ -476,7 +479,7 @@ def bench_train(args: argparse.Namespace) -> dict:
     os.environ.setdefault("MASTER_PORT", "29517")
     rank, world, device = train.init_distributed()
     model_dir = args.model or str(tasks.build_base_model())
-    cli = train.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype)
+    cli = train.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head)
     if args.micro_batch_tokens is not None:
         cli.micro_batch_tokens = args.micro_batch_tokens
     loss_module = importlib.import_module(args.loss)
@@ -536,9 +539,10 @@ def bench_train(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     dist.destroy_process_group()
-    return {"bench": "train", "dtype": args.dtype, "tokens": tokens, "micro_batches": n_micro,
-            "ours_s": round(ours_s, 4), "bare_s": round(bare_s, 4), "ours_tokens_per_s": round(tokens / ours_s),
-            "bare_tokens_per_s": round(tokens / bare_s), "train_throughput_ratio": round(bare_s / ours_s, 3),
+    return {"bench": "train", "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head, "tokens": tokens,
+            "micro_batches": n_micro, "ours_s": round(ours_s, 4), "bare_s": round(bare_s, 4),
+            "ours_tokens_per_s": round(tokens / ours_s), "bare_tokens_per_s": round(tokens / bare_s),
+            "train_throughput_ratio": round(bare_s / ours_s, 3),
             **{f"{name}_step_peak_gib": gib for name, gib in peak_gib.items()}}
 
 

@@ -8,18 +8,20 @@ Paper
 Equation (J is maximised; compute_loss returns -J)
     A_i      = (r_i - mean_g r) / std(all r_j - mean_g' r in the batch)   batch-level normalisation of centred A
     r_{i,t}  = pi_theta(y_{i,t}) / pi_old(y_{i,t})                         token ratio
-    J        = mean_prompts 1/(sum_i |y_i|) sum_i sum_t sg(min(r_{i,t}, eps_max)) A_i log pi_theta(y_{i,t})
-    REINFORCE with a truncated, DETACHED importance weight: while r_{i,t} < eps_max it is exactly importance-weighted
-    REINFORCE, and a truncated token keeps its gradient (weight eps_max) where PPO's clip would zero it. No KL term.
-    MiniMax-M1's original (A_i = GRPO's group z-score, r_{i,t} clipped to [1 - eps_low_IS, 1 + eps_high_IS], per-prompt
-    token normalisation) is normalization="group", eps_min=1 - eps_low_IS, eps_max=1 + eps_high_IS and
-    aggregation="prompt". MiniMax sets eps_low_IS very large (no lower bound) and does not publish eps_high_IS.
+    J        = mean_prompts 1/(sum_i |y_i|) sum_i sum_t [ sg(min(r_{i,t}, eps_max)) A_i log pi_theta(y_{i,t})
+                                                          - beta KL_{i,t} ]
+    KL_{i,t} = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1                 k3 estimator, per token, >= 0
+    REINFORCE with a truncated, DETACHED importance weight: a truncated token keeps its gradient (weight eps_max) where
+    PPO's clip would zero it. KL_{i,t} is GRPO's; CISPO has no KL term (beta = 0). MiniMax-M1's original (GRPO's
+    group z-score, r_{i,t} clipped to [1 - eps_low_IS, 1 + eps_high_IS], per-prompt token normalisation) is
+    normalization="group", eps_min=1 - eps_low_IS, eps_max=1 + eps_high_IS and aggregation="prompt"; MiniMax sets
+    eps_low_IS very large (no lower bound) and does not publish eps_high_IS.
 
 Aggregation unit
-    aggregation="prompt" (ScaleRL's choice, DAPO's): per prompt, the token sum over its G completions divided by
-    their total number of tokens, then the mean over prompts. loss_denominator counts prompts: N / G.
-    aggregation="token": one mean over every masked token of the batch. loss_denominator counts masked tokens.
-    aggregation="sample" (GRPO's): the token mean within each completion, then the mean over completions.
+    aggregation="prompt" (ScaleRL's, DAPO's): per prompt, the token sum over its G completions over their total
+    tokens, then the mean over prompts; loss_denominator counts prompts: N / G. aggregation="token": one mean over
+    every masked token of the batch; loss_denominator counts masked tokens. aggregation="sample" (GRPO's): the token
+    mean within each completion, then the mean over completions.
     loss_denominator counts completions: N.
 
 Defaults and their source
@@ -27,6 +29,8 @@ Defaults and their source
     eps_min       = None      ScaleRL: no lower bound
     aggregation   = "prompt"  ScaleRL (its ablation compares "sample" and "token")
     normalization = "batch"   ScaleRL (its ablation compares "group", GRPO's per-prompt std)
+    kl_coef  = 0.0   no KL penalty, as in DAPO, Dr. GRPO, GSPO, CISPO and ScaleRL: a verifiable reward leaves no
+                     reward model to exploit, and the penalty costs a reference-model forward pass.
 
 Deviations from the paper
     - The convention for the cap differs: ScaleRL and TRL (`epsilon_high`) use an absolute cap; MiniMax-M1 and verl
@@ -40,6 +44,9 @@ Deviations from the paper
     - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
       In ScaleRL the ratio's denominator (pi_old in its rho_{i,t}) already is the generator's logprob, which covers
       the sampler/learner mismatch; pass the generator's logprobs as old_logprobs then.
+    - The KL term is part of the per-token loss, so is_weights multiply it too. As in every implementation, it is
+      evaluated on the tokens sampled from pi_old, not from pi_theta.
+    - kl_coef and ref_logprobs add grpo.py's KL penalty, an option the paper does not have; kl_coef = 0 is its loss.
     - MiniMax-M1's unified form adds an optional PPO-style token mask M_{i,t}; we implement plain CISPO (M = 1).
 """
 
@@ -116,6 +123,8 @@ def compute_loss(
     eps_max: float = 5.0,
     eps_min: float | None = None,
     aggregation: str = "prompt",
+    kl_coef: float = 0.0,
+    ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss, -J, and its metrics.
 
@@ -131,6 +140,8 @@ def compute_loss(
         eps_max: absolute cap on the detached importance weight (MiniMax-M1: 1 + eps_high_IS).
         eps_min: absolute lower bound on it, or None for none (MiniMax-M1: 1 - eps_low_IS).
         aggregation: "prompt", "sample" or "token"; see the module docstring.
+        kl_coef: beta of the k3 KL penalty to the reference policy; needs ref_logprobs when non-zero.
+        ref_logprobs: [N, T] log pi_ref or None; when given, metric kl_ref is its k3 estimate of KL(pi_theta || pi_ref).
 
     Returns:
         loss: scalar to minimise.
@@ -152,6 +163,13 @@ def compute_loss(
     # truncated token still pulls (with weight high or low), where PPO's clip would stop it.
     low, high = (0.0 if eps_min is None else eps_min), eps_max                # ratio >= 0: 0.0 is no lower bound
     token_loss = -ratio.clamp(low, high).detach() * adv * logprobs            # [N, T]
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs ref_logprobs")
+    if ref_logprobs is not None:
+        # k3 estimate of KL(pi_theta || pi_ref), added to the loss (not to the reward), as in DeepSeekMath eqs. 3-4.
+        ref_log_ratio = torch.where(mask, ref_logprobs.detach().to(dtype), 0.0) - logprobs  # [N, T]
+        kl_ref = torch.expm1(ref_log_ratio) - ref_log_ratio                   # [N, T], from log(pi_ref / pi_theta)
+        token_loss = token_loss + kl_coef * kl_ref
     if is_weights is not None:
         token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)
     token_loss = torch.where(mask, token_loss, 0.0)                           # [N, T]
@@ -183,6 +201,8 @@ def compute_loss(
         "kl_k3": _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),   # r - 1 - log r, >= 0
         "num_tokens": float(mask.sum()),
     }
+    if ref_logprobs is not None:
+        metrics["kl_ref"] = _masked_mean(kl_ref, mask)
     return loss, metrics
 
 

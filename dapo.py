@@ -7,29 +7,35 @@ Paper
 Equation (J is maximised; compute_loss returns -J)
     A_i      = (r_i - mean_g r) / std_g r                                  group z-score, same on every token
     r_{i,t}  = pi_theta(y_{i,t}) / pi_old(y_{i,t})                         token ratio
-    J        = mean_prompts 1/(sum_i |y_i|) sum_i sum_t min(r_{i,t} A_i, clip(r_{i,t}, 1-eps_low, 1+eps_high) A_i)
-    A_i and r_{i,t} are GRPO's; there is no KL term. The rest of the recipe lives in two helpers the trainer calls:
+    J        = mean_prompts 1/(sum_i |y_i|) sum_i sum_t [ min(r_{i,t} A_i, clip(r_{i,t}, 1-eps_low, 1+eps_high) A_i)
+                                                          - beta KL_{i,t} ]
+    KL_{i,t} = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1                 k3 estimator, per token, >= 0
+    A_i, r_{i,t} and KL_{i,t} are GRPO's; DAPO has no KL term (beta = 0). The rest of the recipe lives in two helpers
+    the trainer calls:
     filter_groups     dynamic sampling: keep only the groups with mixed accuracy (0 < acc < 1)
     overlong_penalty  soft overlong punishment R_len(|y|), added to the correctness reward
 
 Aggregation unit
-    The prompt: per prompt, the token sum over its G completions divided by their total number of tokens (the equation
-    above, inside the expectation over prompts), then the mean over prompts. Popular implementations (verl's
-    loss_agg_mode="token-mean", TRL's loss_type="dapo") divide by the token count of the whole batch instead, i.e.
-    cispo.py's aggregation="token"; with one prompt they agree. loss_denominator counts prompts: N / G.
+    The prompt: per prompt, the token sum over its G completions over their total number of tokens (equation 8), then
+    the mean over prompts. verl (loss_agg_mode="token-mean") and TRL (loss_type="dapo") divide by the whole batch's
+    tokens instead (cispo.py's aggregation="token"); with one prompt they agree. loss_denominator counts prompts: N / G.
 
 Defaults and their source
     clip_eps_low  = 0.2    paper, clip-higher (section 3.1)
     clip_eps_high = 0.28   paper; the larger upper range lets low-probability tokens grow (fights entropy collapse)
     overlong_penalty: max_len = 20480, cache_len = 4096, the paper's L_max and L_cache (sections 3.4 and 4.1)
+    kl_coef  = 0.0   no KL penalty, as in DAPO, Dr. GRPO, GSPO, CISPO and ScaleRL: a verifiable reward leaves no
+                     reward model to exploit, and the penalty costs a reference-model forward pass.
 
 Deviations from the paper
-    - Dynamic sampling keeps sampling new prompts until the batch is full; that loop is the trainer's. filter_groups
-      only says which groups to keep; a group whose rewards are all equal (A = 0 below) is dropped anyway. Overlong
-      filtering (masking truncated samples) is the trainer's mask, not a loss option.
+    - Dynamic sampling's loop (sample more prompts until the batch is full) and overlong filtering (masking truncated
+      samples) are the trainer's; filter_groups only says which groups to keep.
     - A group whose rewards are all equal has std 0 and the paper's A is undefined; we set A = 0 there. We add no
       epsilon to the std (TRL adds 1e-4, verl 1e-6), so other groups get the exact z-score.
     - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
+    - The KL term is part of the per-token loss, so is_weights multiply it too. As in every implementation, it is
+      evaluated on the tokens sampled from pi_old, not from pi_theta.
+    - kl_coef and ref_logprobs add grpo.py's KL penalty, an option the paper does not have; kl_coef = 0 is its loss.
 """
 
 from __future__ import annotations
@@ -90,6 +96,8 @@ def compute_loss(
     denominator: float | None = None,
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.28,
+    kl_coef: float = 0.0,
+    ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss, -J, and its metrics.
 
@@ -104,6 +112,8 @@ def compute_loss(
             batch's loss_denominator instead, so that the micro-batch losses sum to the full-batch loss.
         clip_eps_low: lower clip range, ratio clipped from below at 1 - clip_eps_low.
         clip_eps_high: upper clip range, ratio clipped from above at 1 + clip_eps_high (clip-higher).
+        kl_coef: beta of the k3 KL penalty to the reference policy; needs ref_logprobs when non-zero.
+        ref_logprobs: [N, T] log pi_ref or None; when given, metric kl_ref is its k3 estimate of KL(pi_theta || pi_ref).
 
     Returns:
         loss: scalar to minimise.
@@ -125,6 +135,13 @@ def compute_loss(
     # clipped branch wins the min and the token stops pulling.
     low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high                       # clip-higher: high - 1 > 1 - low
     token_loss = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)    # [N, T]
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs ref_logprobs")
+    if ref_logprobs is not None:
+        # k3 estimate of KL(pi_theta || pi_ref), added to the loss (not to the reward), as in DeepSeekMath eqs. 3-4.
+        ref_log_ratio = torch.where(mask, ref_logprobs.detach().to(dtype), 0.0) - logprobs  # [N, T]
+        kl_ref = torch.expm1(ref_log_ratio) - ref_log_ratio                   # [N, T], from log(pi_ref / pi_theta)
+        token_loss = token_loss + kl_coef * kl_ref
     if is_weights is not None:
         token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)
     token_loss = torch.where(mask, token_loss, 0.0)                           # [N, T]
@@ -146,6 +163,8 @@ def compute_loss(
         "kl_k3": _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),   # r - 1 - log r, >= 0
         "num_tokens": float(mask.sum()),
     }
+    if ref_logprobs is not None:
+        metrics["kl_ref"] = _masked_mean(kl_ref, mask)
     return loss, metrics
 
 
@@ -155,35 +174,22 @@ def compute_loss(
 
 
 def filter_groups(rewards: Tensor, group_size: int) -> Tensor:
-    """Dynamic sampling's filter: which prompts carry a learning signal.
-
-    Args:
-        rewards: [N] correctness rewards, before overlong_penalty (the paper filters on accuracy), each prompt's
-            completions contiguous.
-        group_size: G, completions per prompt.
-
-    Returns:
-        keep: [N / G] bool, true for a group whose rewards are not all equal (0 < accuracy < 1). The others have
-            zero advantage, hence zero gradient; DAPO drops them and samples more prompts until the batch is full.
+    """Dynamic sampling's filter, which prompts carry a learning signal: keep [N / G] bool, true for a group whose
+    rewards [N] are not all equal (0 < accuracy < 1). The others have A = 0, hence no gradient; DAPO drops them and
+    samples more prompts until the batch is full. Pass the correctness rewards, before overlong_penalty: the paper
+    filters on accuracy.
     """
     groups = _grouped(rewards.detach(), group_size)                           # [P, G]
     return ~(groups == groups[:, :1]).all(dim=1)                              # [P]
 
 
 def overlong_penalty(lengths: Tensor, max_len: int = 20480, cache_len: int = 4096) -> Tensor:
-    """Soft overlong punishment R_len(|y|), to add to the correctness reward (DAPO section 3.4).
+    """Soft overlong punishment R_len(|y|) (section 3.4), to add to the correctness reward: [N] float32 in [-1, 0]
+    for lengths [N] in tokens. max_len is L_max, the generation budget; cache_len is L_cache, the ramp before it.
 
         R_len = 0                                           if |y| <= max_len - cache_len
               = ((max_len - cache_len) - |y|) / cache_len   if max_len - cache_len < |y| <= max_len
               = -1                                          if |y| > max_len
-
-    Args:
-        lengths: [N] completion lengths in tokens.
-        max_len: L_max, the generation budget.
-        cache_len: L_cache, the width of the ramp before it.
-
-    Returns:
-        penalty: [N] float32 in [-1, 0].
     """
     lengths = lengths.detach().float()                                        # [N]
     free = max_len - cache_len                                                # no penalty up to here

@@ -7,7 +7,8 @@ Paper
 Equation (J is maximised; compute_loss returns -J)
     A_i      = r_i - mean_g r                                              no std: same on every token
     r_{i,t}  = pi_theta(y_{i,t}) / pi_old(y_{i,t})                         token ratio
-    J        = 1/G sum_i 1/MAX_TOKENS sum_t min(r_{i,t} A_i, clip(r_{i,t}, 1-eps, 1+eps) A_i)
+    J        = 1/G sum_i 1/MAX_TOKENS sum_t [ min(r_{i,t} A_i, clip(r_{i,t}, 1-eps, 1+eps) A_i) - beta KL_{i,t} ]
+    KL_{i,t} = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1                 k3 estimator, per token, >= 0
     The two normalisers GRPO has and Dr. GRPO drops, and the bias each one causes:
     1/|y_i|  response-level length bias: a wrong answer's per-token penalty shrinks as it grows longer
     1/std_g  question-level difficulty bias: near-solved and near-impossible questions get up-weighted
@@ -22,6 +23,8 @@ Defaults and their source
     max_tokens = 1024   our placeholder. The paper's MAX_TOKENS is the run's generation budget: the trainer
                         should pass its own. It is a constant, so it only rescales the loss (and, under Adam,
                         barely changes the update); it must not change during a run.
+    kl_coef  = 0.0   no KL penalty, as in DAPO, Dr. GRPO, GSPO, CISPO and ScaleRL: a verifiable reward leaves no
+                     reward model to exploit, and the penalty costs a reference-model forward pass.
 
 Deviations from the paper
     - Many prompts per batch: the loss is the mean over all N completions (every prompt has G of them, so this is
@@ -30,7 +33,9 @@ Deviations from the paper
     - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
     - The paper's written objective drops 1/|y_i| outright; its code divides by the constant MAX_TOKENS instead,
       which only rescales. We follow the code so the loss magnitude is comparable with the other files.
-    - No KL term: the paper writes the objective without one, as R1-Zero-like recipes do; grpo.py has it.
+    - The KL term is part of the per-token loss, so is_weights multiply it too. As in every implementation, it is
+      evaluated on the tokens sampled from pi_old, not from pi_theta.
+    - kl_coef and ref_logprobs add grpo.py's KL penalty, an option the paper does not have; kl_coef = 0 is its loss.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ def compute_loss(
     denominator: float | None = None,
     clip_eps: float = 0.2,
     max_tokens: int = 1024,
+    kl_coef: float = 0.0,
+    ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss, -J, and its metrics.
 
@@ -104,6 +111,8 @@ def compute_loss(
             batch's loss_denominator instead, so that the micro-batch losses sum to the full-batch loss.
         clip_eps: PPO clip range, ratio clipped to [1 - clip_eps, 1 + clip_eps].
         max_tokens: the constant that replaces each completion's length; pass the run's generation budget.
+        kl_coef: beta of the k3 KL penalty to the reference policy; needs ref_logprobs when non-zero.
+        ref_logprobs: [N, T] log pi_ref or None; when given, metric kl_ref is its k3 estimate of KL(pi_theta || pi_ref).
 
     Returns:
         loss: scalar to minimise.
@@ -125,6 +134,13 @@ def compute_loss(
     # clipped branch wins the min and the token stops pulling.
     low, high = 1.0 - clip_eps, 1.0 + clip_eps
     token_loss = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)    # [N, T]
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs ref_logprobs")
+    if ref_logprobs is not None:
+        # k3 estimate of KL(pi_theta || pi_ref), added to the loss (not to the reward), as in DeepSeekMath eqs. 3-4.
+        ref_log_ratio = torch.where(mask, ref_logprobs.detach().to(dtype), 0.0) - logprobs  # [N, T]
+        kl_ref = torch.expm1(ref_log_ratio) - ref_log_ratio                   # [N, T], from log(pi_ref / pi_theta)
+        token_loss = token_loss + kl_coef * kl_ref
     if is_weights is not None:
         token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)
     token_loss = torch.where(mask, token_loss, 0.0)                           # [N, T]
@@ -145,6 +161,8 @@ def compute_loss(
         "kl_k3": _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),   # r - 1 - log r, >= 0
         "num_tokens": float(mask.sum()),
     }
+    if ref_logprobs is not None:
+        metrics["kl_ref"] = _masked_mean(kl_ref, mask)
     return loss, metrics
 
 

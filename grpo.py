@@ -16,9 +16,8 @@ Aggregation unit
 
 Defaults and their source
     clip_eps = 0.2   the paper does not state eps; 0.2 is PPO's convention (TRL and verl use it too).
-    kl_coef  = 0.0   the paper used beta = 0.04 (kl_coef=0.04 with ref_logprobs gives its loss). We default to 0,
-                     as DAPO, Dr. GRPO and ScaleRL do: a verifiable reward leaves no reward model to exploit, the
-                     penalty holds the policy near the base model, and it costs a reference-model forward pass.
+    kl_coef  = 0.0   no KL penalty, as in DAPO, Dr. GRPO, GSPO, CISPO and ScaleRL: a verifiable reward leaves no
+                     reward model to exploit, and the penalty costs a reference-model forward pass.
 
 Deviations from the paper
     - Many prompts per batch: the loss is the mean over all N completions (every prompt has G of them, so this is
@@ -28,6 +27,7 @@ Deviations from the paper
     - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
     - The KL term is part of the per-token loss, so is_weights multiply it too. As in every implementation, it is
       evaluated on the tokens sampled from pi_old, not from pi_theta.
+    - beta: the paper used 0.04 (kl_coef=0.04 with ref_logprobs gives its loss); we default to 0 (see above).
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ Equation (J is maximised; compute_loss returns -J)
     A_i      = (r_i - mean_g r) / std_g r                                  group z-score, same on every token
     r_{i,t}  = pi_theta(y_{i,t}) / pi_old(y_{i,t})                         token ratio
     s_i      = exp( 1/|y_i| sum_t log r_{i,t} )                            sequence ratio (geometric mean of r_{i,t})
-    J        = 1/G sum_i min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)
-    A_i is GRPO's; there is no KL term. Pitfall: s_i is the MEAN of the token log-ratios, not the sum (a sum makes
-    the ratio and the clip scale with the length of the sequence).
+    J        = 1/G sum_i [ min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i) - beta 1/|y_i| sum_t KL_{i,t} ]
+    KL_{i,t} = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1                 k3 estimator, per token, >= 0
+    A_i and KL_{i,t} are GRPO's; GSPO has no KL term (beta = 0). Pitfall: s_i is the MEAN of the token log-ratios,
+    not the sum (a sum makes the ratio and the clip scale with the length of the sequence).
     GSPO-token (token_level=True): s_{i,t} = sg(s_i) pi_theta(y_{i,t}) / sg(pi_theta(y_{i,t})), equal to s_i in
     value, and J = 1/G sum_i 1/|y_i| sum_t min(s_{i,t} A_{i,t}, clip(s_{i,t}, ...) A_{i,t}); with A_{i,t} = A_i it
     has exactly GSPO's gradient, and it lets per-token advantages A_{i,t} ([N, T]) flow.
@@ -24,6 +25,8 @@ Defaults and their source
     clip_eps_low  = 3e-4   paper; the ranges are tiny because s_i is a per-token geometric mean
     clip_eps_high = 4e-4   paper (ScaleRL found 3e-3 and 5e-3 better for its 8B model)
     token_level   = False  the plain sequence-level GSPO
+    kl_coef  = 0.0   no KL penalty, as in DAPO, Dr. GRPO, GSPO, CISPO and ScaleRL: a verifiable reward leaves no
+                     reward model to exploit, and the penalty costs a reference-model forward pass.
 
 Deviations from the paper
     - Many prompts per batch: the loss is the mean over all N completions (every prompt has G of them, so this is
@@ -34,6 +37,9 @@ Deviations from the paper
       The sequence term sits on every token, so the token mean makes it scale by the MEAN of its is_weights (per
       token in GSPO-token). A sequence-level weight (tis.tis_weights(level="sequence")) is constant along the row
       and multiplies it exactly.
+    - The KL term is part of the per-token loss, so is_weights multiply it too. As in every implementation, it is
+      evaluated on the tokens sampled from pi_old, not from pi_theta.
+    - kl_coef and ref_logprobs add grpo.py's KL penalty, an option the paper does not have; kl_coef = 0 is its loss.
     - Metrics: clip_frac, clip_frac_low/high and ratio_mean are over sequences, not tokens (kl_k3 is per token).
 """
 
@@ -96,6 +102,8 @@ def compute_loss(
     clip_eps_low: float = 3e-4,
     clip_eps_high: float = 4e-4,
     token_level: bool = False,
+    kl_coef: float = 0.0,
+    ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss, -J, and its metrics.
 
@@ -111,6 +119,8 @@ def compute_loss(
         clip_eps_low: lower clip range, sequence ratio clipped from below at 1 - clip_eps_low.
         clip_eps_high: upper clip range, sequence ratio clipped from above at 1 + clip_eps_high.
         token_level: GSPO-token, s_{i,t} = sg(s_i) pi / sg(pi); same value and, with [N] advantages, same gradient.
+        kl_coef: beta of the k3 KL penalty to the reference policy; needs ref_logprobs when non-zero.
+        ref_logprobs: [N, T] log pi_ref or None; when given, metric kl_ref is its k3 estimate of KL(pi_theta || pi_ref).
 
     Returns:
         loss: scalar to minimise.
@@ -140,6 +150,13 @@ def compute_loss(
     # clipped branch wins the min and the token stops pulling.
     low, high = 1.0 - clip_eps_low, 1.0 + clip_eps_high                       # on s_i: whole sequences stop
     token_loss = -torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)    # [N, T]
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError("kl_coef != 0 needs ref_logprobs")
+    if ref_logprobs is not None:
+        # k3 estimate of KL(pi_theta || pi_ref), added to the loss (not to the reward), as in DeepSeekMath eqs. 3-4.
+        ref_log_ratio = torch.where(mask, ref_logprobs.detach().to(dtype), 0.0) - logprobs  # [N, T]
+        kl_ref = torch.expm1(ref_log_ratio) - ref_log_ratio                   # [N, T], from log(pi_ref / pi_theta)
+        token_loss = token_loss + kl_coef * kl_ref
     if is_weights is not None:
         token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)
     token_loss = torch.where(mask, token_loss, 0.0)                           # [N, T]
@@ -163,6 +180,8 @@ def compute_loss(
         "kl_k3": _masked_mean(torch.expm1(log_ratio) - log_ratio, mask),   # r - 1 - log r, >= 0
         "num_tokens": float(mask.sum()),
     }
+    if ref_logprobs is not None:
+        metrics["kl_ref"] = _masked_mean(kl_ref, mask)
     return loss, metrics
 
 

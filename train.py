@@ -182,8 +182,7 @@ class Args:
                                 choices=("batch", "group"))
     kl_coef: float = _arg(HelpGroup.LOSS, 0.0, "GRPO's KL penalty to the reference policy (a frozen copy of the "
                           "initial model, sharded like the policy): beta of its k3 estimate, logged as kl_ref "
-                          "(DeepSeekMath: 0.04; 0 = off, as in DAPO and ScaleRL); only losses whose compute_loss "
-                          "takes ref_logprobs (grpo)")
+                          "(DeepSeekMath: 0.04; 0 = off, as in DAPO and ScaleRL); every loss takes it")
     micro_batch_tokens: int = _arg(HelpGroup.LOSS, 8192, "token budget of a micro-batch (padded rows x length); whole "
                                    "groups only. Sized for large models' memory: on a GPU with a small model, where "
                                    "each micro-batch costs fixed host time, a larger one is faster")
@@ -276,8 +275,6 @@ def check_args(args: Args) -> list[str]:
         problems.append(f"--tis-cap-min must lie in [0, --tis-cap] (got {args.tis_cap_min})")
     if args.kl_coef < 0:
         problems.append(f"--kl-coef must be >= 0 (got {args.kl_coef})")
-    elif args.kl_coef > 0 and args.loss in LOSSES and not _loss_takes(args.loss, "ref_logprobs"):
-        problems.append(f"--kl-coef needs a loss with a reference-policy KL term (grpo); {args.loss}.py has none")
     if args.overlong_filter and args.length_control == "interruptions":
         problems.append("--overlong-filter masks completions cut off by --max-tokens: use it with "
                         "--length-control overlong (with interruptions, a long completion is interrupted instead)")
@@ -1168,11 +1165,6 @@ def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_
     return values
 
 
-def _loss_takes(loss: str, name: str) -> bool:
-    """Whether the loss file's compute_loss has the keyword `name`."""
-    return name in inspect.signature(importlib.import_module(loss).compute_loss).parameters
-
-
 def _output_dir_problems(out: Path) -> list[str]:
     """--output-dir must be a directory this process can write, or a path where one can be made."""
     if out.exists() and not out.is_dir():
@@ -1294,7 +1286,7 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
         torch.manual_seed(args.seed)
         model, n_params = build_learner(model_path, args, device)
         ref_model = None
-        if args.kl_coef:  # GRPO's reference policy: the initial model, frozen, sharded like the policy
+        if args.kl_coef:  # the KL's reference policy: the initial model, frozen, sharded like the policy
             ref_model = build_learner(model_path, args, device)[0].eval().requires_grad_(False)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
         warmup = max(args.warmup_steps, 0)

@@ -36,7 +36,7 @@ def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def reference_loss(logprobs, old, adv, mask, group_size, aggregation="prompt", eps_max=5.0, eps_min=None,
-                   is_weights=None):
+                   kl_coef=0.0, ref=None, is_weights=None):
     """ScaleRL's CISPO as written, one completion and one token at a time: -sg(clip(rho, eps_min, eps_max)) A log pi,
     each completion's token sum over its unit's tokens (its prompt, itself or the batch), then the mean over units."""
     n, t_max = logprobs.shape
@@ -50,6 +50,9 @@ def reference_loss(logprobs, old, adv, mask, group_size, aggregation="prompt", e
                 continue
             rho = torch.exp(logprobs[i, t] - old[i, t]).detach()
             term = -torch.clamp(rho, min=eps_min, max=eps_max) * adv[i] * logprobs[i, t]
+            if ref is not None:
+                x = ref[i, t] - logprobs[i, t]
+                term = term + kl_coef * (torch.exp(x) - x - 1)
             if is_weights is not None:
                 term = term * is_weights[i, t]
             seq = seq + term
@@ -145,6 +148,19 @@ def test_matches_the_formula_as_written(aggregation):
         torch.testing.assert_close(loss, expected)
         torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
     assert 0 < m["clip_frac"] < 1
+
+
+def test_kl_penalty_matches_the_formula():
+    logprobs, old, rewards, mask = random_batch(seed=1)
+    ref = old + 0.2 * torch.randn(old.shape, dtype=torch.float64)
+    adv = algo.compute_advantages(rewards, 4).double()
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, kl_coef=0.04, ref_logprobs=ref)
+    expected = reference_loss(logprobs, old, adv, mask, 4, kl_coef=0.04, ref=ref)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
+    assert m["kl_ref"] > 0
+    with pytest.raises(ValueError):
+        algo.compute_loss(logprobs, old, adv, mask, 4, kl_coef=0.04)
 
 
 def test_minimax_m1_original_is_reachable():

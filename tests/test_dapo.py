@@ -32,7 +32,8 @@ def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g
 
 
-def reference_loss(logprobs, old, adv, mask, group_size, clip_eps_low=0.2, clip_eps_high=0.28, is_weights=None):
+def reference_loss(logprobs, old, adv, mask, group_size, clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.0, ref=None,
+                   is_weights=None):
     """DAPO's equation 8 as written, one completion and one token at a time: each completion's token sum over its
     prompt's sum_i |y_i| (the tokens of all G completions), then the mean over prompts."""
     n, t_max = logprobs.shape
@@ -46,6 +47,9 @@ def reference_loss(logprobs, old, adv, mask, group_size, clip_eps_low=0.2, clip_
                 continue
             r = torch.exp(logprobs[i, t] - old[i, t])
             term = -torch.minimum(r * adv[i], torch.clamp(r, 1 - clip_eps_low, 1 + clip_eps_high) * adv[i])
+            if ref is not None:
+                x = ref[i, t] - logprobs[i, t]
+                term = term + kl_coef * (torch.exp(x) - x - 1)
             if is_weights is not None:
                 term = term * is_weights[i, t]
             seq = seq + term
@@ -111,6 +115,19 @@ def test_matches_the_formula_as_written():
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
     assert 0 < m["clip_frac"] < 1
+
+
+def test_kl_penalty_matches_the_formula():
+    logprobs, old, rewards, mask = random_batch(seed=1)
+    ref = old + 0.2 * torch.randn(old.shape, dtype=torch.float64)
+    adv = algo.compute_advantages(rewards, 4).double()
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, kl_coef=0.04, ref_logprobs=ref)
+    expected = reference_loss(logprobs, old, adv, mask, 4, kl_coef=0.04, ref=ref)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
+    assert m["kl_ref"] > 0
+    with pytest.raises(ValueError):
+        algo.compute_loss(logprobs, old, adv, mask, 4, kl_coef=0.04)
 
 
 def test_aggregation_is_per_prompt_not_batch_token_mean():

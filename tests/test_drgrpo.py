@@ -33,7 +33,7 @@ def grad_of(loss: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return g
 
 
-def reference_loss(logprobs, old, adv, mask, max_tokens, clip_eps=0.2, is_weights=None):
+def reference_loss(logprobs, old, adv, mask, max_tokens, clip_eps=0.2, kl_coef=0.0, ref=None, is_weights=None):
     """Dr. GRPO as written, one completion and one token at a time: each token SUM over the constant max_tokens,
     then the mean over completions."""
     n, t_max = logprobs.shape
@@ -45,6 +45,9 @@ def reference_loss(logprobs, old, adv, mask, max_tokens, clip_eps=0.2, is_weight
                 continue
             r = torch.exp(logprobs[i, t] - old[i, t])
             term = -torch.minimum(r * adv[i], torch.clamp(r, 1 - clip_eps, 1 + clip_eps) * adv[i])
+            if ref is not None:
+                x = ref[i, t] - logprobs[i, t]
+                term = term + kl_coef * (torch.exp(x) - x - 1)
             if is_weights is not None:
                 term = term * is_weights[i, t]
             seq = seq + term
@@ -106,6 +109,19 @@ def test_matches_the_formula_as_written():
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
     assert 0 < m["clip_frac"] < 1
+
+
+def test_kl_penalty_matches_the_formula():
+    logprobs, old, rewards, mask = random_batch(seed=1)
+    ref = old + 0.2 * torch.randn(old.shape, dtype=torch.float64)
+    adv = algo.compute_advantages(rewards, 4).double()
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, max_tokens=8, kl_coef=0.04, ref_logprobs=ref)
+    expected = reference_loss(logprobs, old, adv, mask, 8, kl_coef=0.04, ref=ref)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
+    assert m["kl_ref"] > 0
+    with pytest.raises(ValueError):
+        algo.compute_loss(logprobs, old, adv, mask, 4, kl_coef=0.04)
 
 
 def test_max_tokens_only_rescales():

@@ -38,18 +38,26 @@ def near(old: torch.Tensor, scale: float, seed: int = 0) -> torch.Tensor:
     return (old + scale * torch.randn(old.shape, generator=gen, dtype=torch.float64)).requires_grad_()
 
 
-def reference_loss(logprobs, old, adv, mask, clip_eps_low=3e-4, clip_eps_high=4e-4, is_weights=None):
-    """GSPO as written, one completion at a time: s_i = exp(mean_t log ratio), one clipped term per sequence times the
-    mean of its is_weights (gspo.py's documented choice), then the mean over sequences."""
+def reference_loss(logprobs, old, adv, mask, clip_eps_low=3e-4, clip_eps_high=4e-4, kl_coef=0.0, ref=None,
+                   is_weights=None):
+    """GSPO as written, one completion at a time: s_i = exp(mean_t log ratio), one clipped term per sequence, plus
+    each token's KL, times the mean of its is_weights (gspo.py's documented choice), then the mean over sequences."""
     n, t_max = logprobs.shape
     total = 0.0
     for i in range(n):
         tokens = [t for t in range(t_max) if mask[i, t]]
         s = torch.exp(sum(logprobs[i, t] - old[i, t] for t in tokens) / len(tokens))  # the MEAN, not the sum
         seq = -torch.minimum(s * adv[i], torch.clamp(s, 1 - clip_eps_low, 1 + clip_eps_high) * adv[i])
-        if is_weights is not None:
-            seq = seq * sum(is_weights[i, t] for t in tokens) / len(tokens)
-        total = total + seq
+        seq_total = 0.0
+        for t in tokens:  # the sequence term sits on every token, beside that token's KL
+            term = seq
+            if ref is not None:
+                x = ref[i, t] - logprobs[i, t]
+                term = term + kl_coef * (torch.exp(x) - x - 1)
+            if is_weights is not None:
+                term = term * is_weights[i, t]
+            seq_total = seq_total + term
+        total = total + seq_total / len(tokens)
     return total / n
 
 
@@ -120,6 +128,19 @@ def test_matches_the_formula_as_written():
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
     assert 0 < m["clip_frac"] < 1
+
+
+def test_kl_penalty_matches_the_formula():
+    logprobs, old, rewards, mask = random_batch(seed=1)
+    ref = old + 0.2 * torch.randn(old.shape, dtype=torch.float64)
+    adv = algo.compute_advantages(rewards, 4).double()
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, kl_coef=0.04, ref_logprobs=ref)
+    expected = reference_loss(logprobs, old, adv, mask, kl_coef=0.04, ref=ref)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad_of(loss, logprobs), grad_of(expected, logprobs))
+    assert m["kl_ref"] > 0
+    with pytest.raises(ValueError):
+        algo.compute_loss(logprobs, old, adv, mask, 4, kl_coef=0.04)
 
 
 def test_gspo_token_equals_gspo_with_per_sequence_advantages():

@@ -1,5 +1,7 @@
 """train.py: flags, batching, the micro-batch/world-size invariance of a step, and end-to-end runs under torchrun."""
 
+import importlib
+import inspect
 import json
 import math
 import os
@@ -101,7 +103,6 @@ def test_argument_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--tis-mode", "mask"], "no effect without --tis"),
     (["--tis", "token", "--tis-cap-min", "3"], "--tis-cap-min must lie in [0, --tis-cap]"),
-    (["--kl-coef", "0.04"], "--kl-coef needs a loss with a reference-policy KL term (grpo); cispo.py has none"),
     (["--loss", "grpo", "--kl-coef", "-1"], "--kl-coef must be >= 0"),
     (["--overlong-filter"], "use it with --length-control overlong"),
 ])
@@ -117,6 +118,8 @@ def test_algorithm_options_reach_the_loss():
 
     args = train.parse_args(["--loss", "grpo", "--kl-coef", "0.04"])
     assert train.loss_hyperparameters(args, grpo) == {"kl_coef": 0.04}
+    for loss in train.LOSSES:  # every loss file takes GRPO's KL option
+        assert "ref_logprobs" in inspect.signature(importlib.import_module(loss).compute_loss).parameters, loss
     args = train.parse_args(["--loss", "gspo", "--loss-arg", "token_level=true"])  # GSPO-token
     assert train.loss_hyperparameters(args, gspo) == {"token_level": True}
 
@@ -637,7 +640,9 @@ os._exit(0)
               "--tis", "token", "--tis-mode", "mask", "--tis-cap-min", "0.5", "--tis-cap", "5"]),
     ("dapo", ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter"]),
     ("drgrpo", ["--mode", "sync", "--max-off-policy", "2", "--final-eval-samples", "3"]),  # PPO-off-policy-2
-    ("gspo", ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "--loss-arg", "token_level=true"]),
+    # GSPO-token with ScaleRL's clip ranges, and the per-token KL beside the sequence ratio
+    ("gspo", ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "--loss-arg", "token_level=true",
+              "--kl-coef", "0.04"]),
 ])
 def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
     out = tmp_path / loss

@@ -159,12 +159,14 @@ def test_right_padding_changes_nothing():
 def test_garbage_in_masked_slots_changes_nothing():
     logprobs, old, rewards, mask = random_batch(seed=3)
     adv = algo.compute_advantages(rewards, 4)
+    ref = old - 0.1
     w = torch.rand(mask.shape, dtype=torch.float64)
-    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, kl_coef=0.04, ref_logprobs=ref)
     dirty = with_garbage(logprobs, mask).requires_grad_()
     dirty_loss, dirty_m = algo.compute_loss(
         dirty, with_garbage(old, mask), adv, mask.float(), 4,
         is_weights=with_garbage(w, mask),
+        kl_coef=0.04, ref_logprobs=with_garbage(ref, mask),
     )
     torch.testing.assert_close(dirty_loss, loss)
     dirty_grad = grad_of(dirty_loss, dirty)

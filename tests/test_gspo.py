@@ -177,12 +177,15 @@ def test_right_padding_changes_nothing(token_level):
 def test_garbage_in_masked_slots_changes_nothing(token_level):
     logprobs, old, rewards, mask = random_batch(seed=3)
     adv = algo.compute_advantages(rewards, 4)
+    ref = old - 0.1
     w = torch.rand(mask.shape, dtype=torch.float64)
-    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, token_level=token_level)
+    loss, m = algo.compute_loss(logprobs, old, adv, mask, 4, is_weights=w, kl_coef=0.04, ref_logprobs=ref,
+                                token_level=token_level)
     dirty = with_garbage(logprobs, mask).requires_grad_()
     dirty_loss, dirty_m = algo.compute_loss(
         dirty, with_garbage(old, mask), adv, mask.float(), 4,
         is_weights=with_garbage(w, mask),
+        kl_coef=0.04, ref_logprobs=with_garbage(ref, mask),
         token_level=token_level,
     )
     torch.testing.assert_close(dirty_loss, loss)

@@ -1,6 +1,6 @@
 """Run under torchrun by tests/test_train.py: the gradient of one step of every loss, for several micro-batch
-token budgets and LM-head chunk sizes, on synthetic groups. Rank 0 saves {(loss, budget, chunk): (loss value, flat
-full gradient, metrics)} to argv[1]. argv[2], if given, is the learner's --dtype (default float32), and argv[3] a model
+token budgets and LM-head chunk sizes, with and without --kl-coef, on synthetic groups. Rank 0 saves
+{(loss, budget, chunk, kl_coef): (loss value, flat full gradient, metrics)} to argv[1]. argv[2], if given, is the learner's --dtype (default float32), and argv[3] a model
 directory (default: the embedded base model); on a CUDA machine the ranks run on the GPU under NCCL (tests/test_gpu.py
 compares that with CPU)."""
 
@@ -27,12 +27,20 @@ def main() -> None:
     results = {}
     for loss_name in train.LOSSES:
         loss_module = importlib.import_module(loss_name)
-        # one micro-batch per rank; several; several, with the LM head's logits in chunks of 3 positions
-        for budget, chunk in ((100_000, None), (200, None), (200, 3)):
+        # one micro-batch per rank; several; several, with the LM head's logits in chunks of 3 positions; then the
+        # reference-policy KL (the initial model, frozen, as train.py builds it) in one and in several micro-batches
+        for budget, chunk, kl_coef in ((100_000, None, 0.0), (200, None, 0.0), (200, 3, 0.0),
+                                       (100_000, None, 0.04), (200, None, 0.04)):
             args = train.Args(loss=loss_name, micro_batch_tokens=budget, group_size=4, dtype=dtype,
-                              logits_chunk_tokens=chunk)
+                              logits_chunk_tokens=chunk, kl_coef=kl_coef)
             torch.manual_seed(0)
             model, _ = train.build_learner(str(model_dir), args, device)
+            ref_model = None
+            if kl_coef:
+                ref_model = train.build_learner(str(model_dir), args, device)[0].eval().requires_grad_(False)
+                with torch.no_grad():  # move the reference off the policy, so that the KL and its gradient are not 0
+                    for p in ref_model.parameters():
+                        p.mul_(1.01)  # on the float32 parameters FSDP2 keeps, also under bf16 compute
             groups = synthetic_groups(6, 4, model.config.vocab_size)
             hp = train.loss_hyperparameters(args, loss_module)
             rewards = torch.tensor([r for grp in groups for r in grp.rewards])
@@ -40,11 +48,11 @@ def main() -> None:
             mine = [i for i in range(len(groups)) if i % world == rank]
             my_adv = torch.cat([advantages[i * 4: (i + 1) * 4] for i in mine])
             totals = train.loss_and_backward(model, loss_module, hp, [groups[i] for i in mine], my_adv, args,
-                                             pad_id=0, world=world, version=0)
+                                             pad_id=0, world=world, version=0, ref_model=ref_model)
             metrics = train.reduce_metrics(totals, world)
             grads = {name: p.grad.full_tensor().float().cpu() for name, p in model.named_parameters()}
             flat = torch.cat([grads[k].flatten() for k in sorted(grads)])
-            results[(loss_name, budget, chunk)] = (metrics["loss"], flat, metrics)
+            results[(loss_name, budget, chunk, kl_coef)] = (metrics["loss"], flat, metrics)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()

@@ -515,14 +515,20 @@ def probe_results(tmp_path_factory, base_model_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", train.LOSSES)
 def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, loss):
-    reference_loss, reference_grad, reference = probe_results[1][(loss, 100_000, None)]  # one rank, one micro-batch
-    assert reference_grad.abs().max() > 0
-    for world in (1, 2):
-        for budget, chunk in ((100_000, None), (200, None), (200, 3)):  # chunk: --logits-chunk-tokens
-            value, grad, metrics = probe_results[world][(loss, budget, chunk)]
-            assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), (world, budget, chunk)
-            torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-5)
-            assert metrics["num_tokens"] == reference["num_tokens"]
+    for kl_coef, configs in ((0.0, ((100_000, None), (200, None), (200, 3))),  # chunk: --logits-chunk-tokens
+                             (0.04, ((100_000, None), (200, None)))):  # the reference logprobs, per micro-batch too
+        # one rank, one micro-batch
+        reference_loss, reference_grad, reference = probe_results[1][(loss, 100_000, None, kl_coef)]
+        assert reference_grad.abs().max() > 0
+        assert (reference["kl_ref"] > 1e-4) if kl_coef else ("kl_ref" not in reference)
+        for world in (1, 2):
+            for budget, chunk in configs:
+                value, grad, metrics = probe_results[world][(loss, budget, chunk, kl_coef)]
+                assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), (world, budget, chunk, kl_coef)
+                torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-5)
+                assert metrics["num_tokens"] == reference["num_tokens"]
+                if kl_coef:
+                    assert metrics["kl_ref"] == pytest.approx(reference["kl_ref"], rel=1e-5)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -486,8 +486,8 @@ def bench_train(args: argparse.Namespace) -> dict:
     hp = train.loss_hyperparameters(cli, loss_module)
     model, _ = train.build_learner(model_dir, cli, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    low, high = (int(x) for x in args.completion_tokens.split(","))
-    groups = synthetic_groups(args.groups, args.group_size, model.config.vocab_size, completion_tokens=(low, high))
+    groups = synthetic_groups(args.groups, args.group_size, model.config.vocab_size,
+                              completion_tokens=train.int_range(args.completion_tokens))
     rewards = torch.tensor([r for grp in groups for r in grp.rewards])
     advantages = loss_module.compute_advantages(rewards, args.group_size)
     rows = train.to_rows(groups, advantages, args.group_size, pad_id=0, device=device)  # the bare model's batch

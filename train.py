@@ -279,7 +279,7 @@ def check_args(args: Args) -> list[str]:
         problems.append("--overlong-filter masks completions cut off by --max-tokens: use it with "
                         "--length-control overlong (with interruptions, a long completion is interrupted instead)")
     try:
-        low, high = _budget(args.think_budget)
+        low, high = int_range(args.think_budget)
         if not 1 <= low <= high:
             raise ValueError
         if args.length_control == "interruptions" and high >= args.max_tokens:
@@ -1188,7 +1188,8 @@ def model_context(args: Args) -> int:
     return EMBEDDED_MAX_MODEL_LEN if args.model is None else args.max_tokens + PROMPT_ALLOWANCE
 
 
-def _budget(text: str) -> tuple[int, int]:
+def int_range(text: str) -> tuple[int, int]:
+    """'LOW,HIGH' -> (LOW, HIGH), as --think-budget (and bench.py's --completion-tokens) write a range."""
     low, high = (int(x) for x in text.split(","))
     return low, high
 
@@ -1286,8 +1287,8 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
         torch.manual_seed(args.seed)
         model, n_params = build_learner(model_path, args, device)
         ref_model = None
-        if args.kl_coef:  # the KL's reference policy: the initial model, frozen, sharded like the policy
-            ref_model = build_learner(model_path, args, device)[0].eval().requires_grad_(False)
+        if args.kl_coef:
+            ref_model = build_reference(model_path, args, device)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
         warmup = max(args.warmup_steps, 0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
@@ -1411,7 +1412,7 @@ def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.Gene
     """The vLLM generator's settings for this run; it restarts from `step` after a resume."""
     return pipeline_rl.GeneratorConfig(
         model=model_path, group_size=args.group_size, temperature=args.temperature,
-        interruptions=args.length_control == "interruptions", think_budget=_budget(args.think_budget),
+        interruptions=args.length_control == "interruptions", think_budget=int_range(args.think_budget),
         answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_model_len=model_context(args),
         max_off_policy=args.max_off_policy, buffer_steps=args.buffer_steps, mode=args.mode,
         seed=args.seed + step, data_seed=args.seed, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
@@ -1477,6 +1478,11 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     install_target_logprob_head(model, args.logits_chunk_tokens)
     model.train()
     return model, n_params
+
+
+def build_reference(model_path: str, args: Args, device: Any) -> Any:
+    """--kl-coef's reference policy: the initial model, frozen, sharded like the policy."""
+    return build_learner(model_path, args, device)[0].eval().requires_grad_(False)
 
 
 def pad_token_id(model_path: str) -> int:

@@ -1,8 +1,8 @@
 """Run under torchrun by tests/test_train.py: the gradient of one step of every loss, for several micro-batch
 token budgets and LM-head chunk sizes, with and without --kl-coef, on synthetic groups. Rank 0 saves
-{(loss, budget, chunk, kl_coef): (loss value, flat full gradient, metrics)} to argv[1]. argv[2], if given, is the learner's --dtype (default float32), and argv[3] a model
-directory (default: the embedded base model); on a CUDA machine the ranks run on the GPU under NCCL (tests/test_gpu.py
-compares that with CPU)."""
+{(loss, budget, chunk, kl_coef): (loss value, flat full gradient, metrics)} to argv[1]. argv[2], if given, is the
+learner's --dtype (default float32), and argv[3] a model directory (default: the embedded base model); on a CUDA
+machine the ranks run on the GPU under NCCL (tests/test_gpu.py compares that with CPU)."""
 
 import sys
 from pathlib import Path
@@ -28,7 +28,7 @@ def main() -> None:
     for loss_name in train.LOSSES:
         loss_module = importlib.import_module(loss_name)
         # one micro-batch per rank; several; several, with the LM head's logits in chunks of 3 positions; then the
-        # reference-policy KL (the initial model, frozen, as train.py builds it) in one and in several micro-batches
+        # reference-policy KL (train.py's reference model) in one and in several micro-batches
         for budget, chunk, kl_coef in ((100_000, None, 0.0), (200, None, 0.0), (200, 3, 0.0),
                                        (100_000, None, 0.04), (200, None, 0.04)):
             args = train.Args(loss=loss_name, micro_batch_tokens=budget, group_size=4, dtype=dtype,
@@ -37,7 +37,7 @@ def main() -> None:
             model, _ = train.build_learner(str(model_dir), args, device)
             ref_model = None
             if kl_coef:
-                ref_model = train.build_learner(str(model_dir), args, device)[0].eval().requires_grad_(False)
+                ref_model = train.build_reference(str(model_dir), args, device)
                 with torch.no_grad():  # move the reference off the policy, so that the KL and its gradient are not 0
                     for p in ref_model.parameters():
                         p.mul_(1.01)  # on the float32 parameters FSDP2 keeps, also under bf16 compute

@@ -68,12 +68,12 @@ def test_learner_step_on_gpu_matches_cpu(tmp_path, model):
     """The learner alone (no vLLM): one step of every loss on synthetic groups, for one and several micro-batches,
     with the LM head in chunks and with the reference-policy KL (tests/learner_probe.py), on the GPU under NCCL
     against float32 on CPU under gloo; with the embedded model and with a tied LM head. Every tensor that meets the
-    model, the reference model or a collective must be on the rank's GPU, or the step fails. In float32 the two agree to kernel rounding. With bf16 weights and the
-    float32 head, bf16 rounding changes the embedded model's gradient norm by up to 17% (measured on CPU, bf16
-    against float32: loss within 1.5%, cosine above 0.997), so there only the loss (within 5%) and the gradient's
-    direction (cosine > 0.99) are bounded. Seen on one H200 (torch 2.11), against CPU: float32 gradients within
-    1e-5 relative (tied: 4e-7); bf16 losses within 0.8% (tied: 0.07%), gradient cosines above 0.997 (tied: 0.99998),
-    the lowest with the KL."""
+    model, the reference model or a collective must be on the rank's GPU, or the step fails. In float32 the two
+    agree to kernel rounding. With bf16 weights and the float32 head, bf16 rounding changes the embedded model's
+    gradient norm by up to 17% (measured on CPU, bf16 against float32: loss within 1.5%, cosine above 0.997), so
+    there only the loss (within 5%) and the gradient's direction (cosine > 0.99) are bounded. Seen on one H200
+    (torch 2.11), against CPU: float32 gradients within 1e-5 relative (tied: 4e-7); bf16 losses within 0.8% (tied:
+    0.07%), gradient cosines above 0.997 (tied: 0.99998), the lowest with the KL."""
     model_dir = tasks.build_base_model(progress=False) if model == "embedded" else _tied_model(tmp_path / "tied")
     cpu = _learner_probe(tmp_path / "cpu.pt", "float32", on_gpu=False, model_dir=model_dir)
     gpu = _learner_probe(tmp_path / "gpu.pt", "float32", on_gpu=True, model_dir=model_dir)

@@ -149,7 +149,7 @@ def test_generator_context_follows_the_flags(argv, max_model_len):
     train.resolve_defaults(args, embedded=args.model is None, on_gpu=False)
     config = train.generator_config(args, "model-dir", step=3)  # builds the config only: nothing starts
     assert config.max_model_len == max_model_len
-    assert config.max_tokens == args.max_tokens and config.think_budget == train._budget(args.think_budget)
+    assert config.max_tokens == args.max_tokens and config.think_budget == train.int_range(args.think_budget)
     assert config.model == "model-dir" and config.seed == args.seed + 3 and config.data_seed == args.seed
 
 

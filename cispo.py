@@ -8,21 +8,17 @@ Paper
 Equation (J is maximised; compute_loss returns -J)
     A_i      = (r_i - mean_g r) / std(all r_j - mean_g' r in the batch)   batch-level normalisation of centred A
     r_{i,t}  = pi_theta(y_{i,t}) / pi_old(y_{i,t})                         token ratio
-    J        = mean_prompts 1/(sum_i |y_i|) sum_i sum_t [ sg(min(r_{i,t}, eps_max)) A_i log pi_theta(y_{i,t})
-                                                          - beta KL_{i,t} ]
+    J        = mean_P 1/sum_i |y_i| sum_i sum_t [ sg(min(r_{i,t}, eps_max)) A_i log pi_theta(y_{i,t}) - beta KL_{i,t} ]
     KL_{i,t} = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1                 k3 estimator, per token, >= 0
-    REINFORCE with a truncated, DETACHED importance weight: a truncated token keeps its gradient (weight eps_max) where
-    PPO's clip would zero it. KL_{i,t} is GRPO's; CISPO has no KL term (beta = 0). MiniMax-M1's original (GRPO's
-    group z-score, r_{i,t} clipped to [1 - eps_low_IS, 1 + eps_high_IS], per-prompt token normalisation) is
-    normalization="group", eps_min=1 - eps_low_IS, eps_max=1 + eps_high_IS and aggregation="prompt"; MiniMax sets
-    eps_low_IS very large (no lower bound) and does not publish eps_high_IS.
+    REINFORCE with a truncated, DETACHED importance weight (mean_P: over prompts): a truncated token keeps its gradient
+    (weight eps_max) where PPO's clip would zero it. MiniMax-M1's original: normalization="group", aggregation="prompt",
+    eps_min=1 - eps_low_IS (very large there: no lower bound), eps_max=1 + eps_high_IS (not published), no KL term.
 
 Aggregation unit
     aggregation="prompt" (ScaleRL's, DAPO's): per prompt, the token sum over its G completions over their total
-    tokens, then the mean over prompts; loss_denominator counts prompts: N / G. aggregation="token": one mean over
-    every masked token of the batch; loss_denominator counts masked tokens. aggregation="sample" (GRPO's): the token
-    mean within each completion, then the mean over completions.
-    loss_denominator counts completions: N.
+    tokens, then the mean over prompts; loss_denominator counts prompts: N / G. "token": one mean over every masked
+    token of the batch; it counts masked tokens. "sample" (GRPO's): the token mean within each completion, then the
+    mean over completions; it counts completions: N.
 
 Defaults and their source
     eps_max       = 5.0       ScaleRL: an absolute cap, not 1 + eps (4, 5 and 8 performed the same)
@@ -38,12 +34,10 @@ Deviations from the paper
       scale_rewards="batch" divides by the std of the raw rewards; we use ScaleRL's std of the centred advantages.
     - A group whose rewards are all equal has std 0 and the paper's A is undefined; we set A = 0 there. We add no
       epsilon to the std (TRL adds 1e-4, verl 1e-6), so other groups get the exact z-score.
-      With normalization="batch" such a group is centred to exactly 0 as well, and a batch where every group is
-      constant has batch std 0 and gets A = 0 everywhere, never NaN. The batch std is over the rows passed in:
-      ScaleRL drops zero-variance prompts from the loss, so drop their rows first if they should not count in it.
+      With normalization="batch" it is centred to exactly 0 too; a batch of constant groups gets A = 0, never NaN.
+      The batch std is over the rows passed in: drop zero-variance groups first (ScaleRL does) to keep them out.
     - is_weights (e.g. TIS, for the sampler/learner mismatch) multiply the per-token loss.
-      In ScaleRL the ratio's denominator (pi_old in its rho_{i,t}) already is the generator's logprob, which covers
-      the sampler/learner mismatch; pass the generator's logprobs as old_logprobs then.
+      ScaleRL's pi_old is the generator's logprob, which covers that mismatch: pass those as old_logprobs.
     - The KL term is part of the per-token loss, so is_weights multiply it too. As in every implementation, it is
       evaluated on the tokens sampled from pi_old, not from pi_theta.
     - kl_coef and ref_logprobs add grpo.py's KL penalty, an option the paper does not have; kl_coef = 0 is its loss.
@@ -67,8 +61,7 @@ def compute_advantages(rewards: Tensor, group_size: int, *, normalization: str =
     Args:
         rewards: [N] one scalar per completion, N = num_prompts * group_size, each prompt's completions contiguous.
         group_size: G, completions per prompt.
-        normalization: "batch" (ScaleRL) divides by the std of ALL centred advantages in the batch; "group"
-            (GRPO, MiniMax-M1) by each group's own std of rewards.
+        normalization: "batch" (ScaleRL): one std of ALL centred advantages; "group" (GRPO, MiniMax-M1): each group's.
 
     Returns:
         advantages: [N] float32; exactly 0 for a group whose rewards are all equal (never NaN).
@@ -79,8 +72,7 @@ def compute_advantages(rewards: Tensor, group_size: int, *, normalization: str =
     # Compare rewards, not std > 0: the mean of equal floats can be off by an ulp, and ulp / ulp is not 0.
     constant = (groups == groups[:, :1]).all(dim=1, keepdim=True)             # [P, 1]
     if normalization == "batch":
-        # One std for the batch, of the centred advantages (exact zeros for constant groups). It is 0 only when
-        # every group is constant, and then every advantage is set to 0 below.
+        # One std of the centred advantages (constant groups: exact zeros); 0 only if all are constant, then A = 0.
         std = torch.where(constant, 0.0, centred).std()                       # [], unbiased
     elif normalization != "group":
         raise ValueError(f"normalization must be 'batch' or 'group', not {normalization!r}")
@@ -104,11 +96,11 @@ def loss_denominator(mask: Tensor, group_size: int, *, aggregation: str = "promp
     """
     if aggregation == "prompt":
         return float(_grouped(mask, group_size).shape[0])
-    if aggregation == "sample":
-        return float(mask.shape[0])
     if aggregation == "token":
         return max(float(mask.bool().sum()), 1.0)                             # an empty batch gives loss 0, not NaN
-    raise ValueError(f"aggregation must be 'prompt', 'sample' or 'token', not {aggregation!r}")
+    if aggregation != "sample":
+        raise ValueError(f"aggregation must be 'prompt', 'sample' or 'token', not {aggregation!r}")
+    return float(mask.shape[0])
 
 
 def compute_loss(
@@ -174,18 +166,16 @@ def compute_loss(
         token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)
     token_loss = torch.where(mask, token_loss, 0.0)                           # [N, T]
 
+    # Sample-level aggregation: the token mean within each completion is one unit.
+    tokens_per_completion = mask.sum(dim=1).clamp(min=1)                      # [N]
+    unit_terms = token_loss.sum(dim=1) / tokens_per_completion                # [N]
     if aggregation == "prompt":
-        # Prompt-level aggregation: a prompt's token sum over its G completions / their total tokens is one unit.
+        # Prompt-level (the default) replaces it: a prompt's token sum over its G completions / their tokens.
         tokens_per_prompt = _grouped(mask.sum(dim=1), group_size).sum(dim=1).clamp(min=1)      # [P]
         unit_terms = _grouped(token_loss.sum(dim=1), group_size).sum(dim=1) / tokens_per_prompt  # [P]
-    elif aggregation == "sample":
-        # Sample-level aggregation: the token mean within each completion is one unit.
-        tokens_per_completion = mask.sum(dim=1).clamp(min=1)                  # [N]
-        unit_terms = token_loss.sum(dim=1) / tokens_per_completion            # [N]
     elif aggregation == "token":
-        # Token-level aggregation: every masked token is one unit.
-        unit_terms = token_loss                                               # [N, T]
-    else:
+        unit_terms = token_loss                                               # [N, T], token-level: each token a unit
+    elif aggregation != "sample":
         raise ValueError(f"aggregation must be 'prompt', 'sample' or 'token', not {aggregation!r}")
     if denominator is None:
         denominator = loss_denominator(mask, group_size, aggregation=aggregation)

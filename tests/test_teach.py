@@ -181,7 +181,7 @@ def test_pictures_are_written(tmp_path):
 def diff_lines(a: str, b: str, changed_only: bool = False) -> int:
     """Lines of `diff a b` (as `| wc -l` counts them), or only its changed lines (`| grep -c '^[<>]'`)."""
     out = subprocess.run(["diff", a, b], cwd=REPO, capture_output=True, text=True).stdout
-    return sum(1 for line in out.splitlines() if not changed_only or line[:1] in "<>")
+    return sum(1 for line in out.splitlines() if not changed_only or line.startswith(("<", ">")))
 
 
 def test_every_loss_file_is_within_about_80_changed_lines_of_grpo():

@@ -1,41 +1,52 @@
-"""pipeline_rl.py: the vLLM generator process, in-flight weight updates, bounded staleness, and a synchronous mode.
+"""pipeline_rl.py: vLLM replicas under one bounded-staleness scheduler, in-flight weight updates, and a sync mode.
 
-The learner (train.py) owns a `Generator`. `Generator.start()` spawns one child process that runs vLLM (which in turn
-starts its own EngineCore and worker processes) and streams finished groups back. This module knows nothing of
-losses: it moves prompts, completions, per-token logprobs, per-token weight versions, and weights.
+The learner (train.py, rank 0) owns a `Generator`. `Generator.start()` spawns the generator process, which runs the
+scheduler: the data stream, admission, the batch choice and the reward. The generator process starts the replicas
+on this node; each replica is a process with one vLLM engine (which may start its own EngineCore and workers).
+Replicas on other nodes join with one command (section 6). This module knows nothing of losses: it moves prompts,
+completions, per-token logprobs, per-token weight versions, and weights.
 
-    learner (torchrun rank 0)                       generator process (spawned child, own session)
-    -------------------------                       ----------------------------------------------
-    gen = Generator(cfg, ArithmeticTask)
-    gen.start()              --- spawn --->         LLM(...)  (EngineCore + worker processes)
-                             <-- "ready" ---        admit prompts (throttled) -> engine.step() -> groups
-    groups, stats = gen.get_batch(B, V)  ------->   choose B finished groups (oldest deadline first)
+    learner (torchrun rank 0)            generator process (scheduler)          replica processes (vLLM each)
+    -------------------------            -----------------------------          -----------------------------
+    gen = Generator(cfg, task)
+    gen.start()         --- spawn --->   listen on cfg.listen; spawn the      --> connect, prove the secret,
+                                         local replicas; wait for all         <-- "ready" (engine up)
+                        <-- "ready" ---  admit prompts to the least-loaded    --> engine.step() ... finished
+                                         replica; score finished completions  <-- completions, as they finish
+    groups, stats = gen.get_batch(B, V)  choose B finished groups (oldest deadline first, over all replicas)
     ... loss, backward, optimizer step: V -> V+1
-    gen.update_weights(state_dict, V+1)  ------->   pause scheduler, reload weights, label version V+1, resume
-                                                    (the sequences in flight keep going, with their old KV cache)
+    gen.update_weights(state_dict, V+1)  tell every replica "update V+1"      --> between two engine steps:
+      torch.distributed broadcast  ======================================>       receive the buckets, reload,
+                        <-- "updated" -  when every replica has applied it    <-- label version V+1, go on
 
-1. Per-token versions and in-flight updates (PipelineRL). Weights travel as a safetensors file in /dev/shm (shared
-   memory; a temp dir when /dev/shm is too small). The generator applies an update between two engine steps:
-   `pause_scheduler("keep")` (running sequences stay, no step runs), `collective_rpc` into `WeightSyncExtension`
-   (`reload_weights` from the file), `set_weight_version(V)`, `resume_scheduler()`. vLLM labels each step's output
-   with the weight version in force, so every token of a `Completion` carries the exact version that sampled it; a
-   sequence that straddles an update holds tokens of two (or more) versions. Its KV cache is NOT recomputed (stale
-   KV, as in PipelineRL). New prompts carry a `cache_salt` of the current version, so the prefix cache never serves
-   KV computed by older weights to a new request (vLLM can only reset the prefix cache while nothing is running;
-   we reset it when idle).
+1. Per-token versions and in-flight updates (PipelineRL). Weights travel from the learner to every replica through
+   torch.distributed, in buckets: gloo on CPU, NCCL on GPU, one code path (`WeightSender`, `open_weight_group`).
+   Each replica has a weight group of its own with the learner (the learner is rank 0, the replica's
+   tensor-parallel workers ranks 1..T), so a replica that dies breaks only its own group. The learner sends each
+   bucket to every group at once. A replica applies an update between two engine steps: `pause_scheduler("keep")`
+   (its engine core in a process of its own) or simply not stepping (engine inside the process), then
+   `collective_rpc` into `WeightSyncExtension`, which receives the buckets and feeds them to vLLM's
+   `reload_weights` as an iterator, then `set_weight_version(V)`, resume. `weight_transport="file"` is the other
+   way, for replicas on the learner's node only: a safetensors file in /dev/shm that every replica reads.
+   vLLM labels each step's output with the weight version in force, so every token of a `Completion` carries the
+   version that sampled it, and the replica that sampled it (`Completion.replica`). A sequence that straddles an
+   update holds tokens of two (or more) versions. Its KV cache is NOT recomputed (stale KV, as in PipelineRL). New
+   prompts carry a `cache_salt` of the replica's version, so the prefix cache never serves KV computed by older
+   weights to a new request (vLLM can only reset the prefix cache while nothing is running; we reset it when idle).
 
-2. Bounded staleness, the exact rule. V = the learner version = the number of optimizer steps done; the learner
-   calls `get_batch(num_groups, V)` before step V+1 and `update_weights(..., V+1)` after it. A token sampled with
-   weights version v has lag V - v. Guarantee: `get_batch(n, V)` never returns a group that has a loss-masked
-   token with lag > k (k = max_off_policy), i.e. it returns only groups with min_version >= V - k. To keep
-   the learner from having to drop anything, the generator throttles admission and the batch is chosen
-   earliest-deadline-first:
-   - a group admitted while the generator holds version g gets the deadline D = g + k (its tokens are all >= g,
-     so it is usable up to learner version D);
-   - admission rule: with U groups admitted and not yet consumed, a new group is admitted only if
+2. Bounded staleness, the exact rule, over all replicas at once. V = the learner version = the number of
+   optimizer steps done; the learner calls `get_batch(num_groups, V)` before step V+1 and `update_weights(...,
+   V+1)` after it. A token sampled with weights version v has lag V - v. Guarantee: `get_batch(n, V)` never returns
+   a group that has a loss-masked token with lag > k (k = max_off_policy), i.e. it returns only groups with
+   min_version >= V - k. To keep the learner from having to drop anything, the scheduler throttles admission and
+   the batch is chosen earliest-deadline-first:
+   - a group admitted to a replica that holds version g gets the deadline D = g + k (its tokens are all >= g, so
+     it is usable up to learner version D);
+   - admission rule: with U groups admitted and not yet consumed (on all replicas), a new group is admitted only if
      U + 1 <= (g + k - V_next + 1) * B, where V_next is the learner version of the next get_batch call and B the
      groups consumed per learner step (learned from the get_batch calls; `groups_per_batch` gives it up front),
-     and only while fewer than `max_concurrent_groups` groups are in flight;
+     and only while fewer than `max_concurrent_groups` groups are in flight (by default the replicas' capacities,
+     vLLM's max_num_seqs / group_size each, added up); the group goes to the least-loaded replica;
    - admission starts with the learner's first get_batch or update_weights (a resumed learner pushes its weights
      first, so no group is generated with weights it has moved past);
    - batch choice: with n_j = #(unconsumed groups with D <= V + j), the batch must contain the
@@ -46,14 +57,15 @@ losses: it moves prompts, completions, per-token logprobs, per-token weight vers
    per get_batch call. The learner then WAITS (counted in `wait_s`) instead of dropping. If a group ever does arrive
    too stale (the learner consumed fewer groups per step than announced, or pushed no weights for k steps), it is
    dropped, counted in `stale_dropped`, and its prompt is generated again with fresh weights, so no data index is
-   lost. Tests prove lag <= k and stale_dropped == 0 with a slow learner and with a slow generator.
+   lost. Tests prove lag <= k and stale_dropped == 0 with a slow learner, with a slow generator, and with two
+   replicas of which one is slower.
    Freshness: the buffer limit (`buffer_steps`, b). k is a guarantee, not a target: a generator faster than the
    learner would fill the k steps of room the admission rule leaves, and every batch would be trained at lag ~k.
    So while the learner is fed, a new group is admitted only if U + 1 <= b * B as well (at most b learner steps'
    worth of groups admitted ahead of the learner's next request): with b = 1 the generator samples the next batch
    while the learner trains on this one, and the lag stays near 1 however fast the generator is. When the learner
    is starved (blocked in get_batch with fewer finished groups than it asked for), generation is the bottleneck
-   and the limit is lifted: the generator fills its engine up to `max_concurrent_groups` and k, so a slow
+   and the limit is lifted: the generator fills its engines up to `max_concurrent_groups` and k, so a slow
    generator loses no throughput and the lag is what its latency requires. The metrics show both: `lag_mean` and
    `buffer_depth_steps` (finished groups waiting, in learner steps). How this relates to the papers' k: in
    PipelineRL and ScaleRL, k (ScaleRL: 8; PipelineRL's code counts it in samples) is the only limit, and the
@@ -81,38 +93,66 @@ losses: it moves prompts, completions, per-token logprobs, per-token weight vers
    mixed-precision policy (FSDP2: `fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(param_dtype=float32))`
    or compute `F.linear(hidden.float(), lm_head.weight.float())`), then divide by the temperature.
 
-6. Placement. CPU (the tested path): the generator shares the machine with the learner. GPU: `gen_devices="6,7"`
-   gives the generator those CUDA devices (CUDA_VISIBLE_DEVICES in the child) and `tensor_parallel_size` splits the
-   model over them with vLLM's own TP; the learner's ranks use the other devices (`split_devices`). Weights take the
-   same shared-memory file path (rank 0 gathers the full state dict, writes it, every TP worker reads it). See
-   `tests/test_gpu.py` for the GPU smoke test; the NCCL-broadcast design is in the README.
+6. Placement. `replicas` engines on this node. On CPU (the tested path) they share the machine with the learner.
+   On GPU, `gen_devices="2,3,4,5,6,7"` with `tensor_parallel_size=2` gives three replicas of two GPUs each
+   (CUDA_VISIBLE_DEVICES per replica, vLLM's own TP inside it); the learner's ranks use the other devices
+   (`split_devices`, `replica_devices`). Replicas on other nodes: the learner listens on `listen` (HOST:PORT, an
+   address the other nodes reach) and waits for `remote_replicas` of them; on each generator node one command
+   starts them (the run's engine settings come over the connection, so only where and how many is given):
 
-7. Lifecycle. `start()` spawns the child (spawn context, its own session so that Ctrl-C reaches only the learner,
-   which then closes it) and waits for "ready". The child exits when the learner closes it, when the pipe to the
-   learner breaks, or when the learner dies (PR_SET_PDEATHSIG); `close()` also kills the vLLM processes if any
-   survived. Any error in the child is sent to the learner, and a dead child raises `GeneratorError` in the learner
-   within a fraction of a second, never a hang.
+       python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE [--replicas N] [--gen-devices 0,1,...]
+                                     [--tensor-parallel-size T] [--model PATH-ON-THIS-NODE]
+
+   A replica that dies mid-run can be started again with the same command; it takes the free place, receives the
+   current weights with the next update and only then gets prompts. `Generator.start()` fails after
+   `join_timeout` seconds naming each replica that never came, with the command that starts it.
+
+7. Lifecycle and faults. The generator process runs in a session of its own (Ctrl-C reaches only the learner, which
+   then closes it) and dies with the learner (PR_SET_PDEATHSIG); its local replicas die with it. A replica that
+   dies (its process, or a vLLM process of its own: each replica watches them) is named in a line on stderr and in
+   the next batch's stats (`replica_deaths`); its unfinished completions are generated again on the others, so no
+   data index is lost and none is trained twice, and a weight group it held is dropped. When the last replica is
+   gone, or the generator process itself dies, the learner gets `GeneratorError` within a fraction of a second,
+   never a hang. A replica whose weight broadcast fails is taken out the same way: it may hold half an update.
+
+8. Who may connect. Every replica, local ones included, connects over TCP to `listen` and must answer an HMAC
+   challenge on the shared secret (`secret`, multiprocessing.connection's handshake) in both directions; a
+   connection that fails it, or says nothing within 10 s, is refused, named in a log line (and in the stats'
+   `replica_connections_refused`), and changes nothing else. The listening socket binds only the address in
+   `listen` (127.0.0.1 by default). The weight groups rendezvous through a torch.distributed TCPStore that the
+   learner hosts: PyTorch's TCPStore listens on every interface and has no authentication (torchrun's own store
+   too); the project cannot change that. Its keys sit under a random 128-bit prefix sent only over the
+   authenticated connection, so a stranger cannot join a group, and gloo's own sockets bind the named address.
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import collections
 import ctypes
 import logging
 import math
 import multiprocessing as mp
+import multiprocessing.connection as mpc
 import os
+import queue
 import random
+import secrets
 import shutil
 import signal
+import socket
+import struct
+import sys
 import tempfile
+import threading
 import time
 import traceback
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -160,10 +200,28 @@ class GeneratorConfig:
     dtype: str = "float32"
     # compute the LM head in float32 on the generator (automatic with float32 weights)
     fp32_lm_head: bool = True
-    # GPU path: comma-separated CUDA device ids for the generator, e.g. '6,7' (None: CPU vLLM)
+    # GPU path: comma-separated CUDA device ids for the local replicas, e.g. '4,5,6,7' (None: CPU vLLM)
     gen_devices: str | None = None
-    # vLLM tensor parallelism over gen_devices
+    # vLLM tensor parallelism of each replica: the local replicas take gen_devices in runs of this many
     tensor_parallel_size: int = 1
+    # vLLM engines on this node (GPU: len(gen_devices) / tensor_parallel_size of them; CPU: they share the machine)
+    replicas: int = 1
+    # replicas on other nodes to wait for (`python pipeline_rl.py replica --connect HOST:PORT`, section 6)
+    remote_replicas: int = 0
+    # HOST:PORT the generator listens on for replicas, local ones included (port 0: a free one); remote replicas
+    # need an address they reach
+    listen: str = "127.0.0.1:0"
+    # the secret every replica must prove (HMAC challenge); None: a random one, for local replicas only
+    secret: bytes | None = None
+    # seconds to wait for every replica to connect and start its engine (a missing one is named, then start fails)
+    join_timeout: float = 600.0
+    # broadcast: torch.distributed (gloo on CPU, NCCL on GPU), in buckets, to every replica; file: a safetensors
+    # file in /dev/shm that every replica reads (replicas on the learner's node only)
+    weight_transport: str = "broadcast"
+    # bytes per broadcast bucket: the learner holds one packed bucket at a time, each replica one received bucket
+    weight_bucket_bytes: int = 256 << 20
+    # seconds a weight group may take to form or to carry an update before its replica is given up
+    weight_timeout: float = 300.0
     # prompt + completion tokens the engine reserves per sequence
     max_model_len: int = 256
     # cap on groups in flight in the generator (default: vLLM's max_num_seqs / group_size); the staleness rule adds
@@ -193,11 +251,25 @@ class GeneratorConfig:
     # VLLM_LOGGING_LEVEL in the generator process
     vllm_log_level: str = "WARNING"
     # debug knob: vLLM's engine sleeps (x - 1) times the duration of every step (SlowdownLogitsProcessor), to emulate
-    # a generator x times slower relative to its learner
-    debug_slowdown: float = 1.0
+    # a generator x times slower relative to its learner; a tuple gives each replica its own x (replica i: x[i])
+    debug_slowdown: float | tuple[float, ...] = 1.0
 
     def __post_init__(self) -> None:
         self.think_budget = tuple(int(x) for x in self.think_budget)  # type: ignore[assignment]
+        if isinstance(self.debug_slowdown, (list, tuple)):
+            self.debug_slowdown = tuple(float(x) for x in self.debug_slowdown)
+        if self.replicas < 0 or self.remote_replicas < 0 or self.replicas + self.remote_replicas < 1:
+            raise ValueError(f"replicas ({self.replicas}) + remote_replicas ({self.remote_replicas}) must be >= 1")
+        if self.weight_transport not in ("broadcast", "file"):
+            raise ValueError(f"weight_transport must be 'broadcast' or 'file', got {self.weight_transport!r}")
+        if self.weight_transport == "file" and self.remote_replicas:
+            raise ValueError("weight_transport 'file' reaches replicas on this node only: remote replicas need "
+                             "'broadcast'")
+        if self.remote_replicas and not self.secret:
+            raise ValueError("remote replicas need a shared secret (secret=...; train.py: --gen-secret-file)")
+        host, _ = parse_address(self.listen)
+        if host in ("", "0.0.0.0", "::"):
+            raise ValueError(f"listen {self.listen!r}: name the address replicas reach this node at, not a wildcard")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.mode not in ("pipeline", "sync"):
@@ -208,7 +280,7 @@ class GeneratorConfig:
             raise ValueError(f"max_off_policy must be >= 0, got {self.max_off_policy}")
         if self.buffer_steps is not None and self.buffer_steps < 0:
             raise ValueError(f"buffer_steps must be >= 0 or None, got {self.buffer_steps}")
-        if not self.debug_slowdown >= 1:
+        if not all(x >= 1 for x in self.slowdowns()):
             raise ValueError(f"debug_slowdown must be >= 1, got {self.debug_slowdown}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0 (sampling; greedy has no usable logprobs), got {self.temperature}")
@@ -219,6 +291,14 @@ class GeneratorConfig:
             raise ValueError("answer_budget and max_tokens must be >= 1")
         if self.max_tokens >= self.max_model_len:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be below max_model_len ({self.max_model_len})")
+
+    def slowdowns(self) -> tuple[float, ...]:
+        return self.debug_slowdown if isinstance(self.debug_slowdown, tuple) else (float(self.debug_slowdown),)
+
+    def slowdown_of(self, replica: int) -> float:
+        """debug_slowdown of replica `replica` (a tuple gives one per replica, the last one for the rest)."""
+        factors = self.slowdowns()
+        return factors[min(replica, len(factors) - 1)]
 
 
 @dataclass
@@ -236,6 +316,7 @@ class Completion:
     interrupted: bool = False  # the interruption phrase was inserted
     truncated: bool = False  # ran into max_tokens (also possible after an interruption)
     think_budget: int | None = None  # drawn interruption point (None without interruptions)
+    replica: int = 0  # the replica that sampled it
     # Filled in by the learner, never by the generator: its own log-probs of token_ids before the first update
     # of a round (sync mode, TIS); None means the sampler's log-probs stand for the old policy.
     old_logprobs: list[float] | None = None
@@ -403,6 +484,28 @@ def interruption_start(token_ids: list[int], budget: int, close_ids: list[int]) 
     return budget
 
 
+def pick_replica(loads: Mapping[int, int]) -> int | None:
+    """The least-loaded replica (fewest groups in flight; the lowest id among equals), or None if there is none."""
+    return min(loads, key=lambda r: (loads[r], r)) if loads else None
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """'HOST:PORT' (IPv6: '[::1]:PORT') -> (HOST, PORT)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def replica_devices(gen_ids: list[int], tensor_parallel_size: int) -> list[list[int]]:
+    """The devices of each local replica: gen_ids in consecutive runs of tensor_parallel_size ('0,1,2,3' with TP 2:
+    [[0, 1], [2, 3]]); refused when they do not split evenly."""
+    tp = tensor_parallel_size
+    if tp < 1 or not gen_ids or len(gen_ids) % tp:
+        raise ValueError(f"{len(gen_ids)} generator devices do not split into replicas of tensor_parallel_size {tp}")
+    return [gen_ids[i: i + tp] for i in range(0, len(gen_ids), tp)]
+
+
 def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int], list[int]]:
     """(learner device ids, generator device ids) for a node with `num_devices` GPUs and `--gen-devices`.
     Learner rank r uses learner_ids[r % len(learner_ids)]; the generator child sees only gen ids."""
@@ -554,20 +657,48 @@ def weight_tensors(state_dict: Mapping[str, Any], dtype: torch.dtype, tied: bool
 class WeightSyncExtension:
     """Mixed into vLLM's worker (`worker_extension_cls`); reached through `LLM.collective_rpc`."""
 
-    def scalerl_load_weights(self, path: str) -> int:
-        """Reload all weights in place from a safetensors file (HF names, checkpoint format)."""
-        from safetensors import safe_open
-
+    def _scalerl_quiet_reload(self) -> None:
         # vLLM warns "RotaryEmbedding: Failed to load weights" at every reload: its cos/sin cache is computed, not
         # a checkpoint weight, and vLLM keeps it. Drop that one message (once per worker), keep every other.
         reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
         if not any(isinstance(f, _RotaryCacheFilter) for f in reload_log.filters):
             reload_log.addFilter(_RotaryCacheFilter())
 
+    def scalerl_load_weights(self, path: str) -> int:
+        """Reload all weights in place from a safetensors file (HF names, checkpoint format)."""
+        from safetensors import safe_open
+
+        self._scalerl_quiet_reload()
+
         def weights():
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
+
+        self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        return os.getpid()
+
+    def scalerl_join_weights(self, group: dict) -> int:
+        """Join this replica's weight group with the learner: rank 1 + this worker's tensor-parallel rank."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self._scalerl_group = None  # a group of an earlier update is gone: drop it before forming the next one
+        self._scalerl_group = open_weight_group(group, 1 + get_tensor_model_parallel_rank())
+        return os.getpid()
+
+    def scalerl_receive_weights(self, manifest: list[list[tuple]]) -> int:
+        """Receive the buckets of `manifest` from the learner (rank 0 of the weight group) and reload every weight
+        in place, one bucket at a time: vLLM's reload_weights takes them as an iterator."""
+        group = getattr(self, "_scalerl_group", None)
+        if group is None:
+            raise RuntimeError("no weight group: the learner's join did not reach this worker")
+        self._scalerl_quiet_reload()
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for bucket in manifest:
+                buffer = torch.empty(bucket_nbytes(bucket), dtype=torch.uint8, device=group.device)
+                group.broadcast(buffer).wait()
+                yield from unpack_bucket(buffer, bucket)
 
         self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return os.getpid()
@@ -585,7 +716,155 @@ class WeightSyncExtension:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The generator process
+# Weights from the learner to the replicas: buckets over a torch.distributed group per replica (gloo or NCCL)
+# --------------------------------------------------------------------------------------------------------------
+
+_ALIGN = 16  # byte alignment of each tensor in a bucket, so that every slice can be viewed as its dtype
+
+
+def weight_manifest(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple]]:
+    """The buckets of a broadcast: lists of (name, dtype, shape, offset, nbytes), each bucket at most
+    `bucket_bytes` (a larger tensor gets a bucket of its own), in the tensors' order."""
+    buckets: list[list[tuple]] = [[]]
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and offset + nbytes > bucket_bytes:
+            buckets.append([])
+            offset = 0
+        buckets[-1].append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return [b for b in buckets if b]
+
+
+def bucket_nbytes(bucket: list[tuple]) -> int:
+    _, _, _, offset, nbytes = bucket[-1]
+    return offset + nbytes
+
+
+def pack_bucket(tensors: Mapping[str, torch.Tensor], bucket: list[tuple], device: Any = "cpu") -> torch.Tensor:
+    """One bucket's tensors as one flat uint8 tensor on `device` (the group's: the GPU for NCCL)."""
+    buffer = torch.zeros(bucket_nbytes(bucket), dtype=torch.uint8, device=device)
+    for name, _, _, offset, nbytes in bucket:
+        buffer[offset: offset + nbytes].copy_(tensors[name].reshape(-1).view(torch.uint8), non_blocking=True)
+    return buffer
+
+
+def unpack_bucket(buffer: torch.Tensor, bucket: list[tuple]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into a received bucket, in its order."""
+    for name, dtype, shape, offset, nbytes in bucket:
+        yield name, buffer[offset: offset + nbytes].view(getattr(torch, dtype)).view(shape)
+
+
+def open_weight_group(group: dict, rank: int, store: Any = None) -> Any:
+    """Rank `rank` of a weight group: the learner is rank 0 and a replica's workers the others. The group
+    rendezvouses through the learner's TCPStore under its random prefix; gloo (CPU) binds group["bind_host"], the
+    address this member is reached at; NCCL (GPU) uses the current CUDA device. One function for both sides and
+    both backends: the process group object is all a broadcast needs, no default group is involved."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=group["timeout_s"])
+    if store is None:
+        store = dist.TCPStore(group["store_host"], group["store_port"], is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(group["prefix"], store)
+    if group["backend"] == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=group["bind_host"])]
+        pg = dist.ProcessGroupGloo(prefixed, rank, group["world"], options)
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        # A replica that dies mid-broadcast must fail its own group, not take the learner down: with PyTorch's
+        # default (3), NCCL's watchdog ends the whole process on a timeout; 2 aborts the group's communicator only.
+        # The setting is read when a group is made. (Not yet tried on a machine with several GPUs.)
+        previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        try:
+            pg = dist.ProcessGroupNCCL(prefixed, rank, group["world"], options)
+        finally:
+            if previous is None:
+                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+            else:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = previous
+    return WeightGroup(pg, group["backend"])
+
+
+@dataclass
+class WeightGroup:
+    """One replica's weight group, as one of its members holds it."""
+
+    pg: Any  # the torch.distributed process group (gloo or NCCL)
+    backend: str
+
+    @property
+    def device(self) -> torch.device:
+        """Where its tensors must be: this process's GPU for NCCL, the CPU for gloo."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def broadcast(self, buffer: torch.Tensor) -> Any:
+        """Start broadcasting `buffer` from rank 0 (the learner); returns the work to wait() on. On NCCL, later
+        work on the current stream waits for it."""
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        return self.pg.broadcast([buffer], options)
+
+
+class WeightSender:
+    """The learner's side of the weight groups: it hosts their TCPStore and is rank 0 of each replica's group."""
+
+    def __init__(self, host: str, backend: str, timeout_s: float):
+        import torch.distributed as dist
+
+        self.host, self.backend, self.timeout_s = host, backend, timeout_s
+        # PyTorch's TCPStore listens on every interface (no choice is offered); see section 8 of the docstring
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout_s))
+        self.groups: dict[int, WeightGroup] = {}  # replica id -> its group
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.store.port
+
+    def join(self, replica: int, group: dict) -> None:
+        """Form replica `replica`'s group (blocks until its workers join; a failure raises)."""
+        self.groups.pop(replica, None)
+        self.groups[replica] = open_weight_group({**group, "bind_host": self.host}, 0, store=self.store)
+
+    def drop(self, replica: int) -> None:
+        self.groups.pop(replica, None)
+
+    def send(self, tensors: Mapping[str, torch.Tensor], manifest: list[list[tuple]], replicas: list[int]
+             ) -> dict[int, str]:
+        """Broadcast every bucket to the groups of `replicas`, to all groups at once, one bucket at a time.
+        Returns {replica: error} for the groups that failed (dropped; the others carry on)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        failed: dict[int, str] = {r: "no weight group" for r in replicas if r not in self.groups}
+        live = [r for r in replicas if r in self.groups]
+        for bucket in manifest:
+            buffer = pack_bucket(tensors, bucket, device)
+            works = {}
+            for r in live:
+                try:
+                    works[r] = self.groups[r].broadcast(buffer)
+                except Exception as e:
+                    failed[r] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            for r, work in works.items():
+                try:
+                    work.wait()
+                except Exception as e:
+                    failed[r] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            for r in failed:
+                self.drop(r)
+            live = [r for r in live if r not in failed]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return failed
+
+# --------------------------------------------------------------------------------------------------------------
+# A replica: one vLLM engine in a process of its own, on this node or another
 # --------------------------------------------------------------------------------------------------------------
 
 _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
@@ -594,11 +873,11 @@ _TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP
                   "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
-def vllm_engine_kwargs(cfg: GeneratorConfig) -> dict[str, Any]:
-    """The arguments of the generator's `vllm.LLM`."""
+def vllm_engine_kwargs(cfg: GeneratorConfig, replica: int = 0) -> dict[str, Any]:
+    """The arguments of replica `replica`'s `vllm.LLM` (each replica samples with a seed of its own)."""
     on_gpu = cfg.gen_devices is not None
     kwargs: dict[str, Any] = dict(
-        model=cfg.model, dtype=cfg.dtype, seed=cfg.seed, max_model_len=cfg.max_model_len,
+        model=cfg.model, dtype=cfg.dtype, seed=cfg.seed + 7919 * replica, max_model_len=cfg.max_model_len,
         enforce_eager=(not on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
         logprobs_mode="processed_logprobs",  # logprobs after temperature: what the sampler really used
         worker_extension_cls=f"{__name__}.WeightSyncExtension",
@@ -606,7 +885,7 @@ def vllm_engine_kwargs(cfg: GeneratorConfig) -> dict[str, Any]:
     )
     if cfg.interruptions:
         kwargs["logits_processors"] = [f"{__name__}:InterruptionLogitsProcessor"]
-    if cfg.debug_slowdown > 1:  # the factor reaches vLLM's worker through the environment (_generator_main)
+    if cfg.slowdown_of(replica) > 1:  # the factor reaches vLLM's worker through the environment (_replica_main)
         kwargs["logits_processors"] = kwargs.get("logits_processors", []) + [f"{__name__}:SlowdownLogitsProcessor"]
     if cfg.fp32_lm_head and _DTYPES.get(cfg.dtype, torch.float32) != torch.float32:
         kwargs["hf_overrides"] = {"head_dtype": "float32"}  # lm_head matmul and logits in float32
@@ -615,6 +894,345 @@ def vllm_engine_kwargs(cfg: GeneratorConfig) -> dict[str, Any]:
     if cfg.max_num_seqs:
         kwargs["max_num_seqs"] = cfg.max_num_seqs
     return kwargs
+
+
+def sampled_output(out: Any, version: int) -> dict[str, Any]:
+    """What a replica sends back of one finished vLLM request: its tokens, the sampler's logprob of each, the
+    weight version that sampled each (vLLM's spans; `version` where it gives none), its text and finish reason."""
+    c = out.outputs[0]
+    token_ids = list(c.token_ids)
+    n = len(token_ids)
+    logprobs = [0.0] * n
+    lps = c.logprobs
+    if lps is not None and hasattr(lps, "start_indices"):  # FlatLogprobs: the sampled token comes first
+        for i, s in enumerate(lps.start_indices[:n]):
+            if lps.token_ids[s] != token_ids[i]:
+                raise RuntimeError("logprobs out of step with the sampled tokens")
+            logprobs[i] = float(lps.logprobs[s])
+    elif lps is not None:
+        for i, (tok, entry) in enumerate(zip(token_ids, lps)):
+            logprobs[i] = float(entry[tok].logprob)
+    versions = [version] * n
+    for span in c.weight_versions or []:
+        for i in range(span.start, min(span.end, n)):
+            versions[i] = int(span.version)
+    return {"rid": out.request_id, "token_ids": token_ids, "logprobs": logprobs, "versions": versions,
+            "text": c.text, "finish_reason": str(c.finish_reason)}
+
+
+class _Replica:
+    """Runs in a replica process: one vLLM engine. It takes requests from the scheduler, steps the engine, sends
+    back each finished completion as it comes, and applies weight updates between two engine steps."""
+
+    def __init__(self, conn: Any, replica_id: int, config: GeneratorConfig, version: int | None):
+        self.conn, self.id, self.cfg = conn, replica_id, config
+        self.version = -1 if version is None else version  # -1: not the run's weights yet (a late joiner)
+        self.send_lock = threading.Lock()  # the engine watcher thread sends too
+        self.closing = False
+        self.join_error: str | None = None
+
+    def send(self, msg: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def init_engine(self) -> dict:
+        from vllm import LLM
+
+        self.llm = LLM(**vllm_engine_kwargs(self.cfg, self.id))
+        self.engine = self.llm.llm_engine
+        self.engine.engine_core.set_weight_version(str(self.version))
+        import psutil
+
+        procs = psutil.Process().children(recursive=True)
+        self.vllm_processes = [(p.pid, p.create_time(), p.name()) for p in procs]
+        if self.vllm_processes:  # vLLM's engine core or workers in processes of their own: watch them
+            threading.Thread(target=self.watch_engine, daemon=True).start()
+        return {"pid": os.getpid(), "vllm_processes": self.vllm_processes,
+                "max_num_seqs": self.engine.vllm_config.scheduler_config.max_num_seqs,
+                "head": self.llm.collective_rpc("scalerl_head_info")[0]}
+
+    def dead_vllm_processes(self) -> str | None:
+        """'vLLM process NAME (pid P)' for each of this replica's vLLM processes that has died, or None."""
+        dead = [f"vLLM process {name} (pid {pid})" for pid, created, name in getattr(self, "vllm_processes", [])
+                if (p := _same_process(pid, created)) is None or not _alive(p)]
+        return ", ".join(dead) or None
+
+    def failure(self, error: BaseException) -> str:
+        """What to report of an error: a dead vLLM process first, since vLLM's own error (EngineDeadError) may
+        arrive before the watcher sees the process gone, and the dead process is the cause a user must read."""
+        dead = self.dead_vllm_processes()
+        return (f"{dead} died; " if dead else "") + f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+
+    def watch_engine(self) -> None:
+        """A vLLM process of this replica died: engine.step() would wait for its outputs forever, so report it
+        and exit; the scheduler then moves this replica's work to the others."""
+        while not self.closing:
+            dead = self.dead_vllm_processes()
+            if dead and not self.closing:
+                try:
+                    self.send(("error", f"{dead} died"))
+                finally:
+                    os._exit(70)
+            time.sleep(0.2)
+
+    def run(self) -> None:
+        while not self.closing:
+            busy = self.engine.has_unfinished_requests()
+            while self.conn.poll(0.0 if busy else 0.2):
+                try:
+                    msg = self.conn.recv()
+                except EOFError:  # the scheduler is gone
+                    self.closing = True
+                    return
+                self.handle(msg)
+                busy = True  # handle the rest of the queue before the next step, without waiting
+                if self.closing:
+                    return
+            if self.engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                outputs = self.engine.step()
+                busy_s = time.perf_counter() - t0
+                done = [sampled_output(out, self.version) for out in outputs if out.finished]
+                self.send(("outputs", done, busy_s))
+
+    def handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            for rid, prompt_ids, salt, spec in msg[1]:
+                self.engine.add_request(rid, {"prompt_token_ids": prompt_ids, "cache_salt": salt},
+                                        self.sampling_params(spec))
+        elif kind == "join":
+            try:
+                self.llm.collective_rpc("scalerl_join_weights", args=(msg[1],))
+                self.join_error = None
+            except Exception as e:  # reported with the update that follows
+                self.join_error = f"joining its weight group failed: {type(e).__name__}: {e}"
+        elif kind == "update":
+            _, version, transport = msg
+            try:
+                seconds = self.apply_update(version, transport)
+            except Exception as e:  # half an update may be in: the scheduler takes this replica out
+                self.send(("update_failed", version, f"{type(e).__name__}: {str(e)[:500]}"))
+            else:
+                self.send(("updated", version, seconds))
+        elif kind == "debug":
+            what = msg[1]
+            value = self.llm.collective_rpc("scalerl_param_checksum", args=(what.split(":", 1)[1],))[0] \
+                if what.startswith("checksum:") else None
+            self.send(("debug", value))
+        elif kind == "close":
+            self.closing = True
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+    def sampling_params(self, spec: dict) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra = {_INTERRUPT_KEY: spec["interrupt"]} if spec.get("interrupt") else None
+        return SamplingParams(temperature=spec["temperature"], top_p=1.0, top_k=0, max_tokens=spec["max_tokens"],
+                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra)
+
+    def apply_update(self, version: int, transport: dict) -> float:
+        if self.join_error:
+            raise RuntimeError(self.join_error)
+        t0 = time.perf_counter()
+        core = self.engine.engine_core
+        # An engine core in its own process steps on its own: pause it so that no step runs until resume and the
+        # version labels stay exact. In this process it steps only when run() calls engine.step(), not now.
+        in_process = not hasattr(core, "call_utility")
+        if not in_process:
+            core.call_utility("pause_scheduler", "keep", False)
+        try:
+            if transport["kind"] == "file":
+                self.llm.collective_rpc("scalerl_load_weights", args=(transport["path"],))
+            else:
+                self.llm.collective_rpc("scalerl_receive_weights", args=(transport["manifest"],))
+            if not self.engine.has_unfinished_requests():
+                self.engine.reset_prefix_cache()  # only possible while nothing runs; else the cache salt protects
+            core.set_weight_version(str(version))
+            self.version = version
+        finally:
+            if not in_process:
+                core.call_utility("resume_scheduler")
+        return time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        self.closing = True
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown(timeout=1.0)  # SIGTERM, then kill after 1 s
+            except Exception:
+                pass
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (a no-op where prctl is missing)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(sig))  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _exit_on_sigterm() -> None:
+    def on_term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def _replica_main(address: str, secret: bytes, local_id: int | None, devices: list[int] | None,
+                  parent_pid: int | None, model: str | None = None, tensor_parallel_size: int | None = None,
+                  connect_timeout: float = 60.0) -> None:
+    """Entry point of a replica process: connect to the scheduler at `address`, prove the secret, start the engine
+    with the run's settings (which come over the connection) and serve. `local_id`: the place of a replica the
+    generator process started itself; None for one that joined with `python pipeline_rl.py replica`."""
+    if parent_pid is not None:  # started by the generator process: die with it
+        set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != parent_pid:
+            return
+    _exit_on_sigterm()
+    for var in _TORCHRUN_VARS:  # a vLLM started under torchrun must not see the learner's process group
+        os.environ.pop(var, None)
+    if devices is not None:  # before anything touches CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    else:
+        tasks.set_vllm_cpu_env()
+    conn, bind_host = connect_to_generator(address, secret, connect_timeout)
+    replica = None
+    try:
+        conn.send(("hello", {"pid": os.getpid(), "local_id": local_id, "node": socket.gethostname(),
+                             "bind_host": bind_host, "devices": devices,
+                             "tensor_parallel_size": tensor_parallel_size}))
+        msg = conn.recv()
+        if msg[0] == "refused":
+            print(f"[replica] the generator at {address} refused this replica: {msg[1]}", file=sys.stderr, flush=True)
+            return
+        _, config, replica_id, version = msg
+        overrides = {k: v for k, v in (("model", model), ("tensor_parallel_size", tensor_parallel_size)) if v}
+        config = GeneratorConfig(**{**config.__dict__, **overrides})
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
+        os.environ[_SLOWDOWN_ENV] = str(config.slowdown_of(replica_id))
+        engine_process = config.gen_devices is not None if config.engine_process is None else config.engine_process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
+        if devices is None and config.num_threads:  # before vLLM's CPU worker starts: it refuses it afterwards
+            torch.set_num_threads(config.num_threads)
+        replica = _Replica(conn, replica_id, config, version)
+        info = replica.init_engine()
+        replica.send(("ready", info))
+        replica.run()
+    except BaseException as e:  # report everything, including SystemExit from SIGTERM
+        try:
+            conn.send(("error", replica.failure(e) if replica is not None else
+                       f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except Exception:
+            pass
+        if not isinstance(e, (SystemExit, KeyboardInterrupt)):
+            raise
+    finally:
+        if replica is not None:
+            replica.shutdown()
+        try:
+            conn.send(("closed", None))
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Who may connect: an HMAC challenge on the shared secret, both ways (multiprocessing.connection's handshake)
+# --------------------------------------------------------------------------------------------------------------
+
+HANDSHAKE_S = 10  # a connection that has not proved the secret by then is refused
+
+
+def _set_recv_timeout(owner: Any, seconds: float) -> None:
+    """SO_RCVTIMEO on a socket (0: none): a blocking read then fails instead of waiting forever."""
+    dup = socket.fromfd(owner.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        dup.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
+    finally:
+        dup.close()
+
+
+def connect_to_generator(address: str, secret: bytes, timeout: float) -> tuple[Any, str]:
+    """An authenticated connection to the generator process at HOST:PORT, retried until `timeout` (a replica may
+    be started before the learner), and the local address it leaves from (where this node's workers are reached)."""
+    host, port = parse_address(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
+            break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"could not connect to the generator at {address} within {timeout:.0f} s ({e}): "
+                                      "is the learner running and listening there (train.py --gen-listen)?") from None
+            time.sleep(1.0)
+    sock.settimeout(None)
+    bind_host = sock.getsockname()[0]
+    _set_recv_timeout(sock, HANDSHAKE_S)
+    conn = mpc.Connection(sock.detach())
+    try:
+        mpc.answer_challenge(conn, secret)
+        mpc.deliver_challenge(conn, secret)
+    except (mpc.AuthenticationError, OSError, EOFError) as e:
+        conn.close()
+        raise ConnectionRefusedError(f"the generator at {address} refused this replica: wrong secret? ({e})") from None
+    _set_recv_timeout(conn, 0)
+    return conn, bind_host
+
+
+class _ReplicaListener:
+    """The generator process's listening socket: binds exactly `address`; each connection must prove the secret
+    within HANDSHAKE_S seconds (in a thread of its own, so a silent one blocks nothing) or is refused and logged."""
+
+    def __init__(self, address: str, secret: bytes):
+        host, port = parse_address(address)
+        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                         backlog=64)
+        bound = self.sock.getsockname()[1]
+        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        self.secret = secret
+        self.accepted: queue.Queue = queue.Queue()  # (connection, (host, port)) that proved the secret
+        self.refused: list[str] = []
+        threading.Thread(target=self._accept_loop, daemon=True, name="scalerl-listener").start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, peer = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._handshake, args=(sock, peer), daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, peer: tuple) -> None:
+        _set_recv_timeout(sock, HANDSHAKE_S)
+        conn = mpc.Connection(sock.detach())
+        try:
+            mpc.deliver_challenge(conn, self.secret)
+            mpc.answer_challenge(conn, self.secret)
+        except Exception as e:
+            reason = "wrong secret" if isinstance(e, mpc.AuthenticationError) else \
+                f"no valid handshake within {HANDSHAKE_S} s"
+            line = f"refused a connection from {peer[0]}:{peer[1]}: {reason} ({type(e).__name__}: {e})"
+            self.refused.append(line)
+            print(f"[generator] {line}", file=sys.stderr, flush=True)
+            conn.close()
+            return
+        _set_recv_timeout(conn, 0)
+        self.accepted.put((conn, peer))
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+# --------------------------------------------------------------------------------------------------------------
+# The generator process: one scheduler for all replicas (data stream, admission, batch choice, reward)
+# --------------------------------------------------------------------------------------------------------------
 
 
 def _make_task(task_factory: Any) -> Task:
@@ -634,6 +1252,8 @@ class _GroupState:
     completions: list[Completion | None]
     budgets: list[int | None]
     admit_order: int
+    assigned: list[int | None] = field(default_factory=list)  # the replica generating each completion
+    temperature: float = 1.0
     done_order: int = -1
     min_version: int | None = None  # cached once ready
 
@@ -646,12 +1266,48 @@ class _GroupState:
                      self.admitted_version)
 
 
-class _GeneratorProcess:
-    """Runs in the child process: owns the vLLM engine, the data stream, the throttle and the finished groups."""
+@dataclass
+class _ReplicaSlot:
+    """The scheduler's view of one replica: expected -> starting (connected) -> ready (engine up) -> dead."""
+
+    id: int
+    local: bool
+    devices: list[int] | None = None  # a local GPU replica's CUDA devices (None on CPU)
+    proc: Any = None  # a local replica's process
+    conn: Any = None
+    pid: int | None = None
+    host: str = ""  # where its connection came from
+    bind_host: str = ""  # where its workers are reached (its end of the connection)
+    tensor_parallel_size: int = 1
+    state: str = "expected"
+    version: int | None = None  # the weights it holds; None: not yet the run's (a late joiner)
+    capacity: int = 1  # groups it takes at once: vLLM's max_num_seqs / group_size
+    group: dict | None = None  # its weight group, once formed
+    info: dict = field(default_factory=dict)
+    reason: str = ""  # why it died
+
+    @property
+    def name(self) -> str:
+        where = "local" if self.local else f"remote, {self.host or 'not connected'}"
+        return f"replica {self.id} ({where}{f', pid {self.pid}' if self.pid else ''})"
+
+    @property
+    def usable(self) -> bool:
+        return self.state == "ready" and self.version is not None
+
+
+class _Fatal(RuntimeError):
+    """The generator cannot go on, for a reason its message says in full (no traceback needed)."""
+
+
+class _Scheduler:
+    """Runs in the generator process: owns the data stream, the replicas, the throttle and the finished groups."""
 
     def __init__(self, conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,
-                 skip_indices: list[int], retired_ids: list[str], version: int):
+                 skip_indices: list[int], retired_ids: list[str], version: int, secret: bytes,
+                 store_address: tuple[str, int] | None):
         self.conn, self.cfg = conn, config
+        self.secret, self.store_address = secret, store_address
         self.task = _make_task(task_factory)
         self.data_start, self.skip = data_start, set(skip_indices)
         self.retired = set(retired_ids)
@@ -664,6 +1320,7 @@ class _GeneratorProcess:
         self.eval_groups: dict[int, _GroupState] = {}
         self.next_gid = 0
         self.admit_counter = 0
+        self.stream_admitted = 0
         self.done_counter = 0
         self.pending: tuple | None = None  # the learner's outstanding request
         self.next_learner_version = version
@@ -673,89 +1330,267 @@ class _GeneratorProcess:
         self.stale_dropped = 0
         self.skipped_long_prompts = 0
         self.reward_errors_total = 0
-        self.tokens_since_reply = 0
+        self.tokens_by_replica: collections.Counter[int] = collections.Counter()  # since the last reply
+        self.busy_s_by_replica: collections.Counter[int] = collections.Counter()
         self.last_reply_time = time.perf_counter()
-        self.engine_busy_s = 0.0
+        self.deaths: list[str] = []  # since the last reply
+        self.deaths_total = 0
+        self.update: dict | None = None  # the weight update in progress
+        self.debug_wait: dict | None = None
         self.closing = False
         self.dirty = False  # something changed since the last batch plan
         self.started = False  # admission starts with the learner's first get_batch or update_weights
+        self.listener: _ReplicaListener | None = None
+        self.new_conns: list[tuple[Any, tuple]] = []  # authenticated, no hello yet
+        gen_ids = [int(x) for x in config.gen_devices.split(",") if x.strip()] if config.gen_devices else []
+        devices = replica_devices(gen_ids, config.tensor_parallel_size) if gen_ids else [None] * config.replicas
+        self.replicas = {i: _ReplicaSlot(i, local=True, devices=devices[i],
+                                         tensor_parallel_size=config.tensor_parallel_size)
+                         for i in range(config.replicas)}
+        for j in range(config.remote_replicas):
+            i = config.replicas + j
+            self.replicas[i] = _ReplicaSlot(i, local=False)
 
     # ---- setup ------------------------------------------------------------------------------------------------
-    def init_engine(self) -> dict:
+    def start(self) -> dict:
         from transformers import AutoTokenizer
-        from vllm import LLM
 
         cfg = self.cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         self.phrase_ids = list(self.tokenizer(self.task.interruption_phrase, add_special_tokens=False)["input_ids"])
         self.close_ids = list(self.tokenizer(tasks.THINK_CLOSE, add_special_tokens=False)["input_ids"])
-        kwargs = vllm_engine_kwargs(cfg)
-        self.llm = LLM(**kwargs)
-        self.engine = self.llm.llm_engine
-        self.engine.engine_core.set_weight_version(str(self.version))
-        max_num_seqs = self.engine.vllm_config.scheduler_config.max_num_seqs
-        self.max_groups = cfg.max_concurrent_groups or max(1, max_num_seqs // cfg.group_size)
+        self.listener = _ReplicaListener(cfg.listen, self.secret)
+        ctx = mp.get_context("spawn")
+        for slot in self.replicas.values():
+            if slot.local:
+                slot.proc = ctx.Process(target=_replica_main, name=f"scalerl-replica-{slot.id}",
+                                        args=(self.listener.address, self.secret, slot.id, slot.devices, os.getpid()))
+                slot.proc.start()
+                slot.pid = slot.proc.pid
+        deadline = time.monotonic() + cfg.join_timeout
+        while not all(s.state == "ready" for s in self.replicas.values()):
+            self.poll(0.2)
+            if self.closing:
+                raise _Fatal("closed by the learner while starting")
+            dead = [s for s in self.replicas.values() if s.state == "dead"]
+            if dead:
+                raise _Fatal("; ".join(f"{s.name} failed to start: {s.reason}" for s in dead))
+            if time.monotonic() >= deadline:
+                raise _Fatal(self.missing_message())
+        for slot in self.replicas.values():
+            slot.version = self.version
         import psutil
 
-        procs = psutil.Process().children(recursive=True)
-        return {"pid": os.getpid(), "descendants": [(p.pid, p.create_time(), p.name()) for p in procs],
-                "max_concurrent_groups": self.max_groups, "max_num_seqs": max_num_seqs,
-                "phrase_ids": self.phrase_ids, "close_ids": self.close_ids,
-                "head": self.llm.collective_rpc("scalerl_head_info")[0]}
+        descendants = []
+        for slot in self.replicas.values():
+            if slot.local:
+                descendants.append((slot.pid, psutil.Process(slot.pid).create_time(), slot.proc.name))
+                descendants += slot.info.get("vllm_processes", [])
+        return {"pid": os.getpid(), "address": self.listener.address, "descendants": descendants,
+                "replicas": [self.describe(s) for s in self.replicas.values()],
+                "max_concurrent_groups": self.max_in_flight(), "phrase_ids": self.phrase_ids,
+                "close_ids": self.close_ids, "head": next(iter(self.replicas.values())).info.get("head")}
 
-    # ---- main loop --------------------------------------------------------------------------------------------
+    def missing_message(self) -> str:
+        lines = []
+        for s in self.replicas.values():
+            if s.state == "ready":
+                continue
+            if s.local:
+                lines.append(f"{s.name} did not start its vLLM engine within {self.cfg.join_timeout:.0f} s")
+            elif s.state == "expected":
+                lines.append(f"replica {s.id} (remote) never connected to {self.listener.address} within "
+                             f"{self.cfg.join_timeout:.0f} s: start it on its node with `python pipeline_rl.py "
+                             f"replica --connect {self.listener.address} --secret-file FILE`")
+            else:
+                lines.append(f"{s.name} connected but did not start its vLLM engine within "
+                             f"{self.cfg.join_timeout:.0f} s")
+        return "; ".join(lines)
+
+    def describe(self, s: _ReplicaSlot) -> dict:
+        return {"id": s.id, "name": s.name, "local": s.local, "pid": s.pid, "host": s.host, "state": s.state,
+                "version": s.version, "devices": s.devices, "vllm_processes": s.info.get("vllm_processes", []),
+                "capacity": s.capacity, "reason": s.reason}
+
+    def engine_config(self) -> GeneratorConfig:
+        """The settings a replica's engine needs, without the secret or the run's replica layout."""
+        import dataclasses
+
+        return dataclasses.replace(self.cfg, secret=None, replicas=1, remote_replicas=0, listen="127.0.0.1:0")
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> None:
         while not self.closing:
-            busy = self.engine.has_unfinished_requests()
-            self.handle_commands(timeout=0.0 if busy else 0.2)
+            self.poll(0.2)
             if self.closing:
                 break
+            self.place_orphans()
             self.admit()
-            if self.engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                outputs = self.engine.step()
-                self.engine_busy_s += time.perf_counter() - t0
-                for out in outputs:
-                    if out.finished:
-                        self.on_finished(out)
             self.try_reply()
 
-    def handle_commands(self, timeout: float) -> None:
-        while self.conn.poll(timeout):
-            timeout = 0.0
+    def poll(self, timeout: float) -> None:
+        """Wait up to `timeout` for a message from the learner or any replica, and handle every one that came."""
+        if self.listener is not None:
+            while not self.listener.accepted.empty():
+                self.new_conns.append(self.listener.accepted.get())
+        owners: dict[Any, Any] = {self.conn: "learner"}
+        owners.update({s.conn: s for s in self.replicas.values() if s.conn is not None})
+        owners.update({c: ("new", peer) for c, peer in self.new_conns})
+        try:
+            ready = mpc.wait(list(owners), timeout)
+        except OSError:
+            ready = []
+        for conn in ready:
+            owner = owners[conn]
             try:
-                msg = self.conn.recv()
-            except EOFError:  # the learner is gone
-                self.closing = True
-                return
-            kind = msg[0]
-            if kind in ("get_batch", "update"):
-                self.started = True
-            if kind == "get_batch":
-                _, num_groups, learner_version, t_sent = msg
-                try:
-                    self.start_batch(num_groups, learner_version)
-                except _RequestError as e:  # the learner's mistake: tell it, keep running
-                    self.conn.send(("fail", str(e)))
-            elif kind == "update":
-                _, path, version = msg
-                seconds = self.apply_update(path, version)
-                self.conn.send(("updated", version, seconds))
-            elif kind == "evaluate":
-                _, problems, samples, temperature = msg
-                try:
-                    self.start_eval(problems, samples, temperature)
-                except _RequestError as e:
-                    self.conn.send(("fail", str(e)))
-            elif kind == "retire":
-                self.retired.update(msg[1])
-            elif kind == "debug":
-                self.conn.send(("debug", self.debug(msg[1])))
-            elif kind == "close":
-                self.closing = True
-                return
+                msg = conn.recv()
+            except (EOFError, OSError):
+                if owner == "learner":
+                    self.closing = True
+                elif isinstance(owner, _ReplicaSlot):
+                    self.on_death(owner, "its connection closed (process killed, or the network broke)")
+                else:
+                    self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
+                continue
+            if owner == "learner":
+                self.handle_learner(msg)
+            elif isinstance(owner, _ReplicaSlot):
+                self.handle_replica(owner, msg)
             else:
-                raise ValueError(f"unknown command {kind!r}")
+                self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
+                self.on_hello(conn, owner[1], msg)
+        for s in self.replicas.values():  # a local replica that exited without a word (its connection may linger)
+            if s.local and s.proc is not None and s.state != "dead" and not s.proc.is_alive():
+                if s.conn is not None and s.conn.poll(0):
+                    continue  # its last message first
+                self.on_death(s, f"its process exited with code {s.proc.exitcode}")
+
+    # ---- replicas ---------------------------------------------------------------------------------------------
+    def on_hello(self, conn: Any, peer: tuple, msg: tuple) -> None:
+        if msg[0] != "hello":
+            conn.close()
+            return
+        hello = msg[1]
+        local_id = hello.get("local_id")
+        if local_id is not None:
+            slot = self.replicas.get(local_id)
+            slot = slot if slot is not None and slot.local and slot.state == "expected" else None
+        else:  # a remote replica takes the first free remote place (one never filled, or one whose replica died)
+            slot = next((s for s in self.replicas.values() if not s.local and s.state in ("expected", "dead")), None)
+        if slot is None:
+            reason = (f"the run expects {self.cfg.remote_replicas} remote replica(s) and has them all" if local_id is
+                      None else f"no local replica {local_id} is expected")
+            line = f"refused replica pid {hello.get('pid')} from {peer[0]}: {reason}"
+            self.listener.refused.append(line)
+            print(f"[generator] {line}", file=sys.stderr, flush=True)
+            try:
+                conn.send(("refused", reason))
+            finally:
+                conn.close()
+            return
+        rejoin = slot.state == "dead"
+        slot.conn, slot.host, slot.pid, slot.state = conn, peer[0], hello.get("pid"), "starting"
+        slot.bind_host = hello.get("bind_host") or peer[0]
+        slot.tensor_parallel_size = hello.get("tensor_parallel_size") or self.cfg.tensor_parallel_size
+        slot.version, slot.group, slot.reason = None, None, ""
+        # a replica that joins a running run holds the base weights: label them -1 until its first update
+        conn.send(("start", self.engine_config(), slot.id, None if (rejoin or self.started) else self.version))
+        if rejoin or self.started:
+            print(f"[generator] {slot.name} joined; it gets prompts once the next weight update reaches it",
+                  file=sys.stderr, flush=True)
+
+    def handle_replica(self, slot: _ReplicaSlot, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            _, outputs, busy_s = msg
+            self.busy_s_by_replica[slot.id] += busy_s
+            for out in outputs:
+                self.on_output(slot, out)
+        elif kind == "ready":
+            slot.info = msg[1]
+            slot.state = "ready"
+            slot.capacity = max(1, slot.info["max_num_seqs"] // self.cfg.group_size)
+        elif kind == "updated":
+            _, version, seconds = msg
+            slot.version = version
+            if self.update is not None:
+                self.update["seconds"][slot.id] = seconds
+                self.update["waiting"].discard(slot.id)
+                self.finish_update()
+        elif kind == "update_failed":
+            self.on_death(slot, f"its weight update {msg[1]} failed: {msg[2]}")
+        elif kind == "debug":
+            if self.debug_wait is not None and slot.id in self.debug_wait["waiting"]:
+                self.debug_wait["waiting"].discard(slot.id)
+                self.debug_wait["values"][slot.id] = msg[1]
+                self.finish_debug()
+        elif kind == "error":  # its first line says what happened (a traceback follows it)
+            self.on_death(slot, msg[1].strip().splitlines()[0])
+        elif kind == "closed":
+            self.on_death(slot, "it closed")
+
+    def send_to(self, slot: _ReplicaSlot, msg: tuple) -> bool:
+        try:
+            slot.conn.send(msg)
+            return True
+        except (OSError, EOFError, BrokenPipeError, AttributeError) as e:
+            self.on_death(slot, f"sending to it failed ({type(e).__name__})")
+            return False
+
+    def on_death(self, slot: _ReplicaSlot, reason: str) -> None:
+        """A replica is gone: its unfinished completions go to the others (or wait for one), its weight group is
+        dropped, the next batch's stats and a line on stderr name it. The last replica gone stops the generator."""
+        if slot.state == "dead":
+            return
+        was_starting = slot.state != "ready"
+        slot.state, slot.reason, slot.version, slot.group = "dead", reason, None, None
+        if slot.conn is not None:
+            try:
+                slot.conn.close()
+            except OSError:
+                pass
+            slot.conn = None
+        if slot.proc is not None and slot.proc.is_alive():
+            slot.proc.kill()
+        _kill_processes(slot.info.get("vllm_processes", []))
+        moved = 0
+        for table in (self.groups, self.eval_groups):
+            for state in table.values():
+                for i, (c, r) in enumerate(zip(state.completions, state.assigned)):
+                    if c is None and r == slot.id:
+                        state.assigned[i] = None  # placed again by place_orphans
+                        moved += 1
+        if self.update is not None:
+            self.update["waiting"].discard(slot.id)
+        if self.debug_wait is not None:
+            self.debug_wait["waiting"].discard(slot.id)
+        if not self.started and was_starting:
+            return  # start() reports it
+        left = [s for s in self.replicas.values() if s.state == "ready"]
+        line = (f"{slot.name} died: {reason}; " + (f"{moved} unfinished completion(s) go to the other replicas; "
+                                                    f"{len(left)} replica(s) left" if left else "no replica left"))
+        self.deaths.append(line)
+        self.deaths_total += 1
+        print(f"[generator] {line}", file=sys.stderr, flush=True)
+        if not left:
+            dead = "; ".join(f"{s.name}: {s.reason}" for s in self.replicas.values() if s.state == "dead")
+            raise _Fatal(f"no replica left: {dead}")
+        self.finish_update()
+        self.finish_debug()
+        self.dirty = True
+
+    def loads(self) -> dict[int, int]:
+        """Groups with a completion in flight on each usable replica."""
+        loads = {s.id: 0 for s in self.replicas.values() if s.usable}
+        for table in (self.groups, self.eval_groups):
+            for state in table.values():
+                for r in {r for c, r in zip(state.completions, state.assigned) if c is None and r is not None}:
+                    if r in loads:
+                        loads[r] += 1
+        return loads
+
+    def max_in_flight(self) -> int:
+        return self.cfg.max_concurrent_groups or max(1, sum(s.capacity for s in self.replicas.values() if s.usable))
 
     # ---- prompts in -------------------------------------------------------------------------------------------
     def next_problem(self) -> tuple[int, Problem]:
@@ -768,48 +1603,52 @@ class _GeneratorProcess:
             return index, problem
         raise RuntimeError("no admissible prompt in the last 1,000,000 of the stream (all retired?)")
 
-    def sampling_params(self, temperature: float, budget: int | None) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
+    def request_spec(self, temperature: float, budget: int | None) -> dict:
         cfg = self.cfg
-        extra = None
-        max_tokens = cfg.max_tokens
+        spec: dict[str, Any] = {"temperature": temperature, "max_tokens": cfg.max_tokens, "interrupt": None}
         if budget is not None:
-            max_tokens = min(cfg.max_tokens, budget + len(self.phrase_ids) + cfg.answer_budget)
-            extra = {_INTERRUPT_KEY: {"budget": budget, "phrase": self.phrase_ids, "close": self.close_ids}}
-        return SamplingParams(temperature=temperature, top_p=1.0, top_k=0, max_tokens=max_tokens, logprobs=0,
-                              output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra)
+            spec["max_tokens"] = min(cfg.max_tokens, budget + len(self.phrase_ids) + cfg.answer_budget)
+            spec["interrupt"] = {"budget": budget, "phrase": self.phrase_ids, "close": self.close_ids}
+        return spec
 
-    def submit(self, state: _GroupState, temperature: float, prefix: str) -> None:
-        prompt = {"prompt_token_ids": state.prompt_ids, "cache_salt": f"v{self.version}"}
-        for i in range(len(state.completions)):
-            budget = self.rng.randint(*self.cfg.think_budget) if self.cfg.interruptions else None
-            state.budgets[i] = budget
-            self.engine.add_request(f"{prefix}{state.gid}.{i}", prompt, self.sampling_params(temperature, budget))
+    def submit(self, state: _GroupState, replica: _ReplicaSlot, indices: Iterable[int], prefix: str) -> None:
+        """Send completions `indices` of a group to `replica` (a group's completions go together: one prompt, one
+        prefix-cache entry; after a replica's death, the missing ones of a group go to another)."""
+        requests = []
+        for i in indices:
+            if state.budgets[i] is None and self.cfg.interruptions:
+                state.budgets[i] = self.rng.randint(*self.cfg.think_budget)
+            state.assigned[i] = replica.id
+            requests.append((f"{prefix}{state.gid}.{i}", state.prompt_ids, f"v{replica.version}",
+                             self.request_spec(state.temperature, state.budgets[i])))
+        if requests:
+            self.send_to(replica, ("add", requests))
 
-    def new_group(self, problem: Problem, data_index: int, samples: int) -> _GroupState:
+    def new_group(self, problem: Problem, data_index: int, samples: int, version: int,
+                  temperature: float) -> _GroupState:
         prompt_ids = tasks.chat_prompt_ids(self.tokenizer, problem.prompt)
         if len(prompt_ids) + self.cfg.max_tokens > self.cfg.max_model_len:
             raise _RequestError(f"prompt of {problem.id} has {len(prompt_ids)} tokens: with max_tokens "
                                 f"{self.cfg.max_tokens} it exceeds max_model_len {self.cfg.max_model_len}")
-        state = _GroupState(self.next_gid, problem, data_index, prompt_ids, self.version,
-                            self.version + self.cfg.max_off_policy, [None] * samples, [None] * samples,
-                            self.admit_counter)
+        state = _GroupState(self.next_gid, problem, data_index, prompt_ids, version,
+                            version + self.cfg.max_off_policy, [None] * samples, [None] * samples,
+                            self.admit_counter, [None] * samples, temperature)
         self.next_gid += 1
         self.admit_counter += 1
         return state
 
-    def admit_one(self) -> None:
+    def admit_one(self, replica: _ReplicaSlot) -> None:
         while True:
+            fresh = not self.requeue
             index, problem = self.next_problem()
             try:
-                state = self.new_group(problem, index, self.cfg.group_size)
+                state = self.new_group(problem, index, self.cfg.group_size, replica.version, self.cfg.temperature)
                 break
             except _RequestError:  # a training prompt too long for max_model_len: skip it, count it
                 self.skipped_long_prompts += 1
+        self.stream_admitted += fresh  # prompts of the stream admitted (a requeued one was counted already)
         self.groups[state.gid] = state
-        self.submit(state, self.cfg.temperature, "t")
+        self.submit(state, replica, range(len(state.completions)), "t")
 
     def in_flight(self) -> int:
         return sum(not g.ready for g in self.groups.values())
@@ -819,34 +1658,35 @@ class _GeneratorProcess:
             return
         need = self.pending[1] if self.pending and self.pending[0] == "batch" else 0
         starved = need > 0 and sum(g.ready for g in self.groups.values()) < need  # the learner waits on us
-        while should_admit(unconsumed=len(self.groups), in_flight=self.in_flight(), max_in_flight=self.max_groups,
-                           gen_version=self.version, next_learner_version=self.next_learner_version,
-                           k=self.cfg.max_off_policy, groups_per_step=self.groups_per_step or 1, waiting_for=need,
-                           buffer_steps=self.cfg.buffer_steps, learner_starved=starved):
-            self.admit_one()
+        loads = self.loads()
+        capacity = {s.id: s.capacity for s in self.replicas.values()}
+        max_in_flight = self.max_in_flight()
+        while True:
+            r = pick_replica({i: n for i, n in loads.items() if n < capacity[i]})
+            if r is None or not should_admit(
+                    unconsumed=len(self.groups), in_flight=self.in_flight(), max_in_flight=max_in_flight,
+                    gen_version=self.replicas[r].version, next_learner_version=self.next_learner_version,
+                    k=self.cfg.max_off_policy, groups_per_step=self.groups_per_step or 1, waiting_for=need,
+                    buffer_steps=self.cfg.buffer_steps, learner_starved=starved):
+                return
+            self.admit_one(self.replicas[r])
+            loads[r] += 1
+
+    def place_orphans(self) -> None:
+        """Completions of a dead replica go to the least-loaded usable one, as soon as there is one."""
+        loads = self.loads()
+        for table, prefix in ((self.groups, "t"), (self.eval_groups, "e")):
+            for state in table.values():
+                lost = [i for i, (c, r) in enumerate(zip(state.completions, state.assigned)) if c is None and r is None]
+                r = pick_replica(loads)
+                if lost and r is not None:
+                    self.submit(state, self.replicas[r], lost, prefix)
+                    loads[r] += 1
 
     # ---- completions out --------------------------------------------------------------------------------------
-    def make_completion(self, state: _GroupState, index: int, out: Any) -> Completion:
-        c = out.outputs[0]
-        token_ids = list(c.token_ids)
+    def make_completion(self, state: _GroupState, index: int, out: dict, replica: int) -> Completion:
+        token_ids, logprobs, versions = out["token_ids"], out["logprobs"], out["versions"]
         n = len(token_ids)
-        logprobs = [0.0] * n
-        lps = c.logprobs
-        if lps is not None and hasattr(lps, "start_indices"):  # FlatLogprobs: the sampled token comes first
-            for i, s in enumerate(lps.start_indices[:n]):
-                if lps.token_ids[s] != token_ids[i]:
-                    raise RuntimeError("logprobs out of step with the sampled tokens")
-                logprobs[i] = float(lps.logprobs[s])
-        elif lps is not None:
-            for i, (tok, entry) in enumerate(zip(token_ids, lps)):
-                logprobs[i] = float(entry[tok].logprob)
-        versions = [self.version] * n
-        spans = c.weight_versions
-        if spans:
-            for span in spans:
-                v = int(span.version)
-                for i in range(span.start, min(span.end, n)):
-                    versions[i] = v
         mask = [True] * n
         budget = state.budgets[index]
         start = interruption_start(token_ids, budget, self.close_ids) if budget is not None else None
@@ -859,11 +1699,11 @@ class _GeneratorProcess:
             for i in range(start, end):
                 mask[i] = False
                 logprobs[i] = 0.0
-        reward, error = self.score(state.problem, c.text)
-        truncated = c.finish_reason == "length"
-        finish = "interrupted" if interrupted else str(c.finish_reason)
-        return Completion(token_ids, logprobs, versions, mask, c.text, finish, reward, error, interrupted, truncated,
-                          budget)
+        reward, error = self.score(state.problem, out["text"])
+        truncated = out["finish_reason"] == "length"
+        finish = "interrupted" if interrupted else out["finish_reason"]
+        return Completion(token_ids, logprobs, versions, mask, out["text"], finish, reward, error, interrupted,
+                          truncated, budget, replica)
 
     def score(self, problem: Problem, text: str) -> tuple[float, str | None]:
         try:
@@ -875,17 +1715,17 @@ class _GeneratorProcess:
             self.reward_errors_total += 1
             return -1.0, f"{type(e).__name__}: {e}"
 
-    def on_finished(self, out: Any) -> None:
-        rid = out.request_id
+    def on_output(self, slot: _ReplicaSlot, out: dict) -> None:
+        rid = out["rid"]
         kind, rest = rid[0], rid[1:]
         gid_s, idx_s = rest.split(".")
         gid, idx = int(gid_s), int(idx_s)
         table = self.groups if kind == "t" else self.eval_groups
         state = table.get(gid)
-        if state is None:
+        if state is None or state.completions[idx] is not None or state.assigned[idx] != slot.id:
             return
-        state.completions[idx] = self.make_completion(state, idx, out)
-        self.tokens_since_reply += len(out.outputs[0].token_ids)
+        state.completions[idx] = self.make_completion(state, idx, out, slot.id)
+        self.tokens_by_replica[slot.id] += len(out["token_ids"])
         if state.ready:
             state.done_order = self.done_counter
             self.done_counter += 1
@@ -893,6 +1733,33 @@ class _GeneratorProcess:
             self.dirty = True
 
     # ---- requests from the learner ----------------------------------------------------------------------------
+    def handle_learner(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind in ("get_batch", "update"):
+            self.started = True
+        try:
+            if kind == "get_batch":
+                self.start_batch(msg[1], msg[2])
+            elif kind == "update":
+                self.begin_update(msg[1], msg[2])
+            elif kind == "sent":
+                self.update["sent"] = True
+                for rid, error in msg[1].items():
+                    self.on_death(self.replicas[rid], f"its weight broadcast failed: {error}")
+                self.finish_update()
+            elif kind == "evaluate":
+                self.start_eval(msg[1], msg[2], msg[3])
+            elif kind == "retire":
+                self.retired.update(msg[1])
+            elif kind == "debug":
+                self.debug(msg[1])
+            elif kind == "close":
+                self.closing = True
+            else:
+                raise ValueError(f"unknown command {kind!r}")
+        except _RequestError as e:  # the learner's mistake: tell it, keep running
+            self.conn.send(("fail", str(e)))
+
     def start_batch(self, num_groups: int, learner_version: int) -> None:
         if self.cfg.mode == "pipeline" and learner_version - self.version > self.cfg.max_off_policy:
             raise _RequestError(
@@ -910,19 +1777,79 @@ class _GeneratorProcess:
         if self.cfg.mode == "sync":
             if self.groups:
                 raise RuntimeError("sync mode: groups left over from a previous batch")
+            loads = self.loads()
             for _ in range(num_groups):
-                self.admit_one()
+                r = pick_replica(loads)
+                self.admit_one(self.replicas[r])
+                loads[r] += 1
 
     def start_eval(self, problems: list[Problem], samples: int, temperature: float | None) -> None:
         temp = self.cfg.temperature if temperature is None else temperature
-        states = [self.new_group(problem, -1, samples) for problem in problems]  # may refuse a too-long prompt
+        states = [self.new_group(problem, -1, samples, self.version, temp) for problem in problems]  # may refuse
+        loads = self.loads()
         gids = []
         for state in states:
             self.eval_groups[state.gid] = state
-            self.submit(state, temp, "e")
+            r = pick_replica(loads)
+            self.submit(state, self.replicas[r], range(samples), "e")
+            loads[r] += 1
             gids.append(state.gid)
         self.pending = ("eval", gids)
         self.dirty = True
+
+    def begin_update(self, version: int, transport: dict) -> None:
+        """Tell every ready replica to take weights `version` (first forming the weight group of any that has
+        none), and tell the learner whom to send them to: ("plan", [(replica, name, group, join)])."""
+        targets = [s for s in self.replicas.values() if s.state == "ready"]
+        plan = []
+        for s in targets:
+            join = transport["kind"] == "broadcast" and s.group is None
+            if join:
+                host, port = self.store_address
+                s.group = {"store_host": host, "store_port": port, "prefix": f"scalerl/{secrets.token_hex(16)}",
+                           "world": 1 + s.tensor_parallel_size, "timeout_s": self.cfg.weight_timeout,
+                           "backend": "nccl" if self.cfg.gen_devices is not None else "gloo",
+                           "bind_host": s.bind_host}
+                if not self.send_to(s, ("join", s.group)):
+                    continue
+            if self.send_to(s, ("update", version, transport)):
+                plan.append((s.id, s.name, s.group, join))
+        self.update = {"version": version, "waiting": {p[0] for p in plan}, "seconds": {}, "sent": False}
+        self.conn.send(("plan", plan))
+
+    def finish_update(self) -> None:
+        u = self.update
+        if u is None or not u["sent"] or u["waiting"]:
+            return
+        self.update = None
+        self.version = u["version"]
+        self.dirty = True
+        self.conn.send(("updated", u["version"], {"seconds": u["seconds"],
+                                                  "replicas": sum(s.usable for s in self.replicas.values())}))
+
+    def debug(self, what: str) -> None:
+        if what == "state":
+            self.conn.send(("debug", {
+                "version": self.version, "groups": len(self.groups), "in_flight": self.in_flight(),
+                "eval_groups": len(self.eval_groups), "groups_per_step": self.groups_per_step,
+                "max_groups": self.max_in_flight(), "stale_dropped": self.stale_dropped,
+                "unconsumed_indices": sorted([g.data_index for g in self.groups.values()]
+                                             + [i for i, _ in self.requeue]),
+                "admitted": self.stream_admitted, "replicas": [self.describe(s) for s in self.replicas.values()],
+                "refused": list(self.listener.refused) if self.listener else []}))
+        elif what.startswith("checksum:"):  # every ready replica's checksum of one parameter
+            targets = [s for s in self.replicas.values() if s.state == "ready"]
+            self.debug_wait = {"waiting": {s.id for s in targets}, "values": {}}
+            for s in targets:
+                self.send_to(s, ("debug", what))
+            self.finish_debug()
+        else:
+            raise _RequestError(f"unknown debug request {what!r}")
+
+    def finish_debug(self) -> None:
+        if self.debug_wait is not None and not self.debug_wait["waiting"]:
+            values, self.debug_wait = self.debug_wait["values"], None
+            self.conn.send(("debug", values))
 
     def try_reply(self) -> None:
         if self.pending is None or not self.dirty:
@@ -959,10 +1886,12 @@ class _GeneratorProcess:
         self.next_learner_version = V + 1
         now = time.perf_counter()
         interval = max(now - self.last_reply_time, 1e-9)
+        alive = [s for s in self.replicas.values() if s.state == "ready"]
         stats: dict[str, Any] = {
             "gen_tokens": sum(c.num_tokens for g in groups for c in g.completions),
-            "gen_tokens_per_s": self.tokens_since_reply / interval,
-            "gen_busy_frac": min(1.0, self.engine_busy_s / interval),
+            "gen_tokens_per_s": sum(self.tokens_by_replica.values()) / interval,
+            # the engines' busy share of the interval, averaged over the replicas alive
+            "gen_busy_frac": min(1.0, sum(self.busy_s_by_replica.values()) / interval / max(1, len(alive))),
             "reward_errors": sum(c.reward_error is not None for g in groups for c in g.completions),
             "reward_error_examples": [c.reward_error for g in groups for c in g.completions if c.reward_error][:3],
             "interrupted": sum(c.interrupted for g in groups for c in g.completions),
@@ -977,118 +1906,95 @@ class _GeneratorProcess:
             "generator_version": self.version,
             "groups_per_step": self.groups_per_step,
             "multi_version_completions": sum(len(set(c.versions)) > 1 for g in groups for c in g.completions),
+            "gen_replicas_alive": len(alive),
+            # this batch's groups by the replica of their first completion; tokens generated since the last batch
+            "gen_groups_by_replica": dict(sorted(collections.Counter(g.completions[0].replica
+                                                                     for g in groups).items())),
+            "gen_tokens_by_replica": {s.id: self.tokens_by_replica[s.id] for s in self.replicas.values()},
+            "replica_deaths": self.deaths,
+            "replica_deaths_total": self.deaths_total,
+            "replica_connections_refused": len(self.listener.refused) if self.listener else 0,
         }
         stats |= lag_stats(groups, V)
-        self.tokens_since_reply, self.engine_busy_s, self.last_reply_time = 0, 0.0, now
+        self.tokens_by_replica, self.busy_s_by_replica = collections.Counter(), collections.Counter()
+        self.deaths, self.last_reply_time = [], now
         self.conn.send(("batch", groups, stats))
 
-    def apply_update(self, path: str, version: int) -> float:
-        t0 = time.perf_counter()
-        core = self.engine.engine_core
-        # An engine core in its own process steps on its own: pause it so that no step runs until resume and the
-        # version labels stay exact. In this process it steps only when run() calls engine.step(), not now.
-        in_process = not hasattr(core, "call_utility")
-        if not in_process:
-            core.call_utility("pause_scheduler", "keep", False)
-        try:
-            self.llm.collective_rpc("scalerl_load_weights", args=(path,))
-            if not self.engine.has_unfinished_requests():
-                self.engine.reset_prefix_cache()  # only possible while nothing runs; else the cache salt protects
-            core.set_weight_version(str(version))
-            self.version = version
-        finally:
-            if not in_process:
-                core.call_utility("resume_scheduler")
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-        return time.perf_counter() - t0
-
-    def debug(self, what: str) -> Any:
-        if what == "state":
-            return {"version": self.version, "groups": len(self.groups), "in_flight": self.in_flight(),
-                    "eval_groups": len(self.eval_groups), "groups_per_step": self.groups_per_step,
-                    "max_groups": self.max_groups, "stale_dropped": self.stale_dropped,
-                    "unconsumed_indices": sorted([g.data_index for g in self.groups.values()]
-                                                 + [i for i, _ in self.requeue]),
-                    "admitted": self.admit_counter}
-        if what.startswith("checksum:"):
-            return self.llm.collective_rpc("scalerl_param_checksum", args=(what.split(":", 1)[1],))[0]
-        raise ValueError(what)
-
     def shutdown(self) -> None:
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown(timeout=1.0)  # SIGTERM, then kill after 1 s
-            except Exception:
-                pass
+        """Close every replica: ask, wait a little, then kill what is left (and its vLLM processes)."""
+        for s in self.replicas.values():
+            if s.conn is not None:
+                try:
+                    s.conn.send(("close",))
+                except (OSError, EOFError, BrokenPipeError):
+                    pass
+        deadline = time.monotonic() + 10
+        for s in self.replicas.values():
+            if s.proc is not None:
+                s.proc.join(max(0.1, deadline - time.monotonic()))
+                if s.proc.is_alive():
+                    s.proc.kill()
+                    s.proc.join(5)
+            if s.local:
+                _kill_processes(s.info.get("vllm_processes", []))
+        if self.listener is not None:
+            self.listener.close()
 
 
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send `sig` to this process when its parent dies (a no-op where prctl is missing)."""
+def _kill_processes(processes: Iterable[tuple[int, float, str]]) -> None:
+    """Kill the processes (pid, create time, name) that are still the ones recorded, and wait until they are gone."""
     try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(sig))  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
+        import psutil
+    except ImportError:  # pragma: no cover
+        return
+    survivors = [p for pid, created, _ in processes if (p := _same_process(pid, created)) is not None]
+    for p in survivors:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + 5
+    while survivors and time.monotonic() < deadline:
+        survivors = [p for p in survivors if _alive(p)]
+        time.sleep(0.05)
 
 
 def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int, skip_indices: list[int],
-                    retired_ids: list[str], version: int, parent_pid: int) -> None:
+                    retired_ids: list[str], version: int, parent_pid: int, secret: bytes,
+                    store_address: tuple[str, int] | None) -> None:
     """Entry point of the generator process."""
     try:
         os.setsid()  # Ctrl-C in the terminal goes to the learner, which closes us in order
     except OSError:
         pass
-    set_parent_death_signal(signal.SIGTERM)  # the learner died: shut vLLM down in order
+    set_parent_death_signal(signal.SIGTERM)  # the learner died: shut the replicas down in order
     if os.getppid() != parent_pid:  # the learner died before prctl took effect
         return
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_term)
-    for var in _TORCHRUN_VARS:  # a vLLM started under torchrun must not see the learner's process group
+    _exit_on_sigterm()
+    for var in _TORCHRUN_VARS:
         os.environ.pop(var, None)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
-    os.environ[_SLOWDOWN_ENV] = str(config.debug_slowdown)
-    engine_process = config.gen_devices is not None if config.engine_process is None else config.engine_process
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
-    if config.gen_devices is not None:  # indices into the learner's visible devices (physical ids if unset)
-        ids = [x.strip() for x in config.gen_devices.split(",") if x.strip()]
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible:
-            visible_ids = [x.strip() for x in visible.split(",")]
-            ids = [visible_ids[int(i)] for i in ids]
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
-    else:
-        tasks.set_vllm_cpu_env()
-        if config.num_threads:  # before vLLM's CPU worker starts: it refuses set_num_threads afterwards
-            torch.set_num_threads(config.num_threads)
-    worker = None
+    scheduler = None
     try:
-        worker = _GeneratorProcess(conn, config, task_factory, data_start, skip_indices, retired_ids, version)
-        info = worker.init_engine()
+        scheduler = _Scheduler(conn, config, task_factory, data_start, skip_indices, retired_ids, version, secret,
+                               store_address)
+        info = scheduler.start()
         conn.send(("ready", info))
-        worker.run()
+        scheduler.run()
     except BaseException as e:  # report everything, including SystemExit from SIGTERM
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            text = str(e) if isinstance(e, _Fatal) else f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+            conn.send(("error", text))
         except Exception:
             pass
-        if not isinstance(e, SystemExit):
+        if not isinstance(e, (SystemExit, _Fatal, KeyboardInterrupt)):
             raise
     finally:
-        if worker is not None:
-            worker.shutdown()
+        if scheduler is not None:
+            scheduler.shutdown()
         try:
             conn.send(("closed", None))
         except Exception:
             pass
-
-
 # --------------------------------------------------------------------------------------------------------------
 # The learner-side handle
 # --------------------------------------------------------------------------------------------------------------
@@ -1181,7 +2087,11 @@ class Generator:
         self._closed = False
         self._dead_reason: str | None = None
         self._tied = self._read_tie_flag(config.model)
-        self.last_update_s = 0.0
+        self._secret = config.secret or secrets.token_bytes(32)  # local replicas only: nobody else needs it
+        self._sender: WeightSender | None = None
+        self.last_update_s = 0.0  # the last update_weights, in all
+        self.last_broadcast_s = 0.0  # of which the broadcast itself (forming new weight groups included)
+        self.last_update_info: dict = {}  # the last update's seconds per replica and replicas left
 
     @staticmethod
     def _read_tie_flag(model: str) -> bool:
@@ -1193,25 +2103,32 @@ class Generator:
             return False
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
-    def start(self, timeout: float = 600) -> None:
+    def start(self, timeout: float | None = None) -> None:
+        """Start the generator process and its replicas; returns once every replica (local and remote) is ready.
+        `timeout` (default: the config's join_timeout plus a minute) is fatal: GeneratorError, naming the missing."""
         if self._proc is not None:
             raise GeneratorError("generator already started")
         if self._closed:
             raise GeneratorError("generator is closed")
         self._started_at = time.time()  # vLLM's shared-memory segments are younger than this (close())
+        if self.config.weight_transport == "broadcast":  # before the replicas: they rendezvous at its store
+            host, _ = parse_address(self.config.listen)
+            self._sender = WeightSender(host, "nccl" if self.config.gen_devices is not None else "gloo",
+                                        self.config.weight_timeout)
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_generator_main, name="scalerl-generator",
             args=(child_conn, self.config, self._task_factory, self._data_start, self._skip, self._retired,
-                  self._version, os.getpid()),
+                  self._version, os.getpid(), self._secret, self._sender.address if self._sender else None),
         )
         self._proc.start()
         child_conn.close()
         self._conn = parent_conn
         atexit.register(self.close)
         try:
-            _, self._info = self._recv("ready", timeout, what="start")
+            _, self._info = self._recv("ready", self.config.join_timeout + 60 if timeout is None else timeout,
+                                       what="start")
         except BaseException:
             self.close()
             raise
@@ -1261,34 +2178,12 @@ class Generator:
                 proc.join(5)
         if conn is not None:
             conn.close()
-        self._kill_descendants()
+        # the replicas and vLLM processes that outlived the generator process (e.g. after it was SIGKILLed): nothing
+        # can shut them down in order any more
+        _kill_processes(self._info.get("descendants", []))
         if self._info.get("descendants"):
             _remove_leaked_segments(self._started_at)
-
-    def _kill_descendants(self) -> None:
-        """Kill vLLM processes of the generator that outlived it (e.g. after the generator was SIGKILLed)."""
-        try:
-            import psutil
-        except ImportError:  # pragma: no cover
-            return
-        survivors = [p for pid, created, _ in self._info.get("descendants", [])
-                     if (p := _same_process(pid, created)) is not None]
-        for p in survivors:  # the generator is gone, so nothing can shut them down in order any more
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        deadline = time.monotonic() + 5
-        while survivors and time.monotonic() < deadline:
-            survivors = [p for p in survivors if _alive(p)]
-            time.sleep(0.05)
-
-    def _dead_engine_process(self) -> str | None:
-        """'vLLM process NAME (pid P)' for each of the generator's vLLM processes (engine core, workers; only with
-        engine_process) that has died, or None. Checked by the learner while it waits, so no vLLM call can hang it."""
-        dead = [f"vLLM process {name} (pid {pid})" for pid, created, name in self._info.get("descendants", [])
-                if (p := _same_process(pid, created)) is None or not _alive(p)]
-        return ", ".join(dead) or None
+        self._sender = None  # its store and weight groups go with it
 
     # ---- messaging --------------------------------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -1327,13 +2222,9 @@ class Generator:
                 except (EOFError, OSError):
                     self._proc.join(1.0)
                     self._die(f"generator process died during {what}")
-                if msg[0] == "error":
-                    # Name a dead vLLM process first: the generator may see its engine die (EngineDeadError)
-                    # before this loop's watcher does, and the dead process is the cause a user must read.
-                    dead = self._dead_engine_process()
+                if msg[0] == "error":  # a replica's death is handled there; this one is the generator's own end
                     self._proc.join(5.0)
-                    cause = f"{dead} died during {what}; " if dead else ""
-                    self._die(f"{cause}generator process failed during {what}: {msg[1]}")
+                    self._die(f"generator process failed during {what}: {msg[1]}")
                 if msg[0] == "fail":
                     raise GeneratorError(msg[1])
                 if msg[0] == "closed":
@@ -1345,9 +2236,6 @@ class Generator:
                 if self._conn.poll(0):  # a last message (its error) may still be in the pipe
                     continue
                 self._die(f"generator process died during {what}")
-            dead = self._dead_engine_process()
-            if dead:  # vLLM's engine core or worker died: the generator would wait for its outputs forever
-                self._die(f"{dead} died during {what}")
             if deadline is not None and time.monotonic() >= deadline:
                 # the request is still pending in the generator: its late answer would be taken for the next one's
                 self._dead_reason = f"no answer to {what} within {timeout} s"
@@ -1364,9 +2252,11 @@ class Generator:
         groups are there (`stats["wait_s"]`); `timeout` (None: forever, while the generator lives) is fatal:
         GeneratorTimeout, and the generator is closed. Stats of the returned groups: gen_tokens, lag_hist
         {lag: loss-masked tokens}, frac_tokens_by_lag, lag_mean, lag_max, reward_errors, interrupted, truncated,
-        multi_version_completions; of the generator since the last call: gen_tokens_per_s, gen_busy_frac;
-        run totals: stale_dropped, reward_errors_total, skipped_long_prompts; and its state: groups_in_flight,
-        groups_ready, buffer_depth_steps, generator_version, groups_per_step."""
+        multi_version_completions, gen_groups_by_replica; of the generator since the last call: gen_tokens_per_s,
+        gen_busy_frac, gen_tokens_by_replica, replica_deaths (a line per replica that died); run totals:
+        stale_dropped, reward_errors_total, skipped_long_prompts, replica_deaths_total, replica_connections_refused;
+        and its state: groups_in_flight, groups_ready, buffer_depth_steps, generator_version, groups_per_step,
+        gen_replicas_alive."""
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         t0 = time.perf_counter()
@@ -1376,29 +2266,51 @@ class Generator:
         return groups, stats
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int,
-                       timeout: float | None = 600) -> float:
-        """Push a full HF-named state dict (lm_head.weight included) as weights `version`. Returns the seconds the
-        learner spent (writing the shared-memory file + the generator applying it between two decode steps)."""
+                       timeout: float | None = 600, transport: str | None = None) -> float:
+        """Push a full HF-named state dict (lm_head.weight included) to every replica as weights `version`, each
+        applying it between two decoding steps. Returns the seconds the learner spent in all; of those,
+        `last_broadcast_s` went to the broadcast, and `last_update_info` has each replica's seconds. A replica whose
+        update fails is taken out of the run (its work goes to the others). `transport` overrides the config's
+        weight_transport for this update ("file": local replicas only; bench.py compares the two this way)."""
         t0 = time.perf_counter()
         tensors = weight_tensors(state_dict, _DTYPES.get(self.config.dtype, torch.float32), self._tied)
         self._check_usable()
-        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        from safetensors.torch import save_file
+        transport = transport or self.config.weight_transport
+        if transport == "broadcast" and self._sender is None:
+            raise GeneratorError("this generator was started with weight_transport='file': it has no weight groups")
+        path = None
+        if transport == "file":
+            from safetensors.torch import save_file
 
-        directory = _weight_dir(self.config.weight_dir, nbytes)
-        path = directory / f"scalerl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-v{version}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            directory = _weight_dir(self.config.weight_dir, nbytes)
+            path = directory / f"scalerl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-v{version}.safetensors"
+            tmp = path.with_suffix(".tmp")
+            save_file(tensors, str(tmp))
+            os.replace(tmp, path)
+            how: dict[str, Any] = {"kind": "file", "path": str(path)}
+        else:
+            manifest = weight_manifest(tensors, self.config.weight_bucket_bytes)
+            how = {"kind": "broadcast", "manifest": manifest}
         try:
-            self._send(("update", str(path), int(version)))
-            _, applied, _gen_seconds = self._recv("updated", timeout, what="update_weights")
-        except BaseException:
-            try:
-                path.unlink()
-            except OSError:
-                pass
-            raise
+            self._send(("update", int(version), how))
+            _, plan = self._recv("plan", timeout, what="update_weights")
+            t_broadcast = time.perf_counter()
+            failed: dict[int, str] = {}
+            if how["kind"] == "broadcast":
+                for replica, name, group, join in plan:
+                    if join:
+                        try:
+                            self._sender.join(replica, group)
+                        except Exception as e:
+                            failed[replica] = f"forming its weight group failed: {type(e).__name__}: {e}"
+                failed |= self._sender.send(tensors, manifest, [p[0] for p in plan if p[0] not in failed])
+            self.last_broadcast_s = time.perf_counter() - t_broadcast
+            self._send(("sent", failed))
+            _, applied, self.last_update_info = self._recv("updated", timeout, what="update_weights")
+        finally:
+            if path is not None:
+                path.unlink(missing_ok=True)
         self._version = int(applied)
         self.last_update_s = time.perf_counter() - t0
         return self.last_update_s
@@ -1419,10 +2331,96 @@ class Generator:
             self._send(("retire", ids))
 
     def _debug(self, what: str, timeout: float = 60) -> Any:
+        """"state": the scheduler's state (replicas included); "checksum:NAME": {replica: sum of parameter NAME}."""
         self._send(("debug", what))
         return self._recv("debug", timeout, what="debug")[1]
 
 
+# --------------------------------------------------------------------------------------------------------------
+# The join command of a generator node
+# --------------------------------------------------------------------------------------------------------------
+
+
+def read_secret(path: str | os.PathLike) -> bytes:
+    """The shared secret in file `path` (surrounding whitespace dropped). Refused unless only its owner can read
+    it, as ssh refuses a private key: a secret others can read is no secret."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"secret file {p}: no such file")
+    if p.stat().st_mode & 0o077:
+        raise ValueError(f"secret file {p} is readable by others: chmod 600 {p}")
+    secret = p.read_bytes().strip()
+    if len(secret) < 16:
+        raise ValueError(f"secret file {p}: at least 16 bytes expected (e.g. `head -c 32 /dev/urandom | base64 > {p}`)")
+    return secret
+
+
+def replica_command(argv: list[str]) -> int:
+    """`python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`: start replicas on this node for
+    a run whose learner listens at HOST:PORT (train.py --gen-listen). Returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="pipeline_rl.py replica", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Start vLLM replicas on this node for a train.py run on another node. The run's engine settings "
+                    "(model, dtype, sampling, lengths) come from the learner; this command says only where and how "
+                    "many.")
+    parser.add_argument("--connect", required=True, help="HOST:PORT the run's generator listens on (train.py "
+                        "--gen-listen)")
+    parser.add_argument("--secret-file", required=True, help="file holding the run's shared secret (train.py "
+                        "--gen-secret-file), readable by its owner only")
+    parser.add_argument("--replicas", type=int, default=None, help="replicas to start (default: 1 on CPU; on GPU, "
+                        "the number of --gen-devices / --tensor-parallel-size)")
+    parser.add_argument("--gen-devices", default=None, help="GPU: comma-separated CUDA devices of this node for the "
+                        "replicas, taken in runs of --tensor-parallel-size")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism of each replica")
+    parser.add_argument("--model", default=None, help="the run's model as a path on this node (default: the "
+                        "learner's --model, which must then be a hub name or the same path here)")
+    parser.add_argument("--connect-timeout", type=float, default=600.0, help="seconds to keep trying to reach the "
+                        "learner (a replica may be started before it)")
+    args = parser.parse_args(argv)
+    try:
+        secret = read_secret(args.secret_file)
+        parse_address(args.connect)
+        ids = [int(x) for x in args.gen_devices.split(",") if x.strip()] if args.gen_devices else []
+        devices: list[list[int] | None] = list(replica_devices(ids, args.tensor_parallel_size)) if ids else [None]
+    except ValueError as e:
+        parser.error(str(e))
+    n = args.replicas or len(devices)
+    if ids and n > len(devices):
+        parser.error(f"--replicas {n}: --gen-devices {args.gen_devices} makes {len(devices)} replica(s) of "
+                     f"{args.tensor_parallel_size} device(s)")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_replica_main, name=f"scalerl-replica-{i}",
+                         args=(args.connect, secret, None, devices[i] if ids else None, os.getpid(), args.model,
+                               args.tensor_parallel_size if ids else None, args.connect_timeout))
+             for i in range(n)]
+    for p in procs:
+        p.start()
+    print(f"[replica] {n} replica(s) connecting to {args.connect}", file=sys.stderr, flush=True)
+    try:
+        for p in procs:
+            p.join()
+    except KeyboardInterrupt:
+        for p in procs:
+            p.join(15)
+    return max((p.exitcode or 0 for p in procs), default=0)
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] != ["replica"]:
+        print("usage: python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE [--replicas N] "
+              "[--gen-devices 0,1,...] [--tensor-parallel-size T] [--model PATH] (--help for more)", file=sys.stderr)
+        return 2
+    return replica_command(argv[1:])
+
+
 __all__ = ["GeneratorConfig", "Completion", "Group", "Generator", "GeneratorError", "GeneratorTimeout",
-           "admission_allowed", "should_admit", "mandatory_count", "plan_batch", "lag_histogram", "lag_stats", "interruption_start",
-           "split_devices", "set_parent_death_signal", "InterruptionLogitsProcessor", "WeightSyncExtension"]
+           "admission_allowed", "should_admit", "mandatory_count", "plan_batch", "pick_replica", "lag_histogram",
+           "lag_stats", "interruption_start", "split_devices", "replica_devices", "parse_address", "read_secret",
+           "set_parent_death_signal", "weight_manifest", "pack_bucket", "unpack_bucket", "open_weight_group",
+           "WeightSender", "InterruptionLogitsProcessor", "WeightSyncExtension"]
+
+
+if __name__ == "__main__":
+    import pipeline_rl  # what runs in other processes must come from the module, not from __main__
+
+    raise SystemExit(pipeline_rl.main(sys.argv[1:]))

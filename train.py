@@ -44,6 +44,7 @@ How this departs from the paper, deliberately:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import faulthandler
@@ -54,6 +55,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -106,6 +108,7 @@ class HelpGroup:
     CHECKPOINTS = "checkpoints and resume"
     PRECISION = "precision"
     GPU = "GPU placement"
+    REPLICAS = "generator replicas (this node and others)"
     DEBUG = "debug"
 
 
@@ -236,17 +239,36 @@ class Args:
                                            "as many as fit in 256 MiB)")
 
     gen_devices: str | None = _arg(HelpGroup.GPU, None, "GPU only: comma-separated CUDA devices for the vLLM "
-                                   "generator (the learner uses the others); ScaleRL split 64 generator / 16 trainer "
-                                   "GPUs")
-    tensor_parallel_size: int = _arg(HelpGroup.GPU, 1, "GPU only: vLLM tensor parallelism of the generator")
+                                   "replicas of this node, taken in runs of --tensor-parallel-size (the learner uses "
+                                   "the others); ScaleRL split 64 generator / 16 trainer GPUs")
+    tensor_parallel_size: int = _arg(HelpGroup.GPU, 1, "GPU only: vLLM tensor parallelism of each replica")
     gen_memory_fraction: float | None = _arg(HelpGroup.GPU, None, "GPU only: vLLM's share of each generator GPU's "
                                              "memory (default: 0.85 on GPUs of its own, 0.3 on GPUs it shares with "
                                              "the learner, when --gen-devices takes them all)")
 
+    gen_replicas: int | None = _arg(HelpGroup.REPLICAS, None, "vLLM engines on this node, under one scheduler "
+                                    "(default: on GPU, the --gen-devices / --tensor-parallel-size; on CPU, 1: they "
+                                    "share the cores)")
+    gen_remote_replicas: int = _arg(HelpGroup.REPLICAS, 0, "replicas on other nodes to wait for, each started there "
+                                    "with `python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE` "
+                                    "(needs --gen-listen and --gen-secret-file)")
+    gen_listen: str = _arg(HelpGroup.REPLICAS, "127.0.0.1:0", "HOST:PORT the generator listens on for replicas "
+                           "(port 0: a free one, for local replicas); with --gen-remote-replicas, an address of this "
+                           "node the generator nodes reach, and a fixed port. Only this address is bound")
+    gen_secret_file: str | None = _arg(HelpGroup.REPLICAS, None, "file with the secret every replica must prove "
+                                       "(HMAC challenge), readable by its owner only; needed for remote replicas "
+                                       "(default: a random one for the local replicas)")
+    gen_join_timeout: float = _arg(HelpGroup.REPLICAS, 600.0, "seconds to wait for every replica to connect and "
+                                   "start its engine; then the start fails naming the missing ones")
+    weight_transport: str = _arg(HelpGroup.REPLICAS, "broadcast", "how new weights reach the replicas: broadcast "
+                                 "(torch.distributed, gloo on CPU, NCCL on GPU, in buckets) or file (a safetensors "
+                                 "file in /dev/shm; replicas on this node only)", choices=("broadcast", "file"))
+
     # debugging: turn the generator/learner speed ratio on purpose
-    debug_gen_slowdown: float = _arg(HelpGroup.DEBUG, 1.0, "debug: make the generator X times slower (it sleeps X-1 "
-                                     "times each engine step's duration), to see how the recipe behaves on a "
-                                     "machine whose generator is slower relative to its learner")
+    debug_gen_slowdown: str = _arg(HelpGroup.DEBUG, "1", "debug: make the generator X times slower (it sleeps X-1 "
+                                   "times each engine step's duration), to see how the recipe behaves on a machine "
+                                   "whose generator is slower relative to its learner; X,Y,...: one factor per "
+                                   "replica (the last for the rest)")
     debug_learner_slowdown: float = _arg(HelpGroup.DEBUG, 1.0, "debug: make the learner X times slower (each rank "
                                          "sleeps X-1 times each step's compute), to emulate a relatively faster "
                                          "generator")
@@ -264,9 +286,15 @@ def check_args(args: Args) -> list[str]:
         problems.append("--max-off-policy must be >= 0")
     if args.buffer_steps < 0:
         problems.append("--buffer-steps must be >= 0")
-    for flag in ("debug_gen_slowdown", "debug_learner_slowdown"):
-        if not getattr(args, flag) >= 1:
-            problems.append(f"--{flag.replace('_', '-')} must be >= 1 (1 = full speed)")
+    try:
+        if not all(x >= 1 for x in gen_slowdowns(args)):
+            raise ValueError
+    except ValueError:
+        problems.append(f"--debug-gen-slowdown {args.debug_gen_slowdown}: X or X,Y,... (one per replica), each "
+                        "must be >= 1 (1 = full speed)")
+    if not args.debug_learner_slowdown >= 1:
+        problems.append("--debug-learner-slowdown must be >= 1 (1 = full speed)")
+    problems += replica_problems(args)
     if args.zero_variance == "drop" and args.group_size < 2:
         problems.append("--group-size 1 has no group variance: every group would be dropped")
     if args.tis is None and (args.tis_cap != 2.0 or args.tis_mode != "truncate" or args.tis_cap_min is not None):
@@ -340,6 +368,50 @@ def check_args(args: Args) -> list[str]:
     return problems
 
 
+def replica_problems(args: Args) -> list[str]:
+    """The replica flags, checked before anything starts (their GPU layout: gpu_layout_problems)."""
+    problems = []
+    if (args.gen_replicas is not None and args.gen_replicas < 0) or args.gen_remote_replicas < 0:
+        problems.append("--gen-replicas and --gen-remote-replicas must be >= 0")
+    elif (args.gen_replicas if args.gen_replicas is not None else 1) + args.gen_remote_replicas < 1:
+        problems.append("--gen-replicas 0 needs --gen-remote-replicas 1 or more: someone must generate")
+    try:
+        host, port = pipeline_rl.parse_address(args.gen_listen)
+        if host in ("", "0.0.0.0", "::"):
+            problems.append(f"--gen-listen {args.gen_listen}: name the address the replicas reach this node at, not "
+                            "a wildcard (only that address is bound)")
+        if args.gen_remote_replicas and port == 0:
+            problems.append(f"--gen-listen {args.gen_listen}: remote replicas need a fixed port to connect to")
+    except ValueError as e:
+        problems.append(f"--gen-listen: {e}")
+    if args.gen_remote_replicas and not args.gen_secret_file:
+        problems.append("--gen-remote-replicas needs --gen-secret-file: replicas on other nodes must prove a shared "
+                        "secret (e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`, copied to each node)")
+    if args.gen_secret_file:
+        try:
+            pipeline_rl.read_secret(args.gen_secret_file)
+        except ValueError as e:
+            problems.append(f"--gen-secret-file: {e}")
+    if args.weight_transport == "file" and args.gen_remote_replicas:
+        problems.append("--weight-transport file reaches replicas on this node only: remote replicas need broadcast")
+    return problems
+
+
+def gen_slowdowns(args: Args) -> tuple[float, ...]:
+    """--debug-gen-slowdown: 'X' or 'X,Y,...' (one factor per replica)."""
+    return tuple(float(x) for x in str(args.debug_gen_slowdown).split(","))
+
+
+def local_replicas(args: Args, num_gpus: int) -> int:
+    """How many replicas this node runs: --gen-replicas, else one per --tensor-parallel-size GPUs of --gen-devices
+    on GPU, else 1."""
+    if args.gen_replicas is not None:
+        return args.gen_replicas
+    if args.gen_devices and num_gpus:
+        return max(1, len([d for d in args.gen_devices.split(",") if d.strip()]) // max(1, args.tensor_parallel_size))
+    return 1
+
+
 def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[str]:
     """Where the generator and the learner ranks of this node go, refused before anything starts when it cannot
     work: on a GPU machine vLLM needs --gen-devices, and every learner rank a GPU of its own among the others (NCCL
@@ -363,6 +435,13 @@ def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[s
     if args.tensor_parallel_size > len(gen_ids):
         problems.append(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many --gen-devices (got "
                         f"{args.gen_devices})")
+    elif len(gen_ids) % args.tensor_parallel_size:
+        problems.append(f"--gen-devices {args.gen_devices}: {len(gen_ids)} devices do not split into replicas of "
+                        f"--tensor-parallel-size {args.tensor_parallel_size}")
+    elif args.gen_replicas is not None and args.gen_replicas != len(gen_ids) // args.tensor_parallel_size:
+        problems.append(f"--gen-replicas {args.gen_replicas}: --gen-devices {args.gen_devices} with "
+                        f"--tensor-parallel-size {args.tensor_parallel_size} makes "
+                        f"{len(gen_ids) // args.tensor_parallel_size} replica(s); drop --gen-replicas or change them")
     return problems
 
 
@@ -494,7 +573,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                 time.sleep((args.debug_learner_slowdown - 1) * (time.time() - step_start))
             state.step += 1
             state.consumed.update(grp.data_index for grp in batch)
-            sync_s = push_weights(learner, run, state.step)
+            sync_s, broadcast_s = push_weights(learner, run, state.step)
             gen_tokens = round_.stats.pop("gen_tokens", 0)  # a sync round's generation counts at its first step
             trained_tokens = state.count_tokens(gen_tokens, batch, learner.n_params)
             step_s = time.time() - step_start
@@ -507,7 +586,8 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                     "train_pass_rate": sum(r > 0 for r in batch_rewards) / max(len(batch_rewards), 1),
                     "groups": len(batch), "lr": learner.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                     "grad_clipped": float(grad_norm > args.grad_clip), "skipped_step": float(not finite),
-                    "bad_steps_total": state.bad_steps_total, "weight_sync_s": sync_s, "step_s": step_s,
+                    "bad_steps_total": state.bad_steps_total, "weight_sync_s": sync_s,
+                    "weight_broadcast_s": broadcast_s, "step_s": step_s,
                     "train_tokens_per_s": trained_tokens / max(step_s, 1e-9), "retired_prompts": len(state.retired),
                     "gen_tokens": gen_tokens, **metrics, **round_.stats,
                     # Lag of the tokens trained on at this step (in a sync round of k steps it grows 0..k-1).
@@ -665,7 +745,14 @@ def pull_groups(generator: Any, n: int, version: int, stats: dict[str, Any]) -> 
     are the last call's."""
     groups, extra = generator.get_batch(n, version)
     for key, value in extra.items():
-        stats[key] = stats.get(key, 0) + value if key in ("gen_tokens", "wait_s") else value
+        if key in ("gen_tokens", "wait_s"):
+            stats[key] = stats.get(key, 0) + value
+        elif key.endswith("_by_replica"):  # {replica: amount}
+            stats[key] = dict(collections.Counter(stats.get(key, {})) + collections.Counter(value))
+        elif key == "replica_deaths":  # a line for each replica that died
+            stats[key] = stats.get(key, []) + value
+        else:
+            stats[key] = value
     return groups
 
 
@@ -790,13 +877,24 @@ def micro_batch_loss(model: Any, loss_module: Any, hp: dict, rows: Rows, args: A
     weight = metrics.get("num_tokens", 0.0)
     totals = {"loss": loss.item(), **{k: v * weight for k, v in metrics.items() if k != "num_tokens"},
               "num_tokens": weight}
-    # Sampler/learner mismatch on tokens sampled by the weights being trained now (lag 0).
-    same_weights = rows.loss_mask & (rows.versions == version)
+    # Sampler/learner mismatch on completions sampled wholly by the weights being trained now (lag 0), in all and
+    # per replica: a replica still serving old weights (an update that silently did nothing) shows here. A
+    # completion that straddles an update is left out: its later tokens were sampled over a KV cache computed by
+    # the older weights (PipelineRL's stale KV), which the learner does not reproduce, so it would show a mismatch
+    # (up to 0.6 in log-probability on the tiny model) that no engine causes.
+    whole = ((rows.versions == version) | (rows.versions < 0)).all(dim=1, keepdim=True)  # [N, 1]
+    same_weights = rows.loss_mask & (rows.versions == version) & whole
     if same_weights.any():
         n_same = float(same_weights.sum())
         totals.update({k: v * n_same for k, v in tis.mismatch_metrics(logprobs.detach(), rows.sampler_logprobs,
                                                                      same_weights).items()})
         totals["mismatch_tokens"] = n_same
+        for r in rows.replicas[same_weights.any(dim=1)].unique().tolist():
+            mine = same_weights & (rows.replicas == r)[:, None]
+            n_mine = float(mine.sum())
+            m = tis.mismatch_metrics(logprobs.detach(), rows.sampler_logprobs, mine)
+            totals.update({f"mismatch_r{r}_{key}": m[f"mismatch_{key}"] * n_mine for key in PER_REPLICA_MISMATCH})
+            totals[f"mismatch_r{r}_tokens"] = n_mine
     if is_weights is not None:
         totals["is_weight_mean"] = float(is_weights[rows.loss_mask].sum())
         totals["is_weight_zero_frac"] = float((is_weights[rows.loss_mask] == 0).sum())  # masked (MIS)
@@ -817,15 +915,17 @@ def optimizer_step(args: Args, learner: Learner, loss: float, has_groups: bool) 
     return grad_norm, finite
 
 
-def push_weights(learner: Learner, run: Run, version: int) -> float:
-    """Push the new weights to the generator as `version` (in pipeline mode applied between two decoding steps,
-    in flight). Gathering them is a collective; rank 0 sends them. Returns the seconds rank 0 spent sending."""
+def push_weights(learner: Learner, run: Run, version: int) -> tuple[float, float]:
+    """Push the new weights to every generator replica as `version` (in pipeline mode applied between two decoding
+    steps, in flight). Gathering them is a collective; rank 0 sends them. Returns the seconds rank 0 spent in all
+    and, of those, in the broadcast itself (pipeline_rl's WeightSender)."""
     weights = full_state_dict(learner.model)
     if not run.is_main or run.generator_error:
-        return 0.0
+        return 0.0, 0.0
     with generator_errors_noted(run):
-        return run.generator.update_weights(weights, version)
-    return 0.0
+        seconds = run.generator.update_weights(weights, version)
+        return seconds, run.generator.last_broadcast_s
+    return 0.0, 0.0
 
 
 @contextlib.contextmanager
@@ -908,6 +1008,7 @@ class Rows:
     versions: Any  # [N, L-1] weight version that sampled each token (-1 outside completions)
     old_logprobs: Any  # [N, L-1] behaviour policy: learner-recomputed where attached, else the sampler's
     advantages: Any  # [N]
+    replicas: Any = None  # [N] the generator replica that sampled each row
 
 
 def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int, device: Any = "cpu") -> Rows:
@@ -939,7 +1040,8 @@ def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int, device:
     old = torch.zeros(n, length - 1)  # behaviour policy: learner-recomputed where attached, else the sampler's
     old[in_completion] = flat((c.sampler_logprobs if c.old_logprobs is None else c.old_logprobs for _, c in seqs),
                               torch.float32)
-    fields = (input_ids, attention, loss_mask, sampler, versions, old, advantages)
+    replicas = torch.tensor([c.replica for _, c in seqs], dtype=torch.long)                # [N]
+    fields = (input_ids, attention, loss_mask, sampler, versions, old, advantages, replicas)
     return Rows(*(None if x is None else x.to(device) for x in fields))  # built on the CPU, moved in one copy each
 
 
@@ -1312,14 +1414,21 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
         # The generator (rank 0 owns it; its process is vLLM's).
         val_problems = task.validation(args.eval_prompts)
         test_problems = test_task.validation(None) if test_task else []
-        devices_in_use = world + 1  # learner ranks + the generator; on GPU: the GPUs either of them uses
+        # learner ranks + the replicas (on CPU a replica counts as a device); on GPU: the GPUs either of them uses
+        gen_config = generator_config(args, model_path, state.step)
+        devices_in_use = world + gen_config.replicas + gen_config.remote_replicas
         if args.gen_devices:
             learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, torch.cuda.device_count())
-            devices_in_use = len(set(gen_ids) | set(learner_ids[:world]))
+            devices_in_use = (len(set(gen_ids) | set(learner_ids[:world]))
+                              + gen_config.remote_replicas * args.tensor_parallel_size)
         if is_main:
             consumed = state.consumed
             data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
-            generator = pipeline_rl.Generator(generator_config(args, model_path, state.step), task,
+            if args.gen_remote_replicas:
+                print(f"[generator] waiting up to {args.gen_join_timeout:.0f} s for {args.gen_remote_replicas} "
+                      f"remote replica(s): on each generator node run `python pipeline_rl.py replica --connect "
+                      f"{args.gen_listen} --secret-file FILE`", file=sys.stderr, flush=True)
+            generator = pipeline_rl.Generator(gen_config, task,
                                               data_start=data_start,
                                               skip_indices={i for i in consumed if i >= data_start},
                                               retired_ids=state.retired)
@@ -1416,10 +1525,14 @@ def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.Gene
         answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_model_len=model_context(args),
         max_off_policy=args.max_off_policy, buffer_steps=args.buffer_steps, mode=args.mode,
         seed=args.seed + step, data_seed=args.seed, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
-        debug_slowdown=args.debug_gen_slowdown,
+        debug_slowdown=gen_slowdowns(args),
         groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
         gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=args.gen_memory_fraction or (0.3 if generator_shares_a_gpu(args) else 0.85),
+        replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
+        remote_replicas=args.gen_remote_replicas, listen=args.gen_listen, join_timeout=args.gen_join_timeout,
+        secret=pipeline_rl.read_secret(args.gen_secret_file) if args.gen_secret_file else None,
+        weight_transport=args.weight_transport,
     )
 
 
@@ -1545,17 +1658,27 @@ def idle_forward(model: Any, pad_id: int, backward: bool, ref_model: Any = None)
         (logits.sum() * 0.0).backward()
 
 
-def reduce_metrics(totals: dict[str, float], world: int) -> dict[str, float]:
-    """Token-weighted means over all ranks (the loss is a sum of micro-batch terms, so it is summed)."""
+PER_REPLICA_MISMATCH = ("kl_k3", "max_abs_diff")  # logged per replica as mismatch_<key>_by_replica {replica: value}
+
+
+def reduce_metrics(totals: dict[str, float], world: int) -> dict[str, Any]:
+    """Token-weighted means over all ranks (the loss is a sum of micro-batch terms, so it is summed); a replica's
+    mismatch (mismatch_r<R>_<key>) over that replica's tokens, gathered into mismatch_<key>_by_replica."""
     gathered: list[dict] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(gathered, totals)
     summed: dict[str, float] = defaultdict(float)
     for part in gathered:
         for key, value in part.items():
             summed[key] += value
-    out = {"loss": summed.pop("loss", 0.0), "num_tokens": summed.get("num_tokens", 0.0)}
+    out: dict[str, Any] = {"loss": summed.pop("loss", 0.0), "num_tokens": summed.get("num_tokens", 0.0)}
     n_tok, n_same = summed.pop("num_tokens", 0.0), summed.pop("mismatch_tokens", 0.0)
+    replica_tokens = {key: summed.pop(key) for key in list(summed) if re.fullmatch(r"mismatch_r\d+_tokens", key)}
     for key, value in summed.items():
+        if per_replica := re.fullmatch(r"mismatch_r(\d+)_(.+)", key):
+            replica, name = per_replica.groups()
+            out.setdefault(f"mismatch_{name}_by_replica", {})[int(replica)] = \
+                value / replica_tokens[f"mismatch_r{replica}_tokens"]
+            continue
         denom = n_same if key.startswith("mismatch_") else n_tok
         out[key] = value / denom if denom else 0.0
     return out

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import warnings
+import collections
 from collections import deque
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import train
+import pipeline_rl as pl
 from pipeline_rl import Completion, Group
 from tasks import Problem
 
@@ -77,7 +79,18 @@ def test_unknown_loss_lists_the_valid_ones(capsys):
     (["--group-size", "1"], "no group variance"),
     (["--loss-arg", "eps_max"], "expected KEY=VALUE"),
     (["--buffer-steps", "-1"], "--buffer-steps must be >= 0"),
-    (["--debug-gen-slowdown", "0.5"], "--debug-gen-slowdown must be >= 1"),
+    (["--debug-gen-slowdown", "0.5"],
+     "--debug-gen-slowdown 0.5: X or X,Y,... (one per replica), each must be >= 1"),
+    (["--debug-gen-slowdown", "1,x"], "--debug-gen-slowdown 1,x: X or X,Y,..."),
+    (["--gen-listen", "0.0.0.0:29600"], "--gen-listen 0.0.0.0:29600: name the address the replicas reach this node"),
+    (["--gen-listen", "localhost"], "--gen-listen: expected HOST:PORT"),
+    (["--gen-remote-replicas", "1", "--gen-listen", "127.0.0.2:29600"],
+     "--gen-remote-replicas needs --gen-secret-file"),
+    (["--gen-remote-replicas", "1"], "remote replicas need a fixed port"),
+    (["--gen-replicas", "0"], "--gen-replicas 0 needs --gen-remote-replicas 1 or more"),
+    (["--gen-secret-file", "/nonexistent/secret"], "--gen-secret-file: secret file /nonexistent/secret: no such file"),
+    (["--weight-transport", "file", "--gen-remote-replicas", "1", "--gen-listen", "127.0.0.2:29600"],
+     "--weight-transport file reaches replicas on this node only"),
     (["--debug-learner-slowdown", "nan"], "--debug-learner-slowdown must be >= 1"),
     (["--max-model-len", "48"], "--max-model-len (48) must exceed --max-tokens (48)"),
     (["--max-tokens", "300", "--think-budget", "200,250"], "--max-model-len (256) must exceed --max-tokens (300)"),
@@ -180,11 +193,27 @@ def test_dataset_config_reaches_load_dataset(monkeypatch, argv, config):
     ("0", 1, 2, 1, "--nproc_per_node 2: each learner rank needs a GPU of its own, and 1 of the 1"),
     ("8", 8, 1, 1, "--gen-devices 8: gen_devices [8] out of range for 8 devices"),
     ("6,7", 8, 6, 4, "--tensor-parallel-size 4 needs as many --gen-devices"),
+    ("0,1,2", 8, 2, 2, "--gen-devices 0,1,2: 3 devices do not split into replicas of --tensor-parallel-size 2"),
 ])
 def test_gpu_layouts_that_cannot_work_are_refused_before_anything_starts(gen_devices, gpus, ranks, tp, message):
     args = train.Args(gen_devices=gen_devices, tensor_parallel_size=tp)  # parse_args would check this machine's GPUs
     problems = train.gpu_layout_problems(args, num_gpus=gpus, learner_ranks=ranks)
     assert (problems == []) if message is None else any(p.startswith(message) for p in problems), problems
+
+
+def test_the_readme_s_eight_gpu_node_is_six_replicas_and_two_learner_ranks():
+    """--gen-devices 0,1,2,3,4,5 on an 8-GPU node: six vLLM replicas of one GPU each (three with
+    --tensor-parallel-size 2), and GPUs 6 and 7 for two learner ranks."""
+    args = train.Args(gen_devices="0,1,2,3,4,5")
+    assert train.gpu_layout_problems(args, num_gpus=8, learner_ranks=2) == []
+    assert train.local_replicas(args, num_gpus=8) == 6
+    assert pl.split_devices(args.gen_devices, 8)[0] == [6, 7]
+    args.tensor_parallel_size = 2
+    assert train.local_replicas(args, num_gpus=8) == 3
+    args.gen_replicas = 2
+    assert train.gpu_layout_problems(args, 8, 2)[0].startswith("--gen-replicas 2: --gen-devices 0,1,2,3,4,5 with "
+                                                               "--tensor-parallel-size 2 makes 3 replica(s)")
+    assert train.local_replicas(train.Args(), num_gpus=0) == 1  # CPU: one, unless asked for more
 
 
 def test_the_generator_gets_a_smaller_share_of_a_gpu_it_shares(monkeypatch):
@@ -415,6 +444,35 @@ def test_tis_mode_and_cap_min_reach_the_weights(one_rank_group, base_model_dir, 
     totals = train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 0)
     zero_frac = train.reduce_metrics(totals, 1)["is_weight_zero_frac"]
     assert (zero_frac == 1.0) if zeroed else (zero_frac == 0.0)
+
+
+def test_mismatch_is_reported_per_replica_on_completions_sampled_wholly_by_the_trained_weights(one_rank_group,
+                                                                                                base_model_dir):
+    """A replica that serves other weights than the learner's (an update that silently did nothing) shows in its
+    own mismatch_*_by_replica entry, while the other replica's stays at float32 rounding; a completion that
+    straddles an update (stale KV) is left out of the measure."""
+    import cispo
+
+    args = train.Args(loss="cispo", group_size=2, dtype="float32", temperature=1.0)
+    model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
+    groups = [_group(i, [5, 4], [1.0, -1.0]) for i in range(3)]
+    with torch.no_grad():  # the learner's own logprobs: what a replica with the right weights samples with
+        rows = train.to_rows(groups, None, 2, 0)
+        learner = train.token_logprobs(model, rows, 1.0)
+    for row, (grp, c) in enumerate((g, c) for g in groups for c in g.completions):
+        p = len(grp.prompt_ids)
+        c.sampler_logprobs = learner[row, p - 1: p - 1 + len(c.token_ids)].tolist()
+        c.versions = [3] * len(c.token_ids)
+        c.replica = grp.data_index % 2  # groups 0 and 2 from replica 0, group 1 from replica 1
+    for c in groups[1].completions:  # replica 1 samples with other weights
+        c.sampler_logprobs = [x - 0.3 for x in c.sampler_logprobs]
+    groups[2].completions[0].versions[0] = 2  # straddles the update to 3
+    groups[2].completions[0].sampler_logprobs = [x - 5.0 for x in groups[2].completions[0].sampler_logprobs]
+    advantages = cispo.compute_advantages(torch.tensor([1.0, -1.0] * 3), 2)
+    metrics = train.reduce_metrics(train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 3), 1)
+    diff = metrics["mismatch_max_abs_diff_by_replica"]
+    assert set(diff) == {0, 1} and diff[0] < 1e-5 and abs(diff[1] - 0.3) < 1e-5, diff  # the -5 straddler is out
+    assert metrics["mismatch_kl_k3_by_replica"][0] < 1e-9 < metrics["mismatch_kl_k3_by_replica"][1]
 
 
 def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path, capsys):
@@ -827,7 +885,7 @@ def test_bad_data_rows_are_named_once_without_a_traceback(tmp_path, base_model_d
 
 @pytest.mark.slow
 def test_a_dead_generator_stops_the_run_with_a_checkpoint_it_resumes_from(tmp_path, base_model_dir):
-    """`kill -9` of the generator process (vLLM's engine runs inside it on CPU) mid-run: rank 0 learns of it within
+    """`kill -9` of the generator process (the scheduler; its replica goes with it) mid-run: rank 0 learns of it within
     seconds, every rank saves a checkpoint of the steps done and the run stops with a message; --resume then
     starts a new generator and finishes with every step once."""
     import psutil
@@ -837,10 +895,11 @@ def test_a_dead_generator_stops_the_run_with_a_checkpoint_it_resumes_from(tmp_pa
     proc = _start_run(out, flags, 3, "its generator could be killed", stdout=subprocess.PIPE,
                       stderr=subprocess.STDOUT, text=True)
     try:
-        generators = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                      if any("spawn_main" in part for part in p.cmdline())
-                      and not any("resource_tracker" in part for part in p.cmdline())]
-        assert len(generators) == 1, [p.cmdline() for p in generators]
+        spawned = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if any("spawn_main" in part for part in p.cmdline())
+                   and not any("resource_tracker" in part for part in p.cmdline())]
+        generators = [p for p in spawned if p.ppid() not in {q.pid for q in spawned}]  # not its replica
+        assert len(generators) == 1 and len(spawned) == 2, [p.cmdline() for p in spawned]
         generators[0].kill()
         output, _ = proc.communicate(timeout=120)
     finally:
@@ -870,15 +929,24 @@ def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_mode
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
-@pytest.mark.slow
-def test_default_recipe_with_a_fast_generator_stays_fresh_and_learns(tmp_path, base_model_dir):
-    """The default recipe (cispo, pipeline, k = 8, buffer 1) on the tiny task, shortened to 30 steps, with the
-    learner slowed 3x so that the generator is far ahead of it (as on a machine with a relatively faster
-    generator): the buffer keeps the lag near 1 instead of k, and the pass rate rises by 0.3 or more."""
-    out = tmp_path / "recipe"
-    run = _train(out, "--max-steps", "30", "--eval-every", "15", "--debug-learner-slowdown", "3", timeout=1200)
+RECIPE_30 = ["--max-steps", "30", "--eval-every", "15", "--debug-learner-slowdown", "3"]
+
+
+@pytest.fixture(scope="module")
+def recipe_30_steps(tmp_path_factory, base_model_dir) -> Path:
+    """The default recipe (cispo, pipeline, k = 8, buffer 1, one replica) on the tiny task, shortened to 30 steps,
+    with the learner slowed 3x so that the generator is far ahead of it (as on a machine with a relatively faster
+    generator). Run once for the tests that read it."""
+    out = tmp_path_factory.mktemp("recipe") / "one-replica"
+    run = _train(out, *RECIPE_30, timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
-    rows = _rows(out)
+    return out
+
+
+@pytest.mark.slow
+def test_default_recipe_with_a_fast_generator_stays_fresh_and_learns(recipe_30_steps):
+    """The buffer keeps the lag near 1 instead of k, and the pass rate rises by 0.3 or more."""
+    rows = _rows(recipe_30_steps)
     evals = [r for r in rows if "val_pass_rate" in r]
     assert [r["step"] for r in evals] == [0, 15, 30]
     assert evals[0]["val_pass_rate"] <= 0.5
@@ -889,6 +957,36 @@ def test_default_recipe_with_a_fast_generator_stays_fresh_and_learns(tmp_path, b
     assert mean_lag <= 1.5, mean_lag  # k alone would let it reach 8 here
     assert max(r["lag_max"] for r in trained) <= 8 and rows[-1]["stale_dropped"] == 0
     assert all("buffer_depth_steps" in r for r in trained)
+
+
+@pytest.mark.slow
+def test_two_replicas_learn_as_one_does_and_a_resume_may_change_their_number(tmp_path, recipe_30_steps):
+    """The same 30 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast over gloo):
+    the pass rate rises at least as with one replica (within the evaluations' noise), both replicas produce groups,
+    the lag stays <= k with nothing dropped; then --resume continues the run with one replica."""
+    out = tmp_path / "two-replicas"
+    run = _train(out, *RECIPE_30, "--gen-replicas", "2", timeout=1200)
+    assert run.returncode == 0, run.stderr[-4000:]
+
+    def rise(run_dir: Path) -> float:
+        evals = [r for r in _rows(run_dir) if "val_pass_rate" in r]
+        return evals[-1]["val_pass_rate"] - evals[0]["val_pass_rate"]
+
+    assert rise(out) >= 0.3 and rise(out) >= rise(recipe_30_steps) - 0.08, (rise(out), rise(recipe_30_steps))
+    rows = _rows(out)[1:]
+    groups = collections.Counter()
+    for r in rows:
+        groups.update({int(k): n for k, n in r["gen_groups_by_replica"].items()})
+    assert set(groups) == {0, 1} and min(groups.values()) >= 0.25 * sum(groups.values()), groups
+    assert all(r["gen_replicas_alive"] == 2 and r["replica_deaths_total"] == 0 for r in rows)
+    assert max(r["lag_max"] for r in rows) <= 8 and rows[-1]["stale_dropped"] == 0
+    assert all(0 < r["weight_broadcast_s"] <= r["weight_sync_s"] for r in rows)
+    assert all(set(r["gen_tokens_by_replica"]) == {"0", "1"} for r in rows)
+    run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "32", "--gen-replicas", "1")
+    assert run.returncode == 0, run.stderr[-4000:]
+    resumed = _rows(out)
+    assert [r["step"] for r in resumed] == list(range(33))
+    assert all(r["gen_replicas_alive"] == 1 and set(r["gen_tokens_by_replica"]) == {"0"} for r in resumed[31:])
 
 
 @pytest.mark.slow

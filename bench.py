@@ -150,6 +150,63 @@ def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
                              "one of train.py's two learner ranks trains per step by default, 32 prompts x 8 / 2, "
                              "and this benchmark's own learner step, 16 prompts x 8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampler")
+    parser.add_argument("--gen-replicas", type=int, default=1,
+                        help="vLLM replicas of the generator, under one scheduler (default 1); the weight updates "
+                             "then go to each by broadcast and by file, alternately, and each is timed")
+    parser.add_argument("--weight-updates", type=int, default=8,
+                        help="timed weight updates, alternating broadcast and file (default 8: 4 of each)")
+    parser.add_argument("--only-weights", action="store_true",
+                        help="time the weight updates alone (with --model, e.g. a real model), nothing else")
+    parser.add_argument("--model", default=None,
+                        help="model directory of --only-weights (default: the embedded tiny model)")
+
+
+def _time_weight_transports(gen, state: dict, updates: int) -> dict:
+    """Alternating weight updates by broadcast and by file, to the same replicas in one run: the learner's seconds
+    of each (median and range), the broadcast's own share, and each replica's seconds to apply one."""
+    times: dict[str, list[float]] = {"broadcast": [], "file": []}
+    broadcast_only, per_replica = [], collections.defaultdict(list)
+    for i in range(updates):
+        transport = ("broadcast", "file")[i % 2]
+        times[transport].append(gen.update_weights(state, gen.version + 1, transport=transport))
+        if transport == "broadcast":
+            broadcast_only.append(gen.last_broadcast_s)
+        for replica, seconds in gen.last_update_info["seconds"].items():
+            per_replica[f"{transport}_r{replica}"].append(seconds)
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    out = {"weight_bytes": nbytes, "weight_updates": updates}
+    for transport, values in times.items():
+        out[f"weight_{transport}_s"] = round(statistics.median(values), 4)
+        out[f"weight_{transport}_s_range"] = [round(min(values), 4), round(max(values), 4)]
+    out["weight_broadcast_only_s"] = round(statistics.median(broadcast_only), 4)
+    out["weight_broadcast_vs_file"] = round(out["weight_broadcast_s"] / out["weight_file_s"], 3)
+    out["weight_apply_s_by_replica"] = {k: round(statistics.median(v), 4) for k, v in sorted(per_replica.items())}
+    print(f"weight update of {nbytes / 2**20:.1f} MB to {len(gen.info['replicas'])} replica(s), median of "
+          f"{updates // 2} each: broadcast {out['weight_broadcast_s'] * 1000:.1f} ms (of which the broadcast itself "
+          f"{out['weight_broadcast_only_s'] * 1000:.1f} ms), file {out['weight_file_s'] * 1000:.1f} ms: ratio "
+          f"{out['weight_broadcast_vs_file']:.3f}", flush=True)
+    return out
+
+
+def bench_weights(args: argparse.Namespace) -> dict:
+    """--only-weights: the generator on --model with --gen-replicas replicas, then only the timed weight updates."""
+    import tasks
+
+    tasks.set_vllm_cpu_env()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import pipeline_rl as pl
+
+    model_dir = args.model or str(tasks.build_base_model(progress=False))
+    state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    config = pl.GeneratorConfig(model=model_dir, replicas=args.gen_replicas, seed=args.seed, max_model_len=1024,
+                                max_tokens=64, interruptions=False, num_threads=args.gen_threads)
+    with pl.Generator(config, tasks.ArithmeticTask()) as gen:
+        results = _time_weight_transports(gen, state, args.weight_updates)
+    return {"bench": "pipeline", "only_weights": True, "model_dir": model_dir, "gen_replicas": args.gen_replicas,
+            "cpu_count": os.cpu_count(), **results}
 
 
 def _train_step(model, optimizer, groups) -> None:
@@ -204,7 +261,10 @@ def _cpu_seconds(generator_pid: int) -> dict[str, float]:
 
 def bench_pipeline(args: argparse.Namespace) -> dict:
     """The generator against vLLM's own LLM.generate, the weight-sync latency against a training step, and
-    end-to-end samples/s of pipeline mode against synchronous mode with a real (CPU) learner in this process."""
+    end-to-end samples/s of pipeline mode against synchronous mode with a real (CPU) learner in this process.
+    With --gen-replicas N, N replicas do the generating, and the weight updates are timed by broadcast and by file."""
+    if args.only_weights:
+        return bench_weights(args)
     import gc
 
     import tasks
@@ -224,7 +284,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     problems = [p for _, (_, p) in zip(range(W + args.repeats * N), task.train_stream(args.seed))]
     prompt_ids = [tasks.chat_prompt_ids(tokenizer, p.prompt) for p in problems]
     results: dict = {"bench": "pipeline", "model_dir": model_dir, "cpu_count": os.cpu_count(),
-                     "prompts": N, "group_size": G, "max_tokens": args.max_tokens}
+                     "prompts": N, "group_size": G, "max_tokens": args.max_tokens, "gen_replicas": args.gen_replicas}
 
     torch.set_num_threads(args.learner_threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -285,7 +345,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         return pl.GeneratorConfig(model=model_dir, group_size=G, interruptions=False, max_tokens=args.max_tokens,
                                   temperature=1.0, mode=mode, seed=args.seed, max_off_policy=args.max_off_policy,
                                   groups_per_batch=args.prompts_per_step, num_threads=args.gen_threads,
-                                  buffer_steps=args.buffer_steps)
+                                  buffer_steps=args.buffer_steps, replicas=args.gen_replicas)
 
     # 1-2. vLLM's own LLM.generate against our generator (sync mode: get_batch(N) admits the same N prompts, the
     # stream in order), on the same prompts with the same sampling settings (processed logprobs of each token).
@@ -319,9 +379,10 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         llm.llm_engine.engine_core.shutdown()
         del llm, outs
         gc.collect()
-        # 3. weight sync latency (learner side: write the shared-memory file, generator reloads between steps)
-        sync_times = [gen.update_weights(state, v) for v in range(1, 8)]
-        weight_sync_s = statistics.median(sync_times)
+        # 3. weight sync latency (learner side: send the weights, every replica reloads between two steps), by
+        # broadcast and by file alternately; weight_sync_s is the broadcast's, the default
+        transports = _time_weight_transports(gen, state, args.weight_updates)
+        weight_sync_s = transports["weight_broadcast_s"]
         # 4a. end to end, synchronous mode
         sync_sps, sync_stats = run_learner(gen, args.steps)
         # 4b. both sides at once but not waiting for each other: the most a pipeline can get from these 2 cores
@@ -345,15 +406,21 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         optimizer.step()
         step_times.append(time.perf_counter() - t0)
     train_step_s = statistics.median(step_times[1:])
-    print(f"weight sync: {weight_sync_s * 1000:.1f} ms (median of {len(sync_times)}); training step "
+    print(f"weight sync: {weight_sync_s * 1000:.1f} ms (broadcast, median of {args.weight_updates // 2}); "
+          f"training step "
           f"{rows}x{cols} tokens ({args.learner_threads} thread): {train_step_s * 1000:.1f} ms", flush=True)
 
     # 4b. end to end, pipeline mode, same settings
     with pl.Generator(config("pipeline"), task) as gen:
         pipe_sps, pipe_stats = run_learner(gen, args.steps)
     lag: collections.Counter[int] = collections.Counter()  # {lag: loss-masked tokens} over all steps
+    tokens_by_replica: collections.Counter[int] = collections.Counter()
     for s in pipe_stats:
         lag.update(s["lag_hist"])
+        tokens_by_replica.update(s["gen_tokens_by_replica"])
+    pipe_s = args.steps * args.prompts_per_step * G / pipe_sps
+    per_replica = {r: round(n / pipe_s, 1) for r, n in sorted(tokens_by_replica.items())}
+    print(f"pipeline mode: generated tokens/s by replica {per_replica}", flush=True)
     total_lag_tokens = sum(lag.values())
     print(f"pipeline mode (k={args.max_off_policy}): {pipe_sps:.1f} samples/s; lag histogram {dict(sorted(lag.items()))}",
           flush=True)
@@ -389,6 +456,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         "gen_throughput_ratio": round(ratio, 3),
         "gen_throughput_ratios": [round(x, 3) for x in ratios],
         "weight_sync_s": round(weight_sync_s, 4),
+        **transports,
+        "pipeline_gen_tokens_per_s_by_replica": per_replica,
         "train_step_s": round(train_step_s, 4),
         "train_batch": [rows, cols],
         "weight_sync_frac": round(weight_sync_s / train_step_s, 3),

@@ -1637,18 +1637,20 @@ class _Scheduler:
         self.admit_counter += 1
         return state
 
-    def admit_one(self, replica: _ReplicaSlot) -> None:
+    def admit_one(self, replica: _ReplicaSlot | None) -> None:
         while True:
             fresh = not self.requeue
             index, problem = self.next_problem()
             try:
-                state = self.new_group(problem, index, self.cfg.group_size, replica.version, self.cfg.temperature)
+                state = self.new_group(problem, index, self.cfg.group_size,
+                                       self.version if replica is None else replica.version, self.cfg.temperature)
                 break
             except _RequestError:  # a training prompt too long for max_model_len: skip it, count it
                 self.skipped_long_prompts += 1
         self.stream_admitted += fresh  # prompts of the stream admitted (a requeued one was counted already)
         self.groups[state.gid] = state
-        self.submit(state, replica, range(len(state.completions)), "t")
+        if replica is not None:
+            self.submit(state, replica, range(len(state.completions)), "t")
 
     def in_flight(self) -> int:
         return sum(not g.ready for g in self.groups.values())
@@ -1779,9 +1781,10 @@ class _Scheduler:
                 raise RuntimeError("sync mode: groups left over from a previous batch")
             loads = self.loads()
             for _ in range(num_groups):
-                r = pick_replica(loads)
-                self.admit_one(self.replicas[r])
-                loads[r] += 1
+                r = pick_replica(loads)  # None: only replicas that wait for their weights; place_orphans places it
+                self.admit_one(self.replicas.get(r))
+                if r is not None:
+                    loads[r] += 1
 
     def start_eval(self, problems: list[Problem], samples: int, temperature: float | None) -> None:
         temp = self.cfg.temperature if temperature is None else temperature
@@ -1791,8 +1794,9 @@ class _Scheduler:
         for state in states:
             self.eval_groups[state.gid] = state
             r = pick_replica(loads)
-            self.submit(state, self.replicas[r], range(samples), "e")
-            loads[r] += 1
+            if r is not None:  # else placed by place_orphans once a replica holds the run's weights
+                self.submit(state, self.replicas[r], range(samples), "e")
+                loads[r] += 1
             gids.append(state.gid)
         self.pending = ("eval", gids)
         self.dirty = True

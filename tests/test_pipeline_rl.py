@@ -328,6 +328,57 @@ def test_secret_file_must_be_private_and_long_enough(tmp_path):
         pl.read_secret(path)
 
 
+class _FakeConn:
+    """Records what the scheduler sends: a stand-in for a replica's (or the learner's) connection."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+    def close(self):
+        pass
+
+
+def test_the_scheduler_routes_to_the_least_loaded_and_moves_a_dead_replicas_work(base_model_dir, capsys):
+    """The scheduler's side of replicas, with fake connections and no engine: groups go to the least-loaded replica,
+    a dead replica's unfinished completions (and only those) go to the least-loaded live one under the same request
+    ids, a line names it, and the last death is fatal."""
+    from transformers import AutoTokenizer
+
+    config = pl.GeneratorConfig(model=str(base_model_dir), group_size=2, replicas=3, groups_per_batch=3,
+                                interruptions=False, buffer_steps=None)
+    learner = _FakeConn()
+    scheduler = pl._Scheduler(learner, config, tasks.ArithmeticTask(), 0, [], [], 0, b"x" * 32, None)
+    scheduler.tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    scheduler.phrase_ids, scheduler.close_ids = [], []
+    for slot in scheduler.replicas.values():
+        slot.conn, slot.state, slot.version, slot.capacity = _FakeConn(), "ready", 0, 2
+    scheduler.started = True
+    scheduler.start_batch(3, 0)
+    scheduler.admit()
+    sent = {r: [rid for msg in slot.conn.sent for rid, *_ in msg[1]] for r, slot in scheduler.replicas.items()}
+    assert sent == {0: ["t0.0", "t0.1", "t3.0", "t3.1"], 1: ["t1.0", "t1.1", "t4.0", "t4.1"],
+                    2: ["t2.0", "t2.1", "t5.0", "t5.1"]}  # least loaded first, up to each one's capacity
+    done = {"token_ids": [5, 6], "logprobs": [-0.1, -0.2], "versions": [0, 0], "text": "x", "finish_reason": "stop"}
+    scheduler.on_output(scheduler.replicas[0], {**done, "rid": "t0.0"})
+    scheduler.on_output(scheduler.replicas[1], {**done, "rid": "t1.0"})  # replica 1 has one completion less to do
+    for r in (1, 2):
+        scheduler.replicas[r].conn.sent.clear()
+    scheduler.on_death(scheduler.replicas[0], "its connection closed")
+    assert "replica 0 (local) died: its connection closed; 3 unfinished completion(s) go to the other replicas; 2 " \
+           "replica(s) left" in capsys.readouterr().err
+    scheduler.place_orphans()
+    moved = [rid for msg in scheduler.replicas[1].conn.sent + scheduler.replicas[2].conn.sent for rid, *_ in msg[1]]
+    assert sorted(moved) == ["t0.1", "t3.0", "t3.1"]  # t0.0 was finished: it stays
+    assert scheduler.groups[0].completions[0].replica == 0 and scheduler.groups[0].assigned[1] in (1, 2)
+    scheduler.on_death(scheduler.replicas[1], "killed")
+    with pytest.raises(pl._Fatal, match=r"no replica left: replica 0 \(local\): its connection closed; "
+                                        r"replica 1 \(local\): killed; replica 2 \(local\): it closed"):
+        scheduler.on_death(scheduler.replicas[2], "it closed")
+
+
 def test_weight_buckets_round_trip_every_dtype_and_shape():
     """What the learner packs is what a replica unpacks: names, dtypes, shapes and bytes, across bucket boundaries,
     with a tensor larger than a bucket in a bucket of its own and every slice aligned for its dtype."""

@@ -312,6 +312,9 @@ def check_args(args: Args) -> list[str]:
         problems += [f"--model {p}" for p in tasks.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]
     if args.dataset and tasks.is_local_data_file(args.dataset) and not Path(args.dataset).is_file():
         problems.append(f"--dataset {args.dataset}: no such file")
+    for flag in ("dataset", "test_dataset"):  # an existing data.txt is a file of unknown kind, not a hub name
+        if getattr(args, flag) and tasks.data_file_kind_problem(getattr(args, flag)):
+            problems.append(f"--{flag.replace('_', '-')} {tasks.data_file_kind_problem(getattr(args, flag))}")
     problems += _output_dir_problems(Path(args.output_dir))
     if model_context(args) <= args.max_tokens:
         problems.append(f"--max-model-len ({model_context(args)}) must exceed --max-tokens ({args.max_tokens}): it "

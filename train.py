@@ -1647,9 +1647,14 @@ class GracefulStop:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
         if self.signal is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping at once")
-        self.signal = signal.Signals(signum).name
+            # torchrun passes a first Ctrl-C on to the ranks as SIGINT, and a second one as SIGTERM (its shutdown
+            # after an interrupted shutdown): after a SIGINT, a SIGTERM is the second Ctrl-C, and is named so.
+            label = "SIGINT" if self.signal == "SIGINT" and name == "SIGTERM" else name
+            raise SystemExit(f"second {label}: stopping at once, without the checkpoint of this step (the previous "
+                             "one is intact)")
+        self.signal = name
         if self.announce:
             print(f"\n[{self.signal}] stopping after this step, with a checkpoint (again to stop at once)",
                   file=sys.stderr, flush=True)

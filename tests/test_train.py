@@ -449,6 +449,29 @@ def test_one_live_run_per_output_dir(tmp_path):
     train.lock_output_dir(tmp_path).close()
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Checkpoints and resume (issue 32): saves that keep the last good copy, a recipe fixed for the run's life,
+# nothing unpickled from a run directory, --overwrite that deletes last, atomic writes and named gaps
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_a_second_ctrl_c_under_torchrun_is_named_as_such():
+    """torchrun passes a first Ctrl-C on to the ranks as SIGINT and a second as SIGTERM: the second stops at once,
+    in one line, named as the user's second Ctrl-C."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for first, second, label in ((signal.SIGINT, signal.SIGTERM, "second SIGINT"),
+                                     (signal.SIGINT, signal.SIGINT, "second SIGINT"),
+                                     (signal.SIGTERM, signal.SIGTERM, "second SIGTERM")):
+            stopper = train.GracefulStop(announce=False)
+            stopper._handle(first, None)
+            with pytest.raises(SystemExit, match=f"^{label}: stopping at once"):
+                stopper._handle(second, None)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 TIED_LEARNER = """
 import sys, torch
 import train

@@ -378,7 +378,7 @@ def test_a_checkpoint_keeps_its_predecessor_and_resume_falls_back_to_it(tmp_path
         optimizer.step()
         train.save_checkpoint(tmp_path, model, optimizer, {"step": step}, rank=0)
     assert train.complete_checkpoints(tmp_path) == [tmp_path / "checkpoint", tmp_path / "checkpoint.old"]
-    assert (tmp_path / "checkpoint" / "rng-0.pt").exists()  # each rank's RNG states
+    assert (tmp_path / "checkpoint" / "rng-0.json").exists()  # each rank's RNG states
     state, used = train.load_checkpoint(tmp_path, model, optimizer, rank=0)
     assert state["step"] == 2 and used == tmp_path / "checkpoint"
     # a weights file cut in half: named, and the previous checkpoint is used
@@ -386,7 +386,7 @@ def test_a_checkpoint_keeps_its_predecessor_and_resume_falls_back_to_it(tmp_path
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     state, used = train.load_checkpoint(tmp_path, model, optimizer, rank=0)
     assert state["step"] == 1 and used == tmp_path / "checkpoint.old"
-    assert f"{tmp_path / 'checkpoint'} is unreadable" in capsys.readouterr().err
+    assert f"{tmp_path / 'checkpoint' / 'weights.pt'} is cut short" in capsys.readouterr().err
     # a crash between the two renames: checkpoint.old complete, checkpoint.tmp partial, no checkpoint
     (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.tmp")
     (tmp_path / "checkpoint.tmp" / "trainer_state.json").unlink()
@@ -394,7 +394,7 @@ def test_a_checkpoint_keeps_its_predecessor_and_resume_falls_back_to_it(tmp_path
     assert train.parse_args(["--resume", str(tmp_path)]).max_steps == 5  # --resume accepts it
     assert train.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 1
     (tmp_path / "checkpoint.old" / "weights.pt").write_bytes(b"garbage")
-    with pytest.raises(SystemExit, match="no checkpoint could be read.*checkpoint.old is unreadable"):
+    with pytest.raises(SystemExit, match="no checkpoint could be read by every rank.*checkpoint.old/weights.pt is cut"):
         train.load_checkpoint(tmp_path, model, optimizer, rank=0)
 
 
@@ -453,6 +453,203 @@ def test_one_live_run_per_output_dir(tmp_path):
 # Checkpoints and resume (issue 32): saves that keep the last good copy, a recipe fixed for the run's life,
 # nothing unpickled from a run directory, --overwrite that deletes last, atomic writes and named gaps
 # --------------------------------------------------------------------------------------------------------------
+
+
+def _saved_run(out: Path, steps: tuple[int, ...] = (1, 2), size: int = 4) -> tuple:
+    """A run directory with a checkpoint per step of `steps` (a Linear layer and its AdamW state), its args.json and
+    a metrics row per step. Returns (model, optimizer)."""
+    model = torch.nn.Linear(size, size)
+    optimizer = torch.optim.AdamW(model.parameters())
+    out.mkdir(exist_ok=True)
+    (out / "args.json").write_text(json.dumps(train.dataclasses.asdict(train.Args(output_dir=str(out)))))
+    for step in steps:
+        model(torch.ones(1, size)).sum().backward()
+        optimizer.step()
+        train.save_checkpoint(out, model, optimizer, {"step": step, "metrics_lines": step + 1}, rank=0)
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(max(steps) + 1)))
+    return model, optimizer
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def test_a_save_after_a_fallback_keeps_the_good_checkpoint_until_the_new_one_is_in(tmp_path, one_rank_group,
+                                                                                  monkeypatch, capsys):
+    """After a fallback to checkpoint.old (the newest is corrupt), the next save removes the corrupt one, never the
+    good one: a crash while it rotates the new one in still leaves checkpoint.old to resume from. Checkpoints are
+    readable by their owner only."""
+    model, optimizer = _saved_run(tmp_path)
+    (tmp_path / "checkpoint" / "weights.pt").write_bytes(b"cut")
+    good = _tree(tmp_path / "checkpoint.old")
+    renames = []
+
+    def crash_on_rename(self, target):  # the save's first rename fails: a crash in the middle of the rotation
+        renames.append((self.name, Path(target).name))
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(Path, "rename", crash_on_rename)
+    with pytest.raises(OSError, match="simulated crash"):
+        train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    monkeypatch.undo()
+    assert renames == [("checkpoint.tmp", "checkpoint")]  # the good checkpoint.old is never renamed over
+    assert _tree(tmp_path / "checkpoint.old") == good
+    state, used = train.load_checkpoint(tmp_path, model, optimizer, rank=0)
+    assert (state["step"], used) == (1, tmp_path / "checkpoint.old")
+    assert "weights.pt is cut short" in capsys.readouterr().err
+    train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    assert train.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 3
+    assert _tree(tmp_path / "checkpoint.old") == good and not (tmp_path / "checkpoint.tmp").exists()
+    for ckpt in train.complete_checkpoints(tmp_path):
+        assert ckpt.stat().st_mode & 0o777 == 0o700, ckpt
+        assert all(f.stat().st_mode & 0o777 == 0o600 for f in ckpt.iterdir()), ckpt
+
+
+@pytest.fixture(params=["disk_usage", "tmpfs"])
+def small_disk(request, tmp_path, monkeypatch):
+    """A directory on a file system with room for two checkpoints of _saved_run(size=320) (1.2 MB each) and not
+    three: a real 3.5 MB tmpfs where this machine lets the test mount one (root), else a tmp_path whose
+    shutil.disk_usage says so."""
+    out = tmp_path / "small"
+    out.mkdir()
+    if request.param == "tmpfs":
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3500k", "tmpfs", str(out)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (not root)")
+        yield out
+        subprocess.run(["umount", "-l", str(out)], check=True)  # lazy: a file left open must not keep it
+        return
+    real = shutil.disk_usage
+
+    def usage(path):
+        used = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        return real(path)._replace(free=3500 * 1024 - used) if Path(path) == out else real(path)
+
+    monkeypatch.setattr(train.shutil, "disk_usage", usage)
+    yield out
+
+
+def test_a_full_disk_fails_before_writing_and_keeps_the_checkpoints(small_disk, one_rank_group):
+    """A save that would not fit stops before writing anything, with one line naming the file system, the size and
+    the free space; the previous checkpoints are intact and no partial directory is left."""
+    model, optimizer = _saved_run(small_disk, steps=(1, 2), size=320)  # two checkpoints: room for no third
+    before = _tree(small_disk)
+    # someone else's file: now even the room of checkpoint.old, which a save frees first, is not enough
+    (small_disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - (40 << 10)))
+    with pytest.raises(SystemExit) as stop:
+        train.save_checkpoint(small_disk, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    message = str(stop.value.code)
+    assert re.search(r"no space left on .+ for a checkpoint of 1\.\d MB \(free \d\.\d MB", message), message
+    assert f"the previous checkpoint {small_disk / 'checkpoint'} is intact" in message
+    (small_disk / "filler").unlink()
+    assert _tree(small_disk) == before and not (small_disk / "checkpoint.tmp").exists()
+    # without the filler it fits: the older checkpoint.old goes first, so two checkpoints' room is enough
+    train.save_checkpoint(small_disk, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    assert [json.loads((c / "trainer_state.json").read_text())["step"] for c in
+            train.complete_checkpoints(small_disk)] == [3, 2]
+
+
+def test_a_failed_write_names_the_file_and_leaves_no_partial_directory(tmp_path, one_rank_group, monkeypatch):
+    """A write that fails all the same (the estimate beaten by another writer, an I/O error): torch's own message
+    (`basic_ios::clear: iostream error`) names no file; the save's names it, removes checkpoint.tmp and keeps the
+    newest checkpoint (the older checkpoint.old made room for the new one before it was written)."""
+    model, optimizer = _saved_run(tmp_path)
+    before = _tree(tmp_path / "checkpoint")
+
+    def full(*args, **kwargs):
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(train.torch, "save", full)
+    with pytest.raises(SystemExit, match=r"could not write .*checkpoint.tmp/weights.pt on rank 0 \(RuntimeError: "
+                                         r"basic_ios::clear.*previous checkpoint .*checkpoint is intact"):
+        train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    assert _tree(tmp_path / "checkpoint") == before and not (tmp_path / "checkpoint.tmp").exists()
+    assert train.complete_checkpoints(tmp_path) == [tmp_path / "checkpoint"]
+
+
+def test_a_save_needs_two_checkpoints_of_space_at_its_peak(tmp_path, one_rank_group, monkeypatch):
+    """The space the checkpoints take, measured after every file operation of a save (the README states the
+    result): at most the kept checkpoint and the new one, where the old order (write, then delete the oldest) held
+    three."""
+    model, optimizer = _saved_run(tmp_path, steps=(1, 2), size=320)
+    one = sum(len(b) for b in _tree(tmp_path / "checkpoint").values())
+    sizes = []
+
+    def measured(function):
+        def wrapper(*args, **kwargs):
+            result = function(*args, **kwargs)
+            sizes.append(sum(len(b) for name, b in _tree(tmp_path).items() if name.startswith("checkpoint")))
+            return result
+        return wrapper
+
+    for module, name in ((train.torch, "save"), (train, "write_atomically"), (train.shutil, "rmtree")):
+        monkeypatch.setattr(module, name, measured(getattr(module, name)))
+    monkeypatch.setattr(Path, "rename", measured(Path.rename))
+    train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    peak = max(sizes) / one
+    print(f"peak space of a save: {peak:.3f} checkpoints ({max(sizes)} bytes, one checkpoint {one} bytes)")
+    assert 1.9 < peak <= 2.01, sizes
+
+
+class _Payload:
+    """Unpickled, it would create the file MARKER: what a crafted checkpoint would do with a shell command."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_planted_pickle_is_never_run(tmp_path, one_rank_group, capsys):
+    """A pickle payload in every file of both checkpoints (the weights as a torch.save archive, the JSON files and
+    the old RNG pickles as raw pickles): --resume, export, evaluate --resume and migrate-checkpoint refuse them,
+    and the payload never runs."""
+    import pickle
+
+    run, marker = tmp_path / "run", tmp_path / "MARKER"
+    model, optimizer = _saved_run(run)
+    for ckpt in train.complete_checkpoints(run):
+        torch.save({"model": _Payload(marker), "optimizer": _Payload(marker)}, ckpt / "weights.pt")
+        torch.save(_Payload(marker), ckpt / "rng-0.pt")  # an older train.py's RNG file
+        for name in ("trainer_state.json", "rng-0.json"):
+            (ckpt / name).write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(SystemExit, match="no checkpoint could be read by every rank"):
+        train.load_checkpoint(run, model, optimizer, rank=0)
+    with pytest.raises(SystemExit, match="export .*: no checkpoint could be read"):
+        train.export(run, tmp_path / "exported")
+    with pytest.raises(SystemExit, match="no checkpoint could be read"):
+        train.main(["evaluate", "--resume", str(run)])
+    for ckpt in train.complete_checkpoints(run):  # weights alone planted: what export and evaluate read
+        train.write_atomically(ckpt / "trainer_state.json", json.dumps({"step": 2}))
+    with pytest.raises(SystemExit, match="weights.pt holds objects other than tensors"):
+        train.export(run, tmp_path / "exported")
+    (run / "checkpoint" / "rng-0.json").unlink()
+    with pytest.raises(SystemExit, match="rng-0.pt is refused .*nothing in it was run"):
+        train.main(["migrate-checkpoint", str(run)])
+    assert not marker.exists()
+    assert "weights_only=False" not in capsys.readouterr().err  # torch's advice to load it anyway is not passed on
+
+
+def test_an_older_checkpoint_is_refused_until_migrated(tmp_path, one_rank_group, capsys):
+    """Checkpoints of an older train.py keep their RNG states in pickles (rng-RANK.pt): --resume refuses them with
+    the command that converts them, once, through torch's weights_only loader; then it resumes as before."""
+    import numpy as np
+
+    model, optimizer = _saved_run(tmp_path)
+    for ckpt in train.complete_checkpoints(tmp_path):  # as the older train.py wrote them
+        (ckpt / "rng-0.json").unlink()
+        torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+                   ckpt / "rng-0.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    with pytest.raises(SystemExit, match=f"older train.py.*train.py migrate-checkpoint {tmp_path}`"):
+        train.load_checkpoint(tmp_path, model, optimizer, rank=0)
+    train.main(["migrate-checkpoint", str(tmp_path)])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["converted"] == [
+        str(tmp_path / name / "rng-0.json") for name in ("checkpoint", "checkpoint.old")]
+    assert not list(tmp_path.rglob("rng-*.pt"))
+    assert train.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 2
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected  # the saved states, restored
 
 
 def test_a_second_ctrl_c_under_torchrun_is_named_as_such():
@@ -642,7 +839,7 @@ def logprobs(model):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 base_dir = json.loads((run_dir / "args.json").read_text())["model"] or str(tasks.build_base_model(progress=False))
 learner = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-learner.load_state_dict(torch.load(run_dir / "checkpoint" / "weights.pt", weights_only=False)["model"])
+learner.load_state_dict(torch.load(run_dir / "checkpoint" / "weights.pt", weights_only=True)["model"])
 ours = logprobs(learner)
 hf = logprobs(AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32))
 assert torch.equal(ours, hf), (ours - hf).abs().max()

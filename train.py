@@ -115,6 +115,19 @@ def _arg(group: str, default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"group": group, "help": help, **kw})
 
 
+# The flags a --resume may change: how the run is watched, logged, checkpointed, placed and slowed down, never
+# what it trains. Every other flag defines the run, and a resume that changes one is refused (resumed_values): a
+# flag added later defines the run until it is named here. Each change is recorded in args.json with its step.
+CHANGEABLE_ON_RESUME = frozenset({
+    "max_steps",  # upwards only: below the run's step is refused
+    "eval_every", "eval_samples", "final_eval_samples", "log_every", "checkpoint_every", "max_bad_steps",
+    "micro_batch_tokens", "logits_chunk_tokens",  # memory only: a step is the same whatever they are (tested)
+    "gen_devices", "tensor_parallel_size", "gen_memory_fraction",  # placement: a run may move to another machine
+    "debug_gen_slowdown", "debug_learner_slowdown",
+    "output_dir", "resume", "overwrite",  # bookkeeping: a resumed run stays in its directory
+})
+
+
 @dataclass
 class Args:
     loss: str = _arg(HelpGroup.WHAT, "cispo", "the loss file: grpo, dapo, drgrpo, gspo or cispo (ScaleRL: cispo)",
@@ -221,11 +234,17 @@ class Args:
 
     checkpoint_every: int = _arg(HelpGroup.CHECKPOINTS, 10, "save a checkpoint every N steps (and at the end)")
     output_dir: str = _arg(HelpGroup.CHECKPOINTS, "runs/default", "where metrics.jsonl, checkpoint/, scaling.png go")
-    resume: str | None = _arg(HelpGroup.CHECKPOINTS, None, "continue the run in this directory from its last "
-                              "checkpoint, with the flags it was started with (args.json); flags given now override "
-                              "those, e.g. --max-steps")
+    resume: str | None = _arg(HelpGroup.CHECKPOINTS, None, "continue the run in this directory from its newest "
+                              "checkpoint that every rank can read, with the flags it was started with (args.json). "
+                              "Only these may change, each change recorded in args.json with its step: " + ", ".join(
+                                  "--" + name.replace("_", "-") for name in sorted(CHANGEABLE_ON_RESUME)
+                                  if name not in ("output_dir", "resume", "overwrite"))
+                              + " (--max-steps upwards only); any other flag defines the run, and changing it is "
+                              "refused")
     overwrite: bool = _arg(HelpGroup.CHECKPOINTS, False, "start afresh in an --output-dir that already holds a run, "
-                           "deleting its metrics and checkpoint (without this flag such a directory is refused)")
+                           "deleting its metrics and checkpoints once the new run has passed its checks and started "
+                           "(a failed start leaves the old run as it was; without this flag such a directory is "
+                           "refused)")
 
     dtype: str | None = _arg(HelpGroup.PRECISION, None, "float32 or bfloat16 (default: bfloat16 on GPU, float32 on "
                              "CPU)")
@@ -395,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["evaluate"]:  # the training flags; nothing is written, so no output directory is claimed
         with tempfile.TemporaryDirectory(prefix="scalerl-evaluate-") as scratch:
             given = argv[1:] if "--resume" in argv else [*argv[1:], "--output-dir", str(Path(scratch) / "unused")]
-            print(json.dumps(evaluate_policy(parse_args(given), Path(scratch))))
+            print(json.dumps(evaluate_policy(parse_args(given, evaluating=True), Path(scratch))))
         return
     args = parse_args(argv)
     # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
@@ -417,10 +436,16 @@ def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
 
     if not (run_dir / "args.json").is_file():
         raise SystemExit(f"export: {run_dir} holds no run (no args.json)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"export: {out_dir} is a file; OUT_DIR must be a new or empty directory")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise SystemExit(f"export: {out_dir} is not empty")
-    base = json.loads((run_dir / "args.json").read_text()).get("model") or str(tasks.build_base_model(progress=False))
-    state, weights, _, ckpt = read_checkpoint(run_dir, 0, "export")
+    try:
+        saved = read_args_json(run_dir)
+    except ValueError as e:
+        raise SystemExit(f"export: {e}") from None
+    state, weights, _, ckpt = read_checkpoint(run_dir, None, "export")  # before the base model: it may be built
+    base = saved.get("model") or str(tasks.build_base_model(progress=False))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model.load_state_dict(weights["model"], strict=True)  # FSDP2's full state dict keeps the HF names
     model.save_pretrained(out_dir)
@@ -1142,11 +1167,13 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def parse_args(argv: list[str] | None = None) -> Args:
+def parse_args(argv: list[str] | None = None, evaluating: bool = False) -> Args:
+    """The flags of a run; with --resume, its own (resumed_values). `evaluating`: for `train.py evaluate --resume`,
+    which trains nothing, so that any flag may differ from the run's (another data set, more samples)."""
     parser = build_parser()
     values = vars(parser.parse_args(argv))
     if values["resume"]:
-        values = resumed_values(parser, argv, values["resume"])
+        values = resumed_values(parser, argv, values["resume"], evaluating)
     args = Args(**values)
     problems = check_args(args)
     if problems:
@@ -1154,26 +1181,92 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return args
 
 
-def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_dir: str) -> dict[str, Any]:
-    """The flags a resumed run continues with: those it was started with (its args.json), overridden by the ones
-    given now (e.g. --max-steps 400 to extend it). Its output directory is `run_dir`, whatever --output-dir says."""
+def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_dir: str,
+                   evaluating: bool = False) -> dict[str, Any]:
+    """The flags a resumed run continues with: those it was started with (its args.json), where the flags of
+    CHANGEABLE_ON_RESUME given now win (e.g. --max-steps 400 to extend it). Any other flag defines the run: giving it
+    another value is refused, naming each with the run's value and the new one, and so is a --max-steps below the
+    run's step; a --max-steps equal to it has nothing to do. Its output directory is `run_dir`, whatever
+    --output-dir says. `evaluating` (evaluate --resume) skips these checks: it trains nothing."""
     # Parse again into a namespace that already holds every field, so argparse leaves out the defaults; append
     # actions need a list-like start, hence None for them.
     blank = {f.name: None if f.metadata.get("action") == "append" else _Unset for f in dataclasses.fields(Args)}
     given = {k: v for k, v in vars(parser.parse_args(argv, namespace=argparse.Namespace(**blank))).items()
              if v is not _Unset and not (v is None and blank[k] is None)}
-    saved_file = Path(run_dir) / "args.json"
-    saved = {}
-    if saved_file.exists():
-        saved = json.loads(saved_file.read_text())
+    saved: dict[str, Any] = {}
+    if (Path(run_dir) / "args.json").exists():
+        try:
+            saved = read_args_json(Path(run_dir))
+        except ValueError as e:
+            parser.error(f"--resume {run_dir}: {e}")
     elif complete_checkpoints(Path(run_dir)):
         parser.error(f"--resume {run_dir}: no args.json there, so the flags of the run are unknown")
     values = {f.name: f.default for f in dataclasses.fields(Args)}
     values.update({k: v for k, v in saved.items() if k in values})
+    run_values = dict(values)
     values.update(resume=run_dir, overwrite=False)
     values.update(given)
     values["output_dir"] = run_dir
+    if not saved or evaluating:
+        return values
+    changed = [f"--{name.replace('_', '-')} (the run's {_shown(run_values[name])}, now {_shown(value)})"
+               for name, value in given.items() if name not in CHANGEABLE_ON_RESUME and value != run_values[name]]
+    if changed:
+        which = "these flags define" if len(changed) > 1 else "this flag defines"
+        parser.error(f"--resume {run_dir}: {', '.join(changed)}: {which} the run and cannot change when it resumes; "
+                     "start a new run (another --output-dir) to train with them")
+    step = newest_checkpoint_step(Path(run_dir))
+    if step is not None and values["max_steps"] < step:
+        parser.error(f"--max-steps {values['max_steps']} is below step {step}, where the run {run_dir} is: a run "
+                     f"cannot be shortened (its checkpoint is at step {step})")
+    if step is not None and values["max_steps"] == step:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[resume] {run_dir} is at step {step}, its --max-steps: nothing to do (give a higher --max-steps "
+                  "to continue it)", file=sys.stderr)
+        raise SystemExit(0)
     return values
+
+
+def _shown(value: Any) -> str:
+    """A flag's value as the command line writes it (--loss-arg's list as its items)."""
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+_JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list[str]": (list,)}
+
+
+def read_args_json(run_dir: Path) -> dict[str, Any]:
+    """A run's args.json: its flags (and "resumes", the history of its resumes). ValueError, in one line, for a file
+    that is not JSON, not an object, or holds a flag of the wrong type (a file edited by hand, or cut short)."""
+    path = run_dir / "args.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}): restore it, or start the run "
+                         "afresh with --overwrite") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("resumes", []), list):
+        raise ValueError(f"{path} holds {type(saved).__name__} {str(saved)[:40]!r}, not a run's flags")
+    for f in dataclasses.fields(Args):
+        value = saved.get(f.name)
+        if f.name not in saved or value is None and (f.default is None or "None" in f.type):
+            continue
+        types = _JSON_TYPES.get(f.type.split(" |")[0])
+        if types and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            raise ValueError(f"{path}: {f.name} is {value!r}, not a {f.type}: restore the file, or start the run "
+                             "afresh with --overwrite")
+    return saved
+
+
+def newest_checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint whose trainer_state.json reads (None if none does)."""
+    for ckpt in complete_checkpoints(run_dir):
+        try:
+            step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return None
 
 
 def _output_dir_problems(out: Path) -> list[str]:
@@ -1253,7 +1346,7 @@ def resolve_defaults(args: Args, embedded: bool, on_gpu: bool) -> None:
 def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
     """Everything before the first step, on every rank: process group, OUTPUT_DIR lock, data, model, optimizer,
     resume, generator, metrics log. On exit the generator is closed; a run that fails before its first metrics row
-    leaves OUTPUT_DIR as it found it."""
+    leaves OUTPUT_DIR as it found it (with --overwrite, the old run is deleted only once all of that has started)."""
     tasks.set_vllm_cpu_env()  # vLLM's CPU settings (offline hub, no dynamo); nothing on a machine with CUDA
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
@@ -1267,12 +1360,8 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
     lock = claim_output_dir(out, is_main)
     generator = None
     log: MetricsLog | None = None
+    old_run_kept = args.overwrite and not fresh_dir  # --overwrite deletes the old run last, once all checks pass
     try:  # until the first metrics row, a failure leaves the output directory as it was found
-        if is_main and args.overwrite:
-            for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
-                shutil.rmtree(out / name, ignore_errors=True)
-            for name in ("metrics.jsonl", "scaling.png"):
-                (out / name).unlink(missing_ok=True)
         loss_module = importlib.import_module(args.loss)
         hp = loss_hyperparameters(args, loss_module)
         adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
@@ -1341,8 +1430,16 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
                 generator.update_weights(weights, state.step)
         eval_rows: list[dict] = []
         if is_main:  # the run's files appear only once it has started
-            log = MetricsLog(out / "metrics.jsonl", state.metrics_lines if args.resume else 0)
-            (out / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+            if args.overwrite:  # data, model and generator have all started: only now is the old run deleted
+                remove_previous_run(out)
+                old_run_kept = False
+            log = MetricsLog(out / "metrics.jsonl", state.metrics_lines if args.resume else 0,
+                             covers_step=state.step if args.resume else None)
+            write_args_json(out, args, state.step, log.missing_steps)
+            if log.missing_steps:  # a metrics file cut short behind the run's back: say so, and keep it on record
+                gaps = ", ".join(f"{a}..{b}" if a < b else str(a) for a, b in _ranges(log.missing_steps))
+                print(f"[resume] {log.path} holds {log.lines} rows but the checkpoint covers {state.metrics_lines}: "
+                      f"no rows for steps {gaps} (recorded in args.json's resumes)", file=sys.stderr)
             if log.lines:
                 eval_rows = [r for r in scaling_fit.read_metrics(log.path) if "val_pass_rate" in r]
         bar = tqdm(total=args.max_steps, initial=state.step, desc=f"{args.loss}/{args.mode}", disable=not is_main,
@@ -1353,7 +1450,7 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
                   recent=deque(maxlen=args.log_every), eval_rows=eval_rows, data_skipped=data_skipped, lock=lock)
         yield learner, run, state
     except BaseException:
-        if is_main and not args.resume and (log is None or log.lines == 0):
+        if is_main and not args.resume and not old_run_kept and (log is None or log.lines == 0):
             _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
         raise
     finally:
@@ -1394,6 +1491,15 @@ def claim_output_dir(out: Path, is_main: bool) -> Any:
         dist.destroy_process_group()
         raise SystemExit(error[0])
     return lock
+
+
+def remove_previous_run(out: Path) -> None:
+    """--overwrite, once the new run has passed every check and started: the old run's checkpoints, metrics and
+    plot go (its args.json is rewritten next)."""
+    for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in ("metrics.jsonl", "scaling.png"):
+        (out / name).unlink(missing_ok=True)
 
 
 def _remove_failed_start(out: Path, fresh_dir: bool) -> None:
@@ -1990,15 +2096,25 @@ def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:
 
 class MetricsLog:
     """metrics.jsonl (format: scaling_fit.py's docstring). On resume it is cut back to the checkpoint's line
-    count, so steps re-done after a crash are neither lost nor duplicated."""
+    count, so steps re-done after a crash are neither lost nor duplicated; the cut goes through a temporary file
+    renamed over the old one, so a kill at that moment leaves it whole. A file with fewer lines than the checkpoint
+    covers (cut behind the run's back) cannot be made whole: `missing_steps` names the steps 0..`covers_step`
+    that have no row."""
 
-    def __init__(self, path: Path, keep_lines: int | None):
+    def __init__(self, path: Path, keep_lines: int | None, covers_step: int | None = None):
         self.path = path
         lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-        if keep_lines is not None:
-            lines = lines[:keep_lines]
-        self.lines = len(lines)
-        path.write_text("".join(lines))
+        kept = lines if keep_lines is None else lines[:keep_lines]
+        self.lines = len(kept)
+        if kept != lines or not path.exists():
+            write_atomically(path, "".join(kept))
+        self.missing_steps: list[int] = []
+        if covers_step is not None and keep_lines is not None and len(lines) < keep_lines:
+            present = set()
+            for line in kept:
+                with contextlib.suppress(ValueError, AttributeError):
+                    present.add(json.loads(line).get("step"))
+            self.missing_steps = [s for s in range(covers_step + 1) if s not in present]
 
     def write(self, row: dict) -> None:
         row, non_finite = _json_safe(row)
@@ -2009,6 +2125,37 @@ class MetricsLog:
             f.flush()
             os.fsync(f.fileno())
         self.lines += 1
+
+
+def _ranges(steps: list[int]) -> list[list[int]]:
+    """[3, 4, 5, 8] -> [[3, 5], [8, 8]]: runs of consecutive steps."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return runs
+
+
+def write_args_json(out: Path, args: Args, step: int, missing_steps: list[int]) -> None:
+    """OUTPUT_DIR/args.json: the run's flags, and "resumes", the history of its resumes. Each resume appends the
+    step it resumed from, the changeable flags it changed ({flag: [before, after]}) and the steps metrics.jsonl had
+    lost; the history is never rewritten. Written through a temporary file renamed over the old one."""
+    current = dataclasses.asdict(args)
+    resumes = []
+    if args.resume:
+        saved = read_args_json(out) if (out / "args.json").exists() else {}
+        defaults = {f.name: f.default for f in dataclasses.fields(Args)}
+        before = {k: saved.get(k, defaults[k]) for k in current}
+        resumes = list(saved.get("resumes") or [])
+        entry: dict[str, Any] = {"step": step, "changed": {
+            k: [before[k], current[k]] for k in sorted(CHANGEABLE_ON_RESUME - {"output_dir", "resume", "overwrite"})
+            if before[k] != current[k]}}
+        if missing_steps:
+            entry["metrics_missing_steps"] = _ranges(missing_steps)
+        resumes.append(entry)
+    write_atomically(out / "args.json", json.dumps({**current, "resumes": resumes}, indent=1))
 
 
 if __name__ == "__main__":  # vLLM on CPU spawns its workers: the entry point must be guarded

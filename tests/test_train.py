@@ -436,8 +436,8 @@ def test_a_resumed_run_keeps_its_flags_unless_overridden(tmp_path):
     (tmp_path / "checkpoint" / "trainer_state.json").write_text("{}")
     resumed = train.parse_args(["--resume", str(tmp_path), "--output-dir", "elsewhere"])
     assert resumed == train.dataclasses.replace(started, resume=str(tmp_path))
-    extended = train.parse_args(["--resume", str(tmp_path), "--max-steps", "200", "--fp32-lm-head"])
-    assert (extended.max_steps, extended.fp32_lm_head, extended.loss) == (200, True, "grpo")
+    extended = train.parse_args(["--resume", str(tmp_path), "--max-steps", "200", "--eval-every", "7"])
+    assert (extended.max_steps, extended.eval_every, extended.loss) == (200, 7, "grpo")
     assert extended.loss_arg == ["clip_eps_high=0.3"]
 
 
@@ -591,6 +591,58 @@ def test_a_save_needs_two_checkpoints_of_space_at_its_peak(tmp_path, one_rank_gr
     assert 1.9 < peak <= 2.01, sizes
 
 
+def test_a_resume_refuses_a_changed_recipe_and_keeps_args_json(tmp_path, capsys):
+    started = train.parse_args(["--output-dir", str(tmp_path), "--loss", "cispo", "--max-steps", "20"])
+    train.write_args_json(tmp_path, started, 0, [])
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 10}))
+    saved = (tmp_path / "args.json").read_bytes()
+    for argv, message in [
+        (["--loss", "grpo", "--seed", "1"], "--loss (the run's cispo, now grpo), --seed (the run's 0, now 1): these "
+                                            "flags define the run and cannot change when it resumes"),
+        (["--group-size", "4"], "--group-size (the run's 8, now 4): this flag defines the run"),
+        (["--model", str(tmp_path)], f"--model (the run's None, now {tmp_path})"),
+        (["--loss-arg", "eps_max=8"], "--loss-arg (the run's None, now eps_max=8)"),
+        (["--max-steps", "5"], f"--max-steps 5 is below step 10, where the run {tmp_path} is"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            train.parse_args(["--resume", str(tmp_path), *argv])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+        assert (tmp_path / "args.json").read_bytes() == saved
+    with pytest.raises(SystemExit) as stop:  # at its --max-steps already: nothing to do, and nothing starts
+        train.parse_args(["--resume", str(tmp_path), "--max-steps", "10"])
+    assert stop.value.code == 0 and "is at step 10, its --max-steps: nothing to do" in capsys.readouterr().err
+    # the same value again, and the flags that may change, are accepted
+    args = train.parse_args(["--resume", str(tmp_path), "--loss", "cispo", "--max-steps", "30", "--eval-every", "2",
+                             "--eval-samples", "8", "--checkpoint-every", "3", "--log-every", "1"])
+    assert (args.loss, args.max_steps, args.eval_every, args.eval_samples) == ("cispo", 30, 2, 8)
+    # evaluate --resume trains nothing: it may use another data set or more samples
+    assert train.parse_args(["--resume", str(tmp_path), "--seed", "3"], evaluating=True).seed == 3
+
+
+def test_changes_on_resume_are_recorded_with_their_step_and_listed_in_help(tmp_path, capsys):
+    started = train.parse_args(["--output-dir", str(tmp_path), "--max-steps", "20"])
+    train.write_args_json(tmp_path, started, 0, [])
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 10}))
+    train.write_args_json(tmp_path, train.parse_args(["--resume", str(tmp_path), "--max-steps", "40",
+                                                      "--eval-every", "2"]), 10, [])
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 40}))
+    train.write_args_json(tmp_path, train.parse_args(["--resume", str(tmp_path), "--max-steps", "50"]), 40, [7, 8])
+    record = json.loads((tmp_path / "args.json").read_text())
+    assert record["max_steps"] == 50 and record["eval_every"] == 2 and record["loss"] == "cispo"
+    assert record["resumes"] == [{"step": 10, "changed": {"eval_every": [5, 2], "max_steps": [20, 40]}},
+                                 {"step": 40, "changed": {"max_steps": [40, 50]}, "metrics_missing_steps": [[7, 8]]}]
+    assert train.CHANGEABLE_ON_RESUME <= {f.name for f in train.dataclasses.fields(train.Args)}
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines at hyphens too: compare without spaces
+    listed = text.split("Onlythesemaychange")[1].split("refused")[0]
+    assert all(f"--{name.replace('_', '-')}," in listed or f"--{name.replace('_', '-')}(" in listed
+               for name in train.CHANGEABLE_ON_RESUME - {"output_dir", "resume", "overwrite"}), listed
+
+
 class _Payload:
     """Unpickled, it would create the file MARKER: what a crafted checkpoint would do with a shell command."""
 
@@ -650,6 +702,72 @@ def test_an_older_checkpoint_is_refused_until_migrated(tmp_path, one_rank_group,
     assert not list(tmp_path.rglob("rng-*.pt"))
     assert train.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 2
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected  # the saved states, restored
+
+
+def test_overwrite_with_bad_data_leaves_the_old_run_intact(tmp_path, one_rank_group, monkeypatch):
+    """--overwrite checks first and deletes last: the data set is loaded (and fails) before anything is removed."""
+    out = tmp_path / "run"
+    _saved_run(out)
+    (out / "scaling.png").write_bytes(b"png")
+    before = _tree(out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?"}\n')
+    args = train.parse_args(["--output-dir", str(out), "--overwrite", "--dataset", str(bad)])
+    monkeypatch.setattr(train, "init_distributed", lambda gen_devices=None: (0, 1, torch.device("cpu")))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit), train.set_up(args):
+            pass
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    after = _tree(out)
+    after.pop(".lock", None)
+    assert after == before
+
+
+def test_metrics_and_args_are_rewritten_through_a_rename_and_gaps_are_named(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
+    inode = path.stat().st_ino
+    log = train.MetricsLog(path, keep_lines=3, covers_step=2)  # cut back to the checkpoint: a new file, renamed
+    assert path.stat().st_ino != inode and log.lines == 3 and log.missing_steps == []
+    monkeypatch.setattr(train.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):  # killed while cutting: the file is as it was, no temporary is left
+        train.MetricsLog(path, keep_lines=1, covers_step=0)
+    assert len(path.read_text().splitlines()) == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    with pytest.raises(KeyboardInterrupt):
+        train.write_args_json(tmp_path, train.Args(output_dir=str(tmp_path)), 0, [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    monkeypatch.undo()
+    log = train.MetricsLog(path, keep_lines=7, covers_step=6)  # a file cut short behind the run's back
+    assert log.lines == 3 and log.missing_steps == [3, 4, 5, 6]
+    assert train._ranges([3, 4, 5, 6, 9]) == [[3, 6], [9, 9]]
+
+
+def test_raw_tracebacks_became_one_line_each(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "checkpoint" / "trainer_state.json").write_text('{"step": 1}')
+    for content, message in (('{"loss": "cispo", "max_st', "args.json is unreadable (JSONDecodeError"),
+                             ('{"max_steps": "many"}', "args.json: max_steps is 'many', not a int"),
+                             ("[1, 2]", "holds list '[1, 2]', not a run's flags")):
+        (run / "args.json").write_text(content)
+        with pytest.raises(SystemExit):
+            train.parse_args(["--resume", str(run)])
+        err = capsys.readouterr().err
+        assert message in err and len(err.splitlines()) == 1, err
+        with pytest.raises(SystemExit, match="export: .*" + re.escape(message)):
+            train.export(run, tmp_path / "exported")
+    (tmp_path / "a-file").write_text("")
+    (run / "args.json").write_text("{}")
+    with pytest.raises(SystemExit, match="a-file is a file; OUT_DIR must be a new or empty directory"):
+        train.export(run, tmp_path / "a-file")
+    (tmp_path / "data.txt").write_text("1+1=2\n")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--dataset", "data.txt"])
+    err = capsys.readouterr().err
+    assert "--dataset data.txt: a local file of unknown kind (.txt); data files are .json" in err, err
 
 
 def test_a_second_ctrl_c_under_torchrun_is_named_as_such():

@@ -1133,6 +1133,33 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_without_r
     assert [r["step"] for r in _rows(out)] == list(range(9))  # nothing redone, nothing lost
 
 
+@pytest.mark.slow
+def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, base_model_dir):
+    """rng-1.json (rank 1's RNG states) cut short in the newest checkpoint of a 2-rank run. Before, rank 0 resumed
+    from that checkpoint and rank 1 alone fell back to checkpoint.old, and the two deadlocked at the next save. Now
+    both resume from checkpoint.old, rank 0 names the file and each rank's choice, and the run finishes with every
+    step once; args.json records the resume. A --max-steps the run has reached then has nothing to do."""
+    out = tmp_path / "run"
+    run = _train(out, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4", *SHORT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rng1 = out / "checkpoint" / "rng-1.json"
+    rng1.write_bytes(rng1.read_bytes()[:100])
+    run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "6")
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert f"{rng1} is unreadable" in run.stderr and "(rank 1)" in run.stderr, run.stderr[-4000:]
+    assert f"rank 0: {out / 'checkpoint'}, rank 1: {out / 'checkpoint.old'}. Every rank uses " \
+           f"{out / 'checkpoint.old'}" in run.stderr
+    assert f"[resume] {out / 'checkpoint.old'}: step 2" in run.stderr
+    assert [r["step"] for r in _rows(out)] == list(range(7))  # steps 3 and 4 redone, each logged once
+    assert [json.loads((c / "trainer_state.json").read_text())["step"]
+            for c in train.complete_checkpoints(out)] == [6, 4]
+    assert json.loads((out / "args.json").read_text())["resumes"] == [{"step": 2, "changed": {"max_steps": [4, 6]}}]
+    assert (out / "checkpoint").stat().st_mode & 0o777 == 0o700
+    run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "6", timeout=120)
+    assert run.returncode == 0 and "is at step 6, its --max-steps: nothing to do" in run.stderr, run.stderr[-2000:]
+    assert "vllm" not in run.stderr.lower()
+
+
 def test_pass_at_k_is_the_unbiased_estimator():
     # n = 4 samples, c correct: 1 - C(n - c, k) / C(n, k), by hand
     assert train.pass_at_k(4, 1, 1) == 0.25 and train.pass_at_k(4, 1, 2) == 0.5 and train.pass_at_k(4, 1, 4) == 1.0

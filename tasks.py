@@ -259,8 +259,18 @@ _JSON_SPACE = re.compile(r"[ \t\n\r]*")
 
 
 def is_local_data_file(name_or_path: str) -> bool:
-    """A local .json/.jsonl/.csv/.parquet file (anything else is a hub data set name)."""
-    return Path(name_or_path).suffix.lower() in _LOCAL_SUFFIXES
+    """A local file: a name ending in .json/.jsonl/.csv/.parquet, or any file that exists (anything else is a hub
+    data set name: an existing data.txt taken for one would fail with a hub error that never names the file)."""
+    return Path(name_or_path).suffix.lower() in _LOCAL_SUFFIXES or Path(name_or_path).is_file()
+
+
+def data_file_kind_problem(name_or_path: str) -> str | None:
+    """Why a local file cannot be read as data whatever it holds: its suffix is none of the kinds read here."""
+    suffix = Path(name_or_path).suffix.lower()
+    if not is_local_data_file(name_or_path) or suffix in _LOCAL_SUFFIXES:
+        return None
+    return (f"{name_or_path}: a local file of unknown kind ({suffix or 'no suffix'}); data files are "
+            f"{', '.join(_LOCAL_SUFFIXES)}")
 
 
 @dataclass(frozen=True)
@@ -303,6 +313,8 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
                          "local file")
     if not path.exists():
         raise FileNotFoundError(f"data file not found: {path}")
+    if data_file_kind_problem(name_or_path):
+        raise DataFileError(data_file_kind_problem(name_or_path))
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import datasets

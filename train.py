@@ -54,6 +54,7 @@ import inspect
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -61,6 +62,7 @@ import signal
 import sys
 import tempfile
 import time
+import zipfile
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -114,6 +116,21 @@ class HelpGroup:
 
 def _arg(group: str, default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"group": group, "help": help, **kw})
+
+
+# The flags a --resume may change: how the run is watched, logged, checkpointed, placed and slowed down, never
+# what it trains. Every other flag defines the run, and a resume that changes one is refused (resumed_values): a
+# flag added later defines the run until it is named here. Each change is recorded in args.json with its step.
+CHANGEABLE_ON_RESUME = frozenset({
+    "max_steps",  # upwards only: below the run's step is refused
+    "eval_every", "eval_samples", "final_eval_samples", "log_every", "checkpoint_every", "max_bad_steps",
+    "micro_batch_tokens", "logits_chunk_tokens",  # memory only: a step is the same whatever they are (tested)
+    "gen_devices", "tensor_parallel_size", "gen_memory_fraction",  # placement: a run may move to another machine
+    "gen_replicas", "gen_remote_replicas", "gen_listen", "gen_secret_file", "gen_join_timeout",  # replicas: the
+    "weight_transport",  # scheduler restarts from the checkpoint's data position whatever their number (tested)
+    "debug_gen_slowdown", "debug_learner_slowdown",
+    "output_dir", "resume", "overwrite",  # bookkeeping: a resumed run stays in its directory
+})
 
 
 @dataclass
@@ -222,11 +239,17 @@ class Args:
 
     checkpoint_every: int = _arg(HelpGroup.CHECKPOINTS, 10, "save a checkpoint every N steps (and at the end)")
     output_dir: str = _arg(HelpGroup.CHECKPOINTS, "runs/default", "where metrics.jsonl, checkpoint/, scaling.png go")
-    resume: str | None = _arg(HelpGroup.CHECKPOINTS, None, "continue the run in this directory from its last "
-                              "checkpoint, with the flags it was started with (args.json); flags given now override "
-                              "those, e.g. --max-steps")
+    resume: str | None = _arg(HelpGroup.CHECKPOINTS, None, "continue the run in this directory from its newest "
+                              "checkpoint that every rank can read, with the flags it was started with (args.json). "
+                              "Only these may change, each change recorded in args.json with its step: " + ", ".join(
+                                  "--" + name.replace("_", "-") for name in sorted(CHANGEABLE_ON_RESUME)
+                                  if name not in ("output_dir", "resume", "overwrite"))
+                              + " (--max-steps upwards only); any other flag defines the run, and changing it is "
+                              "refused")
     overwrite: bool = _arg(HelpGroup.CHECKPOINTS, False, "start afresh in an --output-dir that already holds a run, "
-                           "deleting its metrics and checkpoint (without this flag such a directory is refused)")
+                           "deleting its metrics and checkpoints once the new run has passed its checks and started "
+                           "(a failed start leaves the old run as it was; without this flag such a directory is "
+                           "refused)")
 
     dtype: str | None = _arg(HelpGroup.PRECISION, None, "float32 or bfloat16 (default: bfloat16 on GPU, float32 on "
                              "CPU)")
@@ -340,6 +363,9 @@ def check_args(args: Args) -> list[str]:
         problems += [f"--model {p}" for p in tasks.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]
     if args.dataset and tasks.is_local_data_file(args.dataset) and not Path(args.dataset).is_file():
         problems.append(f"--dataset {args.dataset}: no such file")
+    for flag in ("dataset", "test_dataset"):  # an existing data.txt is a file of unknown kind, not a hub name
+        if getattr(args, flag) and tasks.data_file_kind_problem(getattr(args, flag)):
+            problems.append(f"--{flag.replace('_', '-')} {tasks.data_file_kind_problem(getattr(args, flag))}")
     problems += _output_dir_problems(Path(args.output_dir))
     if model_context(args) <= args.max_tokens:
         problems.append(f"--max-model-len ({model_context(args)}) must exceed --max-tokens ({args.max_tokens}): it "
@@ -453,17 +479,23 @@ def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[s
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, set up (plumbing, below), run the loop, then fit ScaleRL's sigmoid to the evaluation rows.
     `train.py export RUN_DIR OUT_DIR` writes a run's policy as a Hugging Face model directory instead (`export`);
-    `train.py evaluate [flags]` prints a model's or a run's pass@k as one JSON line (`evaluate_policy`)."""
+    `train.py evaluate [flags]` prints a model's or a run's pass@k as one JSON line (`evaluate_policy`);
+    `train.py migrate-checkpoint RUN_DIR` converts an older run's pickled RNG files (`migrate_checkpoint`)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
         if len(argv) != 3 or argv[1].startswith("-"):
             raise SystemExit("usage: train.py export RUN_DIR OUT_DIR")
         print(json.dumps(export(Path(argv[1]), Path(argv[2]))))
         return
+    if argv[:1] == ["migrate-checkpoint"]:
+        if len(argv) != 2 or argv[1].startswith("-"):
+            raise SystemExit("usage: train.py migrate-checkpoint RUN_DIR")
+        print(json.dumps(migrate_checkpoint(Path(argv[1]))))
+        return
     if argv[:1] == ["evaluate"]:  # the training flags; nothing is written, so no output directory is claimed
         with tempfile.TemporaryDirectory(prefix="scalerl-evaluate-") as scratch:
             given = argv[1:] if "--resume" in argv else [*argv[1:], "--output-dir", str(Path(scratch) / "unused")]
-            print(json.dumps(evaluate_policy(parse_args(given), Path(scratch))))
+            print(json.dumps(evaluate_policy(parse_args(given, evaluating=True), Path(scratch))))
         return
     args = parse_args(argv)
     # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
@@ -485,10 +517,16 @@ def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
 
     if not (run_dir / "args.json").is_file():
         raise SystemExit(f"export: {run_dir} holds no run (no args.json)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"export: {out_dir} is a file; OUT_DIR must be a new or empty directory")
     if out_dir.exists() and any(out_dir.iterdir()):
         raise SystemExit(f"export: {out_dir} is not empty")
-    base = json.loads((run_dir / "args.json").read_text()).get("model") or str(tasks.build_base_model(progress=False))
-    state, weights, _, ckpt = read_checkpoint(run_dir, 0, "export")
+    try:
+        saved = read_args_json(run_dir)
+    except ValueError as e:
+        raise SystemExit(f"export: {e}") from None
+    state, weights, _, ckpt = read_checkpoint(run_dir, None, "export")  # before the base model: it may be built
+    base = saved.get("model") or str(tasks.build_base_model(progress=False))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model.load_state_dict(weights["model"], strict=True)  # FSDP2's full state dict keeps the HF names
     model.save_pretrained(out_dir)
@@ -1233,11 +1271,13 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def parse_args(argv: list[str] | None = None) -> Args:
+def parse_args(argv: list[str] | None = None, evaluating: bool = False) -> Args:
+    """The flags of a run; with --resume, its own (resumed_values). `evaluating`: for `train.py evaluate --resume`,
+    which trains nothing, so that any flag may differ from the run's (another data set, more samples)."""
     parser = build_parser()
     values = vars(parser.parse_args(argv))
     if values["resume"]:
-        values = resumed_values(parser, argv, values["resume"])
+        values = resumed_values(parser, argv, values["resume"], evaluating)
     args = Args(**values)
     problems = check_args(args)
     if problems:
@@ -1245,26 +1285,92 @@ def parse_args(argv: list[str] | None = None) -> Args:
     return args
 
 
-def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_dir: str) -> dict[str, Any]:
-    """The flags a resumed run continues with: those it was started with (its args.json), overridden by the ones
-    given now (e.g. --max-steps 400 to extend it). Its output directory is `run_dir`, whatever --output-dir says."""
+def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_dir: str,
+                   evaluating: bool = False) -> dict[str, Any]:
+    """The flags a resumed run continues with: those it was started with (its args.json), where the flags of
+    CHANGEABLE_ON_RESUME given now win (e.g. --max-steps 400 to extend it). Any other flag defines the run: giving it
+    another value is refused, naming each with the run's value and the new one, and so is a --max-steps below the
+    run's step; a --max-steps equal to it has nothing to do. Its output directory is `run_dir`, whatever
+    --output-dir says. `evaluating` (evaluate --resume) skips these checks: it trains nothing."""
     # Parse again into a namespace that already holds every field, so argparse leaves out the defaults; append
     # actions need a list-like start, hence None for them.
     blank = {f.name: None if f.metadata.get("action") == "append" else _Unset for f in dataclasses.fields(Args)}
     given = {k: v for k, v in vars(parser.parse_args(argv, namespace=argparse.Namespace(**blank))).items()
              if v is not _Unset and not (v is None and blank[k] is None)}
-    saved_file = Path(run_dir) / "args.json"
-    saved = {}
-    if saved_file.exists():
-        saved = json.loads(saved_file.read_text())
+    saved: dict[str, Any] = {}
+    if (Path(run_dir) / "args.json").exists():
+        try:
+            saved = read_args_json(Path(run_dir))
+        except ValueError as e:
+            parser.error(f"--resume {run_dir}: {e}")
     elif complete_checkpoints(Path(run_dir)):
         parser.error(f"--resume {run_dir}: no args.json there, so the flags of the run are unknown")
     values = {f.name: f.default for f in dataclasses.fields(Args)}
     values.update({k: v for k, v in saved.items() if k in values})
+    run_values = dict(values)
     values.update(resume=run_dir, overwrite=False)
     values.update(given)
     values["output_dir"] = run_dir
+    if not saved or evaluating:
+        return values
+    changed = [f"--{name.replace('_', '-')} (the run's {_shown(run_values[name])}, now {_shown(value)})"
+               for name, value in given.items() if name not in CHANGEABLE_ON_RESUME and value != run_values[name]]
+    if changed:
+        which = "these flags define" if len(changed) > 1 else "this flag defines"
+        parser.error(f"--resume {run_dir}: {', '.join(changed)}: {which} the run and cannot change when it resumes; "
+                     "start a new run (another --output-dir) to train with them")
+    step = newest_checkpoint_step(Path(run_dir))
+    if step is not None and values["max_steps"] < step:
+        parser.error(f"--max-steps {values['max_steps']} is below step {step}, where the run {run_dir} is: a run "
+                     f"cannot be shortened (its checkpoint is at step {step})")
+    if step is not None and values["max_steps"] == step:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[resume] {run_dir} is at step {step}, its --max-steps: nothing to do (give a higher --max-steps "
+                  "to continue it)", file=sys.stderr)
+        raise SystemExit(0)
     return values
+
+
+def _shown(value: Any) -> str:
+    """A flag's value as the command line writes it (--loss-arg's list as its items)."""
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+_JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list[str]": (list,)}
+
+
+def read_args_json(run_dir: Path) -> dict[str, Any]:
+    """A run's args.json: its flags (and "resumes", the history of its resumes). ValueError, in one line, for a file
+    that is not JSON, not an object, or holds a flag of the wrong type (a file edited by hand, or cut short)."""
+    path = run_dir / "args.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}): restore it, or start the run "
+                         "afresh with --overwrite") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("resumes", []), list):
+        raise ValueError(f"{path} holds {type(saved).__name__} {str(saved)[:40]!r}, not a run's flags")
+    for f in dataclasses.fields(Args):
+        value = saved.get(f.name)
+        if f.name not in saved or value is None and (f.default is None or "None" in f.type):
+            continue
+        types = _JSON_TYPES.get(f.type.split(" |")[0])
+        if types and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            raise ValueError(f"{path}: {f.name} is {value!r}, not a {f.type}: restore the file, or start the run "
+                             "afresh with --overwrite")
+    return saved
+
+
+def newest_checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint whose trainer_state.json reads (None if none does)."""
+    for ckpt in complete_checkpoints(run_dir):
+        try:
+            step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return None
 
 
 def _output_dir_problems(out: Path) -> list[str]:
@@ -1344,7 +1450,7 @@ def resolve_defaults(args: Args, embedded: bool, on_gpu: bool) -> None:
 def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
     """Everything before the first step, on every rank: process group, OUTPUT_DIR lock, data, model, optimizer,
     resume, generator, metrics log. On exit the generator is closed; a run that fails before its first metrics row
-    leaves OUTPUT_DIR as it found it."""
+    leaves OUTPUT_DIR as it found it (with --overwrite, the old run is deleted only once all of that has started)."""
     tasks.set_vllm_cpu_env()  # vLLM's CPU settings (offline hub, no dynamo); nothing on a machine with CUDA
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
@@ -1358,12 +1464,8 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
     lock = claim_output_dir(out, is_main)
     generator = None
     log: MetricsLog | None = None
+    old_run_kept = args.overwrite and not fresh_dir  # --overwrite deletes the old run last, once all checks pass
     try:  # until the first metrics row, a failure leaves the output directory as it was found
-        if is_main and args.overwrite:
-            for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
-                shutil.rmtree(out / name, ignore_errors=True)
-            for name in ("metrics.jsonl", "scaling.png"):
-                (out / name).unlink(missing_ok=True)
         loss_module = importlib.import_module(args.loss)
         hp = loss_hyperparameters(args, loss_module)
         adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
@@ -1439,8 +1541,16 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
                 generator.update_weights(weights, state.step)
         eval_rows: list[dict] = []
         if is_main:  # the run's files appear only once it has started
-            log = MetricsLog(out / "metrics.jsonl", state.metrics_lines if args.resume else 0)
-            (out / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+            if args.overwrite:  # data, model and generator have all started: only now is the old run deleted
+                remove_previous_run(out)
+                old_run_kept = False
+            log = MetricsLog(out / "metrics.jsonl", state.metrics_lines if args.resume else 0,
+                             covers_step=state.step if args.resume else None)
+            write_args_json(out, args, state.step, log.missing_steps)
+            if log.missing_steps:  # a metrics file cut short behind the run's back: say so, and keep it on record
+                gaps = ", ".join(f"{a}..{b}" if a < b else str(a) for a, b in _ranges(log.missing_steps))
+                print(f"[resume] {log.path} holds {log.lines} rows but the checkpoint covers {state.metrics_lines}: "
+                      f"no rows for steps {gaps} (recorded in args.json's resumes)", file=sys.stderr)
             if log.lines:
                 eval_rows = [r for r in scaling_fit.read_metrics(log.path) if "val_pass_rate" in r]
         bar = tqdm(total=args.max_steps, initial=state.step, desc=f"{args.loss}/{args.mode}", disable=not is_main,
@@ -1451,7 +1561,7 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
                   recent=deque(maxlen=args.log_every), eval_rows=eval_rows, data_skipped=data_skipped, lock=lock)
         yield learner, run, state
     except BaseException:
-        if is_main and not args.resume and (log is None or log.lines == 0):
+        if is_main and not args.resume and not old_run_kept and (log is None or log.lines == 0):
             _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
         raise
     finally:
@@ -1492,6 +1602,15 @@ def claim_output_dir(out: Path, is_main: bool) -> Any:
         dist.destroy_process_group()
         raise SystemExit(error[0])
     return lock
+
+
+def remove_previous_run(out: Path) -> None:
+    """--overwrite, once the new run has passed every check and started: the old run's checkpoints, metrics and
+    plot go (its args.json is rewritten next)."""
+    for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in ("metrics.jsonl", "scaling.png"):
+        (out / name).unlink(missing_ok=True)
 
 
 def _remove_failed_start(out: Path, fresh_dir: bool) -> None:
@@ -1685,70 +1804,345 @@ def reduce_metrics(totals: dict[str, float], world: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Checkpoint files: model, optimizer, every rank's RNG, the trainer state
+# Checkpoint files: model, optimizer, every rank's RNG, the trainer state. Nothing in a run directory is
+# unpickled: the weights load with torch's weights_only loader (tensors and plain values, nothing else), the RNG
+# states and the trainer state are JSON. People share run directories; a crafted file must not run code.
 # ----------------------------------------------------------------------------------------------------------------
+
+CHECKPOINT_DIRS = ("checkpoint", "checkpoint.old")  # newest first; checkpoint.tmp/ is a save in progress
+
+
+class CheckpointError(Exception):
+    """A checkpoint file that cannot be read (cut short, garbled, a pickle of objects); the message names it."""
 
 
 def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: int) -> None:
-    """OUTPUT_DIR/checkpoint/ (the previous one kept as checkpoint.old/ until the next save completes). Each rank's
-    RNG states go into rng-RANK.pt; trainer_state.json (`state`, rank 0's) is written last, so a directory that
-    has it is complete."""
+    """OUTPUT_DIR/checkpoint/, the previous one kept as checkpoint.old/. A collective: every rank calls it.
+
+    The new checkpoint is written beside the others as checkpoint.tmp/ and read back by the ranks that wrote it;
+    only then does rank 0 rotate it in (checkpoint -> checkpoint.old, checkpoint.tmp -> checkpoint). The newest
+    checkpoint that every rank can read (agree_on_checkpoint) is never removed or renamed over before that: what
+    goes first, to make room, is every other checkpoint directory (an older checkpoint.old, a corrupt checkpoint
+    after a fallback to checkpoint.old, a save cut short). So a save needs room for two checkpoints at its peak,
+    and one that would not fit fails before writing anything, naming the file system, the size and the free
+    space. Each rank writes its RNG states (rng-RANK.json); rank 0 the weights and trainer_state.json (`state`,
+    rank 0's, with the world size). Directories are made 0700 and files 0600: readable by their owner only."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                    cpu_offload=True))
     tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
+    world = dist.get_world_size()
+    keep, report, _ = agree_on_checkpoint(out, rank, load=False)  # stays until the new one is in place
+    if report and rank == 0:
+        print(f"[checkpoint] {report}; the others are removed to make room", file=sys.stderr)
+    weights, state = {"model": model_sd, "optimizer": optim_sd}, {**state, "world_size": world}
+    need, refused = 0, None
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        torch.save({"model": model_sd, "optimizer": optim_sd}, tmp / "weights.pt")
-    dist.barrier()  # tmp exists before the other ranks write their RNG states into it
-    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    torch.save(rng, tmp / f"rng-{rank}.pt")
-    dist.barrier()
-    if rank != 0:
-        return
-    (tmp / "trainer_state.json").write_text(json.dumps(state))
-    # At every moment one complete checkpoint exists: a crash between these renames leaves checkpoint.old.
-    if final.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-    tmp.rename(final)
+        need = checkpoint_bytes(weights, state, world)
+        doomed = [d for d in (tmp, final, old) if d.exists() and d != keep]
+        reclaimed = sum(_tree_bytes(d) for d in doomed)
+        free = shutil.disk_usage(out).free
+        if free + reclaimed < need:
+            refused = no_space_message(out, need, free, reclaimed) + f"; nothing was written: {_kept(keep)}"
+        else:
+            for d in doomed:
+                shutil.rmtree(d)
+            tmp.mkdir(mode=0o700)
+            os.chmod(tmp, 0o700)  # whatever the umask: checkpoints are readable by their owner only
+    refused = broadcast_from_rank0(refused)
+    if refused:
+        raise SystemExit(f"checkpoint at step {state.get('step')}: {refused}")
+    error, writing = None, tmp
+    try:
+        if rank == 0:
+            writing = tmp / "weights.pt"
+            torch.save(weights, writing)
+            os.chmod(writing, 0o600)
+            writing = tmp / "trainer_state.json"
+            write_atomically(writing, json.dumps(state), private=True)
+            read_weights(tmp / "weights.pt", expect=weights)  # read back: a short write shows here, not at resume
+            read_trainer_state(tmp)
+        writing = tmp / f"rng-{rank}.json"
+        write_atomically(writing, json.dumps(rng_states()), private=True)
+        read_rng(tmp, rank, world)
+    except Exception as e:  # an ENOSPC the estimate missed, an I/O error: torch's own message names neither
+        error = f"could not write {writing} on rank {rank} ({_first_line(e)})"
+        if rank == 0 and shutil.disk_usage(out).free < need:
+            error += f": {no_space_message(out, need, shutil.disk_usage(out).free, 0)}"
+    except BaseException:  # a second Ctrl-C: stop at once, leaving no partial directory behind
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    errors: list[str | None] = [None] * world
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SystemExit(f"checkpoint at step {state.get('step')} failed: {'; '.join(e for e in errors if e)}; "
+                         f"{_kept(keep)}")
+    if rank == 0:
+        if final.exists():  # the kept one (anything else there went before writing)
+            final.rename(old)
+        tmp.rename(final)
+    dist.barrier()  # no rank reads the directory again before it is in place
+
+
+def _kept(keep: Path | None) -> str:
+    return f"the previous checkpoint {keep} is intact" if keep else "there was no earlier checkpoint to keep"
+
+
+def checkpoint_bytes(weights: dict, state: dict, world: int) -> int:
+    """What a checkpoint will take on disk, from its tensors' sizes: their bytes, torch.save's archive record and
+    pickled name per tensor (about 500 bytes measured; 1 KiB counted), the JSON files, and 64 KiB to spare."""
+    tensors: list[torch.Tensor] = []
+
+    def collect(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif isinstance(value, dict):
+            for item in value.values():
+                collect(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item)
+
+    collect(weights)
+    tensor_bytes = sum(t.numel() * t.element_size() + 1024 for t in tensors)
+    return tensor_bytes + len(json.dumps(state)) + world * RNG_FILE_BYTES + (64 << 10)
+
+
+RNG_FILE_BYTES = 32 << 10  # rng-RANK.json: Python's 625 and numpy's 624 integers, torch's 5056 bytes in hex
+
+
+def no_space_message(out: Path, need: int, free: int, reclaimed: int) -> str:
+    mb = 1 << 20
+    freed = f", {reclaimed / mb:.1f} MB of it in older checkpoints a save replaces" if reclaimed else ""
+    return (f"no space left on {file_system(out)} for a checkpoint of {need / mb:.1f} MB (free "
+            f"{(free + reclaimed) / mb:.1f} MB{freed})")
+
+
+def file_system(path: Path) -> str:
+    """The device a path is on, as /proc/mounts names it, with its mount point (the path itself if unknown)."""
+    target, best = path.resolve(), None
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            device, mount = line.split()[:2]
+            mount = mount.replace("\\040", " ")
+            if (target == Path(mount) or Path(mount) in target.parents) and (best is None or len(mount) > len(best[1])):
+                best = (device, mount)
+    except (OSError, ValueError):
+        pass
+    return f"{best[0]} (mounted at {best[1]})" if best else str(path)
+
+
+def _tree_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:200]}" if text else type(e).__name__
 
 
 def complete_checkpoints(out: Path) -> list[Path]:
     """The complete checkpoints of a run directory, newest first (checkpoint/, then checkpoint.old/)."""
-    return [d for d in (out / "checkpoint", out / "checkpoint.old") if (d / "trainer_state.json").is_file()]
+    return [out / name for name in CHECKPOINT_DIRS if (out / name / "trainer_state.json").is_file()]
 
 
-def read_checkpoint(out: Path, rank: int, purpose: str) -> tuple[dict, dict, dict, Path]:
-    """The newest complete checkpoint of run directory `out` that reads: (its trainer state, its weights
-    {"model", "optimizer"}, this rank's RNG states, its directory). A corrupt one (a file cut short or garbled) is
-    named by rank 0 and the older one read instead; none readable is a SystemExit naming each. `purpose` labels the
-    messages ("resume", "export")."""
+def read_trainer_state(ckpt: Path) -> dict:
+    path = ckpt / "trainer_state.json"
+    try:
+        state = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is unreadable ({_first_line(e)})") from None
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int)):
+        raise CheckpointError(f"{path} holds no trainer state (no step)")
+    return state
+
+
+def read_weights(path: Path, expect: dict | None = None) -> dict:
+    """weights.pt ({"model", "optimizer"}) through torch's weights_only loader, memory-mapped (its tensors are
+    read when used, so checking a checkpoint costs little). `expect`: what was just saved, to compare names and
+    shapes with."""
+    if not zipfile.is_zipfile(path):  # torch.save's archive: a file cut short loses its directory at the end
+        raise CheckpointError(f"{path} is cut short or garbled (not a torch.save archive)")
+    try:
+        weights = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:  # torch's message goes on to suggest weights_only=False: never here
+        raise CheckpointError(f"{path} holds objects other than tensors and plain values (a pickle that could run "
+                              "code): refused unread") from None
+    except Exception as e:
+        raise CheckpointError(f"{path} is unreadable ({_first_line(e)})") from None
+    if not (isinstance(weights, dict) and isinstance(weights.get("model"), dict) and "optimizer" in weights
+            and all(isinstance(t, torch.Tensor) for t in weights["model"].values())):
+        raise CheckpointError(f"{path} holds no model and optimizer state")
+    if expect is not None and {k: t.shape for k, t in weights["model"].items()} != \
+            {k: t.shape for k, t in expect["model"].items()}:
+        raise CheckpointError(f"{path} does not read back as written")
+    return weights
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's RNG states as JSON values: Python's (version, 625 ints, gauss), numpy's (name, 624 ints,
+    pos, has_gauss, cached), torch's CPU generator (bytes, in hex)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss], "numpy": [name, keys.tolist(), int(pos), int(has_gauss),
+                                                                    float(cached)],
+            "torch": torch.get_rng_state().numpy().tobytes().hex()}
+
+
+def read_rng(ckpt: Path, rank: int, world: int | None) -> dict[str, Any] | None:
+    """This rank's RNG states from rng-RANK.json, checked on scratch generators (a garbled file fails here, not
+    when set). None for a rank the saving run did not have (its world size, `world`, was smaller): it keeps its
+    fresh seeding. A checkpoint of an older train.py (pickled rng-RANK.pt) is refused with how to convert it."""
+    path = ckpt / f"rng-{rank}.json"
+    if not path.exists():
+        if (ckpt / f"rng-{rank}.pt").exists() or (ckpt / "rng-0.pt").exists():
+            raise CheckpointError(f"{ckpt} was written by an older train.py: its RNG states are pickles (rng-*.pt), "
+                                  "which are never loaded; convert them once with `python train.py migrate-checkpoint "
+                                  f"{ckpt.parent}`")
+        if world is not None and rank >= world:
+            return None
+        raise CheckpointError(f"{path} is missing")
+    try:
+        saved = json.loads(path.read_bytes())
+        version, internal, gauss = saved["python"]
+        python = (version, tuple(internal), gauss)
+        random.Random().setstate(python)
+        name, keys, pos, has_gauss, cached = saved["numpy"]
+        numpy_state = (name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached)
+        np.random.RandomState().set_state(numpy_state)
+        torch_state = torch.frombuffer(bytearray.fromhex(saved["torch"]), dtype=torch.uint8).clone()
+        torch.Generator().set_state(torch_state)
+    except (OSError, ValueError, TypeError, KeyError, OverflowError, RuntimeError) as e:
+        raise CheckpointError(f"{path} is unreadable ({_first_line(e)})") from None
+    return {"python": python, "numpy": numpy_state, "torch": torch_state}
+
+
+def read_checkpoint_files(ckpt: Path, rank: int | None) -> tuple[dict, dict, dict | None]:
+    """The files of checkpoint directory `ckpt` that rank `rank` loads: (trainer state, weights, its RNG states);
+    rank None (export) skips the RNG. CheckpointError names the first file that does not read."""
+    state = read_trainer_state(ckpt)
+    weights = read_weights(ckpt / "weights.pt")
+    return state, weights, None if rank is None else read_rng(ckpt, rank, state.get("world_size"))
+
+
+def agree_on_checkpoint(out: Path, rank: int, load: bool = True) -> tuple[Path | None, str, tuple | None]:
+    """The newest checkpoint that every rank can read, the same on every rank. Each rank reads its own files of each
+    complete checkpoint (trainer_state.json, weights.pt, its rng-RANK.json); one all_gather then gives every rank
+    every rank's findings. No rank falls back on its own: ranks that loaded different checkpoints would train
+    shards of two models, then deadlock. Returns (that checkpoint, or None; a report naming each unreadable file
+    and each rank's own newest readable checkpoint, empty when all is well; what this rank read of it, when
+    `load`). A collective: every rank calls it."""
+    found: dict[str, str | None] = {}
+    read: dict[str, tuple] = {}
+    for ckpt in complete_checkpoints(out):
+        try:
+            read[ckpt.name] = read_checkpoint_files(ckpt, rank)
+            found[ckpt.name] = None
+        except CheckpointError as e:
+            found[ckpt.name] = str(e)
+    reports: list[dict[str, str | None]] = [{}] * dist.get_world_size()
+    dist.all_gather_object(reports, found)
+    names = [n for n in CHECKPOINT_DIRS if any(n in r for r in reports)]
+    chosen = next((n for n in names if all(n in r and r[n] is None for r in reports)), None)
+    problems: dict[str, list[int]] = {}  # each unreadable file, with the ranks that found it so
+    for r, report in enumerate(reports):
+        for n in names:
+            reason = report[n] if n in report else f"{out / n} is incomplete on this rank's file system"
+            if reason:
+                problems.setdefault(reason, []).append(r)
+    text = ""
+    if problems:
+        own = [f"rank {r}: {next((str(out / n) for n in names if n in rep and rep[n] is None), 'none')}"
+               for r, rep in enumerate(reports)]
+        text = ("unreadable: " + "; ".join(f"{reason} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
+                                           for reason, rs in problems.items())
+                + f". Newest checkpoint each rank can read: {', '.join(own)}. "
+                + (f"Every rank uses {out / chosen}" if chosen else "No checkpoint is readable by every rank"))
+    return (out / chosen if chosen else None), text, (read[chosen] if chosen and load else None)
+
+
+def read_checkpoint(out: Path, rank: int | None, purpose: str) -> tuple[dict, dict, dict | None, Path]:
+    """The newest complete checkpoint of run directory `out` that this process reads, alone (export: no other rank
+    to agree with): (its trainer state, its weights {"model", "optimizer"}, rank `rank`'s RNG states or None, its
+    directory). A corrupt one is named and the older one read instead; none readable is a SystemExit naming each.
+    `purpose` labels the messages ("export")."""
     failures = []
     for ckpt in complete_checkpoints(out):
         try:
-            state = json.loads((ckpt / "trainer_state.json").read_text())
-            weights = torch.load(ckpt / "weights.pt", map_location="cpu", weights_only=False)
-            rng_file = ckpt / f"rng-{rank}.pt"
-            rng = torch.load(rng_file if rng_file.exists() else ckpt / "rng-0.pt", weights_only=False)
-            return state, weights, rng, ckpt
-        except Exception as e:
-            failures.append(f"{ckpt} is unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-            if rank == 0:
-                print(f"[{purpose}] {failures[-1]}; trying the previous checkpoint", file=sys.stderr)
+            return (*read_checkpoint_files(ckpt, rank), ckpt)
+        except CheckpointError as e:
+            failures.append(str(e))
+            print(f"[{purpose}] {failures[-1]}; trying the previous checkpoint", file=sys.stderr)
     raise SystemExit(f"{purpose} {out}: no checkpoint could be read: " + ("; ".join(failures) or "none is complete"))
 
 
 def load_checkpoint(out: Path, model: Any, optimizer: Any, rank: int) -> tuple[dict, Path]:
-    """Restore the newest complete checkpoint that loads (read_checkpoint). Returns (its trainer_state.json, its
-    directory)."""
-    state, weights, rng, ckpt = read_checkpoint(out, rank, "resume")
+    """Restore the newest checkpoint that every rank can read (agree_on_checkpoint); rank 0 prints the report of
+    any unreadable file. Returns (its trainer_state.json, its directory). A collective."""
+    chosen, report, loaded = agree_on_checkpoint(out, rank)
+    if report and rank == 0:
+        print(f"[resume] {report}", file=sys.stderr)
+    if chosen is None:
+        raise SystemExit(f"resume {out}: no checkpoint could be read by every rank" + (f": {report}" if report else
+                                                                                       ": none is complete"))
+    state, weights, rng = loaded
     set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optimizer"],
                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    random.setstate(rng["python"])
-    np.random.set_state(rng["numpy"])
-    torch.set_rng_state(rng["torch"])
-    return state, ckpt
+    if rng is not None:  # None: a rank the saving run did not have keeps its fresh seeding
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        torch.set_rng_state(rng["torch"])
+    return state, chosen
+
+
+def migrate_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """`train.py migrate-checkpoint RUN_DIR`: convert, once, the RNG files of a run's checkpoints written by an older
+    train.py (rng-RANK.pt, pickles) into rng-RANK.json, deleting the pickles. They are read with torch's weights_only
+    loader, allowed numpy's array and dtype besides tensors and plain values: a file that holds any other object is
+    refused, never run. The weights (weights.pt) need no conversion. Returns the files written."""
+    print(f"[migrate-checkpoint] reading the pickled RNG files of {run_dir} with torch.load(weights_only=True) "
+          "(numpy arrays allowed); a file holding any other object is refused", file=sys.stderr)
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+               np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    written = []
+    for ckpt in complete_checkpoints(run_dir):
+        for pickled in sorted(ckpt.glob("rng-*.pt")):
+            target = pickled.with_suffix(".json")
+            try:
+                with torch.serialization.safe_globals(allowed):
+                    saved = torch.load(pickled, map_location="cpu", weights_only=True)
+                version, internal, gauss = saved["python"]
+                name, keys, pos, has_gauss, cached = saved["numpy"]
+                states = {"python": [version, list(internal), gauss],
+                          "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
+                          "torch": saved["torch"].numpy().tobytes().hex()}
+            except Exception as e:
+                raise SystemExit(f"migrate-checkpoint: {pickled} is refused ({_first_line(e)}): it is not an RNG "
+                                 "file of train.py; nothing in it was run, and nothing was changed") from None
+            write_atomically(target, json.dumps(states), private=True)
+            read_rng(ckpt, int(pickled.stem.split("-")[1]), None)  # reads back as a resume will read it
+            pickled.unlink()
+            written.append(str(target))
+    return {"run_dir": str(run_dir), "converted": written}
+
+
+def write_atomically(path: Path, text: str, private: bool = False) -> None:
+    """Write `text` to a temporary file beside `path`, flush it to disk, then rename it over `path`: a kill at any
+    moment leaves the old file or the new one, never an empty or half-written one. `private`: mode 0600."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1767,9 +2161,14 @@ class GracefulStop:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
         if self.signal is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopping at once")
-        self.signal = signal.Signals(signum).name
+            # torchrun passes a first Ctrl-C on to the ranks as SIGINT, and a second one as SIGTERM (its shutdown
+            # after an interrupted shutdown): after a SIGINT, a SIGTERM is the second Ctrl-C, and is named so.
+            label = "SIGINT" if self.signal == "SIGINT" and name == "SIGTERM" else name
+            raise SystemExit(f"second {label}: stopping at once, without the checkpoint of this step (the previous "
+                             "one is intact)")
+        self.signal = name
         if self.announce:
             print(f"\n[{self.signal}] stopping after this step, with a checkpoint (again to stop at once)",
                   file=sys.stderr, flush=True)
@@ -1822,15 +2221,25 @@ def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:
 
 class MetricsLog:
     """metrics.jsonl (format: scaling_fit.py's docstring). On resume it is cut back to the checkpoint's line
-    count, so steps re-done after a crash are neither lost nor duplicated."""
+    count, so steps re-done after a crash are neither lost nor duplicated; the cut goes through a temporary file
+    renamed over the old one, so a kill at that moment leaves it whole. A file with fewer lines than the checkpoint
+    covers (cut behind the run's back) cannot be made whole: `missing_steps` names the steps 0..`covers_step`
+    that have no row."""
 
-    def __init__(self, path: Path, keep_lines: int | None):
+    def __init__(self, path: Path, keep_lines: int | None, covers_step: int | None = None):
         self.path = path
         lines = path.read_text().splitlines(keepends=True) if path.exists() else []
-        if keep_lines is not None:
-            lines = lines[:keep_lines]
-        self.lines = len(lines)
-        path.write_text("".join(lines))
+        kept = lines if keep_lines is None else lines[:keep_lines]
+        self.lines = len(kept)
+        if kept != lines or not path.exists():
+            write_atomically(path, "".join(kept))
+        self.missing_steps: list[int] = []
+        if covers_step is not None and keep_lines is not None and len(lines) < keep_lines:
+            present = set()
+            for line in kept:
+                with contextlib.suppress(ValueError, AttributeError):
+                    present.add(json.loads(line).get("step"))
+            self.missing_steps = [s for s in range(covers_step + 1) if s not in present]
 
     def write(self, row: dict) -> None:
         row, non_finite = _json_safe(row)
@@ -1841,6 +2250,37 @@ class MetricsLog:
             f.flush()
             os.fsync(f.fileno())
         self.lines += 1
+
+
+def _ranges(steps: list[int]) -> list[list[int]]:
+    """[3, 4, 5, 8] -> [[3, 5], [8, 8]]: runs of consecutive steps."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return runs
+
+
+def write_args_json(out: Path, args: Args, step: int, missing_steps: list[int]) -> None:
+    """OUTPUT_DIR/args.json: the run's flags, and "resumes", the history of its resumes. Each resume appends the
+    step it resumed from, the changeable flags it changed ({flag: [before, after]}) and the steps metrics.jsonl had
+    lost; the history is never rewritten. Written through a temporary file renamed over the old one."""
+    current = dataclasses.asdict(args)
+    resumes = []
+    if args.resume:
+        saved = read_args_json(out) if (out / "args.json").exists() else {}
+        defaults = {f.name: f.default for f in dataclasses.fields(Args)}
+        before = {k: saved.get(k, defaults[k]) for k in current}
+        resumes = list(saved.get("resumes") or [])
+        entry: dict[str, Any] = {"step": step, "changed": {
+            k: [before[k], current[k]] for k in sorted(CHANGEABLE_ON_RESUME - {"output_dir", "resume", "overwrite"})
+            if before[k] != current[k]}}
+        if missing_steps:
+            entry["metrics_missing_steps"] = _ranges(missing_steps)
+        resumes.append(entry)
+    write_atomically(out / "args.json", json.dumps({**current, "resumes": resumes}, indent=1))
 
 
 if __name__ == "__main__":  # vLLM on CPU spawns its workers: the entry point must be guarded

@@ -344,6 +344,19 @@ def test_skip_bad_rows_skips_every_bad_row_and_says_how_many_and_why(tmp_path):
     assert MathDataset(str(_lines(tmp_path / "good.jsonl", GSM8K_ROWS))).skipped_summary == ""
 
 
+def test_an_existing_file_of_unknown_kind_is_named_not_taken_for_a_hub_name(tmp_path):
+    """An existing data.txt used to be taken for a hub name (a hub error that never named the file)."""
+    path = tmp_path / "data.txt"
+    assert not tasks.is_local_data_file(str(path))  # not there: it could be a hub name
+    path.write_text("What is 1 + 1? 2\n")
+    assert tasks.is_local_data_file(str(path))
+    assert tasks.data_file_kind_problem(str(path)) == (f"{path}: a local file of unknown kind (.txt); data files are "
+                                                       ".json, .jsonl, .csv, .parquet")
+    with pytest.raises(tasks.DataFileError, match="a local file of unknown kind"):
+        MathDataset(str(path))
+    assert tasks.data_file_kind_problem("openai/gsm8k") is None and tasks.data_file_kind_problem("x.csv") is None
+
+
 def test_csv_files_are_read_with_the_same_checks_and_line_numbers(tmp_path):
     """A .csv file used to be taken for a hub name ("Couldn't find any data file"). It is read with the csv module:
     the header names the fields, every cell is text, a row is named by the file line it starts on."""

@@ -407,7 +407,7 @@ def test_a_checkpoint_keeps_its_predecessor_and_resume_falls_back_to_it(tmp_path
         optimizer.step()
         train.save_checkpoint(tmp_path, model, optimizer, {"step": step}, rank=0)
     assert train.complete_checkpoints(tmp_path) == [tmp_path / "checkpoint", tmp_path / "checkpoint.old"]
-    assert (tmp_path / "checkpoint" / "rng-0.pt").exists()  # each rank's RNG states
+    assert (tmp_path / "checkpoint" / "rng-0.json").exists()  # each rank's RNG states
     state, used = train.load_checkpoint(tmp_path, model, optimizer, rank=0)
     assert state["step"] == 2 and used == tmp_path / "checkpoint"
     # a weights file cut in half: named, and the previous checkpoint is used
@@ -415,7 +415,7 @@ def test_a_checkpoint_keeps_its_predecessor_and_resume_falls_back_to_it(tmp_path
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     state, used = train.load_checkpoint(tmp_path, model, optimizer, rank=0)
     assert state["step"] == 1 and used == tmp_path / "checkpoint.old"
-    assert f"{tmp_path / 'checkpoint'} is unreadable" in capsys.readouterr().err
+    assert f"{tmp_path / 'checkpoint' / 'weights.pt'} is cut short" in capsys.readouterr().err
     # a crash between the two renames: checkpoint.old complete, checkpoint.tmp partial, no checkpoint
     (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.tmp")
     (tmp_path / "checkpoint.tmp" / "trainer_state.json").unlink()
@@ -423,7 +423,7 @@ def test_a_checkpoint_keeps_its_predecessor_and_resume_falls_back_to_it(tmp_path
     assert train.parse_args(["--resume", str(tmp_path)]).max_steps == 5  # --resume accepts it
     assert train.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 1
     (tmp_path / "checkpoint.old" / "weights.pt").write_bytes(b"garbage")
-    with pytest.raises(SystemExit, match="no checkpoint could be read.*checkpoint.old is unreadable"):
+    with pytest.raises(SystemExit, match="no checkpoint could be read by every rank.*checkpoint.old/weights.pt is cut"):
         train.load_checkpoint(tmp_path, model, optimizer, rank=0)
 
 
@@ -494,8 +494,8 @@ def test_a_resumed_run_keeps_its_flags_unless_overridden(tmp_path):
     (tmp_path / "checkpoint" / "trainer_state.json").write_text("{}")
     resumed = train.parse_args(["--resume", str(tmp_path), "--output-dir", "elsewhere"])
     assert resumed == train.dataclasses.replace(started, resume=str(tmp_path))
-    extended = train.parse_args(["--resume", str(tmp_path), "--max-steps", "200", "--fp32-lm-head"])
-    assert (extended.max_steps, extended.fp32_lm_head, extended.loss) == (200, True, "grpo")
+    extended = train.parse_args(["--resume", str(tmp_path), "--max-steps", "200", "--eval-every", "7"])
+    assert (extended.max_steps, extended.eval_every, extended.loss) == (200, 7, "grpo")
     assert extended.loss_arg == ["clip_eps_high=0.3"]
 
 
@@ -505,6 +505,344 @@ def test_one_live_run_per_output_dir(tmp_path):
         train.lock_output_dir(tmp_path)  # flock conflicts between two open files, even in one process
     held.close()  # what the kernel does when the holder dies, whatever kills it
     train.lock_output_dir(tmp_path).close()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Checkpoints and resume (issue 32): saves that keep the last good copy, a recipe fixed for the run's life,
+# nothing unpickled from a run directory, --overwrite that deletes last, atomic writes and named gaps
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _saved_run(out: Path, steps: tuple[int, ...] = (1, 2), size: int = 4) -> tuple:
+    """A run directory with a checkpoint per step of `steps` (a Linear layer and its AdamW state), its args.json and
+    a metrics row per step. Returns (model, optimizer)."""
+    model = torch.nn.Linear(size, size)
+    optimizer = torch.optim.AdamW(model.parameters())
+    out.mkdir(exist_ok=True)
+    (out / "args.json").write_text(json.dumps(train.dataclasses.asdict(train.Args(output_dir=str(out)))))
+    for step in steps:
+        model(torch.ones(1, size)).sum().backward()
+        optimizer.step()
+        train.save_checkpoint(out, model, optimizer, {"step": step, "metrics_lines": step + 1}, rank=0)
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(max(steps) + 1)))
+    return model, optimizer
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def test_a_save_after_a_fallback_keeps_the_good_checkpoint_until_the_new_one_is_in(tmp_path, one_rank_group,
+                                                                                  monkeypatch, capsys):
+    """After a fallback to checkpoint.old (the newest is corrupt), the next save removes the corrupt one, never the
+    good one: a crash while it rotates the new one in still leaves checkpoint.old to resume from. Checkpoints are
+    readable by their owner only."""
+    model, optimizer = _saved_run(tmp_path)
+    (tmp_path / "checkpoint" / "weights.pt").write_bytes(b"cut")
+    good = _tree(tmp_path / "checkpoint.old")
+    renames = []
+
+    def crash_on_rename(self, target):  # the save's first rename fails: a crash in the middle of the rotation
+        renames.append((self.name, Path(target).name))
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(Path, "rename", crash_on_rename)
+    with pytest.raises(OSError, match="simulated crash"):
+        train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    monkeypatch.undo()
+    assert renames == [("checkpoint.tmp", "checkpoint")]  # the good checkpoint.old is never renamed over
+    assert _tree(tmp_path / "checkpoint.old") == good
+    state, used = train.load_checkpoint(tmp_path, model, optimizer, rank=0)
+    assert (state["step"], used) == (1, tmp_path / "checkpoint.old")
+    assert "weights.pt is cut short" in capsys.readouterr().err
+    train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    assert train.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 3
+    assert _tree(tmp_path / "checkpoint.old") == good and not (tmp_path / "checkpoint.tmp").exists()
+    for ckpt in train.complete_checkpoints(tmp_path):
+        assert ckpt.stat().st_mode & 0o777 == 0o700, ckpt
+        assert all(f.stat().st_mode & 0o777 == 0o600 for f in ckpt.iterdir()), ckpt
+
+
+@pytest.fixture(params=["disk_usage", "tmpfs"])
+def small_disk(request, tmp_path, monkeypatch):
+    """A directory on a file system with room for two checkpoints of _saved_run(size=320) (1.2 MB each) and not
+    three: a real 3.5 MB tmpfs where this machine lets the test mount one (root), else a tmp_path whose
+    shutil.disk_usage says so."""
+    out = tmp_path / "small"
+    out.mkdir()
+    if request.param == "tmpfs":
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3500k", "tmpfs", str(out)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (not root)")
+        yield out
+        subprocess.run(["umount", "-l", str(out)], check=True)  # lazy: a file left open must not keep it
+        return
+    real = shutil.disk_usage
+
+    def usage(path):
+        used = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+        return real(path)._replace(free=3500 * 1024 - used) if Path(path) == out else real(path)
+
+    monkeypatch.setattr(train.shutil, "disk_usage", usage)
+    yield out
+
+
+def test_a_full_disk_fails_before_writing_and_keeps_the_checkpoints(small_disk, one_rank_group):
+    """A save that would not fit stops before writing anything, with one line naming the file system, the size and
+    the free space; the previous checkpoints are intact and no partial directory is left."""
+    model, optimizer = _saved_run(small_disk, steps=(1, 2), size=320)  # two checkpoints: room for no third
+    before = _tree(small_disk)
+    # someone else's file: now even the room of checkpoint.old, which a save frees first, is not enough
+    (small_disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - (40 << 10)))
+    with pytest.raises(SystemExit) as stop:
+        train.save_checkpoint(small_disk, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    message = str(stop.value.code)
+    assert re.search(r"no space left on .+ for a checkpoint of 1\.\d MB \(free \d\.\d MB", message), message
+    assert f"the previous checkpoint {small_disk / 'checkpoint'} is intact" in message
+    (small_disk / "filler").unlink()
+    assert _tree(small_disk) == before and not (small_disk / "checkpoint.tmp").exists()
+    # without the filler it fits: the older checkpoint.old goes first, so two checkpoints' room is enough
+    train.save_checkpoint(small_disk, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    assert [json.loads((c / "trainer_state.json").read_text())["step"] for c in
+            train.complete_checkpoints(small_disk)] == [3, 2]
+
+
+def test_a_failed_write_names_the_file_and_leaves_no_partial_directory(tmp_path, one_rank_group, monkeypatch):
+    """A write that fails all the same (the estimate beaten by another writer, an I/O error): torch's own message
+    (`basic_ios::clear: iostream error`) names no file; the save's names it, removes checkpoint.tmp and keeps the
+    newest checkpoint (the older checkpoint.old made room for the new one before it was written)."""
+    model, optimizer = _saved_run(tmp_path)
+    before = _tree(tmp_path / "checkpoint")
+
+    def full(*args, **kwargs):
+        raise RuntimeError("basic_ios::clear: iostream error")
+
+    monkeypatch.setattr(train.torch, "save", full)
+    with pytest.raises(SystemExit, match=r"could not write .*checkpoint.tmp/weights.pt on rank 0 \(RuntimeError: "
+                                         r"basic_ios::clear.*previous checkpoint .*checkpoint is intact"):
+        train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    assert _tree(tmp_path / "checkpoint") == before and not (tmp_path / "checkpoint.tmp").exists()
+    assert train.complete_checkpoints(tmp_path) == [tmp_path / "checkpoint"]
+
+
+def test_a_save_needs_two_checkpoints_of_space_at_its_peak(tmp_path, one_rank_group, monkeypatch):
+    """The space the checkpoints take, measured after every file operation of a save (the README states the
+    result): at most the kept checkpoint and the new one, where the old order (write, then delete the oldest) held
+    three."""
+    model, optimizer = _saved_run(tmp_path, steps=(1, 2), size=320)
+    one = sum(len(b) for b in _tree(tmp_path / "checkpoint").values())
+    sizes = []
+
+    def measured(function):
+        def wrapper(*args, **kwargs):
+            result = function(*args, **kwargs)
+            sizes.append(sum(len(b) for name, b in _tree(tmp_path).items() if name.startswith("checkpoint")))
+            return result
+        return wrapper
+
+    for module, name in ((train.torch, "save"), (train, "write_atomically"), (train.shutil, "rmtree")):
+        monkeypatch.setattr(module, name, measured(getattr(module, name)))
+    monkeypatch.setattr(Path, "rename", measured(Path.rename))
+    train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    peak = max(sizes) / one
+    print(f"peak space of a save: {peak:.3f} checkpoints ({max(sizes)} bytes, one checkpoint {one} bytes)")
+    assert 1.9 < peak <= 2.01, sizes
+
+
+def test_a_resume_refuses_a_changed_recipe_and_keeps_args_json(tmp_path, capsys):
+    started = train.parse_args(["--output-dir", str(tmp_path), "--loss", "cispo", "--max-steps", "20"])
+    train.write_args_json(tmp_path, started, 0, [])
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 10}))
+    saved = (tmp_path / "args.json").read_bytes()
+    for argv, message in [
+        (["--loss", "grpo", "--seed", "1"], "--loss (the run's cispo, now grpo), --seed (the run's 0, now 1): these "
+                                            "flags define the run and cannot change when it resumes"),
+        (["--group-size", "4"], "--group-size (the run's 8, now 4): this flag defines the run"),
+        (["--model", str(tmp_path)], f"--model (the run's None, now {tmp_path})"),
+        (["--loss-arg", "eps_max=8"], "--loss-arg (the run's None, now eps_max=8)"),
+        (["--max-steps", "5"], f"--max-steps 5 is below step 10, where the run {tmp_path} is"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            train.parse_args(["--resume", str(tmp_path), *argv])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+        assert (tmp_path / "args.json").read_bytes() == saved
+    with pytest.raises(SystemExit) as stop:  # at its --max-steps already: nothing to do, and nothing starts
+        train.parse_args(["--resume", str(tmp_path), "--max-steps", "10"])
+    assert stop.value.code == 0 and "is at step 10, its --max-steps: nothing to do" in capsys.readouterr().err
+    # the same value again, and the flags that may change, are accepted
+    args = train.parse_args(["--resume", str(tmp_path), "--loss", "cispo", "--max-steps", "30", "--eval-every", "2",
+                             "--eval-samples", "8", "--checkpoint-every", "3", "--log-every", "1"])
+    assert (args.loss, args.max_steps, args.eval_every, args.eval_samples) == ("cispo", 30, 2, 8)
+    # evaluate --resume trains nothing: it may use another data set or more samples
+    assert train.parse_args(["--resume", str(tmp_path), "--seed", "3"], evaluating=True).seed == 3
+
+
+def test_changes_on_resume_are_recorded_with_their_step_and_listed_in_help(tmp_path, capsys):
+    started = train.parse_args(["--output-dir", str(tmp_path), "--max-steps", "20"])
+    train.write_args_json(tmp_path, started, 0, [])
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 10}))
+    train.write_args_json(tmp_path, train.parse_args(["--resume", str(tmp_path), "--max-steps", "40",
+                                                      "--eval-every", "2"]), 10, [])
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 40}))
+    train.write_args_json(tmp_path, train.parse_args(["--resume", str(tmp_path), "--max-steps", "50"]), 40, [7, 8])
+    record = json.loads((tmp_path / "args.json").read_text())
+    assert record["max_steps"] == 50 and record["eval_every"] == 2 and record["loss"] == "cispo"
+    assert record["resumes"] == [{"step": 10, "changed": {"eval_every": [5, 2], "max_steps": [20, 40]}},
+                                 {"step": 40, "changed": {"max_steps": [40, 50]}, "metrics_missing_steps": [[7, 8]]}]
+    assert train.CHANGEABLE_ON_RESUME <= {f.name for f in train.dataclasses.fields(train.Args)}
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines at hyphens too: compare without spaces
+    listed = text.split("Onlythesemaychange")[1].split("refused")[0]
+    assert all(f"--{name.replace('_', '-')}," in listed or f"--{name.replace('_', '-')}(" in listed
+               for name in train.CHANGEABLE_ON_RESUME - {"output_dir", "resume", "overwrite"}), listed
+
+
+class _Payload:
+    """Unpickled, it would create the file MARKER: what a crafted checkpoint would do with a shell command."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_planted_pickle_is_never_run(tmp_path, one_rank_group, capsys):
+    """A pickle payload in every file of both checkpoints (the weights as a torch.save archive, the JSON files and
+    the old RNG pickles as raw pickles): --resume, export, evaluate --resume and migrate-checkpoint refuse them,
+    and the payload never runs."""
+    import pickle
+
+    run, marker = tmp_path / "run", tmp_path / "MARKER"
+    model, optimizer = _saved_run(run)
+    for ckpt in train.complete_checkpoints(run):
+        torch.save({"model": _Payload(marker), "optimizer": _Payload(marker)}, ckpt / "weights.pt")
+        torch.save(_Payload(marker), ckpt / "rng-0.pt")  # an older train.py's RNG file
+        for name in ("trainer_state.json", "rng-0.json"):
+            (ckpt / name).write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(SystemExit, match="no checkpoint could be read by every rank"):
+        train.load_checkpoint(run, model, optimizer, rank=0)
+    with pytest.raises(SystemExit, match="export .*: no checkpoint could be read"):
+        train.export(run, tmp_path / "exported")
+    with pytest.raises(SystemExit, match="no checkpoint could be read"):
+        train.main(["evaluate", "--resume", str(run)])
+    for ckpt in train.complete_checkpoints(run):  # weights alone planted: what export and evaluate read
+        train.write_atomically(ckpt / "trainer_state.json", json.dumps({"step": 2}))
+    with pytest.raises(SystemExit, match="weights.pt holds objects other than tensors"):
+        train.export(run, tmp_path / "exported")
+    (run / "checkpoint" / "rng-0.json").unlink()
+    with pytest.raises(SystemExit, match="rng-0.pt is refused .*nothing in it was run"):
+        train.main(["migrate-checkpoint", str(run)])
+    assert not marker.exists()
+    assert "weights_only=False" not in capsys.readouterr().err  # torch's advice to load it anyway is not passed on
+
+
+def test_an_older_checkpoint_is_refused_until_migrated(tmp_path, one_rank_group, capsys):
+    """Checkpoints of an older train.py keep their RNG states in pickles (rng-RANK.pt): --resume refuses them with
+    the command that converts them, once, through torch's weights_only loader; then it resumes as before."""
+    import numpy as np
+
+    model, optimizer = _saved_run(tmp_path)
+    for ckpt in train.complete_checkpoints(tmp_path):  # as the older train.py wrote them
+        (ckpt / "rng-0.json").unlink()
+        torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+                   ckpt / "rng-0.pt")
+    expected = (random.random(), np.random.rand(), torch.rand(1))
+    with pytest.raises(SystemExit, match=f"older train.py.*train.py migrate-checkpoint {tmp_path}`"):
+        train.load_checkpoint(tmp_path, model, optimizer, rank=0)
+    train.main(["migrate-checkpoint", str(tmp_path)])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["converted"] == [
+        str(tmp_path / name / "rng-0.json") for name in ("checkpoint", "checkpoint.old")]
+    assert not list(tmp_path.rglob("rng-*.pt"))
+    assert train.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 2
+    assert (random.random(), np.random.rand(), torch.rand(1)) == expected  # the saved states, restored
+
+
+def test_overwrite_with_bad_data_leaves_the_old_run_intact(tmp_path, one_rank_group, monkeypatch):
+    """--overwrite checks first and deletes last: the data set is loaded (and fails) before anything is removed."""
+    out = tmp_path / "run"
+    _saved_run(out)
+    (out / "scaling.png").write_bytes(b"png")
+    before = _tree(out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?"}\n')
+    args = train.parse_args(["--output-dir", str(out), "--overwrite", "--dataset", str(bad)])
+    monkeypatch.setattr(train, "init_distributed", lambda gen_devices=None: (0, 1, torch.device("cpu")))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit), train.set_up(args):
+            pass
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    after = _tree(out)
+    after.pop(".lock", None)
+    assert after == before
+
+
+def test_metrics_and_args_are_rewritten_through_a_rename_and_gaps_are_named(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
+    inode = path.stat().st_ino
+    log = train.MetricsLog(path, keep_lines=3, covers_step=2)  # cut back to the checkpoint: a new file, renamed
+    assert path.stat().st_ino != inode and log.lines == 3 and log.missing_steps == []
+    monkeypatch.setattr(train.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):  # killed while cutting: the file is as it was, no temporary is left
+        train.MetricsLog(path, keep_lines=1, covers_step=0)
+    assert len(path.read_text().splitlines()) == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    with pytest.raises(KeyboardInterrupt):
+        train.write_args_json(tmp_path, train.Args(output_dir=str(tmp_path)), 0, [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    monkeypatch.undo()
+    log = train.MetricsLog(path, keep_lines=7, covers_step=6)  # a file cut short behind the run's back
+    assert log.lines == 3 and log.missing_steps == [3, 4, 5, 6]
+    assert train._ranges([3, 4, 5, 6, 9]) == [[3, 6], [9, 9]]
+
+
+def test_raw_tracebacks_became_one_line_each(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "checkpoint" / "trainer_state.json").write_text('{"step": 1}')
+    for content, message in (('{"loss": "cispo", "max_st', "args.json is unreadable (JSONDecodeError"),
+                             ('{"max_steps": "many"}', "args.json: max_steps is 'many', not a int"),
+                             ("[1, 2]", "holds list '[1, 2]', not a run's flags")):
+        (run / "args.json").write_text(content)
+        with pytest.raises(SystemExit):
+            train.parse_args(["--resume", str(run)])
+        err = capsys.readouterr().err
+        assert message in err and len(err.splitlines()) == 1, err
+        with pytest.raises(SystemExit, match="export: .*" + re.escape(message)):
+            train.export(run, tmp_path / "exported")
+    (tmp_path / "a-file").write_text("")
+    (run / "args.json").write_text("{}")
+    with pytest.raises(SystemExit, match="a-file is a file; OUT_DIR must be a new or empty directory"):
+        train.export(run, tmp_path / "a-file")
+    (tmp_path / "data.txt").write_text("1+1=2\n")
+    with pytest.raises(SystemExit):
+        train.parse_args(["--dataset", "data.txt"])
+    err = capsys.readouterr().err
+    assert "--dataset data.txt: a local file of unknown kind (.txt); data files are .json" in err, err
+
+
+def test_a_second_ctrl_c_under_torchrun_is_named_as_such():
+    """torchrun passes a first Ctrl-C on to the ranks as SIGINT and a second as SIGTERM: the second stops at once,
+    in one line, named as the user's second Ctrl-C."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for first, second, label in ((signal.SIGINT, signal.SIGTERM, "second SIGINT"),
+                                     (signal.SIGINT, signal.SIGINT, "second SIGINT"),
+                                     (signal.SIGTERM, signal.SIGTERM, "second SIGTERM")):
+            stopper = train.GracefulStop(announce=False)
+            stopper._handle(first, None)
+            with pytest.raises(SystemExit, match=f"^{label}: stopping at once"):
+                stopper._handle(second, None)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 TIED_LEARNER = """
@@ -677,7 +1015,7 @@ def logprobs(model):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 base_dir = json.loads((run_dir / "args.json").read_text())["model"] or str(tasks.build_base_model(progress=False))
 learner = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-learner.load_state_dict(torch.load(run_dir / "checkpoint" / "weights.pt", weights_only=False)["model"])
+learner.load_state_dict(torch.load(run_dir / "checkpoint" / "weights.pt", weights_only=True)["model"])
 ours = logprobs(learner)
 hf = logprobs(AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32))
 assert torch.equal(ours, hf), (ours - hf).abs().max()
@@ -851,6 +1189,33 @@ def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_without_r
     assert run.returncode == 0, run.stderr[-4000:]
     assert f"[resume] {out / 'checkpoint'}: step {state['step']}" in run.stderr
     assert [r["step"] for r in _rows(out)] == list(range(9))  # nothing redone, nothing lost
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, base_model_dir):
+    """rng-1.json (rank 1's RNG states) cut short in the newest checkpoint of a 2-rank run. Before, rank 0 resumed
+    from that checkpoint and rank 1 alone fell back to checkpoint.old, and the two deadlocked at the next save. Now
+    both resume from checkpoint.old, rank 0 names the file and each rank's choice, and the run finishes with every
+    step once; args.json records the resume. A --max-steps the run has reached then has nothing to do."""
+    out = tmp_path / "run"
+    run = _train(out, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4", *SHORT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    rng1 = out / "checkpoint" / "rng-1.json"
+    rng1.write_bytes(rng1.read_bytes()[:100])
+    run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "6")
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert f"{rng1} is unreadable" in run.stderr and "(rank 1)" in run.stderr, run.stderr[-4000:]
+    assert f"rank 0: {out / 'checkpoint'}, rank 1: {out / 'checkpoint.old'}. Every rank uses " \
+           f"{out / 'checkpoint.old'}" in run.stderr
+    assert f"[resume] {out / 'checkpoint.old'}: step 2" in run.stderr
+    assert [r["step"] for r in _rows(out)] == list(range(7))  # steps 3 and 4 redone, each logged once
+    assert [json.loads((c / "trainer_state.json").read_text())["step"]
+            for c in train.complete_checkpoints(out)] == [6, 4]
+    assert json.loads((out / "args.json").read_text())["resumes"] == [{"step": 2, "changed": {"max_steps": [4, 6]}}]
+    assert (out / "checkpoint").stat().st_mode & 0o777 == 0o700
+    run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "6", timeout=120)
+    assert run.returncode == 0 and "is at step 6, its --max-steps: nothing to do" in run.stderr, run.stderr[-2000:]
+    assert "vllm" not in run.stderr.lower()
 
 
 def test_pass_at_k_is_the_unbiased_estimator():

@@ -30,8 +30,8 @@ learner, resume, checkpoint files and signal handling, which a reader of the rec
 How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (tasks.py), so it runs on 2 CPU cores
     in minutes. Its generator is held to one batch ahead of the learner (--buffer-steps 1): with k = 8 alone, a
-    fast generator made every batch 8 steps stale, and at lr 1e-4 that made runs swing (README: the staleness
-    experiment). Its optimiser settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 100 steps) are tuned for that
+    fast generator made every batch 8 steps stale, and at lr 1e-4 that made runs swing (docs/results.md: the
+    staleness experiment). Its optimiser settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 100 steps) are tuned for that
     model and marked as such in --help; the paper's (lr 5e-7, AdamW eps 1e-15, weight decay 0.01, 100 warm-up steps,
     48 x 16) apply to real models (--model).
   - compute_hours counts wall-clock hours x devices in use, where on CPU a "device" is a learner rank or the
@@ -480,8 +480,12 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the flags, set up (plumbing, below), run the loop, then fit ScaleRL's sigmoid to the evaluation rows.
     `train.py export RUN_DIR OUT_DIR` writes a run's policy as a Hugging Face model directory instead (`export`);
     `train.py evaluate [flags]` prints a model's or a run's pass@k as one JSON line (`evaluate_policy`);
-    `train.py migrate-checkpoint RUN_DIR` converts an older run's pickled RNG files (`migrate_checkpoint`)."""
+    `train.py migrate-checkpoint RUN_DIR` converts an older run's pickled RNG files (`migrate_checkpoint`);
+    `train.py --help-markdown` prints the flags as docs/flags.md holds them (`flags_markdown`)."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--help-markdown"]:
+        print(flags_markdown(), end="")
+        return
     if argv[:1] == ["export"]:
         if len(argv) != 3 or argv[1].startswith("-"):
             raise SystemExit("usage: train.py export RUN_DIR OUT_DIR")
@@ -1234,6 +1238,27 @@ def fit_and_plot(metrics_file: Path, out_png: Path, label: str) -> Any:
 # ----------------------------------------------------------------------------------------------------------------
 # The command line: Args -> argparse, --resume's saved flags, loss-file options
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def flags_markdown() -> str:
+    """Every flag of `Args` as a Markdown table per --help group: docs/flags.md, regenerated with
+    `python train.py --help-markdown > docs/flags.md` (a test fails when the page and Args disagree)."""
+    out = ["# train.py flags", "",
+           "Generated from `train.py`'s `Args` by `python train.py --help-markdown > docs/flags.md`: the same text as",
+           "`python train.py --help`, grouped the same way. Do not edit by hand."]
+    group = None
+    for f in dataclasses.fields(Args):
+        if f.metadata["group"] != group:
+            group = f.metadata["group"]
+            out += ["", f"## {group}", "", "| flag | default | what it does |", "|---|---|---|"]
+        flag = "--" + f.name.replace("_", "-")
+        if f.metadata.get("action") is argparse.BooleanOptionalAction:
+            flag += f" / --no-{f.name.replace('_', '-')}"
+        default = "" if f.default is None else f"`{f.default}`"
+        text = f.metadata["help"] + (f" (one of: {', '.join(f.metadata['choices'])})" if "choices" in f.metadata
+                                     else "")
+        out.append(f"| `{flag}` | {default} | {text.replace('|', '/')} |")
+    return "\n".join(out) + "\n"
 
 
 def build_parser() -> argparse.ArgumentParser:

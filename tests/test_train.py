@@ -59,6 +59,15 @@ def test_unknown_loss_lists_the_valid_ones(capsys):
     assert "invalid choice: 'ppo'" in err and all(name in err for name in train.LOSSES)
 
 
+def test_the_flags_page_is_what_args_gives():
+    """docs/flags.md is generated from Args (`python train.py --help-markdown > docs/flags.md`), so it cannot drift
+    from --help again: every flag, its default and its help, in --help's groups."""
+    page = (REPO / "docs" / "flags.md").read_text()
+    assert page == train.flags_markdown(), "docs/flags.md is stale: python train.py --help-markdown > docs/flags.md"
+    for f in train.dataclasses.fields(train.Args):
+        assert f"`--{f.name.replace('_', '-')}" in page
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--loss", "grpo", "--aggregation", "token"], "CISPO's options"),
     (["--tis-cap", "3"], "no effect without --tis"),
@@ -626,7 +635,7 @@ def test_a_failed_write_names_the_file_and_leaves_no_partial_directory(tmp_path,
 
 
 def test_a_save_needs_two_checkpoints_of_space_at_its_peak(tmp_path, one_rank_group, monkeypatch):
-    """The space the checkpoints take, measured after every file operation of a save (the README states the
+    """The space the checkpoints take, measured after every file operation of a save (docs/recipe.md states the
     result): at most the kept checkpoint and the new one, where the old order (write, then delete the oldest) held
     three."""
     model, optimizer = _saved_run(tmp_path, steps=(1, 2), size=320)

@@ -928,7 +928,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {
     "nonpr": ("no No-Positive-Resampling", ["--retire-pass-rate", "0"]),
     "overlong": ("DAPO overlong penalty instead of interruptions", ["--length-control", "overlong"]),
 }
-# Named lists of variants: the study of ScaleRL's design axes, and the README's leave-one-out table.
+# Named lists of variants: the study of ScaleRL's design axes, and the leave-one-out table of docs/results.md.
 VARIANT_SETS = {
     "study": "scalerl,sync8,dapo,grpo,gspo,keep,group,sample,batch2x",
     "leave-one-out": "scalerl,sync8,dapo,sample,group,keep,nonpr,overlong",

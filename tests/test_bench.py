@@ -1,6 +1,6 @@
 """bench.py's experiment plumbing (fast): the report of a run's metrics, that a finished run is not run again, and the
 study's pooled fits and verdicts (on fake runs).
-The experiments themselves are real train.py runs; their results are in the README."""
+The experiments themselves are real train.py runs; their results are in docs/results.md."""
 
 import argparse
 import json
@@ -88,7 +88,7 @@ def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
 
 
 def test_staleness_runs_every_k_on_every_seed_and_reports_mean_and_range(tmp_path, monkeypatch):
-    """bench.py staleness on fake runs (the plumbing; the real runs are in the README): one run per k and seed,
+    """bench.py staleness on fake runs (the plumbing; the real runs are in docs/results.md): one run per k and seed,
     the table's pass rates as mean (range) over the seeds, one figure."""
     asked = []
 
@@ -281,12 +281,12 @@ def test_compare_intervals_needs_intervals_that_do_not_overlap():
     assert bench.compare_intervals({"A": None}, base) == "no fit"
 
 
-def test_the_readme_quotes_the_committed_study_as_it_is():
-    """docs/study.json is the study's summary (issue 14's fields, at least 3 seeds a variant); the README's study
-    section must quote it: each variant's A interval and per-seed first-half errors, the worst error, the steps."""
+def test_the_results_page_quotes_the_committed_study_as_it_is():
+    """docs/study.json is the study's summary (issue 14's fields, at least 3 seeds a variant); the study
+    section of docs/results.md must quote it: each variant's A interval and per-seed first-half errors, the worst error, the steps."""
     repo = Path(__file__).resolve().parent.parent
     summary = json.loads((repo / "docs" / "study.json").read_text())
-    section = (repo / "README.md").read_text().split("### A miniature ScaleRL study")[1].split("\n### ")[0]
+    section = (repo / "docs" / "results.md").read_text().split("## A miniature ScaleRL study")[1].split("\n## ")[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")]
     for variant in summary["variants"]:
         assert {"name", "seeds", "A", "A_lo", "A_hi", "B", "C_mid", "half_fit_errors"} <= set(variant)
@@ -298,11 +298,11 @@ def test_the_readme_quotes_the_committed_study_as_it_is():
     assert f"{summary['worst_half_fit_error']:+.3f}" in section
 
 
-def test_the_readme_run_length_table_is_what_the_committed_records_give():
-    """The README's run-length table (each 300-step run cut at 100..300 steps) must be what `bench.py report` gives
+def test_the_run_length_table_is_what_the_committed_records_give():
+    """The run-length table of docs/results.md (each 300-step run cut at 100..300 steps) must be what `bench.py report` gives
     on the committed records in docs/run-length: each cell, predicted - last evaluation (predicted - full fit's end)."""
     repo = Path(__file__).resolve().parent.parent
-    section = (repo / "README.md").read_text().split("#### How long a run must be")[1].split("\n### ")[0]
+    section = (repo / "docs" / "results.md").read_text().split("### How long a run must be")[1].split("\n## ")[0]
     records = sorted((repo / "docs" / "run-length").glob("*.json"))
     assert len(records) >= 4
     lengths = [100, 150, 200, 250, 300]

@@ -212,7 +212,7 @@ def test_train_py_runs_on_gpu(tmp_path):
 
 
 def test_real_model_trains_on_one_gpu_in_bf16_with_an_fp32_head(tmp_path, real_model_dir):
-    """The README's real-model path on one GPU: SmolLM2-135M-Instruct on the shipped GSM8K-layout file, bf16
+    """The real-model path on one GPU (docs/real-models.md): SmolLM2-135M-Instruct on the shipped GSM8K-layout file, bf16
     weights with the FP32 LM head in generator and learner (the GPU defaults), loaded through rank 0 and trained
     with the head's logits in chunks of 64 positions. The sampler and the learner then differ by bf16 kernels
     only: the first step's tokens (all sampled by version 0) must agree to a k3 KL below 1e-2 (float32 on CPU

@@ -96,11 +96,11 @@ def loss_denominator(mask: Tensor, group_size: int, *, aggregation: str = "promp
     """
     if aggregation == "prompt":
         return float(_grouped(mask, group_size).shape[0])
+    if aggregation == "sample":
+        return float(mask.shape[0])
     if aggregation == "token":
         return max(float(mask.bool().sum()), 1.0)                             # an empty batch gives loss 0, not NaN
-    if aggregation != "sample":
-        raise ValueError(f"aggregation must be 'prompt', 'sample' or 'token', not {aggregation!r}")
-    return float(mask.shape[0])
+    raise ValueError(f"aggregation must be 'prompt', 'sample' or 'token', not {aggregation!r}")
 
 
 def compute_loss(
@@ -166,16 +166,17 @@ def compute_loss(
         token_loss = token_loss * torch.where(mask, is_weights.detach(), 0.0)
     token_loss = torch.where(mask, token_loss, 0.0)                           # [N, T]
 
-    # Sample-level aggregation: the token mean within each completion is one unit.
-    tokens_per_completion = mask.sum(dim=1).clamp(min=1)                      # [N]
-    unit_terms = token_loss.sum(dim=1) / tokens_per_completion                # [N]
     if aggregation == "prompt":
-        # Prompt-level (the default) replaces it: a prompt's token sum over its G completions / their tokens.
+        # Prompt-level (the default): a prompt's token sum over its G completions / their tokens is one unit.
         tokens_per_prompt = _grouped(mask.sum(dim=1), group_size).sum(dim=1).clamp(min=1)      # [P]
         unit_terms = _grouped(token_loss.sum(dim=1), group_size).sum(dim=1) / tokens_per_prompt  # [P]
+    elif aggregation == "sample":
+        # Sample-level aggregation (GRPO's): the token mean within each completion is one unit.
+        tokens_per_completion = mask.sum(dim=1).clamp(min=1)                  # [N]
+        unit_terms = token_loss.sum(dim=1) / tokens_per_completion            # [N]
     elif aggregation == "token":
         unit_terms = token_loss                                               # [N, T], token-level: each token a unit
-    elif aggregation != "sample":
+    else:
         raise ValueError(f"aggregation must be 'prompt', 'sample' or 'token', not {aggregation!r}")
     if denominator is None:
         denominator = loss_denominator(mask, group_size, aggregation=aggregation)

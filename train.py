@@ -49,7 +49,6 @@ import contextlib
 import dataclasses
 import faulthandler
 import fcntl
-import importlib
 import inspect
 import json
 import math
@@ -78,13 +77,18 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
-import dapo  # its filter_groups and overlong_penalty are the recipe's data-side helpers, whatever --loss is
+import cispo  # the loss files, each one algorithm: --loss NAME picks one from LOSSES
+import dapo  # ... and, whatever --loss is, the recipe's data side: filter_groups (zero-variance filtering, DAPO's
+             # dynamic sampling) and overlong_penalty (--length-control overlong) live in dapo.py, its paper's file
+import drgrpo
+import grpo
+import gspo
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import scaling_fit
 import tasks
 import tis
 
-LOSSES = ("grpo", "dapo", "drgrpo", "gspo", "cispo")
+LOSSES = {"grpo": grpo, "dapo": dapo, "drgrpo": drgrpo, "gspo": gspo, "cispo": cispo}  # --loss NAME -> its file
 EMBEDDED_MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings; its prompts are ~10 tokens
 PROMPT_ALLOWANCE = 512  # prompt tokens a real model's context keeps beside --max-tokens: a chat template (with its
                         # system prompt) around a GSM8K or Polaris problem fits with room to spare
@@ -1491,7 +1495,7 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
     log: MetricsLog | None = None
     old_run_kept = args.overwrite and not fresh_dir  # --overwrite deletes the old run last, once all checks pass
     try:  # until the first metrics row, a failure leaves the output directory as it was found
-        loss_module = importlib.import_module(args.loss)
+        loss_module = LOSSES[args.loss]
         hp = loss_hyperparameters(args, loss_module)
         adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
 

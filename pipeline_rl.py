@@ -1552,7 +1552,8 @@ class _Scheduler:
             slot.conn = None
         if slot.proc is not None and slot.proc.is_alive():
             slot.proc.kill()
-        _kill_processes(slot.info.get("vllm_processes", []))
+        if slot.local:  # a remote replica's processes are on its own node
+            _kill_processes(slot.info.get("vllm_processes", []))
         moved = 0
         for table in (self.groups, self.eval_groups):
             for state in table.values():

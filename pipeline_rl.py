@@ -1077,7 +1077,10 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
 
 
 def _exit_on_sigterm() -> None:
+    """SIGTERM ends the process through its `finally` blocks; a second one is ignored, so that the shutdown they
+    run (closing the replicas) is not cut short by it (the learner's close() escalates to SIGKILL anyway)."""
     def on_term(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
@@ -1089,8 +1092,9 @@ def _replica_main(address: str, secret: bytes, local_id: int | None, devices: li
     """Entry point of a replica process: connect to the scheduler at `address`, prove the secret, start the engine
     with the run's settings (which come over the connection) and serve. `local_id`: the place of a replica the
     generator process started itself; None for one that joined with `python pipeline_rl.py replica`."""
-    if parent_pid is not None:  # started by the generator process: die with it
-        set_parent_death_signal(signal.SIGTERM)
+    if parent_pid is not None:  # started by the generator process (or the join command): die with it. SIGKILL, since
+        # a replica blocked in a weight broadcast (C code) would not see a SIGTERM before the group's timeout
+        set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != parent_pid:
             return
     _exit_on_sigterm()
@@ -1994,8 +1998,12 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
         if not isinstance(e, (SystemExit, _Fatal, KeyboardInterrupt)):
             raise
     finally:
-        if scheduler is not None:
-            scheduler.shutdown()
+        try:
+            if scheduler is not None:
+                scheduler.shutdown()
+        finally:  # whatever cut the shutdown short, no replica outlives us: multiprocessing would wait for it at exit
+            for child in mp.active_children():
+                child.kill()
         try:
             conn.send(("closed", None))
         except Exception:

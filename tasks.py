@@ -703,14 +703,89 @@ def math_answers_match(predicted: str | None, reference: str) -> bool:
     return p == r
 
 
+# --------------------------------------------------------------------------------------------------------------
+# 2b. A generated task for a small real chat model: one-digit arithmetic asked in words
+# --------------------------------------------------------------------------------------------------------------
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+@dataclass
+class SmallArithmeticTask:
+    """One-digit addition and subtraction asked in plain words, for a small real chat model through its chat
+    template (`--dataset small-arithmetic`; `make run-real` trains SmolLM2-135M-Instruct on it):
+
+        What is 7 + 5? Answer with a single number.        ->  12
+        What is 8 - 3? Answer with a single number.        ->  5      (a >= b: no negative answers)
+
+    Why this task: SmolLM2-135M-Instruct answers two-digit word problems right 7-9% of the time greedily and 1-3%
+    at temperature 1 (too little signal for RL); on these, the last number it writes is right about 31% of the time
+    at temperature 1 and 46% at 0.7 (measured: docs/real-models.md), with real variance inside a group.
+
+    The reward is +1 when the last integer of the completion (after an interruption phrase, if one was forced) is
+    the answer, else -1: a completion's final number is its answer, so "7 + 5 = 12" scores, and so does "The answer
+    is 12."; no number, an answer in words ("twelve") or a wrong last number ("12 or 13") score -1. `checks` gives,
+    for reports, a strict format check (the completion is the number and nothing else) and a lenient one (the answer
+    appears anywhere among its numbers), so that format learning can be told from arithmetic learning.
+
+    The 155 problems (100 sums, 55 differences) are split by a hash of the question: 42 are held out for
+    validation, never trained on, and the training stream draws the other 113 at random."""
+
+    name: str = "small-arithmetic"
+    interruption_phrase: str = SCALERL_INTERRUPTION
+    suffix: str = " Answer with a single number."
+
+    def problem(self, a: int, op: str, b: int) -> Problem:
+        answer = a + b if op == "+" else a - b
+        return Problem(id=f"{a}{op}{b}", prompt=f"What is {a} {op} {b}?{self.suffix}", answer=str(answer))
+
+    def problems(self, split: str) -> list[Problem]:
+        every = [self.problem(a, "+", b) for a in range(10) for b in range(10)]
+        every += [self.problem(a, "-", b) for a in range(10) for b in range(a + 1)]
+        held_out = [hashlib.blake2b(p.id.encode(), digest_size=2).digest()[0] % 5 == 0 for p in every]
+        return [p for p, val in zip(every, held_out) if val == (split == "val")]
+
+    def train_stream(self, seed: int, start: int = 0) -> Iterator[tuple[int, Problem]]:
+        """Index i is the i-th draw of Random(seed) from the training problems: resumable by index."""
+        train, rng, index = self.problems("train"), random.Random(seed), 0
+        while True:
+            problem = rng.choice(train)
+            if index >= start:
+                yield index, problem
+            index += 1
+
+    def validation(self, n: int | None = None) -> list[Problem]:
+        val = self.problems("val")
+        return val[:n] if n else val
+
+    @staticmethod
+    def final_text(completion: str) -> str:
+        """What follows a forced interruption phrase (which ends in </think>), else the whole completion."""
+        return completion.rsplit(THINK_CLOSE, 1)[1] if THINK_CLOSE in completion else completion
+
+    def reward(self, problem: Problem, completion: str) -> float:
+        numbers = _INTEGER.findall(self.final_text(completion))
+        return 1.0 if numbers and int(numbers[-1]) == int(problem.answer) else -1.0
+
+    def checks(self, problem: Problem, completion: str) -> dict[str, bool]:
+        """The reward's check and two others, for reports: strict (the number alone, a final period allowed) and
+        lenient (the answer among the completion's numbers)."""
+        text = self.final_text(completion).strip().rstrip(".").strip()
+        numbers = [int(x) for x in _INTEGER.findall(text)]
+        return {"last_number": self.reward(problem, completion) > 0,
+                "strict": re.fullmatch(r"-?\d+", text) is not None and int(text) == int(problem.answer),
+                "lenient": int(problem.answer) in numbers}
+
+
 # `--dataset` names of the tasks generated here (no data set behind them: --dataset-config and fields do not apply)
-EMBEDDED_TASKS: dict[str, type[ArithmeticTask]] = {"arithmetic": ArithmeticTask,
-                                                   "arithmetic-verified": VerifiedArithmeticTask}
+EMBEDDED_TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "arithmetic-verified": VerifiedArithmeticTask,
+                                   "small-arithmetic": SmallArithmeticTask}
 
 
 def load_task(dataset: str | None = None, **kwargs: Any) -> Task:
     """The task behind `--dataset`: None or 'arithmetic' is the embedded task, 'arithmetic-verified' the same with
-    its scratchpad verified, anything else a MathDataset."""
+    its scratchpad verified, 'small-arithmetic' one-digit arithmetic for a small real chat model, anything else a
+    MathDataset."""
     if not dataset:
         return ArithmeticTask()
     if dataset in EMBEDDED_TASKS:

@@ -564,11 +564,16 @@ def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
     n = args.eval_samples
     correct = [sum(r > 0 for r in g.rewards) for g in groups]
     ks = [k for k in (2 ** i for i in range(n.bit_length())) if k <= n]
+    scorer = test_task or task
+    checks = {}  # a task's other checks of the same completions (small-arithmetic: a strict and a lenient format)
+    if hasattr(scorer, "checks"):
+        results = [scorer.checks(g.problem, c.text) for g in groups for c in g.completions]
+        checks = {f"check_{name}": sum(r[name] for r in results) / len(results) for name in results[0]}
     return {
         "model": model_dir, "resume": args.resume, "dataset": args.test_dataset or args.dataset or "arithmetic",
         "problems": len(groups), "samples": n,
         **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks},
-        "mean_reward": sum(r for g in groups for r in g.rewards) / (n * len(groups)),
+        "mean_reward": sum(r for g in groups for r in g.rewards) / (n * len(groups)), **checks,
         "temperature": args.temperature, "max_tokens": args.max_tokens, "length_control": args.length_control,
         "think_budget": args.think_budget,
     }

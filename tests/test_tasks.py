@@ -665,3 +665,32 @@ def test_the_cpu_head_sizes_are_vllms():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == tasks.VLLM_CPU_HEAD_SIZES
+
+
+def test_small_arithmetic_scores_the_last_number_and_keeps_its_validation_apart():
+    """The real-model task (--dataset small-arithmetic) on hand-checked completions, the bad cases included: no
+    answer, two answers, an answer in words; and a validation split that the training stream never draws from."""
+    task = tasks.load_task("small-arithmetic")
+    problem = tasks.Problem("7+5", "What is 7 + 5? Answer with a single number.", "12")
+    cases = {  # completion: (reward, strict, lenient)
+        "12": (1.0, True, True),
+        "7 + 5 = 12": (1.0, False, True),
+        "The answer is 12.": (1.0, False, True),
+        "I think 13. No, 12": (1.0, False, True),
+        "twelve": (-1.0, False, False),  # an answer in words
+        "": (-1.0, False, False),  # no answer
+        "12 or 13": (-1.0, False, True),  # two answers: the last one counts
+        "Okay, time is up. Let me stop thinking and formulate a final answer now. </think> 12": (1.0, True, True),
+        "12 </think> 13": (-1.0, False, False),  # after a forced interruption, only the answer that follows it
+    }
+    for completion, (reward, strict, lenient) in cases.items():
+        assert task.reward(problem, completion) == reward, completion
+        checks = task.checks(problem, completion)
+        assert (checks["last_number"], checks["strict"], checks["lenient"]) == (reward > 0, strict, lenient), completion
+    train, val = task.problems("train"), task.validation()
+    assert len(train) + len(val) == 155 and len(val) == 42 and not {p.id for p in train} & {p.id for p in val}
+    assert {p.answer for p in val} <= {str(n) for n in range(19)} and all(int(p.answer) >= 0 for p in train)
+    drawn = [p.id for _, (_, p) in zip(range(2000), task.train_stream(3))]
+    assert set(drawn) == {p.id for p in train}  # every training problem, and no validation one
+    resumed = task.train_stream(3, start=5)
+    assert [next(resumed)[1].id for _ in range(3)] == drawn[5:8]  # resumable by index

@@ -976,6 +976,7 @@ class _Replica:
             time.sleep(0.2)
 
     def run(self) -> None:
+        busy_s = 0.0  # engine time since the last message: sent with the next finished completions
         while not self.closing:
             busy = self.engine.has_unfinished_requests()
             while self.conn.poll(0.0 if busy else 0.2):
@@ -991,9 +992,11 @@ class _Replica:
             if self.engine.has_unfinished_requests():
                 t0 = time.perf_counter()
                 outputs = self.engine.step()
-                busy_s = time.perf_counter() - t0
+                busy_s += time.perf_counter() - t0
                 done = [sampled_output(out, self.version) for out in outputs if out.finished]
-                self.send(("outputs", done, busy_s))
+                if done:
+                    self.send(("outputs", done, busy_s))
+                    busy_s = 0.0
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
@@ -1424,6 +1427,7 @@ class _Scheduler:
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def run(self) -> None:
+        busy_s = 0.0  # engine time since the last message: sent with the next finished completions
         while not self.closing:
             self.poll(0.2)
             if self.closing:

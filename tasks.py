@@ -1139,12 +1139,16 @@ def main(argv: list[str] | None = None) -> None:
     real.add_argument("--prompt", default="What is 12+7?", help="chat prompt of the smoke check (greedy reply)")
     real.add_argument("--max-new-tokens", type=int, default=16, help="tokens of the smoke check's reply")
     real.add_argument("--no-check", action="store_true", help="only convert, skip the greedy smoke check")
+    real.add_argument("--print-dir", action="store_true", help="print only the model directory (for a Makefile)")
     args = parser.parse_args(argv)
     if args.command == "build-real-model":
         try:
             model_dir = build_real_model(args.out, force=args.force)
         except RealModelUnavailableError as e:
             parser.exit(2, f"error: {e}\n")
+        if args.print_dir:
+            print(model_dir)
+            return
         result: dict[str, Any] = {"model_dir": str(model_dir), "params": count_parameters(model_dir)}
         if not args.no_check:
             result |= {"prompt": args.prompt, "reply": chat_reply(model_dir, args.prompt, args.max_new_tokens)}

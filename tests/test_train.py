@@ -702,20 +702,29 @@ def probe_results(tmp_path_factory, base_model_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", train.LOSSES)
 def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, loss):
-    for kl_coef, configs in ((0.0, ((100_000, None), (200, None), (200, 3))),  # chunk: --logits-chunk-tokens
-                             (0.04, ((100_000, None), (200, None)))):  # the reference logprobs, per micro-batch too
-        # one rank, one micro-batch
-        reference_loss, reference_grad, reference = probe_results[1][(loss, 100_000, None, kl_coef)]
+    """Every layout of the step (learner_probe.LAYOUTS: micro-batch budgets, the LM head in chunks, padded or packed
+    rows), on 1 and 2 ranks, gives the loss and gradient of one padded micro-batch on one rank, for every setting
+    that changes the loss (the reference-policy KL, the reference model packed as the policy is; --tis, its old
+    logprobs recomputed in the same layout; CISPO's three aggregation units)."""
+    import learner_probe
+
+    one_padded_micro_batch = tuple(sorted(learner_probe.LAYOUTS[0].items()))
+    for settings, layout in learner_probe.configs(loss):
+        reference_loss, reference_grad, reference = probe_results[1][(loss, settings + one_padded_micro_batch)]
         assert reference_grad.abs().max() > 0
+        kl_coef = dict(settings).get("kl_coef", 0.0)
         assert (reference["kl_ref"] > 1e-4) if kl_coef else ("kl_ref" not in reference)
+        if dict(settings).get("tis"):  # the learner's old logprobs are not the sampler's: the weights are not all 1
+            assert reference["is_weight_mean"] != pytest.approx(1.0)
         for world in (1, 2):
-            for budget, chunk in configs:
-                value, grad, metrics = probe_results[world][(loss, budget, chunk, kl_coef)]
-                assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), (world, budget, chunk, kl_coef)
-                torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-5)
-                assert metrics["num_tokens"] == reference["num_tokens"]
-                if kl_coef:
-                    assert metrics["kl_ref"] == pytest.approx(reference["kl_ref"], rel=1e-5)
+            value, grad, metrics = probe_results[world][(loss, settings + layout)]
+            where = (world, settings, layout)
+            assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), where
+            torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {m}")
+            assert metrics["num_tokens"] == reference["num_tokens"], where
+            for key in ("kl_ref", "is_weight_mean"):
+                if key in reference:
+                    assert metrics[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (where, key)
 
 
 # --------------------------------------------------------------------------------------------------------------

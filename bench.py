@@ -507,6 +507,10 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                              "(default on)")
     parser.add_argument("--completion-tokens", default="3,20",
                         help="MIN,MAX length of the synthetic completions, uniform (default 3,20)")
+    parser.add_argument("--row-widths", default=None,
+                        help="W1,W2,...: also time the bare step on the batch packed (first-fit decreasing) into rows "
+                             "of each width, at least the longest sequence's, and in padded rows: where the packed "
+                             "rows' length should sit, against the one train.pack_rows chooses")
 
 
 def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0,
@@ -603,8 +607,6 @@ def bench_train(args: argparse.Namespace) -> dict:
     bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-5)
     whole = train.to_rows(groups, advantages, args.group_size, 0, device, train.row_packing(packed_cli, model))
     real = whole.attention[:, 1:]                                                         # [N, L-1] a next token
-    where = whole.packed.index[real]                                                      # [P] in [R * (W-1)]
-    targets = whole.packed.input_ids[:, 1:].reshape(-1)[where]                            # [P]
     weight = (whole.advantages[:, None] * whole.loss_mask)[real] / whole.loss_mask.sum()  # [P]
     chunk = max(1, (1 << 28) // (4 * bare_model.config.vocab_size))
 
@@ -612,20 +614,37 @@ def bench_train(args: argparse.Namespace) -> dict:
         logits = bare_model.lm_head(hidden).float()                                       # [chunk, V]
         return torch.log_softmax(logits, -1).gather(-1, target[:, None]).squeeze(-1)
 
-    def bare() -> None:
-        bare_optimizer.zero_grad(set_to_none=True)
-        hidden = bare_model.model(input_ids=whole.packed.input_ids, position_ids=whole.packed.position_ids,
-                                  use_cache=False).last_hidden_state                       # [R, W, H]
-        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[where]                       # [P, H]
-        logprobs = torch.cat([torch.utils.checkpoint.checkpoint(head_chunk, hidden[i: i + chunk],
-                                                                targets[i: i + chunk], use_reentrant=False)
-                              for i in range(0, len(targets), chunk)])                     # [P]
-        (-(logprobs * weight).sum()).backward()
-        bare_optimizer.step()
+    def bare_step(input_ids: torch.Tensor, where: torch.Tensor, **layout: torch.Tensor) -> Callable[[], None]:
+        """The bare step on rows `input_ids` [R, W] (position_ids= packed, or attention_mask= padded), the batch's
+        P next-token positions at `where` [P] in the flattened [R * (W-1)] positions that predict one."""
+        targets = input_ids[:, 1:].reshape(-1)[where]                                    # [P]
 
+        def step() -> None:
+            bare_optimizer.zero_grad(set_to_none=True)
+            hidden = bare_model.model(input_ids=input_ids, use_cache=False, **layout).last_hidden_state  # [R, W, H]
+            hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[where]                 # [P, H]
+            logprobs = torch.cat([torch.utils.checkpoint.checkpoint(head_chunk, hidden[i: i + chunk],
+                                                                    targets[i: i + chunk], use_reentrant=False)
+                                  for i in range(0, len(targets), chunk)])               # [P]
+            (-(logprobs * weight).sum()).backward()
+            bare_optimizer.step()
+        return step
+
+    bare = bare_step(whole.packed.input_ids, whole.packed.index[real], position_ids=whole.packed.position_ids)
     # CUDA kernels run asynchronously: wait for them before reading the clock.
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     methods = {"bare": bare, "packed": learner(packed_cli), "padded": learner(padded_cli)}
+    widths: dict[str, tuple[int, ...]] = {}  # --row-widths: method name -> its rows' shape
+    if args.row_widths:
+        seqs = [grp.prompt_ids + c.token_ids for grp in groups for c in grp.completions]
+        longest = max(len(seq) for seq in seqs)
+        for width in sorted({max(int(w), longest) for w in args.row_widths.split(",")}):
+            ids, positions, where = _packed_batch(seqs, train.first_fit_decreasing([len(q) for q in seqs], width))
+            methods[f"bare W={width}"] = bare_step(ids.to(device), where.to(device), position_ids=positions.to(device))
+            widths[f"bare W={width}"] = tuple(ids.shape)
+        methods["bare padded"] = bare_step(whole.input_ids, real.flatten().nonzero().squeeze(1),
+                                           attention_mask=whole.attention.long())
+        widths["bare padded"] = tuple(whole.input_ids.shape)
     times: dict[str, list[float]] = {name: [] for name in methods}
     peak_gib = {}
     for round_ in range(2):  # interleaved, each method's best: fair to the noise of a shared machine
@@ -657,6 +676,9 @@ def bench_train(args: argparse.Namespace) -> dict:
     print(f"learner packed / bare packed {bare_s / packed_s:.3f}; packed / padded learner {padded_s / packed_s:.3f}")
     if peak_gib:
         print(f"memory of a step beyond the weights held: {peak_gib} GiB")
+    for name, shape in widths.items():
+        fraction = 1 - tokens / (shape[0] * shape[1])
+        print(f"{name:>14}: rows {shape}, padding {fraction:.1%}: {tokens / min(times[name]):,.0f} real tokens/s")
     dist.destroy_process_group()
     return {"bench": "train", "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head, "tokens": tokens,
             "micro_batch_tokens": packed_cli.micro_batch_tokens, "micro_batches_packed": n_packed,
@@ -665,8 +687,33 @@ def bench_train(args: argparse.Namespace) -> dict:
             "packed_tokens_per_s": round(tokens / packed_s), "padded_tokens_per_s": round(tokens / padded_s),
             "bare_tokens_per_s": round(tokens / bare_s), "pad_fraction_packed": round(pad_packed, 4),
             **{f"{name}_step_peak_gib": gib for name, gib in peak_gib.items()},
+            **({"row_widths": {name.split()[-1]: {"rows": list(shape), "tokens_per_s": round(tokens / min(times[name]))}
+                               for name, shape in widths.items()}} if widths else {}),
             "learner_vs_bare_packed": round(bare_s / packed_s, 3), "packed_vs_padded": round(padded_s / packed_s, 3),
             "pad_fraction_padded": round(pad_padded, 4)}
+
+
+def _packed_batch(seqs: list[list[int]], rows: list[list[int]]) -> tuple:
+    """The sequences `seqs` laid end to end in `rows` (sequence indices per row), for --row-widths: (input_ids
+    [R, W], position_ids [R, W] restarting at each sequence and at the tail padding, the next-token positions [P]
+    in the flattened [R * (W-1)])."""
+    import torch
+
+    width = max(sum(len(seqs[i]) for i in row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    start = {}  # sequence -> its first position in the flattened [R * (W-1)]
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            n = len(seqs[i])
+            ids[r, offset: offset + n] = torch.tensor(seqs[i])
+            positions[r, offset: offset + n] = torch.arange(n)
+            start[i] = r * (width - 1) + offset
+            offset += n
+        positions[r, offset:] = torch.arange(width - offset)
+    where = [start[i] + t for i in range(len(seqs)) for t in range(len(seqs[i]) - 1)]  # in the sequences' order
+    return ids, positions, torch.tensor(where, dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------------------------------------------

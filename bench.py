@@ -508,7 +508,7 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--completion-tokens", default="3,20",
                         help="MIN,MAX length of the synthetic completions, uniform (default 3,20)")
     parser.add_argument("--row-widths", default=None,
-                        help="W1,W2,...: also time the bare step on the batch packed (first-fit decreasing) into rows "
+                        help="W1,W2,...: also time the bare step on the batch packed (best-fit decreasing) into rows "
                              "of each width, at least the longest sequence's, and in padded rows: where the packed "
                              "rows' length should sit, against the one train.pack_rows chooses")
 
@@ -639,7 +639,7 @@ def bench_train(args: argparse.Namespace) -> dict:
         seqs = [grp.prompt_ids + c.token_ids for grp in groups for c in grp.completions]
         longest = max(len(seq) for seq in seqs)
         for width in sorted({max(int(w), longest) for w in args.row_widths.split(",")}):
-            ids, positions, where = _packed_batch(seqs, train.first_fit_decreasing([len(q) for q in seqs], width))
+            ids, positions, where = _packed_batch(seqs, train.best_fit_decreasing([len(q) for q in seqs], width))
             methods[f"bare W={width}"] = bare_step(ids.to(device), where.to(device), position_ids=positions.to(device))
             widths[f"bare W={width}"] = tuple(ids.shape)
         methods["bare padded"] = bare_step(whole.input_ids, real.flatten().nonzero().squeeze(1),

@@ -338,9 +338,10 @@ def test_micro_batches_count_real_tokens_when_packing():
 
 
 def test_packed_rows_hold_every_sequence_once_with_padding_only_at_the_tail_of_a_row():
-    """Random groups, every packing (the break-even row length of the tiny model and of SmolLM2, a tiny one, one
-    row): the packed rows hold each sequence whole, position ids counting from 0 at its start; a row's padding is
-    its tail; and the index reads each completion's next-token targets back from the packed rows."""
+    """Random groups, packed for the tiny model's attention break-even (832), SmolLM2's (3,072), a break-even of 4
+    tokens (rows no wider than the longest sequence) and varlen attention (one row): the packed rows hold each
+    sequence whole, position ids counting from 0 at its start; a row's padding is its tail; and the index reads each
+    completion's next-token targets back from the packed rows."""
     rng = random.Random(0)
     for trial in range(20):
         group_size = rng.randint(1, 4)

@@ -3,7 +3,7 @@ and ends with one line holding a JSON object of the results (the LAST line print
 
     python bench.py fit        # ScaleRL's full-grid sigmoid fit vs exhaustive per-grid-point curve_fit
     python bench.py pipeline   # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync RL
-    python bench.py train      # train.py's learner step vs a bare transformers training step
+    python bench.py train      # train.py's learner step, packed and padded, vs a bare packed training step
     python bench.py staleness  # the tiny recipe at k = 0, 1, 2, 4, 8 with a fast generator (an experiment)
     python bench.py study      # ScaleRL's ablations in miniature: variants x seeds, A and B with 95% intervals
     python bench.py report RUN_DIR...   # what finished runs (or study records) show: pass rate, lag, fits
@@ -491,7 +491,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
 def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=32, help="groups in the batch (default 32, the tiny recipe's)")
     parser.add_argument("--group-size", type=int, default=8, help="completions per group (default 8)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per method, after one warm-up (default 5)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed steps per method in each of 2 interleaved rounds, after one warm-up (default 5)")
     parser.add_argument("--loss", default="cispo", help="loss file used by the learner (default cispo)")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="the learner's micro-batch token budget (default: train.py's --micro-batch-tokens)")
@@ -506,6 +507,10 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                              "(default on)")
     parser.add_argument("--completion-tokens", default="3,20",
                         help="MIN,MAX length of the synthetic completions, uniform (default 3,20)")
+    parser.add_argument("--row-widths", default=None,
+                        help="W1,W2,...: also time the bare step on the batch packed (best-fit decreasing) into rows "
+                             "of each width, at least the longest sequence's, and in padded rows: where the packed "
+                             "rows' length should sit, against the one train.pack_rows chooses")
 
 
 def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0,
@@ -534,13 +539,18 @@ def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0,
 
 
 def bench_train(args: argparse.Namespace) -> dict:
-    """The learner's tokens/s (train.py's FSDP2 step: micro-batches, loss file, clipping, AdamW) against a bare
-    transformers forward + backward + AdamW step on the same padded batch, in one process on one rank."""
+    """The learner's real (trained) tokens/s, train.py's FSDP2 step (micro-batches, loss file, clipping, AdamW) with
+    packed rows and with padded ones (--no-packing), against the no-padding limit: a bare transformers forward +
+    backward + AdamW over the same real tokens, packed as the learner packs them. In one process on one rank,
+    interleaved. Also the padding fraction of either layout, over the micro-batches the learner runs."""
+    import dataclasses
     import importlib
     import os
     import time
 
     import torch
+    import torch.distributed as dist
+    import torch.utils.checkpoint
 
     import tasks
     import train
@@ -548,71 +558,162 @@ def bench_train(args: argparse.Namespace) -> dict:
     os.environ.setdefault("MASTER_PORT", "29517")
     rank, world, device = train.init_distributed()
     model_dir = args.model or str(tasks.build_base_model())
-    cli = train.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head)
+    packed_cli = train.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype,
+                            fp32_lm_head=args.fp32_lm_head, packing=True)
     if args.micro_batch_tokens is not None:
-        cli.micro_batch_tokens = args.micro_batch_tokens
+        packed_cli.micro_batch_tokens = args.micro_batch_tokens
+    padded_cli = dataclasses.replace(packed_cli, packing=False)
     loss_module = importlib.import_module(args.loss)
-    hp = train.loss_hyperparameters(cli, loss_module)
-    model, _ = train.build_learner(model_dir, cli, device)
+    hp = train.loss_hyperparameters(packed_cli, loss_module)
+    # One learner serves both layouts (the flag only changes how its rows are built): the same weights, the same
+    # optimizer, so neither is favoured by what it holds.
+    model, _ = train.build_learner(model_dir, packed_cli, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     groups = synthetic_groups(args.groups, args.group_size, model.config.vocab_size,
                               completion_tokens=train.int_range(args.completion_tokens))
     rewards = torch.tensor([r for grp in groups for r in grp.rewards])
     advantages = loss_module.compute_advantages(rewards, args.group_size)
-    rows = train.to_rows(groups, advantages, args.group_size, pad_id=0, device=device)  # the bare model's batch
-    tokens = int(rows.attention.sum())
+    tokens = sum(len(grp.prompt_ids) + len(c.token_ids) for grp in groups for c in grp.completions)  # real ones
 
-    def ours() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        train.loss_and_backward(model, loss_module, hp, groups, advantages, cli, 0, world, 0)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cli.grad_clip)
-        optimizer.step()
+    def layout(cli: train.Args) -> tuple[int, int]:
+        """(micro-batches, token slots the model computes on, padding included) of the learner's step."""
+        pack = train.row_packing(cli, model)
+        slots = 0
+        for idx in train.micro_batches(groups, cli.micro_batch_tokens, args.group_size, cli.packing):
+            rows = train.to_rows([groups[i] for i in idx], None, args.group_size, 0, "cpu", pack)
+            slots += (rows.input_ids if rows.packed is None else rows.packed.input_ids).numel()
+        return len(train.micro_batches(groups, cli.micro_batch_tokens, args.group_size, cli.packing)), slots
+
+    (n_packed, packed_slots), (n_padded, padded_slots) = layout(packed_cli), layout(padded_cli)
+
+    def learner(cli: train.Args) -> Callable[[], None]:
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            train.loss_and_backward(model, loss_module, hp, groups, advantages, cli, 0, world, 0)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cli.grad_clip)
+            optimizer.step()
+        return step
 
     from transformers import AutoModelForCausalLM
 
-    bare_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device)
+    # The bare step: a plain transformers model (the learner's attention implementation, so the same kernels) fed
+    # the whole batch in one forward, packed into the rows the learner would build for it; a REINFORCE loss on
+    # the completions' tokens. Its LM head runs in chunks of 256 MiB of float32 logits, each recomputed in backward,
+    # so the full [tokens, vocab] logits never exist (a 49k vocabulary would need GBs); plain torch, outside the
+    # model's forward.
+    bare_model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, args.dtype),
+        attn_implementation=train.attention_implementation(packed_cli, device)).to(device)
     bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-5)
+    whole = train.to_rows(groups, advantages, args.group_size, 0, device, train.row_packing(packed_cli, model))
+    real = whole.attention[:, 1:]                                                         # [N, L-1] a next token
+    weight = (whole.advantages[:, None] * whole.loss_mask)[real] / whole.loss_mask.sum()  # [P]
+    chunk = max(1, (1 << 28) // (4 * bare_model.config.vocab_size))
 
-    def bare() -> None:
-        bare_optimizer.zero_grad(set_to_none=True)
-        logits = bare_model(input_ids=rows.input_ids, attention_mask=rows.attention.long()).logits[:, :-1]
-        logprobs = torch.log_softmax(logits.float(), -1).gather(-1, rows.input_ids[:, 1:, None]).squeeze(-1)
-        (-(logprobs * rows.loss_mask).sum() / rows.loss_mask.sum()).backward()
-        bare_optimizer.step()
+    def head_chunk(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = bare_model.lm_head(hidden).float()                                       # [chunk, V]
+        return torch.log_softmax(logits, -1).gather(-1, target[:, None]).squeeze(-1)
 
+    def bare_step(input_ids: torch.Tensor, where: torch.Tensor, **layout: torch.Tensor) -> Callable[[], None]:
+        """The bare step on rows `input_ids` [R, W] (position_ids= packed, or attention_mask= padded), the batch's
+        P next-token positions at `where` [P] in the flattened [R * (W-1)] positions that predict one."""
+        targets = input_ids[:, 1:].reshape(-1)[where]                                    # [P]
+
+        def step() -> None:
+            bare_optimizer.zero_grad(set_to_none=True)
+            hidden = bare_model.model(input_ids=input_ids, use_cache=False, **layout).last_hidden_state  # [R, W, H]
+            hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[where]                 # [P, H]
+            logprobs = torch.cat([torch.utils.checkpoint.checkpoint(head_chunk, hidden[i: i + chunk],
+                                                                    targets[i: i + chunk], use_reentrant=False)
+                                  for i in range(0, len(targets), chunk)])               # [P]
+            (-(logprobs * weight).sum()).backward()
+            bare_optimizer.step()
+        return step
+
+    bare = bare_step(whole.packed.input_ids, whole.packed.index[real], position_ids=whole.packed.position_ids)
     # CUDA kernels run asynchronously: wait for them before reading the clock.
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times, peak_gib = {}, {}
-    for name, fn in (("bare", bare), ("ours", ours), ("bare2", bare), ("ours2", ours)):  # interleaved: fair to noise
-        if device.type == "cuda":  # the step's own memory above what is held between steps (both models' weights)
+    methods = {"bare": bare, "packed": learner(packed_cli), "padded": learner(padded_cli)}
+    widths: dict[str, tuple[int, ...]] = {}  # --row-widths: method name -> its rows' shape
+    if args.row_widths:
+        seqs = [grp.prompt_ids + c.token_ids for grp in groups for c in grp.completions]
+        longest = max(len(seq) for seq in seqs)
+        for width in sorted({max(int(w), longest) for w in args.row_widths.split(",")}):
+            ids, positions, where = _packed_batch(seqs, train.best_fit_decreasing([len(q) for q in seqs], width))
+            methods[f"bare W={width}"] = bare_step(ids.to(device), where.to(device), position_ids=positions.to(device))
+            widths[f"bare W={width}"] = tuple(ids.shape)
+        methods["bare padded"] = bare_step(whole.input_ids, real.flatten().nonzero().squeeze(1),
+                                           attention_mask=whole.attention.long())
+        widths["bare padded"] = tuple(whole.input_ids.shape)
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    peak_gib = {}
+    for round_ in range(2):  # interleaved, each method's best: fair to the noise of a shared machine
+        for name, fn in methods.items():
+            if round_ == 0:
+                if device.type == "cuda":  # the step's own memory above what is held between steps
+                    wait()
+                    torch.cuda.reset_peak_memory_stats()
+                    held = torch.cuda.memory_allocated()
+                fn()  # warm-up
+                wait()
+                if device.type == "cuda":
+                    peak_gib[name] = round((torch.cuda.max_memory_allocated() - held) / 2**30, 2)
+            start = time.perf_counter()
+            for _ in range(args.repeats):
+                fn()
             wait()
-            torch.cuda.reset_peak_memory_stats()
-            held = torch.cuda.memory_allocated()
-        fn()  # warm-up
-        wait()
-        if device.type == "cuda":
-            peak_gib[name.rstrip("2")] = round((torch.cuda.max_memory_allocated() - held) / 2**30, 2)
-        start = time.perf_counter()
-        for _ in range(args.repeats):
-            fn()
-        wait()
-        times[name] = (time.perf_counter() - start) / args.repeats
-    ours_s, bare_s = min(times["ours"], times["ours2"]), min(times["bare"], times["bare2"])
-    n_micro = len(train.micro_batches(groups, cli.micro_batch_tokens, args.group_size))
-    print(f"batch: {len(groups)} groups x {args.group_size} = {rows.input_ids.shape[0]} rows, {tokens} tokens")
-    print(f"train.py learner step (FSDP2, {args.loss}, {n_micro} micro-batches of {cli.micro_batch_tokens} tokens): "
-          f"{ours_s:.3f} s = {tokens / ours_s:,.0f} tokens/s")
-    print(f"bare transformers forward+backward+AdamW:                  {bare_s:.3f} s = {tokens / bare_s:,.0f} tokens/s")
+            times[name].append((time.perf_counter() - start) / args.repeats)
+    bare_s, packed_s, padded_s = (min(times[name]) for name in ("bare", "packed", "padded"))
+    pad_packed, pad_padded = 1 - tokens / packed_slots, 1 - tokens / padded_slots
+    rows_shape = tuple(whole.packed.input_ids.shape)
+    print(f"batch: {len(groups)} groups x {args.group_size} completions, {tokens:,} real tokens; "
+          f"micro-batches of {packed_cli.micro_batch_tokens} tokens")
+    print(f"padding: padded rows {pad_padded:.1%} of {padded_slots:,} slots ({n_padded} micro-batches); "
+          f"packed rows {pad_packed:.1%} of {packed_slots:,} ({n_packed}); the bare step's rows {rows_shape}")
+    print(f"learner, packed rows:  {packed_s:.3f} s = {tokens / packed_s:,.0f} real tokens/s")
+    print(f"learner, padded rows:  {padded_s:.3f} s = {tokens / padded_s:,.0f} real tokens/s")
+    print(f"bare transformers forward+backward+AdamW, packed: {bare_s:.3f} s = {tokens / bare_s:,.0f} real tokens/s")
+    print(f"learner packed / bare packed {bare_s / packed_s:.3f}; packed / padded learner {padded_s / packed_s:.3f}")
     if peak_gib:
-        print(f"memory of a step beyond the weights held: learner {peak_gib['ours']} GiB, bare {peak_gib['bare']} GiB")
-    import torch.distributed as dist
-
+        print(f"memory of a step beyond the weights held: {peak_gib} GiB")
+    for name, shape in widths.items():
+        fraction = 1 - tokens / (shape[0] * shape[1])
+        print(f"{name:>14}: rows {shape}, padding {fraction:.1%}: {tokens / min(times[name]):,.0f} real tokens/s")
     dist.destroy_process_group()
     return {"bench": "train", "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head, "tokens": tokens,
-            "micro_batches": n_micro, "ours_s": round(ours_s, 4), "bare_s": round(bare_s, 4),
-            "ours_tokens_per_s": round(tokens / ours_s), "bare_tokens_per_s": round(tokens / bare_s),
-            "train_throughput_ratio": round(bare_s / ours_s, 3),
-            **{f"{name}_step_peak_gib": gib for name, gib in peak_gib.items()}}
+            "micro_batch_tokens": packed_cli.micro_batch_tokens, "micro_batches_packed": n_packed,
+            "micro_batches_padded": n_padded, "bare_rows": list(rows_shape),
+            "packed_s": round(packed_s, 4), "padded_s": round(padded_s, 4), "bare_s": round(bare_s, 4),
+            "packed_tokens_per_s": round(tokens / packed_s), "padded_tokens_per_s": round(tokens / padded_s),
+            "bare_tokens_per_s": round(tokens / bare_s), "pad_fraction_packed": round(pad_packed, 4),
+            **{f"{name}_step_peak_gib": gib for name, gib in peak_gib.items()},
+            **({"row_widths": {name.split()[-1]: {"rows": list(shape), "tokens_per_s": round(tokens / min(times[name]))}
+                               for name, shape in widths.items()}} if widths else {}),
+            "learner_vs_bare_packed": round(bare_s / packed_s, 3), "packed_vs_padded": round(padded_s / packed_s, 3),
+            "pad_fraction_padded": round(pad_padded, 4)}
+
+
+def _packed_batch(seqs: list[list[int]], rows: list[list[int]]) -> tuple:
+    """The sequences `seqs` laid end to end in `rows` (sequence indices per row), for --row-widths: (input_ids
+    [R, W], position_ids [R, W] restarting at each sequence and at the tail padding, the next-token positions [P]
+    in the flattened [R * (W-1)])."""
+    import torch
+
+    width = max(sum(len(seqs[i]) for i in row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    start = {}  # sequence -> its first position in the flattened [R * (W-1)]
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            n = len(seqs[i])
+            ids[r, offset: offset + n] = torch.tensor(seqs[i])
+            positions[r, offset: offset + n] = torch.arange(n)
+            start[i] = r * (width - 1) + offset
+            offset += n
+        positions[r, offset:] = torch.arange(width - offset)
+    where = [start[i] + t for i in range(len(seqs)) for t in range(len(seqs[i]) - 1)]  # in the sequences' order
+    return ids, positions, torch.tensor(where, dtype=torch.long)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1167,7 +1268,8 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
     "pipeline": (bench_pipeline, _add_pipeline_args,
                  "vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync samples/s (tiny model)"),
     "train": (bench_train, _add_train_args,
-              "train.py's FSDP2 learner step vs a bare transformers forward+backward+AdamW, tokens/s (tiny model)"),
+              "train.py's FSDP2 learner step, packed and padded, vs a bare transformers forward+backward+AdamW on "
+              "the same tokens packed: real tokens/s and padding (tiny model)"),
     "report": (bench_report, _add_report_args,
                "targets of finished runs: pass rate, largest fall, mean lag, fit R^2, first-half prediction error"),
     "study": (bench_study, _add_study_args,

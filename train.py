@@ -44,6 +44,7 @@ How this departs from the paper, deliberately:
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import contextlib
 import dataclasses
@@ -128,7 +129,7 @@ def _arg(group: str, default: Any, help: str, **kw: Any) -> Any:
 CHANGEABLE_ON_RESUME = frozenset({
     "max_steps",  # upwards only: below the run's step is refused
     "eval_every", "eval_samples", "final_eval_samples", "log_every", "checkpoint_every", "max_bad_steps",
-    "micro_batch_tokens", "logits_chunk_tokens",  # memory only: a step is the same whatever they are (tested)
+    "micro_batch_tokens", "logits_chunk_tokens", "packing",  # memory and speed only: a step is the same (tested)
     "gen_devices", "tensor_parallel_size", "gen_memory_fraction",  # placement: a run may move to another machine
     "gen_replicas", "gen_remote_replicas", "gen_listen", "gen_secret_file", "gen_join_timeout",  # replicas: the
     "weight_transport",  # scheduler restarts from the checkpoint's data position whatever their number (tested)
@@ -207,9 +208,14 @@ class Args:
     kl_coef: float = _arg(HelpGroup.LOSS, 0.0, "GRPO's KL penalty to the reference policy (a frozen copy of the "
                           "initial model, sharded like the policy): beta of its k3 estimate, logged as kl_ref "
                           "(DeepSeekMath: 0.04; 0 = off, as in DAPO and ScaleRL); every loss takes it")
-    micro_batch_tokens: int = _arg(HelpGroup.LOSS, 8192, "token budget of a micro-batch (padded rows x length); whole "
-                                   "groups only. Sized for large models' memory: on a GPU with a small model, where "
-                                   "each micro-batch costs fixed host time, a larger one is faster")
+    micro_batch_tokens: int = _arg(HelpGroup.LOSS, 8192, "token budget of a micro-batch: its real tokens with "
+                                   "--packing, its padded rows x length without; whole groups only. Sized for large "
+                                   "models' memory: on a GPU with a small model, where each micro-batch costs fixed "
+                                   "host time, a larger one is faster")
+    packing: bool = _arg(HelpGroup.LOSS, True, "pack the completions (with their prompts) end to end into a few "
+                         "rows per micro-batch, position ids restarting with each, so that the learner computes on "
+                         "real tokens, not padding; each sequence attends to itself only (their length: pack_rows). "
+                         "--no-packing: one right-padded row per completion", action=argparse.BooleanOptionalAction)
 
     tis: str | None = _arg(HelpGroup.IMPORTANCE, None, "truncated importance sampling against the sampler's logprobs: "
                            "token or sequence (default: off)", choices=("token", "sequence"))
@@ -861,11 +867,11 @@ def apply_overlong_filter(groups: list) -> int:
 def attach_learner_logprobs(model: Any, groups: list, args: Args, pad_id: int) -> None:
     """Old logprobs from the learner: set `completion.old_logprobs` to the learner's logprobs of its tokens, with
     the current weights (call under torch.no_grad)."""
-    batches = micro_batches(groups, args.micro_batch_tokens, args.group_size)
+    batches = micro_batches(groups, args.micro_batch_tokens, args.group_size, args.packing)
     idle = idle_forwards_needed(len(batches))
     for idx in batches:
         chosen = [groups[j] for j in idx]
-        rows = to_rows(chosen, None, args.group_size, pad_id, model_device(model))
+        rows = to_rows(chosen, None, args.group_size, pad_id, model_device(model), row_packing(args, model))
         logprobs = token_logprobs(model, rows, args.temperature)
         completions = [(len(grp.prompt_ids), c) for grp in chosen for c in grp.completions]
         for row, (p, c) in enumerate(completions):
@@ -886,15 +892,16 @@ def compute_advantages(args: Args, learner: Learner, batch: list, run: Run) -> t
 
 def loss_and_backward(model: Any, loss_module: Any, hp: dict, groups: list, advantages: Any, args: Args,
                       pad_id: int, world: int, version: int, ref_model: Any = None) -> dict[str, float]:
-    """Loss and backward over this rank's groups, in micro-batches of whole groups (--micro-batch-tokens); returns
+    """Loss and backward over this rank's groups, in micro-batches of whole groups (--micro-batch-tokens), packed
+    (--packing) or padded: the loss file sees one row per completion either way (Rows); returns
     this rank's metric totals (reduce_metrics averages them over ranks). Every micro-batch loss is divided by the
     WHOLE batch's denominator (prompts, completions or tokens, per the loss's aggregation), summed over ranks, so
     the micro-batch losses and gradients add up to the full-batch ones for any micro-batch size and world size.
     `ref_model`: the frozen reference policy of --kl-coef, whose logprobs go to the loss as ref_logprobs."""
     g = args.group_size
-    device = model_device(model)
+    device, pack = model_device(model), row_packing(args, model)
     batches = [to_rows([groups[i] for i in idx], advantages[[i * g + j for i in idx for j in range(g)]], g, pad_id,
-                       device) for idx in micro_batches(groups, args.micro_batch_tokens, g)]
+                       device, pack) for idx in micro_batches(groups, args.micro_batch_tokens, g, args.packing)]
     denominator = sum_over_ranks(sum(loss_module.loss_denominator(r.loss_mask, g, **hp) for r in batches))
     idle = idle_forwards_needed(len(batches))
     totals: dict[str, float] = defaultdict(float)
@@ -1049,8 +1056,11 @@ def stop_if_signalled(learner: Learner, run: Run, state: TrainerState) -> None:
 
 @dataclass
 class Rows:
-    """One micro-batch of completions, each row = prompt + completion, right-padded. Per-token fields are aligned
-    with the predicted token: position t holds the logprob of input_ids[:, t + 1]."""
+    """One micro-batch of completions in the layout the loss files take: one row per completion, prompt +
+    completion, right-padded. Per-token fields are aligned with the predicted token: position t holds the logprob of
+    input_ids[:, t + 1]. Under --packing the model is fed `packed` instead, the same sequences end to end in fewer,
+    fuller rows, and token_logprobs gathers its logprobs back into this layout: the loss files, the importance
+    weights and the metrics see the same [N, L-1] tensors, packed or not."""
 
     input_ids: Any  # [N, L]
     attention: Any  # [N, L] bool
@@ -1059,29 +1069,48 @@ class Rows:
     versions: Any  # [N, L-1] weight version that sampled each token (-1 outside completions)
     old_logprobs: Any  # [N, L-1] behaviour policy: learner-recomputed where attached, else the sampler's
     advantages: Any  # [N]
-    replicas: Any = None  # [N] the generator replica that sampled each row
+    replicas: Any = None  # [N] the generator replica that sampled each completion
+    packed: PackedRows | None = None  # --packing: what the model is fed
 
 
-def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int, device: Any = "cpu") -> Rows:
-    """Pad the groups' completions (after their prompts) into one micro-batch of rows, on `device` (the model's)."""
+@dataclass
+class PackedRows:
+    """The model's input under --packing: a micro-batch's sequences (prompt + completion) end to end in R rows of W
+    tokens (pack_rows), only the tail of a row padded. Position ids restart at 0 with each sequence, and with the
+    tail padding: transformers reads the boundaries from them (attention_mask left None) and builds a block-diagonal
+    causal mask (sdpa, eager), or hands the sequences to flash attention's varlen kernels, so no token attends to
+    another sequence's."""
+
+    input_ids: Any  # [R, W]
+    position_ids: Any  # [R, W]
+    index: Any  # [N, L-1]: where Rows' position t of completion n sits in the flattened packed logprobs [R * (W-1)]
+
+
+def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int, device: Any = "cpu",
+            pack: float | None = None) -> Rows:
+    """Pad the groups' completions (after their prompts) into one micro-batch of rows, on `device` (the model's).
+    `pack` (--packing: row_packing's answer for the model) also packs them for the model into Rows.packed: the
+    attention's break-even row length (pack_rows), or math.inf for one row."""
     seqs = [(g.prompt_ids, c) for g in groups for c in g.completions]
     prompt_len = torch.tensor([len(p) for p, _ in seqs])                                  # [N]
     completion_len = torch.tensor([len(c.token_ids) for _, c in seqs])                    # [N]
-    length = int((prompt_len + completion_len).max())
+    seq_len = prompt_len + completion_len                                                 # [N]
+    length = int(seq_len.max())
     n = len(seqs)
     # One tensor per field for the whole micro-batch, not one per row: on a GPU the learner step is bound by the
     # host, and a per-row loop cost as much as the bare forward + backward of a small model (bench.py train).
     # A boolean mask assigns its true slots in row-major order, the order of the flattened lists.
     positions = torch.arange(length)                                                      # [L]
-    attention = positions < (prompt_len + completion_len)[:, None]                        # [N, L]
+    attention = positions < seq_len[:, None]                                              # [N, L]
     start = (prompt_len - 1)[:, None]                                                     # position predicting token 0
     in_completion = (positions[:-1] >= start) & (positions[:-1] < start + completion_len[:, None])  # [N, L-1]
 
     def flat(values: Any, dtype: torch.dtype) -> Any:
         return torch.tensor([x for v in values for x in v], dtype=dtype)
 
+    tokens = flat((p + c.token_ids for p, c in seqs), torch.long)                          # [S]: every sequence
     input_ids = torch.full((n, length), pad_id, dtype=torch.long)
-    input_ids[attention] = flat((p + c.token_ids for p, c in seqs), torch.long)
+    input_ids[attention] = tokens
     loss_mask = torch.zeros(n, length - 1, dtype=torch.bool)
     loss_mask[in_completion] = flat((c.loss_mask for _, c in seqs), torch.bool)
     sampler = torch.zeros(n, length - 1)
@@ -1093,7 +1122,78 @@ def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int, device:
                               torch.float32)
     replicas = torch.tensor([c.replica for _, c in seqs], dtype=torch.long)                # [N]
     fields = (input_ids, attention, loss_mask, sampler, versions, old, advantages, replicas)
-    return Rows(*(None if x is None else x.to(device) for x in fields))  # built on the CPU, moved in one copy each
+    rows = Rows(*(None if x is None else x.to(device) for x in fields))  # built on the CPU, moved in one copy each
+    if pack is not None:
+        packed = _packed_rows(tokens, seq_len, attention, pack_rows(seq_len.tolist(), pack), pad_id)
+        rows.packed = PackedRows(*(x.to(device) for x in (packed.input_ids, packed.position_ids, packed.index)))
+    return rows
+
+
+def _packed_rows(tokens: Any, seq_len: Any, attention: Any, bins: list[list[int]], pad_id: int) -> PackedRows:
+    """The sequences whose tokens, end to end, are `tokens` [S] and whose lengths are `seq_len` [N], laid out in the
+    rows `bins` (sequence indices per row, pack_rows); `attention` [N, L] marks their positions in the padded rows."""
+    lengths, row_of, offset, used = seq_len.tolist(), [0] * len(seq_len), [0] * len(seq_len), []
+    for r, members in enumerate(bins):
+        filled = 0
+        for i in members:
+            row_of[i], offset[i] = r, filled
+            filled += lengths[i]
+        used.append(filled)
+    width = max(used)
+    row_of, offset = torch.tensor(row_of), torch.tensor(offset)                           # [N]
+    first = seq_len.cumsum(0) - seq_len                                                   # [N] start in `tokens`
+    in_seq = torch.arange(tokens.numel()) - torch.repeat_interleave(first, seq_len)      # [S] position in its sequence
+    where = torch.repeat_interleave(row_of * width + offset, seq_len) + in_seq            # [S] slot in [R * W]
+    input_ids = torch.full((len(bins), width), pad_id, dtype=torch.long)
+    input_ids.view(-1)[where] = tokens
+    # The tail padding counts 0, 1, ... too: a sequence of its own, which no real token attends to.
+    position_ids = (torch.arange(width) - torch.tensor(used)[:, None]).clamp(min=0)       # [R, W]
+    position_ids.view(-1)[where] = in_seq
+    # The packed logprobs are [R, W-1], packed position j predicting token j + 1: completion n's position t (which
+    # predicts its token t + 1) is position offset + t of its row. Beyond a sequence's end: slot 0, masked later.
+    index = (row_of * (width - 1) + offset)[:, None] + torch.arange(attention.shape[1] - 1)  # [N, L-1]
+    return PackedRows(input_ids, position_ids, torch.where(attention[:, 1:], index, 0))
+
+
+def pack_rows(lengths: list[int], break_even: float) -> list[list[int]]:
+    """The rows of a packed micro-batch: sequence indices per row, for sequences of `lengths`. With dense attention
+    (sdpa's block-diagonal mask) a row of W tokens costs about W * (1 + W / break_even) token-layers: its linear
+    layers, padding included, plus its attention over all W^2 positions, masked or not (break_even: the row length
+    at which the two are equal, attention_break_even). Rows no narrower than the longest sequence (the [R, W] tensor
+    is that wide anyway) and a few times wider are tried with best-fit decreasing, and the cheapest kept: rows about
+    as long as the longest sequence when there are enough sequences to fill them, wider ones for a few. On the CPU
+    this cost ranked the measured row lengths in their measured order (README, "Benchmark: the learner step").
+    break_even = math.inf (varlen attention, which costs what the sequences themselves do): one row."""
+    longest, total = max(lengths), sum(lengths)
+    if math.isinf(break_even):
+        return [list(range(len(lengths)))]
+    best, best_cost = [], math.inf
+    for factor in (1, 1.25, 1.5, 2, 3, 4):
+        rows = best_fit_decreasing(lengths, min(int(longest * factor), total))
+        width = max(sum(lengths[i] for i in row) for row in rows)
+        cost = len(rows) * width * (1 + width / break_even)
+        if cost < best_cost:
+            best, best_cost = rows, cost
+    return best
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Bin packing: each sequence, longest first, goes into the row with the least room that still holds it
+    (lengths adding up to at most `capacity`), or opens a new row. Rows come out nearly full: padding is at most the
+    tail of a row. A sorted list of the rows' room finds that row by bisection: pack_rows' six widths for 1,024
+    sequences take 4 ms, where first-fit's scan of every row took 38 ms of host time (measured on the CPU)."""
+    rows: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (room left, row), sorted
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = bisect.bisect_left(room, (lengths[i], -1))
+        if k == len(room):
+            rows.append([])
+            left, r = capacity, len(rows) - 1
+        else:
+            left, r = room.pop(k)
+        rows[r].append(i)
+        bisect.insort(room, (left - lengths[i], r))
+    return rows
 
 
 def model_device(model: Any) -> torch.device:
@@ -1101,38 +1201,79 @@ def model_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def micro_batches(groups: list, token_budget: int, group_size: int) -> list[list[int]]:
-    """Indices of groups per micro-batch: whole groups, padded size (rows x longest row) within the budget."""
-    batches, current, longest = [], [], 0
+def micro_batches(groups: list, token_budget: int, group_size: int, packing: bool = False) -> list[list[int]]:
+    """Indices of groups per micro-batch: whole groups within the token budget, counted as real tokens (every
+    completion with its prompt) when `packing`, else as the padded size (rows x longest row). A group over the
+    budget is a micro-batch of its own."""
+    batches, current, longest, real = [], [], 0, 0
     for i, g in enumerate(groups):
         g_len = len(g.prompt_ids) + max(len(c.token_ids) for c in g.completions)
-        new_longest = max(longest, g_len)
-        if current and (len(current) + 1) * group_size * new_longest > token_budget:
+        g_real = sum(len(g.prompt_ids) + len(c.token_ids) for c in g.completions)
+        new_longest, new_real = max(longest, g_len), real + g_real
+        size = new_real if packing else (len(current) + 1) * group_size * new_longest
+        if current and size > token_budget:
             batches.append(current)
-            current, new_longest = [], g_len
+            current, new_longest, new_real = [], g_len, g_real
         current.append(i)
-        longest = new_longest
+        longest, real = new_longest, new_real
     if current:
         batches.append(current)
     return batches
 
 
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")  # attention that takes packed sequences as they are
+
+
+def row_packing(args: Args, model: Any) -> float | None:
+    """to_rows' `pack` for this model: None (--no-packing: padded rows); math.inf where its attention is varlen
+    (flash attention attends within each sequence at the sequences' own cost, and needs one row); else the dense
+    mask's break-even row length, from which pack_rows chooses the rows."""
+    if not args.packing:
+        return None
+    if model.config._attn_implementation in VARLEN_ATTENTION:
+        return math.inf
+    return attention_break_even(model.config)
+
+
+def attention_break_even(config: Any) -> float:
+    """The row length at which a token's dense attention (4 x query width FLOPs per position of its row: the scores
+    and the weighted sum) costs as much as its linear layers (2 FLOPs per weight), per decoder layer: about 830 for
+    the tiny model, 3,070 for SmolLM2-135M. A config without these sizes: 2,048."""
+    try:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        linear = 2 * config.hidden_size * (2 * q + 2 * kv + 3 * config.intermediate_size)
+        return linear / (4 * q)
+    except (AttributeError, TypeError):
+        return 2048.0
+
+
 def token_logprobs(model: Any, rows: Rows, temperature: float) -> Any:
-    """log pi(token) for every next-token position, after dividing the logits by the sampling temperature.
+    """log pi(token) for every next-token position [N, L-1], after dividing the logits by the sampling temperature.
+    Packed rows go through the model as they are, and their logprobs are gathered back into Rows' layout (0 beyond
+    each sequence's end, where the loss files mask anyway).
 
     A learner's LM head (build_learner: install_target_logprob_head) returns only these, chunk by chunk, so the
     micro-batch's [N, L-1, V] float32 logits never exist at once (for a 150k-token vocabulary and long completions
     they would be tens of GB); any other model goes through its full logits."""
+    if rows.packed is None:
+        input_ids, layout = rows.input_ids, {"attention_mask": rows.attention.long()}          # [N, L]
+    else:  # no attention mask: transformers then reads the sequences' boundaries from the position ids
+        input_ids, layout = rows.packed.input_ids, {"position_ids": rows.packed.position_ids}  # [R, W]
     head = model.get_output_embeddings()
-    targets = rows.input_ids[:, 1:]                                                          # [N, L-1]
+    targets = input_ids[:, 1:]
     if getattr(head, "scalerl_request", False) is None:  # an installed head, idle
         head.scalerl_request = (targets, temperature)
         try:
-            return model(input_ids=rows.input_ids, attention_mask=rows.attention.long()).logits  # [N, L-1]
+            logprobs = model(input_ids=input_ids, use_cache=False, **layout).logits
         finally:
             head.scalerl_request = None
-    logits = model(input_ids=rows.input_ids, attention_mask=rows.attention.long()).logits[:, :-1]  # [N, L-1, V]
-    return _target_logprobs(logits, targets, temperature)
+    else:
+        logits = model(input_ids=input_ids, use_cache=False, **layout).logits[:, :-1]
+        logprobs = _target_logprobs(logits, targets, temperature)
+    if rows.packed is None:
+        return logprobs                                                                       # [N, L-1]
+    return torch.where(rows.attention[:, 1:], logprobs.reshape(-1)[rows.packed.index], 0.0)   # [R, W-1] -> [N, L-1]
 
 
 def _target_logprobs(logits: Any, targets: Any, temperature: float) -> Any:
@@ -1715,7 +1856,8 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32,
+                                                 attn_implementation=attention_implementation(args, device))
     n_params = sum(p.numel() for p in model.parameters())
     model.config.use_cache = False
     low_precision = args.dtype == "bfloat16"
@@ -1744,6 +1886,18 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     install_target_logprob_head(model, args.logits_chunk_tokens)
     model.train()
     return model, n_params
+
+
+def attention_implementation(args: Args, device: Any) -> str:
+    """The learner's attention: flash attention 2 where it can run (a GPU, bfloat16, flash-attn installed) under
+    --packing, whose varlen kernels attend within each packed sequence at the sequences' own cost; else sdpa, which
+    takes packed rows through a block-diagonal mask (pack_rows bounds its cost)."""
+    if args.packing and torch.device(device).type == "cuda" and args.dtype == "bfloat16":
+        from transformers.utils import is_flash_attn_2_available  # here, not at the top: see build_learner
+
+        if is_flash_attn_2_available():
+            return "flash_attention_2"
+    return "sdpa"
 
 
 def build_reference(model_path: str, args: Args, device: Any) -> Any:

@@ -1,6 +1,7 @@
 """Run under torchrun by tests/test_train.py: the gradient of one step of every loss, for several micro-batch
-token budgets and LM-head chunk sizes, with and without --kl-coef, on synthetic groups. Rank 0 saves
-{(loss, budget, chunk, kl_coef): (loss value, flat full gradient, metrics)} to argv[1]. argv[2], if given, is the
+token budgets and LM-head chunk sizes, with and without --kl-coef, --tis and CISPO's other aggregation units, in
+padded rows and packed ones (--packing), on synthetic groups. Rank 0 saves {(loss, config): (loss value, flat full
+gradient, metrics)} to argv[1], `config` a tuple of (Args field, value) pairs (CONFIGS). argv[2], if given, is the
 learner's --dtype (default float32), and argv[3] a model directory (default: the embedded base model); on a CUDA
 machine the ranks run on the GPU under NCCL (tests/test_gpu.py compares that with CPU)."""
 
@@ -18,6 +19,25 @@ import tasks  # noqa: E402
 import train  # noqa: E402
 from bench import synthetic_groups  # noqa: E402
 
+# The settings that change the loss (KL to the reference model, importance weights, CISPO's aggregation unit): each
+# is run with one micro-batch in padded rows (the reference), then with the others below.
+LOSS_SETTINGS = ({}, {"kl_coef": 0.04}, {"tis": "token"})
+CISPO_SETTINGS = ({"aggregation": "sample"}, {"aggregation": "token"})
+# How the step is cut up, none of which may change it: one micro-batch per rank or several (--micro-batch-tokens,
+# padded size or real tokens), the LM head's logits in chunks of 3 positions, padded rows or packed ones.
+LAYOUTS = ({"micro_batch_tokens": 100_000, "packing": False},  # the reference
+           {"micro_batch_tokens": 200, "packing": False},
+           {"micro_batch_tokens": 200, "packing": False, "logits_chunk_tokens": 3},
+           {"micro_batch_tokens": 100_000, "packing": True},
+           {"micro_batch_tokens": 200, "packing": True},
+           {"micro_batch_tokens": 60, "packing": True, "logits_chunk_tokens": 3})
+
+
+def configs(loss_name: str) -> list[tuple[tuple, tuple]]:
+    """(settings, layout) pairs for one loss, each a sorted tuple of (Args field, value)."""
+    settings = LOSS_SETTINGS + (CISPO_SETTINGS if loss_name == "cispo" else ())
+    return [(tuple(sorted(s.items())), tuple(sorted(layout.items()))) for s in settings for layout in LAYOUTS]
+
 
 def main() -> None:
     out = Path(sys.argv[1])
@@ -27,16 +47,12 @@ def main() -> None:
     results = {}
     for loss_name in train.LOSSES:
         loss_module = importlib.import_module(loss_name)
-        # one micro-batch per rank; several; several, with the LM head's logits in chunks of 3 positions; then the
-        # reference-policy KL (train.py's reference model) in one and in several micro-batches
-        for budget, chunk, kl_coef in ((100_000, None, 0.0), (200, None, 0.0), (200, 3, 0.0),
-                                       (100_000, None, 0.04), (200, None, 0.04)):
-            args = train.Args(loss=loss_name, micro_batch_tokens=budget, group_size=4, dtype=dtype,
-                              logits_chunk_tokens=chunk, kl_coef=kl_coef)
+        for settings, layout in configs(loss_name):
+            args = train.Args(loss=loss_name, group_size=4, dtype=dtype, **dict(settings), **dict(layout))
             torch.manual_seed(0)
             model, _ = train.build_learner(str(model_dir), args, device)
             ref_model = None
-            if kl_coef:
+            if args.kl_coef:
                 ref_model = train.build_reference(str(model_dir), args, device)
                 with torch.no_grad():  # move the reference off the policy, so that the KL and its gradient are not 0
                     for p in ref_model.parameters():
@@ -47,12 +63,15 @@ def main() -> None:
             advantages = loss_module.compute_advantages(rewards, 4)
             mine = [i for i in range(len(groups)) if i % world == rank]
             my_adv = torch.cat([advantages[i * 4: (i + 1) * 4] for i in mine])
+            if args.tis:  # as the loop does: the learner's old logprobs, in the same layout, against the sampler's
+                with torch.no_grad():
+                    train.attach_learner_logprobs(model, [groups[i] for i in mine], args, pad_id=0)
             totals = train.loss_and_backward(model, loss_module, hp, [groups[i] for i in mine], my_adv, args,
                                              pad_id=0, world=world, version=0, ref_model=ref_model)
             metrics = train.reduce_metrics(totals, world)
             grads = {name: p.grad.full_tensor().float().cpu() for name, p in model.named_parameters()}
             flat = torch.cat([grads[k].flatten() for k in sorted(grads)])
-            results[(loss_name, budget, chunk, kl_coef)] = (metrics["loss"], flat, metrics)
+            results[(loss_name, settings + layout)] = (metrics["loss"], flat, metrics)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()

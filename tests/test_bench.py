@@ -5,6 +5,7 @@ The experiments themselves are real train.py runs; their results are in docs/res
 import argparse
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,8 @@ import pytest
 
 import bench
 import scaling_fit as sf
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _rows(values: list[float], lags: list[dict[str, int]]) -> list[dict]:
@@ -315,3 +318,15 @@ def test_the_run_length_table_is_what_the_committed_records_give():
             cell = f"{rep['half_fit_error']:+.3f}" + ("**" if abs(rep["half_fit_error"]) > 0.05 else "") + \
                 f" ({rep['half_fit_error_vs_fit']:+.3f})"
             assert cell in line, (record.stem, steps, cell)
+
+
+def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed_step(tmp_path):
+    """`bench.py train` on a small batch of the tiny model (a smoke test; the timings are the README's): its last
+    line is JSON with the ratios and the padding fractions, and packed rows hold less padding than padded ones."""
+    run = subprocess.run([sys.executable, str(REPO / "bench.py"), "train", "--groups", "4", "--repeats", "1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.splitlines()[-1])
+    assert result["tokens"] > 0 and result["learner_vs_bare_packed"] > 0 and result["packed_vs_padded"] > 0
+    assert 0 <= result["pad_fraction_packed"] < result["pad_fraction_padded"] < 1
+    assert "real tokens/s" in run.stdout

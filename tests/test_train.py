@@ -14,6 +14,7 @@ import sys
 import time
 import warnings
 import collections
+import dataclasses
 from collections import deque
 from pathlib import Path
 
@@ -321,6 +322,63 @@ def test_rows_go_to_the_models_device():
     assert train.model_device(torch.nn.Linear(2, 2, device="meta")).type == "meta"
 
 
+def _random_groups(rng: random.Random, n_groups: int, group_size: int, vocab: int, longest: int = 20) -> list[Group]:
+    """Groups of random prompts and completions (an empty completion now and then), for the packing tests."""
+    groups = []
+    for i in range(n_groups):
+        completions = []
+        for _ in range(group_size):
+            n = rng.randint(0, longest)
+            completions.append(Completion(token_ids=[rng.randrange(3, vocab) for _ in range(n)],
+                                          sampler_logprobs=[-rng.random() for _ in range(n)], versions=[0] * n,
+                                          loss_mask=[rng.random() < 0.8 for _ in range(n)], text="",
+                                          finish_reason="stop", reward=1.0))
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))]
+        groups.append(Group(Problem(f"p{i}", "", ""), i, prompt, completions))
+    return groups
+
+
+def test_micro_batches_count_real_tokens_when_packing():
+    """Packed, a micro-batch's budget counts real tokens (every completion with its prompt), not rows x longest."""
+    groups = [_group(i, [2, 12], [1.0, -1.0]) for i in range(4)]  # 3 + 2 and 3 + 12: 20 real tokens, 30 padded
+    assert [len(b) for b in train.micro_batches(groups, 40, 2, packing=True)] == [2, 2]
+    assert [len(b) for b in train.micro_batches(groups, 40, 2, packing=False)] == [1, 1, 1, 1]
+    assert train.micro_batches(groups, 5, 2, packing=True) == [[0], [1], [2], [3]]  # a group over the budget: alone
+
+
+def test_packed_rows_hold_every_sequence_once_with_padding_only_at_the_tail_of_a_row():
+    """Random groups, packed for the tiny model's attention break-even (832), SmolLM2's (3,072), a break-even of 4
+    tokens (rows no wider than the longest sequence) and varlen attention (one row): the packed rows hold each
+    sequence whole, position ids counting from 0 at its start; a row's padding is its tail; and the index reads each
+    completion's next-token targets back from the packed rows."""
+    rng = random.Random(0)
+    for trial in range(20):
+        group_size = rng.randint(1, 4)
+        groups = _random_groups(rng, rng.randint(1, 6), group_size, 99)
+        padded = train.to_rows(groups, None, group_size, pad_id=1)
+        for pack in (832.0, 3072.0, 4.0, math.inf):
+            rows = train.to_rows(groups, None, group_size, pad_id=1, pack=pack)
+            for field in ("input_ids", "attention", "loss_mask", "sampler_logprobs", "versions", "old_logprobs"):
+                assert torch.equal(getattr(rows, field), getattr(padded, field))  # the loss files' layout is kept
+            ids, pos = rows.packed.input_ids, rows.packed.position_ids                       # [R, W]
+            if math.isinf(pack):
+                assert ids.shape[0] == 1
+            seqs = sorted(g.prompt_ids + c.token_ids for g in groups for c in g.completions)  # tokens are >= 3
+            real = []
+            for r in range(ids.shape[0]):
+                starts = (pos[r] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+                assert all(pos[r, a:b].tolist() == list(range(b - a)) for a, b in zip(starts, starts[1:]))
+                pieces = [ids[r, a:b].tolist() for a, b in zip(starts, starts[1:])]
+                if set(pieces[-1]) == {1}:  # padding (pad_id 1): the tail of the row, nowhere else
+                    pieces.pop()
+                assert all(set(piece) != {1} for piece in pieces)
+                real += pieces
+            assert sorted(real) == seqs
+            targets = ids[:, 1:].reshape(-1)[rows.packed.index]                               # [N, L-1]
+            valid = padded.attention[:, 1:]
+            assert torch.equal(targets[valid], padded.input_ids[:, 1:][valid])
+
+
 class FakeGenerator:
     """Stands in for pipeline_rl.Generator to test the batch bookkeeping around it (the real one is tested in
     test_pipeline_rl.py and in the end-to-end runs below)."""
@@ -482,6 +540,78 @@ def test_mismatch_is_reported_per_replica_on_completions_sampled_wholly_by_the_t
     diff = metrics["mismatch_max_abs_diff_by_replica"]
     assert set(diff) == {0, 1} and diff[0] < 1e-5 and abs(diff[1] - 0.3) < 1e-5, diff  # the -5 straddler is out
     assert metrics["mismatch_kl_k3_by_replica"][0] < 1e-9 < metrics["mismatch_kl_k3_by_replica"][1]
+
+
+def _tied_llama(out: Path) -> Path:
+    """A small random Llama whose LM head is its input embedding, as SmolLM2's is (tests/test_gpu.py's shape)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("which", ["embedded", "tied", "smollm2"])
+def test_packed_rows_give_the_padded_rows_logprobs_and_gradient(one_rank_group, base_model_dir, tmp_path, request,
+                                                                which):
+    """The learner (FSDP2, its LM head in chunks of 7 positions) gives every token of every sequence the same
+    logprob, and a weighted sum of them the same gradient, packed (several sequences a row, or all in one) or padded,
+    within float32 rounding: for the embedded model, a tied head, and SmolLM2-135M (tied, 30 layers). On SmolLM2,
+    measured against a float64 copy, padded and packed rows alike are off by up to 3.5e-5 in a logprob and 4-7e-5 in
+    the gradient's relative norm; here they differ from each other by 3e-5 in both (the tiny models: 1e-6 or less)."""
+    model_dir = {"embedded": lambda: base_model_dir, "tied": lambda: _tied_llama(tmp_path / "tied"),
+                 "smollm2": lambda: request.getfixturevalue("real_model_dir")}[which]()
+    args = train.Args(dtype="float32", logits_chunk_tokens=7)
+    model, _ = train.build_learner(str(model_dir), args, torch.device("cpu"))
+    vocab = model.config.vocab_size
+    groups = _random_groups(random.Random(1), 3, 4, min(vocab, 1000), longest=40)
+    padded = train.to_rows(groups, None, 4, pad_id=0)
+    valid = padded.attention[:, 1:]                                                   # [N, L-1] every next token
+    weights = torch.randn(valid.shape, generator=torch.Generator().manual_seed(0))
+
+    def logprobs_and_gradient(rows: train.Rows) -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        logprobs = train.token_logprobs(model, rows, 0.7)
+        (logprobs * weights)[valid].sum().backward()
+        grad = torch.cat([p.grad.full_tensor().flatten() for _, p in sorted(model.named_parameters())])
+        return logprobs.detach()[valid], grad
+
+    reference, reference_grad = logprobs_and_gradient(padded)
+    for pack in (train.row_packing(args, model), math.inf):
+        rows = train.to_rows(groups, None, 4, pad_id=0, pack=pack)
+        assert rows.packed.input_ids.shape[0] < padded.input_ids.shape[0]  # several sequences share a row
+        logprobs, grad = logprobs_and_gradient(rows)
+        torch.testing.assert_close(logprobs, reference, rtol=0, atol=1e-4)
+        assert (grad - reference_grad).norm() < 2e-4 * reference_grad.norm()
+
+
+def test_no_token_attends_across_a_packed_boundary(one_rank_group, base_model_dir):
+    """sdpa on CPU: new tokens in the other sequences of a packed row (so other keys and values everywhere around
+    it) leave a sequence's logprobs as they were, bit for bit, while theirs change."""
+    args = train.Args(dtype="float32")
+    model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
+    rng = random.Random(2)
+    groups = _random_groups(rng, 4, 4, 42, longest=20)
+    kept = {0, 9}  # sequence 4 * group + completion: groups 0 and 2 keep their prompt and one completion each
+    new_tokens = lambda ids: [rng.randrange(3, 42) for _ in ids]  # noqa: E731 (the same length: the same layout)
+    changed = [Group(g.problem, g.data_index, g.prompt_ids if i in (0, 2) else new_tokens(g.prompt_ids),
+                     [dataclasses.replace(c, token_ids=c.token_ids if 4 * i + j in kept else new_tokens(c.token_ids))
+                      for j, c in enumerate(g.completions)])
+               for i, g in enumerate(groups)]
+    with torch.no_grad():
+        for pack in (train.row_packing(args, model), math.inf):
+            before, after = (train.to_rows(gs, None, 4, pad_id=1, pack=pack) for gs in (groups, changed))
+            assert torch.equal(before.packed.position_ids, after.packed.position_ids)  # the same layout
+            width = before.packed.input_ids.shape[1]
+            row_of = before.packed.index[:, 0] // (width - 1)                               # [N]
+            assert all((row_of == row_of[n]).sum() > 1 for n in kept)  # each shares its row with changed ones
+            lp_before, lp_after = train.token_logprobs(model, before, 1.0), train.token_logprobs(model, after, 1.0)
+            others = [n for n in range(16) if n not in kept]
+            assert all(torch.equal(lp_before[n], lp_after[n]) for n in kept)
+            assert not torch.equal(lp_before[others], lp_after[others])
 
 
 def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path, capsys):
@@ -920,20 +1050,29 @@ def probe_results(tmp_path_factory, base_model_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", train.LOSSES)
 def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, loss):
-    for kl_coef, configs in ((0.0, ((100_000, None), (200, None), (200, 3))),  # chunk: --logits-chunk-tokens
-                             (0.04, ((100_000, None), (200, None)))):  # the reference logprobs, per micro-batch too
-        # one rank, one micro-batch
-        reference_loss, reference_grad, reference = probe_results[1][(loss, 100_000, None, kl_coef)]
+    """Every layout of the step (learner_probe.LAYOUTS: micro-batch budgets, the LM head in chunks, padded or packed
+    rows), on 1 and 2 ranks, gives the loss and gradient of one padded micro-batch on one rank, for every setting
+    that changes the loss (the reference-policy KL, the reference model packed as the policy is; --tis, its old
+    logprobs recomputed in the same layout; CISPO's three aggregation units)."""
+    import learner_probe
+
+    one_padded_micro_batch = tuple(sorted(learner_probe.LAYOUTS[0].items()))
+    for settings, layout in learner_probe.configs(loss):
+        reference_loss, reference_grad, reference = probe_results[1][(loss, settings + one_padded_micro_batch)]
         assert reference_grad.abs().max() > 0
+        kl_coef = dict(settings).get("kl_coef", 0.0)
         assert (reference["kl_ref"] > 1e-4) if kl_coef else ("kl_ref" not in reference)
+        if dict(settings).get("tis"):  # the learner's old logprobs are not the sampler's: the weights are not all 1
+            assert reference["is_weight_mean"] != pytest.approx(1.0)
         for world in (1, 2):
-            for budget, chunk in configs:
-                value, grad, metrics = probe_results[world][(loss, budget, chunk, kl_coef)]
-                assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), (world, budget, chunk, kl_coef)
-                torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-5)
-                assert metrics["num_tokens"] == reference["num_tokens"]
-                if kl_coef:
-                    assert metrics["kl_ref"] == pytest.approx(reference["kl_ref"], rel=1e-5)
+            value, grad, metrics = probe_results[world][(loss, settings + layout)]
+            where = (world, settings, layout)
+            assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), where
+            torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {m}")
+            assert metrics["num_tokens"] == reference["num_tokens"], where
+            for key in ("kl_ref", "is_weight_mean"):
+                if key in reference:
+                    assert metrics[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (where, key)
 
 
 # --------------------------------------------------------------------------------------------------------------

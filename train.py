@@ -24,8 +24,10 @@ loop, in the order the loop calls them:
   pull groups -> retire solved prompts (No-Positive-Resampling) -> filter zero-variance groups -> overlong penalty
   and overlong filter -> old logprobs -> advantages -> loss and backward -> optimizer step -> push weights
   -> evaluate -> log -> checkpoint; at the end, fit ScaleRL's sigmoid to the evaluation rows (OUTPUT_DIR/scaling.png).
-Below the PLUMBING banner: the command line, process groups, the output-directory lock, building the FSDP2
-learner, resume, checkpoint files and signal handling, which a reader of the recipe may skip.
+Then the learner itself (make_learner: the loss file, seeds, the FSDP2 policy with its FP32 head, AdamW and its
+warm-up), and `export` and `evaluate`. Below the PLUMBING banner: the command line, process groups, the
+output-directory lock, resume, the generator's start, checkpoint files and signal handling, which a reader of the
+recipe may skip.
 
 How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (tasks.py), so it runs on 2 CPU cores
@@ -524,67 +526,6 @@ def main(argv: list[str] | None = None) -> None:
     dist.destroy_process_group()
 
 
-def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
-    """The policy of a run's newest readable checkpoint as a Hugging Face model directory (config, weights,
-    tokenizer, chat template) that transformers and vLLM load as they load the base model. Returns what it wrote."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # here, not at the top: see build_learner
-
-    if not (run_dir / "args.json").is_file():
-        raise SystemExit(f"export: {run_dir} holds no run (no args.json)")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise SystemExit(f"export: {out_dir} is a file; OUT_DIR must be a new or empty directory")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise SystemExit(f"export: {out_dir} is not empty")
-    try:
-        saved = read_args_json(run_dir)
-    except ValueError as e:
-        raise SystemExit(f"export: {e}") from None
-    state, weights, _, ckpt = read_checkpoint(run_dir, None, "export")  # before the base model: it may be built
-    base = saved.get("model") or str(tasks.build_base_model(progress=False))
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model.load_state_dict(weights["model"], strict=True)  # FSDP2's full state dict keeps the HF names
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
-    return {"model_dir": str(out_dir), "checkpoint": str(ckpt), "step": state["step"], "base_model": base}
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of one problem from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k) if n - c >= k else 1.0
-
-
-def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
-    """`train.py evaluate [--model DIR | --resume RUN_DIR] [--dataset ...] --eval-samples N`: the policy's pass@k
-    (k = 1, 2, 4 ... N) and mean reward on the data set's validation problems (--test-dataset's, if given), with the
-    run's sampler settings. Without --model or --resume: the embedded base model."""
-    if args.resume:  # a run's checkpoint: export it, then evaluate it like any model directory
-        model_dir = export(Path(args.resume), scratch / "policy")["model_dir"]
-    else:
-        model_dir = args.model or str(tasks.build_base_model(progress=False))
-    resolve_defaults(args, embedded=args.model is None and not args.resume, on_gpu=args.gen_devices is not None)
-    task, test_task = load_tasks(args)
-    problems = (test_task or task).validation(args.eval_prompts)
-    config = dataclasses.replace(generator_config(args, model_path=model_dir, step=0), mode="sync")
-    with pipeline_rl.Generator(config, task) as generator:
-        groups = generator.evaluate(problems, args.eval_samples, args.temperature)
-    n = args.eval_samples
-    correct = [sum(r > 0 for r in g.rewards) for g in groups]
-    ks = [k for k in (2 ** i for i in range(n.bit_length())) if k <= n]
-    scorer = test_task or task
-    checks = {}  # a task's other checks of the same completions (small-arithmetic: a strict and a lenient format)
-    if hasattr(scorer, "checks"):
-        results = [scorer.checks(g.problem, c.text) for g in groups for c in g.completions]
-        checks = {f"check_{name}": sum(r[name] for r in results) / len(results) for name in results[0]}
-    return {
-        "model": model_dir, "resume": args.resume, "dataset": args.test_dataset or args.dataset or "arithmetic",
-        "problems": len(groups), "samples": n,
-        **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks},
-        "mean_reward": sum(r for g in groups for r in g.rewards) / (n * len(groups)), **checks,
-        "temperature": args.temperature, "max_tokens": args.max_tokens, "length_control": args.length_control,
-        "think_budget": args.think_budget,
-    }
-
-
 def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
     """The ScaleRL loop, from `state` to --max-steps. Every learner rank runs it in step with the others (FSDP's
     collectives); rank 0 also drives the generator and writes metrics.jsonl."""
@@ -1050,7 +991,7 @@ def stop_if_signalled(learner: Learner, run: Run, state: TrainerState) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# What the steps use: padded rows of micro-batches, logprobs, evaluation, the sigmoid fit
+# What the steps use: packed (or padded) rows of micro-batches, logprobs, evaluation, the sigmoid fit
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -1378,9 +1319,173 @@ def fit_and_plot(metrics_file: Path, out_png: Path, label: str) -> Any:
     return fit
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# The learner a rank trains: its loss file, its seeds, the policy as FSDP2 with ScaleRL's FP32 LM head, AdamW and
+# its warm-up (set_up calls make_learner once the data and the model directory are known)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def make_learner(args: Args, model_path: str, device: Any, rank: int) -> Learner:
+    """The loss file --loss names, with its hyper-parameters (flags over the file's paper defaults); the seeds (data
+    order and sampling per rank, initialisation shared); the policy (build_learner) and, with --kl-coef, the frozen
+    reference; AdamW and its linear warm-up over --warmup-steps."""
+    loss_module = LOSSES[args.loss]
+    hp = loss_hyperparameters(args, loss_module)
+    adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed)
+    model, n_params = build_learner(model_path, args, device)
+    ref_model = build_reference(model_path, args, device) if args.kl_coef else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
+    warmup = max(args.warmup_steps, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+    return Learner(model=model, optimizer=optimizer, scheduler=scheduler, loss_module=loss_module, hp=hp,
+                   adv_kwargs=adv_kwargs, pad_id=pad_token_id(model_path), n_params=n_params, ref_model=ref_model)
+
+
+def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
+    """The policy as FSDP2: fully_shard on every decoder layer, then the root. Returns (model, param count).
+
+    No rank but rank 0 ever holds a full copy of the weights (FSDP2's documented way to load a large model): every
+    rank builds the model on the meta device and shards it, then allocates its shards on `device`; rank 0 reads the
+    checkpoint and broadcasts it, each rank keeping its shard. Buffers that are not in the checkpoint (the rotary
+    frequencies) come from rank 0's copy too."""
+    # transformers is imported here, not at the top: it takes longer to import than torch, and `--help`, the
+    # flag checks and the tests that never build a model should not wait for it.
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32,
+                                                 attn_implementation=attention_implementation(args, device))
+    n_params = sum(p.numel() for p in model.parameters())
+    model.config.use_cache = False
+    low_precision = args.dtype == "bfloat16"
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if low_precision else None
+    if args.fp32_lm_head:
+        # FP32 LM head (ScaleRL, MiniMax-M1): its own FSDP unit kept in float32, fed float32 hidden states. A head
+        # tied to the input embedding (SmolLM2 and other small models) is one parameter, which FSDP2 refuses in two
+        # units: the embedding joins the head's unit (and is kept in float32 with it).
+        model.lm_head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(),))
+        tied = model.lm_head.weight is model.get_input_embeddings().weight
+        head = [model.get_input_embeddings(), model.lm_head] if tied else model.lm_head
+        fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    for layer in model.model.layers:
+        fully_shard(layer, **({"mp_policy": mp} if mp else {}))
+    fully_shard(model, **({"mp_policy": mp} if mp else {}))
+    model.to_empty(device=device)
+    loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) if dist.get_rank() == 0 else None
+    set_model_state_dict(model, loaded.state_dict() if loaded is not None else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    rank0_buffers = dict(loaded.named_buffers()) if loaded is not None else {}
+    for name, buffer in model.named_buffers():
+        if loaded is not None:
+            buffer.copy_(rank0_buffers[name])
+        dist.broadcast(buffer, src=0)
+    del loaded, rank0_buffers
+    install_target_logprob_head(model, args.logits_chunk_tokens)
+    model.train()
+    return model, n_params
+
+
+def attention_implementation(args: Args, device: Any) -> str:
+    """The learner's attention: flash attention 2 where it can run (a GPU, bfloat16, flash-attn installed) under
+    --packing, whose varlen kernels attend within each packed sequence at the sequences' own cost; else sdpa, which
+    takes packed rows through a block-diagonal mask (pack_rows bounds its cost)."""
+    if args.packing and torch.device(device).type == "cuda" and args.dtype == "bfloat16":
+        from transformers.utils import is_flash_attn_2_available  # here, not at the top: see build_learner
+
+        if is_flash_attn_2_available():
+            return "flash_attention_2"
+    return "sdpa"
+
+
+def build_reference(model_path: str, args: Args, device: Any) -> Any:
+    """--kl-coef's reference policy: the initial model, frozen, sharded like the policy."""
+    return build_learner(model_path, args, device)[0].eval().requires_grad_(False)
+
+
+def pad_token_id(model_path: str) -> int:
+    from transformers import AutoTokenizer  # here, not at the top: see build_learner
+
+    return AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
+
+
+def full_state_dict(model: Any) -> dict:
+    """HF-named full weights gathered on rank 0 (empty elsewhere); a collective: every rank calls it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Export and evaluation: a run's policy as a Hugging Face model directory, and its pass@k (`train.py export`,
+# `train.py evaluate`)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """The policy of a run's newest readable checkpoint as a Hugging Face model directory (config, weights,
+    tokenizer, chat template) that transformers and vLLM load as they load the base model. Returns what it wrote."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # here, not at the top: see build_learner
+
+    if not (run_dir / "args.json").is_file():
+        raise SystemExit(f"export: {run_dir} holds no run (no args.json)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise SystemExit(f"export: {out_dir} is a file; OUT_DIR must be a new or empty directory")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise SystemExit(f"export: {out_dir} is not empty")
+    try:
+        saved = read_args_json(run_dir)
+    except ValueError as e:
+        raise SystemExit(f"export: {e}") from None
+    state, weights, _, ckpt = read_checkpoint(run_dir, None, "export")  # before the base model: it may be built
+    base = saved.get("model") or str(tasks.build_base_model(progress=False))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.load_state_dict(weights["model"], strict=True)  # FSDP2's full state dict keeps the HF names
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
+    return {"model_dir": str(out_dir), "checkpoint": str(ckpt), "step": state["step"], "base_model": base}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one problem from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k) if n - c >= k else 1.0
+
+
+def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
+    """`train.py evaluate [--model DIR | --resume RUN_DIR] [--dataset ...] --eval-samples N`: the policy's pass@k
+    (k = 1, 2, 4 ... N) and mean reward on the data set's validation problems (--test-dataset's, if given), with the
+    run's sampler settings. Without --model or --resume: the embedded base model."""
+    if args.resume:  # a run's checkpoint: export it, then evaluate it like any model directory
+        model_dir = export(Path(args.resume), scratch / "policy")["model_dir"]
+    else:
+        model_dir = args.model or str(tasks.build_base_model(progress=False))
+    resolve_defaults(args, embedded=args.model is None and not args.resume, on_gpu=args.gen_devices is not None)
+    task, test_task = load_tasks(args)
+    problems = (test_task or task).validation(args.eval_prompts)
+    config = dataclasses.replace(generator_config(args, model_path=model_dir, step=0), mode="sync")
+    with pipeline_rl.Generator(config, task) as generator:
+        groups = generator.evaluate(problems, args.eval_samples, args.temperature)
+    n = args.eval_samples
+    correct = [sum(r > 0 for r in g.rewards) for g in groups]
+    ks = [k for k in (2 ** i for i in range(n.bit_length())) if k <= n]
+    scorer = test_task or task
+    checks = {}  # a task's other checks of the same completions (small-arithmetic: a strict and a lenient format)
+    if hasattr(scorer, "checks"):
+        results = [scorer.checks(g.problem, c.text) for g in groups for c in g.completions]
+        checks = {f"check_{name}": sum(r[name] for r in results) / len(results) for name in results[0]}
+    return {
+        "model": model_dir, "resume": args.resume, "dataset": args.test_dataset or args.dataset or "arithmetic",
+        "problems": len(groups), "samples": n,
+        **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks},
+        "mean_reward": sum(r for g in groups for r in g.rewards) / (n * len(groups)), **checks,
+        "temperature": args.temperature, "max_tokens": args.max_tokens, "length_control": args.length_control,
+        "think_budget": args.think_budget,
+    }
+
+
 # ================================================================================================================
 # PLUMBING. A reader of the recipe may stop here: below are the command line, the setup (process groups, the
-# output-directory lock, building the FSDP2 learner, resume, the generator), the collectives that keep the ranks in
+# output-directory lock, data and model directory, resume, the generator), the collectives that keep the ranks in
 # step, checkpoint files, signal handling and the metrics file.
 # ================================================================================================================
 
@@ -1641,10 +1746,6 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
     log: MetricsLog | None = None
     old_run_kept = args.overwrite and not fresh_dir  # --overwrite deletes the old run last, once all checks pass
     try:  # until the first metrics row, a failure leaves the output directory as it was found
-        loss_module = LOSSES[args.loss]
-        hp = loss_hyperparameters(args, loss_module)
-        adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
-
         # Data and model. Rank 0 builds the embedded model once (cached); the others wait at the barrier.
         try:
             task, test_task = load_tasks(args)
@@ -1661,19 +1762,8 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
         dist.barrier()
         model_path = str(tasks.build_base_model()) if embedded else args.model
         resolve_defaults(args, embedded, device.type == "cuda")
-        random.seed(args.seed + rank)
-        np.random.seed(args.seed + rank)
-        torch.manual_seed(args.seed)
-        model, n_params = build_learner(model_path, args, device)
-        ref_model = None
-        if args.kl_coef:
-            ref_model = build_reference(model_path, args, device)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-        warmup = max(args.warmup_steps, 0)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
-        learner = Learner(model=model, optimizer=optimizer, scheduler=scheduler, loss_module=loss_module, hp=hp,
-                          adv_kwargs=adv_kwargs, pad_id=pad_token_id(model_path), n_params=n_params,
-                          ref_model=ref_model)
+        learner = make_learner(args, model_path, device, rank)
+        model, optimizer, scheduler = learner.model, learner.optimizer, learner.scheduler
 
         state = TrainerState()
         if args.resume:
@@ -1837,83 +1927,6 @@ def generator_shares_a_gpu(args: Args) -> bool:
         return False
     learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, torch.cuda.device_count())
     return bool(set(learner_ids) & set(gen_ids))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The FSDP2 learner
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
-    """The policy as FSDP2: fully_shard on every decoder layer, then the root. Returns (model, param count).
-
-    No rank but rank 0 ever holds a full copy of the weights (FSDP2's documented way to load a large model): every
-    rank builds the model on the meta device and shards it, then allocates its shards on `device`; rank 0 reads the
-    checkpoint and broadcasts it, each rank keeping its shard. Buffers that are not in the checkpoint (the rotary
-    frequencies) come from rank 0's copy too."""
-    # transformers is imported here, not at the top: it takes longer to import than torch, and `--help`, the
-    # flag checks and the tests that never build a model should not wait for it.
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path), dtype=torch.float32,
-                                                 attn_implementation=attention_implementation(args, device))
-    n_params = sum(p.numel() for p in model.parameters())
-    model.config.use_cache = False
-    low_precision = args.dtype == "bfloat16"
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if low_precision else None
-    if args.fp32_lm_head:
-        # FP32 LM head (ScaleRL, MiniMax-M1): its own FSDP unit kept in float32, fed float32 hidden states. A head
-        # tied to the input embedding (SmolLM2 and other small models) is one parameter, which FSDP2 refuses in two
-        # units: the embedding joins the head's unit (and is kept in float32 with it).
-        model.lm_head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(),))
-        tied = model.lm_head.weight is model.get_input_embeddings().weight
-        head = [model.get_input_embeddings(), model.lm_head] if tied else model.lm_head
-        fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
-    for layer in model.model.layers:
-        fully_shard(layer, **({"mp_policy": mp} if mp else {}))
-    fully_shard(model, **({"mp_policy": mp} if mp else {}))
-    model.to_empty(device=device)
-    loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) if dist.get_rank() == 0 else None
-    set_model_state_dict(model, loaded.state_dict() if loaded is not None else {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    rank0_buffers = dict(loaded.named_buffers()) if loaded is not None else {}
-    for name, buffer in model.named_buffers():
-        if loaded is not None:
-            buffer.copy_(rank0_buffers[name])
-        dist.broadcast(buffer, src=0)
-    del loaded, rank0_buffers
-    install_target_logprob_head(model, args.logits_chunk_tokens)
-    model.train()
-    return model, n_params
-
-
-def attention_implementation(args: Args, device: Any) -> str:
-    """The learner's attention: flash attention 2 where it can run (a GPU, bfloat16, flash-attn installed) under
-    --packing, whose varlen kernels attend within each packed sequence at the sequences' own cost; else sdpa, which
-    takes packed rows through a block-diagonal mask (pack_rows bounds its cost)."""
-    if args.packing and torch.device(device).type == "cuda" and args.dtype == "bfloat16":
-        from transformers.utils import is_flash_attn_2_available  # here, not at the top: see build_learner
-
-        if is_flash_attn_2_available():
-            return "flash_attention_2"
-    return "sdpa"
-
-
-def build_reference(model_path: str, args: Args, device: Any) -> Any:
-    """--kl-coef's reference policy: the initial model, frozen, sharded like the policy."""
-    return build_learner(model_path, args, device)[0].eval().requires_grad_(False)
-
-
-def pad_token_id(model_path: str) -> int:
-    from transformers import AutoTokenizer  # here, not at the top: see build_learner
-
-    return AutoTokenizer.from_pretrained(model_path).pad_token_id or 0
-
-
-def full_state_dict(model: Any) -> dict:
-    """HF-named full weights gathered on rank 0 (empty elsewhere); a collective: every rank calls it."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -542,7 +542,8 @@ def bench_train(args: argparse.Namespace) -> dict:
     """The learner's real (trained) tokens/s, train.py's FSDP2 step (micro-batches, loss file, clipping, AdamW) with
     packed rows and with padded ones (--no-packing), against the no-padding limit: a bare transformers forward +
     backward + AdamW over the same real tokens, packed as the learner packs them. In one process on one rank,
-    interleaved. Also the padding fraction of either layout, over the micro-batches the learner runs."""
+    interleaved. Also the padding fraction of either layout, over the micro-batches the learner runs, and the host
+    time of one micro-batch of the learner, packed and padded."""
     import dataclasses
     import importlib
     import os
@@ -664,6 +665,39 @@ def bench_train(args: argparse.Namespace) -> dict:
             wait()
             times[name].append((time.perf_counter() - start) / args.repeats)
     bare_s, packed_s, padded_s = (min(times[name]) for name in ("bare", "packed", "padded"))
+
+    # Host time per micro-batch: the wall time of each train.micro_batch_loss call (forward, loss file, backward,
+    # metrics), in extra learner steps after the timed ones, with the GPU synchronised between steps only. The host
+    # issues a micro-batch's kernels without waiting for them, then its loss's .item() waits for the GPU to finish:
+    # so this is the host's time plus the GPU's tail behind the last kernel issued, which is host time where the step
+    # is host-bound (the tiny and SmolLM2-sized models on a GPU), and simply the micro-batch's time on CPU. The rest
+    # of the step (building the rows, clipping, AdamW, the wait for the GPU at its end) is the step's time minus
+    # its micro-batches'.
+    micro_batch_s: list[float] = []
+    micro_batch_loss = train.micro_batch_loss
+
+    def timed_micro_batch(*call_args, **kwargs) -> dict[str, float]:
+        start = time.perf_counter()
+        totals = micro_batch_loss(*call_args, **kwargs)
+        micro_batch_s.append(time.perf_counter() - start)
+        return totals
+
+    host_ms, rest_ms = {}, {}
+    train.micro_batch_loss = timed_micro_batch  # loss_and_backward looks it up in train's globals at each call
+    try:
+        for name in ("packed", "padded"):
+            micro_batch_s.clear()
+            step_s = 0.0
+            for _ in range(args.repeats):
+                wait()
+                start = time.perf_counter()
+                methods[name]()
+                wait()
+                step_s += time.perf_counter() - start
+            host_ms[name] = 1e3 * statistics.mean(micro_batch_s)
+            rest_ms[name] = 1e3 * (step_s - sum(micro_batch_s)) / args.repeats
+    finally:
+        train.micro_batch_loss = micro_batch_loss
     pad_packed, pad_padded = 1 - tokens / packed_slots, 1 - tokens / padded_slots
     rows_shape = tuple(whole.packed.input_ids.shape)
     print(f"batch: {len(groups)} groups x {args.group_size} completions, {tokens:,} real tokens; "
@@ -674,6 +708,10 @@ def bench_train(args: argparse.Namespace) -> dict:
     print(f"learner, padded rows:  {padded_s:.3f} s = {tokens / padded_s:,.0f} real tokens/s")
     print(f"bare transformers forward+backward+AdamW, packed: {bare_s:.3f} s = {tokens / bare_s:,.0f} real tokens/s")
     print(f"learner packed / bare packed {bare_s / packed_s:.3f}; packed / padded learner {padded_s / packed_s:.3f}")
+    print(f"host time per micro-batch (its wall time, the GPU synchronised between steps only): packed "
+          f"{host_ms['packed']:.1f} ms x {n_packed}, padded {host_ms['padded']:.1f} ms x {n_padded}; the rest of "
+          f"the step (rows, clipping, AdamW, the wait at its end): packed {rest_ms['packed']:.1f} ms, "
+          f"padded {rest_ms['padded']:.1f} ms")
     if peak_gib:
         print(f"memory of a step beyond the weights held: {peak_gib} GiB")
     for name, shape in widths.items():
@@ -686,6 +724,10 @@ def bench_train(args: argparse.Namespace) -> dict:
             "packed_s": round(packed_s, 4), "padded_s": round(padded_s, 4), "bare_s": round(bare_s, 4),
             "packed_tokens_per_s": round(tokens / packed_s), "padded_tokens_per_s": round(tokens / padded_s),
             "bare_tokens_per_s": round(tokens / bare_s), "pad_fraction_packed": round(pad_packed, 4),
+            "host_ms_per_micro_batch_packed": round(host_ms["packed"], 2),
+            "host_ms_per_micro_batch_padded": round(host_ms["padded"], 2),
+            "host_ms_rest_of_step_packed": round(rest_ms["packed"], 2),
+            "host_ms_rest_of_step_padded": round(rest_ms["padded"], 2),
             **{f"{name}_step_peak_gib": gib for name, gib in peak_gib.items()},
             **({"row_widths": {name.split()[-1]: {"rows": list(shape), "tokens_per_s": round(tokens / min(times[name]))}
                                for name, shape in widths.items()}} if widths else {}),

@@ -322,11 +322,14 @@ def test_the_run_length_table_is_what_the_committed_records_give():
 
 def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed_step(tmp_path):
     """`bench.py train` on a small batch of the tiny model (a smoke test; the timings are the README's): its last
-    line is JSON with the ratios and the padding fractions, and packed rows hold less padding than padded ones."""
+    line is JSON with the ratios, the padding fractions and the host time per micro-batch, and packed rows hold less
+    padding than padded ones."""
     run = subprocess.run([sys.executable, str(REPO / "bench.py"), "train", "--groups", "4", "--repeats", "1"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["tokens"] > 0 and result["learner_vs_bare_packed"] > 0 and result["packed_vs_padded"] > 0
     assert 0 <= result["pad_fraction_packed"] < result["pad_fraction_padded"] < 1
+    for layout in ("packed", "padded"):  # the host time of one micro-batch, and how many a step runs
+        assert result[f"host_ms_per_micro_batch_{layout}"] > 0 and result[f"micro_batches_{layout}"] > 0
     assert "real tokens/s" in run.stdout

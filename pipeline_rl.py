@@ -622,10 +622,12 @@ def __getattr__(name: str) -> Any:
 
 
 class _RotaryCacheFilter:
-    """logging filter: drops vLLM's reload warning about RotaryEmbedding, whose buffer is not a checkpoint weight."""
+    """logging filter: drops vLLM's reload warnings about RotaryEmbedding, whose buffer is not a checkpoint weight,
+    and about a tied ParallelLMHead, which has no weight of its own to load (_scalerl_refresh_tied_head)."""
 
     def filter(self, record: Any) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+        return not (record.msg == "%s: Failed to load weights"
+                    and record.args in (("RotaryEmbedding",), ("ParallelLMHead",)))
 
 
 def weight_tensors(state_dict: Mapping[str, Any], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
@@ -664,6 +666,22 @@ class WeightSyncExtension:
         if not any(isinstance(f, _RotaryCacheFilter) for f in reload_log.filters):
             reload_log.addFilter(_RotaryCacheFilter())
 
+    def _scalerl_refresh_tied_head(self) -> None:
+        # A tied LM head (SmolLM2's) shares the embedding's weight, and a tied state dict sends no lm_head.weight.
+        # vLLM's layerwise reload updates the shared weight in place but, having loaded nothing into the head,
+        # does not process the head again: on CPU its GEMM keeps the weight packed from the old values, and the
+        # sampler would score every later token with the base model's head (on SmolLM2 a max |log-ratio| of 0.01
+        # after a 1e-3 nudge to the embedding; 0.02-0.05 after a few steps at lr 3e-5). Pack it again.
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+            return
+        head = getattr(model, "lm_head", None)
+        method = getattr(head, "quant_method", None)
+        if method is None:
+            raise RuntimeError(f"{type(model).__name__} ties its LM head but has no lm_head.quant_method: cannot "
+                               "process the head again after a weight reload")
+        method.process_weights_after_loading(head)
+
     def scalerl_load_weights(self, path: str) -> int:
         """Reload all weights in place from a safetensors file (HF names, checkpoint format)."""
         from safetensors import safe_open
@@ -676,6 +694,7 @@ class WeightSyncExtension:
                     yield name, f.get_tensor(name)
 
         self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self._scalerl_refresh_tied_head()
         return os.getpid()
 
     def scalerl_join_weights(self, group: dict) -> int:
@@ -701,6 +720,7 @@ class WeightSyncExtension:
                 yield from unpack_bucket(buffer, bucket)
 
         self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self._scalerl_refresh_tied_head()
         return os.getpid()
 
     def scalerl_head_info(self) -> dict:

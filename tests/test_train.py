@@ -527,6 +527,34 @@ def test_tis_mode_and_cap_min_reach_the_weights(one_rank_group, base_model_dir, 
     assert (zero_frac == 1.0) if zeroed else (zero_frac == 0.0)
 
 
+@pytest.mark.parametrize("tis", [None, "token"])
+def test_a_round_of_one_batch_takes_its_old_logprobs_from_its_own_forward(one_rank_group, base_model_dir, tis):
+    """Sync mode with k = 1 (and --tis) trains on the weights that would compute the learner's old logprobs: the
+    step's own logprobs, detached, give the same loss, metrics and gradient as attach_learner_logprobs' separate
+    forward, which the loop then skips."""
+    import cispo
+
+    args = train.Args(loss="cispo", group_size=2, dtype="float32", tis=tis, micro_batch_tokens=24)
+    model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
+    advantages = cispo.compute_advantages(torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, 0.0]), 2)
+    results = []
+    for old_is_current in (False, True):
+        groups = [_group(i, [5, 3 + i], [1.0, -1.0]) for i in range(3)]
+        if not old_is_current:
+            with torch.no_grad():
+                train.attach_learner_logprobs(model, groups, args, 0)
+        model.zero_grad()
+        totals = train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 0,
+                                         old_is_current=old_is_current)
+        results.append((train.reduce_metrics(totals, 1), [p.grad.clone() for p in model.parameters()]))
+    (attached, attached_grads), (own, own_grads) = results
+    assert attached.keys() == own.keys() and attached["num_tokens"] == own["num_tokens"] > 0
+    for key in attached:
+        assert attached[key] == pytest.approx(own[key], rel=1e-5, abs=1e-7), key
+    for a, b in zip(attached_grads, own_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_mismatch_is_reported_per_replica_on_completions_sampled_wholly_by_the_trained_weights(one_rank_group,
                                                                                                 base_model_dir):
     """A replica that serves other weights than the learner's (an update that silently did nothing) shows in its

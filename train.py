@@ -1486,7 +1486,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
     """`train.py evaluate [--model DIR | --resume RUN_DIR] [--dataset ...] --eval-samples N`: the policy's pass@k
     (k = 1, 2, 4 ... N) and mean reward on the data set's validation problems (--test-dataset's, if given), with the
-    run's sampler settings. Without --model or --resume: the embedded base model."""
+    run's sampler settings, and three of its completions. Without --model or --resume: the embedded base model."""
     if args.resume:  # a run's checkpoint: export it, then evaluate it like any model directory
         model_dir = export(Path(args.resume), scratch / "policy")["model_dir"]
     else:
@@ -1512,6 +1512,9 @@ def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
         "mean_reward": sum(r for g in groups for r in g.rewards) / (n * len(groups)), **checks,
         "temperature": args.temperature, "max_tokens": args.max_tokens, "length_control": args.length_control,
         "think_budget": args.think_budget,
+        # what the policy writes: the first sample of the first three problems, as scored
+        "examples": [{"prompt": g.problem.prompt, "answer": g.problem.answer, "completion": g.completions[0].text,
+                      "reward": g.rewards[0]} for g in groups[:3]],
     }
 
 

@@ -1595,6 +1595,7 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     assert result["dataset"] == "small-arithmetic" and result["problems"] == 4, result
     assert 0 <= result["pass@1"] <= result["pass@2"] <= 1 and result["max_tokens"] == 48, result
     assert 0 <= result["check_strict"] <= result["check_lenient"] <= 1, result
+    assert len(result["examples"]) == 3 and all(e["prompt"].startswith("What is ") for e in result["examples"])
 
 
 @pytest.mark.slow

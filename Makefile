@@ -36,12 +36,14 @@ $(STAMP): $(REQS)
 run: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) train.py --loss cispo $(ARGS)
 
-# Tuned for SmolLM2-135M-Instruct on a 2-core CPU (docs/real-models.md): a batch of 8 prompts x 8 completions,
-# lr 3e-5 without warm-up (the paper's 5e-7 with 100 warm-up steps moves nothing in a 45-minute run), completions of
-# at most 96 tokens, interrupted after 40-48. ARGS come last, so they override these.
-REAL_ARGS := --dataset small-arithmetic --output-dir runs/real --mode sync --max-off-policy 1 --max-steps 40 --prompts-per-step 8 --group-size 8 \
-	--lr 3e-5 --warmup-steps 0 --adam-eps 1e-8 --weight-decay 0 --max-tokens 96 --think-budget 40,48 \
-	--answer-budget 16 --eval-every 5 --eval-samples 4 --weight-transport file
+# Tuned for SmolLM2-135M-Instruct on a 2-core CPU (docs/real-models.md). Sync mode with k = 1: on 2 shared cores the
+# pipeline's overlap only took cores from the learner, the slower side, and made its batches 1-3 steps stale, while
+# on-policy batches give the sampler/learner mismatch on every step. 8 prompts x 8 completions of at most 96 tokens, interrupted after 40-48;
+# lr 3e-5 without warm-up (the paper's 5e-7 after 100 warm-up steps moves nothing in 40 steps); an evaluation every
+# 2 steps, since the pass rate rises within the first ten. ARGS come last, so they override these.
+REAL_ARGS := --dataset small-arithmetic --output-dir runs/real --mode sync --max-off-policy 1 --max-steps 40 \
+	--prompts-per-step 8 --group-size 8 --lr 3e-5 --warmup-steps 0 --adam-eps 1e-8 --weight-decay 0 \
+	--max-tokens 96 --think-budget 40,48 --answer-budget 16 --eval-every 2 --eval-samples 4 --weight-transport file
 
 run-real: setup
 	model="$$($(VENV)/bin/python tasks.py build-real-model --print-dir)" && \

@@ -1575,11 +1575,12 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
                           f"VENV={venv}", "NPROC=2", "ARGS=" + " ".join(short)],
                          cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert f"--model {real_model_dir} --dataset small-arithmetic" in run.stdout  # make echoes the command
+    assert "--loss cispo --model \"$model\"" in run.stdout and "--dataset small-arithmetic" in run.stdout  # make's echo
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["step"] for r in rows if "val_pass_rate" in r] == [0, 3]
     args = json.loads((out / "args.json").read_text())
+    assert args["model"] == str(real_model_dir)  # the directory `tasks.py build-real-model --print-dir` printed
     assert args["mode"] == "sync" and args["lr"] == 3e-5 and args["max_tokens"] == 48  # the target's, then ARGS
     for r in rows[1:]:
         assert r["groups"] == 2 and r["num_tokens"] > 0 and math.isfinite(r["loss"]) and r["skipped_step"] == 0.0

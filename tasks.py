@@ -117,7 +117,13 @@ SCALERL_INTERRUPTION = "Okay, time is up. Let me stop thinking and formulate a f
 # --------------------------------------------------------------------------------------------------------------
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
 _ANSWER_RE = re.compile(r"\s*<think>(?P<think>(?:(?!<think>|</think>).)*)</think>\s*(?P<answer>0|[1-9][0-9]{0,40})\s*", re.S)
+
+
+def text_after_thinking(completion: str) -> str:
+    """What follows the last </think> (which ends a forced interruption phrase), else the whole completion."""
+    return completion.rsplit(THINK_CLOSE, 1)[1] if THINK_CLOSE in completion else completion
 
 
 def _split_of(a: int, b: int) -> str:
@@ -313,8 +319,8 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
                          "local file")
     if not path.exists():
         raise FileNotFoundError(f"data file not found: {path}")
-    if data_file_kind_problem(name_or_path):
-        raise DataFileError(data_file_kind_problem(name_or_path))
+    if problem := data_file_kind_problem(name_or_path):
+        raise DataFileError(problem)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import datasets
@@ -641,7 +647,7 @@ class MathDataset:
         return self.val_problems[:n] if n else list(self.val_problems)
 
     def reward(self, problem: Problem, completion: str) -> float:
-        answer = completion.rsplit(THINK_CLOSE, 1)[1] if THINK_CLOSE in completion else completion
+        answer = text_after_thinking(completion)
         return 1.0 if math_answers_match(extract_final_answer(answer), problem.answer) else -1.0
 
 
@@ -758,19 +764,14 @@ class SmallArithmeticTask:
         val = self.problems("val")
         return val[:n] if n else val
 
-    @staticmethod
-    def final_text(completion: str) -> str:
-        """What follows a forced interruption phrase (which ends in </think>), else the whole completion."""
-        return completion.rsplit(THINK_CLOSE, 1)[1] if THINK_CLOSE in completion else completion
-
     def reward(self, problem: Problem, completion: str) -> float:
-        numbers = _INTEGER.findall(self.final_text(completion))
+        numbers = _INTEGER.findall(text_after_thinking(completion))
         return 1.0 if numbers and int(numbers[-1]) == int(problem.answer) else -1.0
 
     def checks(self, problem: Problem, completion: str) -> dict[str, bool]:
         """The reward's check and two others, for reports: strict (the number alone, a final period allowed) and
         lenient (the answer among the completion's numbers)."""
-        text = self.final_text(completion).strip().rstrip(".").strip()
+        text = text_after_thinking(completion).strip().rstrip(".").strip()
         numbers = [int(x) for x in _INTEGER.findall(text)]
         return {"last_number": self.reward(problem, completion) > 0,
                 "strict": re.fullmatch(r"-?\d+", text) is not None and int(text) == int(problem.answer),

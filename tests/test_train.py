@@ -1513,36 +1513,47 @@ def recipe_30_steps(tmp_path_factory, base_model_dir) -> Path:
     return out
 
 
+# Learning above a floor, not against another run: a 30-step run of the tiny recipe rose 0.37-0.45 on the machines it
+# was tried on, and which run of two rises more is a coin flip (comparisons of learning between variants belong to
+# bench.py, on several seeds with their spread).
+RISE_FLOOR_30_STEPS = 0.25
+
+
+def _assert_each_data_index_trained_once(run_dir: Path) -> None:
+    """The groups the rows say were trained are as many as the distinct data indices the checkpoint holds."""
+    state = json.loads((run_dir / "checkpoint" / "trainer_state.json").read_text())
+    trained_groups = sum(r["groups"] for r in _rows(run_dir)[1:])
+    assert trained_groups == len(state["consumed"]) > 0, (trained_groups, len(state["consumed"]))
+
+
 @pytest.mark.slow
 def test_default_recipe_with_a_fast_generator_stays_fresh_and_learns(recipe_30_steps):
-    """The buffer keeps the lag near 1 instead of k, and the pass rate rises by 0.3 or more."""
+    """The buffer keeps the lag near 1 instead of k, and the pass rate rises above the floor."""
     rows = _rows(recipe_30_steps)
     evals = [r for r in rows if "val_pass_rate" in r]
     assert [r["step"] for r in evals] == [0, 15, 30]
     assert evals[0]["val_pass_rate"] <= 0.5
-    assert evals[-1]["val_pass_rate"] - evals[0]["val_pass_rate"] >= 0.3, evals
+    assert evals[-1]["val_pass_rate"] - evals[0]["val_pass_rate"] >= RISE_FLOOR_30_STEPS, evals
     trained = [r for r in rows[1:]]
     tokens = sum(sum(r["lag_hist"].values()) for r in trained)
     mean_lag = sum(int(lag) * n for r in trained for lag, n in r["lag_hist"].items()) / tokens
     assert mean_lag <= 1.5, mean_lag  # k alone would let it reach 8 here
     assert max(r["lag_max"] for r in trained) <= 8 and rows[-1]["stale_dropped"] == 0
     assert all("buffer_depth_steps" in r for r in trained)
+    _assert_each_data_index_trained_once(recipe_30_steps)
 
 
 @pytest.mark.slow
-def test_two_replicas_learn_as_one_does_and_a_resume_may_change_their_number(tmp_path, recipe_30_steps):
+def test_two_replicas_produce_learn_and_a_resume_may_change_their_number(tmp_path):
     """The same 30 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast over gloo):
-    the pass rate rises at least as with one replica (within the evaluations' noise), both replicas produce groups,
-    the lag stays <= k with nothing dropped; then --resume continues the run with one replica."""
+    both replicas produce groups, the lag stays <= k with nothing dropped, no data index is trained twice, and the
+    pass rate rises above the floor; then --resume continues the run with one replica."""
     out = tmp_path / "two-replicas"
     run = _train(out, *RECIPE_30, "--gen-replicas", "2", timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
-
-    def rise(run_dir: Path) -> float:
-        evals = [r for r in _rows(run_dir) if "val_pass_rate" in r]
-        return evals[-1]["val_pass_rate"] - evals[0]["val_pass_rate"]
-
-    assert rise(out) >= 0.3 and rise(out) >= rise(recipe_30_steps) - 0.08, (rise(out), rise(recipe_30_steps))
+    evals = [r for r in _rows(out) if "val_pass_rate" in r]
+    assert evals[-1]["val_pass_rate"] - evals[0]["val_pass_rate"] >= RISE_FLOOR_30_STEPS, evals
+    _assert_each_data_index_trained_once(out)
     rows = _rows(out)[1:]
     groups = collections.Counter()
     for r in rows:

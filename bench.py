@@ -580,10 +580,11 @@ def bench_train(args: argparse.Namespace) -> dict:
         """(micro-batches, token slots the model computes on, padding included) of the learner's step."""
         pack = train.row_packing(cli, model)
         slots = 0
-        for idx in train.micro_batches(groups, cli.micro_batch_tokens, args.group_size, cli.packing):
-            rows = train.to_rows([groups[i] for i in idx], None, args.group_size, 0, "cpu", pack)
+        batches = train.micro_batches(groups, cli.micro_batch_tokens, cli.packing)
+        for idx in batches:
+            rows = train.to_rows(train.micro_batch_groups(groups, idx)[0], None, args.group_size, 0, "cpu", pack)
             slots += (rows.input_ids if rows.packed is None else rows.packed.input_ids).numel()
-        return len(train.micro_batches(groups, cli.micro_batch_tokens, args.group_size, cli.packing)), slots
+        return len(batches), slots
 
     (n_packed, packed_slots), (n_padded, padded_slots) = layout(packed_cli), layout(padded_cli)
 

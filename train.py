@@ -77,7 +77,7 @@ import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
 import cispo  # the loss files, each one algorithm: --loss NAME picks one from LOSSES
@@ -116,6 +116,7 @@ class HelpGroup:
     EVALUATION = "evaluation and logging"
     CHECKPOINTS = "checkpoints and resume"
     PRECISION = "precision"
+    MEMORY = "memory"
     GPU = "GPU placement"
     REPLICAS = "generator replicas (this node and others)"
     DEBUG = "debug"
@@ -132,6 +133,7 @@ CHANGEABLE_ON_RESUME = frozenset({
     "max_steps",  # upwards only: below the run's step is refused
     "eval_every", "eval_samples", "final_eval_samples", "log_every", "checkpoint_every", "max_bad_steps",
     "micro_batch_tokens", "logits_chunk_tokens", "packing",  # memory and speed only: a step is the same (tested)
+    "activation_checkpointing", "cpu_offload",  # likewise
     "gen_devices", "tensor_parallel_size", "gen_memory_fraction",  # placement: a run may move to another machine
     "gen_replicas", "gen_remote_replicas", "gen_listen", "gen_secret_file", "gen_join_timeout",  # replicas: the
     "weight_transport",  # scheduler restarts from the checkpoint's data position whatever their number (tested)
@@ -212,7 +214,8 @@ class Args:
                           "initial model, sharded like the policy): beta of its k3 estimate, logged as kl_ref "
                           "(DeepSeekMath: 0.04; 0 = off, as in DAPO and ScaleRL); every loss takes it")
     micro_batch_tokens: int = _arg(HelpGroup.LOSS, 8192, "token budget of a micro-batch: its real tokens with "
-                                   "--packing, its padded rows x length without; whole groups only. Sized for large "
+                                   "--packing, its padded rows x length without; a group may span micro-batches, a "
+                                   "completion over the budget is one of its own. Sized for large "
                                    "models' memory: on a GPU with a small model, where each micro-batch costs fixed "
                                    "host time, a larger one is faster")
     packing: bool = _arg(HelpGroup.LOSS, True, "pack the completions (with their prompts) end to end into a few "
@@ -273,6 +276,16 @@ class Args:
                                            "computes at once, each chunk recomputed in backward, so that a "
                                            "micro-batch's full [tokens, vocab] float32 logits never exist (default: "
                                            "as many as fit in 256 MiB)")
+    activation_checkpointing: bool = _arg(HelpGroup.MEMORY, False, "keep only each decoder layer's input in the "
+                                          "forward and recompute the layer in backward (transformers' gradient "
+                                          "checkpointing, under FSDP2): activation memory ~ layers x tokens x "
+                                          "hidden instead of every layer's intermediates, for about a third more "
+                                          "compute; what lets a 32k-token completion train (docs/memory.md)",
+                                          action=argparse.BooleanOptionalAction)
+    cpu_offload: bool = _arg(HelpGroup.MEMORY, False, "keep the parameters, gradients and AdamW state in host memory "
+                             "(FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU): a GPU trains a model its "
+                             "memory cannot hold, at the cost of host-device copies every step",
+                             action=argparse.BooleanOptionalAction)
 
     gen_devices: str | None = _arg(HelpGroup.GPU, None, "GPU only: comma-separated CUDA devices for the vLLM "
                                    "replicas of this node, taken in runs of --tensor-parallel-size (the learner uses "
@@ -819,10 +832,10 @@ def apply_overlong_filter(groups: list) -> int:
 def attach_learner_logprobs(model: Any, groups: list, args: Args, pad_id: int) -> None:
     """Old logprobs from the learner: set `completion.old_logprobs` to the learner's logprobs of its tokens, with
     the current weights (call under torch.no_grad)."""
-    batches = micro_batches(groups, args.micro_batch_tokens, args.group_size, args.packing)
+    batches = micro_batches(groups, args.micro_batch_tokens, args.packing)
     idle = idle_forwards_needed(len(batches))
     for idx in batches:
-        chosen = [groups[j] for j in idx]
+        chosen, _ = micro_batch_groups(groups, idx)
         rows = to_rows(chosen, None, args.group_size, pad_id, model_device(model), row_packing(args, model))
         logprobs = token_logprobs(model, rows, args.temperature)
         completions = [(len(grp.prompt_ids), c) for grp in chosen for c in grp.completions]
@@ -845,46 +858,86 @@ def compute_advantages(args: Args, learner: Learner, batch: list, run: Run) -> t
 def loss_and_backward(model: Any, loss_module: Any, hp: dict, groups: list, advantages: Any, args: Args,
                       pad_id: int, world: int, version: int, ref_model: Any = None,
                       old_is_current: bool = False) -> dict[str, float]:
-    """Loss and backward over this rank's groups, in micro-batches of whole groups (--micro-batch-tokens), packed
-    (--packing) or padded: the loss file sees one row per completion either way (Rows); returns
-    this rank's metric totals (reduce_metrics averages them over ranks). Every micro-batch loss is divided by the
-    WHOLE batch's denominator (prompts, completions or tokens, per the loss's aggregation), summed over ranks, so
-    the micro-batch losses and gradients add up to the full-batch ones for any micro-batch size and world size.
+    """Loss and backward over this rank's groups, in micro-batches of completions within --micro-batch-tokens
+    (micro_batches; a group may span several), packed (--packing) or padded: the loss file sees one row per
+    completion either way (Rows); returns this rank's metric totals (reduce_metrics averages them over ranks).
+
+    The micro-batch losses and gradients add up to the whole batch's, for any micro-batch size and world size:
+    whatever normalises the loss is computed from the whole batch before it is split. Every micro-batch loss is
+    divided by the WHOLE batch's denominator (prompts, completions or tokens, per the loss's aggregation), summed
+    over ranks. A micro-batch that holds part of a group goes to the loss file as groups of one completion each,
+    which makes every completion a unit of its own; for a loss whose unit is a prompt (DAPO's and CISPO's
+    prompt-level aggregation: a prompt's token sum over its group's tokens), its tokens are weighted by their share
+    of their prompt's tokens (prompt_token_shares), so that each completion adds what it adds in its whole group.
+
     `ref_model`: the frozen reference policy of --kl-coef, whose logprobs go to the loss as ref_logprobs.
     `old_is_current`: the behaviour policy is the learner as it is now (a round of one batch in sync mode or with
     --tis): its old logprobs are the micro-batch's own, detached, instead of the completions' old_logprobs."""
     g = args.group_size
     device, pack = model_device(model), row_packing(args, model)
-    batches = [to_rows([groups[i] for i in idx], advantages[[i * g + j for i in idx for j in range(g)]], g, pad_id,
-                       device, pack) for idx in micro_batches(groups, args.micro_batch_tokens, g, args.packing)]
-    denominator = sum_over_ranks(sum(loss_module.loss_denominator(r.loss_mask, g, **hp) for r in batches))
+    masks = loss_masks(groups)                                                            # [N, T]
+    denominator = sum_over_ranks(loss_module.loss_denominator(masks, g, **hp) if groups else 0.0)
+    shares = prompt_token_shares(loss_module, hp, masks, g)                               # [N] or None
+    batches = micro_batches(groups, args.micro_batch_tokens, args.packing)
     idle = idle_forwards_needed(len(batches))
     totals: dict[str, float] = defaultdict(float)
-    for rows in batches:
+    for idx in batches:
+        chosen, whole = micro_batch_groups(groups, idx)
+        rows = to_rows(chosen, advantages[idx], g, pad_id, device, pack)
+        group_size, token_weights = (g, None) if whole else (1, None if shares is None else shares[idx].to(device))
         for key, value in micro_batch_loss(model, loss_module, hp, rows, args, denominator, world, version,
-                                           ref_model, old_is_current).items():
+                                           ref_model, old_is_current, group_size, token_weights).items():
             totals[key] += value
     for _ in range(idle):
         idle_forward(model, pad_id, backward=True, ref_model=ref_model)
     return dict(totals)
 
 
+def loss_masks(groups: list) -> Any:
+    """The loss masks of the groups' completions, right-padded: [N, T] bool, N completions in order."""
+    masks = [c.loss_mask for g in groups for c in g.completions]
+    lengths = torch.tensor([len(m) for m in masks], dtype=torch.long)                      # [N]
+    filled = torch.arange(int(lengths.max()) if masks else 0) < lengths[:, None]          # [N, T]
+    out = torch.zeros_like(filled)
+    out[filled] = torch.tensor([x for m in masks for x in m], dtype=torch.bool)  # row-major: the lists' order
+    return out
+
+
+def prompt_token_shares(loss_module: Any, hp: dict, masks: Any, group_size: int) -> Any:
+    """For a loss whose aggregation unit is a prompt, each completion's share of its prompt's loss tokens, t_i /
+    sum_{j in its group} t_j [N] (a micro-batch that splits a group weights each completion's tokens by it, see
+    loss_and_backward); None for every other unit. The loss file says which unit it counts: its loss_denominator
+    of two one-token completions in one group is 1 for prompts (2 for completions or tokens)."""
+    if loss_module.loss_denominator(torch.ones(2, 1, dtype=torch.bool), 2, **hp) != 1.0:
+        return None
+    tokens = masks.sum(dim=1).float().reshape(-1, group_size)                             # [P, G]
+    return (tokens / tokens.sum(dim=1, keepdim=True).clamp(min=1)).flatten()              # [N]
+
+
 def micro_batch_loss(model: Any, loss_module: Any, hp: dict, rows: Rows, args: Args, denominator: float,
-                     world: int, version: int, ref_model: Any, old_is_current: bool = False) -> dict[str, float]:
+                     world: int, version: int, ref_model: Any, old_is_current: bool = False,
+                     group_size: int | None = None, token_weights: Any = None) -> dict[str, float]:
     """One micro-batch: the policy's logprobs, the importance weights (--tis) and reference logprobs (--kl-coef)
-    if asked for, the loss file's loss, backward. Returns its metric totals: sums, token-weighted."""
+    if asked for, the loss file's loss, backward. Returns its metric totals: sums, token-weighted.
+    `group_size`: the rows' completions per group (default --group-size; 1 where the micro-batch splits a group),
+    `token_weights` [N]: each completion's weight in the loss (loss_and_backward), multiplied into the importance
+    weights."""
     logprobs = token_logprobs(model, rows, args.temperature)
     old = logprobs.detach() if old_is_current else rows.old_logprobs
     is_weights = None
     if args.tis:
         is_weights = tis.tis_weights(old, rows.sampler_logprobs, rows.loss_mask, cap=args.tis_cap, level=args.tis,
                                      mode=args.tis_mode, cap_min=args.tis_cap_min)
+    loss_weights = is_weights
+    if token_weights is not None:
+        loss_weights = token_weights[:, None].expand_as(rows.loss_mask) * (1.0 if is_weights is None else is_weights)
     extra = {}
     if ref_model is not None:
         with torch.no_grad():
             extra["ref_logprobs"] = token_logprobs(ref_model, rows, args.temperature)
-    loss, metrics = loss_module.compute_loss(logprobs, old, rows.advantages, rows.loss_mask, args.group_size,
-                                             is_weights=is_weights, denominator=denominator, **hp, **extra)
+    loss, metrics = loss_module.compute_loss(logprobs, old, rows.advantages, rows.loss_mask,
+                                             group_size or args.group_size, is_weights=loss_weights,
+                                             denominator=denominator, **hp, **extra)
     # FSDP averages gradients over ranks; the loss is already normalised by the global denominator.
     (loss * world).backward()
     weight = metrics.get("num_tokens", 0.0)
@@ -1158,28 +1211,46 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 
 
 def model_device(model: Any) -> torch.device:
-    """Where the model's parameters (their local shards, under FSDP2) live: its inputs must go there."""
-    return next(model.parameters()).device
+    """Where the model computes, so where its inputs must go: where its parameters (their local shards, under
+    FSDP2) live, or, under --cpu-offload (shards on the host), the GPU FSDP2 gathers them on."""
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is not None and mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return param.device
 
 
-def micro_batches(groups: list, token_budget: int, group_size: int, packing: bool = False) -> list[list[int]]:
-    """Indices of groups per micro-batch: whole groups within the token budget, counted as real tokens (every
-    completion with its prompt) when `packing`, else as the padded size (rows x longest row). A group over the
-    budget is a micro-batch of its own."""
+def micro_batches(groups: list, token_budget: int, packing: bool = False) -> list[list[int]]:
+    """The batch's completions per micro-batch, as indices n into them in order (group by group, n = g * G + j for
+    groups of G): as many as fit the token budget, counted as real tokens (each completion with its prompt) when
+    `packing`, else as the padded size (rows x longest row). A group may span micro-batches: one of ScaleRL's
+    groups (16 completions of up to 14k tokens) is 230k tokens, which no budget that bounds memory holds. A
+    completion over the budget is a micro-batch of its own."""
     batches, current, longest, real = [], [], 0, 0
-    for i, g in enumerate(groups):
-        g_len = len(g.prompt_ids) + max(len(c.token_ids) for c in g.completions)
-        g_real = sum(len(g.prompt_ids) + len(c.token_ids) for c in g.completions)
-        new_longest, new_real = max(longest, g_len), real + g_real
-        size = new_real if packing else (len(current) + 1) * group_size * new_longest
+    lengths = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
+    for n, length in enumerate(lengths):
+        new_longest, new_real = max(longest, length), real + length
+        size = new_real if packing else (len(current) + 1) * new_longest
         if current and size > token_budget:
             batches.append(current)
-            current, new_longest, new_real = [], g_len, g_real
-        current.append(i)
+            current, new_longest, new_real = [], length, length
+        current.append(n)
         longest, real = new_longest, new_real
     if current:
         batches.append(current)
     return batches
+
+
+def micro_batch_groups(groups: list, indices: list[int]) -> tuple[list, bool]:
+    """The groups of a micro-batch's completions (`indices`, micro_batches'), each cut down to the completions the
+    micro-batch holds, in order; and whether every one of them is whole."""
+    first = np.cumsum([0] + [len(g.completions) for g in groups])          # index of each group's first completion
+    held: dict[int, list] = {}
+    for n in indices:
+        i = int(np.searchsorted(first, n, side="right")) - 1
+        held.setdefault(i, []).append(groups[i].completions[n - first[i]])
+    parts = [dataclasses.replace(groups[i], completions=cs) for i, cs in held.items()]
+    return parts, all(len(p.completions) == len(groups[i].completions) for i, p in zip(held, parts))
 
 
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")  # attention that takes packed sequences as they are
@@ -1392,8 +1463,15 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
                                                  attn_implementation=attention_implementation(args, device))
     n_params = sum(p.numel() for p in model.parameters())
     model.config.use_cache = False
+    if args.activation_checkpointing:
+        # Non-reentrant checkpointing of each decoder layer's call, FSDP2's hooks inside it: a layer recomputed in
+        # backward is gathered by its pre-backward hook, which FSDP2 documents for module-hook checkpointing.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     low_precision = args.dtype == "bfloat16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if low_precision else None
+    # --cpu-offload: every unit's shards, gradients and so AdamW's state live on the host (pinned where a GPU can
+    # copy from them), and FSDP2 copies a unit's shard to the GPU before gathering it.
+    offload = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if args.cpu_offload else {}
     if args.fp32_lm_head:
         # FP32 LM head (ScaleRL, MiniMax-M1): its own FSDP unit kept in float32, fed float32 hidden states. A head
         # tied to the input embedding (SmolLM2 and other small models) is one parameter, which FSDP2 refuses in two
@@ -1401,11 +1479,15 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
         model.lm_head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(),))
         tied = model.lm_head.weight is model.get_input_embeddings().weight
         head = [model.get_input_embeddings(), model.lm_head] if tied else model.lm_head
-        fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+        fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **offload)
     for layer in model.model.layers:
-        fully_shard(layer, **({"mp_policy": mp} if mp else {}))
-    fully_shard(model, **({"mp_policy": mp} if mp else {}))
-    model.to_empty(device=device)
+        fully_shard(layer, **({"mp_policy": mp} if mp else {}), **offload)
+    fully_shard(model, **({"mp_policy": mp} if mp else {}), **offload)
+    model.to_empty(device="cpu" if args.cpu_offload else device)
+    if args.cpu_offload:  # buffers (the rotary frequencies) are not FSDP2's to move: they go where it computes
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(device)
     loaded = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32) if dist.get_rank() == 0 else None
     set_model_state_dict(model, loaded.state_dict() if loaded is not None else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -1771,7 +1853,7 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
         # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
         # training on, and a --resume would then race them for OUTPUT_DIR: die with the launcher instead.
         pipeline_rl.set_parent_death_signal(signal.SIGKILL)
-    rank, world, device = init_distributed(args.gen_devices)
+    rank, world, device = init_distributed(args.gen_devices, args.cpu_offload)
     is_main = rank == 0
     stopper = GracefulStop(announce=is_main)
     out = Path(args.output_dir)
@@ -1869,8 +1951,10 @@ def set_up(args: Args) -> Iterator[tuple[Learner, Run, TrainerState]]:
             generator.close()
 
 
-def init_distributed(gen_devices: str | None = None) -> tuple[int, int, Any]:
-    """(rank, world size, this rank's device). On GPU the learner keeps off the generator's `gen_devices`."""
+def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False) -> tuple[int, int, Any]:
+    """(rank, world size, this rank's device). On GPU the learner keeps off the generator's `gen_devices`;
+    `cpu_offload` (--cpu-offload) adds gloo for the collectives over the parameters and gradients FSDP2 keeps on
+    the host (the gradient norm's)."""
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -1879,7 +1963,7 @@ def init_distributed(gen_devices: str | None = None) -> tuple[int, int, Any]:
         learner_ids, _ = pipeline_rl.split_devices(gen_devices, torch.cuda.device_count())
         device = torch.device("cuda", learner_ids[int(os.environ["LOCAL_RANK"]) % len(learner_ids)])
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device)
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo")
@@ -1995,7 +2079,7 @@ def this_ranks_share(items: list, run: Run) -> list:
 
 def collective_device() -> torch.device:
     """Where a collective's tensors must be: NCCL reduces on this rank's GPU only, gloo on the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
 
 
 def sum_over_ranks(value: float) -> float:

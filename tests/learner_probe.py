@@ -24,13 +24,16 @@ from bench import synthetic_groups  # noqa: E402
 LOSS_SETTINGS = ({}, {"kl_coef": 0.04}, {"tis": "token"})
 CISPO_SETTINGS = ({"aggregation": "sample"}, {"aggregation": "token"})
 # How the step is cut up, none of which may change it: one micro-batch per rank or several (--micro-batch-tokens,
-# padded size or real tokens), the LM head's logits in chunks of 3 positions, padded rows or packed ones.
+# padded size or real tokens; groups of about 70 tokens split by the smaller budgets), the LM head's logits in
+# chunks of 3 positions, padded rows or packed ones, activation checkpointing and CPU offload.
 LAYOUTS = ({"micro_batch_tokens": 100_000, "packing": False},  # the reference
            {"micro_batch_tokens": 200, "packing": False},
            {"micro_batch_tokens": 200, "packing": False, "logits_chunk_tokens": 3},
            {"micro_batch_tokens": 100_000, "packing": True},
            {"micro_batch_tokens": 200, "packing": True},
-           {"micro_batch_tokens": 60, "packing": True, "logits_chunk_tokens": 3})
+           {"micro_batch_tokens": 60, "packing": True, "logits_chunk_tokens": 3},
+           # under one completion: each alone, every group split; and the memory flags, which change no step
+           {"micro_batch_tokens": 12, "packing": True, "activation_checkpointing": True, "cpu_offload": True})
 
 
 def configs(loss_name: str) -> list[tuple[tuple, tuple]]:

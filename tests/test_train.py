@@ -264,14 +264,36 @@ def _group(i: int, lengths: list[int], rewards: list[float], prompt_len: int = 3
     return Group(Problem(f"p{i}", "", ""), i, list(range(1, 1 + prompt_len)), completions)
 
 
-def test_micro_batches_keep_groups_whole_and_fit_the_budget():
+def test_micro_batches_hold_completions_within_the_budget_and_may_split_groups():
     groups = [_group(i, [2 + i, 3], [1.0, -1.0]) for i in range(6)]
-    batches = train.micro_batches(groups, token_budget=20, group_size=2)
-    assert sorted(i for b in batches for i in b) == list(range(6))
+    lengths = [3 + len(c.token_ids) for g in groups for c in g.completions]
+    batches = train.micro_batches(groups, token_budget=20)
+    assert [n for b in batches for n in b] == list(range(12))  # every completion once, in order
     for b in batches:
-        longest = max(len(groups[i].prompt_ids) + max(len(c.token_ids) for c in groups[i].completions) for i in b)
-        assert len(b) == 1 or len(b) * 2 * longest <= 20
-    assert len(train.micro_batches(groups, token_budget=10**6, group_size=2)) == 1
+        assert len(b) == 1 or len(b) * max(lengths[n] for n in b) <= 20  # padded: rows x longest row
+    assert any(b[0] % 2 == 1 for b in batches[1:])  # some micro-batch starts inside a group
+    assert len(train.micro_batches(groups, token_budget=10**6)) == 1
+
+
+def test_micro_batch_groups_cut_each_group_to_the_completions_it_holds():
+    groups = [_group(i, [2, 3, 4], [1.0, -1.0, 1.0]) for i in range(3)]
+    parts, whole = train.micro_batch_groups(groups, [0, 1, 2, 3])
+    assert not whole and [p.data_index for p in parts] == [0, 1]
+    assert [len(c.token_ids) for p in parts for c in p.completions] == [2, 3, 4, 2]
+    assert parts[1].prompt_ids == groups[1].prompt_ids and len(groups[1].completions) == 3  # the batch is untouched
+    parts, whole = train.micro_batch_groups(groups, [3, 4, 5])
+    assert whole and [p.data_index for p in parts] == [1]
+
+
+def test_prompt_token_shares_follow_the_loss_files_unit():
+    masks = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)  # G = 2
+    shares = train.prompt_token_shares(train.LOSSES["cispo"], {"aggregation": "prompt"}, masks, 2)
+    assert shares.tolist() == [0.75, 0.25, 0.0, 1.0]
+    assert train.prompt_token_shares(train.LOSSES["dapo"], {}, masks, 2).tolist() == [0.75, 0.25, 0.0, 1.0]
+    for loss, hp in (("grpo", {}), ("drgrpo", {}), ("gspo", {}), ("cispo", {"aggregation": "sample"}),
+                     ("cispo", {"aggregation": "token"})):
+        assert train.prompt_token_shares(train.LOSSES[loss], hp, masks, 2) is None, loss
+    assert train.loss_masks([_group(0, [2, 3], [1.0, -1.0])]).tolist() == [[True, False, False], [True, True, False]]
 
 
 def test_rows_align_each_token_with_the_position_that_predicts_it():
@@ -355,9 +377,9 @@ def _random_groups(rng: random.Random, n_groups: int, group_size: int, vocab: in
 def test_micro_batches_count_real_tokens_when_packing():
     """Packed, a micro-batch's budget counts real tokens (every completion with its prompt), not rows x longest."""
     groups = [_group(i, [2, 12], [1.0, -1.0]) for i in range(4)]  # 3 + 2 and 3 + 12: 20 real tokens, 30 padded
-    assert [len(b) for b in train.micro_batches(groups, 40, 2, packing=True)] == [2, 2]
-    assert [len(b) for b in train.micro_batches(groups, 40, 2, packing=False)] == [1, 1, 1, 1]
-    assert train.micro_batches(groups, 5, 2, packing=True) == [[0], [1], [2], [3]]  # a group over the budget: alone
+    assert [len(b) for b in train.micro_batches(groups, 40, packing=True)] == [4, 4]
+    assert [len(b) for b in train.micro_batches(groups, 40, packing=False)] == [2, 2, 2, 2]
+    assert train.micro_batches(groups, 5, packing=True) == [[n] for n in range(8)]  # over the budget: alone
 
 
 def test_packed_rows_hold_every_sequence_once_with_padding_only_at_the_tail_of_a_row():
@@ -525,6 +547,80 @@ def test_tis_mode_and_cap_min_reach_the_weights(one_rank_group, base_model_dir, 
     totals = train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 0)
     zero_frac = train.reduce_metrics(totals, 1)["is_weight_zero_frac"]
     assert (zero_frac == 1.0) if zeroed else (zero_frac == 0.0)
+
+
+# Each setting that changes how a loss normalises: its aggregation unit (a prompt's tokens, a completion's, every
+# token of the batch, Dr. GRPO's constant, GSPO's sequence ratio), the reference-policy KL and token TIS.
+SPLIT_SETTINGS = [(loss, {}) for loss in train.LOSSES] + [
+    ("cispo", {"aggregation": "sample"}), ("cispo", {"aggregation": "token"}), ("cispo", {"kl_coef": 0.04}),
+    ("dapo", {"tis": "token"}), ("gspo", {"tis": "sequence", "kl_coef": 0.04})]
+
+
+def _one_step(model, loss_name: str, settings: dict, groups: list, **layout) -> tuple[float, dict, list]:
+    """The loss, metrics and gradient of one learner step on `groups` in the given layout (float32, one rank)."""
+    loss_module = train.LOSSES[loss_name]
+    args = train.Args(loss=loss_name, group_size=4, dtype="float32", **settings, **layout)
+    hp = train.loss_hyperparameters(args, loss_module)
+    advantages = loss_module.compute_advantages(torch.tensor([r for g in groups for r in g.rewards]), 4)
+    model.zero_grad(set_to_none=True)
+    if args.tis:
+        with torch.no_grad():
+            train.attach_learner_logprobs(model, groups, args, 0)
+    totals = train.loss_and_backward(model, loss_module, hp, groups, advantages, args, 0, 1, 0,
+                                     ref_model=model if args.kl_coef else None)
+    metrics = train.reduce_metrics(totals, 1)
+    return metrics["loss"], metrics, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("loss_name,settings", SPLIT_SETTINGS)
+def test_micro_batches_that_split_groups_give_the_whole_batch_s_step(one_rank_group, base_model_dir, loss_name,
+                                                                      settings):
+    """Budgets smaller than one group (about 60 real tokens here) and than one completion give the loss, metrics
+    and gradient of the whole batch in one micro-batch, for every aggregation unit, with the KL and with TIS, packed
+    and padded. (The reference model is the policy itself, so the KL is 0 but its gradient path runs.)"""
+    from bench import synthetic_groups
+
+    args = train.Args(dtype="float32")
+    model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
+    groups = synthetic_groups(3, 4, model.config.vocab_size)
+    reference_loss, reference, reference_grads = _one_step(model, loss_name, settings, groups,
+                                                           micro_batch_tokens=10**6)
+    for layout in ({"micro_batch_tokens": 40}, {"micro_batch_tokens": 6}, {"micro_batch_tokens": 40, "packing": False}):
+        loss, metrics, grads = _one_step(model, loss_name, settings, groups, **layout)
+        assert loss == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), layout
+        assert metrics["num_tokens"] == reference["num_tokens"], layout
+        for key in ("is_weight_mean", "kl_k3"):
+            if key in reference:
+                assert metrics[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7), (layout, key)
+        for grad, reference_grad in zip(grads, reference_grads):
+            torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("flags", [{"activation_checkpointing": True}, {"cpu_offload": True},
+                                   {"activation_checkpointing": True, "cpu_offload": True}])
+def test_activation_checkpointing_and_cpu_offload_give_the_same_step(one_rank_group, base_model_dir, flags):
+    """--activation-checkpointing and --cpu-offload change where memory goes, not the step: the same loss and
+    gradient as without them, then the same weights after an AdamW step, in micro-batches that split groups."""
+    from bench import synthetic_groups
+
+    results = []
+    for layout in ({}, flags):
+        args = train.Args(dtype="float32", **layout)
+        model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
+        if args.activation_checkpointing:
+            assert all(layer.gradient_checkpointing for layer in model.model.layers)
+        groups = synthetic_groups(3, 4, model.config.vocab_size)
+        loss, _, grads = _one_step(model, "cispo", {}, groups, micro_batch_tokens=40, **layout)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer.step()
+        weights = {k: v.clone() for k, v in train.full_state_dict(model).items()}
+        results.append((loss, grads, weights))
+    (loss, grads, weights), (loss_2, grads_2, weights_2) = results
+    assert loss_2 == pytest.approx(loss, rel=1e-6)
+    for grad, grad_2 in zip(grads, grads_2):
+        torch.testing.assert_close(grad_2, grad, rtol=1e-5, atol=1e-7)
+    for name in weights:
+        torch.testing.assert_close(weights_2[name], weights[name], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("tis", [None, "token"])
@@ -952,7 +1048,7 @@ def test_overwrite_with_bad_data_leaves_the_old_run_intact(tmp_path, one_rank_gr
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1+1?"}\n')
     args = train.parse_args(["--output-dir", str(out), "--overwrite", "--dataset", str(bad)])
-    monkeypatch.setattr(train, "init_distributed", lambda gen_devices=None: (0, 1, torch.device("cpu")))
+    monkeypatch.setattr(train, "init_distributed", lambda *_: (0, 1, torch.device("cpu")))
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises(SystemExit), train.set_up(args):

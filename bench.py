@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 
 def _pin_to_one_core() -> None:
@@ -499,18 +499,32 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF model name or directory to time (default: the embedded tiny model, built on "
                              "first use)")
+    parser.add_argument("--shape", default=None,
+                        help="time a model of this shape with random weights instead of --model: a name of "
+                             "memory_plan.SHAPES (qwen3-1.7b, qwen3-4b, qwen3-8b, smollm2), its config written in "
+                             "code, so no hub")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="the learner's compute dtype, as train.py's --dtype (bfloat16 keeps its FP32 LM head); "
                              "the bare step runs its model in the same dtype (default float32)")
     parser.add_argument("--fp32-lm-head", action=argparse.BooleanOptionalAction, default=True,
                         help="the learner's LM head in float32 under bfloat16, as train.py's --fp32-lm-head "
                              "(default on)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="the learner's --activation-checkpointing; the bare step recomputes its decoder layers "
+                             "in backward too (transformers' gradient checkpointing)")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="the learner's --cpu-offload; the bare step, a plain model, keeps everything on the GPU")
     parser.add_argument("--completion-tokens", default="3,20",
                         help="MIN,MAX length of the synthetic completions, uniform (default 3,20)")
     parser.add_argument("--row-widths", default=None,
                         help="W1,W2,...: also time the bare step on the batch packed (best-fit decreasing) into rows "
                              "of each width, at least the longest sequence's, and in padded rows: where the packed "
                              "rows' length should sit, against the one train.pack_rows chooses")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="dense peak TFLOP/s of the GPU in --dtype, for MFU, as train.py's --peak-tflops "
+                             "(default: train.py's table of GPUs; none on CPU, and then no MFU)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the results (the JSON object of the last line printed) to PATH")
 
 
 def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0,
@@ -541,139 +555,199 @@ def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0,
 def bench_train(args: argparse.Namespace) -> dict:
     """The learner's real (trained) tokens/s, train.py's FSDP2 step (micro-batches, loss file, clipping, AdamW) with
     packed rows and with padded ones (--no-packing), against the no-padding limit: a bare transformers forward +
-    backward + AdamW over the same real tokens, packed as the learner packs them. In one process on one rank,
-    interleaved. Also the padding fraction of either layout, over the micro-batches the learner runs, and the host
-    time of one micro-batch of the learner, packed and padded."""
-    import dataclasses
+    backward + AdamW over the same real tokens, packed as the learner packs them. In one process on one rank, with
+    `python bench.py train` (no torchrun). The learner and the bare model are built, timed and freed one after the
+    other, so that a model the size of the GPU's memory can be timed at all (two copies of Qwen3-1.7B's weights,
+    gradients and AdamW state with a step's activations did not fit in 80 GB). For each: the step's time, tokens/s,
+    MFU where the GPU's peak is known, its peak GPU memory, and its LM head's share of the step. Also the padding
+    fraction of either layout, over the micro-batches the learner runs, and the host time of one micro-batch of the
+    learner, packed and padded."""
     import importlib
-    import os
-    import time
+    import tempfile
 
     import torch
     import torch.distributed as dist
-    import torch.utils.checkpoint
 
-    import tasks
+    import train
+    from transformers import AutoConfig
+
+    cli = _learner_cli(args)  # before anything starts: a flag this train.py lacks stops the bench here
+    os.environ.setdefault("MASTER_PORT", "29517")
+    _, world, device = train.init_distributed()
+    try:
+        with tempfile.TemporaryDirectory(prefix="scalerl-bench-") as scratch:
+            model_dir = _bench_model_dir(args, Path(scratch), device)
+            _free_memory(device)
+            loss_module = importlib.import_module(args.loss)
+            config = AutoConfig.from_pretrained(model_dir)
+            groups = synthetic_groups(args.groups, args.group_size, config.vocab_size,
+                                      completion_tokens=train.int_range(args.completion_tokens))
+            rewards = torch.tensor([r for grp in groups for r in grp.rewards])
+            advantages = loss_module.compute_advantages(rewards, args.group_size)
+            learner = _time_learner(model_dir, cli, loss_module, groups, advantages, args, device, world)
+            _free_memory(device)  # the learner is gone (tested): the bare step gets the whole GPU
+            learner["after_free_bytes"] = _allocated(device)
+            learner["head_s"] = _learner_head_seconds(config, cli, learner.pop("rows"), args.repeats, device)
+            _free_memory(device)
+            bare = _time_bare(model_dir, cli, groups, advantages, args, device)
+            _free_memory(device)
+    finally:
+        dist.destroy_process_group()
+    results = _train_report(args, cli, groups, learner, bare, train.peak_flops_per_s(args.dtype, args.peak_tflops))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results) + "\n")
+    return results
+
+
+def _learner_cli(args: argparse.Namespace) -> Any:
+    """The train.py flags of the learner the bench times (packed rows; the padded layout flips --packing)."""
     import train
 
-    os.environ.setdefault("MASTER_PORT", "29517")
-    rank, world, device = train.init_distributed()
-    model_dir = args.model or str(tasks.build_base_model())
-    packed_cli = train.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype,
-                            fp32_lm_head=args.fp32_lm_head, packing=True)
+    cli = train.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
+                     packing=True, activation_checkpointing=args.activation_checkpointing,
+                     cpu_offload=args.cpu_offload)
     if args.micro_batch_tokens is not None:
-        packed_cli.micro_batch_tokens = args.micro_batch_tokens
-    padded_cli = dataclasses.replace(packed_cli, packing=False)
-    loss_module = importlib.import_module(args.loss)
-    hp = train.loss_hyperparameters(packed_cli, loss_module)
-    # One learner serves both layouts (the flag only changes how its rows are built): the same weights, the same
-    # optimizer, so neither is favoured by what it holds.
-    model, _ = train.build_learner(model_dir, packed_cli, device)
+        cli.micro_batch_tokens = args.micro_batch_tokens
+    return cli
+
+
+def _bench_model_dir(args: argparse.Namespace, scratch: Path, device: Any) -> str:
+    """The model directory to time: --model, or --shape's random weights written under `scratch`, or the embedded
+    tiny model."""
+    if args.model and args.shape:
+        raise SystemExit("--model or --shape, not both")
+    if args.model:
+        return args.model
+    if args.shape:
+        return write_random_model(args.shape, scratch / args.shape, device)
+    import tasks
+
+    return str(tasks.build_base_model())
+
+
+def write_random_model(shape: str, out_dir: Path, device: Any) -> str:
+    """A model directory of `shape` (memory_plan.shape_config) with random weights: config.json and safetensors,
+    no tokenizer (the bench pads with id 0 and reads none). Built on `device` (a GPU initialises billions of weights
+    in seconds, a CPU in minutes) and stored in bfloat16 (half float32's disk and time; the learner loads it in
+    float32 all the same)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import memory_plan  # here, not at the top: only --shape needs it
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(memory_plan.shape_config(shape), dtype=torch.bfloat16)
+    model.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+def _allocated(device: Any) -> int | None:
+    """Bytes of GPU memory allocated now; None off a GPU."""
+    import torch
+
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+
+
+def _free_memory(device: Any) -> None:
+    """Collect what is no longer referenced (an FSDP2 model holds reference cycles: its hooks, the installed head)
+    and hand the GPU's cached blocks back, so the next model starts from an empty GPU."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _time_methods(methods: dict[str, Callable[[], None]], repeats: int, device: Any) -> dict[str, dict]:
+    """Each method's step time, the best of 2 interleaved rounds of `repeats` steps (fair to the noise of a shared
+    machine), after one warm-up step whose peak GPU memory is taken (max_memory_allocated since a reset just before
+    it): {"s": ..., "peak_bytes": ...}. A method that runs out of GPU memory gets {"oom": the error's first line}, and
+    the methods not yet run are left out ({}): a step cut short may leave an FSDP2 model half gathered."""
+    import torch
+
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # CUDA kernels run asynchronously
+    out: dict[str, dict] = {name: {} for name in methods}
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    try:
+        for round_ in range(2):
+            for name, fn in methods.items():
+                if round_ == 0:
+                    if device.type == "cuda":
+                        wait()
+                        torch.cuda.reset_peak_memory_stats(device)
+                    fn()  # warm-up
+                    wait()
+                    if device.type == "cuda":
+                        out[name]["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    fn()
+                wait()
+                times[name].append((time.perf_counter() - start) / repeats)
+    except torch.cuda.OutOfMemoryError as error:
+        out[name] = {"oom": str(error).splitlines()[0]}
+    for name, measured in times.items():
+        if measured and "oom" not in out[name]:
+            out[name]["s"] = min(measured)
+    return out
+
+
+def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, advantages: Any, args: argparse.Namespace,
+                  device: Any, world: int) -> dict:
+    """train.py's learner step, packed and padded, on one learner (the flag only changes how its rows are built:
+    the same weights, the same optimizer, so neither is favoured by what it holds). Returns the timings, its
+    parameters, the memory its weights hold, the host time per micro-batch, and each layout's micro-batch rows
+    (for the LM head's time); nothing that keeps the model alive."""
+    import dataclasses
+
+    import torch
+
+    import train
+
+    clis = {"packed": cli, "padded": dataclasses.replace(cli, packing=False)}
+    hp = train.loss_hyperparameters(cli, loss_module)
+    model, n_params = train.build_learner(model_dir, cli, device)
+    weights_bytes = _allocated(device)  # before the first step: no gradients, no AdamW state yet
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    groups = synthetic_groups(args.groups, args.group_size, model.config.vocab_size,
-                              completion_tokens=train.int_range(args.completion_tokens))
-    rewards = torch.tensor([r for grp in groups for r in grp.rewards])
-    advantages = loss_module.compute_advantages(rewards, args.group_size)
-    tokens = sum(len(grp.prompt_ids) + len(c.token_ids) for grp in groups for c in grp.completions)  # real ones
+    rows = {name: [train.to_rows(train.micro_batch_groups(groups, idx)[0], None, args.group_size, 0, device,
+                                 train.row_packing(c, model))
+                   for idx in train.micro_batches(groups, c.micro_batch_tokens, c.packing)]
+            for name, c in clis.items()}
 
-    def layout(cli: train.Args) -> tuple[int, int]:
-        """(micro-batches, token slots the model computes on, padding included) of the learner's step."""
-        pack = train.row_packing(cli, model)
-        slots = 0
-        batches = train.micro_batches(groups, cli.micro_batch_tokens, cli.packing)
-        for idx in batches:
-            rows = train.to_rows(train.micro_batch_groups(groups, idx)[0], None, args.group_size, 0, "cpu", pack)
-            slots += (rows.input_ids if rows.packed is None else rows.packed.input_ids).numel()
-        return len(batches), slots
-
-    (n_packed, packed_slots), (n_padded, padded_slots) = layout(packed_cli), layout(padded_cli)
-
-    def learner(cli: train.Args) -> Callable[[], None]:
+    def learner_step(c: train.Args) -> Callable[[], None]:
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            train.loss_and_backward(model, loss_module, hp, groups, advantages, cli, 0, world, 0)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cli.grad_clip)
+            train.loss_and_backward(model, loss_module, hp, groups, advantages, c, 0, world, 0)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
             optimizer.step()
         return step
 
-    from transformers import AutoModelForCausalLM
+    methods = {name: learner_step(c) for name, c in clis.items()}
+    timed = _time_methods(methods, args.repeats, device)
+    host = _host_times({name: fn for name, fn in methods.items() if "s" in timed[name]}, args.repeats, device)
+    return {"n_params": n_params, "weights_bytes": weights_bytes, "timed": timed, "host": host, "rows": rows,
+            "attention": model.config._attn_implementation,
+            "n_micro_batches": {name: len(layout) for name, layout in rows.items()},
+            "slots": {name: sum((r.input_ids if r.packed is None else r.packed.input_ids).numel() for r in layout)
+                      for name, layout in rows.items()},  # token slots the model computes on, padding included
+            "scored_tokens": sum(r.scored.numel() for r in rows["packed"])}  # the positions its LM head scores
 
-    # The bare step: a plain transformers model (the learner's attention implementation, so the same kernels) fed
-    # the whole batch in one forward, packed into the rows the learner would build for it; a REINFORCE loss on
-    # the completions' tokens. Its LM head runs in chunks of 256 MiB of float32 logits, each recomputed in backward,
-    # so the full [tokens, vocab] logits never exist (a 49k vocabulary would need GBs); plain torch, outside the
-    # model's forward.
-    bare_model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, args.dtype),
-        attn_implementation=train.attention_implementation(packed_cli, device)).to(device)
-    bare_optimizer = torch.optim.AdamW(bare_model.parameters(), lr=1e-5)
-    whole = train.to_rows(groups, advantages, args.group_size, 0, device, train.row_packing(packed_cli, model))
-    real = whole.attention[:, 1:]                                                         # [N, L-1] a next token
-    weight = (whole.advantages[:, None] * whole.loss_mask)[real] / whole.loss_mask.sum()  # [P]
-    chunk = max(1, (1 << 28) // (4 * bare_model.config.vocab_size))
 
-    def head_chunk(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = bare_model.lm_head(hidden).float()                                       # [chunk, V]
-        return torch.log_softmax(logits, -1).gather(-1, target[:, None]).squeeze(-1)
+def _host_times(methods: dict[str, Callable[[], None]], repeats: int, device: Any) -> dict[str, tuple[float, float]]:
+    """Host time per micro-batch: the wall time of each train.micro_batch_loss call (forward, loss file, backward,
+    metrics), in extra learner steps after the timed ones, with the GPU synchronised between steps only. The host
+    issues a micro-batch's kernels without waiting for them, then its loss's .item() waits for the GPU to finish:
+    so this is the host's time plus the GPU's tail behind the last kernel issued, which is host time where the step
+    is host-bound (the tiny and SmolLM2-sized models on a GPU), and simply the micro-batch's time on CPU. The rest
+    of the step (building the rows, clipping, AdamW, the wait for the GPU at its end) is the step's time minus
+    its micro-batches'. Returns {method: (ms per micro-batch, ms of the rest of a step)}."""
+    import torch
 
-    def bare_step(input_ids: torch.Tensor, where: torch.Tensor, **layout: torch.Tensor) -> Callable[[], None]:
-        """The bare step on rows `input_ids` [R, W] (position_ids= packed, or attention_mask= padded), the batch's
-        P next-token positions at `where` [P] in the flattened [R * (W-1)] positions that predict one."""
-        targets = input_ids[:, 1:].reshape(-1)[where]                                    # [P]
+    import train
 
-        def step() -> None:
-            bare_optimizer.zero_grad(set_to_none=True)
-            hidden = bare_model.model(input_ids=input_ids, use_cache=False, **layout).last_hidden_state  # [R, W, H]
-            hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[where]                 # [P, H]
-            logprobs = torch.cat([torch.utils.checkpoint.checkpoint(head_chunk, hidden[i: i + chunk],
-                                                                    targets[i: i + chunk], use_reentrant=False)
-                                  for i in range(0, len(targets), chunk)])               # [P]
-            (-(logprobs * weight).sum()).backward()
-            bare_optimizer.step()
-        return step
-
-    bare = bare_step(whole.packed.input_ids, whole.packed.index[real], position_ids=whole.packed.position_ids)
-    # CUDA kernels run asynchronously: wait for them before reading the clock.
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    methods = {"bare": bare, "packed": learner(packed_cli), "padded": learner(padded_cli)}
-    widths: dict[str, tuple[int, ...]] = {}  # --row-widths: method name -> its rows' shape
-    if args.row_widths:
-        seqs = [grp.prompt_ids + c.token_ids for grp in groups for c in grp.completions]
-        longest = max(len(seq) for seq in seqs)
-        for width in sorted({max(int(w), longest) for w in args.row_widths.split(",")}):
-            ids, positions, where = _packed_batch(seqs, train.best_fit_decreasing([len(q) for q in seqs], width))
-            methods[f"bare W={width}"] = bare_step(ids.to(device), where.to(device), position_ids=positions.to(device))
-            widths[f"bare W={width}"] = tuple(ids.shape)
-        methods["bare padded"] = bare_step(whole.input_ids, real.flatten().nonzero().squeeze(1),
-                                           attention_mask=whole.attention.long())
-        widths["bare padded"] = tuple(whole.input_ids.shape)
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    peak_gib = {}
-    for round_ in range(2):  # interleaved, each method's best: fair to the noise of a shared machine
-        for name, fn in methods.items():
-            if round_ == 0:
-                if device.type == "cuda":  # the step's own memory above what is held between steps
-                    wait()
-                    torch.cuda.reset_peak_memory_stats()
-                    held = torch.cuda.memory_allocated()
-                fn()  # warm-up
-                wait()
-                if device.type == "cuda":
-                    peak_gib[name] = round((torch.cuda.max_memory_allocated() - held) / 2**30, 2)
-            start = time.perf_counter()
-            for _ in range(args.repeats):
-                fn()
-            wait()
-            times[name].append((time.perf_counter() - start) / args.repeats)
-    bare_s, packed_s, padded_s = (min(times[name]) for name in ("bare", "packed", "padded"))
-
-    # Host time per micro-batch: the wall time of each train.micro_batch_loss call (forward, loss file, backward,
-    # metrics), in extra learner steps after the timed ones, with the GPU synchronised between steps only. The host
-    # issues a micro-batch's kernels without waiting for them, then its loss's .item() waits for the GPU to finish:
-    # so this is the host's time plus the GPU's tail behind the last kernel issued, which is host time where the step
-    # is host-bound (the tiny and SmolLM2-sized models on a GPU), and simply the micro-batch's time on CPU. The rest
-    # of the step (building the rows, clipping, AdamW, the wait for the GPU at its end) is the step's time minus
-    # its micro-batches'.
     micro_batch_s: list[float] = []
     micro_batch_loss = train.micro_batch_loss
 
@@ -683,57 +757,268 @@ def bench_train(args: argparse.Namespace) -> dict:
         micro_batch_s.append(time.perf_counter() - start)
         return totals
 
-    host_ms, rest_ms = {}, {}
+    out = {}
     train.micro_batch_loss = timed_micro_batch  # loss_and_backward looks it up in train's globals at each call
     try:
-        for name in ("packed", "padded"):
+        for name, fn in methods.items():
             micro_batch_s.clear()
             step_s = 0.0
-            for _ in range(args.repeats):
+            for _ in range(repeats):
                 wait()
                 start = time.perf_counter()
-                methods[name]()
+                fn()
                 wait()
                 step_s += time.perf_counter() - start
-            host_ms[name] = 1e3 * statistics.mean(micro_batch_s)
-            rest_ms[name] = 1e3 * (step_s - sum(micro_batch_s)) / args.repeats
+            out[name] = (1e3 * statistics.mean(micro_batch_s), 1e3 * (step_s - sum(micro_batch_s)) / repeats)
     finally:
         train.micro_batch_loss = micro_batch_loss
-    pad_packed, pad_padded = 1 - tokens / packed_slots, 1 - tokens / padded_slots
-    rows_shape = tuple(whole.packed.input_ids.shape)
-    print(f"batch: {len(groups)} groups x {args.group_size} completions, {tokens:,} real tokens; "
-          f"micro-batches of {packed_cli.micro_batch_tokens} tokens")
-    print(f"padding: padded rows {pad_padded:.1%} of {padded_slots:,} slots ({n_padded} micro-batches); "
-          f"packed rows {pad_packed:.1%} of {packed_slots:,} ({n_packed}); the bare step's rows {rows_shape}")
-    print(f"learner, packed rows:  {packed_s:.3f} s = {tokens / packed_s:,.0f} real tokens/s")
-    print(f"learner, padded rows:  {padded_s:.3f} s = {tokens / padded_s:,.0f} real tokens/s")
-    print(f"bare transformers forward+backward+AdamW, packed: {bare_s:.3f} s = {tokens / bare_s:,.0f} real tokens/s")
-    print(f"learner packed / bare packed {bare_s / packed_s:.3f}; packed / padded learner {padded_s / packed_s:.3f}")
-    print(f"host time per micro-batch (its wall time, the GPU synchronised between steps only): packed "
-          f"{host_ms['packed']:.1f} ms x {n_packed}, padded {host_ms['padded']:.1f} ms x {n_padded}; the rest of "
-          f"the step (rows, clipping, AdamW, the wait at its end): packed {rest_ms['packed']:.1f} ms, "
-          f"padded {rest_ms['padded']:.1f} ms")
-    if peak_gib:
-        print(f"memory of a step beyond the weights held: {peak_gib} GiB")
-    for name, shape in widths.items():
-        fraction = 1 - tokens / (shape[0] * shape[1])
-        print(f"{name:>14}: rows {shape}, padding {fraction:.1%}: {tokens / min(times[name]):,.0f} real tokens/s")
-    dist.destroy_process_group()
-    return {"bench": "train", "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head, "tokens": tokens,
-            "micro_batch_tokens": packed_cli.micro_batch_tokens, "micro_batches_packed": n_packed,
-            "micro_batches_padded": n_padded, "bare_rows": list(rows_shape),
-            "packed_s": round(packed_s, 4), "padded_s": round(padded_s, 4), "bare_s": round(bare_s, 4),
-            "packed_tokens_per_s": round(tokens / packed_s), "padded_tokens_per_s": round(tokens / padded_s),
-            "bare_tokens_per_s": round(tokens / bare_s), "pad_fraction_packed": round(pad_packed, 4),
-            "host_ms_per_micro_batch_packed": round(host_ms["packed"], 2),
-            "host_ms_per_micro_batch_padded": round(host_ms["padded"], 2),
-            "host_ms_rest_of_step_packed": round(rest_ms["packed"], 2),
-            "host_ms_rest_of_step_padded": round(rest_ms["padded"], 2),
-            **{f"{name}_step_peak_gib": gib for name, gib in peak_gib.items()},
-            **({"row_widths": {name.split()[-1]: {"rows": list(shape), "tokens_per_s": round(tokens / min(times[name]))}
-                               for name, shape in widths.items()}} if widths else {}),
-            "learner_vs_bare_packed": round(bare_s / packed_s, 3), "packed_vs_padded": round(padded_s / packed_s, 3),
-            "pad_fraction_padded": round(pad_padded, 4)}
+    return out
+
+
+def _seconds(fn: Callable[[], None], repeats: int, device: Any) -> float:
+    """Mean wall time of `fn` over `repeats` calls after one warm-up, the GPU's work included."""
+    import torch
+
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    wait()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    wait()
+    return (time.perf_counter() - start) / repeats
+
+
+def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats: int, device: Any) -> dict[str, float]:
+    """The learner's LM head alone, forward and backward, per layout over its micro-batches: train.py's own head
+    (install_target_logprob_head: logits in chunks, each recomputed in backward, only at the scored positions) on a
+    stand-in weight of the learner's head's shape and compute dtype, fed random hidden states of each micro-batch's
+    rows' shape. A stand-in, because the learner's head is an FSDP2 unit whose weight is a shard outside the model's
+    forward; the math and the kernels are the head's."""
+    import types
+
+    import torch
+
+    import train
+
+    dtype = torch.float32 if cli.dtype == "float32" or cli.fp32_lm_head else torch.bfloat16
+    head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+    train.install_target_logprob_head(types.SimpleNamespace(config=config, get_output_embeddings=lambda: head),
+                                      cli.logits_chunk_tokens)
+    seconds = {}
+    for name, micro_batches in rows.items():
+        inputs = []
+        for r in micro_batches:
+            ids, scored = (r.input_ids, r.scored) if r.packed is None else (r.packed.input_ids, r.packed.scored)
+            hidden = torch.randn(*ids.shape, config.hidden_size, device=device, dtype=dtype,
+                                 requires_grad=True)                                     # [R, W, H]
+            inputs.append((hidden, ids[:, 1:], scored))
+
+        def step() -> None:
+            head.weight.grad = None
+            for hidden, targets, scored in inputs:
+                hidden.grad = None
+                head.scalerl_request = (targets, 1.0, scored)
+                head(hidden).sum().backward()                                             # [R, W-1] -> scalar
+            head.scalerl_request = None
+
+        seconds[name] = _seconds(step, repeats, device)
+        del inputs, step
+    return seconds
+
+
+def _bare_model(model_dir: str, cli: Any, device: Any, checkpointing: bool) -> Any:
+    """The bare step's model: plain transformers in --dtype, with the learner's attention implementation (so the
+    same kernels), its decoder layers recomputed in backward under --activation-checkpointing as the learner's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import train
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, cli.dtype),
+                                                 attn_implementation=train.attention_implementation(cli, device))
+    model = model.to(device)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()  # as the learner (and gradient checkpointing, which only runs in training mode)
+
+
+def _bare_logprobs(lm_head: Any, hidden: Any, targets: Any) -> Any:
+    """The bare step's LM head: log pi(targets) [P] from hidden states [P, H], in chunks of 256 MiB of float32
+    logits, each recomputed in backward, so the full [P, vocab] logits never exist (a 49k vocabulary would need GBs);
+    plain torch, outside the model's forward."""
+    import torch
+    import torch.utils.checkpoint
+
+    def chunk_logprobs(h, t):
+        logits = lm_head(h).float()                                                       # [chunk, V]
+        return torch.log_softmax(logits, -1).gather(-1, t[:, None]).squeeze(-1)           # [chunk]
+
+    chunk = max(1, (1 << 28) // (4 * lm_head.weight.shape[0]))
+    return torch.cat([torch.utils.checkpoint.checkpoint(chunk_logprobs, hidden[i: i + chunk], targets[i: i + chunk],
+                                                        use_reentrant=False)
+                      for i in range(0, len(targets), chunk)])                            # [P]
+
+
+def _time_bare(model_dir: str, cli: Any, groups: list, advantages: Any, args: argparse.Namespace, device: Any) -> dict:
+    """The bare step: a plain transformers model (_bare_model) fed the whole batch in one forward, packed into the
+    rows the learner would build for it; a REINFORCE loss on the completions' tokens; AdamW. With --row-widths also
+    on the batch packed into rows of each width and in padded rows. Returns the timings, the memory its weights
+    hold, its rows' shapes, and its LM head's time alone (_bare_logprobs on the same scored positions)."""
+    import torch
+
+    import train
+
+    model = _bare_model(model_dir, cli, device, args.activation_checkpointing)
+    weights_bytes = _allocated(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    whole = train.to_rows(groups, advantages, args.group_size, 0, device, train.row_packing(cli, model))
+    real = whole.attention[:, 1:]                                                         # [N, L-1] a next token
+    weight = (whole.advantages[:, None] * whole.loss_mask)[real] / whole.loss_mask.sum()  # [P]
+
+    def bare_step(input_ids: torch.Tensor, where: torch.Tensor, **layout: torch.Tensor) -> Callable[[], None]:
+        """The bare step on rows `input_ids` [R, W] (position_ids= packed, or attention_mask= padded), the batch's
+        P next-token positions at `where` [P] in the flattened [R * (W-1)] positions that predict one."""
+        targets = input_ids[:, 1:].reshape(-1)[where]                                    # [P]
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            hidden = model.model(input_ids=input_ids, use_cache=False, **layout).last_hidden_state  # [R, W, H]
+            hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[where]                 # [P, H]
+            (-(_bare_logprobs(model.lm_head, hidden, targets) * weight).sum()).backward()
+            optimizer.step()
+        return step
+
+    where = whole.packed.index[real]                                                      # [P]
+    methods = {"bare": bare_step(whole.packed.input_ids, where, position_ids=whole.packed.position_ids)}
+    widths: dict[str, tuple[int, ...]] = {}  # --row-widths: method name -> its rows' shape
+    if args.row_widths:
+        seqs = [grp.prompt_ids + c.token_ids for grp in groups for c in grp.completions]
+        longest = max(len(seq) for seq in seqs)
+        for width in sorted({max(int(w), longest) for w in args.row_widths.split(",")}):
+            ids, positions, at = _packed_batch(seqs, train.best_fit_decreasing([len(q) for q in seqs], width))
+            methods[f"bare W={width}"] = bare_step(ids.to(device), at.to(device), position_ids=positions.to(device))
+            widths[f"bare W={width}"] = tuple(ids.shape)
+        methods["bare padded"] = bare_step(whole.input_ids, real.flatten().nonzero().squeeze(1),
+                                           attention_mask=whole.attention.long())
+        widths["bare padded"] = tuple(whole.input_ids.shape)
+    timed = _time_methods(methods, args.repeats, device)
+    del methods  # the steps' closures hold the model's activations' inputs; the head's timing needs the room
+    _free_memory(device)
+    targets = whole.packed.input_ids[:, 1:].reshape(-1)[where]                            # [P]
+    hidden = torch.randn(len(targets), model.config.hidden_size, device=device, dtype=getattr(torch, cli.dtype),
+                         requires_grad=True)                                              # [P, H]
+
+    def head_step() -> None:
+        model.lm_head.weight.grad = hidden.grad = None
+        (-(_bare_logprobs(model.lm_head, hidden, targets) * weight).sum()).backward()
+
+    head_s = _seconds(head_step, args.repeats, device) if "s" in timed["bare"] else None
+    return {"weights_bytes": weights_bytes, "timed": timed, "head_s": head_s, "scored_tokens": len(targets),
+            "rows": tuple(whole.packed.input_ids.shape), "widths": widths}
+
+
+def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dict, bare: dict,
+                  peak_flops: float | None) -> dict:
+    """Print what bench_train measured; the results' JSON object. Fields of a method that ran out of GPU memory are
+    None (its "_oom" names the error); GPU memory and MFU fields are left out where not measured (off a GPU) or
+    unknown (no peak)."""
+    import train
+
+    tokens = sum(len(grp.prompt_ids) + len(c.token_ids) for grp in groups for c in grp.completions)  # real ones
+    timed = {**learner["timed"], "bare": bare["timed"]["bare"]}
+    step_s = {name: timed[name].get("s") for name in ("packed", "padded", "bare")}
+    head_s = {**learner["head_s"], "bare": bare["head_s"]}
+    slots = learner["slots"]
+    weights = {"packed": learner["weights_bytes"], "padded": learner["weights_bytes"], "bare": bare["weights_bytes"]}
+    results = {"bench": "train", "model": args.model, "shape": args.shape, "n_params": learner["n_params"],
+               "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head, "attention": learner["attention"],
+               "activation_checkpointing": args.activation_checkpointing, "cpu_offload": args.cpu_offload,
+               "groups": args.groups, "group_size": args.group_size, "completion_tokens": args.completion_tokens,
+               "tokens": tokens, "micro_batch_tokens": cli.micro_batch_tokens,
+               "micro_batches_packed": learner["n_micro_batches"]["packed"],
+               "micro_batches_padded": learner["n_micro_batches"]["padded"], "bare_rows": list(bare["rows"]),
+               "pad_fraction_packed": round(1 - tokens / slots["packed"], 4),
+               "pad_fraction_padded": round(1 - tokens / slots["padded"], 4),
+               "scored_tokens_learner": learner["scored_tokens"], "scored_tokens_bare": bare["scored_tokens"]}
+    if peak_flops is not None:
+        results["peak_tflops"] = peak_flops / 1e12
+    for name, s in step_s.items():
+        results[f"{name}_s"] = None if s is None else round(s, 4)
+        results[f"{name}_tokens_per_s"] = None if s is None else round(tokens / s)
+        mfu = None if s is None else train.model_flops_utilisation(learner["n_params"], tokens, s, 1, peak_flops)
+        if peak_flops is not None:
+            results[f"{name}_mfu"] = None if mfu is None else round(mfu, 4)
+        if "peak_bytes" in timed[name]:
+            results[f"{name}_peak_gib"] = round(timed[name]["peak_bytes"] / 2**30, 2)
+            results[f"{name}_peak_beyond_weights_gib"] = round((timed[name]["peak_bytes"] - weights[name]) / 2**30, 2)
+        results[f"{name}_head_s"] = None if head_s.get(name) is None else round(head_s[name], 4)
+        results[f"{name}_head_share"] = None if s is None or head_s.get(name) is None else round(head_s[name] / s, 3)
+        if "oom" in timed[name]:
+            results[f"{name}_oom"] = timed[name]["oom"]
+    if learner["weights_bytes"] is not None:
+        results.update(learner_weights_gib=round(learner["weights_bytes"] / 2**30, 2),
+                       bare_weights_gib=round(bare["weights_bytes"] / 2**30, 2),
+                       left_after_learner_gib=round(learner["after_free_bytes"] / 2**30, 2))
+    for name in ("packed", "padded"):
+        if name in learner["host"]:
+            results[f"host_ms_per_micro_batch_{name}"] = round(learner["host"][name][0], 2)
+            results[f"host_ms_rest_of_step_{name}"] = round(learner["host"][name][1], 2)
+    if bare["widths"]:
+        results["row_widths"] = {}
+        for name, shape in bare["widths"].items():
+            if "s" in bare["timed"][name]:
+                results["row_widths"][name.split()[-1]] = {"rows": list(shape),
+                                                           "tokens_per_s": round(tokens / bare["timed"][name]["s"])}
+    ratio = {"learner_vs_bare_packed": ("bare", "packed"), "packed_vs_padded": ("padded", "packed")}
+    for key, (num, den) in ratio.items():
+        results[key] = None if step_s[num] is None or step_s[den] is None else round(step_s[num] / step_s[den], 3)
+    _print_train_report(results)
+    return results
+
+
+def _print_train_report(r: dict) -> None:
+    """bench_train's results as lines for a reader (the JSON line follows them)."""
+    def fmt(x, spec: str) -> str:
+        return "n/a" if x is None else format(x, spec)
+
+    print(f"batch: {r['groups']} groups x {r['group_size']} completions of {r['completion_tokens']} tokens, "
+          f"{r['tokens']:,} real tokens; micro-batches of {r['micro_batch_tokens']} tokens")
+    print(f"model: {r['shape'] or r['model'] or 'the embedded tiny model'}, {r['n_params']:,} parameters, "
+          f"{r['dtype']}{' (FP32 head)' if r['fp32_lm_head'] and r['dtype'] == 'bfloat16' else ''}, "
+          f"{r['attention']}; activation checkpointing {r['activation_checkpointing']}, CPU offload "
+          f"{r['cpu_offload']}; peak {fmt(r.get('peak_tflops'), '.1f')} TFLOP/s")
+    print(f"padding: padded rows {r['pad_fraction_padded']:.1%} ({r['micro_batches_padded']} micro-batches); "
+          f"packed rows {r['pad_fraction_packed']:.1%} ({r['micro_batches_packed']}); the bare step's rows "
+          f"{tuple(r['bare_rows'])}")
+    labels = {"packed": "learner, packed rows", "padded": "learner, padded rows",
+              "bare": "bare transformers forward+backward+AdamW, packed"}
+    for name, label in labels.items():
+        if r.get(f"{name}_oom"):
+            print(f"{label}: out of GPU memory ({r[f'{name}_oom']})")
+            continue
+        if r[f"{name}_s"] is None:
+            print(f"{label}: not run (an earlier method ran out of GPU memory)")
+            continue
+        memory = (f"; peak {r[f'{name}_peak_gib']} GiB, {r[f'{name}_peak_beyond_weights_gib']} beyond the weights"
+                  if f"{name}_peak_gib" in r else "")
+        mfu = f", MFU {r[f'{name}_mfu']:.1%}" if r.get(f"{name}_mfu") is not None else ""
+        print(f"{label}: {r[f'{name}_s']:.3f} s = {r[f'{name}_tokens_per_s']:,} real tokens/s{mfu}; LM head "
+              f"{fmt(r[f'{name}_head_s'], '.3f')} s alone ({fmt(r[f'{name}_head_share'], '.0%')} of the step, "
+              f"{r['scored_tokens_bare' if name == 'bare' else 'scored_tokens_learner']:,} positions){memory}")
+    print(f"learner packed / bare packed {fmt(r['learner_vs_bare_packed'], '.3f')}; packed / padded learner "
+          f"{fmt(r['packed_vs_padded'], '.3f')}")
+    if "host_ms_per_micro_batch_packed" in r and "host_ms_per_micro_batch_padded" in r:
+        print(f"host time per micro-batch (its wall time, the GPU synchronised between steps only): packed "
+              f"{r['host_ms_per_micro_batch_packed']:.1f} ms x {r['micro_batches_packed']}, padded "
+              f"{r['host_ms_per_micro_batch_padded']:.1f} ms x {r['micro_batches_padded']}; the rest of the step "
+              f"(rows, clipping, AdamW, the wait at its end): packed {r['host_ms_rest_of_step_packed']:.1f} ms, "
+              f"padded {r['host_ms_rest_of_step_padded']:.1f} ms")
+    for width, entry in r.get("row_widths", {}).items():
+        rows = entry["rows"]
+        fraction = 1 - r["tokens"] / (rows[0] * rows[1])
+        print(f"{'bare ' + width:>14}: rows {tuple(rows)}, padding {fraction:.1%}: {entry['tokens_per_s']:,} real "
+              "tokens/s")
 
 
 def _packed_batch(seqs: list[list[int]], rows: list[list[int]]) -> tuple:

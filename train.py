@@ -132,6 +132,7 @@ def _arg(group: str, default: Any, help: str, **kw: Any) -> Any:
 CHANGEABLE_ON_RESUME = frozenset({
     "max_steps",  # upwards only: below the run's step is refused
     "eval_every", "eval_samples", "final_eval_samples", "log_every", "checkpoint_every", "max_bad_steps",
+    "peak_tflops",  # only the mfu metric: a run may move to another kind of GPU
     "micro_batch_tokens", "logits_chunk_tokens", "packing",  # memory and speed only: a step is the same (tested)
     "activation_checkpointing", "cpu_offload",  # likewise
     "gen_devices", "tensor_parallel_size", "gen_memory_fraction",  # placement: a run may move to another machine
@@ -252,6 +253,10 @@ class Args:
                                           "of one evaluation, e.g. 16 when a fit's prediction is checked against it")
     eval_prompts: int = _arg(HelpGroup.EVALUATION, 128, "held-out validation prompts (ScaleRL: 1000)")
     log_every: int = _arg(HelpGroup.EVALUATION, 5, "print a one-line summary every N steps")
+    peak_tflops: float | None = _arg(HelpGroup.EVALUATION, None, "dense peak TFLOP/s of one learner GPU in --dtype, "
+                                     "for the metrics' mfu (model FLOPs utilisation); default: from a table of "
+                                     "known GPUs by name (H100, H200, A100, L40S, ...); on CPU or an unknown GPU, "
+                                     "none and no mfu")
 
     checkpoint_every: int = _arg(HelpGroup.CHECKPOINTS, 10, "save a checkpoint every N steps (and at the end)")
     output_dir: str = _arg(HelpGroup.CHECKPOINTS, "runs/default", "where metrics.jsonl, checkpoint/, scaling.png go")
@@ -341,6 +346,8 @@ def check_args(args: Args) -> list[str]:
         problems.append("--max-off-policy must be >= 0")
     if args.buffer_steps < 0:
         problems.append("--buffer-steps must be >= 0")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        problems.append(f"--peak-tflops must be > 0 (got {args.peak_tflops})")
     try:
         if not all(x >= 1 for x in gen_slowdowns(args)):
             raise ValueError
@@ -555,6 +562,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
         run.metrics.write(row)
         tqdm.write(f"step 0: val pass rate {row['val_pass_rate']:.3f} (the base model)")
     consecutive_bad = 0
+    peak_flops = peak_flops_per_s(args.dtype, args.peak_tflops)  # one learner rank's; None: no mfu
     while state.step < args.max_steps:
         # Pull groups, then the data-side steps on them (rank 0): retire solved prompts, filter zero-variance
         # groups, overlong penalty and filter. A round is one step's batch (pipeline mode) or k steps' (sync mode,
@@ -602,6 +610,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
 
             if run.is_main:
                 batch_rewards = rewards.tolist()
+                mfu = model_flops_utilisation(learner.n_params, trained_tokens, step_s, run.world, peak_flops)
                 row = {
                     **new_row(run, state),
                     "reward": sum(batch_rewards) / max(len(batch_rewards), 1),
@@ -611,7 +620,8 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                     "bad_steps_total": state.bad_steps_total, "weight_sync_s": sync_s,
                     "weight_broadcast_s": broadcast_s, "step_s": step_s,
                     "train_tokens_per_s": trained_tokens / max(step_s, 1e-9), "retired_prompts": len(state.retired),
-                    "gen_tokens": gen_tokens, **metrics, **round_.stats,
+                    "gen_tokens": gen_tokens, **({"mfu": mfu} if mfu is not None else {}),  # no peak known: none
+                    **metrics, **round_.stats,
                     # Lag of the tokens trained on at this step (in a sync round of k steps it grows 0..k-1).
                     **pipeline_rl.lag_stats(batch, version),
                 }
@@ -661,6 +671,56 @@ class TrainerState:
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "consumed": sorted(self.consumed), "retired": sorted(self.retired)}
+
+
+# Dense peak TFLOP/s of one GPU (no 2:4 sparsity: NVIDIA's data sheets quote bfloat16 tensor cores with it, twice
+# these), from the data sheets: H100 SXM/PCIe/NVL and H200 SXM/NVL (nvidia.com/en-us/data-center/h100 and /h200),
+# A100 (A100 data sheet, SXM and PCIe alike), L40S, L40, A10, L4 (their product pages' data sheets). float32 is
+# the CUDA cores' plain FP32, not TF32: the learner leaves TF32 matmuls off (PyTorch's default). Matched in order
+# against torch.cuda.get_device_name(), case aside: the first substring found wins, so a variant precedes its
+# family ("H100 PCIe" before "H100", "A100" before "A10", "L40S" and "L40" before "L4"). GH200 is an H200 here.
+PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (  # (name substring, bfloat16, float32)
+    ("H100 PCIe", 756.0, 51.0),
+    ("H100 NVL", 835.0, 60.0),
+    ("H100", 989.4, 66.9),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("H200 NVL", 835.0, 60.0),
+    ("H200", 989.4, 66.9),
+    ("A100", 312.0, 19.5),
+    ("L40S", 362.05, 91.6),
+    ("L40", 181.05, 90.5),
+    ("A10", 125.0, 31.2),
+    ("L4", 121.0, 30.3),
+)
+
+
+def known_peak_tflops(device_name: str, dtype: str) -> float | None:
+    """PEAK_TFLOPS' dense peak of the GPU `device_name` in `dtype` (float32 or bfloat16); None if not listed."""
+    for substring, bf16, fp32 in PEAK_TFLOPS:
+        if substring.lower() in device_name.lower():
+            return bf16 if dtype == "bfloat16" else fp32
+    return None
+
+
+def peak_flops_per_s(dtype: str | None, given_tflops: float | None = None) -> float | None:
+    """One learner rank's peak FLOP/s: --peak-tflops if given, else the table's for this rank's GPU in `dtype`
+    (bfloat16's under --fp32-lm-head too: the head is a small share of the step); None on a CPU or an unlisted GPU.
+    The learner's GPU is the current CUDA device (init_distributed sets it)."""
+    if given_tflops is not None:
+        return given_tflops * 1e12
+    if not torch.cuda.is_available():
+        return None
+    tflops = known_peak_tflops(torch.cuda.get_device_name(), dtype or "bfloat16")
+    return None if tflops is None else tflops * 1e12
+
+
+def model_flops_utilisation(n_params: int, trained_tokens: int, step_s: float, ranks: int,
+                            peak_flops: float | None) -> float | None:
+    """MFU of a learner step: its model FLOPs, 6 x parameters x trained tokens (as TrainerState.count_tokens counts
+    them: no attention FLOPs), over what `ranks` devices of `peak_flops` FLOP/s each could do in `step_s`. None
+    without a known peak."""
+    if peak_flops is None or step_s <= 0:
+        return None
+    return 6 * n_params * trained_tokens / (step_s * ranks * peak_flops)
 
     @classmethod
     def from_json(cls, saved: dict[str, Any]) -> TrainerState:

@@ -3,6 +3,7 @@ study's pooled fits and verdicts (on fake runs).
 The experiments themselves are real train.py runs; their results are in docs/results.md."""
 
 import argparse
+import collections
 import json
 import subprocess
 import sys
@@ -333,3 +334,100 @@ def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed
     for layout in ("packed", "padded"):  # the host time of one micro-batch, and how many a step runs
         assert result[f"host_ms_per_micro_batch_{layout}"] > 0 and result[f"micro_batches_{layout}"] > 0
     assert "real tokens/s" in run.stdout
+    assert "packed_mfu" not in result and "peak_tflops" not in result  # a CPU's peak is unknown: no MFU
+
+
+def _one_rank_env(monkeypatch) -> None:
+    """train.init_distributed's environment for one rank in this process, undone after the test."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_train_bench_times_a_shape_with_the_learner_and_the_bare_model_never_alive_at_once(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """`bench.py train --shape NAME` writes a random-weight model from memory_plan.shape_config (here a tiny Qwen3
+    standing in for it), builds the learner, times it and frees it before it builds the bare model (weak references
+    to both: the learner is dead when the bare model is built, the bare model when the bench ends), and reports per
+    method its tokens/s, its MFU from --peak-tflops and its LM head's share, in the last line and in --json. On a
+    CPU there is no GPU memory to measure: those fields are absent."""
+    import types
+    import weakref
+
+    import transformers
+
+    import train
+
+    config = transformers.Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=256, tie_word_embeddings=True)
+    monkeypatch.setitem(sys.modules, "memory_plan", types.SimpleNamespace(
+        SHAPES={"tiny-qwen3": config}, shape_config=lambda name: {"tiny-qwen3": config}[name]))
+    _one_rank_env(monkeypatch)
+    alive: dict[str, weakref.ref] = {}
+    build_learner, bare_model = train.build_learner, bench._bare_model
+
+    def learner_watched(*args, **kwargs):
+        model, n_params = build_learner(*args, **kwargs)
+        alive["learner"] = weakref.ref(model)
+        return model, n_params
+
+    def bare_after_the_learner(*args, **kwargs):
+        assert alive["learner"]() is None, "the learner is still alive when the bare model is built"
+        model = bare_model(*args, **kwargs)
+        alive["bare"] = weakref.ref(model)
+        return model
+
+    monkeypatch.setattr(train, "build_learner", learner_watched)
+    monkeypatch.setattr(bench, "_bare_model", bare_after_the_learner)
+    out = tmp_path / "train.json"
+    assert bench.main(["train", "--shape", "tiny-qwen3", "--groups", "2", "--group-size", "4", "--repeats", "1",
+                       "--completion-tokens", "5,30", "--micro-batch-tokens", "64", "--peak-tflops", "0.5",
+                       "--json", str(out)]) == 0
+    assert alive["bare"]() is None
+    result = json.loads(out.read_text())
+    assert result == json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert result["shape"] == "tiny-qwen3" and result["peak_tflops"] == 0.5 and result["micro_batches_packed"] > 1
+    assert result["n_params"] == sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config)
+                                     .parameters())
+    for name in ("packed", "padded", "bare"):
+        s = result[f"{name}_s"]
+        assert result[f"{name}_tokens_per_s"] == pytest.approx(result["tokens"] / s, rel=1e-2)
+        assert result[f"{name}_mfu"] == pytest.approx(6 * result["n_params"] * result["tokens"] / (s * 0.5e12),
+                                                      rel=1e-2, abs=1e-4)
+        assert 0 < result[f"{name}_head_s"] and 0 < result[f"{name}_head_share"] < 1
+        assert f"{name}_peak_gib" not in result and f"{name}_oom" not in result
+    assert 0 < result["scored_tokens_learner"] < result["scored_tokens_bare"] < result["tokens"]
+    assert result["learner_vs_bare_packed"] > 0 and "learner_weights_gib" not in result
+
+
+def test_train_bench_passes_the_learner_s_memory_flags_on():
+    """--activation-checkpointing, --cpu-offload and --micro-batch-tokens reach the learner's train.Args."""
+    parser = argparse.ArgumentParser()
+    bench._add_train_args(parser)
+    args = parser.parse_args(["--activation-checkpointing", "--cpu-offload", "--micro-batch-tokens", "4096"])
+    cli = bench._learner_cli(args)
+    assert cli.activation_checkpointing and cli.cpu_offload and cli.micro_batch_tokens == 4096 and cli.packing
+
+
+def test_a_method_out_of_gpu_memory_is_reported_and_the_methods_after_it_are_not_run():
+    """_time_methods: a step that runs out of GPU memory is named with the error, the methods already timed keep
+    their times, and the ones after it are not run (an FSDP2 step cut short may leave its model half gathered)."""
+    import torch
+
+    calls = collections.Counter()
+
+    def fine(name: str):
+        return lambda: calls.update([name])
+
+    def out_of_memory() -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+    timed = bench._time_methods({"a": fine("a"), "b": out_of_memory, "c": fine("c")}, 2, torch.device("cpu"))
+    assert timed["a"]["s"] >= 0 and timed["b"] == {"oom": "CUDA out of memory. Tried to allocate 2.00 GiB"}
+    assert timed["c"] == {} and calls == {"a": 3}

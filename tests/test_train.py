@@ -69,6 +69,23 @@ def test_the_flags_page_is_what_args_gives():
         assert f"`--{f.name.replace('_', '-')}" in page
 
 
+def test_mfu_is_six_n_tokens_over_the_ranks_peak_and_absent_without_a_peak(monkeypatch):
+    """MFU = 6 x parameters x trained tokens / (step seconds x ranks x peak): 1M parameters, 5,000 tokens, 2 s on
+    2 ranks of 1 TFLOP/s -> 3e10 / 4e12 = 0.0075. The peak comes from --peak-tflops, else from the table by the
+    GPU's name (a variant before its family); a CPU or an unlisted GPU has none, and then there is no mfu."""
+    assert train.model_flops_utilisation(1_000_000, 5_000, 2.0, 2, 1e12) == pytest.approx(0.0075)
+    assert train.model_flops_utilisation(1_000_000, 5_000, 2.0, 2, None) is None
+    assert train.known_peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4
+    assert train.known_peak_tflops("NVIDIA H100 PCIe", "float32") == 51.0
+    assert train.known_peak_tflops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312.0
+    assert train.known_peak_tflops("NVIDIA L40S", "bfloat16") == 362.05 and train.known_peak_tflops(
+        "NVIDIA L4", "bfloat16") == 121.0 and train.known_peak_tflops("NVIDIA A10", "float32") == 31.2
+    assert train.known_peak_tflops("NVIDIA GeForce GTX 1080", "bfloat16") is None
+    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
+    assert train.peak_flops_per_s("float32") is None
+    assert train.peak_flops_per_s("float32", given_tflops=2.5) == 2.5e12
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--loss", "grpo", "--aggregation", "token"], "CISPO's options"),
     (["--tis-cap", "3"], "no effect without --tis"),
@@ -89,6 +106,7 @@ def test_the_flags_page_is_what_args_gives():
     (["--group-size", "1"], "no group variance"),
     (["--loss-arg", "eps_max"], "expected KEY=VALUE"),
     (["--buffer-steps", "-1"], "--buffer-steps must be >= 0"),
+    (["--peak-tflops", "0"], "--peak-tflops must be > 0 (got 0.0)"),
     (["--debug-gen-slowdown", "0.5"],
      "--debug-gen-slowdown 0.5: X or X,Y,... (one per replica), each must be >= 1"),
     (["--debug-gen-slowdown", "1,x"], "--debug-gen-slowdown 1,x: X or X,Y,..."),
@@ -1341,7 +1359,9 @@ os._exit(0)
     # on-policy RL with DeepSeekMath's KL to the reference model, and IcePop's masked importance sampling
     ("grpo", ["--mode", "sync", "--max-off-policy", "1", "--kl-coef", "0.04",
               "--tis", "token", "--tis-mode", "mask", "--tis-cap-min", "0.5", "--tis-cap", "5"]),
-    ("dapo", ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter"]),
+    # ... and an mfu in every step's row from a given peak (a CPU has none of its own)
+    ("dapo", ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter",
+              "--peak-tflops", "0.5"]),
     ("drgrpo", ["--mode", "sync", "--max-off-policy", "2", "--final-eval-samples", "3"]),  # PPO-off-policy-2
     # GSPO-token with ScaleRL's clip ranges, and the per-token KL beside the sequence ratio
     ("gspo", ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "--loss-arg", "token_level=true",
@@ -1363,6 +1383,10 @@ def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
                     "lag_mean", "wait_s", "compute_hours", "flops", "tokens", "train_tokens_per_s"):
             assert key in r, key
         assert r["lag_max"] <= 8
+        assert ("mfu" in r) == ("--peak-tflops" in flags)
+        if "mfu" in r:  # 6 N x trained tokens / (step seconds x 2 ranks x 0.5e12): tokens/s and mfu, in proportion
+            assert r["mfu"] > 0 and r["mfu"] / r["train_tokens_per_s"] == pytest.approx(
+                rows[-1]["mfu"] / rows[-1]["train_tokens_per_s"], rel=1e-6)
     assert all(a["compute_hours"] < b["compute_hours"] for a, b in zip(rows, rows[1:]))
     assert rows[-1]["flops"] > 0 and rows[-1]["tokens"] > 0
     if "--tis" in flags:

@@ -45,7 +45,7 @@ def configs(loss_name: str) -> list[tuple[tuple, tuple]]:
 def main() -> None:
     out = Path(sys.argv[1])
     dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
-    rank, world, device = train.init_distributed()
+    rank, world, device = train.init_distributed(cpu_offload=True)  # gloo beside NCCL for the offloaded layout
     model_dir = sys.argv[3] if len(sys.argv) > 3 else tasks.build_base_model(progress=False)
     results = {}
     for loss_name in train.LOSSES:

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 import memory_plan as mp
 import tasks
+import train
 
 GIB = mp.GIB
 
@@ -135,3 +136,54 @@ def test_whole_groups_over_the_budget_make_no_flag_enough():
     [message] = plan.problems()
     assert "one group of 16 sequences of up to 14,848 tokens (237,568) is over --micro-batch-tokens 16384" in message
     assert "No smaller --micro-batch-tokens, --activation-checkpointing, --cpu-offload or more learner ranks" in message
+
+
+def scalerl_args(*extra: str) -> list[str]:
+    return ["--prompts-per-step", "48", "--group-size", "16", "--max-tokens", "14336", "--think-budget",
+            "10240,12288", "--answer-budget", "2048", *extra]
+
+
+def test_train_plan_prints_the_plan_without_a_gpu():
+    text = train.plan(["--shape", "qwen3-8b", "--learner-ranks", "2", *scalerl_args("--micro-batch-tokens", "16384"),
+                       "--split-groups", "--activation-checkpointing", "--cpu-offload"])
+    assert text.splitlines()[0] == ("2 learner rank(s), micro-batch 16,384 tokens, --activation-checkpointing "
+                                    "--cpu-offload: 25.1 of 80.0 GiB per GPU: fits")
+    assert "(host memory, --cpu-offload)" in text
+    shared = train.plan(["--shape", "smollm2-135m", "--gpus", "1", "--gen-devices", "0"])
+    assert "24.0 GiB  vLLM's share" in shared  # 0.3 of a GPU the learner shares with vLLM
+    with pytest.raises(SystemExit, match="give --shape NAME or --model DIR"):
+        train.plan([])
+
+
+def model_dir(tmp_path, shape: str):
+    """A directory that passes train.py's model checks: the shape's config.json, and empty weights and tokenizer
+    files (nothing reads them before the memory plan refuses or passes)."""
+    path = tmp_path / shape
+    mp.shape_config(shape).save_pretrained(path)
+    (path / "model.safetensors").touch()
+    (path / "tokenizer.json").touch()
+    return str(path)
+
+
+@pytest.fixture
+def eight_gpus(monkeypatch):
+    """An 8-GPU node of 80 GiB GPUs, two learner ranks on it."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(train, "learner_gpu_memory", lambda device_id: 80 * GIB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+def test_train_refuses_a_layout_that_cannot_fit_before_anything_starts(tmp_path, eight_gpus, monkeypatch, capsys):
+    monkeypatch.setattr(train, "set_up", lambda args: pytest.fail("set_up must not run"))
+    argv = ["--model", model_dir(tmp_path, "qwen3-8b"), "--gen-devices", "0,1,2,3,4,5",
+            "--output-dir", str(tmp_path / "run"), *scalerl_args()]
+    with pytest.raises(SystemExit):
+        train.main(argv)
+    error = capsys.readouterr().err
+    assert "the learner does not fit its GPU" in error and "--group-size" in error
+    assert not (tmp_path / "run").exists()
+    small = ["--model", model_dir(tmp_path, "smollm2-135m"), "--gen-devices", "0,1,2,3,4,5",
+             "--output-dir", str(tmp_path / "run")]
+    assert train.parse_args(small).model.endswith("smollm2-135m")  # fits: nothing to refuse
+    assert train.memory_problems(train.parse_args(small), num_gpus=0, learner_ranks=2, world=2) == []  # CPU

@@ -242,8 +242,9 @@ class MemoryPlan:
         least = estimate(self.config, dataclasses.replace(layout, activation_checkpointing=True, cpu_offload=True))
         return [f"{message}. No smaller --micro-batch-tokens, --activation-checkpointing, --cpu-offload or more "
                 f"learner ranks makes it fit: the activations of one micro-batch of {layout.unit_tokens:,} tokens "
-                f"alone take {gib(least.gpu['activations'])} GiB with checkpointing; fewer tokens per group "
-                f"(--group-size, --max-tokens) would"]
+                f"alone take {gib(least.gpu['activations'])} GiB with checkpointing; only fewer tokens per "
+                f"{'group (--group-size, --max-tokens)' if layout.whole_groups else 'sequence (--max-tokens)'} can "
+                "make it fit"]
 
 
 def gib(n: float) -> str:

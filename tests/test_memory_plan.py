@@ -2,6 +2,8 @@
 make a layout fit, and train.py refusing a layout that cannot fit before anything starts."""
 
 import dataclasses
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -187,3 +189,18 @@ def test_train_refuses_a_layout_that_cannot_fit_before_anything_starts(tmp_path,
              "--output-dir", str(tmp_path / "run")]
     assert train.parse_args(small).model.endswith("smollm2-135m")  # fits: nothing to refuse
     assert train.memory_problems(train.parse_args(small), num_gpus=0, learner_ranks=2, world=2) == []  # CPU
+
+
+def test_docs_memory_table_is_what_the_plan_prints():
+    """docs/memory.md's Qwen3-8B table, cell by cell, from the command beside it."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "memory.md").read_text()
+    rows = [line.split("|")[1:-1] for line in page.splitlines() if re.match(r"\| [1248] \|", line)]
+    assert [int(row[0]) for row in rows] == [1, 2, 4, 8]
+    flag_sets = ([], ["--activation-checkpointing"], ["--cpu-offload"], ["--activation-checkpointing", "--cpu-offload"])
+    for row in rows:
+        for cell, (budget, flags) in zip(row[1:], [(b, f) for b in ("16384", "32768") for f in flag_sets]):
+            first = train.plan(["--shape", "qwen3-8b", "--learner-ranks", row[0].strip(), "--micro-batch-tokens",
+                                budget, *flags, *scalerl_args(), "--split-groups"]).splitlines()[0]
+            fits = first.endswith(": fits")
+            assert cell.strip() == (f"**{first.split(': ')[1].split()[0]}**" if fits
+                                    else first.split(": ")[1].split()[0]), (row[0], budget, flags)

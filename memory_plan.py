@@ -361,11 +361,21 @@ def largest_fitting_tokens(config: Any, layout: Layout) -> int:
 
 
 def more_learner_ranks(config: Any, layout: Layout) -> int | None:
-    """The fewest learner ranks above layout's that fit, or None: more ranks shrink only the sharded parts."""
-    for ranks in range(layout.learner_ranks + 1, MAX_LEARNER_RANKS + 1):
-        if estimate(config, dataclasses.replace(layout, learner_ranks=ranks)).fits():
-            return ranks
-    return None
+    """The fewest learner ranks above layout's that fit, or None: more ranks shrink only the sharded parts (and a
+    rank's share of the batch), so the plan never grows with them and a bisection finds the fewest."""
+    def fits(ranks: int) -> bool:
+        return estimate(config, dataclasses.replace(layout, learner_ranks=ranks)).fits()
+
+    low, high = layout.learner_ranks + 1, MAX_LEARNER_RANKS
+    if low > high or not fits(high):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, dtype: str, sequence_tokens: int,

@@ -177,7 +177,6 @@ PART_NAMES = {
     "activations": "activations of the largest micro-batch",
     "vllm": "vLLM's share of the GPU (--gen-memory-fraction)",
 }
-OFFLOADED = ("weights", "gradients", "optimizer", "reference")  # what --cpu-offload moves to host memory
 
 
 @dataclass
@@ -239,12 +238,14 @@ class MemoryPlan:
         fixes = remedies(self.config, layout)
         if fixes:
             return [f"{message}. It would fit with, in order of cost: {'; or '.join(fixes)}"]
-        least = estimate(self.config, dataclasses.replace(layout, activation_checkpointing=True, cpu_offload=True))
+        smallest = min(layout.unit_tokens, layout.tokens)
+        fewer = "group (--group-size, --max-tokens)" if layout.whole_groups else "sequence (--max-tokens)"
+        least = estimate(self.config, dataclasses.replace(layout, activation_checkpointing=True, cpu_offload=True),
+                         tokens=smallest)
         return [f"{message}. No smaller --micro-batch-tokens, --activation-checkpointing, --cpu-offload or more "
-                f"learner ranks makes it fit: the activations of one micro-batch of {layout.unit_tokens:,} tokens "
-                f"alone take {gib(least.gpu['activations'])} GiB with checkpointing; only fewer tokens per "
-                f"{'group (--group-size, --max-tokens)' if layout.whole_groups else 'sequence (--max-tokens)'} can "
-                "make it fit"]
+                f"learner ranks makes it fit: with both flags, the smallest micro-batch ({smallest:,} tokens) still "
+                f"needs {gib(least.total)} GiB, {gib(least.gpu['activations'])} of them activations; only fewer "
+                f"tokens per {fewer} or a larger GPU can make it fit"]
 
 
 def gib(n: float) -> str:

@@ -86,6 +86,7 @@ import dapo  # ... and, whatever --loss is, the recipe's data side: filter_group
 import drgrpo
 import grpo
 import gspo
+import memory_plan  # the learner's memory per rank, checked before anything starts on a GPU (train.py plan)
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import scaling_fit
 import tasks
@@ -510,6 +511,44 @@ def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[s
     return problems
 
 
+def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -> list[str]:
+    """On a GPU machine, a --model whose learner cannot fit its GPUs is refused before anything starts, with the
+    flags that would make it fit (memory_plan.py); only its config is read. `learner_ranks`: this node's, whose
+    GPUs are checked; `world`: all of them, over which FSDP2 shards. Not on CPU: host memory is not what the plan is
+    for. A model whose config cannot be read here (set_up will say why) or that the plan does not describe goes
+    unchecked; the embedded tiny model always fits."""
+    if num_gpus == 0 or args.model is None:
+        return []
+    from transformers import AutoConfig  # here, not at the top: see build_learner
+
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+        memory_plan.parameter_counts(config)
+    except (OSError, ValueError):
+        return []
+    learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, num_gpus)
+    in_use = learner_ids[:learner_ranks]
+    plan = learner_memory_plan(args, config, world, min(learner_gpu_memory(i) for i in in_use),
+                               shares_gpu=bool(set(in_use) & set(gen_ids)))
+    return plan.problems()
+
+
+def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory: int, shares_gpu: bool = False,
+                        whole_groups: bool = True) -> memory_plan.MemoryPlan:
+    """The memory plan of this run's learner on `learner_ranks` GPUs of `gpu_memory` bytes, `config` being the
+    model's (transformers) config; `shares_gpu`: vLLM takes its share of each learner GPU too. `whole_groups`: as
+    micro_batches packs them (False: what-if a micro-batch could hold part of a group)."""
+    return memory_plan.plan_memory(
+        config, args, learner_ranks, gpu_memory, dtype=compute_dtype(args, on_gpu=True),
+        sequence_tokens=model_context(args), logits_chunk_bytes=LOGITS_CHUNK_BYTES, whole_groups=whole_groups,
+        generator_share=generator_memory_fraction(args, shares_gpu) if shares_gpu else 0.0)
+
+
+def learner_gpu_memory(device_id: int) -> int:
+    """Bytes of memory of CUDA device `device_id`."""
+    return torch.cuda.get_device_properties(device_id).total_memory
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The loop
 # ----------------------------------------------------------------------------------------------------------------
@@ -520,6 +559,7 @@ def main(argv: list[str] | None = None) -> None:
     `train.py export RUN_DIR OUT_DIR` writes a run's policy as a Hugging Face model directory instead (`export`);
     `train.py evaluate [flags]` prints a model's or a run's pass@k as one JSON line (`evaluate_policy`);
     `train.py migrate-checkpoint RUN_DIR` converts an older run's pickled RNG files (`migrate_checkpoint`);
+    `train.py plan --shape NAME | --model DIR [flags]` prints the learner's memory per rank, no GPU needed (`plan`);
     `train.py --help-markdown` prints the flags as docs/flags.md holds them (`flags_markdown`)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--help-markdown"]:
@@ -534,6 +574,9 @@ def main(argv: list[str] | None = None) -> None:
         if len(argv) != 2 or argv[1].startswith("-"):
             raise SystemExit("usage: train.py migrate-checkpoint RUN_DIR")
         print(json.dumps(migrate_checkpoint(Path(argv[1]))))
+        return
+    if argv[:1] == ["plan"]:
+        print(plan(argv[1:]))
         return
     if argv[:1] == ["evaluate"]:  # the training flags; nothing is written, so no output directory is claimed
         with tempfile.TemporaryDirectory(prefix="scalerl-evaluate-") as scratch:
@@ -1696,7 +1739,10 @@ def flags_markdown() -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="train.py", description="The ScaleRL recipe: vLLM generator + FSDP2 learner. Run under torchrun.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        epilog="Other commands: `train.py plan --shape NAME | --model DIR [flags]` prints the learner's GPU memory "
+        "per rank for a layout, no GPU needed, and what would make it fit (train.py plan --help); on a GPU, a run "
+        "whose plan does not fit is refused before it starts. `train.py export RUN_DIR OUT_DIR`, `train.py evaluate "
+        "[flags]`, `train.py migrate-checkpoint RUN_DIR`.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     groups: dict[str, Any] = {}  # title -> argparse argument group, in the order of Args
     for f in dataclasses.fields(Args):
         meta = dict(f.metadata)
@@ -1729,17 +1775,63 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None, evaluating: bool = False) -> Args:
-    """The flags of a run; with --resume, its own (resumed_values). `evaluating`: for `train.py evaluate --resume`,
-    which trains nothing, so that any flag may differ from the run's (another data set, more samples)."""
+    """The flags of a run, checked (check_args), and on a GPU its learner's memory plan (memory_problems); with
+    --resume, its own (resumed_values). `evaluating`: for `train.py evaluate --resume`, which trains nothing, so that
+    any flag may differ from the run's (another data set, more samples)."""
     parser = build_parser()
     values = vars(parser.parse_args(argv))
     if values["resume"]:
         values = resumed_values(parser, argv, values["resume"], evaluating)
     args = Args(**values)
     problems = check_args(args)
+    if not problems and not evaluating:  # evaluating trains nothing: no learner to fit
+        problems = memory_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                   int(os.environ.get("WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     if problems:
         parser.error("; ".join(problems))
     return args
+
+
+def plan(argv: list[str]) -> str:
+    """`train.py plan`: the learner's memory plan per rank for a model (--shape, or --model's config) and a layout
+    given as on the command line of a run, printed without a GPU and without checking the flags against this
+    machine. Returns the plan's parts and, when it does not fit, the flags that would make it fit."""
+    parser = argparse.ArgumentParser(
+        prog="train.py plan", description="The learner's GPU memory per rank (memory_plan.py; docs/memory.md), for "
+        "the model and layout of a run; any other flag is train.py's.", allow_abbrev=False)
+    parser.add_argument("--shape", choices=sorted(memory_plan.SHAPES), help="a model shape written in memory_plan.py "
+                        "(else --model's config)")
+    parser.add_argument("--learner-ranks", type=int, default=1, help="learner ranks (GPUs) in all (default 1)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one learner GPU (default 80)")
+    parser.add_argument("--gpus", type=int, help="GPUs of the node, to tell whether vLLM shares the learner's GPUs "
+                        "under --gen-devices (default: it does not)")
+    parser.add_argument("--split-groups", action="store_true", help="what if a micro-batch could hold part of a "
+                        "group (train.py keeps groups whole)")
+    names = {f.name for f in dataclasses.fields(Args)}
+    for name in ("activation_checkpointing", "cpu_offload"):  # the learner's own flags, where Args has them
+        if name not in names:
+            parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help="as the learner's flag")
+    options, rest = parser.parse_known_args(argv)
+    args = Args(**vars(build_parser().parse_args(rest)))
+    for name in ("activation_checkpointing", "cpu_offload"):
+        if name not in names:
+            setattr(args, name, getattr(options, name))
+    if options.shape:
+        config = memory_plan.shape_config(options.shape)
+        args.model = args.model or options.shape  # a real model: its context is --max-tokens + a prompt
+    elif args.model:
+        from transformers import AutoConfig  # here, not at the top: see build_learner
+
+        config = AutoConfig.from_pretrained(args.model)
+    else:
+        raise SystemExit("train.py plan: give --shape NAME or --model DIR (a config.json is enough)")
+    shares = False
+    if args.gen_devices and options.gpus:
+        learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, options.gpus)
+        shares = bool(set(learner_ids) & set(gen_ids))
+    memory = learner_memory_plan(args, config, options.learner_ranks, int(options.gpu_memory_gib * memory_plan.GIB),
+                                 shares_gpu=shares, whole_groups=not options.split_groups)
+    return "\n".join([memory.describe(), *memory.problems()])
 
 
 def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_dir: str,
@@ -1894,8 +1986,12 @@ def resolve_defaults(args: Args, embedded: bool, on_gpu: bool) -> None:
     for key, value in (tiny if embedded else paper).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.dtype is None:
-        args.dtype = "bfloat16" if on_gpu else "float32"
+    args.dtype = compute_dtype(args, on_gpu)
+
+
+def compute_dtype(args: Args, on_gpu: bool) -> str:
+    """--dtype, else bfloat16 on GPU and float32 on CPU."""
+    return args.dtype or ("bfloat16" if on_gpu else "float32")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2091,12 +2187,18 @@ def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.Gene
         debug_slowdown=gen_slowdowns(args),
         groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
         gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
-        gpu_memory_utilization=args.gen_memory_fraction or (0.3 if generator_shares_a_gpu(args) else 0.85),
+        gpu_memory_utilization=generator_memory_fraction(args, generator_shares_a_gpu(args)),
         replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
         remote_replicas=args.gen_remote_replicas, listen=args.gen_listen, join_timeout=args.gen_join_timeout,
         secret=pipeline_rl.read_secret(args.gen_secret_file) if args.gen_secret_file else None,
         weight_transport=args.weight_transport, num_threads=generator_threads(args),
     )
+
+
+def generator_memory_fraction(args: Args, shares_gpu: bool) -> float:
+    """vLLM's share of each of its GPUs: --gen-memory-fraction, else 0.3 of a GPU it shares with a learner rank and
+    0.85 of one of its own."""
+    return args.gen_memory_fraction or (0.3 if shares_gpu else 0.85)
 
 
 def generator_threads(args: Args) -> int | None:

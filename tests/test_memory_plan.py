@@ -1,0 +1,206 @@
+"""memory_plan.py: parameter counts equal to the built models', hand-checked parts on a tiny config, the flags that
+make a layout fit, and train.py refusing a layout that cannot fit before anything starts."""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+import memory_plan as mp
+import tasks
+import train
+
+GIB = mp.GIB
+
+
+def built_parameters(config) -> int:
+    with torch.device("meta"):  # no memory: the 8B shape builds in a second
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def tiny_embedded_model_config() -> LlamaConfig:
+    """The embedded tiny model's config, as tasks._train_base_model writes it."""
+    base, tokenizer = tasks.BaseModelConfig(), tasks.build_tokenizer(tasks.ArithmeticTask())
+    return LlamaConfig(vocab_size=len(tokenizer), hidden_size=base.hidden_size,
+                       intermediate_size=base.intermediate_size, num_hidden_layers=base.num_layers,
+                       num_attention_heads=base.num_heads, num_key_value_heads=base.num_heads,
+                       head_dim=base.hidden_size // base.num_heads, tie_word_embeddings=False)
+
+
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=100)
+
+
+@pytest.mark.parametrize("config", [
+    *[pytest.param(name, id=name) for name in mp.SHAPES],
+    pytest.param(tiny_embedded_model_config(), id="embedded-tiny"),
+    pytest.param(Qwen3Config(**SMALL, tie_word_embeddings=True), id="qwen3-tied"),
+    pytest.param(Qwen3Config(**SMALL, tie_word_embeddings=False), id="qwen3-untied"),
+    pytest.param(LlamaConfig(**SMALL, tie_word_embeddings=True), id="llama-tied"),
+    pytest.param(LlamaConfig(**SMALL, tie_word_embeddings=False, attention_bias=True, mlp_bias=True),
+                 id="llama-biases"),
+    pytest.param(Qwen2Config(**SMALL, tie_word_embeddings=False), id="qwen2-qkv-bias"),
+])
+def test_parameter_counts_equal_the_built_models(config):
+    config = mp.shape_config(config) if isinstance(config, str) else config
+    assert mp.parameter_counts(config).total == built_parameters(config)
+
+
+def test_the_shapes_are_the_real_models():
+    assert round(mp.parameter_counts(mp.shape_config("qwen3-8b")).total / 1e9, 2) == 8.19
+    assert round(mp.parameter_counts(mp.shape_config("smollm2-135m")).total / 1e6, 1) == 134.5
+    assert isinstance(mp.shape_config("qwen3-4b"), Qwen3Config)
+    with pytest.raises(ValueError, match="unknown shape"):
+        mp.shape_config("qwen3-80b")
+
+
+# A config small enough to check every part by hand: hidden 8, 2 layers, 2 query heads and 1 key/value head of 4.
+TINY = Qwen3Config(hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=4, vocab_size=32, tie_word_embeddings=False)
+TINY_LAYOUT = mp.Layout(learner_ranks=2, gpu_memory=4 * GIB, micro_batch_tokens=100, sequence_tokens=10, group_size=2,
+                        prompts_per_step=8, dtype_bytes=2, logits_chunk_tokens=5)
+
+
+def test_hand_checked_parts_of_a_tiny_config():
+    counts = mp.parameter_counts(TINY)
+    # q 8x8, k and v 8x4 each, o 8x8, q/k norms 4 each; MLP 3 x 8x16; two norms of 8
+    assert counts.layer == (64 + 32 + 32 + 64 + 8) + 384 + 16 == 600
+    assert counts.total == 32 * 8 + 2 * 600 + 8 + 32 * 8 == 1720
+    # per token per layer, bf16: norms 2 x (4+2) x 8, q/k norms (4+2) x (8+4), q,k,v,out 2 x (8+4+4+8) and a
+    # float32 log-sum-exp per head, MLP 4 x 2 x 16
+    assert mp.activation_bytes_per_token_layer(TINY, 2) == 96 + 72 + (48 + 8) + 128 == 352
+    plan = mp.estimate(TINY, TINY_LAYOUT)
+    # whole groups of 2 x 10 tokens within the budget of 100, but a rank has only 8 / 2 = 4 groups: 80 tokens
+    assert plan.layout.tokens == min(max(100, 20), 4 * 20) == 80
+    shard = 1720 // 2
+    assert plan.gpu["weights"] == 4 * shard and plan.gpu["gradients"] == 4 * shard
+    assert plan.gpu["optimizer"] == 8 * shard
+    root = 32 * 8 + 8  # the untied embedding and the final norm; the head is the FP32 head's unit
+    assert plan.gpu["gathered"] == 2 * (root + 2 * 600) + (2 + 4) * 600
+    assert plan.gpu["lm_head"] == 3 * 5 * 32 * 4 + 8 * 32 * 8
+    assert plan.gpu["activations"] == 80 * (2 * 352 + (4 + 2) * 8 + 8 * 8)
+    checkpointed = mp.estimate(TINY, dataclasses.replace(TINY_LAYOUT, activation_checkpointing=True))
+    assert checkpointed.gpu["activations"] == 80 * (2 * 2 * 8 + 352 + (4 + 2) * 8 + 8 * 8)
+    offloaded = mp.estimate(TINY, dataclasses.replace(TINY_LAYOUT, cpu_offload=True, reference_model=True))
+    assert set(offloaded.host) == {"weights", "gradients", "optimizer", "reference"}
+    assert set(offloaded.gpu) == {"gathered", "lm_head", "activations"}
+    assert plan.margin == mp.MARGIN_BYTES + int(mp.MARGIN_FRACTION * 4 * GIB)
+    assert plan.total == sum(plan.gpu.values()) + plan.margin and plan.fits() and plan.problems() == []
+
+
+def test_a_tied_head_joins_the_fp32_units_and_float32_gathers_once():
+    tied = Qwen3Config(**{**TINY.to_dict(), "tie_word_embeddings": True})
+    layout = dataclasses.replace(TINY_LAYOUT, dtype_bytes=4)
+    assert mp.estimate(tied, layout).gpu["gathered"] == 4 * (8 + 2 * 600) + 4 * 600  # the root: the final norm
+    assert mp.estimate(tied, dataclasses.replace(layout, fp32_lm_head=False)).gpu["gathered"] == \
+        4 * (8 + 256 + 2 * 600) + 4 * 600
+
+
+QWEN3_8B = mp.shape_config("qwen3-8b")
+SCALERL_BATCH = mp.Layout(learner_ranks=2, gpu_memory=80 * GIB, micro_batch_tokens=16384, sequence_tokens=14848,
+                          group_size=16, prompts_per_step=48, dtype_bytes=2, logits_chunk_tokens=441,
+                          whole_groups=False)
+
+
+def test_a_layout_that_cannot_fit_is_refused_with_the_flags_that_would_make_it_fit():
+    plan = mp.estimate(QWEN3_8B, SCALERL_BATCH)
+    [message] = plan.problems()
+    assert "does not fit its GPU" in message and "activations 110.1" in message  # the parts in GiB
+    assert message.endswith("It would fit with, in order of cost: --activation-checkpointing --cpu-offload; or 3 "
+                            "learner ranks (GPUs) with --activation-checkpointing")
+    assert mp.estimate(QWEN3_8B, dataclasses.replace(SCALERL_BATCH, activation_checkpointing=True,
+                                                     cpu_offload=True)).fits()
+    assert mp.estimate(QWEN3_8B, dataclasses.replace(SCALERL_BATCH, activation_checkpointing=True,
+                                                     learner_ranks=3)).fits()
+    assert not mp.estimate(QWEN3_8B, dataclasses.replace(SCALERL_BATCH, activation_checkpointing=True)).fits()
+
+
+def test_a_smaller_micro_batch_or_more_ranks_are_named_when_they_fit():
+    layout = dataclasses.replace(SCALERL_BATCH, sequence_tokens=1024, micro_batch_tokens=65536,
+                                 activation_checkpointing=True, learner_ranks=4)
+    [message] = mp.estimate(QWEN3_8B, layout).problems()
+    fixes = message.split("in order of cost: ")[1].split("; or ")
+    budget = int(fixes[0].removeprefix("--micro-batch-tokens "))
+    assert budget % 1024 == 0 and mp.estimate(QWEN3_8B, dataclasses.replace(layout, micro_batch_tokens=budget)).fits()
+    assert not mp.estimate(QWEN3_8B, dataclasses.replace(layout, micro_batch_tokens=budget + 1024)).fits()
+    assert fixes[1:] == ["--cpu-offload", "5 learner ranks (GPUs)"]
+
+
+def test_whole_groups_over_the_budget_make_no_flag_enough():
+    """train.py's micro-batches hold whole groups: 16 completions of up to 14,848 tokens are one micro-batch of
+    237,568 tokens, whatever --micro-batch-tokens says."""
+    plan = mp.estimate(QWEN3_8B, dataclasses.replace(SCALERL_BATCH, whole_groups=True))
+    assert plan.layout.tokens == 16 * 14848
+    [message] = plan.problems()
+    assert "one group of 16 sequences of up to 14,848 tokens (237,568) is over --micro-batch-tokens 16384" in message
+    assert "No smaller --micro-batch-tokens, --activation-checkpointing, --cpu-offload or more learner ranks" in message
+
+
+def scalerl_args(*extra: str) -> list[str]:
+    return ["--prompts-per-step", "48", "--group-size", "16", "--max-tokens", "14336", "--think-budget",
+            "10240,12288", "--answer-budget", "2048", *extra]
+
+
+def test_train_plan_prints_the_plan_without_a_gpu():
+    text = train.plan(["--shape", "qwen3-8b", "--learner-ranks", "2", *scalerl_args("--micro-batch-tokens", "16384"),
+                       "--split-groups", "--activation-checkpointing", "--cpu-offload"])
+    assert text.splitlines()[0] == ("2 learner rank(s), micro-batch 16,384 tokens, --activation-checkpointing "
+                                    "--cpu-offload: 25.1 of 80.0 GiB per GPU: fits")
+    assert "(host memory, --cpu-offload)" in text
+    shared = train.plan(["--shape", "smollm2-135m", "--gpus", "1", "--gen-devices", "0"])
+    assert "24.0 GiB  vLLM's share" in shared  # 0.3 of a GPU the learner shares with vLLM
+    with pytest.raises(SystemExit, match="give --shape NAME or --model DIR"):
+        train.plan([])
+
+
+def model_dir(tmp_path, shape: str):
+    """A directory that passes train.py's model checks: the shape's config.json, and empty weights and tokenizer
+    files (nothing reads them before the memory plan refuses or passes)."""
+    path = tmp_path / shape
+    mp.shape_config(shape).save_pretrained(path)
+    (path / "model.safetensors").touch()
+    (path / "tokenizer.json").touch()
+    return str(path)
+
+
+@pytest.fixture
+def eight_gpus(monkeypatch):
+    """An 8-GPU node of 80 GiB GPUs, two learner ranks on it."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(train, "learner_gpu_memory", lambda device_id: 80 * GIB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+def test_train_refuses_a_layout_that_cannot_fit_before_anything_starts(tmp_path, eight_gpus, monkeypatch, capsys):
+    monkeypatch.setattr(train, "set_up", lambda args: pytest.fail("set_up must not run"))
+    argv = ["--model", model_dir(tmp_path, "qwen3-8b"), "--gen-devices", "0,1,2,3,4,5",
+            "--output-dir", str(tmp_path / "run"), *scalerl_args()]
+    with pytest.raises(SystemExit):
+        train.main(argv)
+    error = capsys.readouterr().err
+    assert "the learner does not fit its GPU" in error and "--group-size" in error
+    assert not (tmp_path / "run").exists()
+    small = ["--model", model_dir(tmp_path, "smollm2-135m"), "--gen-devices", "0,1,2,3,4,5",
+             "--output-dir", str(tmp_path / "run")]
+    assert train.parse_args(small).model.endswith("smollm2-135m")  # fits: nothing to refuse
+    assert train.memory_problems(train.parse_args(small), num_gpus=0, learner_ranks=2, world=2) == []  # CPU
+
+
+def test_docs_memory_table_is_what_the_plan_prints():
+    """docs/memory.md's Qwen3-8B table, cell by cell, from the command beside it."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "memory.md").read_text()
+    rows = [line.split("|")[1:-1] for line in page.splitlines() if re.match(r"\| [1248] \|", line)]
+    assert [int(row[0]) for row in rows] == [1, 2, 4, 8]
+    flag_sets = ([], ["--activation-checkpointing"], ["--cpu-offload"], ["--activation-checkpointing", "--cpu-offload"])
+    for row in rows:
+        for cell, (budget, flags) in zip(row[1:], [(b, f) for b in ("16384", "32768") for f in flag_sets]):
+            first = train.plan(["--shape", "qwen3-8b", "--learner-ranks", row[0].strip(), "--micro-batch-tokens",
+                                budget, *flags, *scalerl_args(), "--split-groups"]).splitlines()[0]
+            fits = first.endswith(": fits")
+            assert cell.strip() == (f"**{first.split(': ')[1].split()[0]}**" if fits
+                                    else first.split(": ")[1].split()[0]), (row[0], budget, flags)

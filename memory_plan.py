@@ -152,19 +152,13 @@ class Layout:
     cpu_offload: bool = False
     reference_model: bool = False  # --kl-coef's frozen copy of the policy
     generator_share: float = 0.0  # vLLM's fraction of the learner's GPU, where the two share it
-    whole_groups: bool = True  # a micro-batch holds whole groups (train.micro_batches), else whole sequences
-
-    @property
-    def unit_tokens(self) -> int:
-        """The smallest micro-batch there can be: a whole group, or one sequence."""
-        return self.sequence_tokens * (self.group_size if self.whole_groups else 1)
 
     @property
     def tokens(self) -> int:
-        """Tokens of the largest micro-batch: the budget, but never less than one unit (a group over the budget is a
-        micro-batch of its own), nor more than this rank's share of the batch."""
+        """Tokens of the largest micro-batch: the budget, but never less than one sequence (a completion over the
+        budget is a micro-batch of its own: train.micro_batches), nor more than this rank's share of the batch."""
         rank_batch = math.ceil(self.prompts_per_step / self.learner_ranks) * self.group_size * self.sequence_tokens
-        return min(max(self.micro_batch_tokens, self.unit_tokens), rank_batch)
+        return min(max(self.micro_batch_tokens, self.sequence_tokens), rank_batch)
 
 
 PART_NAMES = {
@@ -231,21 +225,16 @@ class MemoryPlan:
         message = (f"the learner does not fit its GPU: {gib(self.total)} GiB needed per rank of "
                    f"{gib(self.gpu_memory)} GiB (GiB: {parts}, margin {gib(self.margin)}; plan: memory_plan.py)")
         layout = self.layout
-        if layout.whole_groups and layout.unit_tokens > layout.micro_batch_tokens:
-            message += (f". A micro-batch holds whole groups, and one group of {layout.group_size} sequences of up to "
-                        f"{layout.sequence_tokens:,} tokens ({layout.unit_tokens:,}) is over --micro-batch-tokens "
-                        f"{layout.micro_batch_tokens}")
         fixes = remedies(self.config, layout)
         if fixes:
             return [f"{message}. It would fit with, in order of cost: {'; or '.join(fixes)}"]
-        smallest = min(layout.unit_tokens, layout.tokens)
-        fewer = "group (--group-size, --max-tokens)" if layout.whole_groups else "sequence (--max-tokens)"
+        smallest = min(layout.sequence_tokens, layout.tokens)
         least = estimate(self.config, dataclasses.replace(layout, activation_checkpointing=True, cpu_offload=True),
                          tokens=smallest)
         return [f"{message}. No smaller --micro-batch-tokens, --activation-checkpointing, --cpu-offload or more "
                 f"learner ranks makes it fit: with both flags, the smallest micro-batch ({smallest:,} tokens) still "
                 f"needs {gib(least.total)} GiB, {gib(least.gpu['activations'])} of them activations; only fewer "
-                f"tokens per {fewer} or a larger GPU can make it fit"]
+                f"tokens per sequence (--max-tokens) or a larger GPU can make it fit"]
 
 
 def gib(n: float) -> str:
@@ -336,8 +325,8 @@ def remedies(config: Any, layout: Layout) -> list[str]:
             fitting.append(new)
             continue
         tokens = largest_fitting_tokens(config, variant)
-        if tokens >= variant.unit_tokens:
-            budget = max(variant.unit_tokens, tokens // 1024 * 1024)  # a round number that still fits
+        if tokens >= variant.sequence_tokens:
+            budget = max(variant.sequence_tokens, tokens // 1024 * 1024)  # a round number that still fits
             fixes.append(f"{named} --micro-batch-tokens {budget}".strip())
     ranks = more_learner_ranks(config, layout)
     if ranks is not None:
@@ -380,7 +369,7 @@ def more_learner_ranks(config: Any, layout: Layout) -> int | None:
 
 
 def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, dtype: str, sequence_tokens: int,
-                generator_share: float, logits_chunk_bytes: int, whole_groups: bool = True) -> MemoryPlan:
+                generator_share: float, logits_chunk_bytes: int) -> MemoryPlan:
     """The plan of a run of train.py with these flags (its Args) on `learner_ranks` GPUs of `gpu_memory` bytes each.
     The values train.py resolves itself, where its defaults live, come as keywords: the compute `dtype`, the longest
     sequence (vLLM's context), vLLM's share of a learner GPU (0 where they do not share one) and the LM head's
@@ -393,5 +382,5 @@ def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, 
         logits_chunk_tokens=args.logits_chunk_tokens or from_chunk_bytes,
         activation_checkpointing=getattr(args, "activation_checkpointing", False),
         cpu_offload=getattr(args, "cpu_offload", False), reference_model=bool(args.kl_coef),
-        generator_share=generator_share, whole_groups=whole_groups)
+        generator_share=generator_share)
     return estimate(config, layout)

@@ -533,14 +533,13 @@ def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -
     return plan.problems()
 
 
-def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory: int, shares_gpu: bool = False,
-                        whole_groups: bool = True) -> memory_plan.MemoryPlan:
+def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory: int,
+                        shares_gpu: bool = False) -> memory_plan.MemoryPlan:
     """The memory plan of this run's learner on `learner_ranks` GPUs of `gpu_memory` bytes, `config` being the
-    model's (transformers) config; `shares_gpu`: vLLM takes its share of each learner GPU too. `whole_groups`: as
-    micro_batches packs them (False: what-if a micro-batch could hold part of a group)."""
+    model's (transformers) config; `shares_gpu`: vLLM takes its share of each learner GPU too."""
     return memory_plan.plan_memory(
         config, args, learner_ranks, gpu_memory, dtype=compute_dtype(args, on_gpu=True),
-        sequence_tokens=model_context(args), logits_chunk_bytes=LOGITS_CHUNK_BYTES, whole_groups=whole_groups,
+        sequence_tokens=model_context(args), logits_chunk_bytes=LOGITS_CHUNK_BYTES,
         generator_share=generator_memory_fraction(args, shares_gpu) if shares_gpu else 0.0)
 
 
@@ -1805,8 +1804,6 @@ def plan(argv: list[str]) -> str:
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one learner GPU (default 80)")
     parser.add_argument("--gpus", type=int, help="GPUs of the node, to tell whether vLLM shares the learner's GPUs "
                         "under --gen-devices (default: it does not)")
-    parser.add_argument("--split-groups", action="store_true", help="what if a micro-batch could hold part of a "
-                        "group (train.py keeps groups whole)")
     names = {f.name for f in dataclasses.fields(Args)}
     for name in ("activation_checkpointing", "cpu_offload"):  # the learner's own flags, where Args has them
         if name not in names:
@@ -1830,7 +1827,7 @@ def plan(argv: list[str]) -> str:
         learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, options.gpus)
         shares = bool(set(learner_ids) & set(gen_ids))
     memory = learner_memory_plan(args, config, options.learner_ranks, int(options.gpu_memory_gib * memory_plan.GIB),
-                                 shares_gpu=shares, whole_groups=not options.split_groups)
+                                 shares_gpu=shares)
     return "\n".join([memory.describe(), *memory.problems()])
 
 

@@ -102,8 +102,7 @@ def test_a_tied_head_joins_the_fp32_units_and_float32_gathers_once():
 
 QWEN3_8B = mp.shape_config("qwen3-8b")
 SCALERL_BATCH = mp.Layout(learner_ranks=2, gpu_memory=80 * GIB, micro_batch_tokens=16384, sequence_tokens=14848,
-                          group_size=16, prompts_per_step=48, dtype_bytes=2, logits_chunk_tokens=441,
-                          whole_groups=False)
+                          group_size=16, prompts_per_step=48, dtype_bytes=2, logits_chunk_tokens=441)
 
 
 def test_a_layout_that_cannot_fit_is_refused_with_the_flags_that_would_make_it_fit():
@@ -130,14 +129,14 @@ def test_a_smaller_micro_batch_or_more_ranks_are_named_when_they_fit():
     assert fixes[1:] == ["--cpu-offload", "5 learner ranks (GPUs)"]
 
 
-def test_whole_groups_over_the_budget_make_no_flag_enough():
-    """train.py's micro-batches hold whole groups: 16 completions of up to 14,848 tokens are one micro-batch of
-    237,568 tokens, whatever --micro-batch-tokens says."""
-    plan = mp.estimate(QWEN3_8B, dataclasses.replace(SCALERL_BATCH, whole_groups=True))
-    assert plan.layout.tokens == 16 * 14848
+def test_a_sequence_no_flag_can_fit_is_refused_saying_so():
+    """A completion over the budget is a micro-batch of its own: 200k-token sequences of Qwen3-8B need more than an
+    80 GB GPU's memory in activations alone, whatever the flags."""
+    plan = mp.estimate(QWEN3_8B, dataclasses.replace(SCALERL_BATCH, sequence_tokens=200_000))
+    assert plan.layout.tokens == 200_000
     [message] = plan.problems()
-    assert "one group of 16 sequences of up to 14,848 tokens (237,568) is over --micro-batch-tokens 16384" in message
     assert "No smaller --micro-batch-tokens, --activation-checkpointing, --cpu-offload or more learner ranks" in message
+    assert "only fewer tokens per sequence (--max-tokens) or a larger GPU" in message
 
 
 def scalerl_args(*extra: str) -> list[str]:
@@ -147,7 +146,7 @@ def scalerl_args(*extra: str) -> list[str]:
 
 def test_train_plan_prints_the_plan_without_a_gpu():
     text = train.plan(["--shape", "qwen3-8b", "--learner-ranks", "2", *scalerl_args("--micro-batch-tokens", "16384"),
-                       "--split-groups", "--activation-checkpointing", "--cpu-offload"])
+                       "--activation-checkpointing", "--cpu-offload"])
     assert text.splitlines()[0] == ("2 learner rank(s), micro-batch 16,384 tokens, --activation-checkpointing "
                                     "--cpu-offload: 25.1 of 80.0 GiB per GPU: fits")
     assert "(host memory, --cpu-offload)" in text
@@ -183,8 +182,10 @@ def test_train_refuses_a_layout_that_cannot_fit_before_anything_starts(tmp_path,
     with pytest.raises(SystemExit):
         train.main(argv)
     error = capsys.readouterr().err
-    assert "the learner does not fit its GPU" in error and "--group-size" in error
+    assert "the learner does not fit its GPU" in error and "--activation-checkpointing --cpu-offload" in error
     assert not (tmp_path / "run").exists()
+    assert train.memory_problems(train.parse_args(argv + ["--activation-checkpointing", "--cpu-offload"]), 8, 2, 2) \
+        == []  # docs/real-models.md's 8-GPU example, with the flags the refusal names
     small = ["--model", model_dir(tmp_path, "smollm2-135m"), "--gen-devices", "0,1,2,3,4,5",
              "--output-dir", str(tmp_path / "run")]
     assert train.parse_args(small).model.endswith("smollm2-135m")  # fits: nothing to refuse
@@ -200,7 +201,7 @@ def test_docs_memory_table_is_what_the_plan_prints():
     for row in rows:
         for cell, (budget, flags) in zip(row[1:], [(b, f) for b in ("16384", "32768") for f in flag_sets]):
             first = train.plan(["--shape", "qwen3-8b", "--learner-ranks", row[0].strip(), "--micro-batch-tokens",
-                                budget, *flags, *scalerl_args(), "--split-groups"]).splitlines()[0]
+                                budget, *flags, *scalerl_args()]).splitlines()[0]
             fits = first.endswith(": fits")
             assert cell.strip() == (f"**{first.split(': ')[1].split()[0]}**" if fits
                                     else first.split(": ")[1].split()[0]), (row[0], budget, flags)

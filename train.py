@@ -1345,11 +1345,12 @@ class _SplitBf16Head(torch.autograd.Function):
     """The FP32 LM head's log pi(target) on bf16 tensor cores, at float32's accuracy (--lm-head-gemm split-bf16).
 
     Forward. The hidden states are bf16 values (a bf16 trunk computed them), so only the float32 weight needs more
-    bits than a bf16 product takes: W / T = hi + mid + lo, three bf16 parts, each the bf16 rounding of what the
-    parts before it left, hold all 24 bits of a float32 exactly. A bf16 x bf16 product is exact in float32 and the
-    tensor cores sum in float32, so [h | h | h] @ [hi | mid | lo]^T, one bf16 GEMM of inner size 3H, gives the
-    logits / T to float32's accuracy (tests/test_train.py: within 1e-5 of a float32 head, where one bf16 product,
-    h @ hi^T, is off by 1e-2). The log-softmax then runs on them in float32, a chunk of rows at a time.
+    bits than a bf16 product takes: W / T = hi + mid + lo, three bf16 parts, each the top 8 significant bits of
+    what the parts before it left, hold all 24 bits of a float32 exactly. A bf16 x bf16 product is exact in
+    float32 and the tensor cores sum in float32, so [h | h | h] @ [lo | mid | hi]^T, one bf16 GEMM of inner size
+    3H, gives the logits / T to float32's accuracy (tests/test_train.py: within 1e-5 of a float32 head, and nearer
+    float64 than it, where one bf16 product, h @ hi^T, is off by 1e-2). The log-softmax then runs on them in
+    float32, a chunk of rows at a time.
 
     Backward, without recomputing the logits: the forward keeps D = softmax - onehot(target) [M, V] in bf16, the
     gradient of -log pi(target) with respect to the logits / T (M * V * 2 bytes, half of what the float32 logits
@@ -1386,7 +1387,7 @@ class _SplitBf16Head(torch.autograd.Function):
 def _split_bf16_forward(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int,
                         grad: Any) -> Any:
     """_SplitBf16Head's forward: log pi(targets) [M]; where `grad` [M, V] (bf16) is given, D written into it."""
-    parts = _split_bf16(weight, temperature)                                 # [V, 3H]: hi | mid | lo of W / T
+    parts = _split_bf16(weight, temperature)                                 # [V, 3H]: lo | mid | hi of W / T
     logprobs = torch.empty(targets.shape[0], device=hidden.device)          # [M]
     for i in range(0, targets.shape[0], chunk):
         logits = _mm_float32(hidden[i: i + chunk].repeat(1, 3), parts.t())   # [n, V]: the logits / T
@@ -1408,32 +1409,44 @@ def _mm_float32(a: Any, b: Any) -> Any:
 def _fused_on_gpu(fn: Any) -> Any:
     """fn compiled (torch.compile) where its first argument is on a GPU: its elementwise steps over [tokens, vocab]
     are bound by memory, and one kernel reads the logits once where eager torch reads them once a step. As it is
-    elsewhere, and where compiling fails (said once: the same math, slower)."""
-    compiled: list = []  # [] not tried yet, [fn] compiled, [None] failed
+    elsewhere, and where compiling fails (said once: the same math, slower). `run.fused`: None until it ran on a
+    GPU, then whether it runs compiled."""
+    compiled: list = []  # torch.compile's wrapper, made at the first call on a GPU (it imports dynamo: seconds)
 
     def run(*args: Any) -> Any:
-        if args[0].is_cuda and compiled != [None]:
+        if args[0].is_cuda and run.fused is not False:
             try:
-                if not compiled:
-                    compiled.append(torch.compile(fn, dynamic=True))
-                return compiled[0](*args)
+                compiled[:] = compiled or [torch.compile(fn, dynamic=True)]
+                result = compiled[0](*args)
+                run.fused = True
+                return result
             except Exception as error:  # e.g. no C compiler for Triton on this machine
                 print(f"{fn.__name__}: torch.compile failed ({type(error).__name__}: {error}); running it unfused",
                       file=sys.stderr)
-                compiled[:] = [None]
+                run.fused = False
         return fn(*args)
+    run.fused = None
     return run
 
 
 @_fused_on_gpu
 def _split_bf16(weight: Any, temperature: float) -> Any:
-    """weight [V, H] float32 -> [V, 3H] bf16: hi | mid | lo, whose sum is weight / temperature exactly."""
+    """weight [V, H] float32 -> [V, 3H] bf16: lo | mid | hi, whose sum is weight / temperature exactly. Each part
+    is the top 8 significant bits of what the parts before it left, cut by clearing the low 16 bits of the float32
+    (a cast's rounding would do as well, but torch.compile may skip a bf16 round trip inside a fused kernel, and
+    then mid and lo come out 0). The small parts come first, so that a GEMM adds their products while its running
+    sum is small: after hi's, each would be rounded to the full sum's float32 ulp (hi | mid | lo was twice float32's
+    error on a CPU; this is half)."""
     scaled = weight / temperature                                            # float32 (rounded once: float32's error)
-    hi = scaled.to(torch.bfloat16)                                           # its top 8 significant bits
-    rest = scaled - hi.float()                                               # exact in float32: at most 16 bits
-    mid = rest.to(torch.bfloat16)
-    lo = (rest - mid.float()).to(torch.bfloat16)                             # exact: at most 8 bits are left
-    return torch.cat([hi, mid, lo], dim=1)
+    hi = _top_8_bits(scaled)
+    mid = _top_8_bits(scaled - hi)                                           # exact differences: no bit is lost
+    lo = scaled - hi - mid                                                   # at most 8 significant bits are left
+    return torch.cat([lo, mid, hi], dim=1).to(torch.bfloat16)                # exact: each is a bf16 value
+
+
+def _top_8_bits(x: Any) -> Any:
+    """float32 x with its 16 low bits cleared: the bf16 value nearest x towards 0."""
+    return (x.view(torch.int32) & -65536).view(torch.float32)
 
 
 @_fused_on_gpu

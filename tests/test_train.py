@@ -670,21 +670,30 @@ def _head_weights(vocab: int, hidden: int, rows: int, logit_std: float, seed: in
 def test_split_bf16_head_gives_float32_logprobs_where_one_bf16_product_does_not():
     """--lm-head-gemm split-bf16: three bf16 products of the bf16 hidden states by the float32 weight's exact bf16
     parts, summed in float32, give log pi(target) within 1e-5 of a float32 head (train.py's, log_softmax included)
-    and of float64, at a realistic scale: 8k vocabulary, 1024 hidden, logits up to ~19, where the float32 head
-    itself is 4-6e-6 from float64 (measured over seeds: split-bf16 3e-6 from float64, 5-6e-6 from float32; both
-    grow with the logits' size, float32's as much). Its shortcuts miss by far more: one bf16 product of the
-    weight's top part summed in float32 (what tensor cores give a bf16 head) by ~2e-2, a bf16 GEMM with bf16
-    logits by more. On a CPU the products are the same (exact in float32), summed in a float32 GEMM."""
-    weight, hidden, targets = _head_weights(8192, 1024, 96, logit_std=4.0)
+    and of float64, at a realistic scale: 8k vocabulary, 1024 hidden, logits up to ~17. There the float32 head
+    itself is 4-5e-6 from float64, and split-bf16 closer (measured over 6 seeds: 2-2.6e-6 from float64, 3-5e-6
+    from float32; at logits up to ~20, 2-3e-6 and 4-9e-6). Its shortcuts miss by far more: one bf16 product of the
+    weight's top part summed in float32 (what tensor cores give a bf16 head) by ~1.5e-2, a bf16 GEMM with bf16
+    logits by ~5e-2. On a CPU the products are the same (exact in float32), summed in a float32 GEMM."""
+    weight, hidden, targets = _head_weights(8192, 1024, 96, logit_std=3.5)
     logits = hidden.double() @ weight.double().T                                      # [M, V]
     assert logits.max() > 15
     float64 = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
     float32 = train._target_logprobs(hidden.float() @ weight.T, targets, 1.0).double()
     split = train.split_bf16_logprobs(hidden, targets, weight, None, 1.0, chunk=40).double()  # three chunks
     assert (split - float32).abs().max() < 1e-5 and (split - float64).abs().max() < 1e-5
+    assert (split - float64).abs().max() < (float32 - float64).abs().max()
     one_product = train._target_logprobs(hidden.float() @ weight.to(torch.bfloat16).float().T, targets, 1.0)
     bf16 = train._target_logprobs(hidden @ weight.to(torch.bfloat16).T, targets, 1.0)
     assert (one_product.double() - float64).abs().max() > 1e-3 and (bf16.double() - float64).abs().max() > 1e-2
+
+
+def test_the_split_bf16_parts_sum_to_the_weight_over_t_exactly():
+    weight = torch.randn(64, 48) * torch.logspace(-6, 2, 48)                         # [V, H], magnitudes 1e-6..1e2
+    for temperature in (1.0, 0.7):
+        parts = train._split_bf16(weight, temperature).double()                      # [V, 3H]: lo | mid | hi
+        assert torch.equal(parts[:, :48] + parts[:, 48:96] + parts[:, 96:], (weight / temperature).double())
+        assert (parts[:, :48].abs() <= 2.0 ** -15 * parts[:, 96:].abs()).all()       # lo holds the lowest bits
 
 
 def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():

@@ -4,6 +4,7 @@ and ends with one line holding a JSON object of the results (the LAST line print
     python bench.py fit        # ScaleRL's full-grid sigmoid fit vs exhaustive per-grid-point curve_fit
     python bench.py pipeline   # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync RL
     python bench.py train      # train.py's learner step, packed and padded, vs a bare packed training step
+    python bench.py head       # the FP32 LM head: float32, bf16, split-bf16 GEMMs and the learner's head, errors
     python bench.py staleness  # the tiny recipe at k = 0, 1, 2, 4, 8 with a fast generator (an experiment)
     python bench.py study      # ScaleRL's ablations in miniature: variants x seeds, A and B with 95% intervals
     python bench.py report RUN_DIR...   # what finished runs (or study records) show: pass rate, lag, fits
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import statistics
 import sys
@@ -1045,6 +1047,256 @@ def _packed_batch(seqs: list[list[int]], rows: list[list[int]]) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The FP32 LM head: float32, bf16 and split-bf16 GEMMs, and the learner's head against its GEMMs' limit
+# ---------------------------------------------------------------------------------------------------------------
+
+HEAD_SHAPES = {"qwen3-1.7b": (151936, 2048), "smollm2-135m": (49152, 576)}  # name -> (vocab, hidden)
+
+
+def _add_head_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=HEAD_SHAPES, default=None,
+                        help="the model whose head to time (default: qwen3-1.7b on a GPU; on a CPU a small head, "
+                             "vocab 8192 x hidden 256)")
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (over --shape's)")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size (over --shape's)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="scored tokens (default: 8117 on a GPU, a micro-batch of train.py's 8192 tokens' "
+                             "completion tokens; 256 on a CPU)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the logits are divided by it (default 1)")
+    parser.add_argument("--logit-std", type=float, default=5.0,
+                        help="standard deviation of the random head's logits (default 5: the largest near 25)")
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help="the learner's --logits-chunk-tokens (default: train.py's)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed runs of each, after a warm-up; the median is reported (default 5; fewer for "
+                             "one that has taken a second)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random head, hidden states and targets")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int, cuda: bool) -> float:
+    """Median wall time of fn() after one warm-up (kernels chosen or compiled, memory allocated): CUDA events around
+    each run on a GPU, whose kernels run asynchronously; at least 3 runs, and no more once a second is spent."""
+    import torch
+
+    fn()
+    times: list[float] = []
+    while len(times) < max(repeats, 1) and (len(times) < 3 or sum(times) < 1.0):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            start_s = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start_s)
+    return statistics.median(times)
+
+
+def _head_reference(weight, hidden, grad_logprobs, temperature: float, seed: int, rows: int = 1024) -> tuple:
+    """In float64, `rows` at a time: targets [M] sampled from the head's distribution (as a sampler's are),
+    log pi(target) [M], the gradients of sum(grad_logprobs * log pi) wrt the hidden states [M, H] and the weight
+    [V, H], and the largest logit / T."""
+    import torch
+
+    gen = torch.Generator(device=hidden.device).manual_seed(seed)
+    weight64 = weight.double()
+    targets, logprobs, grad_hidden, max_logit = [], [], [], -math.inf
+    grad_weight = torch.zeros_like(weight64)
+    for i in range(0, hidden.shape[0], rows):
+        h = hidden[i: i + rows].double()                                                  # [n, H]
+        logits = h @ weight64.T / temperature                                             # [n, V]
+        max_logit = max(max_logit, float(logits.max()))
+        log_probs = torch.log_softmax(logits, -1)
+        target = torch.multinomial(log_probs.exp(), 1, generator=gen).squeeze(1)          # [n]
+        targets.append(target)
+        logprobs.append(log_probs.gather(1, target[:, None]).squeeze(1))
+        # d log pi(t) / d logits = (onehot(t) - softmax) / T, times the loss's gradient
+        grad_logits = -log_probs.exp_()
+        grad_logits[torch.arange(len(target), device=h.device), target] += 1
+        grad_logits *= (grad_logprobs[i: i + rows].double() / temperature)[:, None]
+        grad_hidden.append(grad_logits @ weight64)
+        grad_weight += grad_logits.T @ h
+    return torch.cat(targets), torch.cat(logprobs), torch.cat(grad_hidden), grad_weight, max_logit
+
+
+def _learner_head(weight, gemm: str, chunk_tokens: int | None):
+    """A head as train.py's learner runs it: an nn.Linear on `weight` with install_target_logprob_head."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import train
+
+    head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
+    head.weight = weight
+    train.install_target_logprob_head(SimpleNamespace(config=SimpleNamespace(), get_output_embeddings=lambda: head),
+                                      chunk_tokens, gemm)
+    return head
+
+
+def bench_head(args: argparse.Namespace) -> dict:
+    """The FP32 LM head over a micro-batch's scored tokens, in one run: (a) its three GEMMs (forward, and the
+    gradients of the hidden states and the weight) in float32 without TF32, (b) the same in bf16, (c) split-bf16's
+    GEMMs alone (train.py --lm-head-gemm split-bf16: three bf16 products forward, one per gradient backward), the
+    limit of (d) the learner's head as train.py installs it (chunks, log-softmax, what backward keeps), forward and
+    backward; and (e) the learner's float32 head (--lm-head-gemm fp32: chunks recomputed in backward). Each
+    variant's max |log pi(target) - float64's|, on a random head whose logits have --logit-std, bf16 hidden states
+    (a bf16 trunk's) and targets sampled from the head."""
+    import torch
+
+    import train
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    vocab, hidden_size = HEAD_SHAPES[args.shape] if args.shape else HEAD_SHAPES["qwen3-1.7b"] if cuda else (8192, 256)
+    vocab, hidden_size = args.vocab or vocab, args.hidden or hidden_size
+    tokens = args.tokens or (8117 if cuda else 256)
+    temperature = args.temperature
+    torch.set_float32_matmul_precision("highest")  # no TF32 in the float32 GEMMs
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    weight = torch.nn.Parameter(torch.randn(vocab, hidden_size, device=device, generator=gen)
+                                * (args.logit_std / hidden_size ** 0.5))                 # [V, H] float32
+    hidden = torch.randn(tokens, hidden_size, device=device, generator=gen).to(torch.bfloat16)  # [M, H]
+    grad_logprobs = torch.randn(tokens, device=device, generator=gen)                    # [M]: dloss / dlog pi
+    start = time.perf_counter()
+    targets, reference, ref_grad_hidden, ref_grad_weight, max_logit = _head_reference(
+        weight.detach(), hidden, grad_logprobs, temperature, args.seed)
+    print(f"float64 reference: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+    def max_error(logprobs) -> float:
+        return float((logprobs.double() - reference).abs().max())
+
+    def relative_error(grad, ref) -> float:
+        return float((grad.double() - ref).norm() / ref.norm())
+
+    with torch.no_grad():  # as the learner's head calls train's compiled pieces: else they would compile again
+        gemms = _head_gemm_variants(weight, hidden, temperature)
+        results = {name: {"ms": 1e3 * _median_seconds(fn, args.repeats, cuda)} for name, fn in gemms.items()}
+        for name, logits_fn in _head_logits_variants(weight, hidden, temperature).items():
+            logprobs = torch.cat([train._target_logprobs(logits_fn(rows), targets[rows], 1.0)
+                                  for rows in torch.arange(tokens, device=device).split(1024)])
+            results.setdefault(name, {})["max_logprob_error"] = max_error(logprobs)
+    print(f"GEMMs timed: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+    learner_logprobs = {}  # the learner's heads: the bf16 hidden states as split-bf16 takes them, cast for fp32
+    for name, gemm, dtype in [("learner_split_bf16", "split-bf16", torch.bfloat16),
+                              ("learner_fp32", "fp32", torch.float32)]:
+        head = _learner_head(weight, gemm, args.chunk_tokens)
+        leaf = torch.cat([hidden, hidden[-1:]]).to(dtype)[None].requires_grad_()  # [1, M+1, H]: the last predicts none
+
+        def step() -> None:
+            weight.grad = leaf.grad = None
+            head.scalerl_request = (targets[None], temperature, None)
+            logprobs = head(leaf)                                                       # [1, M]
+            head.scalerl_request = None
+            logprobs.backward(grad_logprobs[None])
+            learner_logprobs[name] = logprobs.detach()[0]
+
+        results[name] = {"ms": 1e3 * _median_seconds(step, args.repeats, cuda),
+                         "max_logprob_error": max_error(learner_logprobs[name]),
+                         "grad_hidden_rel_error": relative_error(leaf.grad[0, :-1], ref_grad_hidden),
+                         "grad_weight_rel_error": relative_error(weight.grad, ref_grad_weight)}
+        print(f"{name} timed: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    flop = 2 * tokens * vocab * hidden_size  # one product of the head
+    for name, products in [("fp32_gemms", 3), ("bf16_gemms", 3), ("split_bf16_gemms", 5),
+                           ("learner_split_bf16", 5), ("learner_fp32", 3)]:
+        results[name]["tflops"] = products * flop / (results[name]["ms"] / 1e3) / 1e12
+    summary = _head_summary(results, learner_logprobs, device, tokens, vocab, hidden_size, temperature,
+                            max_logit, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def _head_gemm_variants(weight, hidden, temperature: float) -> dict:
+    """name -> a function running one variant's three GEMMs (forward, hidden's and weight's gradients) over all
+    the tokens at once, on random gradients of the logits: the float32 GEMMs (no TF32), bf16's, and split-bf16's
+    (three bf16 products forward, summed in float32 as one GEMM of inner size 3H; one per gradient)."""
+    import torch
+
+    import train
+
+    weight_bf16, hidden32 = weight.to(torch.bfloat16), hidden.float()
+    grad_logits = torch.randn(hidden.shape[0], weight.shape[0], device=weight.device) * 1e-3  # [M, V]
+    grad_bf16 = grad_logits.to(torch.bfloat16)
+    parts, hidden3 = train._split_bf16(weight, temperature), hidden.repeat(1, 3)               # [V, 3H], [M, 3H]
+    return {
+        "fp32_gemms": lambda: (hidden32 @ weight.T, grad_logits @ weight, grad_logits.T @ hidden32),
+        "bf16_gemms": lambda: (hidden @ weight_bf16.T, grad_bf16 @ weight_bf16, grad_bf16.T @ hidden),
+        "split_bf16_gemms": lambda: (train._mm_float32(hidden3, parts.t()),
+                                     train._mm_float32(grad_bf16, weight_bf16),
+                                     train._mm_float32(grad_bf16.t(), hidden)),
+    }
+
+
+def _head_logits_variants(weight, hidden, temperature: float) -> dict:
+    """name -> a function from rows [n] to their logits / T [n, V] (float32 or bf16) in that variant's way."""
+    import torch
+
+    import train
+
+    weight_bf16, parts = weight.to(torch.bfloat16), train._split_bf16(weight, temperature)
+
+    def tf32(rows):
+        torch.set_float32_matmul_precision("high")
+        try:
+            return hidden[rows].float() @ weight.T / temperature
+        finally:
+            torch.set_float32_matmul_precision("highest")
+
+    variants = {"fp32_gemms": lambda rows: hidden[rows].float() @ weight.T / temperature,
+                "bf16_gemms": lambda rows: (hidden[rows] @ weight_bf16.T) / temperature,
+                "split_bf16_gemms": lambda rows: train._mm_float32(hidden[rows].repeat(1, 3), parts.t()),
+                "one_bf16_product": lambda rows: train._mm_float32(hidden[rows], weight_bf16.t()) / temperature}
+    if weight.is_cuda:  # TF32 is a GPU's
+        variants["tf32_gemms"] = tf32
+    return variants
+
+
+def _head_summary(results: dict, learner_logprobs: dict, device, tokens: int, vocab: int, hidden: int,
+                  temperature: float, max_logit: float, args: argparse.Namespace) -> dict:
+    """Print the head's measurements; the results as bench.py returns them."""
+    import torch
+
+    import train
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    limit_ratio = results["learner_split_bf16"]["ms"] / results["split_bf16_gemms"]["ms"]
+    vs_fp32_head = float((learner_logprobs["learner_split_bf16"] - learner_logprobs["learner_fp32"]).abs().max())
+    print(f"LM head: {tokens:,} scored tokens x vocab {vocab:,} x hidden {hidden:,} on {name}, temperature "
+          f"{temperature}, logits up to {max_logit:.1f}; TFLOP/s count the products each needs (float32, bf16: 3; "
+          f"split-bf16: 3 forward + 2 backward)")
+    labels = {"fp32_gemms": "(a) float32 GEMMs (no TF32), fwd+bwd", "bf16_gemms": "(b) bf16 GEMMs, fwd+bwd",
+              "split_bf16_gemms": "(c) split-bf16 GEMMs alone, fwd+bwd: the limit",
+              "learner_split_bf16": "(d) learner's head, split-bf16, fwd+bwd", "learner_fp32": "(e) learner's head, "
+              "fp32, fwd+bwd", "one_bf16_product": "    one bf16 product summed in float32", "tf32_gemms":
+              "    TF32 GEMMs"}
+    for key, label in labels.items():
+        if key not in results:
+            continue
+        r = results[key]
+        timing = f"{r['ms']:9.2f} ms {r['tflops']:7.1f} TFLOP/s" if "ms" in r else " " * 28
+        grads = (f"; gradient rel. error: hidden {r['grad_hidden_rel_error']:.1e}, weight "
+                 f"{r['grad_weight_rel_error']:.1e}" if "grad_hidden_rel_error" in r else "")
+        print(f"{label:<48} {timing}  max |logprob - float64's| {r['max_logprob_error']:.1e}{grads}")
+    fused = {"split": train._split_bf16.fused, "log_softmax": train._logprobs_and_grad.fused}
+    speedup = results["learner_fp32"]["ms"] / results["learner_split_bf16"]["ms"]
+    print(f"learner's split-bf16 head / its GEMMs: {limit_ratio:.2f}x (compiled by torch.compile: {fused}); "
+          f"max |its logprob - the float32 head's| {vs_fp32_head:.1e}; {speedup:.1f}x the float32 head's speed")
+    return {"bench": "head", "device": name, "tokens": tokens, "vocab": vocab, "hidden": hidden,
+            "temperature": temperature, "logit_std": args.logit_std, "max_logit": round(max_logit, 2),
+            "chunk_tokens": args.chunk_tokens, "fused": fused, "learner_vs_limit": round(limit_ratio, 3),
+            "learner_split_vs_fp32_head_max_logprob_diff": vs_fp32_head,
+            "split_vs_fp32_learner_speedup": round(speedup, 2),
+            **{key: {k: round(v, 3) if k == "ms" else float(f"{v:.4g}") for k, v in r.items()}
+               for key, r in results.items()}}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Experiments made of real train.py runs: the staleness bound, the study of variants, and the report of any runs
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -1598,6 +1850,9 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
     "train": (bench_train, _add_train_args,
               "train.py's FSDP2 learner step, packed and padded, vs a bare transformers forward+backward+AdamW on "
               "the same tokens packed: real tokens/s and padding (tiny model)"),
+    "head": (bench_head, _add_head_args,
+             "the FP32 LM head: float32, bf16 and split-bf16 GEMMs, the learner's head against its GEMMs' limit, "
+             "logprob errors against float64 (qwen3-1.7b's head on a GPU, a small one on a CPU)"),
     "report": (bench_report, _add_report_args,
                "targets of finished runs: pass rate, largest fall, mean lag, fit R^2, first-half prediction error"),
     "study": (bench_study, _add_study_args,

@@ -140,6 +140,7 @@ CHANGEABLE_ON_RESUME = frozenset({
     "gen_replicas", "gen_remote_replicas", "gen_listen", "gen_secret_file", "gen_join_timeout",  # replicas: the
     "weight_transport",  # scheduler restarts from the checkpoint's data position whatever their number (tested)
     "gen_threads",  # speed only
+    "lm_head_gemm",  # speed: the logprobs are float32's either way, the gradients the same to bf16 rounding (tested)
     "debug_gen_slowdown", "debug_learner_slowdown",
     "output_dir", "resume", "overwrite",  # bookkeeping: a resumed run stays in its directory
 })
@@ -279,9 +280,17 @@ class Args:
                               "(ScaleRL, MiniMax-M1); a no-op for float32 weights",
                               action=argparse.BooleanOptionalAction)
     logits_chunk_tokens: int | None = _arg(HelpGroup.PRECISION, None, "positions whose logits the learner's LM head "
-                                           "computes at once, each chunk recomputed in backward, so that a "
-                                           "micro-batch's full [tokens, vocab] float32 logits never exist (default: "
-                                           "as many as fit in 256 MiB)")
+                                           "computes at once, so that a micro-batch's full [tokens, vocab] float32 "
+                                           "logits never exist: under --lm-head-gemm fp32 each chunk is recomputed "
+                                           "in backward (default: as many as fit in 256 MiB); under split-bf16 the "
+                                           "chunks keep their gradient, 2 bytes a logit, for backward (default: as "
+                                           "many as fit in 1 GiB, in multiples of 128)")
+    lm_head_gemm: str = _arg(HelpGroup.PRECISION, "auto", "how the learner's FP32 LM head multiplies: fp32 (float32 "
+                             "GEMMs, no TF32, whose 10-bit products would miss float32's logprobs) or split-bf16 (the "
+                             "float32 weight split into three bf16 parts whose sum is exact, so that bf16 tensor-core "
+                             "products of the bf16 hidden states reach float32's logprobs; its gradients are "
+                             "bf16-grade, as the rest of a bf16 learner's); auto: split-bf16 on a GPU with --dtype "
+                             "bfloat16 and --fp32-lm-head, fp32 otherwise", choices=("auto", "fp32", "split-bf16"))
     activation_checkpointing: bool = _arg(HelpGroup.MEMORY, False, "keep only each decoder layer's input in the "
                                           "forward and recompute the layer in backward (transformers' gradient "
                                           "checkpointing, under FSDP2): activation memory ~ layers x tokens x "
@@ -388,6 +397,9 @@ def check_args(args: Args) -> list[str]:
         value = getattr(args, flag)
         if value is not None and value < 0:
             problems.append(f"--{flag.replace('_', '-')} must be >= 0 (got {value})")
+    if args.lm_head_gemm == "split-bf16" and (args.dtype == "float32" or not args.fp32_lm_head):
+        problems.append("--lm-head-gemm split-bf16 multiplies bf16 hidden states by the FP32 head's weight: it needs "
+                        "--fp32-lm-head and --dtype bfloat16")
     if args.logits_chunk_tokens is not None and args.logits_chunk_tokens < 1:
         problems.append(f"--logits-chunk-tokens must be >= 1 (got {args.logits_chunk_tokens})")
     for flag in ("group_size", "max_tokens", "answer_budget", "eval_samples", "eval_prompts", "checkpoint_every",
@@ -1420,17 +1432,30 @@ def _target_logprobs(logits: Any, targets: Any, temperature: float) -> Any:
 
 
 LOGITS_CHUNK_BYTES = 1 << 28  # default of --logits-chunk-tokens: 256 MiB of float32 logits held at once
+SPLIT_CHUNK_BYTES = 1 << 30  # its default under split-bf16, whose chunks are not recomputed: a GEMM of more rows
+                             # runs nearer the tensor cores' peak, and each chunk reads the whole weight again
 
 
-def install_target_logprob_head(model: Any, chunk_tokens: int | None = None) -> None:
+def lm_head_gemm(args: Args, device: Any) -> str:
+    """--lm-head-gemm as the learner runs it: auto is split-bf16 where an FP32 head takes bf16 hidden states on a
+    GPU, fp32 elsewhere (a CPU learner, a float32 model: the tests and the tiny default run)."""
+    if args.lm_head_gemm != "auto":
+        return args.lm_head_gemm
+    on_gpu = torch.device(device).type == "cuda"
+    return "split-bf16" if on_gpu and args.dtype == "bfloat16" and args.fp32_lm_head else "fp32"
+
+
+def install_target_logprob_head(model: Any, chunk_tokens: int | None = None, gemm: str = "fp32") -> None:
     """Make the model's LM head compute token_logprobs' answer itself. While token_logprobs has set
     `head.scalerl_request = (targets [N, L-1], temperature, scored)`, the head's forward takes the hidden states
-    [N, L, H] and returns log pi(target) [N, L-1] instead of logits: over chunks of `chunk_tokens` positions
-    (default: as many as fit in LOGITS_CHUNK_BYTES of float32 logits), each recomputed in backward (activation
-    checkpointing), so only one chunk's logits exist at a time. Otherwise (an idle forward, or any other caller)
-    it is the plain linear layer. The head's own forward hooks (FSDP2's gathers, the FP32 head's cast) run as
-    before: only its forward body changes. Not for models that transform the logits after the head (Gemma's
-    soft-capping): those keep the full logits.
+    [N, L, H] and returns log pi(target) [N, L-1] instead of logits, over chunks of `chunk_tokens` positions, so
+    that only one chunk's logits exist at a time. `gemm` (--lm-head-gemm) says how: fp32, the head's own
+    linear layer, each chunk recomputed in backward (activation checkpointing; default chunk: as many positions as
+    fit in LOGITS_CHUNK_BYTES of float32 logits); split-bf16, for bf16 hidden states, float32's logprobs from bf16
+    tensor-core products (_SplitBf16Head; default chunk: SPLIT_CHUNK_BYTES). Otherwise (an idle forward, or any
+    other caller) it is the plain linear layer. The head's own forward hooks (FSDP2's gathers, the FP32 head's
+    cast) run as before: only its forward body changes. Not for models that transform the logits after the head
+    (Gemma's soft-capping): those keep the full logits.
 
     The request's third element, `scored` [M] (or None: all), names the positions of the flattened [N * (L-1)] to
     score; the others get 0 and cost nothing. Only completion tokens enter a loss, and a chat template's prompt can
@@ -1443,6 +1468,9 @@ def install_target_logprob_head(model: Any, chunk_tokens: int | None = None) -> 
 
     def forward(hidden: Any) -> Any:
         request = head.scalerl_request
+        # split-bf16 takes bf16 hidden states as they are (its products are exact on them); the rest is float32
+        split = gemm == "split-bf16" and hidden.dtype == torch.bfloat16
+        hidden = hidden if split else hidden.to(head.weight.dtype)
         if request is None:
             return torch.nn.functional.linear(hidden, head.weight, head.bias)
         targets, temperature, scored = request
@@ -1451,13 +1479,17 @@ def install_target_logprob_head(model: Any, chunk_tokens: int | None = None) -> 
         flat_targets = targets.reshape(-1)                                   # [N*(L-1)]
         if scored is not None:
             flat_hidden, flat_targets = flat_hidden[scored], flat_targets[scored]    # [M, H], [M]
-        chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk
-        if flat_targets.numel() <= chunk:  # one chunk: nothing to save by recomputing it
-            logprobs = _head_chunk(flat_hidden, flat_targets, head.weight, head.bias, temperature)
+        if split:
+            chunk = chunk_tokens or max(128, SPLIT_CHUNK_BYTES // (4 * head.weight.shape[0]) // 128 * 128)
+            logprobs = split_bf16_logprobs(flat_hidden, flat_targets, head.weight, head.bias, temperature, chunk)
         else:
-            logprobs = torch.cat([torch.utils.checkpoint.checkpoint(
-                _head_chunk, flat_hidden[i: i + chunk], flat_targets[i: i + chunk], head.weight, head.bias,
-                temperature, use_reentrant=False) for i in range(0, flat_targets.numel(), chunk)])
+            chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk
+            if flat_targets.numel() <= chunk:  # one chunk: nothing to save by recomputing it
+                logprobs = _head_chunk(flat_hidden, flat_targets, head.weight, head.bias, temperature)
+            else:
+                logprobs = torch.cat([torch.utils.checkpoint.checkpoint(
+                    _head_chunk, flat_hidden[i: i + chunk], flat_targets[i: i + chunk], head.weight, head.bias,
+                    temperature, use_reentrant=False) for i in range(0, flat_targets.numel(), chunk)])
         if scored is not None:  # back to every position, 0 where nothing was scored
             logprobs = logprobs.new_zeros(n * length).index_copy(0, scored, logprobs)
         # [N, L-1], a tensor of its own rather than a view: FSDP2 hooks its backward onto the module's output
@@ -1469,6 +1501,138 @@ def install_target_logprob_head(model: Any, chunk_tokens: int | None = None) -> 
 def _head_chunk(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float) -> Any:
     """One chunk of the LM head: hidden [n, H] -> log pi(targets) [n]."""
     return _target_logprobs(torch.nn.functional.linear(hidden, weight, bias), targets, temperature)
+
+
+def split_bf16_logprobs(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int) -> Any:
+    """log pi(targets) [M] of the head `weight` [V, H] (float32; `bias` [V] or None) on bf16 hidden states [M, H],
+    at float32's accuracy from bf16 products (_SplitBf16Head), `chunk` rows of logits at a time; differentiable
+    where autograd needs it, and without keeping anything for backward where it does not (old logprobs, the frozen
+    reference)."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _SplitBf16Head.apply(hidden, targets, weight, bias, temperature, chunk)
+    return _split_bf16_forward(hidden, targets, weight, bias, temperature, chunk, None)
+
+
+class _SplitBf16Head(torch.autograd.Function):
+    """The FP32 LM head's log pi(target) on bf16 tensor cores, at float32's accuracy (--lm-head-gemm split-bf16).
+
+    Forward. The hidden states are bf16 values (a bf16 trunk computed them), so only the float32 weight needs more
+    bits than a bf16 product takes: W / T = hi + mid + lo, three bf16 parts, each the top 8 significant bits of
+    what the parts before it left, hold all 24 bits of a float32 exactly. A bf16 x bf16 product is exact in
+    float32 and the tensor cores sum in float32, so [h | h | h] @ [lo | mid | hi]^T, one bf16 GEMM of inner size
+    3H, gives the logits / T to float32's accuracy (tests/test_train.py: within 1e-5 of a float32 head, and nearer
+    float64 than it, where one bf16 product, h @ hi^T, is off by 1e-2). The log-softmax then runs on them in
+    float32, a chunk of rows at a time.
+
+    Backward, without recomputing the logits: the forward keeps D = softmax - onehot(target) [M, V] in bf16, the
+    gradient of -log pi(target) with respect to the logits / T (M * V * 2 bytes, half of what the float32 logits
+    would take: 2.5 GB for 8,192 tokens of a 152k vocabulary). The target's entry is p - 1 = expm1(log p), so that
+    a confident token's small gradient keeps its digits. With s = -(dloss / dlog pi) / T [M], one bf16 product
+    each, summed in float32 (the head's GEMMs: 3 x 2MVH FLOPs forward, 2 x 2MVH backward; the bias's is a GEMV):
+      hidden:  s * (D @ bf16(W))    it goes back into the bf16 trunk, which rounds it to bf16 in any case
+      weight:  D^T @ bf16(s * h)    bf16-grade, as every other weight's gradient in a bf16 learner; AdamW divides
+                                    each entry by its running RMS, so a 2^-9 relative error moves a step by as much
+      bias:    D^T @ bf16(s)"""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int) -> Any:
+        grad = hidden.new_empty(hidden.shape[0], weight.shape[0])            # [M, V] bf16: D, filled chunk by chunk
+        logprobs = _split_bf16_forward(hidden, targets, weight, bias, temperature, chunk, grad)
+        ctx.save_for_backward(hidden, weight, grad)
+        ctx.temperature = temperature
+        return logprobs
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: Any) -> tuple:
+        hidden, weight, grad = ctx.saved_tensors                             # [M, H] bf16, [V, H] fp32, [M, V] bf16
+        scale = -grad_logprobs.float() / ctx.temperature                     # [M]: dloss/d(logits / T) = -g D / T
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = (_mm_float32(grad, weight.to(torch.bfloat16)) * scale[:, None]).to(hidden.dtype)  # [M, H]
+        if ctx.needs_input_grad[2]:
+            grad_weight = _mm_float32(grad.t(), (hidden * scale[:, None]).to(torch.bfloat16))  # [V, H]
+        if ctx.needs_input_grad[3]:
+            grad_bias = _mm_float32(grad.t(), scale[:, None].to(torch.bfloat16)).squeeze(1)    # [V]
+        return grad_hidden, None, grad_weight, grad_bias, None, None
+
+
+def _split_bf16_forward(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int,
+                        grad: Any) -> Any:
+    """_SplitBf16Head's forward: log pi(targets) [M]; where `grad` [M, V] (bf16) is given, D written into it."""
+    parts = _split_bf16(weight, temperature)                                 # [V, 3H]: lo | mid | hi of W / T
+    logprobs = torch.empty(targets.shape[0], device=hidden.device)          # [M]
+    for i in range(0, targets.shape[0], chunk):
+        logits = _mm_float32(hidden[i: i + chunk].repeat(1, 3), parts.t())   # [n, V]: the logits / T
+        if bias is not None:
+            logits += bias / temperature
+        logprobs[i: i + chunk] = _logprobs_and_grad(logits, targets[i: i + chunk],
+                                                    None if grad is None else grad[i: i + chunk])
+    return logprobs
+
+
+def _mm_float32(a: Any, b: Any) -> Any:
+    """a [n, k] @ b [k, m] of bf16 matrices, summed and returned in float32: on a GPU one tensor-core GEMM; on a CPU
+    the same products (a bf16 x bf16 product is exact in float32) in a float32 GEMM."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _fused_on_gpu(fn: Any) -> Any:
+    """fn compiled (torch.compile) where its first argument is on a GPU: its elementwise steps over [tokens, vocab]
+    are bound by memory, and one kernel reads the logits once where eager torch reads them once a step. As it is
+    elsewhere, and where compiling fails (said once: the same math, slower). `run.fused`: None until it ran on a
+    GPU, then whether it runs compiled."""
+    compiled: list = []  # torch.compile's wrapper, made at the first call on a GPU (it imports dynamo: seconds)
+
+    def run(*args: Any) -> Any:
+        if args[0].is_cuda and run.fused is not False:
+            try:
+                compiled[:] = compiled or [torch.compile(fn, dynamic=True)]
+                result = compiled[0](*args)
+                run.fused = True
+                return result
+            except Exception as error:  # e.g. no C compiler for Triton on this machine
+                print(f"{fn.__name__}: torch.compile failed ({type(error).__name__}: {error}); running it unfused",
+                      file=sys.stderr)
+                run.fused = False
+        return fn(*args)
+    run.fused = None
+    return run
+
+
+@_fused_on_gpu
+def _split_bf16(weight: Any, temperature: float) -> Any:
+    """weight [V, H] float32 -> [V, 3H] bf16: lo | mid | hi, whose sum is weight / temperature exactly. Each part
+    is the top 8 significant bits of what the parts before it left, cut by clearing the low 16 bits of the float32
+    (a cast's rounding would do as well, but torch.compile may skip a bf16 round trip inside a fused kernel, and
+    then mid and lo come out 0). The small parts come first, so that a GEMM adds their products while its running
+    sum is small: after hi's, each would be rounded to the full sum's float32 ulp (hi | mid | lo was twice float32's
+    error on a CPU; this is half)."""
+    scaled = weight / temperature                                            # float32 (rounded once: float32's error)
+    hi = _top_8_bits(scaled)
+    mid = _top_8_bits(scaled - hi)                                           # exact differences: no bit is lost
+    lo = scaled - hi - mid                                                   # at most 8 significant bits are left
+    return torch.cat([lo, mid, hi], dim=1).to(torch.bfloat16)                # exact: each is a bf16 value
+
+
+def _top_8_bits(x: Any) -> Any:
+    """float32 x with its 16 low bits cleared: the bf16 value nearest x towards 0."""
+    return (x.view(torch.int32) & -65536).view(torch.float32)
+
+
+@_fused_on_gpu
+def _logprobs_and_grad(logits: Any, targets: Any, grad: Any) -> Any:
+    """log pi(targets) [n] from float32 logits [n, V], already divided by the temperature; where `grad` [n, V]
+    (bf16) is given, writes into it softmax - onehot(targets), the gradient of -log pi(targets) wrt the logits."""
+    lse = torch.logsumexp(logits, dim=1)                                     # [n]
+    logprobs = logits.gather(1, targets[:, None]).squeeze(1) - lse           # [n]
+    if grad is not None:
+        grad.copy_(torch.exp(logits - lse[:, None]))                         # softmax, rounded to bf16
+        # the target's p - 1 as expm1(log p): a confident token's 1 - p keeps its digits
+        grad.scatter_(1, targets[:, None], torch.expm1(logprobs)[:, None].to(grad.dtype))
+    return logprobs
 
 
 def pass_rates(generator: Any, problems: list, samples: int, temperature: float) -> dict[str, float]:
@@ -1574,14 +1738,21 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     # --cpu-offload: every unit's shards, gradients and so AdamW's state live on the host (pinned where a GPU can
     # copy from them), and FSDP2 copies a unit's shard to the GPU before gathering it.
     offload = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if args.cpu_offload else {}
+    gemm = lm_head_gemm(args, device)
+    if gemm == "split-bf16" and not (low_precision and args.fp32_lm_head):
+        raise SystemExit("--lm-head-gemm split-bf16 needs --fp32-lm-head and --dtype bfloat16")
     if args.fp32_lm_head:
-        # FP32 LM head (ScaleRL, MiniMax-M1): its own FSDP unit kept in float32, fed float32 hidden states. A head
-        # tied to the input embedding (SmolLM2 and other small models) is one parameter, which FSDP2 refuses in two
-        # units: the embedding joins the head's unit (and is kept in float32 with it).
-        model.lm_head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(),))
+        # FP32 LM head (ScaleRL, MiniMax-M1): its own FSDP unit kept in float32, fed float32 hidden states (under
+        # split-bf16, the bf16 ones as they are: its products take them exactly). A head tied to the input
+        # embedding (SmolLM2 and other small models) is one parameter, which FSDP2 refuses in two units: the
+        # embedding joins the head's unit (and is kept in float32 with it).
+        cast = gemm == "fp32"
+        if cast:
+            model.lm_head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(),))
         tied = model.lm_head.weight is model.get_input_embeddings().weight
         head = [model.get_input_embeddings(), model.lm_head] if tied else model.lm_head
-        fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32), **offload)
+        fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=cast),
+                    **offload)
     for layer in model.model.layers:
         fully_shard(layer, **({"mp_policy": mp} if mp else {}), **offload)
     fully_shard(model, **({"mp_policy": mp} if mp else {}), **offload)
@@ -1599,7 +1770,7 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
             buffer.copy_(rank0_buffers[name])
         dist.broadcast(buffer, src=0)
     del loaded, rank0_buffers
-    install_target_logprob_head(model, args.logits_chunk_tokens)
+    install_target_logprob_head(model, args.logits_chunk_tokens, gemm)
     model.train()
     return model, n_params
 

@@ -431,3 +431,25 @@ def test_a_method_out_of_gpu_memory_is_reported_and_the_methods_after_it_are_not
     timed = bench._time_methods({"a": fine("a"), "b": out_of_memory, "c": fine("c")}, 2, torch.device("cpu"))
     assert timed["a"]["s"] >= 0 and timed["b"] == {"oom": "CUDA out of memory. Tried to allocate 2.00 GiB"}
     assert timed["c"] == {} and calls == {"a": 3}
+
+
+def test_head_bench_times_each_head_and_measures_its_logprobs_against_float64(tmp_path, capsys):
+    """`bench.py head` at a tiny shape on the CPU (a smoke test; the GPU's timings are the point): the float32,
+    bf16 and split-bf16 GEMMs, the learner's heads and their ratio, in the last line and in --json; split-bf16's
+    logprobs, GEMMs alone or as the learner runs them, within 1e-5 of float64 and of the float32 head, bf16's and
+    one bf16 product's off by over 1e-3; the learner's gradients float32's (fp32) or bf16-grade (split-bf16)."""
+    path = tmp_path / "head.json"
+    assert bench.main(["head", "--vocab", "1024", "--hidden", "64", "--tokens", "100", "--chunk-tokens", "32",
+                       "--temperature", "0.7", "--logit-std", "3", "--repeats", "1", "--json", str(path)]) == 0
+    result = json.loads(path.read_text())
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    assert (result["tokens"], result["vocab"], result["hidden"]) == (100, 1024, 64)
+    for name in ("fp32_gemms", "bf16_gemms", "split_bf16_gemms", "learner_split_bf16", "learner_fp32"):
+        assert result[name]["ms"] > 0 and result[name]["tflops"] > 0, name
+    assert result["learner_vs_limit"] > 0 and result["split_vs_fp32_learner_speedup"] > 0
+    for name in ("fp32_gemms", "split_bf16_gemms", "learner_split_bf16", "learner_fp32"):
+        assert result[name]["max_logprob_error"] < 1e-5, (name, result[name])
+    assert result["learner_split_vs_fp32_head_max_logprob_diff"] < 1e-5
+    assert result["bf16_gemms"]["max_logprob_error"] > 1e-3 and result["one_bf16_product"]["max_logprob_error"] > 1e-3
+    for grad in ("grad_hidden_rel_error", "grad_weight_rel_error"):
+        assert result["learner_fp32"][grad] < 1e-5 and result["learner_split_bf16"][grad] < 1e-2

@@ -120,6 +120,7 @@ def test_mfu_is_six_n_tokens_over_the_ranks_peak_and_absent_without_a_peak(monke
     (["--weight-transport", "file", "--gen-remote-replicas", "1", "--gen-listen", "127.0.0.2:29600"],
      "--weight-transport file reaches replicas on this node only"),
     (["--debug-learner-slowdown", "nan"], "--debug-learner-slowdown must be >= 1"),
+    (["--lm-head-gemm", "split-bf16", "--dtype", "float32"], "--lm-head-gemm split-bf16 multiplies bf16 hidden"),
     (["--max-model-len", "48"], "--max-model-len (48) must exceed --max-tokens (48)"),
     (["--max-tokens", "300", "--think-budget", "200,250"], "--max-model-len (256) must exceed --max-tokens (300)"),
     (["--dataset-config", "main"], "--dataset-config names a configuration of a hub data set"),
@@ -770,6 +771,93 @@ def test_no_token_attends_across_a_packed_boundary(one_rank_group, base_model_di
             assert not torch.equal(lp_before[others], lp_after[others])
 
 
+def _head_weights(vocab: int, hidden: int, rows: int, logit_std: float, seed: int = 0) -> tuple:
+    """A float32 LM head weight [V, H] whose logits have standard deviation `logit_std`, bf16-exact hidden states
+    [M, H] (a bf16 trunk's), and targets [M] sampled from the head's own distribution, as a sampler's are."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=gen) * (logit_std / hidden ** 0.5)
+    hidden_states = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+    probs = torch.softmax(hidden_states.double() @ weight.double().T, -1)
+    return weight, hidden_states, torch.multinomial(probs, 1, generator=gen).squeeze(1)
+
+
+def test_split_bf16_head_gives_float32_logprobs_where_one_bf16_product_does_not():
+    """--lm-head-gemm split-bf16: three bf16 products of the bf16 hidden states by the float32 weight's exact bf16
+    parts, summed in float32, give log pi(target) within 1e-5 of a float32 head (train.py's, log_softmax included)
+    and of float64, at a realistic scale: 8k vocabulary, 1024 hidden, logits up to ~17. There the float32 head
+    itself is 4-5e-6 from float64, and split-bf16 closer (measured over 6 seeds: 2-2.6e-6 from float64, 3-5e-6
+    from float32; at logits up to ~20, 2-3e-6 and 4-9e-6). Its shortcuts miss by far more: one bf16 product of the
+    weight's top part summed in float32 (what tensor cores give a bf16 head) by ~1.5e-2, a bf16 GEMM with bf16
+    logits by ~5e-2. On a CPU the products are the same (exact in float32), summed in a float32 GEMM."""
+    weight, hidden, targets = _head_weights(8192, 1024, 96, logit_std=3.5)
+    logits = hidden.double() @ weight.double().T                                      # [M, V]
+    assert logits.max() > 15
+    float64 = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    float32 = train._target_logprobs(hidden.float() @ weight.T, targets, 1.0).double()
+    split = train.split_bf16_logprobs(hidden, targets, weight, None, 1.0, chunk=40).double()  # three chunks
+    assert (split - float32).abs().max() < 1e-5 and (split - float64).abs().max() < 1e-5
+    assert (split - float64).abs().max() < (float32 - float64).abs().max()
+    one_product = train._target_logprobs(hidden.float() @ weight.to(torch.bfloat16).float().T, targets, 1.0)
+    bf16 = train._target_logprobs(hidden @ weight.to(torch.bfloat16).T, targets, 1.0)
+    assert (one_product.double() - float64).abs().max() > 1e-3 and (bf16.double() - float64).abs().max() > 1e-2
+
+
+def test_the_split_bf16_parts_sum_to_the_weight_over_t_exactly():
+    weight = torch.randn(64, 48) * torch.logspace(-6, 2, 48)                         # [V, H], magnitudes 1e-6..1e2
+    for temperature in (1.0, 0.7):
+        parts = train._split_bf16(weight, temperature).double()                      # [V, 3H]: lo | mid | hi
+        assert torch.equal(parts[:, :48] + parts[:, 48:96] + parts[:, 96:], (weight / temperature).double())
+        assert (parts[:, :48].abs() <= 2.0 ** -15 * parts[:, 96:].abs()).all()       # lo holds the lowest bits
+
+
+def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():
+    """The installed head under split-bf16, as token_logprobs drives it (a scored subset, temperature 0.7, chunks
+    of 17 of its 70 positions, a bias): log pi(target) within 1e-5 of autograd through a float32 log_softmax, 0
+    where nothing is scored, and the gradients of the hidden states, the weight and the bias within 1% in relative
+    norm (bf16-grade by design: D = softmax - onehot and the other factor of each product are rounded to bf16,
+    2^-9 = 0.2% each; measured 0.18-0.24%). Without grad it keeps nothing for backward and gives the same values."""
+    from types import SimpleNamespace
+
+    n, length, temperature = 3, 40, 0.7
+    weight, _, _ = _head_weights(4096, 256, 1, logit_std=2.5)  # over T = 0.7: ~3.6, random targets at -10
+    head = torch.nn.Linear(256, 4096)
+    with torch.no_grad():
+        head.weight.copy_(weight)
+        head.bias.normal_(0, 0.5)
+    train.install_target_logprob_head(SimpleNamespace(config=SimpleNamespace(), get_output_embeddings=lambda: head),
+                                      chunk_tokens=17, gemm="split-bf16")
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(n, length, 256, generator=gen).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 4096, (n, length - 1), generator=gen)
+    scored = torch.randperm(n * (length - 1), generator=gen)[:70].sort().values
+    loss_weights = torch.randn(n, length - 1, generator=gen)
+    head.scalerl_request = (targets, temperature, scored)
+    logprobs = head(hidden)
+    (logprobs * loss_weights).sum().backward()
+
+    reference = dict(hidden=hidden.detach().float().requires_grad_(), weight=weight.clone().requires_grad_(),
+                     bias=head.bias.detach().clone().requires_grad_())
+    logits = (reference["hidden"][:, :-1] @ reference["weight"].T + reference["bias"]) / temperature
+    expected = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).reshape(-1)
+    expected = torch.zeros(n * (length - 1)).index_copy(0, scored, expected[scored]).view(n, length - 1)
+    (expected * loss_weights).sum().backward()
+    assert (logprobs - expected).abs().max() < 1e-5
+    assert torch.count_nonzero(logprobs) == len(scored)
+    for name, grad in [("hidden", hidden.grad.float()), ("weight", head.weight.grad), ("bias", head.bias.grad)]:
+        ref = reference[name].grad
+        assert (grad - ref).norm() < 1e-2 * ref.norm(), (name, ((grad - ref).norm() / ref.norm()).item())
+    with torch.no_grad():
+        assert torch.equal(head(hidden), logprobs)
+
+
+def test_the_lm_head_gemm_is_split_bf16_only_for_a_bf16_learner_on_a_gpu():
+    assert train.lm_head_gemm(train.Args(dtype="bfloat16"), "cuda") == "split-bf16"
+    for args, device in [(train.Args(dtype="bfloat16"), "cpu"), (train.Args(dtype="float32"), "cuda"),
+                         (train.Args(dtype="bfloat16", fp32_lm_head=False), "cuda"),
+                         (train.Args(dtype="bfloat16", lm_head_gemm="fp32"), "cuda")]:
+        assert train.lm_head_gemm(args, device) == "fp32"
+
+
 def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(SystemExit):
@@ -1184,6 +1272,20 @@ for flags in (True, False):  # --fp32-lm-head, --no-fp32-lm-head (Args directly:
     optimizer.step()
     state = train.full_state_dict(model)
     assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]), flags
+# --lm-head-gemm split-bf16 (auto's choice for a bf16 learner on a GPU) against fp32 on the same bf16 trunk, the head
+# tied, in FSDP2's unit, chunked, scoring a subset: float32's logprobs, and every gradient the same to bf16 rounding
+results = {}
+rows.scored = scored
+for gemm in ("fp32", "split-bf16"):
+    args = train.Args(model=sys.argv[1], dtype="bfloat16", lm_head_gemm=gemm, logits_chunk_tokens=5)
+    model, _ = train.build_learner(sys.argv[1], args, device)
+    logprobs = train.token_logprobs(model, rows, 0.7)
+    logprobs.sum().backward()
+    grad = torch.cat([p.grad.full_tensor().float().flatten() for _, p in sorted(model.named_parameters())])
+    results[gemm] = logprobs.detach(), grad
+torch.testing.assert_close(results["split-bf16"][0], results["fp32"][0], rtol=0, atol=1e-5)
+(_, grad), (_, reference) = results["split-bf16"], results["fp32"]
+assert (grad - reference).norm() < 1e-2 * reference.norm(), ((grad - reference).norm() / reference.norm()).item()
 print("tied learner ok")
 """
 
@@ -1193,7 +1295,7 @@ def test_fsdp_learner_keeps_a_tied_lm_head_tied(tmp_path):
     parameter in two units), so the embedding joins the head's unit, and a step keeps the two one tensor. The
     learner, loaded through rank 0's broadcast, gives the plain model's logprobs and head gradient with its LM head
     computed in chunks (each recomputed in backward inside the FSDP2 unit), at every position or only at those
-    Rows.scored names."""
+    Rows.scored names; under --lm-head-gemm split-bf16 on a bf16 trunk, the fp32 head's logprobs and gradient."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}  # a CPU test on a GPU machine too (gloo, CPU rows)
     run = subprocess.run([sys.executable, "-c", TIED_LEARNER, str(tmp_path / "tied")], cwd=tmp_path, env=env,

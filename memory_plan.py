@@ -148,6 +148,7 @@ class Layout:
     dtype_bytes: int  # of the compute dtype: 2 with --dtype bfloat16, 4 with float32
     fp32_lm_head: bool = True
     logits_chunk_tokens: int = 1
+    split_bf16_head: bool = False  # --lm-head-gemm split-bf16 (its auto choice on a GPU with bf16 and the FP32 head)
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     reference_model: bool = False  # --kl-coef's frozen copy of the policy
@@ -277,9 +278,12 @@ def gathered_unit_bytes(counts: ParameterCounts, layout: Layout) -> int:
 def lm_head_bytes(config: Any, counts: ParameterCounts, layout: Layout, tokens: int) -> int:
     """The LM head's chunks (train.install_target_logprob_head): three [chunk, vocab] float32 buffers, the logits,
     their log-softmax and, in backward, its gradient; with --fp32-lm-head its own unit's gathered float32 weight and
-    unsharded float32 gradient (without it, the weight is in the root unit)."""
+    unsharded float32 gradient (without it, the weight is in the root unit). Under split-bf16 the head keeps, from
+    forward to backward, the logits' gradient of every position of the micro-batch in bf16 ([tokens, vocab] x 2
+    bytes: it scores at most the micro-batch's tokens) and its weight's three bf16 parts (6 bytes a weight)."""
     logits = 3 * min(layout.logits_chunk_tokens, tokens) * config.vocab_size * 4
-    return logits + (8 * counts.head_weight if layout.fp32_lm_head else 0)
+    kept = 2 * tokens * config.vocab_size + 6 * counts.head_weight if layout.split_bf16_head else 0
+    return logits + kept + (8 * counts.head_weight if layout.fp32_lm_head else 0)
 
 
 def activation_bytes(config: Any, layout: Layout, tokens: int) -> int:
@@ -369,7 +373,7 @@ def more_learner_ranks(config: Any, layout: Layout) -> int | None:
 
 
 def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, dtype: str, sequence_tokens: int,
-                generator_share: float, logits_chunk_bytes: int) -> MemoryPlan:
+                generator_share: float, logits_chunk_bytes: int, split_bf16_head: bool = False) -> MemoryPlan:
     """The plan of a run of train.py with these flags (its Args) on `learner_ranks` GPUs of `gpu_memory` bytes each.
     The values train.py resolves itself, where its defaults live, come as keywords: the compute `dtype`, the longest
     sequence (vLLM's context), vLLM's share of a learner GPU (0 where they do not share one) and the LM head's
@@ -382,5 +386,5 @@ def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, 
         logits_chunk_tokens=args.logits_chunk_tokens or from_chunk_bytes,
         activation_checkpointing=getattr(args, "activation_checkpointing", False),
         cpu_offload=getattr(args, "cpu_offload", False), reference_model=bool(args.kl_coef),
-        generator_share=generator_share)
+        generator_share=generator_share, split_bf16_head=split_bf16_head)
     return estimate(config, layout)

@@ -549,9 +549,11 @@ def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory:
                         shares_gpu: bool = False) -> memory_plan.MemoryPlan:
     """The memory plan of this run's learner on `learner_ranks` GPUs of `gpu_memory` bytes, `config` being the
     model's (transformers) config; `shares_gpu`: vLLM takes its share of each learner GPU too."""
+    dtype = compute_dtype(args, on_gpu=True)
+    split = lm_head_gemm(dataclasses.replace(args, dtype=dtype), "cuda") == "split-bf16"
     return memory_plan.plan_memory(
-        config, args, learner_ranks, gpu_memory, dtype=compute_dtype(args, on_gpu=True),
-        sequence_tokens=model_context(args), logits_chunk_bytes=LOGITS_CHUNK_BYTES,
+        config, args, learner_ranks, gpu_memory, dtype=dtype, sequence_tokens=model_context(args),
+        logits_chunk_bytes=SPLIT_CHUNK_BYTES if split else LOGITS_CHUNK_BYTES, split_bf16_head=split,
         generator_share=generator_memory_fraction(args, shares_gpu) if shares_gpu else 0.0)
 
 

@@ -148,7 +148,7 @@ def test_train_plan_prints_the_plan_without_a_gpu():
     text = train.plan(["--shape", "qwen3-8b", "--learner-ranks", "2", *scalerl_args("--micro-batch-tokens", "16384"),
                        "--activation-checkpointing", "--cpu-offload"])
     assert text.splitlines()[0] == ("2 learner rank(s), micro-batch 16,384 tokens, --activation-checkpointing "
-                                    "--cpu-offload: 25.1 of 80.0 GiB per GPU: fits")
+                                    "--cpu-offload: 35.5 of 80.0 GiB per GPU: fits")
     assert "(host memory, --cpu-offload)" in text
     shared = train.plan(["--shape", "smollm2-135m", "--gpus", "1", "--gen-devices", "0"])
     assert "24.0 GiB  vLLM's share" in shared  # 0.3 of a GPU the learner shares with vLLM
@@ -205,3 +205,15 @@ def test_docs_memory_table_is_what_the_plan_prints():
             fits = first.endswith(": fits")
             assert cell.strip() == (f"**{first.split(': ')[1].split()[0]}**" if fits
                                     else first.split(": ")[1].split()[0]), (row[0], budget, flags)
+
+
+def test_the_split_bf16_head_keeps_its_logits_gradient_and_weight_parts_until_backward():
+    """--lm-head-gemm split-bf16 keeps [tokens, vocab] bf16 from forward to backward, and the weight's three bf16
+    parts: 2 bytes per logit and 6 per head weight more than the float32 head's chunks."""
+    plain = mp.estimate(QWEN3_8B, SCALERL_BATCH)
+    split = mp.estimate(QWEN3_8B, dataclasses.replace(SCALERL_BATCH, split_bf16_head=True))
+    head_weight = 151936 * 4096  # Qwen3-8B's untied head
+    assert split.gpu["lm_head"] - plain.gpu["lm_head"] == 2 * 16384 * 151936 + 6 * head_weight
+    assert train.learner_memory_plan(train.Args(dtype="bfloat16"), QWEN3_8B, 8, 80 * GIB).layout.split_bf16_head
+    assert not train.learner_memory_plan(train.Args(dtype="bfloat16", lm_head_gemm="fp32"), QWEN3_8B, 8,
+                                         80 * GIB).layout.split_bf16_head

@@ -587,9 +587,12 @@ def bench_train(args: argparse.Namespace) -> dict:
             rewards = torch.tensor([r for grp in groups for r in grp.rewards])
             advantages = loss_module.compute_advantages(rewards, args.group_size)
             learner = _time_learner(model_dir, cli, loss_module, groups, advantages, args, device, world)
+            learner["planned_bytes"] = _planned_learner_bytes(config, cli, groups, world, device)
             _free_memory(device)  # the learner is gone (tested): the bare step gets the whole GPU
             learner["after_free_bytes"] = _allocated(device)
             learner["head_s"] = _learner_head_seconds(config, cli, learner.pop("rows"), args.repeats, device)
+            _free_memory(device)
+            learner["head_gemms_s"] = _head_gemms_seconds(config, cli, learner["scored_tokens"], args.repeats, device)
             _free_memory(device)
             bare = _time_bare(model_dir, cli, groups, advantages, args, device)
             _free_memory(device)
@@ -805,8 +808,11 @@ def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats:
 
     dtype = torch.float32 if cli.dtype == "float32" or cli.fp32_lm_head else torch.bfloat16
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
+    gemm = train.lm_head_gemm(cli, device)  # --lm-head-gemm as the learner runs it
     train.install_target_logprob_head(types.SimpleNamespace(config=config, get_output_embeddings=lambda: head),
-                                      cli.logits_chunk_tokens)
+                                      cli.logits_chunk_tokens, gemm)
+    if gemm == "split-bf16":  # its hidden states are the bf16 trunk's, as they are
+        dtype = torch.bfloat16
     seconds = {}
     for name, micro_batches in rows.items():
         inputs = []
@@ -827,6 +833,28 @@ def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats:
         seconds[name] = _seconds(step, repeats, device)
         del inputs, step
     return seconds
+
+
+HEAD_GEMM_ROWS = 8192  # the head's GEMMs are timed on at most this many positions and scaled: their [rows, vocab]
+                       # gradients of the logits (6 bytes a logit) would not fit the GPU for a 230k-token group
+
+
+def _head_gemms_seconds(config: Any, cli: Any, tokens: int, repeats: int, device: Any) -> float:
+    """The GEMMs alone (forward, hidden's and weight's gradients) of the head --lm-head-gemm chooses, over `tokens`
+    scored positions (bench.py head's variants: split-bf16's, or float32's without TF32): the head's term of the
+    learner's limit, the bare bf16 step - its bf16 head + these."""
+    import torch
+
+    import train
+
+    rows = min(tokens, HEAD_GEMM_ROWS)
+    weight = torch.randn(config.vocab_size, config.hidden_size, device=device) / config.hidden_size ** 0.5  # [V, H]
+    hidden = torch.randn(rows, config.hidden_size, device=device).to(torch.bfloat16)                       # [n, H]
+    name = "split_bf16_gemms" if train.lm_head_gemm(cli, device) == "split-bf16" else "fp32_gemms"
+    with torch.no_grad():
+        torch.set_float32_matmul_precision("highest")  # no TF32 in the float32 GEMMs
+        seconds = _seconds(_head_gemm_variants(weight, hidden, 1.0)[name], repeats, device)
+    return seconds * tokens / rows
 
 
 def _bare_model(model_dir: str, cli: Any, device: Any, checkpointing: bool) -> Any:
@@ -920,6 +948,23 @@ def _time_bare(model_dir: str, cli: Any, groups: list, advantages: Any, args: ar
             "rows": tuple(whole.packed.input_ids.shape), "widths": widths}
 
 
+def _planned_learner_bytes(config: Any, cli: Any, groups: list, world: int, device: Any) -> int | None:
+    """What the memory plan (memory_plan.py, as train.py's start-up check makes it) expects the learner to allocate
+    on this GPU for the largest packed micro-batch of `groups`: the bench prints it beside the measured peak. None
+    off a GPU."""
+    import torch
+
+    import memory_plan
+    import train
+
+    if torch.device(device).type != "cuda":
+        return None
+    lengths = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
+    largest = max(sum(lengths[n] for n in b) for b in train.micro_batches(groups, cli.micro_batch_tokens, True))
+    layout = train.learner_memory_plan(cli, config, world, torch.cuda.get_device_properties(device).total_memory).layout
+    return memory_plan.estimate(config, layout, tokens=largest).learner_bytes
+
+
 def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dict, bare: dict,
                   peak_flops: float | None) -> dict:
     """Print what bench_train measured; the results' JSON object. Fields of a method that ran out of GPU memory are
@@ -958,6 +1003,15 @@ def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dic
         results[f"{name}_head_share"] = None if s is None or head_s.get(name) is None else round(head_s[name] / s, 3)
         if "oom" in timed[name]:
             results[f"{name}_oom"] = timed[name]["oom"]
+    if step_s["packed"] and step_s["bare"] and head_s.get("bare") is not None:
+        # the learner's limit: the bare bf16 step with its bf16 head replaced by the chosen head's GEMMs alone
+        limit = step_s["bare"] - head_s["bare"] + learner["head_gemms_s"]
+        results.update(head_gemms_s=round(learner["head_gemms_s"], 4), limit_s=round(limit, 4),
+                       learner_vs_limit=round(step_s["packed"] / limit, 3),
+                       head_vs_its_gemms=round(head_s["packed"] / learner["head_gemms_s"], 3))
+    if learner.get("planned_bytes") and "peak_bytes" in timed["packed"]:
+        results["packed_planned_gib"] = round(learner["planned_bytes"] / 2**30, 2)
+        results["packed_plan_vs_peak"] = round(learner["planned_bytes"] / timed["packed"]["peak_bytes"], 3)
     if learner["weights_bytes"] is not None:
         results.update(learner_weights_gib=round(learner["weights_bytes"] / 2**30, 2),
                        bare_weights_gib=round(bare["weights_bytes"] / 2**30, 2),
@@ -1008,6 +1062,13 @@ def _print_train_report(r: dict) -> None:
         print(f"{label}: {r[f'{name}_s']:.3f} s = {r[f'{name}_tokens_per_s']:,} real tokens/s{mfu}; LM head "
               f"{fmt(r[f'{name}_head_s'], '.3f')} s alone ({fmt(r[f'{name}_head_share'], '.0%')} of the step, "
               f"{r['scored_tokens_bare' if name == 'bare' else 'scored_tokens_learner']:,} positions){memory}")
+    if "limit_s" in r:
+        print(f"limit (bare step - its bf16 head + the chosen head's GEMMs alone, {r['head_gemms_s']:.3f} s): "
+              f"{r['limit_s']:.3f} s; learner packed / limit {r['learner_vs_limit']:.3f}; learner's head / its "
+              f"GEMMs {r['head_vs_its_gemms']:.3f}")
+    if "packed_planned_gib" in r:
+        print(f"memory plan (memory_plan.py) of the packed learner's largest micro-batch: {r['packed_planned_gib']} "
+              f"GiB, {r['packed_plan_vs_peak']:.2f}x its measured peak of {r['packed_peak_gib']} GiB")
     print(f"learner packed / bare packed {fmt(r['learner_vs_bare_packed'], '.3f')}; packed / padded learner "
           f"{fmt(r['packed_vs_padded'], '.3f')}")
     if "host_ms_per_micro_batch_packed" in r and "host_ms_per_micro_batch_padded" in r:

@@ -522,6 +522,9 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                         help="W1,W2,...: also time the bare step on the batch packed (best-fit decreasing) into rows "
                              "of each width, at least the longest sequence's, and in padded rows: where the packed "
                              "rows' length should sit, against the one train.pack_rows chooses")
+    parser.add_argument("--packed-only", action="store_true",
+                        help="time the learner in packed rows only, without the padded layout and the per-micro-batch "
+                             "host times: for batches whose steps take seconds (one long sequence has no padding)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense peak TFLOP/s of the GPU in --dtype, for MFU, as train.py's --peak-tflops "
                              "(default: train.py's table of GPUs; none on CPU, and then no MFU)")
@@ -729,14 +732,18 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
             optimizer.step()
         return step
 
-    methods = {name: learner_step(c) for name, c in clis.items()}
-    timed = _time_methods(methods, args.repeats, device)
-    host = _host_times({name: fn for name, fn in methods.items() if "s" in timed[name]}, args.repeats, device)
+    methods = {name: learner_step(c) for name, c in clis.items() if not (args.packed_only and name == "padded")}
+    timed = {"padded": {}, **_time_methods(methods, args.repeats, device)}
+    host = {} if args.packed_only else _host_times({name: fn for name, fn in methods.items() if "s" in timed[name]},
+                                                   args.repeats, device)
+    if args.packed_only:
+        rows["padded"] = []  # its micro-batches are counted below, its head not timed
     return {"n_params": n_params, "weights_bytes": weights_bytes, "timed": timed, "host": host, "rows": rows,
             "attention": model.config._attn_implementation,
-            "n_micro_batches": {name: len(layout) for name, layout in rows.items()},
+            "n_micro_batches": {name: len(train.micro_batches(groups, c.micro_batch_tokens, c.packing))
+                                for name, c in clis.items()},
             "slots": {name: sum((r.input_ids if r.packed is None else r.packed.input_ids).numel() for r in layout)
-                      for name, layout in rows.items()},  # token slots the model computes on, padding included
+                      or None for name, layout in rows.items()},  # token slots the model computes on, padding too
             "scored_tokens": sum(r.scored.numel() for r in rows["packed"])}  # the positions its LM head scores
 
 
@@ -815,6 +822,8 @@ def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats:
         dtype = torch.bfloat16
     seconds = {}
     for name, micro_batches in rows.items():
+        if not micro_batches:  # a layout not timed (--packed-only)
+            continue
         inputs = []
         for r in micro_batches:
             ids, scored = (r.input_ids, r.scored) if r.packed is None else (r.packed.input_ids, r.packed.scored)
@@ -986,7 +995,7 @@ def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dic
                "micro_batches_packed": learner["n_micro_batches"]["packed"],
                "micro_batches_padded": learner["n_micro_batches"]["padded"], "bare_rows": list(bare["rows"]),
                "pad_fraction_packed": round(1 - tokens / slots["packed"], 4),
-               "pad_fraction_padded": round(1 - tokens / slots["padded"], 4),
+               "pad_fraction_padded": round(1 - tokens / slots["padded"], 4) if slots["padded"] else None,
                "scored_tokens_learner": learner["scored_tokens"], "scored_tokens_bare": bare["scored_tokens"]}
     if peak_flops is not None:
         results["peak_tflops"] = peak_flops / 1e12
@@ -1044,7 +1053,7 @@ def _print_train_report(r: dict) -> None:
           f"{r['dtype']}{' (FP32 head)' if r['fp32_lm_head'] and r['dtype'] == 'bfloat16' else ''}, "
           f"{r['attention']}; activation checkpointing {r['activation_checkpointing']}, CPU offload "
           f"{r['cpu_offload']}; peak {fmt(r.get('peak_tflops'), '.1f')} TFLOP/s")
-    print(f"padding: padded rows {r['pad_fraction_padded']:.1%} ({r['micro_batches_padded']} micro-batches); "
+    print(f"padding: padded rows {fmt(r['pad_fraction_padded'], '.1%')} ({r['micro_batches_padded']} micro-batches); "
           f"packed rows {r['pad_fraction_packed']:.1%} ({r['micro_batches_packed']}); the bare step's rows "
           f"{tuple(r['bare_rows'])}")
     labels = {"packed": "learner, packed rows", "padded": "learner, padded rows",
@@ -1054,7 +1063,7 @@ def _print_train_report(r: dict) -> None:
             print(f"{label}: out of GPU memory ({r[f'{name}_oom']})")
             continue
         if r[f"{name}_s"] is None:
-            print(f"{label}: not run (an earlier method ran out of GPU memory)")
+            print(f"{label}: not run (--packed-only, or an earlier method ran out of GPU memory)")
             continue
         memory = (f"; peak {r[f'{name}_peak_gib']} GiB, {r[f'{name}_peak_beyond_weights_gib']} beyond the weights"
                   if f"{name}_peak_gib" in r else "")

@@ -404,6 +404,17 @@ def test_train_bench_times_a_shape_with_the_learner_and_the_bare_model_never_ali
         assert f"{name}_peak_gib" not in result and f"{name}_oom" not in result
     assert 0 < result["scored_tokens_learner"] < result["scored_tokens_bare"] < result["tokens"]
     assert result["learner_vs_bare_packed"] > 0 and "learner_weights_gib" not in result
+    # the limit: the bare step with its head replaced by the learner's head's GEMMs alone
+    assert result["limit_s"] == pytest.approx(result["bare_s"] - result["bare_head_s"] + result["head_gemms_s"],
+                                              abs=2e-4)
+    assert result["learner_vs_limit"] == pytest.approx(result["packed_s"] / result["limit_s"], rel=1e-2)
+    assert "packed_planned_gib" not in result  # the memory plan is for a GPU
+    assert bench.main(["train", "--shape", "tiny-qwen3", "--groups", "1", "--group-size", "2", "--repeats", "1",
+                       "--completion-tokens", "40,40", "--micro-batch-tokens", "16", "--packed-only",
+                       "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["packed_s"] > 0 and result["padded_s"] is None and result["packed_vs_padded"] is None
+    assert result["micro_batches_packed"] == 2 and "host_ms_per_micro_batch_packed" not in result
 
 
 def test_train_bench_passes_the_learner_s_memory_flags_on():

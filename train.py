@@ -1576,9 +1576,17 @@ def _split_bf16_forward(hidden: Any, targets: Any, weight: Any, bias: Any, tempe
 def _mm_float32(a: Any, b: Any) -> Any:
     """a [n, k] @ b [k, m] of bf16 matrices, summed and returned in float32: on a GPU one tensor-core GEMM; on a CPU
     the same products (a bf16 x bf16 product is exact in float32) in a float32 GEMM."""
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
+    if a.is_cuda and _MM_OUT_DTYPE:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError) as error:  # a torch without mm's out_dtype on this GPU: said once
+            _MM_OUT_DTYPE.clear()
+            print(f"torch.mm(..., out_dtype=float32) failed ({error}); the split-bf16 head runs float32 GEMMs: the "
+                  "same values, slower", file=sys.stderr)
     return torch.mm(a.float(), b.float())
+
+
+_MM_OUT_DTYPE = [True]  # cleared where torch.mm(bf16, bf16, out_dtype=float32) fails on a GPU
 
 
 def _fused_on_gpu(fn: Any) -> Any:

@@ -670,8 +670,9 @@ def _free_memory(device: Any) -> None:
 
 def _time_methods(methods: dict[str, Callable[[], None]], repeats: int, device: Any) -> dict[str, dict]:
     """Each method's step time, the best of 2 interleaved rounds of `repeats` steps (fair to the noise of a shared
-    machine), after one warm-up step whose peak GPU memory is taken (max_memory_allocated since a reset just before
-    it): {"s": ..., "peak_bytes": ...}. A method that runs out of GPU memory gets {"oom": the error's first line}, and
+    machine), after one warm-up step; and the peak GPU memory of its first round's steps (max_memory_allocated since
+    a reset after the warm-up: steps as a run has them, AdamW's state allocated by the step before):
+    {"s": ..., "peak_bytes": ...}. A method that runs out of GPU memory gets {"oom": the error's first line}, and
     the methods not yet run are left out ({}): a step cut short may leave an FSDP2 model half gathered."""
     import torch
 
@@ -682,18 +683,17 @@ def _time_methods(methods: dict[str, Callable[[], None]], repeats: int, device: 
         for round_ in range(2):
             for name, fn in methods.items():
                 if round_ == 0:
-                    if device.type == "cuda":
-                        wait()
-                        torch.cuda.reset_peak_memory_stats(device)
                     fn()  # warm-up
                     wait()
                     if device.type == "cuda":
-                        out[name]["peak_bytes"] = torch.cuda.max_memory_allocated(device)
+                        torch.cuda.reset_peak_memory_stats(device)
                 start = time.perf_counter()
                 for _ in range(repeats):
                     fn()
                 wait()
                 times[name].append((time.perf_counter() - start) / repeats)
+                if round_ == 0 and device.type == "cuda":
+                    out[name]["peak_bytes"] = torch.cuda.max_memory_allocated(device)
     except torch.cuda.OutOfMemoryError as error:
         out[name] = {"oom": str(error).splitlines()[0]}
     for name, measured in times.items():

@@ -51,6 +51,7 @@ import collections
 import contextlib
 import dataclasses
 import faulthandler
+import functools
 import fcntl
 import inspect
 import json
@@ -292,8 +293,8 @@ class Args:
                              "bf16-grade, as the rest of a bf16 learner's); auto: split-bf16 on a GPU with --dtype "
                              "bfloat16 and --fp32-lm-head, fp32 otherwise", choices=("auto", "fp32", "split-bf16"))
     activation_checkpointing: bool = _arg(HelpGroup.MEMORY, False, "keep only each decoder layer's input in the "
-                                          "forward and recompute the layer in backward (transformers' gradient "
-                                          "checkpointing, under FSDP2): activation memory ~ layers x tokens x "
+                                          "forward and recompute the layer in backward (torch's non-reentrant "
+                                          "checkpoint, inside FSDP2's hooks): activation memory ~ layers x tokens x "
                                           "hidden instead of every layer's intermediates, for about a third more "
                                           "compute; what lets a 32k-token completion train (docs/memory.md)",
                                           action=argparse.BooleanOptionalAction)
@@ -1740,9 +1741,7 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     model.config.use_cache = False
     if args.activation_checkpointing:
-        # Non-reentrant checkpointing of each decoder layer's call, FSDP2's hooks inside it: a layer recomputed in
-        # backward is gathered by its pre-backward hook, which FSDP2 documents for module-hook checkpointing.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_each_layer(model)
     low_precision = args.dtype == "bfloat16"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if low_precision else None
     # --cpu-offload: every unit's shards, gradients and so AdamW's state live on the host (pinned where a GPU can
@@ -1783,6 +1782,17 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
     install_target_logprob_head(model, args.logits_chunk_tokens, gemm)
     model.train()
     return model, n_params
+
+
+def checkpoint_each_layer(model: Any) -> None:
+    """--activation-checkpointing: each decoder layer's forward runs under torch's non-reentrant checkpoint, which
+    keeps only its inputs and recomputes the layer in backward. Inside the module's call, so inside the hooks
+    fully_shard adds (as torchtitan composes the two): the recompute takes the inputs FSDP2's mixed precision has
+    already cast to bf16, and the parameters its pre-backward has gathered. (transformers' gradient checkpointing
+    wraps the whole call instead; with transformers 5.17 on a GPU, its recompute got the float32 inputs of a tied
+    FP32 embedding uncast, and attention failed on mixed dtypes.)"""
+    for layer in model.model.layers:
+        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
 
 
 def attention_implementation(args: Args, device: Any) -> str:

@@ -626,10 +626,12 @@ def test_activation_checkpointing_and_cpu_offload_give_the_same_step(one_rank_gr
     for layout in ({}, flags):
         args = train.Args(dtype="float32", **layout)
         model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
-        if args.activation_checkpointing:
-            assert all(layer.gradient_checkpointing for layer in model.model.layers)
+        mlp_calls = []  # each layer's MLP starts once per micro-batch, and once more in backward when checkpointed
+        model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
         groups = synthetic_groups(3, 4, model.config.vocab_size)
         loss, _, grads = _one_step(model, "cispo", {}, groups, micro_batch_tokens=40, **layout)
+        micro_batches = len(train.micro_batches(groups, 40, True))
+        assert len(mlp_calls) == micro_batches * (2 if args.activation_checkpointing else 1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         optimizer.step()
         weights = {k: v.clone() for k, v in train.full_state_dict(model).items()}

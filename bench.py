@@ -963,15 +963,21 @@ def _planned_learner_bytes(config: Any, cli: Any, groups: list, world: int, devi
     off a GPU."""
     import torch
 
+    if torch.device(device).type != "cuda":
+        return None
+    return _planned_bytes(config, cli, groups, world, torch.cuda.get_device_properties(device).total_memory)
+
+
+def _planned_bytes(config: Any, cli: Any, groups: list, world: int, gpu_memory: int) -> int:
+    """The memory plan's learner bytes for the packed micro-batches of `groups` (_planned_learner_bytes)."""
     import memory_plan
     import train
 
-    if torch.device(device).type != "cuda":
-        return None
     lengths = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
-    largest = max(sum(lengths[n] for n in b) for b in train.micro_batches(groups, cli.micro_batch_tokens, True))
-    layout = train.learner_memory_plan(cli, config, world, torch.cuda.get_device_properties(device).total_memory).layout
-    return memory_plan.estimate(config, layout, tokens=largest).learner_bytes
+    batches = train.micro_batches(groups, cli.micro_batch_tokens, True)
+    largest = max(sum(lengths[n] for n in b) for b in batches)
+    layout = train.learner_memory_plan(cli, config, world, gpu_memory).layout
+    return memory_plan.estimate(config, layout, tokens=largest, micro_batches=len(batches)).learner_bytes
 
 
 def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dict, bare: dict,

@@ -392,14 +392,14 @@ def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, 
     """The plan of a run of train.py with these flags (its Args) on `learner_ranks` GPUs of `gpu_memory` bytes each.
     The values train.py resolves itself, where its defaults live, come as keywords: the compute `dtype`, the longest
     sequence (vLLM's context), vLLM's share of a learner GPU (0 where they do not share one) and the LM head's
-    default chunk in bytes. --activation-checkpointing and --cpu-offload are read by name, off when Args lacks them."""
+    default chunk in bytes."""
     from_chunk_bytes = max(1, logits_chunk_bytes // (4 * config.vocab_size))  # as install_target_logprob_head
     layout = Layout(
         learner_ranks=learner_ranks, gpu_memory=gpu_memory, micro_batch_tokens=args.micro_batch_tokens,
         sequence_tokens=sequence_tokens, group_size=args.group_size, prompts_per_step=args.prompts_per_step,
         dtype_bytes=2 if dtype == "bfloat16" else 4, fp32_lm_head=args.fp32_lm_head,
         logits_chunk_tokens=args.logits_chunk_tokens or from_chunk_bytes,
-        activation_checkpointing=getattr(args, "activation_checkpointing", False),
-        cpu_offload=getattr(args, "cpu_offload", False), reference_model=bool(args.kl_coef),
+        activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
+        reference_model=bool(args.kl_coef),
         generator_share=generator_share, split_bf16_head=split_bf16_head)
     return estimate(config, layout)

@@ -1995,15 +1995,8 @@ def plan(argv: list[str]) -> str:
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one learner GPU (default 80)")
     parser.add_argument("--gpus", type=int, help="GPUs of the node, to tell whether vLLM shares the learner's GPUs "
                         "under --gen-devices (default: it does not)")
-    names = {f.name for f in dataclasses.fields(Args)}
-    for name in ("activation_checkpointing", "cpu_offload"):  # the learner's own flags, where Args has them
-        if name not in names:
-            parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help="as the learner's flag")
     options, rest = parser.parse_known_args(argv)
     args = Args(**vars(build_parser().parse_args(rest)))
-    for name in ("activation_checkpointing", "cpu_offload"):
-        if name not in names:
-            setattr(args, name, getattr(options, name))
     if options.shape:
         config = memory_plan.shape_config(options.shape)
         args.model = args.model or options.shape  # a real model: its context is --max-tokens + a prompt

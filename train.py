@@ -730,6 +730,14 @@ class TrainerState:
         return {**dataclasses.asdict(self), "consumed": sorted(self.consumed), "retired": sorted(self.retired)}
 
 
+    @classmethod
+    def from_json(cls, saved: dict[str, Any]) -> TrainerState:
+        """Also reads older checkpoints: unknown keys (e.g. their always-zero reward_errors) are ignored."""
+        state = cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
+        state.consumed, state.retired = set(state.consumed), set(state.retired)
+        return state
+
+
 # Dense peak TFLOP/s of one GPU (no 2:4 sparsity: NVIDIA's data sheets quote bfloat16 tensor cores with it, twice
 # these), from the data sheets: H100 SXM/PCIe/NVL and H200 SXM/NVL (nvidia.com/en-us/data-center/h100 and /h200),
 # A100 (A100 data sheet, SXM and PCIe alike), L40S, L40, A10, L4 (their product pages' data sheets). float32 is
@@ -778,13 +786,6 @@ def model_flops_utilisation(n_params: int, trained_tokens: int, step_s: float, r
     if peak_flops is None or step_s <= 0:
         return None
     return 6 * n_params * trained_tokens / (step_s * ranks * peak_flops)
-
-    @classmethod
-    def from_json(cls, saved: dict[str, Any]) -> TrainerState:
-        """Also reads older checkpoints: unknown keys (e.g. their always-zero reward_errors) are ignored."""
-        state = cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls) if f.name in saved})
-        state.consumed, state.retired = set(state.consumed), set(state.retired)
-        return state
 
 
 @dataclass

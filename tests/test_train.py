@@ -481,6 +481,13 @@ def test_sync_round_feeds_k_steps():
     assert [[g.data_index for g in b] for b in out.batches] == [[0, 1], [2, 3], [4, 5]]
 
 
+def test_trainer_state_round_trips_through_its_json():
+    """What a checkpoint's trainer_state.json holds comes back whole on --resume (sets included)."""
+    state = train.TrainerState(step=7, metrics_lines=9, flops=1.5, consumed={3, 1}, retired={"p2"},
+                               history={"p1": [0.5, 1.0]}, bad_steps_total=2)
+    assert train.TrainerState.from_json(json.loads(json.dumps(state.to_json()))) == state
+
+
 def test_metrics_log_is_cut_back_to_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
     log = train.MetricsLog(path, None)

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+import memory_plan  # SHAPES: model shapes written in code (no hub); the module imports neither torch nor transformers
+
 
 def _pin_to_one_core() -> None:
     """The fit target is for one CPU core: pin the process and its BLAS threads before numpy loads."""
@@ -641,7 +643,6 @@ def write_random_model(shape: str, out_dir: Path, device: Any) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import memory_plan  # here, not at the top: only --shape needs it
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(memory_plan.shape_config(shape), dtype=torch.bfloat16)
@@ -970,7 +971,6 @@ def _planned_learner_bytes(config: Any, cli: Any, groups: list, world: int, devi
 
 def _planned_bytes(config: Any, cli: Any, groups: list, world: int, gpu_memory: int) -> int:
     """The memory plan's learner bytes for the packed micro-batches of `groups` (_planned_learner_bytes)."""
-    import memory_plan
     import train
 
     lengths = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
@@ -1126,11 +1126,8 @@ def _packed_batch(seqs: list[list[int]], rows: list[list[int]]) -> tuple:
 # The FP32 LM head: float32, bf16 and split-bf16 GEMMs, and the learner's head against its GEMMs' limit
 # ---------------------------------------------------------------------------------------------------------------
 
-HEAD_SHAPES = {"qwen3-1.7b": (151936, 2048), "smollm2-135m": (49152, 576)}  # name -> (vocab, hidden)
-
-
 def _add_head_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", choices=HEAD_SHAPES, default=None,
+    parser.add_argument("--shape", choices=sorted(memory_plan.SHAPES), default=None,
                         help="the model whose head to time (default: qwen3-1.7b on a GPU; on a CPU a small head, "
                              "vocab 8192 x hidden 256)")
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (over --shape's)")
@@ -1228,7 +1225,8 @@ def bench_head(args: argparse.Namespace) -> dict:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    vocab, hidden_size = HEAD_SHAPES[args.shape] if args.shape else HEAD_SHAPES["qwen3-1.7b"] if cuda else (8192, 256)
+    shape = memory_plan.SHAPES[args.shape or "qwen3-1.7b"]  # the shapes train.py plan and bench.py train use
+    vocab, hidden_size = (shape["vocab_size"], shape["hidden_size"]) if args.shape or cuda else (8192, 256)
     vocab, hidden_size = args.vocab or vocab, args.hidden or hidden_size
     tokens = args.tokens or (8117 if cuda else 256)
     temperature = args.temperature

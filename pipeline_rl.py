@@ -36,17 +36,15 @@ import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
-import queue
 import random
 import secrets
 import signal
-import socket
 import sys
 import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
@@ -58,7 +56,6 @@ from vllm_replica import _DTYPES, parse_address  # GeneratorConfig checks its li
 # --------------------------------------------------------------------------------------------------------------
 # Public data types
 # --------------------------------------------------------------------------------------------------------------
-
 
 
 @dataclass
@@ -381,7 +378,6 @@ def pick_replica(loads: Mapping[int, int]) -> int | None:
     return min(loads, key=lambda r: (loads[r], r)) if loads else None
 
 
-
 def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int], list[int]]:
     """(learner device ids, generator device ids) for a node with `num_devices` GPUs and `--gen-devices`.
     Learner rank r uses learner_ids[r % len(learner_ids)]; the generator child sees only gen ids."""
@@ -392,7 +388,8 @@ def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int],
     learner = [d for d in range(num_devices) if d not in gen]
     return (learner or list(range(num_devices))), gen
 # --------------------------------------------------------------------------------------------------------------
-# The generator process: one scheduler for all replicas (data stream, admission, batch choice, reward)
+# The generator process: one scheduler for all replicas, in parts named for what they hold: _DataStream,
+# _ReplicaPool (replica bookkeeping), _ReplicaFaults, _Admission, _Rewards, _BatchChoice, then _Scheduler
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -461,46 +458,33 @@ class _Fatal(RuntimeError):
     """The generator cannot go on, for a reason its message says in full (no traceback needed)."""
 
 
-class _Scheduler:
-    """Runs in the generator process: owns the data stream, the replicas, the throttle and the finished groups."""
+class _DataStream:
+    """Prompts in: the task's train stream from `start`, without the data indices already consumed (a resumed run's
+    `skip`) or the prompts retired (No-Positive-Resampling), and with the prompts of dropped groups first."""
 
-    def __init__(self, conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,
-                 skip_indices: list[int], retired_ids: list[str], version: int, secret: bytes,
-                 store_address: tuple[str, int] | None):
-        self.conn, self.cfg = conn, config
-        self.secret, self.store_address = secret, store_address
-        self.task = _make_task(task_factory)
-        self.data_start, self.skip = data_start, set(skip_indices)
-        self.retired = set(retired_ids)
-        self.version = version
-        self.rng = random.Random(config.seed * 7919 + 17)
-        data_seed = config.seed if config.data_seed is None else config.data_seed
-        self.stream = self.task.train_stream(data_seed, start=data_start)
-        self.requeue: collections.deque[tuple[int, Problem]] = collections.deque()
-        self.groups: dict[int, _GroupState] = {}  # unconsumed training groups (in flight or ready)
-        self.eval_groups: dict[int, _GroupState] = {}
-        self.next_gid = 0
-        self.admit_counter = 0
-        self.stream_admitted = 0
-        self.done_counter = 0
-        self.pending: tuple | None = None  # the learner's outstanding request
-        self.next_learner_version = version
-        self.step_version: int | None = None  # learner version of the current step's get_batch calls
-        self.consumed_this_step = 0
-        self.groups_per_step = config.groups_per_batch or 0
-        self.stale_dropped = 0
-        self.skipped_long_prompts = 0
-        self.reward_errors_total = 0
-        self.tokens_by_replica: collections.Counter[int] = collections.Counter()  # since the last reply
-        self.busy_s_by_replica: collections.Counter[int] = collections.Counter()
-        self.last_reply_time = time.perf_counter()
-        self.deaths: list[str] = []  # since the last reply
-        self.deaths_total = 0
-        self.update: dict | None = None  # the weight update in progress
-        self.debug_wait: dict | None = None
-        self.closing = False
-        self.dirty = False  # something changed since the last batch plan
-        self.started = False  # admission starts with the learner's first get_batch or update_weights
+    def __init__(self, task: Task, seed: int, start: int, skip: Iterable[int], retired: Iterable[str]):
+        self.stream = task.train_stream(seed, start=start)
+        self.skip, self.retired = set(skip), set(retired)
+        self.requeue: collections.deque[tuple[int, Problem]] = collections.deque()  # generated again, first
+        self.admitted = 0  # prompts of the stream admitted (a requeued one counts once)
+
+    def next(self) -> tuple[int, Problem]:
+        if self.requeue:
+            return self.requeue.popleft()
+        for _ in range(1_000_000):
+            index, problem = next(self.stream)
+            if index in self.skip or problem.id in self.retired:
+                continue
+            return index, problem
+        raise RuntimeError("no admissible prompt in the last 1,000,000 of the stream (all retired?)")
+
+
+class _ReplicaPool:
+    """Replica bookkeeping, part of _Scheduler: a slot per replica (`self.replicas`), the listener that replicas
+    connect to, their hello and their messages, the loads and capacities admission reads, and their shutdown."""
+
+    def init_replicas(self, config: GeneratorConfig) -> None:
+        """A slot per replica: the local ones (with their devices) first, then the remote places."""
         self.listener: vllm_replica._ReplicaListener | None = None
         self.new_conns: list[tuple[Any, tuple]] = []  # authenticated, no hello yet
         gen_ids = [int(x) for x in config.gen_devices.split(",") if x.strip()] if config.gen_devices else []
@@ -513,14 +497,9 @@ class _Scheduler:
             i = config.replicas + j
             self.replicas[i] = _ReplicaSlot(i, local=False)
 
-    # ---- setup ------------------------------------------------------------------------------------------------
-    def start(self) -> dict:
-        from transformers import AutoTokenizer
-
+    def start_replicas(self) -> None:
+        """Listen, spawn the local replicas and wait until every replica (local and remote) has its engine up."""
         cfg = self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.phrase_ids = list(self.tokenizer(self.task.interruption_phrase, add_special_tokens=False)["input_ids"])
-        self.close_ids = list(self.tokenizer(tasks.THINK_CLOSE, add_special_tokens=False)["input_ids"])
         self.listener = vllm_replica._ReplicaListener(cfg.listen, self.secret)
         ctx = mp.get_context("spawn")
         for slot in self.replicas.values():
@@ -541,17 +520,6 @@ class _Scheduler:
                 raise _Fatal(self.missing_message())
         for slot in self.replicas.values():
             slot.version = self.version
-        import psutil
-
-        descendants = []
-        for slot in self.replicas.values():
-            if slot.local:
-                descendants.append((slot.pid, psutil.Process(slot.pid).create_time(), slot.proc.name))
-                descendants += slot.info.get("vllm_processes", [])
-        return {"pid": os.getpid(), "address": self.listener.address, "descendants": descendants,
-                "replicas": [self.describe(s) for s in self.replicas.values()],
-                "max_concurrent_groups": self.max_in_flight(), "phrase_ids": self.phrase_ids,
-                "close_ids": self.close_ids, "head": next(iter(self.replicas.values())).info.get("head")}
 
     def missing_message(self) -> str:
         lines = []
@@ -580,55 +548,6 @@ class _Scheduler:
 
         return dataclasses.replace(self.cfg, secret=None, replicas=1, remote_replicas=0, listen="127.0.0.1:0")
 
-    # ---- the loop ---------------------------------------------------------------------------------------------
-    def run(self) -> None:
-        busy_s = 0.0  # engine time since the last message: sent with the next finished completions
-        while not self.closing:
-            self.poll(0.2)
-            if self.closing:
-                break
-            self.place_orphans()
-            self.admit()
-            self.try_reply()
-
-    def poll(self, timeout: float) -> None:
-        """Wait up to `timeout` for a message from the learner or any replica, and handle every one that came."""
-        if self.listener is not None:
-            while not self.listener.accepted.empty():
-                self.new_conns.append(self.listener.accepted.get())
-        owners: dict[Any, Any] = {self.conn: "learner"}
-        owners.update({s.conn: s for s in self.replicas.values() if s.conn is not None})
-        owners.update({c: ("new", peer) for c, peer in self.new_conns})
-        try:
-            ready = mpc.wait(list(owners), timeout)
-        except OSError:
-            ready = []
-        for conn in ready:
-            owner = owners[conn]
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                if owner == "learner":
-                    self.closing = True
-                elif isinstance(owner, _ReplicaSlot):
-                    self.on_death(owner, "its connection closed (process killed, or the network broke)")
-                else:
-                    self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
-                continue
-            if owner == "learner":
-                self.handle_learner(msg)
-            elif isinstance(owner, _ReplicaSlot):
-                self.handle_replica(owner, msg)
-            else:
-                self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
-                self.on_hello(conn, owner[1], msg)
-        for s in self.replicas.values():  # a local replica that exited without a word (its connection may linger)
-            if s.local and s.proc is not None and s.state != "dead" and not s.proc.is_alive():
-                if s.conn is not None and s.conn.poll(0):
-                    continue  # its last message first
-                self.on_death(s, f"its process exited with code {s.proc.exitcode}")
-
-    # ---- replicas ---------------------------------------------------------------------------------------------
     def on_hello(self, conn: Any, peer: tuple, msg: tuple) -> None:
         if msg[0] != "hello":
             conn.close()
@@ -700,6 +619,52 @@ class _Scheduler:
             self.on_death(slot, f"sending to it failed ({type(e).__name__})")
             return False
 
+    def loads(self) -> dict[int, int]:
+        """Groups with a completion in flight on each usable replica."""
+        loads = {s.id: 0 for s in self.replicas.values() if s.usable}
+        for table in (self.groups, self.eval_groups):
+            for state in table.values():
+                for r in {r for c, r in zip(state.completions, state.assigned) if c is None and r is not None}:
+                    if r in loads:
+                        loads[r] += 1
+        return loads
+
+    def max_in_flight(self) -> int:
+        return self.cfg.max_concurrent_groups or max(1, sum(s.capacity for s in self.replicas.values() if s.usable))
+
+    def shutdown(self) -> None:
+        """Close every replica: ask, wait a little, then kill what is left (and its vLLM processes)."""
+        for s in self.replicas.values():
+            if s.conn is not None:
+                try:
+                    s.conn.send(("close",))
+                except (OSError, EOFError, BrokenPipeError):
+                    pass
+        deadline = time.monotonic() + 10
+        for s in self.replicas.values():
+            if s.proc is not None:
+                s.proc.join(max(0.1, deadline - time.monotonic()))
+                if s.proc.is_alive():
+                    s.proc.kill()
+                    s.proc.join(5)
+            if s.local:
+                vllm_replica._kill_processes(s.info.get("vllm_processes", []))
+        if self.listener is not None:
+            self.listener.close()
+
+
+class _ReplicaFaults:
+    """Faults, part of _Scheduler: a replica that dies hands its unfinished completions to the others (or they wait
+    for one), is named in a line and in the next batch's stats; the last one gone stops the generator."""
+
+    def notice_silent_exits(self) -> None:
+        """A local replica whose process exited without a word (its connection may linger) is dead."""
+        for s in self.replicas.values():
+            if s.local and s.proc is not None and s.state != "dead" and not s.proc.is_alive():
+                if s.conn is not None and s.conn.poll(0):
+                    continue  # its last message first
+                self.on_death(s, f"its process exited with code {s.proc.exitcode}")
+
     def on_death(self, slot: _ReplicaSlot, reason: str) -> None:
         """A replica is gone: its unfinished completions go to the others (or wait for one), its weight group is
         dropped, the next batch's stats and a line on stderr name it. The last replica gone stops the generator."""
@@ -743,29 +708,21 @@ class _Scheduler:
         self.finish_debug()
         self.dirty = True
 
-    def loads(self) -> dict[int, int]:
-        """Groups with a completion in flight on each usable replica."""
-        loads = {s.id: 0 for s in self.replicas.values() if s.usable}
-        for table in (self.groups, self.eval_groups):
+    def place_orphans(self) -> None:
+        """Completions of a dead replica go to the least-loaded usable one, as soon as there is one."""
+        loads = self.loads()
+        for table, prefix in ((self.groups, "t"), (self.eval_groups, "e")):
             for state in table.values():
-                for r in {r for c, r in zip(state.completions, state.assigned) if c is None and r is not None}:
-                    if r in loads:
-                        loads[r] += 1
-        return loads
+                lost = [i for i, (c, r) in enumerate(zip(state.completions, state.assigned)) if c is None and r is None]
+                r = pick_replica(loads)
+                if lost and r is not None:
+                    self.submit(state, self.replicas[r], lost, prefix)
+                    loads[r] += 1
 
-    def max_in_flight(self) -> int:
-        return self.cfg.max_concurrent_groups or max(1, sum(s.capacity for s in self.replicas.values() if s.usable))
 
-    # ---- prompts in -------------------------------------------------------------------------------------------
-    def next_problem(self) -> tuple[int, Problem]:
-        if self.requeue:
-            return self.requeue.popleft()
-        for _ in range(1_000_000):
-            index, problem = next(self.stream)
-            if index in self.skip or problem.id in self.retired:
-                continue
-            return index, problem
-        raise RuntimeError("no admissible prompt in the last 1,000,000 of the stream (all retired?)")
+class _Admission:
+    """Admission, part of _Scheduler: new groups from the data stream, admitted under the staleness rule
+    (`should_admit`) to the least-loaded replica, each completion with its think budget."""
 
     def request_spec(self, temperature: float, budget: int | None) -> dict:
         cfg = self.cfg
@@ -803,15 +760,15 @@ class _Scheduler:
 
     def admit_one(self, replica: _ReplicaSlot | None) -> None:
         while True:
-            fresh = not self.requeue
-            index, problem = self.next_problem()
+            fresh = not self.data.requeue
+            index, problem = self.data.next()
             try:
                 state = self.new_group(problem, index, self.cfg.group_size,
                                        self.version if replica is None else replica.version, self.cfg.temperature)
                 break
             except _RequestError:  # a training prompt too long for max_model_len: skip it, count it
                 self.skipped_long_prompts += 1
-        self.stream_admitted += fresh  # prompts of the stream admitted (a requeued one was counted already)
+        self.data.admitted += fresh  # prompts of the stream admitted (a requeued one was counted already)
         self.groups[state.gid] = state
         if replica is not None:
             self.submit(state, replica, range(len(state.completions)), "t")
@@ -838,18 +795,11 @@ class _Scheduler:
             self.admit_one(self.replicas[r])
             loads[r] += 1
 
-    def place_orphans(self) -> None:
-        """Completions of a dead replica go to the least-loaded usable one, as soon as there is one."""
-        loads = self.loads()
-        for table, prefix in ((self.groups, "t"), (self.eval_groups, "e")):
-            for state in table.values():
-                lost = [i for i, (c, r) in enumerate(zip(state.completions, state.assigned)) if c is None and r is None]
-                r = pick_replica(loads)
-                if lost and r is not None:
-                    self.submit(state, self.replicas[r], lost, prefix)
-                    loads[r] += 1
 
-    # ---- completions out --------------------------------------------------------------------------------------
+class _Rewards:
+    """Completions out, part of _Scheduler: a finished vLLM request becomes a `Completion`, its interruption phrase
+    masked, its reward scored by the task (a verifier that raises scores -1 and is counted, never fatal)."""
+
     def make_completion(self, state: _GroupState, index: int, out: dict, replica: int) -> Completion:
         token_ids, logprobs, versions = out["token_ids"], out["logprobs"], out["versions"]
         n = len(token_ids)
@@ -898,33 +848,10 @@ class _Scheduler:
             state.min_version = state.to_group().min_version
             self.dirty = True
 
-    # ---- requests from the learner ----------------------------------------------------------------------------
-    def handle_learner(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind in ("get_batch", "update"):
-            self.started = True
-        try:
-            if kind == "get_batch":
-                self.start_batch(msg[1], msg[2])
-            elif kind == "update":
-                self.begin_update(msg[1], msg[2])
-            elif kind == "sent":
-                self.update["sent"] = True
-                for rid, error in msg[1].items():
-                    self.on_death(self.replicas[rid], f"its weight broadcast failed: {error}")
-                self.finish_update()
-            elif kind == "evaluate":
-                self.start_eval(msg[1], msg[2], msg[3])
-            elif kind == "retire":
-                self.retired.update(msg[1])
-            elif kind == "debug":
-                self.debug(msg[1])
-            elif kind == "close":
-                self.closing = True
-            else:
-                raise ValueError(f"unknown command {kind!r}")
-        except _RequestError as e:  # the learner's mistake: tell it, keep running
-            self.conn.send(("fail", str(e)))
+
+class _BatchChoice:
+    """Batch choice, part of _Scheduler: the learner's get_batch and evaluate requests, answered once their groups
+    are ready (`plan_batch`: earliest deadline first; sync mode: exactly the groups generated for the request)."""
 
     def start_batch(self, num_groups: int, learner_version: int) -> None:
         if self.cfg.mode == "pipeline" and learner_version - self.version > self.cfg.max_off_policy:
@@ -965,6 +892,209 @@ class _Scheduler:
         self.pending = ("eval", gids)
         self.dirty = True
 
+    def try_reply(self) -> None:
+        if self.pending is None or not self.dirty:
+            return
+        self.dirty = False
+        if self.pending[0] == "eval":
+            gids = self.pending[1]
+            if all(self.eval_groups[g].ready for g in gids):
+                groups = [self.eval_groups.pop(g).to_group() for g in gids]
+                self.pending = None
+                self.conn.send(("evaluated", groups))
+            return
+        _, num_groups, V, t0 = self.pending
+        k = self.cfg.max_off_policy
+        if self.cfg.mode == "sync":
+            if not all(g.ready for g in self.groups.values()):
+                return
+            chosen = sorted(self.groups, key=lambda gid: self.groups[gid].done_order)
+            stale: list[int] = []
+        else:
+            entries = [_Entry(g.gid, g.deadline, g.ready, g.min_version,
+                              g.done_order if g.ready else 10**12 + g.admit_order)
+                       for g in self.groups.values()]
+            chosen, stale = plan_batch(entries, num_groups, V, k, self.groups_per_step or num_groups)
+            for gid in stale:  # last resort: drop, count, and generate the prompt again with fresh weights
+                state = self.groups.pop(gid)
+                self.stale_dropped += 1
+                self.data.requeue.append((state.data_index, state.problem))
+            if chosen is None:
+                return
+        groups = [self.groups.pop(gid).to_group() for gid in chosen]
+        self.consumed_this_step += len(groups)
+        self.pending = None
+        self.next_learner_version = V + 1
+        stats = self.batch_stats(groups, V)
+        self.conn.send(("batch", groups, stats))
+
+    def batch_stats(self, groups: list[Group], learner_version: int) -> dict[str, Any]:
+        """The stats sent with a batch (Generator.get_batch lists them); resets the counters kept since the last."""
+        now = time.perf_counter()
+        interval = max(now - self.last_reply_time, 1e-9)
+        alive = [s for s in self.replicas.values() if s.state == "ready"]
+        stats: dict[str, Any] = {
+            "gen_tokens": sum(c.num_tokens for g in groups for c in g.completions),
+            "gen_tokens_per_s": sum(self.tokens_by_replica.values()) / interval,
+            # the engines' busy share of the interval, averaged over the replicas alive
+            "gen_busy_frac": min(1.0, sum(self.busy_s_by_replica.values()) / interval / max(1, len(alive))),
+            "reward_errors": sum(c.reward_error is not None for g in groups for c in g.completions),
+            "reward_error_examples": [c.reward_error for g in groups for c in g.completions if c.reward_error][:3],
+            "interrupted": sum(c.interrupted for g in groups for c in g.completions),
+            "truncated": sum(c.truncated for g in groups for c in g.completions),
+            "stale_dropped": self.stale_dropped,
+            "reward_errors_total": self.reward_errors_total,
+            "skipped_long_prompts": self.skipped_long_prompts,
+            "groups_in_flight": self.in_flight(),
+            "groups_ready": sum(g.ready for g in self.groups.values()),
+            # buffer depth: learner steps' worth of groups already finished and waiting for the next requests
+            "buffer_depth_steps": sum(g.ready for g in self.groups.values()) / max(1, self.groups_per_step),
+            "generator_version": self.version,
+            "groups_per_step": self.groups_per_step,
+            "multi_version_completions": sum(len(set(c.versions)) > 1 for g in groups for c in g.completions),
+            "gen_replicas_alive": len(alive),
+            # this batch's groups by the replica of their first completion; tokens generated since the last batch
+            "gen_groups_by_replica": dict(sorted(collections.Counter(g.completions[0].replica
+                                                                     for g in groups).items())),
+            "gen_tokens_by_replica": {s.id: self.tokens_by_replica[s.id] for s in self.replicas.values()},
+            "replica_deaths": self.deaths,
+            "replica_deaths_total": self.deaths_total,
+            "replica_connections_refused": len(self.listener.refused) if self.listener else 0,
+        }
+        stats |= lag_stats(groups, learner_version)
+        self.tokens_by_replica, self.busy_s_by_replica = collections.Counter(), collections.Counter()
+        self.deaths, self.last_reply_time = [], now
+        return stats
+
+
+class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoice):
+    """Runs in the generator process: the loop over the learner's and the replicas' messages, the weight updates and
+    the debug requests. Its parts, each a class named for what it holds: _DataStream (`self.data`), _ReplicaPool,
+    _ReplicaFaults, _Admission, _Rewards, _BatchChoice; the state they share is set up in __init__."""
+
+    def __init__(self, conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,
+                 skip_indices: list[int], retired_ids: list[str], version: int, secret: bytes,
+                 store_address: tuple[str, int] | None):
+        self.conn, self.cfg = conn, config
+        self.secret, self.store_address = secret, store_address
+        self.task = _make_task(task_factory)
+        data_seed = config.seed if config.data_seed is None else config.data_seed
+        self.data = _DataStream(self.task, data_seed, data_start, skip_indices, retired_ids)
+        self.version = version
+        self.rng = random.Random(config.seed * 7919 + 17)
+        self.groups: dict[int, _GroupState] = {}  # unconsumed training groups (in flight or ready)
+        self.eval_groups: dict[int, _GroupState] = {}
+        self.next_gid = 0
+        self.admit_counter = 0
+        self.done_counter = 0
+        self.pending: tuple | None = None  # the learner's outstanding request
+        self.next_learner_version = version
+        self.step_version: int | None = None  # learner version of the current step's get_batch calls
+        self.consumed_this_step = 0
+        self.groups_per_step = config.groups_per_batch or 0
+        self.stale_dropped = 0
+        self.skipped_long_prompts = 0
+        self.reward_errors_total = 0
+        self.tokens_by_replica: collections.Counter[int] = collections.Counter()  # since the last reply
+        self.busy_s_by_replica: collections.Counter[int] = collections.Counter()
+        self.last_reply_time = time.perf_counter()
+        self.deaths: list[str] = []  # since the last reply
+        self.deaths_total = 0
+        self.update: dict | None = None  # the weight update in progress
+        self.debug_wait: dict | None = None
+        self.closing = False
+        self.dirty = False  # something changed since the last batch plan
+        self.started = False  # admission starts with the learner's first get_batch or update_weights
+        self.init_replicas(config)
+
+    def start(self) -> dict:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
+        self.phrase_ids = list(self.tokenizer(self.task.interruption_phrase, add_special_tokens=False)["input_ids"])
+        self.close_ids = list(self.tokenizer(tasks.THINK_CLOSE, add_special_tokens=False)["input_ids"])
+        self.start_replicas()
+        import psutil
+
+        descendants = []
+        for slot in self.replicas.values():
+            if slot.local:
+                descendants.append((slot.pid, psutil.Process(slot.pid).create_time(), slot.proc.name))
+                descendants += slot.info.get("vllm_processes", [])
+        return {"pid": os.getpid(), "address": self.listener.address, "descendants": descendants,
+                "replicas": [self.describe(s) for s in self.replicas.values()],
+                "max_concurrent_groups": self.max_in_flight(), "phrase_ids": self.phrase_ids,
+                "close_ids": self.close_ids, "head": next(iter(self.replicas.values())).info.get("head")}
+
+    def run(self) -> None:
+        while not self.closing:
+            self.poll(0.2)
+            if self.closing:
+                break
+            self.place_orphans()
+            self.admit()
+            self.try_reply()
+
+    def poll(self, timeout: float) -> None:
+        """Wait up to `timeout` for a message from the learner or any replica, and handle every one that came."""
+        if self.listener is not None:
+            while not self.listener.accepted.empty():
+                self.new_conns.append(self.listener.accepted.get())
+        owners: dict[Any, Any] = {self.conn: "learner"}
+        owners.update({s.conn: s for s in self.replicas.values() if s.conn is not None})
+        owners.update({c: ("new", peer) for c, peer in self.new_conns})
+        try:
+            ready = mpc.wait(list(owners), timeout)
+        except OSError:
+            ready = []
+        for conn in ready:
+            owner = owners[conn]
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                if owner == "learner":
+                    self.closing = True
+                elif isinstance(owner, _ReplicaSlot):
+                    self.on_death(owner, "its connection closed (process killed, or the network broke)")
+                else:
+                    self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
+                continue
+            if owner == "learner":
+                self.handle_learner(msg)
+            elif isinstance(owner, _ReplicaSlot):
+                self.handle_replica(owner, msg)
+            else:
+                self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
+                self.on_hello(conn, owner[1], msg)
+        self.notice_silent_exits()
+
+    def handle_learner(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind in ("get_batch", "update"):
+            self.started = True
+        try:
+            if kind == "get_batch":
+                self.start_batch(msg[1], msg[2])
+            elif kind == "update":
+                self.begin_update(msg[1], msg[2])
+            elif kind == "sent":
+                self.update["sent"] = True
+                for rid, error in msg[1].items():
+                    self.on_death(self.replicas[rid], f"its weight broadcast failed: {error}")
+                self.finish_update()
+            elif kind == "evaluate":
+                self.start_eval(msg[1], msg[2], msg[3])
+            elif kind == "retire":
+                self.data.retired.update(msg[1])
+            elif kind == "debug":
+                self.debug(msg[1])
+            elif kind == "close":
+                self.closing = True
+            else:
+                raise ValueError(f"unknown command {kind!r}")
+        except _RequestError as e:  # the learner's mistake: tell it, keep running
+            self.conn.send(("fail", str(e)))
+
     def begin_update(self, version: int, transport: dict) -> None:
         """Tell every ready replica to take weights `version` (first forming the weight group of any that has
         none), and tell the learner whom to send them to: ("plan", [(replica, name, group, join)])."""
@@ -1002,8 +1132,8 @@ class _Scheduler:
                 "eval_groups": len(self.eval_groups), "groups_per_step": self.groups_per_step,
                 "max_groups": self.max_in_flight(), "stale_dropped": self.stale_dropped,
                 "unconsumed_indices": sorted([g.data_index for g in self.groups.values()]
-                                             + [i for i, _ in self.requeue]),
-                "admitted": self.stream_admitted, "replicas": [self.describe(s) for s in self.replicas.values()],
+                                             + [i for i, _ in self.data.requeue]),
+                "admitted": self.data.admitted, "replicas": [self.describe(s) for s in self.replicas.values()],
                 "refused": list(self.listener.refused) if self.listener else []}))
         elif what.startswith("checksum:"):  # every ready replica's checksum of one parameter
             targets = [s for s in self.replicas.values() if s.state == "ready"]
@@ -1018,95 +1148,6 @@ class _Scheduler:
         if self.debug_wait is not None and not self.debug_wait["waiting"]:
             values, self.debug_wait = self.debug_wait["values"], None
             self.conn.send(("debug", values))
-
-    def try_reply(self) -> None:
-        if self.pending is None or not self.dirty:
-            return
-        self.dirty = False
-        if self.pending[0] == "eval":
-            gids = self.pending[1]
-            if all(self.eval_groups[g].ready for g in gids):
-                groups = [self.eval_groups.pop(g).to_group() for g in gids]
-                self.pending = None
-                self.conn.send(("evaluated", groups))
-            return
-        _, num_groups, V, t0 = self.pending
-        k = self.cfg.max_off_policy
-        if self.cfg.mode == "sync":
-            if not all(g.ready for g in self.groups.values()):
-                return
-            chosen = sorted(self.groups, key=lambda gid: self.groups[gid].done_order)
-            stale: list[int] = []
-        else:
-            entries = [_Entry(g.gid, g.deadline, g.ready, g.min_version,
-                              g.done_order if g.ready else 10**12 + g.admit_order)
-                       for g in self.groups.values()]
-            chosen, stale = plan_batch(entries, num_groups, V, k, self.groups_per_step or num_groups)
-            for gid in stale:  # last resort: drop, count, and generate the prompt again with fresh weights
-                state = self.groups.pop(gid)
-                self.stale_dropped += 1
-                self.requeue.append((state.data_index, state.problem))
-            if chosen is None:
-                return
-        groups = [self.groups.pop(gid).to_group() for gid in chosen]
-        self.consumed_this_step += len(groups)
-        self.pending = None
-        self.next_learner_version = V + 1
-        now = time.perf_counter()
-        interval = max(now - self.last_reply_time, 1e-9)
-        alive = [s for s in self.replicas.values() if s.state == "ready"]
-        stats: dict[str, Any] = {
-            "gen_tokens": sum(c.num_tokens for g in groups for c in g.completions),
-            "gen_tokens_per_s": sum(self.tokens_by_replica.values()) / interval,
-            # the engines' busy share of the interval, averaged over the replicas alive
-            "gen_busy_frac": min(1.0, sum(self.busy_s_by_replica.values()) / interval / max(1, len(alive))),
-            "reward_errors": sum(c.reward_error is not None for g in groups for c in g.completions),
-            "reward_error_examples": [c.reward_error for g in groups for c in g.completions if c.reward_error][:3],
-            "interrupted": sum(c.interrupted for g in groups for c in g.completions),
-            "truncated": sum(c.truncated for g in groups for c in g.completions),
-            "stale_dropped": self.stale_dropped,
-            "reward_errors_total": self.reward_errors_total,
-            "skipped_long_prompts": self.skipped_long_prompts,
-            "groups_in_flight": self.in_flight(),
-            "groups_ready": sum(g.ready for g in self.groups.values()),
-            # buffer depth: learner steps' worth of groups already finished and waiting for the next requests
-            "buffer_depth_steps": sum(g.ready for g in self.groups.values()) / max(1, self.groups_per_step),
-            "generator_version": self.version,
-            "groups_per_step": self.groups_per_step,
-            "multi_version_completions": sum(len(set(c.versions)) > 1 for g in groups for c in g.completions),
-            "gen_replicas_alive": len(alive),
-            # this batch's groups by the replica of their first completion; tokens generated since the last batch
-            "gen_groups_by_replica": dict(sorted(collections.Counter(g.completions[0].replica
-                                                                     for g in groups).items())),
-            "gen_tokens_by_replica": {s.id: self.tokens_by_replica[s.id] for s in self.replicas.values()},
-            "replica_deaths": self.deaths,
-            "replica_deaths_total": self.deaths_total,
-            "replica_connections_refused": len(self.listener.refused) if self.listener else 0,
-        }
-        stats |= lag_stats(groups, V)
-        self.tokens_by_replica, self.busy_s_by_replica = collections.Counter(), collections.Counter()
-        self.deaths, self.last_reply_time = [], now
-        self.conn.send(("batch", groups, stats))
-
-    def shutdown(self) -> None:
-        """Close every replica: ask, wait a little, then kill what is left (and its vLLM processes)."""
-        for s in self.replicas.values():
-            if s.conn is not None:
-                try:
-                    s.conn.send(("close",))
-                except (OSError, EOFError, BrokenPipeError):
-                    pass
-        deadline = time.monotonic() + 10
-        for s in self.replicas.values():
-            if s.proc is not None:
-                s.proc.join(max(0.1, deadline - time.monotonic()))
-                if s.proc.is_alive():
-                    s.proc.kill()
-                    s.proc.join(5)
-            if s.local:
-                vllm_replica._kill_processes(s.info.get("vllm_processes", []))
-        if self.listener is not None:
-            self.listener.close()
 
 
 def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int, skip_indices: list[int],

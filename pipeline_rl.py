@@ -1,171 +1,61 @@
-"""pipeline_rl.py: vLLM replicas under one bounded-staleness scheduler, in-flight weight updates, and a sync mode.
+"""pipeline_rl.py: the generator's recipe. vLLM replicas under one bounded-staleness scheduler, in-flight weight
+updates, and a sync mode.
 
 The learner (train.py, rank 0) owns a `Generator`. `Generator.start()` spawns the generator process, which runs the
-scheduler: the data stream, admission, the batch choice and the reward. The generator process starts the replicas
-on this node; each replica is a process with one vLLM engine (which may start its own EngineCore and workers).
-Replicas on other nodes join with one command (section 6). This module knows nothing of losses: it moves prompts,
-completions, per-token logprobs, per-token weight versions, and weights.
+scheduler over one vLLM replica or many, on this node or others. It moves prompts, completions, per-token logprobs,
+per-token weight versions and weights; it knows nothing of losses.
 
-    learner (torchrun rank 0)            generator process (scheduler)          replica processes (vLLM each)
-    -------------------------            -----------------------------          -----------------------------
-    gen = Generator(cfg, task)
-    gen.start()         --- spawn --->   listen on cfg.listen; spawn the      --> connect, prove the secret,
-                                         local replicas; wait for all         <-- "ready" (engine up)
-                        <-- "ready" ---  admit prompts to the least-loaded    --> engine.step() ... finished
-                                         replica; score finished completions  <-- completions, as they finish
-    groups, stats = gen.get_batch(B, V)  choose B finished groups (oldest deadline first, over all replicas)
-    ... loss, backward, optimizer step: V -> V+1
-    gen.update_weights(state_dict, V+1)  tell every replica "update V+1"      --> between two engine steps:
-      torch.distributed broadcast  ======================================>       receive the buckets, reload,
-                        <-- "updated" -  when every replica has applied it    <-- label version V+1, go on
+The rule, first in the file. V = the learner's optimizer steps done; a token sampled with weights v has lag V - v;
+k = max_off_policy. `get_batch(n, V)` never returns a group with a loss-masked token of lag > k. A group admitted to a
+replica that holds weights g has the deadline g + k, and is admitted only while every group owed by then still fits
+into the learner steps left (`admission_allowed`), and while the learner is fed, at most `buffer_steps` learner
+steps' worth ahead of it (`should_admit`). Each batch takes the earliest deadlines first (`plan_batch`), so the
+learner waits instead of dropping. Sync mode: get_batch generates n fresh groups with the current weights (lag 0).
 
-1. Per-token versions and in-flight updates (PipelineRL). Weights travel from the learner to every replica through
-   torch.distributed, in buckets: gloo on CPU, NCCL on GPU, one code path (`WeightSender`, `open_weight_group`).
-   Each replica has a weight group of its own with the learner (the learner is rank 0, the replica's
-   tensor-parallel workers ranks 1..T), so a replica that dies breaks only its own group. The learner sends each
-   bucket to every group at once. A replica applies an update between two engine steps: `pause_scheduler("keep")`
-   (its engine core in a process of its own) or simply not stepping (engine inside the process), then
-   `collective_rpc` into `WeightSyncExtension`, which receives the buckets and feeds them to vLLM's
-   `reload_weights` as an iterator, then `set_weight_version(V)`, resume. `weight_transport="file"` is the other
-   way, for replicas on the learner's node only: a safetensors file in /dev/shm that every replica reads.
-   vLLM labels each step's output with the weight version in force, so every token of a `Completion` carries the
-   version that sampled it, and the replica that sampled it (`Completion.replica`). A sequence that straddles an
-   update holds tokens of two (or more) versions. Its KV cache is NOT recomputed (stale KV, as in PipelineRL). New
-   prompts carry a `cache_salt` of the replica's version, so the prefix cache never serves KV computed by older
-   weights to a new request (vLLM can only reset the prefix cache while nothing is running; we reset it when idle).
+The file, in order:
+  the data types       GeneratorConfig, Completion, Group, the errors
+  the staleness rule   admission_allowed, off_policy_problems, should_admit, mandatory_count, plan_batch, lag_stats
+  the scheduler        _Scheduler, in the generator process, made of parts named for what they hold: _DataStream
+                       (prompts in), _ReplicaPool (replica bookkeeping), _ReplicaFaults (a replica's death),
+                       _Admission, _Rewards (completions out), _BatchChoice
+  the handle           Generator, the learner's side
+  the join command     main: `python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`
+Behind it, vllm_replica.py, the replica runtime (a reader of the recipe may skip it): what runs inside vLLM's
+processes, the weight transport, the replica process, the handshake, the join command's body.
 
-2. Bounded staleness, the exact rule, over all replicas at once. V = the learner version = the number of
-   optimizer steps done; the learner calls `get_batch(num_groups, V)` before step V+1 and `update_weights(...,
-   V+1)` after it. A token sampled with weights version v has lag V - v. Guarantee: `get_batch(n, V)` never returns
-   a group that has a loss-masked token with lag > k (k = max_off_policy), i.e. it returns only groups with
-   min_version >= V - k. To keep the learner from having to drop anything, the scheduler throttles admission and
-   the batch is chosen earliest-deadline-first:
-   - a group admitted to a replica that holds version g gets the deadline D = g + k (its tokens are all >= g, so
-     it is usable up to learner version D);
-   - admission rule: with U groups admitted and not yet consumed (on all replicas), a new group is admitted only if
-     U + 1 <= (g + k - V_next + 1) * B, where V_next is the learner version of the next get_batch call and B the
-     groups consumed per learner step (learned from the get_batch calls; `groups_per_batch` gives it up front),
-     and only while fewer than `max_concurrent_groups` groups are in flight (by default the replicas' capacities,
-     vLLM's max_num_seqs / group_size each, added up); the group goes to the least-loaded replica;
-   - admission starts with the learner's first get_batch or update_weights (a resumed learner pushes its weights
-     first, so no group is generated with weights it has moved past);
-   - batch choice: with n_j = #(unconsumed groups with D <= V + j), the batch must contain the
-     r = max_j (n_j - j*B)^+ earliest-deadline groups (the learner waits for them if they are still being
-     generated), and is filled with the ready groups of earliest deadline.
-   The admission rule keeps n_j <= (j+1)*B, so r <= B and, by the usual earliest-deadline-first argument, every
-   group is consumed by its deadline as long as the learner consumes B groups per step and does at most one step
-   per get_batch call. The learner then WAITS (counted in `wait_s`) instead of dropping. If a group ever does arrive
-   too stale (the learner consumed fewer groups per step than announced, or pushed no weights for k steps), it is
-   dropped, counted in `stale_dropped`, and its prompt is generated again with fresh weights, so no data index is
-   lost. Tests prove lag <= k and stale_dropped == 0 with a slow learner, with a slow generator, and with two
-   replicas of which one is slower.
-   Freshness: the buffer limit (`buffer_steps`, b). k is a guarantee, not a target: a generator faster than the
-   learner would fill the k steps of room the admission rule leaves, and every batch would be trained at lag ~k.
-   So while the learner is fed, a new group is admitted only if U + 1 <= b * B as well (at most b learner steps'
-   worth of groups admitted ahead of the learner's next request): with b = 1 the generator samples the next batch
-   while the learner trains on this one, and the lag stays near 1 however fast the generator is. When the learner
-   is starved (blocked in get_batch with fewer finished groups than it asked for), generation is the bottleneck
-   and the limit is lifted: the generator fills its engines up to `max_concurrent_groups` and k, so a slow
-   generator loses no throughput and the lag is what its latency requires. The metrics show both: `lag_mean` and
-   `buffer_depth_steps` (finished groups waiting, in learner steps). How this relates to the papers' k: in
-   PipelineRL and ScaleRL, k (ScaleRL: 8; PipelineRL's code counts it in samples) is the only limit, and the
-   trainers wait when they get k steps ahead; at their scale generation dominates, so the realised lag is set by
-   generation latency, far below k. On one CPU whose generator outruns its learner, k alone lets the lag reach k
-   (8 steps at lr 1e-4 moved the tiny policy enough to make runs swing); the buffer restores the regime those
-   papers ran in. `buffer_steps=None` (or >= k + 1) gives the k-only behaviour.
-   Synchronous mode (`mode="sync"`): get_batch generates exactly num_groups fresh groups with the current weights
-   (all lag 0), the conventional RL loop; PPO-off-policy-k is that with a k-times larger batch split by train.py.
-
-3. Interruption-based length control (ScaleRL). Each completion draws a think budget b uniformly in `think_budget`.
-   A vLLM logits processor (`InterruptionLogitsProcessor`, running inside the engine) watches the completion: if
-   `</think>` has not appeared in its first b tokens, it forces the tokens of `task.interruption_phrase` (which ends
-   in `</think>`) at positions b, b+1, ...; the model then writes its answer, with at most
-   `answer_budget` tokens after the phrase (max_tokens = b + len(phrase) + answer_budget, capped by `max_tokens`).
-   Forced tokens have loss_mask False and sampler logprob 0.0 (probability 1 after the processor); their version is
-   the one in force. No request is aborted or re-submitted. With `interruptions=False`, plain max_tokens truncation.
-
-4. Sampler logprobs are the probabilities the sampler used, after temperature: `logprobs_mode="processed_logprobs"`.
-   A learner that divides its logits by the same temperature recomputes them (float32: to ~1e-6 here).
-
-5. FP32 LM head. With float32 weights (CPU) it is automatic. With bf16/fp16 weights, `fp32_lm_head=True` passes
-   vLLM's `hf_overrides={"head_dtype": "float32"}`: the last projection runs in float32 (bf16 hidden state and
-   weight upcast, fp32 accumulation and logits). The learner must do the same: keep `lm_head` out of the bf16
-   mixed-precision policy (FSDP2: `fully_shard(model.lm_head, mp_policy=MixedPrecisionPolicy(param_dtype=float32))`
-   or compute `F.linear(hidden.float(), lm_head.weight.float())`), then divide by the temperature.
-
-6. Placement. `replicas` engines on this node. On CPU (the tested path) they share the machine with the learner.
-   On GPU, `gen_devices="2,3,4,5,6,7"` with `tensor_parallel_size=2` gives three replicas of two GPUs each
-   (CUDA_VISIBLE_DEVICES per replica, vLLM's own TP inside it); the learner's ranks use the other devices
-   (`split_devices`, `replica_devices`). Replicas on other nodes: the learner listens on `listen` (HOST:PORT, an
-   address the other nodes reach) and waits for `remote_replicas` of them; on each generator node one command
-   starts them (the run's engine settings come over the connection, so only where and how many is given):
-
-       python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE [--replicas N] [--gen-devices 0,1,...]
-                                     [--tensor-parallel-size T] [--model PATH-ON-THIS-NODE]
-
-   A replica that dies mid-run can be started again with the same command; it takes the free place, receives the
-   current weights with the next update and only then gets prompts. `Generator.start()` fails after
-   `join_timeout` seconds naming each replica that never came, with the command that starts it.
-
-7. Lifecycle and faults. The generator process runs in a session of its own (Ctrl-C reaches only the learner, which
-   then closes it) and dies with the learner (PR_SET_PDEATHSIG); its local replicas die with it. A replica that
-   dies (its process, or a vLLM process of its own: each replica watches them) is named in a line on stderr and in
-   the next batch's stats (`replica_deaths`); its unfinished completions are generated again on the others, so no
-   data index is lost and none is trained twice, and a weight group it held is dropped. When the last replica is
-   gone, or the generator process itself dies, the learner gets `GeneratorError` within a fraction of a second,
-   never a hang. A replica whose weight broadcast fails is taken out the same way: it may hold half an update.
-
-8. Who may connect. Every replica, local ones included, connects over TCP to `listen` and must answer an HMAC
-   challenge on the shared secret (`secret`, multiprocessing.connection's handshake) in both directions; a
-   connection that fails it, or says nothing within 10 s, is refused, named in a log line (and in the stats'
-   `replica_connections_refused`), and changes nothing else. The listening socket binds only the address in
-   `listen` (127.0.0.1 by default). The weight groups rendezvous through a torch.distributed TCPStore that the
-   learner hosts: PyTorch's TCPStore listens on every interface and has no authentication (torchrun's own store
-   too); the project cannot change that. Its keys sit under a random 128-bit prefix sent only over the
-   authenticated connection, so a stranger cannot join a group, and gloo's own sockets bind the named address.
+The design in full (sections 1-8: in-flight updates, the staleness rule and why it drops nothing, interruptions,
+sampler logprobs, the FP32 LM head, placement, faults, who may connect): docs/pipeline.md, "The generator's design
+in full".
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import collections
-import ctypes
-import logging
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
-import queue
 import random
 import secrets
-import shutil
 import signal
-import socket
-import struct
 import sys
-import tempfile
-import threading
 import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
 import tasks
 from tasks import Problem, Task
+import vllm_replica
+from vllm_replica import _DTYPES, parse_address  # GeneratorConfig checks its listen and dtype with them
 
 # --------------------------------------------------------------------------------------------------------------
 # Public data types
 # --------------------------------------------------------------------------------------------------------------
-
-
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
 
 @dataclass
@@ -381,6 +271,25 @@ def admission_allowed(unconsumed: int, gen_version: int, next_learner_version: i
     return unconsumed + 1 <= steps_left * max(1, groups_per_step)
 
 
+def off_policy_problems(mode: str, k: int) -> list[str]:
+    """What is wrong with k = --max-off-policy (GeneratorConfig.max_off_policy) in `mode`; [] when nothing is.
+    The one place where k's meaning in each mode is stated and checked:
+
+    - pipeline: the hard bound on a loss-masked token's lag, learner version minus the version of the weights that
+      sampled it (`admission_allowed`, `plan_batch`). k >= 0; k = 0 is on-policy: every token trained on was
+      sampled with the learner's current weights. (ScaleRL: 8.)
+    - sync: the optimizer steps per generation round, PPO-off-policy-k: one round of fresh groups is split into k
+      steps, so the last step trains on tokens k - 1 steps old. k >= 1; k = 1 is on-policy.
+    """
+    if mode == "pipeline" and k < 0:
+        return [f"--max-off-policy {k}: in pipeline mode it bounds a token's lag in optimizer steps and must be >= 0 "
+                "(0: on-policy)"]
+    if mode == "sync" and k < 1:
+        return [f"--max-off-policy {k}: in sync mode it is the optimizer steps per generation round "
+                "(PPO-off-policy-k) and must be >= 1 (1: on-policy)"]
+    return []
+
+
 def should_admit(*, unconsumed: int, in_flight: int, max_in_flight: int, gen_version: int,
                  next_learner_version: int, k: int, groups_per_step: int, waiting_for: int = 0,
                  buffer_steps: int | None = None, learner_starved: bool = False) -> bool:
@@ -464,46 +373,9 @@ def lag_stats(groups: list[Group], learner_version: int) -> dict[str, Any]:
     }
 
 
-def find_subsequence_end(ids: list[int], pattern: list[int], start: int = 0, stop: int | None = None) -> int | None:
-    """Index just past the first occurrence of `pattern` in ids[start:stop], or None."""
-    stop = len(ids) if stop is None else min(stop, len(ids))
-    n = len(pattern)
-    for end in range(max(start, 0) + n, stop + 1):
-        if ids[end - n : end] == pattern:
-            return end
-    return None
-
-
-def interruption_start(token_ids: list[int], budget: int, close_ids: list[int]) -> int | None:
-    """Where the interruption phrase was forced (== budget), or None: the same rule the logits processor applies.
-    The phrase is forced iff the completion reached `budget` tokens without `</think>` in its first `budget`."""
-    if len(token_ids) <= budget:
-        return None
-    if find_subsequence_end(token_ids, close_ids, 0, budget) is not None:
-        return None
-    return budget
-
-
 def pick_replica(loads: Mapping[int, int]) -> int | None:
     """The least-loaded replica (fewest groups in flight; the lowest id among equals), or None if there is none."""
     return min(loads, key=lambda r: (loads[r], r)) if loads else None
-
-
-def parse_address(text: str) -> tuple[str, int]:
-    """'HOST:PORT' (IPv6: '[::1]:PORT') -> (HOST, PORT)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
-
-
-def replica_devices(gen_ids: list[int], tensor_parallel_size: int) -> list[list[int]]:
-    """The devices of each local replica: gen_ids in consecutive runs of tensor_parallel_size ('0,1,2,3' with TP 2:
-    [[0, 1], [2, 3]]); refused when they do not split evenly."""
-    tp = tensor_parallel_size
-    if tp < 1 or not gen_ids or len(gen_ids) % tp:
-        raise ValueError(f"{len(gen_ids)} generator devices do not split into replicas of tensor_parallel_size {tp}")
-    return [gen_ids[i: i + tp] for i in range(0, len(gen_ids), tp)]
 
 
 def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int], list[int]]:
@@ -515,750 +387,9 @@ def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int],
         raise ValueError(f"gen_devices {bad} out of range for {num_devices} devices")
     learner = [d for d in range(num_devices) if d not in gen]
     return (learner or list(range(num_devices))), gen
-
-
 # --------------------------------------------------------------------------------------------------------------
-# Code that runs inside vLLM's processes: the interruption logits processor and the weight-sync worker extension
-# --------------------------------------------------------------------------------------------------------------
-
-_INTERRUPT_KEY = "scalerl_interrupt"
-
-class _ForcePhrase:
-    """Per-request state: force `phrase` at position `budget` unless `close` appeared in the first `budget` tokens."""
-
-    def __init__(self, budget: int, phrase: list[int], close: list[int]):
-        self.budget, self.phrase, self.close = budget, phrase, close
-        self.done = False
-        self.scanned = 0  # output tokens already scanned for `close`
-
-    def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-        if self.done:
-            return logits
-        n = len(output_ids)
-        limit = min(n, self.budget)
-        if self.scanned < limit:
-            if find_subsequence_end(output_ids, self.close, self.scanned - len(self.close) + 1, limit) is not None:
-                self.done = True  # the model closed its thinking itself
-                return logits
-            self.scanned = limit
-        i = n - self.budget
-        if i < 0:
-            return logits
-        if i >= len(self.phrase):
-            self.done = True
-            return logits
-        forced = self.phrase[i]
-        logits.fill_(float("-inf"))
-        logits[forced] = 0.0
-        return logits
-
-
-def _interruption_processor_class() -> type:
-    """Build the vLLM logits processor class on first use, so that importing this module (in every learner rank)
-    does not import vLLM. vLLM loads it as "pipeline_rl:InterruptionLogitsProcessor" (module __getattr__ below)."""
-    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
-
-    class InterruptionLogitsProcessor(AdapterLogitsProcessor):
-        """vLLM v1 logits processor for ScaleRL's interruptions; active on requests whose SamplingParams.extra_args
-        carry {"scalerl_interrupt": {"budget": b, "phrase": [...], "close": [...]}}."""
-
-        def is_argmax_invariant(self) -> bool:
-            return False
-
-        def new_req_logits_processor(self, params: Any) -> Any:
-            spec = (params.extra_args or {}).get(_INTERRUPT_KEY)
-            if not spec:
-                return None
-            return _ForcePhrase(int(spec["budget"]), list(spec["phrase"]), list(spec["close"]))
-
-    InterruptionLogitsProcessor.__module__ = __name__
-    InterruptionLogitsProcessor.__qualname__ = "InterruptionLogitsProcessor"
-    return InterruptionLogitsProcessor
-
-
-_SLOWDOWN_ENV = "SCALERL_DEBUG_GEN_SLOWDOWN"  # GeneratorConfig.debug_slowdown, read inside vLLM's worker
-
-
-def _slowdown_processor_class() -> type:
-    """A vLLM logits processor that changes no logit and sleeps (x - 1) times the duration of each engine step,
-    so that the engine itself (not just our reading of its outputs: vLLM's EngineCore runs in its own process)
-    runs x times slower. The debug knob behind GeneratorConfig.debug_slowdown."""
-    from vllm.v1.sample.logits_processor import LogitsProcessor
-
-    class SlowdownLogitsProcessor(LogitsProcessor):
-        def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool):
-            self.factor = float(os.environ.get(_SLOWDOWN_ENV, "1"))
-            self.last_step_end: float | None = None
-
-        def is_argmax_invariant(self) -> bool:
-            return False  # keep vLLM from skipping it
-
-        def update_state(self, batch_update: Any) -> None:
-            pass
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            now = time.perf_counter()
-            # the time since the previous step ended is this step's work; a longer gap is an idle engine
-            if self.last_step_end is not None and now - self.last_step_end < 1.0 and self.factor > 1:
-                time.sleep((self.factor - 1) * (now - self.last_step_end))
-            self.last_step_end = time.perf_counter()
-            return logits
-
-    SlowdownLogitsProcessor.__module__ = __name__
-    SlowdownLogitsProcessor.__qualname__ = "SlowdownLogitsProcessor"
-    return SlowdownLogitsProcessor
-
-
-_LAZY_CLASSES = {"InterruptionLogitsProcessor": _interruption_processor_class,
-                 "SlowdownLogitsProcessor": _slowdown_processor_class}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY_CLASSES:
-        cls = _LAZY_CLASSES[name]()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class _RotaryCacheFilter:
-    """logging filter: drops vLLM's reload warnings about RotaryEmbedding, whose buffer is not a checkpoint weight,
-    and about a tied ParallelLMHead, which has no weight of its own to load (_scalerl_refresh_tied_head)."""
-
-    def filter(self, record: Any) -> bool:
-        return not (record.msg == "%s: Failed to load weights"
-                    and record.args in (("RotaryEmbedding",), ("ParallelLMHead",)))
-
-
-def weight_tensors(state_dict: Mapping[str, Any], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
-    """The tensors of a full HF-named state dict as the generator loads them: CPU, contiguous, floats in `dtype`,
-    wrapper prefixes stripped. An untied model must include lm_head.weight (else vLLM keeps a stale head); a tied
-    one leaves it out: it is the embedding itself, which vLLM loads (skipping the alias), and safetensors refuses
-    two names for one storage, as a tied learner's state dict has them."""
-    tensors: dict[str, torch.Tensor] = {}
-    for name, value in state_dict.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        if hasattr(value, "full_tensor"):
-            raise ValueError(f"{name} is a sharded DTensor: pass a full state dict (FSDP2: get_model_state_dict("
-                             "model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))")
-        for prefix in ("_orig_mod.", "module."):
-            while name.startswith(prefix):
-                name = name[len(prefix):]
-        t = value.detach()
-        if t.dtype.is_floating_point and t.dtype != dtype:
-            t = t.to(dtype)
-        tensors[name] = t.to("cpu").contiguous()
-    if tied:
-        tensors.pop("lm_head.weight", None)
-    elif "lm_head.weight" not in tensors:
-        raise ValueError("state dict has no lm_head.weight: vLLM would keep a stale LM head (send it always)")
-    return tensors
-
-
-class WeightSyncExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`); reached through `LLM.collective_rpc`."""
-
-    def _scalerl_quiet_reload(self) -> None:
-        # vLLM warns "RotaryEmbedding: Failed to load weights" at every reload: its cos/sin cache is computed, not
-        # a checkpoint weight, and vLLM keeps it. Drop that one message (once per worker), keep every other.
-        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        if not any(isinstance(f, _RotaryCacheFilter) for f in reload_log.filters):
-            reload_log.addFilter(_RotaryCacheFilter())
-
-    def _scalerl_refresh_tied_head(self) -> None:
-        # A tied LM head (SmolLM2's) shares the embedding's weight, and a tied state dict sends no lm_head.weight.
-        # vLLM's layerwise reload updates the shared weight in place but, having loaded nothing into the head,
-        # does not process the head again: on CPU its GEMM keeps the weight packed from the old values, and the
-        # sampler would score every later token with the base model's head (on SmolLM2 a max |log-ratio| of 0.01
-        # after a 1e-3 nudge to the embedding; 0.02-0.05 after a few steps at lr 3e-5). Pack it again.
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-            return
-        head = getattr(model, "lm_head", None)
-        method = getattr(head, "quant_method", None)
-        if method is None:
-            raise RuntimeError(f"{type(model).__name__} ties its LM head but has no lm_head.quant_method: cannot "
-                               "process the head again after a weight reload")
-        method.process_weights_after_loading(head)
-
-    def scalerl_load_weights(self, path: str) -> int:
-        """Reload all weights in place from a safetensors file (HF names, checkpoint format)."""
-        from safetensors import safe_open
-
-        self._scalerl_quiet_reload()
-
-        def weights():
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-
-        self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        self._scalerl_refresh_tied_head()
-        return os.getpid()
-
-    def scalerl_join_weights(self, group: dict) -> int:
-        """Join this replica's weight group with the learner: rank 1 + this worker's tensor-parallel rank."""
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        self._scalerl_group = None  # a group of an earlier update is gone: drop it before forming the next one
-        self._scalerl_group = open_weight_group(group, 1 + get_tensor_model_parallel_rank())
-        return os.getpid()
-
-    def scalerl_receive_weights(self, manifest: list[list[tuple]]) -> int:
-        """Receive the buckets of `manifest` from the learner (rank 0 of the weight group) and reload every weight
-        in place, one bucket at a time: vLLM's reload_weights takes them as an iterator."""
-        group = getattr(self, "_scalerl_group", None)
-        if group is None:
-            raise RuntimeError("no weight group: the learner's join did not reach this worker")
-        self._scalerl_quiet_reload()
-
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for bucket in manifest:
-                buffer = torch.empty(bucket_nbytes(bucket), dtype=torch.uint8, device=group.device)
-                group.broadcast(buffer).wait()
-                yield from unpack_bucket(buffer, bucket)
-
-        self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        self._scalerl_refresh_tied_head()
-        return os.getpid()
-
-    def scalerl_head_info(self) -> dict:
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        head = getattr(model, "lm_head", None)
-        lp = getattr(model, "logits_processor", None)
-        return {"weight_dtype": str(getattr(getattr(head, "weight", None), "dtype", None)),
-                "head_dtype": str(getattr(lp, "head_dtype", None))}
-
-    def scalerl_param_checksum(self, name: str) -> float:
-        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
-        return float(params[name].detach().double().sum())
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Weights from the learner to the replicas: buckets over a torch.distributed group per replica (gloo or NCCL)
-# --------------------------------------------------------------------------------------------------------------
-
-_ALIGN = 16  # byte alignment of each tensor in a bucket, so that every slice can be viewed as its dtype
-
-
-def weight_manifest(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple]]:
-    """The buckets of a broadcast: lists of (name, dtype, shape, offset, nbytes), each bucket at most
-    `bucket_bytes` (a larger tensor gets a bucket of its own), in the tensors' order."""
-    buckets: list[list[tuple]] = [[]]
-    offset = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if buckets[-1] and offset + nbytes > bucket_bytes:
-            buckets.append([])
-            offset = 0
-        buckets[-1].append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    return [b for b in buckets if b]
-
-
-def bucket_nbytes(bucket: list[tuple]) -> int:
-    _, _, _, offset, nbytes = bucket[-1]
-    return offset + nbytes
-
-
-def pack_bucket(tensors: Mapping[str, torch.Tensor], bucket: list[tuple], device: Any = "cpu") -> torch.Tensor:
-    """One bucket's tensors as one flat uint8 tensor on `device` (the group's: the GPU for NCCL)."""
-    buffer = torch.zeros(bucket_nbytes(bucket), dtype=torch.uint8, device=device)
-    for name, _, _, offset, nbytes in bucket:
-        buffer[offset: offset + nbytes].copy_(tensors[name].reshape(-1).view(torch.uint8), non_blocking=True)
-    return buffer
-
-
-def unpack_bucket(buffer: torch.Tensor, bucket: list[tuple]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) views into a received bucket, in its order."""
-    for name, dtype, shape, offset, nbytes in bucket:
-        yield name, buffer[offset: offset + nbytes].view(getattr(torch, dtype)).view(shape)
-
-
-def open_weight_group(group: dict, rank: int, store: Any = None) -> Any:
-    """Rank `rank` of a weight group: the learner is rank 0 and a replica's workers the others. The group
-    rendezvouses through the learner's TCPStore under its random prefix; gloo (CPU) binds group["bind_host"], the
-    address this member is reached at; NCCL (GPU) uses the current CUDA device. One function for both sides and
-    both backends: the process group object is all a broadcast needs, no default group is involved."""
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=group["timeout_s"])
-    if store is None:
-        store = dist.TCPStore(group["store_host"], group["store_port"], is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(group["prefix"], store)
-    if group["backend"] == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=group["bind_host"])]
-        pg = dist.ProcessGroupGloo(prefixed, rank, group["world"], options)
-    else:
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        # A replica that dies mid-broadcast must fail its own group, not take the learner down: with PyTorch's
-        # default (3), NCCL's watchdog ends the whole process on a timeout; 2 aborts the group's communicator only.
-        # The setting is read when a group is made. (Not yet tried on a machine with several GPUs.)
-        previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-        try:
-            pg = dist.ProcessGroupNCCL(prefixed, rank, group["world"], options)
-        finally:
-            if previous is None:
-                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-            else:
-                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = previous
-    return WeightGroup(pg, group["backend"])
-
-
-@dataclass
-class WeightGroup:
-    """One replica's weight group, as one of its members holds it."""
-
-    pg: Any  # the torch.distributed process group (gloo or NCCL)
-    backend: str
-
-    @property
-    def device(self) -> torch.device:
-        """Where its tensors must be: this process's GPU for NCCL, the CPU for gloo."""
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-
-    def broadcast(self, buffer: torch.Tensor) -> Any:
-        """Start broadcasting `buffer` from rank 0 (the learner); returns the work to wait() on. On NCCL, later
-        work on the current stream waits for it."""
-        import torch.distributed as dist
-
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        return self.pg.broadcast([buffer], options)
-
-
-class WeightSender:
-    """The learner's side of the weight groups: it hosts their TCPStore and is rank 0 of each replica's group."""
-
-    def __init__(self, host: str, backend: str, timeout_s: float):
-        import torch.distributed as dist
-
-        self.host, self.backend, self.timeout_s = host, backend, timeout_s
-        # PyTorch's TCPStore listens on every interface (no choice is offered); see section 8 of the docstring
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s))
-        self.groups: dict[int, WeightGroup] = {}  # replica id -> its group
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.host, self.store.port
-
-    def join(self, replica: int, group: dict) -> None:
-        """Form replica `replica`'s group (blocks until its workers join; a failure raises)."""
-        self.groups.pop(replica, None)
-        self.groups[replica] = open_weight_group({**group, "bind_host": self.host}, 0, store=self.store)
-
-    def drop(self, replica: int) -> None:
-        self.groups.pop(replica, None)
-
-    def send(self, tensors: Mapping[str, torch.Tensor], manifest: list[list[tuple]], replicas: list[int]
-             ) -> dict[int, str]:
-        """Broadcast every bucket to the groups of `replicas`, to all groups at once, one bucket at a time.
-        Returns {replica: error} for the groups that failed (dropped; the others carry on)."""
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        failed: dict[int, str] = {r: "no weight group" for r in replicas if r not in self.groups}
-        live = [r for r in replicas if r in self.groups]
-        for bucket in manifest:
-            buffer = pack_bucket(tensors, bucket, device)
-            works = {}
-            for r in live:
-                try:
-                    works[r] = self.groups[r].broadcast(buffer)
-                except Exception as e:
-                    failed[r] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            for r, work in works.items():
-                try:
-                    work.wait()
-                except Exception as e:
-                    failed[r] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            for r in failed:
-                self.drop(r)
-            live = [r for r in live if r not in failed]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        return failed
-
-# --------------------------------------------------------------------------------------------------------------
-# A replica: one vLLM engine in a process of its own, on this node or another
-# --------------------------------------------------------------------------------------------------------------
-
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
-                  "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-                  "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
-
-
-def vllm_engine_kwargs(cfg: GeneratorConfig, replica: int = 0) -> dict[str, Any]:
-    """The arguments of replica `replica`'s `vllm.LLM` (each replica samples with a seed of its own)."""
-    on_gpu = cfg.gen_devices is not None
-    kwargs: dict[str, Any] = dict(
-        model=cfg.model, dtype=cfg.dtype, seed=cfg.seed + 7919 * replica, max_model_len=cfg.max_model_len,
-        enforce_eager=(not on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
-        logprobs_mode="processed_logprobs",  # logprobs after temperature: what the sampler really used
-        worker_extension_cls=f"{__name__}.WeightSyncExtension",
-        tensor_parallel_size=cfg.tensor_parallel_size, disable_log_stats=True, enable_prefix_caching=True,
-    )
-    if cfg.interruptions:
-        kwargs["logits_processors"] = [f"{__name__}:InterruptionLogitsProcessor"]
-    if cfg.slowdown_of(replica) > 1:  # the factor reaches vLLM's worker through the environment (_replica_main)
-        kwargs["logits_processors"] = kwargs.get("logits_processors", []) + [f"{__name__}:SlowdownLogitsProcessor"]
-    if cfg.fp32_lm_head and _DTYPES.get(cfg.dtype, torch.float32) != torch.float32:
-        kwargs["hf_overrides"] = {"head_dtype": "float32"}  # lm_head matmul and logits in float32
-    if on_gpu:
-        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-    if cfg.max_num_seqs:
-        kwargs["max_num_seqs"] = cfg.max_num_seqs
-    return kwargs
-
-
-def sampled_output(out: Any, version: int) -> dict[str, Any]:
-    """What a replica sends back of one finished vLLM request: its tokens, the sampler's logprob of each, the
-    weight version that sampled each (vLLM's spans; `version` where it gives none), its text and finish reason."""
-    c = out.outputs[0]
-    token_ids = list(c.token_ids)
-    n = len(token_ids)
-    logprobs = [0.0] * n
-    lps = c.logprobs
-    if lps is not None and hasattr(lps, "start_indices"):  # FlatLogprobs: the sampled token comes first
-        for i, s in enumerate(lps.start_indices[:n]):
-            if lps.token_ids[s] != token_ids[i]:
-                raise RuntimeError("logprobs out of step with the sampled tokens")
-            logprobs[i] = float(lps.logprobs[s])
-    elif lps is not None:
-        for i, (tok, entry) in enumerate(zip(token_ids, lps)):
-            logprobs[i] = float(entry[tok].logprob)
-    versions = [version] * n
-    for span in c.weight_versions or []:
-        for i in range(span.start, min(span.end, n)):
-            versions[i] = int(span.version)
-    return {"rid": out.request_id, "token_ids": token_ids, "logprobs": logprobs, "versions": versions,
-            "text": c.text, "finish_reason": str(c.finish_reason)}
-
-
-class _Replica:
-    """Runs in a replica process: one vLLM engine. It takes requests from the scheduler, steps the engine, sends
-    back each finished completion as it comes, and applies weight updates between two engine steps."""
-
-    def __init__(self, conn: Any, replica_id: int, config: GeneratorConfig, version: int | None):
-        self.conn, self.id, self.cfg = conn, replica_id, config
-        self.version = -1 if version is None else version  # -1: not the run's weights yet (a late joiner)
-        self.send_lock = threading.Lock()  # the engine watcher thread sends too
-        self.closing = False
-        self.join_error: str | None = None
-
-    def send(self, msg: tuple) -> None:
-        with self.send_lock:
-            self.conn.send(msg)
-
-    def init_engine(self) -> dict:
-        from vllm import LLM
-
-        self.llm = LLM(**vllm_engine_kwargs(self.cfg, self.id))
-        self.engine = self.llm.llm_engine
-        self.engine.engine_core.set_weight_version(str(self.version))
-        import psutil
-
-        procs = psutil.Process().children(recursive=True)
-        self.vllm_processes = [(p.pid, p.create_time(), p.name()) for p in procs]
-        if self.vllm_processes:  # vLLM's engine core or workers in processes of their own: watch them
-            threading.Thread(target=self.watch_engine, daemon=True).start()
-        return {"pid": os.getpid(), "vllm_processes": self.vllm_processes,
-                "max_num_seqs": self.engine.vllm_config.scheduler_config.max_num_seqs,
-                "head": self.llm.collective_rpc("scalerl_head_info")[0]}
-
-    def dead_vllm_processes(self) -> str | None:
-        """'vLLM process NAME (pid P)' for each of this replica's vLLM processes that has died, or None."""
-        dead = [f"vLLM process {name} (pid {pid})" for pid, created, name in getattr(self, "vllm_processes", [])
-                if (p := _same_process(pid, created)) is None or not _alive(p)]
-        return ", ".join(dead) or None
-
-    def failure(self, error: BaseException) -> str:
-        """What to report of an error: a dead vLLM process first, since vLLM's own error (EngineDeadError) may
-        arrive before the watcher sees the process gone, and the dead process is the cause a user must read."""
-        dead = self.dead_vllm_processes()
-        return (f"{dead} died; " if dead else "") + f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
-
-    def watch_engine(self) -> None:
-        """A vLLM process of this replica died: engine.step() would wait for its outputs forever, so report it
-        and exit; the scheduler then moves this replica's work to the others."""
-        while not self.closing:
-            dead = self.dead_vllm_processes()
-            if dead and not self.closing:
-                try:
-                    self.send(("error", f"{dead} died"))
-                finally:
-                    os._exit(70)
-            time.sleep(0.2)
-
-    def run(self) -> None:
-        busy_s = 0.0  # engine time since the last message: sent with the next finished completions
-        while not self.closing:
-            busy = self.engine.has_unfinished_requests()
-            while self.conn.poll(0.0 if busy else 0.2):
-                try:
-                    msg = self.conn.recv()
-                except EOFError:  # the scheduler is gone
-                    self.closing = True
-                    return
-                self.handle(msg)
-                busy = True  # handle the rest of the queue before the next step, without waiting
-                if self.closing:
-                    return
-            if self.engine.has_unfinished_requests():
-                t0 = time.perf_counter()
-                outputs = self.engine.step()
-                busy_s += time.perf_counter() - t0
-                done = [sampled_output(out, self.version) for out in outputs if out.finished]
-                if done:
-                    self.send(("outputs", done, busy_s))
-                    busy_s = 0.0
-
-    def handle(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "add":
-            for rid, prompt_ids, salt, spec in msg[1]:
-                self.engine.add_request(rid, {"prompt_token_ids": prompt_ids, "cache_salt": salt},
-                                        self.sampling_params(spec))
-        elif kind == "join":
-            try:
-                self.llm.collective_rpc("scalerl_join_weights", args=(msg[1],))
-                self.join_error = None
-            except Exception as e:  # reported with the update that follows
-                self.join_error = f"joining its weight group failed: {type(e).__name__}: {e}"
-        elif kind == "update":
-            _, version, transport = msg
-            try:
-                seconds = self.apply_update(version, transport)
-            except Exception as e:  # half an update may be in: the scheduler takes this replica out
-                self.send(("update_failed", version, f"{type(e).__name__}: {str(e)[:500]}"))
-            else:
-                self.send(("updated", version, seconds))
-        elif kind == "debug":
-            what = msg[1]
-            value = self.llm.collective_rpc("scalerl_param_checksum", args=(what.split(":", 1)[1],))[0] \
-                if what.startswith("checksum:") else None
-            self.send(("debug", value))
-        elif kind == "close":
-            self.closing = True
-        else:
-            raise ValueError(f"unknown command {kind!r}")
-
-    def sampling_params(self, spec: dict) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        extra = {_INTERRUPT_KEY: spec["interrupt"]} if spec.get("interrupt") else None
-        return SamplingParams(temperature=spec["temperature"], top_p=1.0, top_k=0, max_tokens=spec["max_tokens"],
-                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra)
-
-    def apply_update(self, version: int, transport: dict) -> float:
-        if self.join_error:
-            raise RuntimeError(self.join_error)
-        t0 = time.perf_counter()
-        core = self.engine.engine_core
-        # An engine core in its own process steps on its own: pause it so that no step runs until resume and the
-        # version labels stay exact. In this process it steps only when run() calls engine.step(), not now.
-        in_process = not hasattr(core, "call_utility")
-        if not in_process:
-            core.call_utility("pause_scheduler", "keep", False)
-        try:
-            if transport["kind"] == "file":
-                self.llm.collective_rpc("scalerl_load_weights", args=(transport["path"],))
-            else:
-                self.llm.collective_rpc("scalerl_receive_weights", args=(transport["manifest"],))
-            if not self.engine.has_unfinished_requests():
-                self.engine.reset_prefix_cache()  # only possible while nothing runs; else the cache salt protects
-            core.set_weight_version(str(version))
-            self.version = version
-        finally:
-            if not in_process:
-                core.call_utility("resume_scheduler")
-        return time.perf_counter() - t0
-
-    def shutdown(self) -> None:
-        self.closing = True
-        llm = getattr(self, "llm", None)
-        if llm is not None:
-            try:
-                llm.llm_engine.engine_core.shutdown(timeout=1.0)  # SIGTERM, then kill after 1 s
-            except Exception:
-                pass
-
-
-def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
-    """Ask Linux to send `sig` to this process when its parent dies (a no-op where prctl is missing)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(sig))  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def _exit_on_sigterm() -> None:
-    """SIGTERM ends the process through its `finally` blocks; a second one is ignored, so that the shutdown they
-    run (closing the replicas) is not cut short by it (the learner's close() escalates to SIGKILL anyway)."""
-    def on_term(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, on_term)
-
-
-def _replica_main(address: str, secret: bytes, local_id: int | None, devices: list[int] | None,
-                  parent_pid: int | None, model: str | None = None, tensor_parallel_size: int | None = None,
-                  connect_timeout: float = 60.0) -> None:
-    """Entry point of a replica process: connect to the scheduler at `address`, prove the secret, start the engine
-    with the run's settings (which come over the connection) and serve. `local_id`: the place of a replica the
-    generator process started itself; None for one that joined with `python pipeline_rl.py replica`."""
-    if parent_pid is not None:  # started by the generator process (or the join command): die with it. SIGKILL, since
-        # a replica blocked in a weight broadcast (C code) would not see a SIGTERM before the group's timeout
-        set_parent_death_signal(signal.SIGKILL)
-        if os.getppid() != parent_pid:
-            return
-    _exit_on_sigterm()
-    for var in _TORCHRUN_VARS:  # a vLLM started under torchrun must not see the learner's process group
-        os.environ.pop(var, None)
-    if devices is not None:  # before anything touches CUDA
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-    else:
-        tasks.set_vllm_cpu_env()
-    conn, bind_host = connect_to_generator(address, secret, connect_timeout)
-    replica = None
-    try:
-        conn.send(("hello", {"pid": os.getpid(), "local_id": local_id, "node": socket.gethostname(),
-                             "bind_host": bind_host, "devices": devices,
-                             "tensor_parallel_size": tensor_parallel_size}))
-        msg = conn.recv()
-        if msg[0] == "refused":
-            print(f"[replica] the generator at {address} refused this replica: {msg[1]}", file=sys.stderr, flush=True)
-            return
-        _, config, replica_id, version = msg
-        overrides = {k: v for k, v in (("model", model), ("tensor_parallel_size", tensor_parallel_size)) if v}
-        config = GeneratorConfig(**{**config.__dict__, **overrides})
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
-        os.environ[_SLOWDOWN_ENV] = str(config.slowdown_of(replica_id))
-        engine_process = config.gen_devices is not None if config.engine_process is None else config.engine_process
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
-        if devices is None and config.num_threads:  # before vLLM's CPU worker starts: it refuses it afterwards
-            torch.set_num_threads(config.num_threads)
-        replica = _Replica(conn, replica_id, config, version)
-        info = replica.init_engine()
-        replica.send(("ready", info))
-        replica.run()
-    except BaseException as e:  # report everything, including SystemExit from SIGTERM
-        try:
-            conn.send(("error", replica.failure(e) if replica is not None else
-                       f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        except Exception:
-            pass
-        if not isinstance(e, (SystemExit, KeyboardInterrupt)):
-            raise
-    finally:
-        if replica is not None:
-            replica.shutdown()
-        try:
-            conn.send(("closed", None))
-        except Exception:
-            pass
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Who may connect: an HMAC challenge on the shared secret, both ways (multiprocessing.connection's handshake)
-# --------------------------------------------------------------------------------------------------------------
-
-HANDSHAKE_S = 10  # a connection that has not proved the secret by then is refused
-
-
-def _set_recv_timeout(owner: Any, seconds: float) -> None:
-    """SO_RCVTIMEO on a socket (0: none): a blocking read then fails instead of waiting forever."""
-    dup = socket.fromfd(owner.fileno(), socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        dup.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
-    finally:
-        dup.close()
-
-
-def connect_to_generator(address: str, secret: bytes, timeout: float) -> tuple[Any, str]:
-    """An authenticated connection to the generator process at HOST:PORT, retried until `timeout` (a replica may
-    be started before the learner), and the local address it leaves from (where this node's workers are reached)."""
-    host, port = parse_address(address)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
-            break
-        except OSError as e:
-            if time.monotonic() >= deadline:
-                raise ConnectionError(f"could not connect to the generator at {address} within {timeout:.0f} s ({e}): "
-                                      "is the learner running and listening there (train.py --gen-listen)?") from None
-            time.sleep(1.0)
-    sock.settimeout(None)
-    bind_host = sock.getsockname()[0]
-    _set_recv_timeout(sock, HANDSHAKE_S)
-    conn = mpc.Connection(sock.detach())
-    try:
-        mpc.answer_challenge(conn, secret)
-        mpc.deliver_challenge(conn, secret)
-    except (mpc.AuthenticationError, OSError, EOFError) as e:
-        conn.close()
-        raise ConnectionRefusedError(f"the generator at {address} refused this replica: wrong secret? ({e})") from None
-    _set_recv_timeout(conn, 0)
-    return conn, bind_host
-
-
-class _ReplicaListener:
-    """The generator process's listening socket: binds exactly `address`; each connection must prove the secret
-    within HANDSHAKE_S seconds (in a thread of its own, so a silent one blocks nothing) or is refused and logged."""
-
-    def __init__(self, address: str, secret: bytes):
-        host, port = parse_address(address)
-        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                         backlog=64)
-        bound = self.sock.getsockname()[1]
-        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
-        self.secret = secret
-        self.accepted: queue.Queue = queue.Queue()  # (connection, (host, port)) that proved the secret
-        self.refused: list[str] = []
-        threading.Thread(target=self._accept_loop, daemon=True, name="scalerl-listener").start()
-
-    def _accept_loop(self) -> None:
-        while True:
-            try:
-                sock, peer = self.sock.accept()
-            except OSError:  # closed
-                return
-            threading.Thread(target=self._handshake, args=(sock, peer), daemon=True).start()
-
-    def _handshake(self, sock: socket.socket, peer: tuple) -> None:
-        _set_recv_timeout(sock, HANDSHAKE_S)
-        conn = mpc.Connection(sock.detach())
-        try:
-            mpc.deliver_challenge(conn, self.secret)
-            mpc.answer_challenge(conn, self.secret)
-        except Exception as e:
-            reason = "wrong secret" if isinstance(e, mpc.AuthenticationError) else \
-                f"no valid handshake within {HANDSHAKE_S} s"
-            line = f"refused a connection from {peer[0]}:{peer[1]}: {reason} ({type(e).__name__}: {e})"
-            self.refused.append(line)
-            print(f"[generator] {line}", file=sys.stderr, flush=True)
-            conn.close()
-            return
-        _set_recv_timeout(conn, 0)
-        self.accepted.put((conn, peer))
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-# --------------------------------------------------------------------------------------------------------------
-# The generator process: one scheduler for all replicas (data stream, admission, batch choice, reward)
+# The generator process: one scheduler for all replicas, in parts named for what they hold: _DataStream,
+# _ReplicaPool (replica bookkeeping), _ReplicaFaults, _Admission, _Rewards, _BatchChoice, then _Scheduler
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -1327,50 +458,38 @@ class _Fatal(RuntimeError):
     """The generator cannot go on, for a reason its message says in full (no traceback needed)."""
 
 
-class _Scheduler:
-    """Runs in the generator process: owns the data stream, the replicas, the throttle and the finished groups."""
+class _DataStream:
+    """Prompts in: the task's train stream from `start`, without the data indices already consumed (a resumed run's
+    `skip`) or the prompts retired (No-Positive-Resampling), and with the prompts of dropped groups first."""
 
-    def __init__(self, conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,
-                 skip_indices: list[int], retired_ids: list[str], version: int, secret: bytes,
-                 store_address: tuple[str, int] | None):
-        self.conn, self.cfg = conn, config
-        self.secret, self.store_address = secret, store_address
-        self.task = _make_task(task_factory)
-        self.data_start, self.skip = data_start, set(skip_indices)
-        self.retired = set(retired_ids)
-        self.version = version
-        self.rng = random.Random(config.seed * 7919 + 17)
-        data_seed = config.seed if config.data_seed is None else config.data_seed
-        self.stream = self.task.train_stream(data_seed, start=data_start)
-        self.requeue: collections.deque[tuple[int, Problem]] = collections.deque()
-        self.groups: dict[int, _GroupState] = {}  # unconsumed training groups (in flight or ready)
-        self.eval_groups: dict[int, _GroupState] = {}
-        self.next_gid = 0
-        self.admit_counter = 0
-        self.stream_admitted = 0
-        self.done_counter = 0
-        self.pending: tuple | None = None  # the learner's outstanding request
-        self.next_learner_version = version
-        self.step_version: int | None = None  # learner version of the current step's get_batch calls
-        self.consumed_this_step = 0
-        self.groups_per_step = config.groups_per_batch or 0
-        self.stale_dropped = 0
-        self.skipped_long_prompts = 0
-        self.reward_errors_total = 0
-        self.tokens_by_replica: collections.Counter[int] = collections.Counter()  # since the last reply
-        self.busy_s_by_replica: collections.Counter[int] = collections.Counter()
-        self.last_reply_time = time.perf_counter()
-        self.deaths: list[str] = []  # since the last reply
-        self.deaths_total = 0
-        self.update: dict | None = None  # the weight update in progress
-        self.debug_wait: dict | None = None
-        self.closing = False
-        self.dirty = False  # something changed since the last batch plan
-        self.started = False  # admission starts with the learner's first get_batch or update_weights
-        self.listener: _ReplicaListener | None = None
+    def __init__(self, task: Task, seed: int, start: int, skip: Iterable[int], retired: Iterable[str]):
+        self.stream = task.train_stream(seed, start=start)
+        self.skip, self.retired = set(skip), set(retired)
+        self.requeue: collections.deque[tuple[int, Problem]] = collections.deque()  # generated again, first
+        self.admitted = 0  # prompts of the stream admitted (a requeued one counts once)
+
+    def next(self) -> tuple[int, Problem]:
+        if self.requeue:
+            return self.requeue.popleft()
+        for _ in range(1_000_000):
+            index, problem = next(self.stream)
+            if index in self.skip or problem.id in self.retired:
+                continue
+            return index, problem
+        raise RuntimeError("no admissible prompt in the last 1,000,000 of the stream (all retired?)")
+
+
+class _ReplicaPool:
+    """Replica bookkeeping, part of _Scheduler: a slot per replica (`self.replicas`), the listener that replicas
+    connect to, their hello and their messages, the loads and capacities admission reads, and their shutdown."""
+
+    def init_replicas(self, config: GeneratorConfig) -> None:
+        """A slot per replica: the local ones (with their devices) first, then the remote places."""
+        self.listener: vllm_replica._ReplicaListener | None = None
         self.new_conns: list[tuple[Any, tuple]] = []  # authenticated, no hello yet
         gen_ids = [int(x) for x in config.gen_devices.split(",") if x.strip()] if config.gen_devices else []
-        devices = replica_devices(gen_ids, config.tensor_parallel_size) if gen_ids else [None] * config.replicas
+        devices = (vllm_replica.replica_devices(gen_ids, config.tensor_parallel_size) if gen_ids
+                   else [None] * config.replicas)
         self.replicas = {i: _ReplicaSlot(i, local=True, devices=devices[i],
                                          tensor_parallel_size=config.tensor_parallel_size)
                          for i in range(config.replicas)}
@@ -1378,19 +497,14 @@ class _Scheduler:
             i = config.replicas + j
             self.replicas[i] = _ReplicaSlot(i, local=False)
 
-    # ---- setup ------------------------------------------------------------------------------------------------
-    def start(self) -> dict:
-        from transformers import AutoTokenizer
-
+    def start_replicas(self) -> None:
+        """Listen, spawn the local replicas and wait until every replica (local and remote) has its engine up."""
         cfg = self.cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        self.phrase_ids = list(self.tokenizer(self.task.interruption_phrase, add_special_tokens=False)["input_ids"])
-        self.close_ids = list(self.tokenizer(tasks.THINK_CLOSE, add_special_tokens=False)["input_ids"])
-        self.listener = _ReplicaListener(cfg.listen, self.secret)
+        self.listener = vllm_replica._ReplicaListener(cfg.listen, self.secret)
         ctx = mp.get_context("spawn")
         for slot in self.replicas.values():
             if slot.local:
-                slot.proc = ctx.Process(target=_replica_main, name=f"scalerl-replica-{slot.id}",
+                slot.proc = ctx.Process(target=vllm_replica._replica_main, name=f"scalerl-replica-{slot.id}",
                                         args=(self.listener.address, self.secret, slot.id, slot.devices, os.getpid()))
                 slot.proc.start()
                 slot.pid = slot.proc.pid
@@ -1406,17 +520,6 @@ class _Scheduler:
                 raise _Fatal(self.missing_message())
         for slot in self.replicas.values():
             slot.version = self.version
-        import psutil
-
-        descendants = []
-        for slot in self.replicas.values():
-            if slot.local:
-                descendants.append((slot.pid, psutil.Process(slot.pid).create_time(), slot.proc.name))
-                descendants += slot.info.get("vllm_processes", [])
-        return {"pid": os.getpid(), "address": self.listener.address, "descendants": descendants,
-                "replicas": [self.describe(s) for s in self.replicas.values()],
-                "max_concurrent_groups": self.max_in_flight(), "phrase_ids": self.phrase_ids,
-                "close_ids": self.close_ids, "head": next(iter(self.replicas.values())).info.get("head")}
 
     def missing_message(self) -> str:
         lines = []
@@ -1445,55 +548,6 @@ class _Scheduler:
 
         return dataclasses.replace(self.cfg, secret=None, replicas=1, remote_replicas=0, listen="127.0.0.1:0")
 
-    # ---- the loop ---------------------------------------------------------------------------------------------
-    def run(self) -> None:
-        busy_s = 0.0  # engine time since the last message: sent with the next finished completions
-        while not self.closing:
-            self.poll(0.2)
-            if self.closing:
-                break
-            self.place_orphans()
-            self.admit()
-            self.try_reply()
-
-    def poll(self, timeout: float) -> None:
-        """Wait up to `timeout` for a message from the learner or any replica, and handle every one that came."""
-        if self.listener is not None:
-            while not self.listener.accepted.empty():
-                self.new_conns.append(self.listener.accepted.get())
-        owners: dict[Any, Any] = {self.conn: "learner"}
-        owners.update({s.conn: s for s in self.replicas.values() if s.conn is not None})
-        owners.update({c: ("new", peer) for c, peer in self.new_conns})
-        try:
-            ready = mpc.wait(list(owners), timeout)
-        except OSError:
-            ready = []
-        for conn in ready:
-            owner = owners[conn]
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):
-                if owner == "learner":
-                    self.closing = True
-                elif isinstance(owner, _ReplicaSlot):
-                    self.on_death(owner, "its connection closed (process killed, or the network broke)")
-                else:
-                    self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
-                continue
-            if owner == "learner":
-                self.handle_learner(msg)
-            elif isinstance(owner, _ReplicaSlot):
-                self.handle_replica(owner, msg)
-            else:
-                self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
-                self.on_hello(conn, owner[1], msg)
-        for s in self.replicas.values():  # a local replica that exited without a word (its connection may linger)
-            if s.local and s.proc is not None and s.state != "dead" and not s.proc.is_alive():
-                if s.conn is not None and s.conn.poll(0):
-                    continue  # its last message first
-                self.on_death(s, f"its process exited with code {s.proc.exitcode}")
-
-    # ---- replicas ---------------------------------------------------------------------------------------------
     def on_hello(self, conn: Any, peer: tuple, msg: tuple) -> None:
         if msg[0] != "hello":
             conn.close()
@@ -1565,6 +619,52 @@ class _Scheduler:
             self.on_death(slot, f"sending to it failed ({type(e).__name__})")
             return False
 
+    def loads(self) -> dict[int, int]:
+        """Groups with a completion in flight on each usable replica."""
+        loads = {s.id: 0 for s in self.replicas.values() if s.usable}
+        for table in (self.groups, self.eval_groups):
+            for state in table.values():
+                for r in {r for c, r in zip(state.completions, state.assigned) if c is None and r is not None}:
+                    if r in loads:
+                        loads[r] += 1
+        return loads
+
+    def max_in_flight(self) -> int:
+        return self.cfg.max_concurrent_groups or max(1, sum(s.capacity for s in self.replicas.values() if s.usable))
+
+    def shutdown(self) -> None:
+        """Close every replica: ask, wait a little, then kill what is left (and its vLLM processes)."""
+        for s in self.replicas.values():
+            if s.conn is not None:
+                try:
+                    s.conn.send(("close",))
+                except (OSError, EOFError, BrokenPipeError):
+                    pass
+        deadline = time.monotonic() + 10
+        for s in self.replicas.values():
+            if s.proc is not None:
+                s.proc.join(max(0.1, deadline - time.monotonic()))
+                if s.proc.is_alive():
+                    s.proc.kill()
+                    s.proc.join(5)
+            if s.local:
+                vllm_replica._kill_processes(s.info.get("vllm_processes", []))
+        if self.listener is not None:
+            self.listener.close()
+
+
+class _ReplicaFaults:
+    """Faults, part of _Scheduler: a replica that dies hands its unfinished completions to the others (or they wait
+    for one), is named in a line and in the next batch's stats; the last one gone stops the generator."""
+
+    def notice_silent_exits(self) -> None:
+        """A local replica whose process exited without a word (its connection may linger) is dead."""
+        for s in self.replicas.values():
+            if s.local and s.proc is not None and s.state != "dead" and not s.proc.is_alive():
+                if s.conn is not None and s.conn.poll(0):
+                    continue  # its last message first
+                self.on_death(s, f"its process exited with code {s.proc.exitcode}")
+
     def on_death(self, slot: _ReplicaSlot, reason: str) -> None:
         """A replica is gone: its unfinished completions go to the others (or wait for one), its weight group is
         dropped, the next batch's stats and a line on stderr name it. The last replica gone stops the generator."""
@@ -1581,7 +681,7 @@ class _Scheduler:
         if slot.proc is not None and slot.proc.is_alive():
             slot.proc.kill()
         if slot.local:  # a remote replica's processes are on its own node
-            _kill_processes(slot.info.get("vllm_processes", []))
+            vllm_replica._kill_processes(slot.info.get("vllm_processes", []))
         moved = 0
         for table in (self.groups, self.eval_groups):
             for state in table.values():
@@ -1608,29 +708,21 @@ class _Scheduler:
         self.finish_debug()
         self.dirty = True
 
-    def loads(self) -> dict[int, int]:
-        """Groups with a completion in flight on each usable replica."""
-        loads = {s.id: 0 for s in self.replicas.values() if s.usable}
-        for table in (self.groups, self.eval_groups):
+    def place_orphans(self) -> None:
+        """Completions of a dead replica go to the least-loaded usable one, as soon as there is one."""
+        loads = self.loads()
+        for table, prefix in ((self.groups, "t"), (self.eval_groups, "e")):
             for state in table.values():
-                for r in {r for c, r in zip(state.completions, state.assigned) if c is None and r is not None}:
-                    if r in loads:
-                        loads[r] += 1
-        return loads
+                lost = [i for i, (c, r) in enumerate(zip(state.completions, state.assigned)) if c is None and r is None]
+                r = pick_replica(loads)
+                if lost and r is not None:
+                    self.submit(state, self.replicas[r], lost, prefix)
+                    loads[r] += 1
 
-    def max_in_flight(self) -> int:
-        return self.cfg.max_concurrent_groups or max(1, sum(s.capacity for s in self.replicas.values() if s.usable))
 
-    # ---- prompts in -------------------------------------------------------------------------------------------
-    def next_problem(self) -> tuple[int, Problem]:
-        if self.requeue:
-            return self.requeue.popleft()
-        for _ in range(1_000_000):
-            index, problem = next(self.stream)
-            if index in self.skip or problem.id in self.retired:
-                continue
-            return index, problem
-        raise RuntimeError("no admissible prompt in the last 1,000,000 of the stream (all retired?)")
+class _Admission:
+    """Admission, part of _Scheduler: new groups from the data stream, admitted under the staleness rule
+    (`should_admit`) to the least-loaded replica, each completion with its think budget."""
 
     def request_spec(self, temperature: float, budget: int | None) -> dict:
         cfg = self.cfg
@@ -1668,15 +760,15 @@ class _Scheduler:
 
     def admit_one(self, replica: _ReplicaSlot | None) -> None:
         while True:
-            fresh = not self.requeue
-            index, problem = self.next_problem()
+            fresh = not self.data.requeue
+            index, problem = self.data.next()
             try:
                 state = self.new_group(problem, index, self.cfg.group_size,
                                        self.version if replica is None else replica.version, self.cfg.temperature)
                 break
             except _RequestError:  # a training prompt too long for max_model_len: skip it, count it
                 self.skipped_long_prompts += 1
-        self.stream_admitted += fresh  # prompts of the stream admitted (a requeued one was counted already)
+        self.data.admitted += fresh  # prompts of the stream admitted (a requeued one was counted already)
         self.groups[state.gid] = state
         if replica is not None:
             self.submit(state, replica, range(len(state.completions)), "t")
@@ -1703,24 +795,17 @@ class _Scheduler:
             self.admit_one(self.replicas[r])
             loads[r] += 1
 
-    def place_orphans(self) -> None:
-        """Completions of a dead replica go to the least-loaded usable one, as soon as there is one."""
-        loads = self.loads()
-        for table, prefix in ((self.groups, "t"), (self.eval_groups, "e")):
-            for state in table.values():
-                lost = [i for i, (c, r) in enumerate(zip(state.completions, state.assigned)) if c is None and r is None]
-                r = pick_replica(loads)
-                if lost and r is not None:
-                    self.submit(state, self.replicas[r], lost, prefix)
-                    loads[r] += 1
 
-    # ---- completions out --------------------------------------------------------------------------------------
+class _Rewards:
+    """Completions out, part of _Scheduler: a finished vLLM request becomes a `Completion`, its interruption phrase
+    masked, its reward scored by the task (a verifier that raises scores -1 and is counted, never fatal)."""
+
     def make_completion(self, state: _GroupState, index: int, out: dict, replica: int) -> Completion:
         token_ids, logprobs, versions = out["token_ids"], out["logprobs"], out["versions"]
         n = len(token_ids)
         mask = [True] * n
         budget = state.budgets[index]
-        start = interruption_start(token_ids, budget, self.close_ids) if budget is not None else None
+        start = vllm_replica.interruption_start(token_ids, budget, self.close_ids) if budget is not None else None
         interrupted = start is not None
         if interrupted:
             end = min(n, start + len(self.phrase_ids))
@@ -1763,33 +848,10 @@ class _Scheduler:
             state.min_version = state.to_group().min_version
             self.dirty = True
 
-    # ---- requests from the learner ----------------------------------------------------------------------------
-    def handle_learner(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind in ("get_batch", "update"):
-            self.started = True
-        try:
-            if kind == "get_batch":
-                self.start_batch(msg[1], msg[2])
-            elif kind == "update":
-                self.begin_update(msg[1], msg[2])
-            elif kind == "sent":
-                self.update["sent"] = True
-                for rid, error in msg[1].items():
-                    self.on_death(self.replicas[rid], f"its weight broadcast failed: {error}")
-                self.finish_update()
-            elif kind == "evaluate":
-                self.start_eval(msg[1], msg[2], msg[3])
-            elif kind == "retire":
-                self.retired.update(msg[1])
-            elif kind == "debug":
-                self.debug(msg[1])
-            elif kind == "close":
-                self.closing = True
-            else:
-                raise ValueError(f"unknown command {kind!r}")
-        except _RequestError as e:  # the learner's mistake: tell it, keep running
-            self.conn.send(("fail", str(e)))
+
+class _BatchChoice:
+    """Batch choice, part of _Scheduler: the learner's get_batch and evaluate requests, answered once their groups
+    are ready (`plan_batch`: earliest deadline first; sync mode: exactly the groups generated for the request)."""
 
     def start_batch(self, num_groups: int, learner_version: int) -> None:
         if self.cfg.mode == "pipeline" and learner_version - self.version > self.cfg.max_off_policy:
@@ -1830,6 +892,209 @@ class _Scheduler:
         self.pending = ("eval", gids)
         self.dirty = True
 
+    def try_reply(self) -> None:
+        if self.pending is None or not self.dirty:
+            return
+        self.dirty = False
+        if self.pending[0] == "eval":
+            gids = self.pending[1]
+            if all(self.eval_groups[g].ready for g in gids):
+                groups = [self.eval_groups.pop(g).to_group() for g in gids]
+                self.pending = None
+                self.conn.send(("evaluated", groups))
+            return
+        _, num_groups, V, t0 = self.pending
+        k = self.cfg.max_off_policy
+        if self.cfg.mode == "sync":
+            if not all(g.ready for g in self.groups.values()):
+                return
+            chosen = sorted(self.groups, key=lambda gid: self.groups[gid].done_order)
+            stale: list[int] = []
+        else:
+            entries = [_Entry(g.gid, g.deadline, g.ready, g.min_version,
+                              g.done_order if g.ready else 10**12 + g.admit_order)
+                       for g in self.groups.values()]
+            chosen, stale = plan_batch(entries, num_groups, V, k, self.groups_per_step or num_groups)
+            for gid in stale:  # last resort: drop, count, and generate the prompt again with fresh weights
+                state = self.groups.pop(gid)
+                self.stale_dropped += 1
+                self.data.requeue.append((state.data_index, state.problem))
+            if chosen is None:
+                return
+        groups = [self.groups.pop(gid).to_group() for gid in chosen]
+        self.consumed_this_step += len(groups)
+        self.pending = None
+        self.next_learner_version = V + 1
+        stats = self.batch_stats(groups, V)
+        self.conn.send(("batch", groups, stats))
+
+    def batch_stats(self, groups: list[Group], learner_version: int) -> dict[str, Any]:
+        """The stats sent with a batch (Generator.get_batch lists them); resets the counters kept since the last."""
+        now = time.perf_counter()
+        interval = max(now - self.last_reply_time, 1e-9)
+        alive = [s for s in self.replicas.values() if s.state == "ready"]
+        stats: dict[str, Any] = {
+            "gen_tokens": sum(c.num_tokens for g in groups for c in g.completions),
+            "gen_tokens_per_s": sum(self.tokens_by_replica.values()) / interval,
+            # the engines' busy share of the interval, averaged over the replicas alive
+            "gen_busy_frac": min(1.0, sum(self.busy_s_by_replica.values()) / interval / max(1, len(alive))),
+            "reward_errors": sum(c.reward_error is not None for g in groups for c in g.completions),
+            "reward_error_examples": [c.reward_error for g in groups for c in g.completions if c.reward_error][:3],
+            "interrupted": sum(c.interrupted for g in groups for c in g.completions),
+            "truncated": sum(c.truncated for g in groups for c in g.completions),
+            "stale_dropped": self.stale_dropped,
+            "reward_errors_total": self.reward_errors_total,
+            "skipped_long_prompts": self.skipped_long_prompts,
+            "groups_in_flight": self.in_flight(),
+            "groups_ready": sum(g.ready for g in self.groups.values()),
+            # buffer depth: learner steps' worth of groups already finished and waiting for the next requests
+            "buffer_depth_steps": sum(g.ready for g in self.groups.values()) / max(1, self.groups_per_step),
+            "generator_version": self.version,
+            "groups_per_step": self.groups_per_step,
+            "multi_version_completions": sum(len(set(c.versions)) > 1 for g in groups for c in g.completions),
+            "gen_replicas_alive": len(alive),
+            # this batch's groups by the replica of their first completion; tokens generated since the last batch
+            "gen_groups_by_replica": dict(sorted(collections.Counter(g.completions[0].replica
+                                                                     for g in groups).items())),
+            "gen_tokens_by_replica": {s.id: self.tokens_by_replica[s.id] for s in self.replicas.values()},
+            "replica_deaths": self.deaths,
+            "replica_deaths_total": self.deaths_total,
+            "replica_connections_refused": len(self.listener.refused) if self.listener else 0,
+        }
+        stats |= lag_stats(groups, learner_version)
+        self.tokens_by_replica, self.busy_s_by_replica = collections.Counter(), collections.Counter()
+        self.deaths, self.last_reply_time = [], now
+        return stats
+
+
+class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoice):
+    """Runs in the generator process: the loop over the learner's and the replicas' messages, the weight updates and
+    the debug requests. Its parts, each a class named for what it holds: _DataStream (`self.data`), _ReplicaPool,
+    _ReplicaFaults, _Admission, _Rewards, _BatchChoice; the state they share is set up in __init__."""
+
+    def __init__(self, conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,
+                 skip_indices: list[int], retired_ids: list[str], version: int, secret: bytes,
+                 store_address: tuple[str, int] | None):
+        self.conn, self.cfg = conn, config
+        self.secret, self.store_address = secret, store_address
+        self.task = _make_task(task_factory)
+        data_seed = config.seed if config.data_seed is None else config.data_seed
+        self.data = _DataStream(self.task, data_seed, data_start, skip_indices, retired_ids)
+        self.version = version
+        self.rng = random.Random(config.seed * 7919 + 17)
+        self.groups: dict[int, _GroupState] = {}  # unconsumed training groups (in flight or ready)
+        self.eval_groups: dict[int, _GroupState] = {}
+        self.next_gid = 0
+        self.admit_counter = 0
+        self.done_counter = 0
+        self.pending: tuple | None = None  # the learner's outstanding request
+        self.next_learner_version = version
+        self.step_version: int | None = None  # learner version of the current step's get_batch calls
+        self.consumed_this_step = 0
+        self.groups_per_step = config.groups_per_batch or 0
+        self.stale_dropped = 0
+        self.skipped_long_prompts = 0
+        self.reward_errors_total = 0
+        self.tokens_by_replica: collections.Counter[int] = collections.Counter()  # since the last reply
+        self.busy_s_by_replica: collections.Counter[int] = collections.Counter()
+        self.last_reply_time = time.perf_counter()
+        self.deaths: list[str] = []  # since the last reply
+        self.deaths_total = 0
+        self.update: dict | None = None  # the weight update in progress
+        self.debug_wait: dict | None = None
+        self.closing = False
+        self.dirty = False  # something changed since the last batch plan
+        self.started = False  # admission starts with the learner's first get_batch or update_weights
+        self.init_replicas(config)
+
+    def start(self) -> dict:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
+        self.phrase_ids = list(self.tokenizer(self.task.interruption_phrase, add_special_tokens=False)["input_ids"])
+        self.close_ids = list(self.tokenizer(tasks.THINK_CLOSE, add_special_tokens=False)["input_ids"])
+        self.start_replicas()
+        import psutil
+
+        descendants = []
+        for slot in self.replicas.values():
+            if slot.local:
+                descendants.append((slot.pid, psutil.Process(slot.pid).create_time(), slot.proc.name))
+                descendants += slot.info.get("vllm_processes", [])
+        return {"pid": os.getpid(), "address": self.listener.address, "descendants": descendants,
+                "replicas": [self.describe(s) for s in self.replicas.values()],
+                "max_concurrent_groups": self.max_in_flight(), "phrase_ids": self.phrase_ids,
+                "close_ids": self.close_ids, "head": next(iter(self.replicas.values())).info.get("head")}
+
+    def run(self) -> None:
+        while not self.closing:
+            self.poll(0.2)
+            if self.closing:
+                break
+            self.place_orphans()
+            self.admit()
+            self.try_reply()
+
+    def poll(self, timeout: float) -> None:
+        """Wait up to `timeout` for a message from the learner or any replica, and handle every one that came."""
+        if self.listener is not None:
+            while not self.listener.accepted.empty():
+                self.new_conns.append(self.listener.accepted.get())
+        owners: dict[Any, Any] = {self.conn: "learner"}
+        owners.update({s.conn: s for s in self.replicas.values() if s.conn is not None})
+        owners.update({c: ("new", peer) for c, peer in self.new_conns})
+        try:
+            ready = mpc.wait(list(owners), timeout)
+        except OSError:
+            ready = []
+        for conn in ready:
+            owner = owners[conn]
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                if owner == "learner":
+                    self.closing = True
+                elif isinstance(owner, _ReplicaSlot):
+                    self.on_death(owner, "its connection closed (process killed, or the network broke)")
+                else:
+                    self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
+                continue
+            if owner == "learner":
+                self.handle_learner(msg)
+            elif isinstance(owner, _ReplicaSlot):
+                self.handle_replica(owner, msg)
+            else:
+                self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
+                self.on_hello(conn, owner[1], msg)
+        self.notice_silent_exits()
+
+    def handle_learner(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind in ("get_batch", "update"):
+            self.started = True
+        try:
+            if kind == "get_batch":
+                self.start_batch(msg[1], msg[2])
+            elif kind == "update":
+                self.begin_update(msg[1], msg[2])
+            elif kind == "sent":
+                self.update["sent"] = True
+                for rid, error in msg[1].items():
+                    self.on_death(self.replicas[rid], f"its weight broadcast failed: {error}")
+                self.finish_update()
+            elif kind == "evaluate":
+                self.start_eval(msg[1], msg[2], msg[3])
+            elif kind == "retire":
+                self.data.retired.update(msg[1])
+            elif kind == "debug":
+                self.debug(msg[1])
+            elif kind == "close":
+                self.closing = True
+            else:
+                raise ValueError(f"unknown command {kind!r}")
+        except _RequestError as e:  # the learner's mistake: tell it, keep running
+            self.conn.send(("fail", str(e)))
+
     def begin_update(self, version: int, transport: dict) -> None:
         """Tell every ready replica to take weights `version` (first forming the weight group of any that has
         none), and tell the learner whom to send them to: ("plan", [(replica, name, group, join)])."""
@@ -1867,8 +1132,8 @@ class _Scheduler:
                 "eval_groups": len(self.eval_groups), "groups_per_step": self.groups_per_step,
                 "max_groups": self.max_in_flight(), "stale_dropped": self.stale_dropped,
                 "unconsumed_indices": sorted([g.data_index for g in self.groups.values()]
-                                             + [i for i, _ in self.requeue]),
-                "admitted": self.stream_admitted, "replicas": [self.describe(s) for s in self.replicas.values()],
+                                             + [i for i, _ in self.data.requeue]),
+                "admitted": self.data.admitted, "replicas": [self.describe(s) for s in self.replicas.values()],
                 "refused": list(self.listener.refused) if self.listener else []}))
         elif what.startswith("checksum:"):  # every ready replica's checksum of one parameter
             targets = [s for s in self.replicas.values() if s.state == "ready"]
@@ -1884,113 +1149,6 @@ class _Scheduler:
             values, self.debug_wait = self.debug_wait["values"], None
             self.conn.send(("debug", values))
 
-    def try_reply(self) -> None:
-        if self.pending is None or not self.dirty:
-            return
-        self.dirty = False
-        if self.pending[0] == "eval":
-            gids = self.pending[1]
-            if all(self.eval_groups[g].ready for g in gids):
-                groups = [self.eval_groups.pop(g).to_group() for g in gids]
-                self.pending = None
-                self.conn.send(("evaluated", groups))
-            return
-        _, num_groups, V, t0 = self.pending
-        k = self.cfg.max_off_policy
-        if self.cfg.mode == "sync":
-            if not all(g.ready for g in self.groups.values()):
-                return
-            chosen = sorted(self.groups, key=lambda gid: self.groups[gid].done_order)
-            stale: list[int] = []
-        else:
-            entries = [_Entry(g.gid, g.deadline, g.ready, g.min_version,
-                              g.done_order if g.ready else 10**12 + g.admit_order)
-                       for g in self.groups.values()]
-            chosen, stale = plan_batch(entries, num_groups, V, k, self.groups_per_step or num_groups)
-            for gid in stale:  # last resort: drop, count, and generate the prompt again with fresh weights
-                state = self.groups.pop(gid)
-                self.stale_dropped += 1
-                self.requeue.append((state.data_index, state.problem))
-            if chosen is None:
-                return
-        groups = [self.groups.pop(gid).to_group() for gid in chosen]
-        self.consumed_this_step += len(groups)
-        self.pending = None
-        self.next_learner_version = V + 1
-        now = time.perf_counter()
-        interval = max(now - self.last_reply_time, 1e-9)
-        alive = [s for s in self.replicas.values() if s.state == "ready"]
-        stats: dict[str, Any] = {
-            "gen_tokens": sum(c.num_tokens for g in groups for c in g.completions),
-            "gen_tokens_per_s": sum(self.tokens_by_replica.values()) / interval,
-            # the engines' busy share of the interval, averaged over the replicas alive
-            "gen_busy_frac": min(1.0, sum(self.busy_s_by_replica.values()) / interval / max(1, len(alive))),
-            "reward_errors": sum(c.reward_error is not None for g in groups for c in g.completions),
-            "reward_error_examples": [c.reward_error for g in groups for c in g.completions if c.reward_error][:3],
-            "interrupted": sum(c.interrupted for g in groups for c in g.completions),
-            "truncated": sum(c.truncated for g in groups for c in g.completions),
-            "stale_dropped": self.stale_dropped,
-            "reward_errors_total": self.reward_errors_total,
-            "skipped_long_prompts": self.skipped_long_prompts,
-            "groups_in_flight": self.in_flight(),
-            "groups_ready": sum(g.ready for g in self.groups.values()),
-            # buffer depth: learner steps' worth of groups already finished and waiting for the next requests
-            "buffer_depth_steps": sum(g.ready for g in self.groups.values()) / max(1, self.groups_per_step),
-            "generator_version": self.version,
-            "groups_per_step": self.groups_per_step,
-            "multi_version_completions": sum(len(set(c.versions)) > 1 for g in groups for c in g.completions),
-            "gen_replicas_alive": len(alive),
-            # this batch's groups by the replica of their first completion; tokens generated since the last batch
-            "gen_groups_by_replica": dict(sorted(collections.Counter(g.completions[0].replica
-                                                                     for g in groups).items())),
-            "gen_tokens_by_replica": {s.id: self.tokens_by_replica[s.id] for s in self.replicas.values()},
-            "replica_deaths": self.deaths,
-            "replica_deaths_total": self.deaths_total,
-            "replica_connections_refused": len(self.listener.refused) if self.listener else 0,
-        }
-        stats |= lag_stats(groups, V)
-        self.tokens_by_replica, self.busy_s_by_replica = collections.Counter(), collections.Counter()
-        self.deaths, self.last_reply_time = [], now
-        self.conn.send(("batch", groups, stats))
-
-    def shutdown(self) -> None:
-        """Close every replica: ask, wait a little, then kill what is left (and its vLLM processes)."""
-        for s in self.replicas.values():
-            if s.conn is not None:
-                try:
-                    s.conn.send(("close",))
-                except (OSError, EOFError, BrokenPipeError):
-                    pass
-        deadline = time.monotonic() + 10
-        for s in self.replicas.values():
-            if s.proc is not None:
-                s.proc.join(max(0.1, deadline - time.monotonic()))
-                if s.proc.is_alive():
-                    s.proc.kill()
-                    s.proc.join(5)
-            if s.local:
-                _kill_processes(s.info.get("vllm_processes", []))
-        if self.listener is not None:
-            self.listener.close()
-
-
-def _kill_processes(processes: Iterable[tuple[int, float, str]]) -> None:
-    """Kill the processes (pid, create time, name) that are still the ones recorded, and wait until they are gone."""
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover
-        return
-    survivors = [p for pid, created, _ in processes if (p := _same_process(pid, created)) is not None]
-    for p in survivors:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    deadline = time.monotonic() + 5
-    while survivors and time.monotonic() < deadline:
-        survivors = [p for p in survivors if _alive(p)]
-        time.sleep(0.05)
-
 
 def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int, skip_indices: list[int],
                     retired_ids: list[str], version: int, parent_pid: int, secret: bytes,
@@ -2000,11 +1158,11 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
         os.setsid()  # Ctrl-C in the terminal goes to the learner, which closes us in order
     except OSError:
         pass
-    set_parent_death_signal(signal.SIGTERM)  # the learner died: shut the replicas down in order
+    vllm_replica.set_parent_death_signal(signal.SIGTERM)  # the learner died: shut the replicas down in order
     if os.getppid() != parent_pid:  # the learner died before prctl took effect
         return
-    _exit_on_sigterm()
-    for var in _TORCHRUN_VARS:
+    vllm_replica._exit_on_sigterm()
+    for var in vllm_replica._TORCHRUN_VARS:
         os.environ.pop(var, None)
     scheduler = None
     try:
@@ -2032,78 +1190,11 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
             conn.send(("closed", None))
         except Exception:
             pass
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The learner-side handle
 # --------------------------------------------------------------------------------------------------------------
-
-
-def _weight_dir(preferred: str | None, nbytes: int) -> Path:
-    if preferred:
-        return Path(preferred)
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * nbytes + (64 << 20):
-        return shm
-    return Path(tempfile.gettempdir())
-
-
-
-
-def _remove_leaked_segments(since: float, shm: Path = Path("/dev/shm")) -> list[str]:
-    """Unlink vLLM's shared-memory queues (psm_*) made since `since` that no live process maps or holds open any
-    more: a killed engine core leaves them, and Python's resource tracker would remove them only when the learner
-    exits. Segments of any other live vLLM are in use, hence kept."""
-    if not shm.is_dir():
-        return []
-    candidates = {}
-    for p in shm.glob("psm_*"):
-        try:
-            st = p.stat()
-        except OSError:
-            continue
-        if st.st_uid == os.getuid() and st.st_mtime >= since - 1:
-            candidates[str(p)] = p
-    if not candidates:
-        return []
-    for proc in Path("/proc").iterdir():  # drop every segment that some process still maps or has open
-        if not proc.name.isdigit():
-            continue
-        try:
-            maps = (proc / "maps").read_text()
-            fds = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
-        except OSError:
-            continue
-        for name in list(candidates):
-            if name in maps or name in fds:
-                del candidates[name]
-    removed = []
-    for name, p in candidates.items():
-        try:
-            p.unlink()
-            removed.append(p.name)
-        except OSError:
-            pass
-    return removed
-
-
-def _same_process(pid: int, created: float) -> Any:
-    """The psutil process `pid` if it is still the one created at `created` (not gone, not a recycled pid)."""
-    import psutil
-
-    try:
-        p = psutil.Process(pid)
-        return p if abs(p.create_time() - created) < 1e-3 else None
-    except psutil.Error:
-        return None
-
-
-def _alive(p: Any) -> bool:
-    """psutil process still running (a zombie waiting to be reaped counts as dead)."""
-    try:
-        import psutil
-
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except Exception:
-        return False
 
 
 class Generator:
@@ -2125,7 +1216,7 @@ class Generator:
         self._dead_reason: str | None = None
         self._tied = self._read_tie_flag(config.model)
         self._secret = config.secret or secrets.token_bytes(32)  # local replicas only: nobody else needs it
-        self._sender: WeightSender | None = None
+        self._sender: vllm_replica.WeightSender | None = None
         self.last_update_s = 0.0  # the last update_weights, in all
         self.last_broadcast_s = 0.0  # of which the broadcast itself (forming new weight groups included)
         self.last_update_info: dict = {}  # the last update's seconds per replica and replicas left
@@ -2150,7 +1241,7 @@ class Generator:
         self._started_at = time.time()  # vLLM's shared-memory segments are younger than this (close())
         if self.config.weight_transport == "broadcast":  # before the replicas: they rendezvous at its store
             host, _ = parse_address(self.config.listen)
-            self._sender = WeightSender(host, "nccl" if self.config.gen_devices is not None else "gloo",
+            self._sender = vllm_replica.WeightSender(host, "nccl" if self.config.gen_devices is not None else "gloo",
                                         self.config.weight_timeout)
         ctx = mp.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -2217,9 +1308,9 @@ class Generator:
             conn.close()
         # the replicas and vLLM processes that outlived the generator process (e.g. after it was SIGKILLed): nothing
         # can shut them down in order any more
-        _kill_processes(self._info.get("descendants", []))
+        vllm_replica._kill_processes(self._info.get("descendants", []))
         if self._info.get("descendants"):
-            _remove_leaked_segments(self._started_at)
+            vllm_replica._remove_leaked_segments(self._started_at)
         self._sender = None  # its store and weight groups go with it
 
     # ---- messaging --------------------------------------------------------------------------------------------
@@ -2310,7 +1401,7 @@ class Generator:
         update fails is taken out of the run (its work goes to the others). `transport` overrides the config's
         weight_transport for this update ("file": local replicas only; bench.py compares the two this way)."""
         t0 = time.perf_counter()
-        tensors = weight_tensors(state_dict, _DTYPES.get(self.config.dtype, torch.float32), self._tied)
+        tensors = vllm_replica.weight_tensors(state_dict, _DTYPES.get(self.config.dtype, torch.float32), self._tied)
         self._check_usable()
         transport = transport or self.config.weight_transport
         if transport == "broadcast" and self._sender is None:
@@ -2320,14 +1411,14 @@ class Generator:
             from safetensors.torch import save_file
 
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            directory = _weight_dir(self.config.weight_dir, nbytes)
+            directory = vllm_replica._weight_dir(self.config.weight_dir, nbytes)
             path = directory / f"scalerl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-v{version}.safetensors"
             tmp = path.with_suffix(".tmp")
             save_file(tensors, str(tmp))
             os.replace(tmp, path)
             how: dict[str, Any] = {"kind": "file", "path": str(path)}
         else:
-            manifest = weight_manifest(tensors, self.config.weight_bucket_bytes)
+            manifest = vllm_replica.weight_manifest(tensors, self.config.weight_bucket_bytes)
             how = {"kind": "broadcast", "manifest": manifest}
         try:
             self._send(("update", int(version), how))
@@ -2372,89 +1463,17 @@ class Generator:
         self._send(("debug", what))
         return self._recv("debug", timeout, what="debug")[1]
 
-
-# --------------------------------------------------------------------------------------------------------------
-# The join command of a generator node
-# --------------------------------------------------------------------------------------------------------------
-
-
-def read_secret(path: str | os.PathLike) -> bytes:
-    """The shared secret in file `path` (surrounding whitespace dropped). Refused unless only its owner can read
-    it, as ssh refuses a private key: a secret others can read is no secret."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"secret file {p}: no such file")
-    if p.stat().st_mode & 0o077:
-        raise ValueError(f"secret file {p} is readable by others: chmod 600 {p}")
-    secret = p.read_bytes().strip()
-    if len(secret) < 16:
-        raise ValueError(f"secret file {p}: at least 16 bytes expected (e.g. `head -c 32 /dev/urandom | base64 > {p}`)")
-    return secret
-
-
-def replica_command(argv: list[str]) -> int:
-    """`python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`: start replicas on this node for
-    a run whose learner listens at HOST:PORT (train.py --gen-listen). Returns the exit status."""
-    parser = argparse.ArgumentParser(
-        prog="pipeline_rl.py replica", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Start vLLM replicas on this node for a train.py run on another node. The run's engine settings "
-                    "(model, dtype, sampling, lengths) come from the learner; this command says only where and how "
-                    "many.")
-    parser.add_argument("--connect", required=True, help="HOST:PORT the run's generator listens on (train.py "
-                        "--gen-listen)")
-    parser.add_argument("--secret-file", required=True, help="file holding the run's shared secret (train.py "
-                        "--gen-secret-file), readable by its owner only")
-    parser.add_argument("--replicas", type=int, default=None, help="replicas to start (default: 1 on CPU; on GPU, "
-                        "the number of --gen-devices / --tensor-parallel-size)")
-    parser.add_argument("--gen-devices", default=None, help="GPU: comma-separated CUDA devices of this node for the "
-                        "replicas, taken in runs of --tensor-parallel-size")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism of each replica")
-    parser.add_argument("--model", default=None, help="the run's model as a path on this node (default: the "
-                        "learner's --model, which must then be a hub name or the same path here)")
-    parser.add_argument("--connect-timeout", type=float, default=600.0, help="seconds to keep trying to reach the "
-                        "learner (a replica may be started before it)")
-    args = parser.parse_args(argv)
-    try:
-        secret = read_secret(args.secret_file)
-        parse_address(args.connect)
-        ids = [int(x) for x in args.gen_devices.split(",") if x.strip()] if args.gen_devices else []
-        devices: list[list[int] | None] = list(replica_devices(ids, args.tensor_parallel_size)) if ids else [None]
-    except ValueError as e:
-        parser.error(str(e))
-    n = args.replicas or len(devices)
-    if ids and n > len(devices):
-        parser.error(f"--replicas {n}: --gen-devices {args.gen_devices} makes {len(devices)} replica(s) of "
-                     f"{args.tensor_parallel_size} device(s)")
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_replica_main, name=f"scalerl-replica-{i}",
-                         args=(args.connect, secret, None, devices[i] if ids else None, os.getpid(), args.model,
-                               args.tensor_parallel_size if ids else None, args.connect_timeout))
-             for i in range(n)]
-    for p in procs:
-        p.start()
-    print(f"[replica] {n} replica(s) connecting to {args.connect}", file=sys.stderr, flush=True)
-    try:
-        for p in procs:
-            p.join()
-    except KeyboardInterrupt:
-        for p in procs:
-            p.join(15)
-    return max((p.exitcode or 0 for p in procs), default=0)
-
-
 def main(argv: list[str]) -> int:
     if argv[:1] != ["replica"]:
         print("usage: python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE [--replicas N] "
               "[--gen-devices 0,1,...] [--tensor-parallel-size T] [--model PATH] (--help for more)", file=sys.stderr)
         return 2
-    return replica_command(argv[1:])
+    return vllm_replica.replica_command(argv[1:])
 
 
 __all__ = ["GeneratorConfig", "Completion", "Group", "Generator", "GeneratorError", "GeneratorTimeout",
-           "admission_allowed", "should_admit", "mandatory_count", "plan_batch", "pick_replica", "lag_histogram",
-           "lag_stats", "interruption_start", "split_devices", "replica_devices", "parse_address", "read_secret",
-           "set_parent_death_signal", "weight_manifest", "pack_bucket", "unpack_bucket", "open_weight_group",
-           "WeightSender", "InterruptionLogitsProcessor", "WeightSyncExtension"]
+           "admission_allowed", "off_policy_problems", "should_admit", "mandatory_count", "plan_batch", "pick_replica",
+           "lag_histogram", "lag_stats", "split_devices"]
 
 
 if __name__ == "__main__":

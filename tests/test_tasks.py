@@ -106,10 +106,10 @@ def test_verified_task_checks_the_scratchpad(completion, expected):
 
 def test_verified_task_ceiling_is_the_budget_share(base_model_dir):
     """The docstring's ceiling: a verified scratchpad puts `</think>` at token 30 of every 3-digit completion, so a
-    drawn budget below 30 always ends in an interruption (pipeline_rl.interruption_start's rule)."""
+    drawn budget below 30 always ends in an interruption (vllm_replica.interruption_start's rule)."""
     from transformers import AutoTokenizer
 
-    import pipeline_rl
+    import vllm_replica
 
     tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
     task = tasks.VerifiedArithmeticTask()
@@ -117,8 +117,8 @@ def test_verified_task_ceiling_is_the_budget_share(base_model_dir):
     for problem in task.validation(32):
         ids = tokenizer(task.solution(problem), add_special_tokens=False)["input_ids"]
         assert task.reward(problem, task.solution(problem)) == 1.0
-        assert pipeline_rl.interruption_start(ids, 30, close) is None
-        assert pipeline_rl.interruption_start(ids, 29, close) == 29
+        assert vllm_replica.interruption_start(ids, 30, close) is None
+        assert vllm_replica.interruption_start(ids, 29, close) == 29
     assert sum(b >= 30 for b in range(27, 37)) / len(range(27, 37)) == 0.7  # --think-budget 27,36
 
 

@@ -1,4 +1,4 @@
-"""pipeline_rl.py's weight broadcast without vLLM: the learner's WeightSender and fake replicas in processes of their
+"""vllm_replica.py's weight broadcast without vLLM: the learner's WeightSender and fake replicas in processes of their
 own, each joining its own weight group and receiving every bucket. Used by tests/test_pipeline_rl.py (gloo, CPU) and
 tests/test_gpu.py (NCCL, GPU), and runnable alone to time a broadcast:
 
@@ -19,21 +19,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import pipeline_rl as pl  # noqa: E402
+import vllm_replica  # noqa: E402
 
 
 def _receiver(group: dict, device: str, manifest: list, out: str, die: bool) -> None:
     """A replica's worker without vLLM: join the weight group (rank 1), receive every bucket, save what arrived."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    member = pl.open_weight_group(group, 1)
+    member = vllm_replica.open_weight_group(group, 1)
     if die:  # a replica that dies after joining, before the update
         os._exit(3)
     received = {}
     for bucket in manifest:
-        buffer = torch.empty(pl.bucket_nbytes(bucket), dtype=torch.uint8, device=member.device)
+        buffer = torch.empty(vllm_replica.bucket_nbytes(bucket), dtype=torch.uint8, device=member.device)
         member.broadcast(buffer).wait()
-        received.update({k: v.cpu().clone() for k, v in pl.unpack_bucket(buffer, bucket)})
+        received.update({k: v.cpu().clone() for k, v in vllm_replica.unpack_bucket(buffer, bucket)})
     torch.save(received, out)
 
 
@@ -47,8 +47,8 @@ def run_weight_broadcast(tmp_path: Path, backend: str, learner_device: str, rece
         torch.cuda.set_device(torch.device(learner_device))
     torch.manual_seed(0)
     tensors = {f"layer{i}.weight": torch.randn(mb * 2**18 // 8, device=learner_device) for i in range(8)}  # mb MB
-    manifest = pl.weight_manifest(tensors, bucket_bytes=(bucket_mb or max(1, mb // 4)) << 20)
-    sender = pl.WeightSender("127.0.0.1", backend, timeout_s=60)
+    manifest = vllm_replica.weight_manifest(tensors, bucket_bytes=(bucket_mb or max(1, mb // 4)) << 20)
+    sender = vllm_replica.WeightSender("127.0.0.1", backend, timeout_s=60)
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for r, device in enumerate(receiver_devices):

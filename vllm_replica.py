@@ -1,0 +1,992 @@
+"""vllm_replica.py: the replica runtime behind pipeline_rl.py. A reader of the recipe may skip this file.
+
+pipeline_rl.py is the generator's recipe: the staleness rule, the scheduler, the `Generator` handle. This module is
+what makes it run on real machines, and it imports nothing of pipeline_rl (nor of train):
+
+- what runs inside vLLM's processes: the interruption and slowdown logits processors (vLLM loads them by the
+  names "vllm_replica:InterruptionLogitsProcessor" and "vllm_replica:SlowdownLogitsProcessor") and the
+  worker extension "vllm_replica.WeightSyncExtension" that receives and reloads weights;
+- the weight transport: buckets over a torch.distributed group per replica (gloo on CPU, NCCL on GPU);
+- the replica process: one vLLM engine, serving the scheduler over one connection;
+- the handshake: who may connect (an HMAC challenge on the shared secret, both ways);
+- the join command, `python pipeline_rl.py replica ...` (pipeline_rl.main hands it to `replica_command`);
+- process clean-up: the vLLM processes and shared-memory segments a killed replica leaves.
+
+Where this code needs the generator's settings it takes a `GeneratorConfig` as an argument (typed Any here, so that
+this module does not import pipeline_rl); docs/pipeline.md explains the design.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import logging
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import queue
+import shutil
+import signal
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+import tasks
+
+# --------------------------------------------------------------------------------------------------------------
+# Small helpers that pipeline_rl.py uses too
+# --------------------------------------------------------------------------------------------------------------
+
+# the dtypes a generator may load its weights in (GeneratorConfig.dtype checks its value against these)
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """'HOST:PORT' (IPv6: '[::1]:PORT') -> (HOST, PORT)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def replica_devices(gen_ids: list[int], tensor_parallel_size: int) -> list[list[int]]:
+    """The devices of each local replica: gen_ids in consecutive runs of tensor_parallel_size ('0,1,2,3' with TP 2:
+    [[0, 1], [2, 3]]); refused when they do not split evenly."""
+    tp = tensor_parallel_size
+    if tp < 1 or not gen_ids or len(gen_ids) % tp:
+        raise ValueError(f"{len(gen_ids)} generator devices do not split into replicas of tensor_parallel_size {tp}")
+    return [gen_ids[i: i + tp] for i in range(0, len(gen_ids), tp)]
+
+
+def find_subsequence_end(ids: list[int], pattern: list[int], start: int = 0, stop: int | None = None) -> int | None:
+    """Index just past the first occurrence of `pattern` in ids[start:stop], or None."""
+    stop = len(ids) if stop is None else min(stop, len(ids))
+    n = len(pattern)
+    for end in range(max(start, 0) + n, stop + 1):
+        if ids[end - n : end] == pattern:
+            return end
+    return None
+
+
+def interruption_start(token_ids: list[int], budget: int, close_ids: list[int]) -> int | None:
+    """Where the interruption phrase was forced (== budget), or None: the same rule the logits processor applies.
+    The phrase is forced iff the completion reached `budget` tokens without `</think>` in its first `budget`."""
+    if len(token_ids) <= budget:
+        return None
+    if find_subsequence_end(token_ids, close_ids, 0, budget) is not None:
+        return None
+    return budget
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Code that runs inside vLLM's processes: the interruption logits processor and the weight-sync worker extension
+# --------------------------------------------------------------------------------------------------------------
+
+_INTERRUPT_KEY = "scalerl_interrupt"
+
+class _ForcePhrase:
+    """Per-request state: force `phrase` at position `budget` unless `close` appeared in the first `budget` tokens."""
+
+    def __init__(self, budget: int, phrase: list[int], close: list[int]):
+        self.budget, self.phrase, self.close = budget, phrase, close
+        self.done = False
+        self.scanned = 0  # output tokens already scanned for `close`
+
+    def __call__(self, output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+        if self.done:
+            return logits
+        n = len(output_ids)
+        limit = min(n, self.budget)
+        if self.scanned < limit:
+            if find_subsequence_end(output_ids, self.close, self.scanned - len(self.close) + 1, limit) is not None:
+                self.done = True  # the model closed its thinking itself
+                return logits
+            self.scanned = limit
+        i = n - self.budget
+        if i < 0:
+            return logits
+        if i >= len(self.phrase):
+            self.done = True
+            return logits
+        forced = self.phrase[i]
+        logits.fill_(float("-inf"))
+        logits[forced] = 0.0
+        return logits
+
+
+def _interruption_processor_class() -> type:
+    """Build the vLLM logits processor class on first use, so that importing this module (in every learner rank)
+    does not import vLLM. vLLM loads it as "vllm_replica:InterruptionLogitsProcessor" (module __getattr__ below)."""
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+    class InterruptionLogitsProcessor(AdapterLogitsProcessor):
+        """vLLM v1 logits processor for ScaleRL's interruptions; active on requests whose SamplingParams.extra_args
+        carry {"scalerl_interrupt": {"budget": b, "phrase": [...], "close": [...]}}."""
+
+        def is_argmax_invariant(self) -> bool:
+            return False
+
+        def new_req_logits_processor(self, params: Any) -> Any:
+            spec = (params.extra_args or {}).get(_INTERRUPT_KEY)
+            if not spec:
+                return None
+            return _ForcePhrase(int(spec["budget"]), list(spec["phrase"]), list(spec["close"]))
+
+    InterruptionLogitsProcessor.__module__ = __name__
+    InterruptionLogitsProcessor.__qualname__ = "InterruptionLogitsProcessor"
+    return InterruptionLogitsProcessor
+
+
+_SLOWDOWN_ENV = "SCALERL_DEBUG_GEN_SLOWDOWN"  # GeneratorConfig.debug_slowdown, read inside vLLM's worker
+
+
+def _slowdown_processor_class() -> type:
+    """A vLLM logits processor that changes no logit and sleeps (x - 1) times the duration of each engine step,
+    so that the engine itself (not just our reading of its outputs: vLLM's EngineCore runs in its own process)
+    runs x times slower. The debug knob behind GeneratorConfig.debug_slowdown."""
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class SlowdownLogitsProcessor(LogitsProcessor):
+        def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool):
+            self.factor = float(os.environ.get(_SLOWDOWN_ENV, "1"))
+            self.last_step_end: float | None = None
+
+        def is_argmax_invariant(self) -> bool:
+            return False  # keep vLLM from skipping it
+
+        def update_state(self, batch_update: Any) -> None:
+            pass
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            now = time.perf_counter()
+            # the time since the previous step ended is this step's work; a longer gap is an idle engine
+            if self.last_step_end is not None and now - self.last_step_end < 1.0 and self.factor > 1:
+                time.sleep((self.factor - 1) * (now - self.last_step_end))
+            self.last_step_end = time.perf_counter()
+            return logits
+
+    SlowdownLogitsProcessor.__module__ = __name__
+    SlowdownLogitsProcessor.__qualname__ = "SlowdownLogitsProcessor"
+    return SlowdownLogitsProcessor
+
+
+_LAZY_CLASSES = {"InterruptionLogitsProcessor": _interruption_processor_class,
+                 "SlowdownLogitsProcessor": _slowdown_processor_class}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_CLASSES:
+        cls = _LAZY_CLASSES[name]()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class _RotaryCacheFilter:
+    """logging filter: drops vLLM's reload warnings about RotaryEmbedding, whose buffer is not a checkpoint weight,
+    and about a tied ParallelLMHead, which has no weight of its own to load (_scalerl_refresh_tied_head)."""
+
+    def filter(self, record: Any) -> bool:
+        return not (record.msg == "%s: Failed to load weights"
+                    and record.args in (("RotaryEmbedding",), ("ParallelLMHead",)))
+
+
+def weight_tensors(state_dict: Mapping[str, Any], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
+    """The tensors of a full HF-named state dict as the generator loads them: CPU, contiguous, floats in `dtype`,
+    wrapper prefixes stripped. An untied model must include lm_head.weight (else vLLM keeps a stale head); a tied
+    one leaves it out: it is the embedding itself, which vLLM loads (skipping the alias), and safetensors refuses
+    two names for one storage, as a tied learner's state dict has them."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if hasattr(value, "full_tensor"):
+            raise ValueError(f"{name} is a sharded DTensor: pass a full state dict (FSDP2: get_model_state_dict("
+                             "model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))")
+        for prefix in ("_orig_mod.", "module."):
+            while name.startswith(prefix):
+                name = name[len(prefix):]
+        t = value.detach()
+        if t.dtype.is_floating_point and t.dtype != dtype:
+            t = t.to(dtype)
+        tensors[name] = t.to("cpu").contiguous()
+    if tied:
+        tensors.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in tensors:
+        raise ValueError("state dict has no lm_head.weight: vLLM would keep a stale LM head (send it always)")
+    return tensors
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`); reached through `LLM.collective_rpc`."""
+
+    def _scalerl_quiet_reload(self) -> None:
+        # vLLM warns "RotaryEmbedding: Failed to load weights" at every reload: its cos/sin cache is computed, not
+        # a checkpoint weight, and vLLM keeps it. Drop that one message (once per worker), keep every other.
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        if not any(isinstance(f, _RotaryCacheFilter) for f in reload_log.filters):
+            reload_log.addFilter(_RotaryCacheFilter())
+
+    def _scalerl_refresh_tied_head(self) -> None:
+        # A tied LM head (SmolLM2's) shares the embedding's weight, and a tied state dict sends no lm_head.weight.
+        # vLLM's layerwise reload updates the shared weight in place but, having loaded nothing into the head,
+        # does not process the head again: on CPU its GEMM keeps the weight packed from the old values, and the
+        # sampler would score every later token with the base model's head (on SmolLM2 a max |log-ratio| of 0.01
+        # after a 1e-3 nudge to the embedding; 0.02-0.05 after a few steps at lr 3e-5). Pack it again.
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+            return
+        head = getattr(model, "lm_head", None)
+        method = getattr(head, "quant_method", None)
+        if method is None:
+            raise RuntimeError(f"{type(model).__name__} ties its LM head but has no lm_head.quant_method: cannot "
+                               "process the head again after a weight reload")
+        method.process_weights_after_loading(head)
+
+    def scalerl_load_weights(self, path: str) -> int:
+        """Reload all weights in place from a safetensors file (HF names, checkpoint format)."""
+        from safetensors import safe_open
+
+        self._scalerl_quiet_reload()
+
+        def weights():
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+        self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self._scalerl_refresh_tied_head()
+        return os.getpid()
+
+    def scalerl_join_weights(self, group: dict) -> int:
+        """Join this replica's weight group with the learner: rank 1 + this worker's tensor-parallel rank."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        self._scalerl_group = None  # a group of an earlier update is gone: drop it before forming the next one
+        self._scalerl_group = open_weight_group(group, 1 + get_tensor_model_parallel_rank())
+        return os.getpid()
+
+    def scalerl_receive_weights(self, manifest: list[list[tuple]]) -> int:
+        """Receive the buckets of `manifest` from the learner (rank 0 of the weight group) and reload every weight
+        in place, one bucket at a time: vLLM's reload_weights takes them as an iterator."""
+        group = getattr(self, "_scalerl_group", None)
+        if group is None:
+            raise RuntimeError("no weight group: the learner's join did not reach this worker")
+        self._scalerl_quiet_reload()
+
+        def weights() -> Iterator[tuple[str, torch.Tensor]]:
+            for bucket in manifest:
+                buffer = torch.empty(bucket_nbytes(bucket), dtype=torch.uint8, device=group.device)
+                group.broadcast(buffer).wait()
+                yield from unpack_bucket(buffer, bucket)
+
+        self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        self._scalerl_refresh_tied_head()
+        return os.getpid()
+
+    def scalerl_head_info(self) -> dict:
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        head = getattr(model, "lm_head", None)
+        lp = getattr(model, "logits_processor", None)
+        return {"weight_dtype": str(getattr(getattr(head, "weight", None), "dtype", None)),
+                "head_dtype": str(getattr(lp, "head_dtype", None))}
+
+    def scalerl_param_checksum(self, name: str) -> float:
+        params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
+        return float(params[name].detach().double().sum())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Weights from the learner to the replicas: buckets over a torch.distributed group per replica (gloo or NCCL)
+# --------------------------------------------------------------------------------------------------------------
+
+_ALIGN = 16  # byte alignment of each tensor in a bucket, so that every slice can be viewed as its dtype
+
+
+def weight_manifest(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple]]:
+    """The buckets of a broadcast: lists of (name, dtype, shape, offset, nbytes), each bucket at most
+    `bucket_bytes` (a larger tensor gets a bucket of its own), in the tensors' order."""
+    buckets: list[list[tuple]] = [[]]
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if buckets[-1] and offset + nbytes > bucket_bytes:
+            buckets.append([])
+            offset = 0
+        buckets[-1].append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return [b for b in buckets if b]
+
+
+def bucket_nbytes(bucket: list[tuple]) -> int:
+    _, _, _, offset, nbytes = bucket[-1]
+    return offset + nbytes
+
+
+def pack_bucket(tensors: Mapping[str, torch.Tensor], bucket: list[tuple], device: Any = "cpu") -> torch.Tensor:
+    """One bucket's tensors as one flat uint8 tensor on `device` (the group's: the GPU for NCCL)."""
+    buffer = torch.zeros(bucket_nbytes(bucket), dtype=torch.uint8, device=device)
+    for name, _, _, offset, nbytes in bucket:
+        buffer[offset: offset + nbytes].copy_(tensors[name].reshape(-1).view(torch.uint8), non_blocking=True)
+    return buffer
+
+
+def unpack_bucket(buffer: torch.Tensor, bucket: list[tuple]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) views into a received bucket, in its order."""
+    for name, dtype, shape, offset, nbytes in bucket:
+        yield name, buffer[offset: offset + nbytes].view(getattr(torch, dtype)).view(shape)
+
+
+def open_weight_group(group: dict, rank: int, store: Any = None) -> Any:
+    """Rank `rank` of a weight group: the learner is rank 0 and a replica's workers the others. The group
+    rendezvouses through the learner's TCPStore under its random prefix; gloo (CPU) binds group["bind_host"], the
+    address this member is reached at; NCCL (GPU) uses the current CUDA device. One function for both sides and
+    both backends: the process group object is all a broadcast needs, no default group is involved."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=group["timeout_s"])
+    if store is None:
+        store = dist.TCPStore(group["store_host"], group["store_port"], is_master=False, timeout=timeout)
+    prefixed = dist.PrefixStore(group["prefix"], store)
+    if group["backend"] == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=group["bind_host"])]
+        pg = dist.ProcessGroupGloo(prefixed, rank, group["world"], options)
+    else:
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        # A replica that dies mid-broadcast must fail its own group, not take the learner down: with PyTorch's
+        # default (3), NCCL's watchdog ends the whole process on a timeout; 2 aborts the group's communicator only.
+        # The setting is read when a group is made. (Not yet tried on a machine with several GPUs.)
+        previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        try:
+            pg = dist.ProcessGroupNCCL(prefixed, rank, group["world"], options)
+        finally:
+            if previous is None:
+                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+            else:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = previous
+    return WeightGroup(pg, group["backend"])
+
+
+@dataclass
+class WeightGroup:
+    """One replica's weight group, as one of its members holds it."""
+
+    pg: Any  # the torch.distributed process group (gloo or NCCL)
+    backend: str
+
+    @property
+    def device(self) -> torch.device:
+        """Where its tensors must be: this process's GPU for NCCL, the CPU for gloo."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def broadcast(self, buffer: torch.Tensor) -> Any:
+        """Start broadcasting `buffer` from rank 0 (the learner); returns the work to wait() on. On NCCL, later
+        work on the current stream waits for it."""
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        return self.pg.broadcast([buffer], options)
+
+
+class WeightSender:
+    """The learner's side of the weight groups: it hosts their TCPStore and is rank 0 of each replica's group."""
+
+    def __init__(self, host: str, backend: str, timeout_s: float):
+        import torch.distributed as dist
+
+        self.host, self.backend, self.timeout_s = host, backend, timeout_s
+        # PyTorch's TCPStore listens on every interface (no choice is offered); see docs/pipeline.md, who may connect
+        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=timeout_s))
+        self.groups: dict[int, WeightGroup] = {}  # replica id -> its group
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.store.port
+
+    def join(self, replica: int, group: dict) -> None:
+        """Form replica `replica`'s group (blocks until its workers join; a failure raises)."""
+        self.groups.pop(replica, None)
+        self.groups[replica] = open_weight_group({**group, "bind_host": self.host}, 0, store=self.store)
+
+    def drop(self, replica: int) -> None:
+        self.groups.pop(replica, None)
+
+    def send(self, tensors: Mapping[str, torch.Tensor], manifest: list[list[tuple]], replicas: list[int]
+             ) -> dict[int, str]:
+        """Broadcast every bucket to the groups of `replicas`, to all groups at once, one bucket at a time.
+        Returns {replica: error} for the groups that failed (dropped; the others carry on)."""
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        failed: dict[int, str] = {r: "no weight group" for r in replicas if r not in self.groups}
+        live = [r for r in replicas if r in self.groups]
+        for bucket in manifest:
+            buffer = pack_bucket(tensors, bucket, device)
+            works = {}
+            for r in live:
+                try:
+                    works[r] = self.groups[r].broadcast(buffer)
+                except Exception as e:
+                    failed[r] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            for r, work in works.items():
+                try:
+                    work.wait()
+                except Exception as e:
+                    failed[r] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            for r in failed:
+                self.drop(r)
+            live = [r for r in live if r not in failed]
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        return failed
+
+# --------------------------------------------------------------------------------------------------------------
+# A replica: one vLLM engine in a process of its own, on this node or another
+# --------------------------------------------------------------------------------------------------------------
+
+_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
+                  "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+                  "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+                  "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
+    """The arguments of replica `replica`'s `vllm.LLM` (each replica samples with a seed of its own); `cfg` is a
+    pipeline_rl.GeneratorConfig. vLLM finds our classes by the names of this module."""
+    on_gpu = cfg.gen_devices is not None
+    kwargs: dict[str, Any] = dict(
+        model=cfg.model, dtype=cfg.dtype, seed=cfg.seed + 7919 * replica, max_model_len=cfg.max_model_len,
+        enforce_eager=(not on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
+        logprobs_mode="processed_logprobs",  # logprobs after temperature: what the sampler really used
+        worker_extension_cls=f"{__name__}.WeightSyncExtension",
+        tensor_parallel_size=cfg.tensor_parallel_size, disable_log_stats=True, enable_prefix_caching=True,
+    )
+    if cfg.interruptions:
+        kwargs["logits_processors"] = [f"{__name__}:InterruptionLogitsProcessor"]
+    if cfg.slowdown_of(replica) > 1:  # the factor reaches vLLM's worker through the environment (_replica_main)
+        kwargs["logits_processors"] = kwargs.get("logits_processors", []) + [f"{__name__}:SlowdownLogitsProcessor"]
+    if cfg.fp32_lm_head and _DTYPES.get(cfg.dtype, torch.float32) != torch.float32:
+        kwargs["hf_overrides"] = {"head_dtype": "float32"}  # lm_head matmul and logits in float32
+    if on_gpu:
+        kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    if cfg.max_num_seqs:
+        kwargs["max_num_seqs"] = cfg.max_num_seqs
+    return kwargs
+
+
+def sampled_output(out: Any, version: int) -> dict[str, Any]:
+    """What a replica sends back of one finished vLLM request: its tokens, the sampler's logprob of each, the
+    weight version that sampled each (vLLM's spans; `version` where it gives none), its text and finish reason."""
+    c = out.outputs[0]
+    token_ids = list(c.token_ids)
+    n = len(token_ids)
+    logprobs = [0.0] * n
+    lps = c.logprobs
+    if lps is not None and hasattr(lps, "start_indices"):  # FlatLogprobs: the sampled token comes first
+        for i, s in enumerate(lps.start_indices[:n]):
+            if lps.token_ids[s] != token_ids[i]:
+                raise RuntimeError("logprobs out of step with the sampled tokens")
+            logprobs[i] = float(lps.logprobs[s])
+    elif lps is not None:
+        for i, (tok, entry) in enumerate(zip(token_ids, lps)):
+            logprobs[i] = float(entry[tok].logprob)
+    versions = [version] * n
+    for span in c.weight_versions or []:
+        for i in range(span.start, min(span.end, n)):
+            versions[i] = int(span.version)
+    return {"rid": out.request_id, "token_ids": token_ids, "logprobs": logprobs, "versions": versions,
+            "text": c.text, "finish_reason": str(c.finish_reason)}
+
+
+class _Replica:
+    """Runs in a replica process: one vLLM engine. It takes requests from the scheduler, steps the engine, sends
+    back each finished completion as it comes, and applies weight updates between two engine steps."""
+
+    def __init__(self, conn: Any, replica_id: int, config: Any, version: int | None):  # config: a GeneratorConfig
+        self.conn, self.id, self.cfg = conn, replica_id, config
+        self.version = -1 if version is None else version  # -1: not the run's weights yet (a late joiner)
+        self.send_lock = threading.Lock()  # the engine watcher thread sends too
+        self.closing = False
+        self.join_error: str | None = None
+
+    def send(self, msg: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(msg)
+
+    def init_engine(self) -> dict:
+        from vllm import LLM
+
+        self.llm = LLM(**vllm_engine_kwargs(self.cfg, self.id))
+        self.engine = self.llm.llm_engine
+        self.engine.engine_core.set_weight_version(str(self.version))
+        import psutil
+
+        procs = psutil.Process().children(recursive=True)
+        self.vllm_processes = [(p.pid, p.create_time(), p.name()) for p in procs]
+        if self.vllm_processes:  # vLLM's engine core or workers in processes of their own: watch them
+            threading.Thread(target=self.watch_engine, daemon=True).start()
+        return {"pid": os.getpid(), "vllm_processes": self.vllm_processes,
+                "max_num_seqs": self.engine.vllm_config.scheduler_config.max_num_seqs,
+                "head": self.llm.collective_rpc("scalerl_head_info")[0]}
+
+    def dead_vllm_processes(self) -> str | None:
+        """'vLLM process NAME (pid P)' for each of this replica's vLLM processes that has died, or None."""
+        dead = [f"vLLM process {name} (pid {pid})" for pid, created, name in getattr(self, "vllm_processes", [])
+                if (p := _same_process(pid, created)) is None or not _alive(p)]
+        return ", ".join(dead) or None
+
+    def failure(self, error: BaseException) -> str:
+        """What to report of an error: a dead vLLM process first, since vLLM's own error (EngineDeadError) may
+        arrive before the watcher sees the process gone, and the dead process is the cause a user must read."""
+        dead = self.dead_vllm_processes()
+        return (f"{dead} died; " if dead else "") + f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+
+    def watch_engine(self) -> None:
+        """A vLLM process of this replica died: engine.step() would wait for its outputs forever, so report it
+        and exit; the scheduler then moves this replica's work to the others."""
+        while not self.closing:
+            dead = self.dead_vllm_processes()
+            if dead and not self.closing:
+                try:
+                    self.send(("error", f"{dead} died"))
+                finally:
+                    os._exit(70)
+            time.sleep(0.2)
+
+    def run(self) -> None:
+        busy_s = 0.0  # engine time since the last message: sent with the next finished completions
+        while not self.closing:
+            busy = self.engine.has_unfinished_requests()
+            while self.conn.poll(0.0 if busy else 0.2):
+                try:
+                    msg = self.conn.recv()
+                except EOFError:  # the scheduler is gone
+                    self.closing = True
+                    return
+                self.handle(msg)
+                busy = True  # handle the rest of the queue before the next step, without waiting
+                if self.closing:
+                    return
+            if self.engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                outputs = self.engine.step()
+                busy_s += time.perf_counter() - t0
+                done = [sampled_output(out, self.version) for out in outputs if out.finished]
+                if done:
+                    self.send(("outputs", done, busy_s))
+                    busy_s = 0.0
+
+    def handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            for rid, prompt_ids, salt, spec in msg[1]:
+                self.engine.add_request(rid, {"prompt_token_ids": prompt_ids, "cache_salt": salt},
+                                        self.sampling_params(spec))
+        elif kind == "join":
+            try:
+                self.llm.collective_rpc("scalerl_join_weights", args=(msg[1],))
+                self.join_error = None
+            except Exception as e:  # reported with the update that follows
+                self.join_error = f"joining its weight group failed: {type(e).__name__}: {e}"
+        elif kind == "update":
+            _, version, transport = msg
+            try:
+                seconds = self.apply_update(version, transport)
+            except Exception as e:  # half an update may be in: the scheduler takes this replica out
+                self.send(("update_failed", version, f"{type(e).__name__}: {str(e)[:500]}"))
+            else:
+                self.send(("updated", version, seconds))
+        elif kind == "debug":
+            what = msg[1]
+            value = self.llm.collective_rpc("scalerl_param_checksum", args=(what.split(":", 1)[1],))[0] \
+                if what.startswith("checksum:") else None
+            self.send(("debug", value))
+        elif kind == "close":
+            self.closing = True
+        else:
+            raise ValueError(f"unknown command {kind!r}")
+
+    def sampling_params(self, spec: dict) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        extra = {_INTERRUPT_KEY: spec["interrupt"]} if spec.get("interrupt") else None
+        return SamplingParams(temperature=spec["temperature"], top_p=1.0, top_k=0, max_tokens=spec["max_tokens"],
+                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra)
+
+    def apply_update(self, version: int, transport: dict) -> float:
+        if self.join_error:
+            raise RuntimeError(self.join_error)
+        t0 = time.perf_counter()
+        core = self.engine.engine_core
+        # An engine core in its own process steps on its own: pause it so that no step runs until resume and the
+        # version labels stay exact. In this process it steps only when run() calls engine.step(), not now.
+        in_process = not hasattr(core, "call_utility")
+        if not in_process:
+            core.call_utility("pause_scheduler", "keep", False)
+        try:
+            if transport["kind"] == "file":
+                self.llm.collective_rpc("scalerl_load_weights", args=(transport["path"],))
+            else:
+                self.llm.collective_rpc("scalerl_receive_weights", args=(transport["manifest"],))
+            if not self.engine.has_unfinished_requests():
+                self.engine.reset_prefix_cache()  # only possible while nothing runs; else the cache salt protects
+            core.set_weight_version(str(version))
+            self.version = version
+        finally:
+            if not in_process:
+                core.call_utility("resume_scheduler")
+        return time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        self.closing = True
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown(timeout=1.0)  # SIGTERM, then kill after 1 s
+            except Exception:
+                pass
+
+
+def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (a no-op where prctl is missing)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, int(sig))  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM ends the process through its `finally` blocks; a second one is ignored, so that the shutdown they
+    run (closing the replicas) is not cut short by it (the learner's close() escalates to SIGKILL anyway)."""
+    def on_term(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+def _replica_main(address: str, secret: bytes, local_id: int | None, devices: list[int] | None,
+                  parent_pid: int | None, model: str | None = None, tensor_parallel_size: int | None = None,
+                  connect_timeout: float = 60.0) -> None:
+    """Entry point of a replica process: connect to the scheduler at `address`, prove the secret, start the engine
+    with the run's settings (which come over the connection) and serve. `local_id`: the place of a replica the
+    generator process started itself; None for one that joined with `python pipeline_rl.py replica`."""
+    if parent_pid is not None:  # started by the generator process (or the join command): die with it. SIGKILL, since
+        # a replica blocked in a weight broadcast (C code) would not see a SIGTERM before the group's timeout
+        set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != parent_pid:
+            return
+    _exit_on_sigterm()
+    for var in _TORCHRUN_VARS:  # a vLLM started under torchrun must not see the learner's process group
+        os.environ.pop(var, None)
+    if devices is not None:  # before anything touches CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    else:
+        tasks.set_vllm_cpu_env()
+    conn, bind_host = connect_to_generator(address, secret, connect_timeout)
+    replica = None
+    try:
+        conn.send(("hello", {"pid": os.getpid(), "local_id": local_id, "node": socket.gethostname(),
+                             "bind_host": bind_host, "devices": devices,
+                             "tensor_parallel_size": tensor_parallel_size}))
+        msg = conn.recv()
+        if msg[0] == "refused":
+            print(f"[replica] the generator at {address} refused this replica: {msg[1]}", file=sys.stderr, flush=True)
+            return
+        _, config, replica_id, version = msg
+        overrides = {k: v for k, v in (("model", model), ("tensor_parallel_size", tensor_parallel_size)) if v}
+        config = dataclasses.replace(config, **overrides)  # a GeneratorConfig, checked again with this node's values
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
+        os.environ[_SLOWDOWN_ENV] = str(config.slowdown_of(replica_id))
+        engine_process = config.gen_devices is not None if config.engine_process is None else config.engine_process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
+        if devices is None and config.num_threads:  # before vLLM's CPU worker starts: it refuses it afterwards
+            torch.set_num_threads(config.num_threads)
+        replica = _Replica(conn, replica_id, config, version)
+        info = replica.init_engine()
+        replica.send(("ready", info))
+        replica.run()
+    except BaseException as e:  # report everything, including SystemExit from SIGTERM
+        try:
+            conn.send(("error", replica.failure(e) if replica is not None else
+                       f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except Exception:
+            pass
+        if not isinstance(e, (SystemExit, KeyboardInterrupt)):
+            raise
+    finally:
+        if replica is not None:
+            replica.shutdown()
+        try:
+            conn.send(("closed", None))
+        except Exception:
+            pass
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Who may connect: an HMAC challenge on the shared secret, both ways (multiprocessing.connection's handshake)
+# --------------------------------------------------------------------------------------------------------------
+
+HANDSHAKE_S = 10  # a connection that has not proved the secret by then is refused
+
+
+def _set_recv_timeout(owner: Any, seconds: float) -> None:
+    """SO_RCVTIMEO on a socket (0: none): a blocking read then fails instead of waiting forever."""
+    dup = socket.fromfd(owner.fileno(), socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        dup.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
+    finally:
+        dup.close()
+
+
+def connect_to_generator(address: str, secret: bytes, timeout: float) -> tuple[Any, str]:
+    """An authenticated connection to the generator process at HOST:PORT, retried until `timeout` (a replica may
+    be started before the learner), and the local address it leaves from (where this node's workers are reached)."""
+    host, port = parse_address(address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
+            break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"could not connect to the generator at {address} within {timeout:.0f} s ({e}): "
+                                      "is the learner running and listening there (train.py --gen-listen)?") from None
+            time.sleep(1.0)
+    sock.settimeout(None)
+    bind_host = sock.getsockname()[0]
+    _set_recv_timeout(sock, HANDSHAKE_S)
+    conn = mpc.Connection(sock.detach())
+    try:
+        mpc.answer_challenge(conn, secret)
+        mpc.deliver_challenge(conn, secret)
+    except (mpc.AuthenticationError, OSError, EOFError) as e:
+        conn.close()
+        raise ConnectionRefusedError(f"the generator at {address} refused this replica: wrong secret? ({e})") from None
+    _set_recv_timeout(conn, 0)
+    return conn, bind_host
+
+
+class _ReplicaListener:
+    """The generator process's listening socket: binds exactly `address`; each connection must prove the secret
+    within HANDSHAKE_S seconds (in a thread of its own, so a silent one blocks nothing) or is refused and logged."""
+
+    def __init__(self, address: str, secret: bytes):
+        host, port = parse_address(address)
+        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                         backlog=64)
+        bound = self.sock.getsockname()[1]
+        self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
+        self.secret = secret
+        self.accepted: queue.Queue = queue.Queue()  # (connection, (host, port)) that proved the secret
+        self.refused: list[str] = []
+        threading.Thread(target=self._accept_loop, daemon=True, name="scalerl-listener").start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, peer = self.sock.accept()
+            except OSError:  # closed
+                return
+            threading.Thread(target=self._handshake, args=(sock, peer), daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, peer: tuple) -> None:
+        _set_recv_timeout(sock, HANDSHAKE_S)
+        conn = mpc.Connection(sock.detach())
+        try:
+            mpc.deliver_challenge(conn, self.secret)
+            mpc.answer_challenge(conn, self.secret)
+        except Exception as e:
+            reason = "wrong secret" if isinstance(e, mpc.AuthenticationError) else \
+                f"no valid handshake within {HANDSHAKE_S} s"
+            line = f"refused a connection from {peer[0]}:{peer[1]}: {reason} ({type(e).__name__}: {e})"
+            self.refused.append(line)
+            print(f"[generator] {line}", file=sys.stderr, flush=True)
+            conn.close()
+            return
+        _set_recv_timeout(conn, 0)
+        self.accepted.put((conn, peer))
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Clean-up: the processes and files a dead replica or engine leaves behind
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _kill_processes(processes: Iterable[tuple[int, float, str]]) -> None:
+    """Kill the processes (pid, create time, name) that are still the ones recorded, and wait until they are gone."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover
+        return
+    survivors = [p for pid, created, _ in processes if (p := _same_process(pid, created)) is not None]
+    for p in survivors:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + 5
+    while survivors and time.monotonic() < deadline:
+        survivors = [p for p in survivors if _alive(p)]
+        time.sleep(0.05)
+
+
+def _weight_dir(preferred: str | None, nbytes: int) -> Path:
+    """Where the learner writes a weight file for the replicas of its node (weight_transport="file")."""
+    if preferred:
+        return Path(preferred)
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * nbytes + (64 << 20):
+        return shm
+    return Path(tempfile.gettempdir())
+
+
+def _remove_leaked_segments(since: float, shm: Path = Path("/dev/shm")) -> list[str]:
+    """Unlink vLLM's shared-memory queues (psm_*) made since `since` that no live process maps or holds open any
+    more: a killed engine core leaves them, and Python's resource tracker would remove them only when the learner
+    exits. Segments of any other live vLLM are in use, hence kept."""
+    if not shm.is_dir():
+        return []
+    candidates = {}
+    for p in shm.glob("psm_*"):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and st.st_mtime >= since - 1:
+            candidates[str(p)] = p
+    if not candidates:
+        return []
+    for proc in Path("/proc").iterdir():  # drop every segment that some process still maps or has open
+        if not proc.name.isdigit():
+            continue
+        try:
+            maps = (proc / "maps").read_text()
+            fds = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
+        except OSError:
+            continue
+        for name in list(candidates):
+            if name in maps or name in fds:
+                del candidates[name]
+    removed = []
+    for name, p in candidates.items():
+        try:
+            p.unlink()
+            removed.append(p.name)
+        except OSError:
+            pass
+    return removed
+
+
+def _same_process(pid: int, created: float) -> Any:
+    """The psutil process `pid` if it is still the one created at `created` (not gone, not a recycled pid)."""
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return p if abs(p.create_time() - created) < 1e-3 else None
+    except psutil.Error:
+        return None
+
+
+def _alive(p: Any) -> bool:
+    """psutil process still running (a zombie waiting to be reaped counts as dead)."""
+    try:
+        import psutil
+
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except Exception:
+        return False
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The join command of a generator node
+# --------------------------------------------------------------------------------------------------------------
+
+
+def read_secret(path: str | os.PathLike) -> bytes:
+    """The shared secret in file `path` (surrounding whitespace dropped). Refused unless only its owner can read
+    it, as ssh refuses a private key: a secret others can read is no secret."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"secret file {p}: no such file")
+    if p.stat().st_mode & 0o077:
+        raise ValueError(f"secret file {p} is readable by others: chmod 600 {p}")
+    secret = p.read_bytes().strip()
+    if len(secret) < 16:
+        raise ValueError(f"secret file {p}: at least 16 bytes expected (e.g. `head -c 32 /dev/urandom | base64 > {p}`)")
+    return secret
+
+
+def replica_command(argv: list[str]) -> int:
+    """`python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`: start replicas on this node for
+    a run whose learner listens at HOST:PORT (train.py --gen-listen). Returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="pipeline_rl.py replica", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Start vLLM replicas on this node for a train.py run on another node. The run's engine settings "
+                    "(model, dtype, sampling, lengths) come from the learner; this command says only where and how "
+                    "many.")
+    parser.add_argument("--connect", required=True, help="HOST:PORT the run's generator listens on (train.py "
+                        "--gen-listen)")
+    parser.add_argument("--secret-file", required=True, help="file holding the run's shared secret (train.py "
+                        "--gen-secret-file), readable by its owner only")
+    parser.add_argument("--replicas", type=int, default=None, help="replicas to start (default: 1 on CPU; on GPU, "
+                        "the number of --gen-devices / --tensor-parallel-size)")
+    parser.add_argument("--gen-devices", default=None, help="GPU: comma-separated CUDA devices of this node for the "
+                        "replicas, taken in runs of --tensor-parallel-size")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism of each replica")
+    parser.add_argument("--model", default=None, help="the run's model as a path on this node (default: the "
+                        "learner's --model, which must then be a hub name or the same path here)")
+    parser.add_argument("--connect-timeout", type=float, default=600.0, help="seconds to keep trying to reach the "
+                        "learner (a replica may be started before it)")
+    args = parser.parse_args(argv)
+    try:
+        secret = read_secret(args.secret_file)
+        parse_address(args.connect)
+        ids = [int(x) for x in args.gen_devices.split(",") if x.strip()] if args.gen_devices else []
+        devices: list[list[int] | None] = list(replica_devices(ids, args.tensor_parallel_size)) if ids else [None]
+    except ValueError as e:
+        parser.error(str(e))
+    n = args.replicas or len(devices)
+    if ids and n > len(devices):
+        parser.error(f"--replicas {n}: --gen-devices {args.gen_devices} makes {len(devices)} replica(s) of "
+                     f"{args.tensor_parallel_size} device(s)")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_replica_main, name=f"scalerl-replica-{i}",
+                         args=(args.connect, secret, None, devices[i] if ids else None, os.getpid(), args.model,
+                               args.tensor_parallel_size if ids else None, args.connect_timeout))
+             for i in range(n)]
+    for p in procs:
+        p.start()
+    print(f"[replica] {n} replica(s) connecting to {args.connect}", file=sys.stderr, flush=True)
+    try:
+        for p in procs:
+            p.join()
+    except KeyboardInterrupt:
+        for p in procs:
+            p.join(15)
+    return max((p.exitcode or 0 for p in procs), default=0)

@@ -162,7 +162,7 @@ class Layout:
     @property
     def tokens(self) -> int:
         """Tokens of the largest micro-batch: the budget, but never less than one sequence (a completion over the
-        budget is a micro-batch of its own: train.micro_batches), nor more than this rank's share of the batch."""
+        budget is a micro-batch of its own: packing.micro_batches), nor more than this rank's share of the batch."""
         return min(max(self.micro_batch_tokens, self.sequence_tokens), self.rank_batch_tokens)
 
 

@@ -529,7 +529,7 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                              "host times: for batches whose steps take seconds (one long sequence has no padding)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense peak TFLOP/s of the GPU in --dtype, for MFU, as train.py's --peak-tflops "
-                             "(default: train.py's table of GPUs; none on CPU, and then no MFU)")
+                             "(default: runtime.py's table of GPUs; none on CPU, and then no MFU)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write the results (the JSON object of the last line printed) to PATH")
 

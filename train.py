@@ -25,8 +25,8 @@ logprobs -> advantages -> loss and backward -> optimizer step -> push weights ->
 the learner itself (make_learner: the loss file, seeds, the FSDP2 policy with its FP32 head, AdamW and its warm-up),
 and `export` and `evaluate`. The runtime behind the recipe is in modules a reader of the recipe may skip: flags.py
 (the flags, their checks, the resume rules, args.json), runtime.py (set-up: process groups, the output-directory
-lock, the generator's start, signals, the collectives, the metrics log), checkpoints.py, packing.py (rows and
-micro-batches) and head_gemm.py (the FP32 head's split-bf16 GEMM on a GPU).
+lock, the generator's start, signals, the collectives, the metrics log), checkpoints.py (save, resume),
+packing.py (rows and micro-batches) and head_gemm.py (the FP32 head's split-bf16 GEMM on a GPU).
 
 How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (tasks.py), so it runs on 2 CPU cores

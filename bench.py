@@ -523,13 +523,13 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-widths", default=None,
                         help="W1,W2,...: also time the bare step on the batch packed (best-fit decreasing) into rows "
                              "of each width, at least the longest sequence's, and in padded rows: where the packed "
-                             "rows' length should sit, against the one train.pack_rows chooses")
+                             "rows' length should sit, against the one packing.pack_rows chooses")
     parser.add_argument("--packed-only", action="store_true",
                         help="time the learner in packed rows only, without the padded layout and the per-micro-batch "
                              "host times: for batches whose steps take seconds (one long sequence has no padding)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="dense peak TFLOP/s of the GPU in --dtype, for MFU, as train.py's --peak-tflops "
-                             "(default: train.py's table of GPUs; none on CPU, and then no MFU)")
+                             "(default: runtime.py's table of GPUs; none on CPU, and then no MFU)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write the results (the JSON object of the last line printed) to PATH")
 
@@ -575,12 +575,13 @@ def bench_train(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
 
-    import train
+    import flags
+    import runtime
     from transformers import AutoConfig
 
     cli = _learner_cli(args)  # before anything starts: a flag this train.py lacks stops the bench here
     os.environ.setdefault("MASTER_PORT", "29517")
-    _, world, device = train.init_distributed()
+    _, world, device = runtime.init_distributed()
     try:
         with tempfile.TemporaryDirectory(prefix="scalerl-bench-") as scratch:
             model_dir = _bench_model_dir(args, Path(scratch), device)
@@ -588,7 +589,7 @@ def bench_train(args: argparse.Namespace) -> dict:
             loss_module = importlib.import_module(args.loss)
             config = AutoConfig.from_pretrained(model_dir)
             groups = synthetic_groups(args.groups, args.group_size, config.vocab_size,
-                                      completion_tokens=train.int_range(args.completion_tokens))
+                                      completion_tokens=flags.int_range(args.completion_tokens))
             rewards = torch.tensor([r for grp in groups for r in grp.rewards])
             advantages = loss_module.compute_advantages(rewards, args.group_size)
             learner = _time_learner(model_dir, cli, loss_module, groups, advantages, args, device, world)
@@ -603,7 +604,7 @@ def bench_train(args: argparse.Namespace) -> dict:
             _free_memory(device)
     finally:
         dist.destroy_process_group()
-    results = _train_report(args, cli, groups, learner, bare, train.peak_flops_per_s(args.dtype, args.peak_tflops))
+    results = _train_report(args, cli, groups, learner, bare, runtime.peak_flops_per_s(args.dtype, args.peak_tflops))
     if args.json:
         Path(args.json).write_text(json.dumps(results) + "\n")
     return results
@@ -611,9 +612,9 @@ def bench_train(args: argparse.Namespace) -> dict:
 
 def _learner_cli(args: argparse.Namespace) -> Any:
     """The train.py flags of the learner the bench times (packed rows; the padded layout flips --packing)."""
-    import train
+    import flags
 
-    cli = train.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
+    cli = flags.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
                      packing=True, activation_checkpointing=args.activation_checkpointing,
                      cpu_offload=args.cpu_offload)
     if args.micro_batch_tokens is not None:
@@ -713,6 +714,8 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
 
     import torch
 
+    import flags
+    import packing
     import train
 
     clis = {"packed": cli, "padded": dataclasses.replace(cli, packing=False)}
@@ -720,12 +723,12 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
     model, n_params = train.build_learner(model_dir, cli, device)
     weights_bytes = _allocated(device)  # before the first step: no gradients, no AdamW state yet
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    rows = {name: [train.to_rows(train.micro_batch_groups(groups, idx)[0], None, args.group_size, 0, device,
-                                 train.row_packing(c, model))
-                   for idx in train.micro_batches(groups, c.micro_batch_tokens, c.packing)]
+    rows = {name: [packing.to_rows(packing.micro_batch_groups(groups, idx)[0], None, args.group_size, 0, device,
+                                   packing.row_packing(c, model))
+                   for idx in packing.micro_batches(groups, c.micro_batch_tokens, c.packing)]
             for name, c in clis.items()}
 
-    def learner_step(c: train.Args) -> Callable[[], None]:
+    def learner_step(c: flags.Args) -> Callable[[], None]:
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
             train.loss_and_backward(model, loss_module, hp, groups, advantages, c, 0, world, 0)
@@ -741,7 +744,7 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
         rows["padded"] = []  # its micro-batches are counted below, its head not timed
     return {"n_params": n_params, "weights_bytes": weights_bytes, "timed": timed, "host": host, "rows": rows,
             "attention": model.config._attn_implementation,
-            "n_micro_batches": {name: len(train.micro_batches(groups, c.micro_batch_tokens, c.packing))
+            "n_micro_batches": {name: len(packing.micro_batches(groups, c.micro_batch_tokens, c.packing))
                                 for name, c in clis.items()},
             "slots": {name: sum((r.input_ids if r.packed is None else r.packed.input_ids).numel() for r in layout)
                       or None for name, layout in rows.items()},  # token slots the model computes on, padding too
@@ -812,11 +815,12 @@ def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats:
 
     import torch
 
+    import flags
     import train
 
     dtype = torch.float32 if cli.dtype == "float32" or cli.fp32_lm_head else torch.bfloat16
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
-    gemm = train.lm_head_gemm(cli, device)  # --lm-head-gemm as the learner runs it
+    gemm = flags.lm_head_gemm(cli, device)  # --lm-head-gemm as the learner runs it
     train.install_target_logprob_head(types.SimpleNamespace(config=config, get_output_embeddings=lambda: head),
                                       cli.logits_chunk_tokens, gemm)
     if gemm == "split-bf16":  # its hidden states are the bf16 trunk's, as they are
@@ -855,12 +859,12 @@ def _head_gemms_seconds(config: Any, cli: Any, tokens: int, repeats: int, device
     learner's limit, the bare bf16 step - its bf16 head + these."""
     import torch
 
-    import train
+    import flags
 
     rows = min(tokens, HEAD_GEMM_ROWS)
     weight = torch.randn(config.vocab_size, config.hidden_size, device=device) / config.hidden_size ** 0.5  # [V, H]
     hidden = torch.randn(rows, config.hidden_size, device=device).to(torch.bfloat16)                       # [n, H]
-    name = "split_bf16_gemms" if train.lm_head_gemm(cli, device) == "split-bf16" else "fp32_gemms"
+    name = "split_bf16_gemms" if flags.lm_head_gemm(cli, device) == "split-bf16" else "fp32_gemms"
     with torch.no_grad():
         torch.set_float32_matmul_precision("highest")  # no TF32 in the float32 GEMMs
         seconds = _seconds(_head_gemm_variants(weight, hidden, 1.0)[name], repeats, device)
@@ -907,12 +911,12 @@ def _time_bare(model_dir: str, cli: Any, groups: list, advantages: Any, args: ar
     hold, its rows' shapes, and its LM head's time alone (_bare_logprobs on the same scored positions)."""
     import torch
 
-    import train
+    import packing
 
     model = _bare_model(model_dir, cli, device, args.activation_checkpointing)
     weights_bytes = _allocated(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    whole = train.to_rows(groups, advantages, args.group_size, 0, device, train.row_packing(cli, model))
+    whole = packing.to_rows(groups, advantages, args.group_size, 0, device, packing.row_packing(cli, model))
     real = whole.attention[:, 1:]                                                         # [N, L-1] a next token
     weight = (whole.advantages[:, None] * whole.loss_mask)[real] / whole.loss_mask.sum()  # [P]
 
@@ -936,7 +940,7 @@ def _time_bare(model_dir: str, cli: Any, groups: list, advantages: Any, args: ar
         seqs = [grp.prompt_ids + c.token_ids for grp in groups for c in grp.completions]
         longest = max(len(seq) for seq in seqs)
         for width in sorted({max(int(w), longest) for w in args.row_widths.split(",")}):
-            ids, positions, at = _packed_batch(seqs, train.best_fit_decreasing([len(q) for q in seqs], width))
+            ids, positions, at = _packed_batch(seqs, packing.best_fit_decreasing([len(q) for q in seqs], width))
             methods[f"bare W={width}"] = bare_step(ids.to(device), at.to(device), position_ids=positions.to(device))
             widths[f"bare W={width}"] = tuple(ids.shape)
         methods["bare padded"] = bare_step(whole.input_ids, real.flatten().nonzero().squeeze(1),
@@ -971,12 +975,13 @@ def _planned_learner_bytes(config: Any, cli: Any, groups: list, world: int, devi
 
 def _planned_bytes(config: Any, cli: Any, groups: list, world: int, gpu_memory: int) -> int:
     """The memory plan's learner bytes for the packed micro-batches of `groups` (_planned_learner_bytes)."""
-    import train
+    import flags
+    import packing
 
     lengths = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
-    batches = train.micro_batches(groups, cli.micro_batch_tokens, True)
+    batches = packing.micro_batches(groups, cli.micro_batch_tokens, True)
     largest = max(sum(lengths[n] for n in b) for b in batches)
-    layout = train.learner_memory_plan(cli, config, world, gpu_memory).layout
+    layout = flags.learner_memory_plan(cli, config, world, gpu_memory).layout
     return memory_plan.estimate(config, layout, tokens=largest, micro_batches=len(batches)).learner_bytes
 
 
@@ -985,7 +990,7 @@ def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dic
     """Print what bench_train measured; the results' JSON object. Fields of a method that ran out of GPU memory are
     None (its "_oom" names the error); GPU memory and MFU fields are left out where not measured (off a GPU) or
     unknown (no peak)."""
-    import train
+    import runtime
 
     tokens = sum(len(grp.prompt_ids) + len(c.token_ids) for grp in groups for c in grp.completions)  # real ones
     timed = {**learner["timed"], "bare": bare["timed"]["bare"]}
@@ -1008,7 +1013,7 @@ def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dic
     for name, s in step_s.items():
         results[f"{name}_s"] = None if s is None else round(s, 4)
         results[f"{name}_tokens_per_s"] = None if s is None else round(tokens / s)
-        mfu = None if s is None else train.model_flops_utilisation(learner["n_params"], tokens, s, 1, peak_flops)
+        mfu = None if s is None else runtime.model_flops_utilisation(learner["n_params"], tokens, s, 1, peak_flops)
         if peak_flops is not None:
             results[f"{name}_mfu"] = None if mfu is None else round(mfu, 4)
         if "peak_bytes" in timed[name]:
@@ -1292,18 +1297,18 @@ def _head_gemm_variants(weight, hidden, temperature: float) -> dict:
     (three bf16 products forward, summed in float32 as one GEMM of inner size 3H; one per gradient)."""
     import torch
 
-    import train
+    import head_gemm
 
     weight_bf16, hidden32 = weight.to(torch.bfloat16), hidden.float()
     grad_logits = torch.randn(hidden.shape[0], weight.shape[0], device=weight.device) * 1e-3  # [M, V]
     grad_bf16 = grad_logits.to(torch.bfloat16)
-    parts, hidden3 = train._split_bf16(weight, temperature), hidden.repeat(1, 3)               # [V, 3H], [M, 3H]
+    parts, hidden3 = head_gemm._split_bf16(weight, temperature), hidden.repeat(1, 3)               # [V, 3H], [M, 3H]
     return {
         "fp32_gemms": lambda: (hidden32 @ weight.T, grad_logits @ weight, grad_logits.T @ hidden32),
         "bf16_gemms": lambda: (hidden @ weight_bf16.T, grad_bf16 @ weight_bf16, grad_bf16.T @ hidden),
-        "split_bf16_gemms": lambda: (train._mm_float32(hidden3, parts.t()),
-                                     train._mm_float32(grad_bf16, weight_bf16),
-                                     train._mm_float32(grad_bf16.t(), hidden)),
+        "split_bf16_gemms": lambda: (head_gemm._mm_float32(hidden3, parts.t()),
+                                     head_gemm._mm_float32(grad_bf16, weight_bf16),
+                                     head_gemm._mm_float32(grad_bf16.t(), hidden)),
     }
 
 
@@ -1311,9 +1316,9 @@ def _head_logits_variants(weight, hidden, temperature: float) -> dict:
     """name -> a function from rows [n] to their logits / T [n, V] (float32 or bf16) in that variant's way."""
     import torch
 
-    import train
+    import head_gemm
 
-    weight_bf16, parts = weight.to(torch.bfloat16), train._split_bf16(weight, temperature)
+    weight_bf16, parts = weight.to(torch.bfloat16), head_gemm._split_bf16(weight, temperature)
 
     def tf32(rows):
         torch.set_float32_matmul_precision("high")
@@ -1324,8 +1329,8 @@ def _head_logits_variants(weight, hidden, temperature: float) -> dict:
 
     variants = {"fp32_gemms": lambda rows: hidden[rows].float() @ weight.T / temperature,
                 "bf16_gemms": lambda rows: (hidden[rows] @ weight_bf16.T) / temperature,
-                "split_bf16_gemms": lambda rows: train._mm_float32(hidden[rows].repeat(1, 3), parts.t()),
-                "one_bf16_product": lambda rows: train._mm_float32(hidden[rows], weight_bf16.t()) / temperature}
+                "split_bf16_gemms": lambda rows: head_gemm._mm_float32(hidden[rows].repeat(1, 3), parts.t()),
+                "one_bf16_product": lambda rows: head_gemm._mm_float32(hidden[rows], weight_bf16.t()) / temperature}
     if weight.is_cuda:  # TF32 is a GPU's
         variants["tf32_gemms"] = tf32
     return variants
@@ -1336,7 +1341,7 @@ def _head_summary(results: dict, learner_logprobs: dict, device, tokens: int, vo
     """Print the head's measurements; the results as bench.py returns them."""
     import torch
 
-    import train
+    import head_gemm
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     limit_ratio = results["learner_split_bf16"]["ms"] / results["split_bf16_gemms"]["ms"]
@@ -1357,7 +1362,7 @@ def _head_summary(results: dict, learner_logprobs: dict, device, tokens: int, vo
         grads = (f"; gradient rel. error: hidden {r['grad_hidden_rel_error']:.1e}, weight "
                  f"{r['grad_weight_rel_error']:.1e}" if "grad_hidden_rel_error" in r else "")
         print(f"{label:<48} {timing}  max |logprob - float64's| {r['max_logprob_error']:.1e}{grads}")
-    fused = {"split": train._split_bf16.fused, "log_softmax": train._logprobs_and_grad.fused}
+    fused = {"split": head_gemm._split_bf16.fused, "log_softmax": head_gemm._logprobs_and_grad.fused}
     speedup = results["learner_fp32"]["ms"] / results["learner_split_bf16"]["ms"]
     print(f"learner's split-bf16 head / its GEMMs: {limit_ratio:.2f}x (compiled by torch.compile: {fused}); "
           f"max |its logprob - the float32 head's| {vs_fp32_head:.1e}; {speedup:.1f}x the float32 head's speed")

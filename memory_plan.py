@@ -2,8 +2,9 @@
 a layout that cannot fit is refused before anything starts, with the flags that would make it fit, instead of
 running out of memory after vLLM has started and the model has loaded.
 
-A runtime module of the learner: a reader of the recipe may skip it. train.py asks it at start-up on a GPU
-(`learner_memory_plan`, `memory_problems`), and `python train.py plan` prints a plan without a GPU. It holds:
+A runtime module of the learner: a reader of the recipe may skip it. train.py's flag checks ask it at start-up on
+a GPU (flags.py: `learner_memory_plan`, `memory_problems`), and `python train.py plan` prints a plan without a GPU.
+It holds:
   - SHAPES and `shape_config`: the configs of a few real models, written here so that neither the plan nor a
     benchmark's random-weight model needs a download;
   - `parameter_counts`: a dense decoder's parameters from its config, without building the model;
@@ -162,7 +163,7 @@ class Layout:
     @property
     def tokens(self) -> int:
         """Tokens of the largest micro-batch: the budget, but never less than one sequence (a completion over the
-        budget is a micro-batch of its own: train.micro_batches), nor more than this rank's share of the batch."""
+        budget is a micro-batch of its own: packing.micro_batches), nor more than this rank's share of the batch."""
         return min(max(self.micro_batch_tokens, self.sequence_tokens), self.rank_batch_tokens)
 
 

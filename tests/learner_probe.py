@@ -16,6 +16,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import tasks  # noqa: E402
+import flags  # noqa: E402
+import runtime  # noqa: E402
 import train  # noqa: E402
 from bench import synthetic_groups  # noqa: E402
 
@@ -45,13 +47,13 @@ def configs(loss_name: str) -> list[tuple[tuple, tuple]]:
 def main() -> None:
     out = Path(sys.argv[1])
     dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
-    rank, world, device = train.init_distributed(cpu_offload=True)  # gloo beside NCCL for the offloaded layout
+    rank, world, device = runtime.init_distributed(cpu_offload=True)  # gloo beside NCCL for the offloaded layout
     model_dir = sys.argv[3] if len(sys.argv) > 3 else tasks.build_base_model(progress=False)
     results = {}
-    for loss_name in train.LOSSES:
+    for loss_name in flags.LOSSES:
         loss_module = importlib.import_module(loss_name)
         for settings, layout in configs(loss_name):
-            args = train.Args(loss=loss_name, group_size=4, dtype=dtype, **dict(settings), **dict(layout))
+            args = flags.Args(loss=loss_name, group_size=4, dtype=dtype, **dict(settings), **dict(layout))
             torch.manual_seed(0)
             model, _ = train.build_learner(str(model_dir), args, device)
             ref_model = None
@@ -71,7 +73,7 @@ def main() -> None:
                     train.attach_learner_logprobs(model, [groups[i] for i in mine], args, pad_id=0)
             totals = train.loss_and_backward(model, loss_module, hp, [groups[i] for i in mine], my_adv, args,
                                              pad_id=0, world=world, version=0, ref_model=ref_model)
-            metrics = train.reduce_metrics(totals, world)
+            metrics = runtime.reduce_metrics(totals, world)
             grads = {name: p.grad.full_tensor().float().cpu() for name, p in model.named_parameters()}
             flat = torch.cat([grads[k].flatten() for k in sorted(grads)])
             results[(loss_name, settings + layout)] = (metrics["loss"], flat, metrics)

@@ -338,7 +338,7 @@ def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed
 
 
 def _one_rank_env(monkeypatch) -> None:
-    """train.init_distributed's environment for one rank in this process, undone after the test."""
+    """runtime.init_distributed's environment for one rank in this process, undone after the test."""
     import socket
 
     with socket.socket() as sock:
@@ -418,7 +418,7 @@ def test_train_bench_times_a_shape_with_the_learner_and_the_bare_model_never_ali
 
 
 def test_train_bench_passes_the_learner_s_memory_flags_on():
-    """--activation-checkpointing, --cpu-offload and --micro-batch-tokens reach the learner's train.Args."""
+    """--activation-checkpointing, --cpu-offload and --micro-batch-tokens reach the learner's flags.Args."""
     parser = argparse.ArgumentParser()
     bench._add_train_args(parser)
     args = parser.parse_args(["--activation-checkpointing", "--cpu-offload", "--micro-batch-tokens", "4096"])

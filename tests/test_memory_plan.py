@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Co
 
 import memory_plan as mp
 import tasks
+import flags
 import train
 
 GIB = mp.GIB
@@ -146,15 +147,15 @@ def scalerl_args(*extra: str) -> list[str]:
 
 
 def test_train_plan_prints_the_plan_without_a_gpu():
-    text = train.plan(["--shape", "qwen3-8b", "--learner-ranks", "2", *scalerl_args("--micro-batch-tokens", "16384"),
+    text = flags.plan(["--shape", "qwen3-8b", "--learner-ranks", "2", *scalerl_args("--micro-batch-tokens", "16384"),
                        "--activation-checkpointing", "--cpu-offload"])
     assert text.splitlines()[0] == ("2 learner rank(s), micro-batch 16,384 tokens, --activation-checkpointing "
                                     "--cpu-offload: 32.2 of 80.0 GiB per GPU: fits")
     assert "(host memory, --cpu-offload)" in text
-    shared = train.plan(["--shape", "smollm2-135m", "--gpus", "1", "--gen-devices", "0"])
+    shared = flags.plan(["--shape", "smollm2-135m", "--gpus", "1", "--gen-devices", "0"])
     assert "24.0 GiB  vLLM's share" in shared  # 0.3 of a GPU the learner shares with vLLM
     with pytest.raises(SystemExit, match="give --shape NAME or --model DIR"):
-        train.plan([])
+        flags.plan([])
 
 
 def model_dir(tmp_path, shape: str):
@@ -171,13 +172,13 @@ def model_dir(tmp_path, shape: str):
 def eight_gpus(monkeypatch):
     """An 8-GPU node of 80 GiB GPUs, two learner ranks on it."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(train, "learner_gpu_memory", lambda device_id: 80 * GIB)
+    monkeypatch.setattr(flags, "learner_gpu_memory", lambda device_id: 80 * GIB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "2")
 
 
 def test_train_refuses_a_layout_that_cannot_fit_before_anything_starts(tmp_path, eight_gpus, monkeypatch, capsys):
-    monkeypatch.setattr(train, "set_up", lambda args: pytest.fail("set_up must not run"))
+    monkeypatch.setattr(train, "set_up", lambda *args: pytest.fail("set_up must not run"))
     argv = ["--model", model_dir(tmp_path, "qwen3-8b"), "--gen-devices", "0,1,2,3,4,5",
             "--output-dir", str(tmp_path / "run"), *scalerl_args()]
     with pytest.raises(SystemExit):
@@ -185,12 +186,12 @@ def test_train_refuses_a_layout_that_cannot_fit_before_anything_starts(tmp_path,
     error = capsys.readouterr().err
     assert "the learner does not fit its GPU" in error and "--activation-checkpointing --cpu-offload" in error
     assert not (tmp_path / "run").exists()
-    assert train.memory_problems(train.parse_args(argv + ["--activation-checkpointing", "--cpu-offload"]), 8, 2, 2) \
+    assert flags.memory_problems(flags.parse_args(argv + ["--activation-checkpointing", "--cpu-offload"]), 8, 2, 2) \
         == []  # docs/real-models.md's 8-GPU example, with the flags the refusal names
     small = ["--model", model_dir(tmp_path, "smollm2-135m"), "--gen-devices", "0,1,2,3,4,5",
              "--output-dir", str(tmp_path / "run")]
-    assert train.parse_args(small).model.endswith("smollm2-135m")  # fits: nothing to refuse
-    assert train.memory_problems(train.parse_args(small), num_gpus=0, learner_ranks=2, world=2) == []  # CPU
+    assert flags.parse_args(small).model.endswith("smollm2-135m")  # fits: nothing to refuse
+    assert flags.memory_problems(flags.parse_args(small), num_gpus=0, learner_ranks=2, world=2) == []  # CPU
 
 
 def test_docs_memory_table_is_what_the_plan_prints():
@@ -200,12 +201,12 @@ def test_docs_memory_table_is_what_the_plan_prints():
     assert [int(row[0]) for row in rows] == [1, 2, 4, 8]
     flag_sets = ([], ["--activation-checkpointing"], ["--cpu-offload"], ["--activation-checkpointing", "--cpu-offload"])
     for row in rows:
-        for cell, (budget, flags) in zip(row[1:], [(b, f) for b in ("16384", "32768") for f in flag_sets]):
-            first = train.plan(["--shape", "qwen3-8b", "--learner-ranks", row[0].strip(), "--micro-batch-tokens",
-                                budget, *flags, *scalerl_args()]).splitlines()[0]
+        for cell, (budget, flag_set) in zip(row[1:], [(b, f) for b in ("16384", "32768") for f in flag_sets]):
+            first = flags.plan(["--shape", "qwen3-8b", "--learner-ranks", row[0].strip(), "--micro-batch-tokens",
+                                budget, *flag_set, *scalerl_args()]).splitlines()[0]
             fits = first.endswith(": fits")
             assert cell.strip() == (f"**{first.split(': ')[1].split()[0]}**" if fits
-                                    else first.split(": ")[1].split()[0]), (row[0], budget, flags)
+                                    else first.split(": ")[1].split()[0]), (row[0], budget, flag_set)
 
 
 def test_the_split_bf16_head_keeps_its_logits_gradient_and_weight_parts_until_backward():
@@ -216,6 +217,6 @@ def test_the_split_bf16_head_keeps_its_logits_gradient_and_weight_parts_until_ba
     head_weight = 151936 * 4096  # Qwen3-8B's untied head
     chunk = 441 * 151936 * 4  # one [chunk, vocab] float32 buffer fewer; the parts in the weight gradient's place
     assert split.gpu["lm_head"] - plain.gpu["lm_head"] == 2 * 16384 * 151936 + 6 * head_weight - chunk - 4 * head_weight
-    assert train.learner_memory_plan(train.Args(dtype="bfloat16"), QWEN3_8B, 8, 80 * GIB).layout.split_bf16_head
-    assert not train.learner_memory_plan(train.Args(dtype="bfloat16", lm_head_gemm="fp32"), QWEN3_8B, 8,
+    assert flags.learner_memory_plan(flags.Args(dtype="bfloat16"), QWEN3_8B, 8, 80 * GIB).layout.split_bf16_head
+    assert not flags.learner_memory_plan(flags.Args(dtype="bfloat16", lm_head_gemm="fp32"), QWEN3_8B, 8,
                                          80 * GIB).layout.split_bf16_head

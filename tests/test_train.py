@@ -21,6 +21,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoints
+import flags
+import head_gemm
+import packing
+import runtime
 import train
 import pipeline_rl as pl
 from pipeline_rl import Completion, Group
@@ -43,29 +48,29 @@ def _away_from_the_checkout(tmp_path, monkeypatch):
 
 def test_help_explains_every_flag(capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
+        flags.parse_args(["--help"])
     text = capsys.readouterr().out
     for flag in ("--loss", "--mode", "--max-off-policy", "--max-steps", "--prompts-per-step", "--group-size",
                  "--eval-every", "--eval-samples", "--output-dir", "--resume", "--seed", "--model", "--dataset",
                  "--tis", "--tis-cap", "--zero-variance", "--aggregation", "--adv-norm", "--fp32-lm-head",
                  "--length-control", "--retire-pass-rate", "--loss-arg"):
         assert flag in text
-    assert text.count("(default:") >= len(train.dataclasses.fields(train.Args)) - 1
+    assert text.count("(default:") >= len(train.dataclasses.fields(flags.Args)) - 1
 
 
 def test_unknown_loss_lists_the_valid_ones(capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(["--loss", "ppo"])
+        flags.parse_args(["--loss", "ppo"])
     err = capsys.readouterr().err
-    assert "invalid choice: 'ppo'" in err and all(name in err for name in train.LOSSES)
+    assert "invalid choice: 'ppo'" in err and all(name in err for name in flags.LOSSES)
 
 
 def test_the_flags_page_is_what_args_gives():
     """docs/flags.md is generated from Args (`python train.py --help-markdown > docs/flags.md`), so it cannot drift
     from --help again: every flag, its default and its help, in --help's groups."""
     page = (REPO / "docs" / "flags.md").read_text()
-    assert page == train.flags_markdown(), "docs/flags.md is stale: python train.py --help-markdown > docs/flags.md"
-    for f in train.dataclasses.fields(train.Args):
+    assert page == flags.flags_markdown(), "docs/flags.md is stale: python train.py --help-markdown > docs/flags.md"
+    for f in train.dataclasses.fields(flags.Args):
         assert f"`--{f.name.replace('_', '-')}" in page
 
 
@@ -73,17 +78,17 @@ def test_mfu_is_six_n_tokens_over_the_ranks_peak_and_absent_without_a_peak(monke
     """MFU = 6 x parameters x trained tokens / (step seconds x ranks x peak): 1M parameters, 5,000 tokens, 2 s on
     2 ranks of 1 TFLOP/s -> 3e10 / 4e12 = 0.0075. The peak comes from --peak-tflops, else from the table by the
     GPU's name (a variant before its family); a CPU or an unlisted GPU has none, and then there is no mfu."""
-    assert train.model_flops_utilisation(1_000_000, 5_000, 2.0, 2, 1e12) == pytest.approx(0.0075)
-    assert train.model_flops_utilisation(1_000_000, 5_000, 2.0, 2, None) is None
-    assert train.known_peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4
-    assert train.known_peak_tflops("NVIDIA H100 PCIe", "float32") == 51.0
-    assert train.known_peak_tflops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312.0
-    assert train.known_peak_tflops("NVIDIA L40S", "bfloat16") == 362.05 and train.known_peak_tflops(
-        "NVIDIA L4", "bfloat16") == 121.0 and train.known_peak_tflops("NVIDIA A10", "float32") == 31.2
-    assert train.known_peak_tflops("NVIDIA GeForce GTX 1080", "bfloat16") is None
-    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
-    assert train.peak_flops_per_s("float32") is None
-    assert train.peak_flops_per_s("float32", given_tflops=2.5) == 2.5e12
+    assert runtime.model_flops_utilisation(1_000_000, 5_000, 2.0, 2, 1e12) == pytest.approx(0.0075)
+    assert runtime.model_flops_utilisation(1_000_000, 5_000, 2.0, 2, None) is None
+    assert runtime.known_peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4
+    assert runtime.known_peak_tflops("NVIDIA H100 PCIe", "float32") == 51.0
+    assert runtime.known_peak_tflops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312.0
+    assert runtime.known_peak_tflops("NVIDIA L40S", "bfloat16") == 362.05 and runtime.known_peak_tflops(
+        "NVIDIA L4", "bfloat16") == 121.0 and runtime.known_peak_tflops("NVIDIA A10", "float32") == 31.2
+    assert runtime.known_peak_tflops("NVIDIA GeForce GTX 1080", "bfloat16") is None
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: False)
+    assert runtime.peak_flops_per_s("float32") is None
+    assert runtime.peak_flops_per_s("float32", given_tflops=2.5) == 2.5e12
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -129,7 +134,7 @@ def test_mfu_is_six_n_tokens_over_the_ranks_peak_and_absent_without_a_peak(monke
 ])
 def test_incompatible_flags_are_explained_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(argv)
+        flags.parse_args(argv)
     err = capsys.readouterr().err
     assert message in err
     assert "usage:" not in err and len(err.splitlines()) == 1  # one line, no usage block
@@ -138,7 +143,7 @@ def test_incompatible_flags_are_explained_before_anything_starts(argv, message, 
 def test_argument_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit_info:
-        train.parse_args(["--lr", "-1"])
+        flags.parse_args(["--lr", "-1"])
     assert exit_info.value.code == 2 and capsys.readouterr().err == ""
 
 
@@ -150,7 +155,7 @@ def test_argument_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
 ])
 def test_algorithm_options_are_checked(argv, message, capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(argv)
+        flags.parse_args(argv)
     assert message in capsys.readouterr().err
 
 
@@ -158,24 +163,24 @@ def test_algorithm_options_reach_the_loss():
     import gspo
     import grpo
 
-    args = train.parse_args(["--loss", "grpo", "--kl-coef", "0.04"])
+    args = flags.parse_args(["--loss", "grpo", "--kl-coef", "0.04"])
     assert train.loss_hyperparameters(args, grpo) == {"kl_coef": 0.04}
-    for loss in train.LOSSES:  # every loss file takes GRPO's KL option
+    for loss in flags.LOSSES:  # every loss file takes GRPO's KL option
         assert "ref_logprobs" in inspect.signature(importlib.import_module(loss).compute_loss).parameters, loss
-    args = train.parse_args(["--loss", "gspo", "--loss-arg", "token_level=true"])  # GSPO-token
+    args = flags.parse_args(["--loss", "gspo", "--loss-arg", "token_level=true"])  # GSPO-token
     assert train.loss_hyperparameters(args, gspo) == {"token_level": True}
 
 
 def test_loss_arg_overrides_and_rejects_unknown_keys():
     import cispo
 
-    args = train.parse_args(["--loss-arg", "eps_max=8", "--loss-arg", "aggregation=token"])
+    args = flags.parse_args(["--loss-arg", "eps_max=8", "--loss-arg", "aggregation=token"])
     assert train.loss_hyperparameters(args, cispo) == {"eps_max": 8, "aggregation": "token"}
     with pytest.raises(SystemExit, match="no such hyper-parameter.*eps_max"):
-        train.loss_hyperparameters(train.parse_args(["--loss-arg", "clip_eps=0.1"]), cispo)
+        train.loss_hyperparameters(flags.parse_args(["--loss-arg", "clip_eps=0.1"]), cispo)
     import drgrpo
 
-    args = train.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
+    args = flags.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
     assert train.loss_hyperparameters(args, drgrpo) == {"max_tokens": 40}  # Dr. GRPO's constant: the budget
 
 
@@ -187,11 +192,11 @@ def test_loss_arg_overrides_and_rejects_unknown_keys():
     (["--max-model-len", "128"], 128),
 ])
 def test_generator_context_follows_the_flags(argv, max_model_len):
-    args = train.parse_args(argv)
-    train.resolve_defaults(args, embedded=args.model is None, on_gpu=False)
-    config = train.generator_config(args, "model-dir", step=3)  # builds the config only: nothing starts
+    args = flags.parse_args(argv)
+    flags.resolve_defaults(args, embedded=args.model is None, on_gpu=False)
+    config = runtime.generator_config(args, "model-dir", step=3)  # builds the config only: nothing starts
     assert config.max_model_len == max_model_len
-    assert config.max_tokens == args.max_tokens and config.think_budget == train.int_range(args.think_budget)
+    assert config.max_tokens == args.max_tokens and config.think_budget == flags.int_range(args.think_budget)
     assert config.model == "model-dir" and config.seed == args.seed + 3 and config.data_seed == args.seed
 
 
@@ -207,7 +212,7 @@ def test_dataset_config_reaches_load_dataset(monkeypatch, argv, config):
         return [{"question": f"What is {i} + 2?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(10)]
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    task, test_task = train.load_tasks(train.parse_args(["--dataset", "openai/gsm8k", *argv]))
+    task, test_task = runtime.load_tasks(flags.parse_args(["--dataset", "openai/gsm8k", *argv]))
     assert calls == [("openai/gsm8k", config, "train")]
     assert test_task is None and len(task.problems) + len(task.validation()) == 10
 
@@ -225,50 +230,50 @@ def test_dataset_config_reaches_load_dataset(monkeypatch, argv, config):
     ("0,1,2", 8, 2, 2, "--gen-devices 0,1,2: 3 devices do not split into replicas of --tensor-parallel-size 2"),
 ])
 def test_gpu_layouts_that_cannot_work_are_refused_before_anything_starts(gen_devices, gpus, ranks, tp, message):
-    args = train.Args(gen_devices=gen_devices, tensor_parallel_size=tp)  # parse_args would check this machine's GPUs
-    problems = train.gpu_layout_problems(args, num_gpus=gpus, learner_ranks=ranks)
+    args = flags.Args(gen_devices=gen_devices, tensor_parallel_size=tp)  # parse_args would check this machine's GPUs
+    problems = flags.gpu_layout_problems(args, num_gpus=gpus, learner_ranks=ranks)
     assert (problems == []) if message is None else any(p.startswith(message) for p in problems), problems
 
 
 def test_the_readme_s_eight_gpu_node_is_six_replicas_and_two_learner_ranks():
     """--gen-devices 0,1,2,3,4,5 on an 8-GPU node: six vLLM replicas of one GPU each (three with
     --tensor-parallel-size 2), and GPUs 6 and 7 for two learner ranks."""
-    args = train.Args(gen_devices="0,1,2,3,4,5")
-    assert train.gpu_layout_problems(args, num_gpus=8, learner_ranks=2) == []
-    assert train.local_replicas(args, num_gpus=8) == 6
+    args = flags.Args(gen_devices="0,1,2,3,4,5")
+    assert flags.gpu_layout_problems(args, num_gpus=8, learner_ranks=2) == []
+    assert flags.local_replicas(args, num_gpus=8) == 6
     assert pl.split_devices(args.gen_devices, 8)[0] == [6, 7]
     args.tensor_parallel_size = 2
-    assert train.local_replicas(args, num_gpus=8) == 3
+    assert flags.local_replicas(args, num_gpus=8) == 3
     args.gen_replicas = 2
-    assert train.gpu_layout_problems(args, 8, 2)[0].startswith("--gen-replicas 2: --gen-devices 0,1,2,3,4,5 with "
+    assert flags.gpu_layout_problems(args, 8, 2)[0].startswith("--gen-replicas 2: --gen-devices 0,1,2,3,4,5 with "
                                                                "--tensor-parallel-size 2 makes 3 replica(s)")
-    assert train.local_replicas(train.Args(), num_gpus=0) == 1  # CPU: one, unless asked for more
+    assert flags.local_replicas(flags.Args(), num_gpus=0) == 1  # CPU: one, unless asked for more
 
 
 def test_cpu_replicas_take_every_core_in_sync_mode_and_one_thread_beside_a_busy_learner(monkeypatch):
     """On CPU, sync mode's replicas generate while the learner ranks wait, so they share the machine's cores;
     pipeline mode leaves them torchrun's one thread (None), since two threads beside a training learner stall."""
-    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(train.os, "cpu_count", lambda: 8)
-    assert train.generator_threads(train.Args(mode="sync")) == 8
-    assert train.generator_threads(train.Args(mode="sync", gen_replicas=3)) == 2
-    assert train.generator_threads(train.Args(mode="pipeline")) is None
-    assert train.generator_threads(train.Args(mode="pipeline", gen_threads=2)) == 2
-    assert train.check_args(train.Args(gen_threads=0)) == ["--gen-threads 0: a replica needs at least one thread"]
-    monkeypatch.setattr(train.torch.cuda, "is_available", lambda: True)  # a GPU replica's threads are vLLM's
-    assert train.generator_threads(train.Args(mode="sync", gen_threads=2)) is None
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 8)
+    assert runtime.generator_threads(flags.Args(mode="sync")) == 8
+    assert runtime.generator_threads(flags.Args(mode="sync", gen_replicas=3)) == 2
+    assert runtime.generator_threads(flags.Args(mode="pipeline")) is None
+    assert runtime.generator_threads(flags.Args(mode="pipeline", gen_threads=2)) == 2
+    assert flags.check_args(flags.Args(gen_threads=0)) == ["--gen-threads 0: a replica needs at least one thread"]
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)  # a GPU replica's threads are vLLM's
+    assert runtime.generator_threads(flags.Args(mode="sync", gen_threads=2)) is None
 
 
 def test_the_generator_gets_a_smaller_share_of_a_gpu_it_shares(monkeypatch):
-    args = train.Args(gen_devices="0")
-    train.resolve_defaults(args, embedded=True, on_gpu=True)
+    args = flags.Args(gen_devices="0")
+    flags.resolve_defaults(args, embedded=True, on_gpu=True)
     for gen_devices, gpus, fraction in (("0", 1, 0.3), ("0", 8, 0.85), ("0,1", 2, 0.3)):  # shared when it has all
         args.gen_devices = gen_devices
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
-        assert train.generator_config(args, "model-dir", step=0).gpu_memory_utilization == fraction
+        assert runtime.generator_config(args, "model-dir", step=0).gpu_memory_utilization == fraction
     args.gen_memory_fraction = 0.6
-    assert train.generator_config(args, "model-dir", step=0).gpu_memory_utilization == 0.6
+    assert runtime.generator_config(args, "model-dir", step=0).gpu_memory_utilization == 0.6
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -286,45 +291,45 @@ def _group(i: int, lengths: list[int], rewards: list[float], prompt_len: int = 3
 def test_micro_batches_hold_completions_within_the_budget_and_may_split_groups():
     groups = [_group(i, [2 + i, 3], [1.0, -1.0]) for i in range(6)]
     lengths = [3 + len(c.token_ids) for g in groups for c in g.completions]
-    batches = train.micro_batches(groups, token_budget=20)
+    batches = packing.micro_batches(groups, token_budget=20)
     assert [n for b in batches for n in b] == list(range(12))  # every completion once, in order
     for b in batches:
         assert len(b) == 1 or len(b) * max(lengths[n] for n in b) <= 20  # padded: rows x longest row
     assert any(b[0] % 2 == 1 for b in batches[1:])  # some micro-batch starts inside a group
-    assert len(train.micro_batches(groups, token_budget=10**6)) == 1
+    assert len(packing.micro_batches(groups, token_budget=10**6)) == 1
 
 
 def test_micro_batch_groups_cut_each_group_to_the_completions_it_holds():
     groups = [_group(i, [2, 3, 4], [1.0, -1.0, 1.0]) for i in range(3)]
-    parts, whole = train.micro_batch_groups(groups, [0, 1, 2, 3])
+    parts, whole = packing.micro_batch_groups(groups, [0, 1, 2, 3])
     assert not whole and [p.data_index for p in parts] == [0, 1]
     assert [len(c.token_ids) for p in parts for c in p.completions] == [2, 3, 4, 2]
     assert parts[1].prompt_ids == groups[1].prompt_ids and len(groups[1].completions) == 3  # the batch is untouched
-    parts, whole = train.micro_batch_groups(groups, [3, 4, 5])
+    parts, whole = packing.micro_batch_groups(groups, [3, 4, 5])
     assert whole and [p.data_index for p in parts] == [1]
 
 
 def test_prompt_token_shares_follow_the_loss_files_unit():
     masks = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)  # G = 2
-    shares = train.prompt_token_shares(train.LOSSES["cispo"], {"aggregation": "prompt"}, masks, 2)
+    shares = train.prompt_token_shares(flags.LOSSES["cispo"], {"aggregation": "prompt"}, masks, 2)
     assert shares.tolist() == [0.75, 0.25, 0.0, 1.0]
-    assert train.prompt_token_shares(train.LOSSES["dapo"], {}, masks, 2).tolist() == [0.75, 0.25, 0.0, 1.0]
+    assert train.prompt_token_shares(flags.LOSSES["dapo"], {}, masks, 2).tolist() == [0.75, 0.25, 0.0, 1.0]
     for loss, hp in (("grpo", {}), ("drgrpo", {}), ("gspo", {}), ("cispo", {"aggregation": "sample"}),
                      ("cispo", {"aggregation": "token"})):
-        assert train.prompt_token_shares(train.LOSSES[loss], hp, masks, 2) is None, loss
+        assert train.prompt_token_shares(flags.LOSSES[loss], hp, masks, 2) is None, loss
     assert train.loss_masks([_group(0, [2, 3], [1.0, -1.0])]).tolist() == [[True, False, False], [True, True, False]]
 
 
 def test_rows_align_each_token_with_the_position_that_predicts_it():
     grp = _group(0, [4, 2], [1.0, -1.0], prompt_len=3)
-    rows = train.to_rows([grp], torch.tensor([1.0, -1.0]), 2, pad_id=0)
+    rows = packing.to_rows([grp], torch.tensor([1.0, -1.0]), 2, pad_id=0)
     assert rows.input_ids.tolist() == [[1, 2, 3, 10, 11, 12, 13], [1, 2, 3, 10, 11, 0, 0]]
     # Position t predicts input_ids[t + 1]: completion token 0 is predicted at position len(prompt) - 1.
     assert rows.loss_mask.tolist() == [[False, False, True, True, True, False], [False, False, True, False, False, False]]
     assert rows.attention.sum(1).tolist() == [7, 5]
     assert rows.versions[1].tolist() == [-1, -1, 0, 0, -1, -1]
     grp.completions[0].old_logprobs = [-1.0, -2.0, -3.0, -4.0]  # learner-recomputed old logprobs win when present
-    rows = train.to_rows([grp], torch.tensor([1.0, -1.0]), 2, pad_id=0)
+    rows = packing.to_rows([grp], torch.tensor([1.0, -1.0]), 2, pad_id=0)
     assert rows.old_logprobs[0, 2:6].tolist() == [-1.0, -2.0, -3.0, -4.0]
     assert rows.old_logprobs[1, 2:4].tolist() == [-0.5, -0.5]
 
@@ -349,7 +354,7 @@ def test_rows_built_in_one_operation_per_field_equal_a_row_by_row_build():
                 completions.append(c)
             groups.append(Group(Problem(f"p{i}", "", ""), i, [rng.randrange(3, 99) for _ in range(rng.randint(1, 6))],
                                 completions))
-        rows = train.to_rows(groups, None, group_size, pad_id=1)
+        rows = packing.to_rows(groups, None, group_size, pad_id=1)
         seqs = [(g.prompt_ids, c) for g in groups for c in g.completions]
         length = max(len(p) + len(c.token_ids) for p, c in seqs)
         assert rows.input_ids.shape == (len(seqs), length)
@@ -369,12 +374,12 @@ def test_rows_built_in_one_operation_per_field_equal_a_row_by_row_build():
 def test_rows_go_to_the_models_device():
     """On a GPU the micro-batch must be where the model is; the "meta" device stands in for it on a CPU machine."""
     grp = _group(0, [4, 2], [1.0, -1.0], prompt_len=3)
-    rows = train.to_rows([grp], torch.tensor([1.0, -1.0]), 2, pad_id=0, device="meta")
+    rows = packing.to_rows([grp], torch.tensor([1.0, -1.0]), 2, pad_id=0, device="meta")
     fields = [rows.input_ids, rows.attention, rows.loss_mask, rows.sampler_logprobs, rows.versions,
               rows.old_logprobs, rows.advantages]
     assert all(x.device.type == "meta" for x in fields)
-    assert train.to_rows([grp], None, 2, pad_id=0, device="meta").advantages is None
-    assert train.model_device(torch.nn.Linear(2, 2, device="meta")).type == "meta"
+    assert packing.to_rows([grp], None, 2, pad_id=0, device="meta").advantages is None
+    assert packing.model_device(torch.nn.Linear(2, 2, device="meta")).type == "meta"
 
 
 def _random_groups(rng: random.Random, n_groups: int, group_size: int, vocab: int, longest: int = 20) -> list[Group]:
@@ -396,9 +401,9 @@ def _random_groups(rng: random.Random, n_groups: int, group_size: int, vocab: in
 def test_micro_batches_count_real_tokens_when_packing():
     """Packed, a micro-batch's budget counts real tokens (every completion with its prompt), not rows x longest."""
     groups = [_group(i, [2, 12], [1.0, -1.0]) for i in range(4)]  # 3 + 2 and 3 + 12: 20 real tokens, 30 padded
-    assert [len(b) for b in train.micro_batches(groups, 40, packing=True)] == [4, 4]
-    assert [len(b) for b in train.micro_batches(groups, 40, packing=False)] == [2, 2, 2, 2]
-    assert train.micro_batches(groups, 5, packing=True) == [[n] for n in range(8)]  # over the budget: alone
+    assert [len(b) for b in packing.micro_batches(groups, 40, packing=True)] == [4, 4]
+    assert [len(b) for b in packing.micro_batches(groups, 40, packing=False)] == [2, 2, 2, 2]
+    assert packing.micro_batches(groups, 5, packing=True) == [[n] for n in range(8)]  # over the budget: alone
 
 
 def test_packed_rows_hold_every_sequence_once_with_padding_only_at_the_tail_of_a_row():
@@ -410,9 +415,9 @@ def test_packed_rows_hold_every_sequence_once_with_padding_only_at_the_tail_of_a
     for trial in range(20):
         group_size = rng.randint(1, 4)
         groups = _random_groups(rng, rng.randint(1, 6), group_size, 99)
-        padded = train.to_rows(groups, None, group_size, pad_id=1)
+        padded = packing.to_rows(groups, None, group_size, pad_id=1)
         for pack in (832.0, 3072.0, 4.0, math.inf):
-            rows = train.to_rows(groups, None, group_size, pad_id=1, pack=pack)
+            rows = packing.to_rows(groups, None, group_size, pad_id=1, pack=pack)
             for field in ("input_ids", "attention", "loss_mask", "sampler_logprobs", "versions", "old_logprobs"):
                 assert torch.equal(getattr(rows, field), getattr(padded, field))  # the loss files' layout is kept
             ids, pos = rows.packed.input_ids, rows.packed.position_ids                       # [R, W]
@@ -457,16 +462,16 @@ def _stream(n: int) -> list[Group]:
 
 @pytest.mark.parametrize("policy, kept, pulled", [("keep", 6, 6), ("drop", 4, 6), ("resample", 6, 9)])
 def test_zero_variance_policies(policy, kept, pulled):
-    args = train.Args(prompts_per_step=6, zero_variance=policy, group_size=2, retire_pass_rate=0)
-    out = train.pull_round(args, FakeGenerator(_stream(30)), train.TrainerState())
+    args = flags.Args(prompts_per_step=6, zero_variance=policy, group_size=2, retire_pass_rate=0)
+    out = train.pull_round(args, FakeGenerator(_stream(30)), checkpoints.TrainerState())
     assert len(out.batches) == 1 and len(out.batches[0]) == kept
     assert out.stats["groups_pulled"] == pulled
     assert out.stats["frac_zero_variance"] == pytest.approx((pulled + 2) // 3 / pulled)
 
 
 def test_no_positive_resampling_retires_prompts_at_the_threshold():
-    args = train.Args(prompts_per_step=6, group_size=2, retire_pass_rate=0.9, zero_variance="keep")
-    state = train.TrainerState(history={"p3": [0.5]})
+    args = flags.Args(prompts_per_step=6, group_size=2, retire_pass_rate=0.9, zero_variance="keep")
+    state = checkpoints.TrainerState(history={"p3": [0.5]})
     generator = FakeGenerator(_stream(6))
     train.pull_round(args, generator, state)
     # p0 (1.0) is retired at once; p3's history is (0.5 + 1.0) / 2 = 0.75 < 0.9: kept; mixed groups: 0.5.
@@ -475,25 +480,25 @@ def test_no_positive_resampling_retires_prompts_at_the_threshold():
 
 
 def test_sync_round_feeds_k_steps():
-    args = train.Args(mode="sync", max_off_policy=3, prompts_per_step=2, group_size=2, zero_variance="keep",
+    args = flags.Args(mode="sync", max_off_policy=3, prompts_per_step=2, group_size=2, zero_variance="keep",
                       retire_pass_rate=0)
-    out = train.pull_round(args, FakeGenerator(_stream(6)), train.TrainerState())
+    out = train.pull_round(args, FakeGenerator(_stream(6)), checkpoints.TrainerState())
     assert [[g.data_index for g in b] for b in out.batches] == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_trainer_state_round_trips_through_its_json():
     """What a checkpoint's trainer_state.json holds comes back whole on --resume (sets included)."""
-    state = train.TrainerState(step=7, metrics_lines=9, flops=1.5, consumed={3, 1}, retired={"p2"},
-                               history={"p1": [0.5, 1.0]}, bad_steps_total=2)
-    assert train.TrainerState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    state = checkpoints.TrainerState(step=7, metrics_lines=9, flops=1.5, consumed={3, 1}, retired={"p2"},
+                                     history={"p1": [0.5, 1.0]}, bad_steps_total=2)
+    assert checkpoints.TrainerState.from_json(json.loads(json.dumps(state.to_json()))) == state
 
 
 def test_metrics_log_is_cut_back_to_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    log = train.MetricsLog(path, None)
+    log = runtime.MetricsLog(path, None)
     for step in range(5):
         log.write({"step": step})
-    log = train.MetricsLog(path, keep_lines=3)  # a resume from a checkpoint taken after 3 rows
+    log = runtime.MetricsLog(path, keep_lines=3)  # a resume from a checkpoint taken after 3 rows
     log.write({"step": 3})
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
 
@@ -501,7 +506,7 @@ def test_metrics_log_is_cut_back_to_the_checkpoint(tmp_path):
 def test_non_finite_metrics_are_written_as_null_and_named(tmp_path):
     import scaling_fit
 
-    log = train.MetricsLog(tmp_path / "metrics.jsonl", None)
+    log = runtime.MetricsLog(tmp_path / "metrics.jsonl", None)
     log.write({"step": 0, "compute_hours": 0.1, "val_pass_rate": 0.5, "loss": float("nan")})
     log.write({"step": 1, "compute_hours": 0.2, "val_pass_rate": 0.6, "lag_hist": {"0": float("inf")}})
     text = (tmp_path / "metrics.jsonl").read_text()
@@ -534,26 +539,26 @@ def test_a_checkpoint_keeps_its_predecessor_and_resume_falls_back_to_it(tmp_path
     for step in (1, 2):
         model(torch.ones(1, 3)).sum().backward()
         optimizer.step()
-        train.save_checkpoint(tmp_path, model, optimizer, {"step": step}, rank=0)
-    assert train.complete_checkpoints(tmp_path) == [tmp_path / "checkpoint", tmp_path / "checkpoint.old"]
+        checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": step}, rank=0)
+    assert checkpoints.complete_checkpoints(tmp_path) == [tmp_path / "checkpoint", tmp_path / "checkpoint.old"]
     assert (tmp_path / "checkpoint" / "rng-0.json").exists()  # each rank's RNG states
-    state, used = train.load_checkpoint(tmp_path, model, optimizer, rank=0)
+    state, used = checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)
     assert state["step"] == 2 and used == tmp_path / "checkpoint"
     # a weights file cut in half: named, and the previous checkpoint is used
     weights = tmp_path / "checkpoint" / "weights.pt"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    state, used = train.load_checkpoint(tmp_path, model, optimizer, rank=0)
+    state, used = checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)
     assert state["step"] == 1 and used == tmp_path / "checkpoint.old"
     assert f"{tmp_path / 'checkpoint' / 'weights.pt'} is cut short" in capsys.readouterr().err
     # a crash between the two renames: checkpoint.old complete, checkpoint.tmp partial, no checkpoint
     (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.tmp")
     (tmp_path / "checkpoint.tmp" / "trainer_state.json").unlink()
     (tmp_path / "args.json").write_text(json.dumps({"max_steps": 5}))
-    assert train.parse_args(["--resume", str(tmp_path)]).max_steps == 5  # --resume accepts it
-    assert train.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 1
+    assert flags.parse_args(["--resume", str(tmp_path)]).max_steps == 5  # --resume accepts it
+    assert checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 1
     (tmp_path / "checkpoint.old" / "weights.pt").write_bytes(b"garbage")
     with pytest.raises(SystemExit, match="no checkpoint could be read by every rank.*checkpoint.old/weights.pt is cut"):
-        train.load_checkpoint(tmp_path, model, optimizer, rank=0)
+        checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)
 
 
 @pytest.mark.parametrize("mode, zeroed", [("truncate", False), ("mask", True)])
@@ -561,7 +566,7 @@ def test_tis_mode_and_cap_min_reach_the_weights(one_rank_group, base_model_dir, 
     """Importance ratios of e^3 and e^-3, outside [0.5, 5]: TIS caps them (no zero weight), MIS/IcePop zeroes them."""
     import cispo
 
-    args = train.Args(loss="cispo", tis="token", tis_mode=mode, tis_cap_min=0.5, tis_cap=5.0, group_size=2,
+    args = flags.Args(loss="cispo", tis="token", tis_mode=mode, tis_cap_min=0.5, tis_cap=5.0, group_size=2,
                       dtype="float32")
     model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
     groups = [_group(i, [4, 3], [1.0, -1.0]) for i in range(2)]
@@ -571,21 +576,21 @@ def test_tis_mode_and_cap_min_reach_the_weights(one_rank_group, base_model_dir, 
             c.sampler_logprobs = [-0.5 + (3.0 if t % 2 else -3.0) for t in range(len(c.token_ids))]
     advantages = cispo.compute_advantages(torch.tensor([1.0, -1.0, 1.0, -1.0]), 2)
     totals = train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 0)
-    zero_frac = train.reduce_metrics(totals, 1)["is_weight_zero_frac"]
+    zero_frac = runtime.reduce_metrics(totals, 1)["is_weight_zero_frac"]
     assert (zero_frac == 1.0) if zeroed else (zero_frac == 0.0)
 
 
 # Each setting that changes how a loss normalises: its aggregation unit (a prompt's tokens, a completion's, every
 # token of the batch, Dr. GRPO's constant, GSPO's sequence ratio), the reference-policy KL and token TIS.
-SPLIT_SETTINGS = [(loss, {}) for loss in train.LOSSES] + [
+SPLIT_SETTINGS = [(loss, {}) for loss in flags.LOSSES] + [
     ("cispo", {"aggregation": "sample"}), ("cispo", {"aggregation": "token"}), ("cispo", {"kl_coef": 0.04}),
     ("dapo", {"tis": "token"}), ("gspo", {"tis": "sequence", "kl_coef": 0.04})]
 
 
 def _one_step(model, loss_name: str, settings: dict, groups: list, **layout) -> tuple[float, dict, list]:
     """The loss, metrics and gradient of one learner step on `groups` in the given layout (float32, one rank)."""
-    loss_module = train.LOSSES[loss_name]
-    args = train.Args(loss=loss_name, group_size=4, dtype="float32", **settings, **layout)
+    loss_module = flags.LOSSES[loss_name]
+    args = flags.Args(loss=loss_name, group_size=4, dtype="float32", **settings, **layout)
     hp = train.loss_hyperparameters(args, loss_module)
     advantages = loss_module.compute_advantages(torch.tensor([r for g in groups for r in g.rewards]), 4)
     model.zero_grad(set_to_none=True)
@@ -594,7 +599,7 @@ def _one_step(model, loss_name: str, settings: dict, groups: list, **layout) -> 
             train.attach_learner_logprobs(model, groups, args, 0)
     totals = train.loss_and_backward(model, loss_module, hp, groups, advantages, args, 0, 1, 0,
                                      ref_model=model if args.kl_coef else None)
-    metrics = train.reduce_metrics(totals, 1)
+    metrics = runtime.reduce_metrics(totals, 1)
     return metrics["loss"], metrics, [p.grad.clone() for p in model.parameters()]
 
 
@@ -606,7 +611,7 @@ def test_micro_batches_that_split_groups_give_the_whole_batch_s_step(one_rank_gr
     and padded. (The reference model is the policy itself, so the KL is 0 but its gradient path runs.)"""
     from bench import synthetic_groups
 
-    args = train.Args(dtype="float32")
+    args = flags.Args(dtype="float32")
     model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
     groups = synthetic_groups(3, 4, model.config.vocab_size)
     reference_loss, reference, reference_grads = _one_step(model, loss_name, settings, groups,
@@ -622,26 +627,26 @@ def test_micro_batches_that_split_groups_give_the_whole_batch_s_step(one_rank_gr
             torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("flags", [{"activation_checkpointing": True}, {"cpu_offload": True},
-                                   {"activation_checkpointing": True, "cpu_offload": True}])
-def test_activation_checkpointing_and_cpu_offload_give_the_same_step(one_rank_group, base_model_dir, flags):
+@pytest.mark.parametrize("memory_flags", [{"activation_checkpointing": True}, {"cpu_offload": True},
+                                          {"activation_checkpointing": True, "cpu_offload": True}])
+def test_activation_checkpointing_and_cpu_offload_give_the_same_step(one_rank_group, base_model_dir, memory_flags):
     """--activation-checkpointing and --cpu-offload change where memory goes, not the step: the same loss and
     gradient as without them, then the same weights after an AdamW step, in micro-batches that split groups."""
     from bench import synthetic_groups
 
     results = []
-    for layout in ({}, flags):
-        args = train.Args(dtype="float32", **layout)
+    for layout in ({}, memory_flags):
+        args = flags.Args(dtype="float32", **layout)
         model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
         mlp_calls = []  # each layer's MLP starts once per micro-batch, and once more in backward when checkpointed
         model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: mlp_calls.append(1))
         groups = synthetic_groups(3, 4, model.config.vocab_size)
         loss, _, grads = _one_step(model, "cispo", {}, groups, micro_batch_tokens=40, **layout)
-        micro_batches = len(train.micro_batches(groups, 40, True))
+        micro_batches = len(packing.micro_batches(groups, 40, True))
         assert len(mlp_calls) == micro_batches * (2 if args.activation_checkpointing else 1)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         optimizer.step()
-        weights = {k: v.clone() for k, v in train.full_state_dict(model).items()}
+        weights = {k: v.clone() for k, v in runtime.full_state_dict(model).items()}
         results.append((loss, grads, weights))
     (loss, grads, weights), (loss_2, grads_2, weights_2) = results
     assert loss_2 == pytest.approx(loss, rel=1e-6)
@@ -658,7 +663,7 @@ def test_a_round_of_one_batch_takes_its_old_logprobs_from_its_own_forward(one_ra
     forward, which the loop then skips."""
     import cispo
 
-    args = train.Args(loss="cispo", group_size=2, dtype="float32", tis=tis, micro_batch_tokens=24)
+    args = flags.Args(loss="cispo", group_size=2, dtype="float32", tis=tis, micro_batch_tokens=24)
     model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
     advantages = cispo.compute_advantages(torch.tensor([1.0, -1.0, 0.5, -0.5, 1.0, 0.0]), 2)
     results = []
@@ -670,7 +675,7 @@ def test_a_round_of_one_batch_takes_its_old_logprobs_from_its_own_forward(one_ra
         model.zero_grad()
         totals = train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 0,
                                          old_is_current=old_is_current)
-        results.append((train.reduce_metrics(totals, 1), [p.grad.clone() for p in model.parameters()]))
+        results.append((runtime.reduce_metrics(totals, 1), [p.grad.clone() for p in model.parameters()]))
     (attached, attached_grads), (own, own_grads) = results
     assert attached.keys() == own.keys() and attached["num_tokens"] == own["num_tokens"] > 0
     for key in attached:
@@ -686,11 +691,11 @@ def test_mismatch_is_reported_per_replica_on_completions_sampled_wholly_by_the_t
     straddles an update (stale KV) is left out of the measure."""
     import cispo
 
-    args = train.Args(loss="cispo", group_size=2, dtype="float32", temperature=1.0)
+    args = flags.Args(loss="cispo", group_size=2, dtype="float32", temperature=1.0)
     model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
     groups = [_group(i, [5, 4], [1.0, -1.0]) for i in range(3)]
     with torch.no_grad():  # the learner's own logprobs: what a replica with the right weights samples with
-        rows = train.to_rows(groups, None, 2, 0)
+        rows = packing.to_rows(groups, None, 2, 0)
         learner = train.token_logprobs(model, rows, 1.0)
     for row, (grp, c) in enumerate((g, c) for g in groups for c in g.completions):
         p = len(grp.prompt_ids)
@@ -702,7 +707,7 @@ def test_mismatch_is_reported_per_replica_on_completions_sampled_wholly_by_the_t
     groups[2].completions[0].versions[0] = 2  # straddles the update to 3
     groups[2].completions[0].sampler_logprobs = [x - 5.0 for x in groups[2].completions[0].sampler_logprobs]
     advantages = cispo.compute_advantages(torch.tensor([1.0, -1.0] * 3), 2)
-    metrics = train.reduce_metrics(train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 3), 1)
+    metrics = runtime.reduce_metrics(train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 3), 1)
     diff = metrics["mismatch_max_abs_diff_by_replica"]
     assert set(diff) == {0, 1} and diff[0] < 1e-5 and abs(diff[1] - 0.3) < 1e-5, diff  # the -5 straddler is out
     assert metrics["mismatch_kl_k3_by_replica"][0] < 1e-9 < metrics["mismatch_kl_k3_by_replica"][1]
@@ -730,15 +735,15 @@ def test_packed_rows_give_the_padded_rows_logprobs_and_gradient(one_rank_group, 
     the gradient's relative norm; here they differ from each other by 3e-5 in both (the tiny models: 1e-6 or less)."""
     model_dir = {"embedded": lambda: base_model_dir, "tied": lambda: _tied_llama(tmp_path / "tied"),
                  "smollm2": lambda: request.getfixturevalue("real_model_dir")}[which]()
-    args = train.Args(dtype="float32", logits_chunk_tokens=7)
+    args = flags.Args(dtype="float32", logits_chunk_tokens=7)
     model, _ = train.build_learner(str(model_dir), args, torch.device("cpu"))
     vocab = model.config.vocab_size
     groups = _random_groups(random.Random(1), 3, 4, min(vocab, 1000), longest=40)
-    padded = train.to_rows(groups, None, 4, pad_id=0)
+    padded = packing.to_rows(groups, None, 4, pad_id=0)
     valid = padded.attention[:, 1:]                                                   # [N, L-1] every next token
     weights = torch.randn(valid.shape, generator=torch.Generator().manual_seed(0))
 
-    def logprobs_and_gradient(rows: train.Rows) -> tuple[torch.Tensor, torch.Tensor]:
+    def logprobs_and_gradient(rows: packing.Rows) -> tuple[torch.Tensor, torch.Tensor]:
         model.zero_grad(set_to_none=True)
         logprobs = train.token_logprobs(model, rows, 0.7)
         (logprobs * weights)[valid].sum().backward()
@@ -746,8 +751,8 @@ def test_packed_rows_give_the_padded_rows_logprobs_and_gradient(one_rank_group, 
         return logprobs.detach()[valid], grad
 
     reference, reference_grad = logprobs_and_gradient(padded)
-    for pack in (train.row_packing(args, model), math.inf):
-        rows = train.to_rows(groups, None, 4, pad_id=0, pack=pack)
+    for pack in (packing.row_packing(args, model), math.inf):
+        rows = packing.to_rows(groups, None, 4, pad_id=0, pack=pack)
         assert rows.packed.input_ids.shape[0] < padded.input_ids.shape[0]  # several sequences share a row
         logprobs, grad = logprobs_and_gradient(rows)
         torch.testing.assert_close(logprobs, reference, rtol=0, atol=1e-4)
@@ -757,7 +762,7 @@ def test_packed_rows_give_the_padded_rows_logprobs_and_gradient(one_rank_group, 
 def test_no_token_attends_across_a_packed_boundary(one_rank_group, base_model_dir):
     """sdpa on CPU: new tokens in the other sequences of a packed row (so other keys and values everywhere around
     it) leave a sequence's logprobs as they were, bit for bit, while theirs change."""
-    args = train.Args(dtype="float32")
+    args = flags.Args(dtype="float32")
     model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
     rng = random.Random(2)
     groups = _random_groups(rng, 4, 4, 42, longest=20)
@@ -768,8 +773,8 @@ def test_no_token_attends_across_a_packed_boundary(one_rank_group, base_model_di
                       for j, c in enumerate(g.completions)])
                for i, g in enumerate(groups)]
     with torch.no_grad():
-        for pack in (train.row_packing(args, model), math.inf):
-            before, after = (train.to_rows(gs, None, 4, pad_id=1, pack=pack) for gs in (groups, changed))
+        for pack in (packing.row_packing(args, model), math.inf):
+            before, after = (packing.to_rows(gs, None, 4, pad_id=1, pack=pack) for gs in (groups, changed))
             assert torch.equal(before.packed.position_ids, after.packed.position_ids)  # the same layout
             width = before.packed.input_ids.shape[1]
             row_of = before.packed.index[:, 0] // (width - 1)                               # [N]
@@ -803,7 +808,7 @@ def test_split_bf16_head_gives_float32_logprobs_where_one_bf16_product_does_not(
     assert logits.max() > 15
     float64 = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
     float32 = train._target_logprobs(hidden.float() @ weight.T, targets, 1.0).double()
-    split = train.split_bf16_logprobs(hidden, targets, weight, None, 1.0, chunk=40).double()  # three chunks
+    split = head_gemm.split_bf16_logprobs(hidden, targets, weight, None, 1.0, chunk=40).double()  # three chunks
     assert (split - float32).abs().max() < 1e-5 and (split - float64).abs().max() < 1e-5
     assert (split - float64).abs().max() < (float32 - float64).abs().max()
     one_product = train._target_logprobs(hidden.float() @ weight.to(torch.bfloat16).float().T, targets, 1.0)
@@ -814,7 +819,7 @@ def test_split_bf16_head_gives_float32_logprobs_where_one_bf16_product_does_not(
 def test_the_split_bf16_parts_sum_to_the_weight_over_t_exactly():
     weight = torch.randn(64, 48) * torch.logspace(-6, 2, 48)                         # [V, H], magnitudes 1e-6..1e2
     for temperature in (1.0, 0.7):
-        parts = train._split_bf16(weight, temperature).double()                      # [V, 3H]: lo | mid | hi
+        parts = head_gemm._split_bf16(weight, temperature).double()                      # [V, 3H]: lo | mid | hi
         assert torch.equal(parts[:, :48] + parts[:, 48:96] + parts[:, 96:], (weight / temperature).double())
         assert (parts[:, :48].abs() <= 2.0 ** -15 * parts[:, 96:].abs()).all()       # lo holds the lowest bits
 
@@ -860,43 +865,43 @@ def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():
 
 
 def test_the_lm_head_gemm_is_split_bf16_only_for_a_bf16_learner_on_a_gpu():
-    assert train.lm_head_gemm(train.Args(dtype="bfloat16"), "cuda") == "split-bf16"
-    for args, device in [(train.Args(dtype="bfloat16"), "cpu"), (train.Args(dtype="float32"), "cuda"),
-                         (train.Args(dtype="bfloat16", fp32_lm_head=False), "cuda"),
-                         (train.Args(dtype="bfloat16", lm_head_gemm="fp32"), "cuda")]:
-        assert train.lm_head_gemm(args, device) == "fp32"
+    assert flags.lm_head_gemm(flags.Args(dtype="bfloat16"), "cuda") == "split-bf16"
+    for args, device in [(flags.Args(dtype="bfloat16"), "cpu"), (flags.Args(dtype="float32"), "cuda"),
+                         (flags.Args(dtype="bfloat16", fp32_lm_head=False), "cuda"),
+                         (flags.Args(dtype="bfloat16", lm_head_gemm="fp32"), "cuda")]:
+        assert flags.lm_head_gemm(args, device) == "fp32"
 
 
 def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(SystemExit):
-        train.parse_args(["--output-dir", str(tmp_path)])
+        flags.parse_args(["--output-dir", str(tmp_path)])
     err = capsys.readouterr().err
     assert "already holds a run" in err and f"--resume {tmp_path}" in err and "--overwrite" in err
-    assert train.parse_args(["--output-dir", str(tmp_path), "--overwrite"]).overwrite
+    assert flags.parse_args(["--output-dir", str(tmp_path), "--overwrite"]).overwrite
     with pytest.raises(SystemExit):
-        train.parse_args(["--resume", str(tmp_path), "--overwrite"])
+        flags.parse_args(["--resume", str(tmp_path), "--overwrite"])
 
 
 def test_a_resumed_run_keeps_its_flags_unless_overridden(tmp_path):
-    started = train.parse_args(["--output-dir", str(tmp_path), "--loss", "grpo", "--max-steps", "8",
+    started = flags.parse_args(["--output-dir", str(tmp_path), "--loss", "grpo", "--max-steps", "8",
                                 "--no-fp32-lm-head", "--loss-arg", "clip_eps_high=0.3"])
     (tmp_path / "args.json").write_text(json.dumps(train.dataclasses.asdict(started)))
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "trainer_state.json").write_text("{}")
-    resumed = train.parse_args(["--resume", str(tmp_path), "--output-dir", "elsewhere"])
+    resumed = flags.parse_args(["--resume", str(tmp_path), "--output-dir", "elsewhere"])
     assert resumed == train.dataclasses.replace(started, resume=str(tmp_path))
-    extended = train.parse_args(["--resume", str(tmp_path), "--max-steps", "200", "--eval-every", "7"])
+    extended = flags.parse_args(["--resume", str(tmp_path), "--max-steps", "200", "--eval-every", "7"])
     assert (extended.max_steps, extended.eval_every, extended.loss) == (200, 7, "grpo")
     assert extended.loss_arg == ["clip_eps_high=0.3"]
 
 
 def test_one_live_run_per_output_dir(tmp_path):
-    held = train.lock_output_dir(tmp_path)
-    with pytest.raises(train.OutputDirBusyError, match=f"pid {os.getpid()}"):
-        train.lock_output_dir(tmp_path)  # flock conflicts between two open files, even in one process
+    held = runtime.lock_output_dir(tmp_path)
+    with pytest.raises(runtime.OutputDirBusyError, match=f"pid {os.getpid()}"):
+        runtime.lock_output_dir(tmp_path)  # flock conflicts between two open files, even in one process
     held.close()  # what the kernel does when the holder dies, whatever kills it
-    train.lock_output_dir(tmp_path).close()
+    runtime.lock_output_dir(tmp_path).close()
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -911,11 +916,11 @@ def _saved_run(out: Path, steps: tuple[int, ...] = (1, 2), size: int = 4) -> tup
     model = torch.nn.Linear(size, size)
     optimizer = torch.optim.AdamW(model.parameters())
     out.mkdir(exist_ok=True)
-    (out / "args.json").write_text(json.dumps(train.dataclasses.asdict(train.Args(output_dir=str(out)))))
+    (out / "args.json").write_text(json.dumps(train.dataclasses.asdict(flags.Args(output_dir=str(out)))))
     for step in steps:
         model(torch.ones(1, size)).sum().backward()
         optimizer.step()
-        train.save_checkpoint(out, model, optimizer, {"step": step, "metrics_lines": step + 1}, rank=0)
+        checkpoints.save_checkpoint(out, model, optimizer, {"step": step, "metrics_lines": step + 1}, rank=0)
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(max(steps) + 1)))
     return model, optimizer
 
@@ -940,17 +945,17 @@ def test_a_save_after_a_fallback_keeps_the_good_checkpoint_until_the_new_one_is_
 
     monkeypatch.setattr(Path, "rename", crash_on_rename)
     with pytest.raises(OSError, match="simulated crash"):
-        train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+        checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
     monkeypatch.undo()
     assert renames == [("checkpoint.tmp", "checkpoint")]  # the good checkpoint.old is never renamed over
     assert _tree(tmp_path / "checkpoint.old") == good
-    state, used = train.load_checkpoint(tmp_path, model, optimizer, rank=0)
+    state, used = checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)
     assert (state["step"], used) == (1, tmp_path / "checkpoint.old")
     assert "weights.pt is cut short" in capsys.readouterr().err
-    train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
-    assert train.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 3
+    checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    assert checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 3
     assert _tree(tmp_path / "checkpoint.old") == good and not (tmp_path / "checkpoint.tmp").exists()
-    for ckpt in train.complete_checkpoints(tmp_path):
+    for ckpt in checkpoints.complete_checkpoints(tmp_path):
         assert ckpt.stat().st_mode & 0o777 == 0o700, ckpt
         assert all(f.stat().st_mode & 0o777 == 0o600 for f in ckpt.iterdir()), ckpt
 
@@ -975,7 +980,7 @@ def small_disk(request, tmp_path, monkeypatch):
         used = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
         return real(path)._replace(free=3500 * 1024 - used) if Path(path) == out else real(path)
 
-    monkeypatch.setattr(train.shutil, "disk_usage", usage)
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", usage)
     yield out
 
 
@@ -987,16 +992,16 @@ def test_a_full_disk_fails_before_writing_and_keeps_the_checkpoints(small_disk, 
     # someone else's file: now even the room of checkpoint.old, which a save frees first, is not enough
     (small_disk / "filler").write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - (40 << 10)))
     with pytest.raises(SystemExit) as stop:
-        train.save_checkpoint(small_disk, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+        checkpoints.save_checkpoint(small_disk, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
     message = str(stop.value.code)
     assert re.search(r"no space left on .+ for a checkpoint of 1\.\d MB \(free \d\.\d MB", message), message
     assert f"the previous checkpoint {small_disk / 'checkpoint'} is intact" in message
     (small_disk / "filler").unlink()
     assert _tree(small_disk) == before and not (small_disk / "checkpoint.tmp").exists()
     # without the filler it fits: the older checkpoint.old goes first, so two checkpoints' room is enough
-    train.save_checkpoint(small_disk, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    checkpoints.save_checkpoint(small_disk, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
     assert [json.loads((c / "trainer_state.json").read_text())["step"] for c in
-            train.complete_checkpoints(small_disk)] == [3, 2]
+            checkpoints.complete_checkpoints(small_disk)] == [3, 2]
 
 
 def test_a_failed_write_names_the_file_and_leaves_no_partial_directory(tmp_path, one_rank_group, monkeypatch):
@@ -1009,12 +1014,12 @@ def test_a_failed_write_names_the_file_and_leaves_no_partial_directory(tmp_path,
     def full(*args, **kwargs):
         raise RuntimeError("basic_ios::clear: iostream error")
 
-    monkeypatch.setattr(train.torch, "save", full)
+    monkeypatch.setattr(checkpoints.torch, "save", full)
     with pytest.raises(SystemExit, match=r"could not write .*checkpoint.tmp/weights.pt on rank 0 \(RuntimeError: "
                                          r"basic_ios::clear.*previous checkpoint .*checkpoint is intact"):
-        train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+        checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
     assert _tree(tmp_path / "checkpoint") == before and not (tmp_path / "checkpoint.tmp").exists()
-    assert train.complete_checkpoints(tmp_path) == [tmp_path / "checkpoint"]
+    assert checkpoints.complete_checkpoints(tmp_path) == [tmp_path / "checkpoint"]
 
 
 def test_a_save_needs_two_checkpoints_of_space_at_its_peak(tmp_path, one_rank_group, monkeypatch):
@@ -1032,18 +1037,19 @@ def test_a_save_needs_two_checkpoints_of_space_at_its_peak(tmp_path, one_rank_gr
             return result
         return wrapper
 
-    for module, name in ((train.torch, "save"), (train, "write_atomically"), (train.shutil, "rmtree")):
+    for module, name in ((checkpoints.torch, "save"), (checkpoints, "write_atomically"),
+                         (checkpoints.shutil, "rmtree")):
         monkeypatch.setattr(module, name, measured(getattr(module, name)))
     monkeypatch.setattr(Path, "rename", measured(Path.rename))
-    train.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
+    checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
     peak = max(sizes) / one
     print(f"peak space of a save: {peak:.3f} checkpoints ({max(sizes)} bytes, one checkpoint {one} bytes)")
     assert 1.9 < peak <= 2.01, sizes
 
 
 def test_a_resume_refuses_a_changed_recipe_and_keeps_args_json(tmp_path, capsys):
-    started = train.parse_args(["--output-dir", str(tmp_path), "--loss", "cispo", "--max-steps", "20"])
-    train.write_args_json(tmp_path, started, 0, [])
+    started = flags.parse_args(["--output-dir", str(tmp_path), "--loss", "cispo", "--max-steps", "20"])
+    flags.write_args_json(tmp_path, started, 0, [])
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 10}))
     saved = (tmp_path / "args.json").read_bytes()
@@ -1056,41 +1062,41 @@ def test_a_resume_refuses_a_changed_recipe_and_keeps_args_json(tmp_path, capsys)
         (["--max-steps", "5"], f"--max-steps 5 is below step 10, where the run {tmp_path} is"),
     ]:
         with pytest.raises(SystemExit) as stop:
-            train.parse_args(["--resume", str(tmp_path), *argv])
+            flags.parse_args(["--resume", str(tmp_path), *argv])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and message in err and len(err.splitlines()) == 1, err
         assert (tmp_path / "args.json").read_bytes() == saved
     with pytest.raises(SystemExit) as stop:  # at its --max-steps already: nothing to do, and nothing starts
-        train.parse_args(["--resume", str(tmp_path), "--max-steps", "10"])
+        flags.parse_args(["--resume", str(tmp_path), "--max-steps", "10"])
     assert stop.value.code == 0 and "is at step 10, its --max-steps: nothing to do" in capsys.readouterr().err
     # the same value again, and the flags that may change, are accepted
-    args = train.parse_args(["--resume", str(tmp_path), "--loss", "cispo", "--max-steps", "30", "--eval-every", "2",
+    args = flags.parse_args(["--resume", str(tmp_path), "--loss", "cispo", "--max-steps", "30", "--eval-every", "2",
                              "--eval-samples", "8", "--checkpoint-every", "3", "--log-every", "1"])
     assert (args.loss, args.max_steps, args.eval_every, args.eval_samples) == ("cispo", 30, 2, 8)
     # evaluate --resume trains nothing: it may use another data set or more samples
-    assert train.parse_args(["--resume", str(tmp_path), "--seed", "3"], evaluating=True).seed == 3
+    assert flags.parse_args(["--resume", str(tmp_path), "--seed", "3"], evaluating=True).seed == 3
 
 
 def test_changes_on_resume_are_recorded_with_their_step_and_listed_in_help(tmp_path, capsys):
-    started = train.parse_args(["--output-dir", str(tmp_path), "--max-steps", "20"])
-    train.write_args_json(tmp_path, started, 0, [])
+    started = flags.parse_args(["--output-dir", str(tmp_path), "--max-steps", "20"])
+    flags.write_args_json(tmp_path, started, 0, [])
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 10}))
-    train.write_args_json(tmp_path, train.parse_args(["--resume", str(tmp_path), "--max-steps", "40",
+    flags.write_args_json(tmp_path, flags.parse_args(["--resume", str(tmp_path), "--max-steps", "40",
                                                       "--eval-every", "2"]), 10, [])
     (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 40}))
-    train.write_args_json(tmp_path, train.parse_args(["--resume", str(tmp_path), "--max-steps", "50"]), 40, [7, 8])
+    flags.write_args_json(tmp_path, flags.parse_args(["--resume", str(tmp_path), "--max-steps", "50"]), 40, [7, 8])
     record = json.loads((tmp_path / "args.json").read_text())
     assert record["max_steps"] == 50 and record["eval_every"] == 2 and record["loss"] == "cispo"
     assert record["resumes"] == [{"step": 10, "changed": {"eval_every": [5, 2], "max_steps": [20, 40]}},
                                  {"step": 40, "changed": {"max_steps": [40, 50]}, "metrics_missing_steps": [[7, 8]]}]
-    assert train.CHANGEABLE_ON_RESUME <= {f.name for f in train.dataclasses.fields(train.Args)}
+    assert flags.CHANGEABLE_ON_RESUME <= {f.name for f in train.dataclasses.fields(flags.Args)}
     with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
+        flags.parse_args(["--help"])
     text = "".join(capsys.readouterr().out.split())  # argparse wraps lines at hyphens too: compare without spaces
     listed = text.split("Onlythesemaychange")[1].split("refused")[0]
     assert all(f"--{name.replace('_', '-')}," in listed or f"--{name.replace('_', '-')}(" in listed
-               for name in train.CHANGEABLE_ON_RESUME - {"output_dir", "resume", "overwrite"}), listed
+               for name in flags.CHANGEABLE_ON_RESUME - {"output_dir", "resume", "overwrite"}), listed
 
 
 class _Payload:
@@ -1111,19 +1117,19 @@ def test_a_planted_pickle_is_never_run(tmp_path, one_rank_group, capsys):
 
     run, marker = tmp_path / "run", tmp_path / "MARKER"
     model, optimizer = _saved_run(run)
-    for ckpt in train.complete_checkpoints(run):
+    for ckpt in checkpoints.complete_checkpoints(run):
         torch.save({"model": _Payload(marker), "optimizer": _Payload(marker)}, ckpt / "weights.pt")
         torch.save(_Payload(marker), ckpt / "rng-0.pt")  # an older train.py's RNG file
         for name in ("trainer_state.json", "rng-0.json"):
             (ckpt / name).write_bytes(pickle.dumps(_Payload(marker)))
     with pytest.raises(SystemExit, match="no checkpoint could be read by every rank"):
-        train.load_checkpoint(run, model, optimizer, rank=0)
+        checkpoints.load_checkpoint(run, model, optimizer, rank=0)
     with pytest.raises(SystemExit, match="export .*: no checkpoint could be read"):
         train.export(run, tmp_path / "exported")
     with pytest.raises(SystemExit, match="no checkpoint could be read"):
         train.main(["evaluate", "--resume", str(run)])
-    for ckpt in train.complete_checkpoints(run):  # weights alone planted: what export and evaluate read
-        train.write_atomically(ckpt / "trainer_state.json", json.dumps({"step": 2}))
+    for ckpt in checkpoints.complete_checkpoints(run):  # weights alone planted: what export and evaluate read
+        checkpoints.write_atomically(ckpt / "trainer_state.json", json.dumps({"step": 2}))
     with pytest.raises(SystemExit, match="weights.pt holds objects other than tensors"):
         train.export(run, tmp_path / "exported")
     (run / "checkpoint" / "rng-0.json").unlink()
@@ -1139,18 +1145,18 @@ def test_an_older_checkpoint_is_refused_until_migrated(tmp_path, one_rank_group,
     import numpy as np
 
     model, optimizer = _saved_run(tmp_path)
-    for ckpt in train.complete_checkpoints(tmp_path):  # as the older train.py wrote them
+    for ckpt in checkpoints.complete_checkpoints(tmp_path):  # as the older train.py wrote them
         (ckpt / "rng-0.json").unlink()
         torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
                    ckpt / "rng-0.pt")
     expected = (random.random(), np.random.rand(), torch.rand(1))
     with pytest.raises(SystemExit, match=f"older train.py.*train.py migrate-checkpoint {tmp_path}`"):
-        train.load_checkpoint(tmp_path, model, optimizer, rank=0)
+        checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)
     train.main(["migrate-checkpoint", str(tmp_path)])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["converted"] == [
         str(tmp_path / name / "rng-0.json") for name in ("checkpoint", "checkpoint.old")]
     assert not list(tmp_path.rglob("rng-*.pt"))
-    assert train.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 2
+    assert checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 2
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected  # the saved states, restored
 
 
@@ -1162,11 +1168,11 @@ def test_overwrite_with_bad_data_leaves_the_old_run_intact(tmp_path, one_rank_gr
     before = _tree(out)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "1+1?"}\n')
-    args = train.parse_args(["--output-dir", str(out), "--overwrite", "--dataset", str(bad)])
-    monkeypatch.setattr(train, "init_distributed", lambda *_: (0, 1, torch.device("cpu")))
+    args = flags.parse_args(["--output-dir", str(out), "--overwrite", "--dataset", str(bad)])
+    monkeypatch.setattr(runtime, "init_distributed", lambda *_: (0, 1, torch.device("cpu")))
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with pytest.raises(SystemExit), train.set_up(args):
+        with pytest.raises(SystemExit), runtime.set_up(args, train.make_learner):
             pass
     finally:
         for sig, handler in handlers.items():
@@ -1180,19 +1186,19 @@ def test_metrics_and_args_are_rewritten_through_a_rename_and_gaps_are_named(tmp_
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
     inode = path.stat().st_ino
-    log = train.MetricsLog(path, keep_lines=3, covers_step=2)  # cut back to the checkpoint: a new file, renamed
+    log = runtime.MetricsLog(path, keep_lines=3, covers_step=2)  # cut back to the checkpoint: a new file, renamed
     assert path.stat().st_ino != inode and log.lines == 3 and log.missing_steps == []
-    monkeypatch.setattr(train.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(checkpoints.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):  # killed while cutting: the file is as it was, no temporary is left
-        train.MetricsLog(path, keep_lines=1, covers_step=0)
+        runtime.MetricsLog(path, keep_lines=1, covers_step=0)
     assert len(path.read_text().splitlines()) == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
     with pytest.raises(KeyboardInterrupt):
-        train.write_args_json(tmp_path, train.Args(output_dir=str(tmp_path)), 0, [])
+        flags.write_args_json(tmp_path, flags.Args(output_dir=str(tmp_path)), 0, [])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
     monkeypatch.undo()
-    log = train.MetricsLog(path, keep_lines=7, covers_step=6)  # a file cut short behind the run's back
+    log = runtime.MetricsLog(path, keep_lines=7, covers_step=6)  # a file cut short behind the run's back
     assert log.lines == 3 and log.missing_steps == [3, 4, 5, 6]
-    assert train._ranges([3, 4, 5, 6, 9]) == [[3, 6], [9, 9]]
+    assert flags._ranges([3, 4, 5, 6, 9]) == [[3, 6], [9, 9]]
 
 
 def test_raw_tracebacks_became_one_line_each(tmp_path, capsys):
@@ -1204,7 +1210,7 @@ def test_raw_tracebacks_became_one_line_each(tmp_path, capsys):
                              ("[1, 2]", "holds list '[1, 2]', not a run's flags")):
         (run / "args.json").write_text(content)
         with pytest.raises(SystemExit):
-            train.parse_args(["--resume", str(run)])
+            flags.parse_args(["--resume", str(run)])
         err = capsys.readouterr().err
         assert message in err and len(err.splitlines()) == 1, err
         with pytest.raises(SystemExit, match="export: .*" + re.escape(message)):
@@ -1215,7 +1221,7 @@ def test_raw_tracebacks_became_one_line_each(tmp_path, capsys):
         train.export(run, tmp_path / "a-file")
     (tmp_path / "data.txt").write_text("1+1=2\n")
     with pytest.raises(SystemExit):
-        train.parse_args(["--dataset", "data.txt"])
+        flags.parse_args(["--dataset", "data.txt"])
     err = capsys.readouterr().err
     assert "--dataset data.txt: a local file of unknown kind (.txt); data files are .json" in err, err
 
@@ -1228,7 +1234,7 @@ def test_a_second_ctrl_c_under_torchrun_is_named_as_such():
         for first, second, label in ((signal.SIGINT, signal.SIGTERM, "second SIGINT"),
                                      (signal.SIGINT, signal.SIGINT, "second SIGINT"),
                                      (signal.SIGTERM, signal.SIGTERM, "second SIGTERM")):
-            stopper = train.GracefulStop(announce=False)
+            stopper = runtime.GracefulStop(announce=False)
             stopper._handle(first, None)
             with pytest.raises(SystemExit, match=f"^{label}: stopping at once"):
                 stopper._handle(second, None)
@@ -1239,7 +1245,7 @@ def test_a_second_ctrl_c_under_torchrun_is_named_as_such():
 
 TIED_LEARNER = """
 import sys, torch
-import train
+import flags, packing, runtime, train
 from transformers import LlamaConfig, LlamaForCausalLM
 
 torch.manual_seed(0)
@@ -1248,20 +1254,20 @@ config = LlamaConfig(vocab_size=32, hidden_size=64, intermediate_size=64, num_hi
 LlamaForCausalLM(config).save_pretrained(sys.argv[1])
 plain = LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 ids = torch.randint(0, 32, (3, 9))
-rows = train.Rows(ids, torch.ones_like(ids, dtype=torch.bool), None, None, None, None, None)
+rows = packing.Rows(ids, torch.ones_like(ids, dtype=torch.bool), None, None, None, None, None)
 plain_logprobs = train.token_logprobs(plain, rows, 0.7)
 scored = torch.tensor([0, 1, 2, 9, 10, 17, 23])  # positions of the flattened [3 * 8] a loss would read
 plain_logprobs.reshape(-1)[scored].sum().backward(retain_graph=True)
 subset_head_grad = plain.lm_head.weight.grad.clone()
 plain.zero_grad()
 plain_logprobs.sum().backward()
-rank, world, device = train.init_distributed()  # plain python: a world of one
-for flags in (True, False):  # --fp32-lm-head, --no-fp32-lm-head (Args directly: this model has no tokenizer)
+rank, world, device = runtime.init_distributed()  # plain python: a world of one
+for fp32_head in (True, False):  # --fp32-lm-head, --no-fp32-lm-head (Args directly: this model has no tokenizer)
     # the LM head in chunks of 5 positions (--logits-chunk-tokens): the same logprobs and gradient as the plain model
-    args = train.Args(model=sys.argv[1], fp32_lm_head=flags, logits_chunk_tokens=5)
-    train.resolve_defaults(args, embedded=False, on_gpu=False)
+    args = flags.Args(model=sys.argv[1], fp32_lm_head=fp32_head, logits_chunk_tokens=5)
+    flags.resolve_defaults(args, embedded=False, on_gpu=False)
     model, _ = train.build_learner(sys.argv[1], args, device)
-    assert model.lm_head.weight is model.get_input_embeddings().weight, flags
+    assert model.lm_head.weight is model.get_input_embeddings().weight, fp32_head
     logprobs = train.token_logprobs(model, rows, 0.7)
     torch.testing.assert_close(logprobs, plain_logprobs)
     logprobs.sum().backward()
@@ -1279,14 +1285,14 @@ for flags in (True, False):  # --fp32-lm-head, --no-fp32-lm-head (Args directly:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model(input_ids=torch.tensor([[1, 2, 3]])).logits.logsumexp(-1).sum().backward()
     optimizer.step()
-    state = train.full_state_dict(model)
-    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]), flags
+    state = runtime.full_state_dict(model)
+    assert torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]), fp32_head
 # --lm-head-gemm split-bf16 (auto's choice for a bf16 learner on a GPU) against fp32 on the same bf16 trunk, the head
 # tied, in FSDP2's unit, chunked, scoring a subset: float32's logprobs, and every gradient the same to bf16 rounding
 results = {}
 rows.scored = scored
 for gemm in ("fp32", "split-bf16"):
-    args = train.Args(model=sys.argv[1], dtype="bfloat16", lm_head_gemm=gemm, logits_chunk_tokens=5)
+    args = flags.Args(model=sys.argv[1], dtype="bfloat16", lm_head_gemm=gemm, logits_chunk_tokens=5)
     model, _ = train.build_learner(sys.argv[1], args, device)
     logprobs = train.token_logprobs(model, rows, 0.7)
     logprobs.sum().backward()
@@ -1330,7 +1336,7 @@ def probe_results(tmp_path_factory, base_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", train.LOSSES)
+@pytest.mark.parametrize("loss", flags.LOSSES)
 def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, loss):
     """Every layout of the step (learner_probe.LAYOUTS: micro-batch budgets, the LM head in chunks, padded or packed
     rows), on 1 and 2 ranks, gives the loss and gradient of one padded micro-batch on one rank, for every setting
@@ -1392,8 +1398,8 @@ def test_train_helper_reruns_a_fresh_run_once_after_a_native_crash(tmp_path, mon
                                         "traceback : Signal 11 (SIGSEGV) received by PID 7\n")
     error = subprocess.CompletedProcess([], 1, "", "SystemExit: unknown loss 'x'\n")
     ok = subprocess.CompletedProcess([], 0, "", "")
-    for results, flags, calls, rc in [([crash, ok], (), 2, 0), ([crash, crash], (), 2, 1),
-                                      ([crash, ok], ("--resume", "r"), 1, 1), ([error, ok], (), 1, 1)]:
+    for results, given_flags, calls, rc in [([crash, ok], (), 2, 0), ([crash, crash], (), 2, 1),
+                                            ([crash, ok], ("--resume", "r"), 1, 1), ([error, ok], (), 1, 1)]:
         out = tmp_path / "run"
         out.mkdir(exist_ok=True)
         (out / "metrics.jsonl").write_text("{}\n")
@@ -1401,7 +1407,7 @@ def test_train_helper_reruns_a_fresh_run_once_after_a_native_crash(tmp_path, mon
         monkeypatch.setattr(subprocess, "run", lambda *a, **k: given.pop(0))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert _train(out, *flags).returncode == rc
+            assert _train(out, *given_flags).returncode == rc
         assert len(results) - len(given) == calls
         assert len(caught) == calls - 1
         if calls == 2:
@@ -1646,7 +1652,7 @@ def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, ba
     assert f"[resume] {out / 'checkpoint.old'}: step 2" in run.stderr
     assert [r["step"] for r in _rows(out)] == list(range(7))  # steps 3 and 4 redone, each logged once
     assert [json.loads((c / "trainer_state.json").read_text())["step"]
-            for c in train.complete_checkpoints(out)] == [6, 4]
+            for c in checkpoints.complete_checkpoints(out)] == [6, 4]
     assert json.loads((out / "args.json").read_text())["resumes"] == [{"step": 2, "changed": {"max_steps": [4, 6]}}]
     assert (out / "checkpoint").stat().st_mode & 0o777 == 0o700
     run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "6", timeout=120)

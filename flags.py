@@ -1,0 +1,809 @@
+"""flags.py: the learner's flags and their checks. A runtime module: a reader of the recipe may skip it.
+
+train.py's flags are the fields of `Args`, one per flag, grouped in --help by the step of the loop each one
+configures (docs/flags.md is generated from them: `python train.py --help-markdown`). This file holds:
+  - `Args`, its --help groups and `build_parser`/`parse_args`, and `flags_markdown`;
+  - the checks run before anything starts (`check_args`, `replica_problems`, `gpu_layout_problems`,
+    `memory_problems` with the learner's memory plan, which `python train.py plan` prints);
+  - the resume rules: which flags a --resume may change (CHANGEABLE_ON_RESUME), the run's saved flags
+    (`resumed_values`), and OUTPUT_DIR/args.json with its history of resumes (`read_args_json`, `write_args_json`);
+  - what the flags resolve to once the machine and the model are known (`resolve_defaults`, `compute_dtype`,
+    `model_context`, `lm_head_gemm` with the LM head's chunk sizes, `generator_memory_fraction`), and LOSSES, the
+    table --loss picks a loss file from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import cispo  # the loss files, each one algorithm: --loss NAME picks one from LOSSES
+import dapo
+import drgrpo
+import grpo
+import gspo
+import memory_plan  # the learner's memory per rank, checked before anything starts on a GPU (train.py plan)
+import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
+import tasks
+from checkpoints import complete_checkpoints, newest_checkpoint_step, write_atomically
+
+
+LOSSES = {"grpo": grpo, "dapo": dapo, "drgrpo": drgrpo, "gspo": gspo, "cispo": cispo}  # --loss NAME -> its file
+EMBEDDED_MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings; its prompts are ~10 tokens
+PROMPT_ALLOWANCE = 512  # prompt tokens a real model's context keeps beside --max-tokens: a chat template (with its
+                        # system prompt) around a GSM8K or Polaris problem fits with room to spare
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Arguments: one dataclass field per flag, grouped in --help by the step of the loop each one configures
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class HelpGroup:
+    """The groups of `train.py --help`, in the order of the loop's steps."""
+
+    WHAT = "what to train"
+    BATCH = "batch and schedule"
+    GENERATION = "generation (pipeline)"
+    ZERO_VARIANCE = "zero-variance and No-Positive-Resampling"
+    LENGTH = "length control"
+    LOSS = "loss"
+    IMPORTANCE = "importance sampling"
+    OPTIMIZER = "optimizer"
+    EVALUATION = "evaluation and logging"
+    CHECKPOINTS = "checkpoints and resume"
+    PRECISION = "precision"
+    MEMORY = "memory"
+    GPU = "GPU placement"
+    REPLICAS = "generator replicas (this node and others)"
+    DEBUG = "debug"
+
+
+def _arg(group: str, default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"group": group, "help": help, **kw})
+
+
+# The flags a --resume may change: how the run is watched, logged, checkpointed, placed and slowed down, never
+# what it trains. Every other flag defines the run, and a resume that changes one is refused (resumed_values): a
+# flag added later defines the run until it is named here. Each change is recorded in args.json with its step.
+CHANGEABLE_ON_RESUME = frozenset({
+    "max_steps",  # upwards only: below the run's step is refused
+    "eval_every", "eval_samples", "final_eval_samples", "log_every", "checkpoint_every", "max_bad_steps",
+    "peak_tflops",  # only the mfu metric: a run may move to another kind of GPU
+    "micro_batch_tokens", "logits_chunk_tokens", "packing",  # memory and speed only: a step is the same (tested)
+    "activation_checkpointing", "cpu_offload",  # likewise
+    "gen_devices", "tensor_parallel_size", "gen_memory_fraction",  # placement: a run may move to another machine
+    "gen_replicas", "gen_remote_replicas", "gen_listen", "gen_secret_file", "gen_join_timeout",  # replicas: the
+    "weight_transport",  # scheduler restarts from the checkpoint's data position whatever their number (tested)
+    "gen_threads",  # speed only
+    "lm_head_gemm",  # speed: the logprobs are float32's either way, the gradients the same to bf16 rounding (tested)
+    "debug_gen_slowdown", "debug_learner_slowdown",
+    "output_dir", "resume", "overwrite",  # bookkeeping: a resumed run stays in its directory
+})
+
+
+@dataclass
+class Args:
+    loss: str = _arg(HelpGroup.WHAT, "cispo", "the loss file: grpo, dapo, drgrpo, gspo or cispo (ScaleRL: cispo)",
+                     choices=LOSSES)
+    loss_arg: list[str] = _arg(HelpGroup.WHAT, None, "override a hyper-parameter of the loss, KEY=VALUE (repeatable), "
+                               "e.g. --loss-arg eps_max=8; defaults are the loss file's paper values", action="append")
+    model: str | None = _arg(HelpGroup.WHAT, None, "HF model name or directory (default: the embedded tiny model, "
+                             "built and cached on first use by tasks.build_base_model)")
+    dataset: str | None = _arg(HelpGroup.WHAT, None, "HF data set name or local .json/.jsonl/.parquet (default: the "
+                               "embedded 3-digit addition task; arithmetic-verified: the same with its scratchpad "
+                               "verified too, so a tight --think-budget is a hard ceiling, see tasks.py)")
+    dataset_config: str | None = _arg(HelpGroup.WHAT, None, "configuration (subset) of a hub --dataset, passed on as "
+                                      "datasets.load_dataset(NAME, CONFIG); e.g. main for openai/gsm8k")
+    test_dataset: str | None = _arg(HelpGroup.WHAT, None, "optional test set (local file or HF name), evaluated with "
+                                    "the validation")
+    question_field: str | None = _arg(HelpGroup.WHAT, None, "question field of --dataset (default: question, problem "
+                                      "or prompt)")
+    answer_field: str | None = _arg(HelpGroup.WHAT, None, "answer field of --dataset (default: answer, solution or "
+                                    "final_answer)")
+    skip_bad_rows: bool = _arg(HelpGroup.WHAT, False, "skip and count malformed data rows instead of stopping with an "
+                               "error")
+    seed: int = _arg(HelpGroup.WHAT, 0, "seed of data order, sampling and initialisation")
+
+    max_steps: int = _arg(HelpGroup.BATCH, 100, "optimizer steps (tiny-task default: the pass rate levels off near "
+                          "0.95 by step 50-60)")
+    prompts_per_step: int = _arg(HelpGroup.BATCH, 32, "prompts per optimizer step (ScaleRL: 48; tiny-task default 32)")
+    group_size: int = _arg(HelpGroup.BATCH, 8, "completions per prompt (ScaleRL: 16; tiny-task default 8)")
+
+    mode: str = _arg(HelpGroup.GENERATION, "pipeline", "pipeline: PipelineRL in-flight updates (ScaleRL); sync: "
+                     "generate, then train", choices=("pipeline", "sync"))
+    max_off_policy: int = _arg(HelpGroup.GENERATION, 8, "k: pipeline: a sample's oldest token is at most k optimizer "
+                               "steps old (ScaleRL: 8); sync: k optimizer steps per generation round "
+                               "(PPO-off-policy-k; 1 = on-policy)")
+    buffer_steps: int = _arg(HelpGroup.GENERATION, 1, "pipeline: freshness bound under k: the generator admits at "
+                             "most this many learner steps' worth of prompts ahead of the learner (1: it samples the "
+                             "next batch while the learner trains on this one; the lag then stays near 1 however fast "
+                             "the generator is); k + 1 or more: only k limits it, as in PipelineRL and ScaleRL")
+    temperature: float = _arg(HelpGroup.GENERATION, 1.0, "sampling temperature; the learner divides its logits by the "
+                              "same value")
+    max_model_len: int | None = _arg(HelpGroup.GENERATION, None, "vLLM's context per sequence, prompt + completion "
+                                     f"tokens (default: {EMBEDDED_MAX_MODEL_LEN} for the embedded tiny model, its "
+                                     f"context length; --max-tokens + {PROMPT_ALLOWANCE} with --model, room for a "
+                                     "chat-templated prompt); a training prompt that does not fit is skipped and "
+                                     "counted in skipped_long_prompts")
+
+    zero_variance: str = _arg(HelpGroup.ZERO_VARIANCE, "drop", "groups whose rewards are all equal: drop (ScaleRL), "
+                              "resample (DAPO dynamic sampling: pull more groups until the batch is full) or keep",
+                              choices=("drop", "resample", "keep"))
+    retire_pass_rate: float = _arg(HelpGroup.ZERO_VARIANCE, 0.9, "No-Positive-Resampling: retire a prompt once its "
+                                   "pass-rate history reaches this (ScaleRL: 0.9); 0 disables")
+
+    length_control: str = _arg(HelpGroup.LENGTH, "interruptions", "interruptions (ScaleRL) or overlong (DAPO's soft "
+                               "overlong penalty added to the reward)", choices=("interruptions", "overlong"))
+    think_budget: str = _arg(HelpGroup.LENGTH, "34,40", "interruption point drawn uniformly in MIN,MAX thinking tokens "
+                             "(ScaleRL: 10240,12288; tiny task: 34,40, above its ~29-token scratchpad)")
+    answer_budget: int = _arg(HelpGroup.LENGTH, 8, "tokens allowed after an interruption (ScaleRL: 2048; tiny task: 8)")
+    max_tokens: int = _arg(HelpGroup.LENGTH, 48, "generation budget per completion (ScaleRL: 14336; tiny task: 48)")
+    overlong_cache: int = _arg(HelpGroup.LENGTH, 16, "DAPO L_cache for --length-control overlong, in tokens (paper: "
+                               "4096 of 20480; tiny-task default 16 of 48)")
+    overlong_filter: bool = _arg(HelpGroup.LENGTH, False, "DAPO's overlong filtering: completions cut off by "
+                                 "--max-tokens are masked from the loss (their rewards still count in the group's "
+                                 "advantages); counted in overlong_filtered")
+
+    aggregation: str | None = _arg(HelpGroup.LOSS, None, "CISPO loss aggregation: prompt (ScaleRL), sample or token",
+                                   choices=("prompt", "sample", "token"))
+    adv_norm: str | None = _arg(HelpGroup.LOSS, None, "CISPO advantage normalisation: batch (ScaleRL) or group",
+                                choices=("batch", "group"))
+    kl_coef: float = _arg(HelpGroup.LOSS, 0.0, "GRPO's KL penalty to the reference policy (a frozen copy of the "
+                          "initial model, sharded like the policy): beta of its k3 estimate, logged as kl_ref "
+                          "(DeepSeekMath: 0.04; 0 = off, as in DAPO and ScaleRL); every loss takes it")
+    micro_batch_tokens: int = _arg(HelpGroup.LOSS, 8192, "token budget of a micro-batch: its real tokens with "
+                                   "--packing, its padded rows x length without; a group may span micro-batches, a "
+                                   "completion over the budget is one of its own. Sized for large "
+                                   "models' memory: on a GPU with a small model, where each micro-batch costs fixed "
+                                   "host time, a larger one is faster")
+    packing: bool = _arg(HelpGroup.LOSS, True, "pack the completions (with their prompts) end to end into a few "
+                         "rows per micro-batch, position ids restarting with each, so that the learner computes on "
+                         "real tokens, not padding; each sequence attends to itself only (their length: pack_rows). "
+                         "--no-packing: one right-padded row per completion", action=argparse.BooleanOptionalAction)
+
+    tis: str | None = _arg(HelpGroup.IMPORTANCE, None, "truncated importance sampling against the sampler's logprobs: "
+                           "token or sequence (default: off)", choices=("token", "sequence"))
+    tis_cap: float = _arg(HelpGroup.IMPORTANCE, 2.0, "TIS truncation cap C (Yao et al.: 2)")
+    tis_mode: str = _arg(HelpGroup.IMPORTANCE, "truncate", "truncate: w = min(rho, C) (TIS); mask: w = rho inside "
+                         "[--tis-cap-min, C], else 0 (MIS; IcePop: --tis token --tis-mode mask --tis-cap-min 0.5 "
+                         "--tis-cap 5)", choices=("truncate", "mask"))
+    tis_cap_min: float | None = _arg(HelpGroup.IMPORTANCE, None, "lower bound of the importance weight (default: "
+                                     "none)")
+
+    lr: float | None = _arg(HelpGroup.OPTIMIZER, None, "AdamW learning rate (default: 1e-4 for the tiny model, tuned "
+                            "here, where 2e-4 diverged; the paper's 5e-7 for --model)")
+    adam_eps: float | None = _arg(HelpGroup.OPTIMIZER, None, "AdamW eps (default: 1e-8 tiny model; paper 1e-15)")
+    weight_decay: float | None = _arg(HelpGroup.OPTIMIZER, None, "AdamW weight decay (default: 0 tiny model; paper "
+                                      "0.01)")
+    warmup_steps: int | None = _arg(HelpGroup.OPTIMIZER, None, "linear warm-up steps (default: 0 tiny model; paper "
+                                    "100)")
+    grad_clip: float = _arg(HelpGroup.OPTIMIZER, 1.0, "clip the global gradient norm to this (logged as grad_norm, "
+                            "grad_clipped)")
+    max_bad_steps: int = _arg(HelpGroup.OPTIMIZER, 3, "stop (with a checkpoint) after this many consecutive "
+                              "non-finite steps")
+
+    eval_every: int = _arg(HelpGroup.EVALUATION, 5, "evaluate every N steps (and at step 0 and the end); tiny task: "
+                           "5, so the rise of the curve has enough points for the sigmoid fit")
+    eval_samples: int = _arg(HelpGroup.EVALUATION, 4, "k of the mean@k validation pass rate (ScaleRL: 16)")
+    final_eval_samples: int | None = _arg(HelpGroup.EVALUATION, None, "k of the last evaluation only (default: "
+                                          "--eval-samples): the run's final value measured more exactly for the cost "
+                                          "of one evaluation, e.g. 16 when a fit's prediction is checked against it")
+    eval_prompts: int = _arg(HelpGroup.EVALUATION, 128, "held-out validation prompts (ScaleRL: 1000)")
+    log_every: int = _arg(HelpGroup.EVALUATION, 5, "print a one-line summary every N steps")
+    peak_tflops: float | None = _arg(HelpGroup.EVALUATION, None, "dense peak TFLOP/s of one learner GPU in --dtype, "
+                                     "for the metrics' mfu (model FLOPs utilisation); default: from a table of "
+                                     "known GPUs by name (H100, H200, A100, L40S, ...); on CPU or an unknown GPU, "
+                                     "none and no mfu")
+
+    checkpoint_every: int = _arg(HelpGroup.CHECKPOINTS, 10, "save a checkpoint every N steps (and at the end)")
+    output_dir: str = _arg(HelpGroup.CHECKPOINTS, "runs/default", "where metrics.jsonl, checkpoint/, scaling.png go")
+    resume: str | None = _arg(HelpGroup.CHECKPOINTS, None, "continue the run in this directory from its newest "
+                              "checkpoint that every rank can read, with the flags it was started with (args.json). "
+                              "Only these may change, each change recorded in args.json with its step: " + ", ".join(
+                                  "--" + name.replace("_", "-") for name in sorted(CHANGEABLE_ON_RESUME)
+                                  if name not in ("output_dir", "resume", "overwrite"))
+                              + " (--max-steps upwards only); any other flag defines the run, and changing it is "
+                              "refused")
+    overwrite: bool = _arg(HelpGroup.CHECKPOINTS, False, "start afresh in an --output-dir that already holds a run, "
+                           "deleting its metrics and checkpoints once the new run has passed its checks and started "
+                           "(a failed start leaves the old run as it was; without this flag such a directory is "
+                           "refused)")
+
+    dtype: str | None = _arg(HelpGroup.PRECISION, None, "float32 or bfloat16 (default: bfloat16 on GPU, float32 on "
+                             "CPU)")
+    fp32_lm_head: bool = _arg(HelpGroup.PRECISION, True, "compute the LM head in float32 in generator and learner "
+                              "(ScaleRL, MiniMax-M1); a no-op for float32 weights",
+                              action=argparse.BooleanOptionalAction)
+    logits_chunk_tokens: int | None = _arg(HelpGroup.PRECISION, None, "positions whose logits the learner's LM head "
+                                           "computes at once, so that a micro-batch's full [tokens, vocab] float32 "
+                                           "logits never exist: under --lm-head-gemm fp32 each chunk is recomputed "
+                                           "in backward (default: as many as fit in 256 MiB); under split-bf16 the "
+                                           "chunks keep their gradient, 2 bytes a logit, for backward (default: as "
+                                           "many as fit in 1 GiB, in multiples of 128)")
+    lm_head_gemm: str = _arg(HelpGroup.PRECISION, "auto", "how the learner's FP32 LM head multiplies: fp32 (float32 "
+                             "GEMMs, no TF32, whose 10-bit products would miss float32's logprobs) or split-bf16 (the "
+                             "float32 weight split into three bf16 parts whose sum is exact, so that bf16 tensor-core "
+                             "products of the bf16 hidden states reach float32's logprobs; its gradients are "
+                             "bf16-grade, as the rest of a bf16 learner's); auto: split-bf16 on a GPU with --dtype "
+                             "bfloat16 and --fp32-lm-head, fp32 otherwise", choices=("auto", "fp32", "split-bf16"))
+    activation_checkpointing: bool = _arg(HelpGroup.MEMORY, False, "keep only each decoder layer's input in the "
+                                          "forward and recompute the layer in backward (torch's non-reentrant "
+                                          "checkpoint, inside FSDP2's hooks): activation memory ~ layers x tokens x "
+                                          "hidden instead of every layer's intermediates, for about a third more "
+                                          "compute; what lets a 32k-token completion train (docs/memory.md)",
+                                          action=argparse.BooleanOptionalAction)
+    cpu_offload: bool = _arg(HelpGroup.MEMORY, False, "keep the parameters, gradients and AdamW state in host memory "
+                             "(FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU): a GPU trains a model its "
+                             "memory cannot hold, at the cost of host-device copies every step",
+                             action=argparse.BooleanOptionalAction)
+
+    gen_devices: str | None = _arg(HelpGroup.GPU, None, "GPU only: comma-separated CUDA devices for the vLLM "
+                                   "replicas of this node, taken in runs of --tensor-parallel-size (the learner uses "
+                                   "the others); ScaleRL split 64 generator / 16 trainer GPUs")
+    tensor_parallel_size: int = _arg(HelpGroup.GPU, 1, "GPU only: vLLM tensor parallelism of each replica")
+    gen_memory_fraction: float | None = _arg(HelpGroup.GPU, None, "GPU only: vLLM's share of each generator GPU's "
+                                             "memory (default: 0.85 on GPUs of its own, 0.3 on GPUs it shares with "
+                                             "the learner, when --gen-devices takes them all)")
+
+    gen_replicas: int | None = _arg(HelpGroup.REPLICAS, None, "vLLM engines on this node, under one scheduler "
+                                    "(default: on GPU, the --gen-devices / --tensor-parallel-size; on CPU, 1: they "
+                                    "share the cores)")
+    gen_threads: int | None = _arg(HelpGroup.REPLICAS, None, "CPU only: torch threads of each local replica "
+                                   "(default: in sync mode the machine's cores shared among the replicas, since the "
+                                   "learner ranks wait while they generate; in pipeline mode 1, beside the busy "
+                                   "learner ranks, where two threads stall each other)")
+    gen_remote_replicas: int = _arg(HelpGroup.REPLICAS, 0, "replicas on other nodes to wait for, each started there "
+                                    "with `python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE` "
+                                    "(needs --gen-listen and --gen-secret-file)")
+    gen_listen: str = _arg(HelpGroup.REPLICAS, "127.0.0.1:0", "HOST:PORT the generator listens on for replicas "
+                           "(port 0: a free one, for local replicas); with --gen-remote-replicas, an address of this "
+                           "node the generator nodes reach, and a fixed port. Only this address is bound")
+    gen_secret_file: str | None = _arg(HelpGroup.REPLICAS, None, "file with the secret every replica must prove "
+                                       "(HMAC challenge), readable by its owner only; needed for remote replicas "
+                                       "(default: a random one for the local replicas)")
+    gen_join_timeout: float = _arg(HelpGroup.REPLICAS, 600.0, "seconds to wait for every replica to connect and "
+                                   "start its engine; then the start fails naming the missing ones")
+    weight_transport: str = _arg(HelpGroup.REPLICAS, "broadcast", "how new weights reach the replicas: broadcast "
+                                 "(torch.distributed, gloo on CPU, NCCL on GPU, in buckets) or file (a safetensors "
+                                 "file in /dev/shm; replicas on this node only)", choices=("broadcast", "file"))
+
+    # debugging: turn the generator/learner speed ratio on purpose
+    debug_gen_slowdown: str = _arg(HelpGroup.DEBUG, "1", "debug: make the generator X times slower (it sleeps X-1 "
+                                   "times each engine step's duration), to see how the recipe behaves on a machine "
+                                   "whose generator is slower relative to its learner; X,Y,...: one factor per "
+                                   "replica (the last for the rest)")
+    debug_learner_slowdown: float = _arg(HelpGroup.DEBUG, 1.0, "debug: make the learner X times slower (each rank "
+                                         "sleeps X-1 times each step's compute), to emulate a relatively faster "
+                                         "generator")
+
+
+def check_args(args: Args) -> list[str]:
+    """Incompatible flags, explained before anything starts."""
+    problems = gpu_layout_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if args.gen_threads is not None and args.gen_threads < 1:
+        problems.append(f"--gen-threads {args.gen_threads}: a replica needs at least one thread")
+    if args.loss != "cispo" and (args.aggregation or args.adv_norm):
+        problems.append(f"--aggregation and --adv-norm are CISPO's options; --loss {args.loss} fixes its own "
+                        "(see its file's docstring)")
+    if args.mode == "sync" and args.max_off_policy < 1:
+        problems.append("--max-off-policy must be >= 1 in sync mode (1 = on-policy)")
+    if args.mode == "pipeline" and args.max_off_policy < 0:
+        problems.append("--max-off-policy must be >= 0")
+    if args.buffer_steps < 0:
+        problems.append("--buffer-steps must be >= 0")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        problems.append(f"--peak-tflops must be > 0 (got {args.peak_tflops})")
+    try:
+        if not all(x >= 1 for x in gen_slowdowns(args)):
+            raise ValueError
+    except ValueError:
+        problems.append(f"--debug-gen-slowdown {args.debug_gen_slowdown}: X or X,Y,... (one per replica), each "
+                        "must be >= 1 (1 = full speed)")
+    if not args.debug_learner_slowdown >= 1:
+        problems.append("--debug-learner-slowdown must be >= 1 (1 = full speed)")
+    problems += replica_problems(args)
+    if args.zero_variance == "drop" and args.group_size < 2:
+        problems.append("--group-size 1 has no group variance: every group would be dropped")
+    if args.tis is None and (args.tis_cap != 2.0 or args.tis_mode != "truncate" or args.tis_cap_min is not None):
+        problems.append("--tis-cap, --tis-mode and --tis-cap-min have no effect without --tis token|sequence")
+    if args.tis_cap_min is not None and not 0 <= args.tis_cap_min <= args.tis_cap:
+        problems.append(f"--tis-cap-min must lie in [0, --tis-cap] (got {args.tis_cap_min})")
+    if args.kl_coef < 0:
+        problems.append(f"--kl-coef must be >= 0 (got {args.kl_coef})")
+    if args.overlong_filter and args.length_control == "interruptions":
+        problems.append("--overlong-filter masks completions cut off by --max-tokens: use it with "
+                        "--length-control overlong (with interruptions, a long completion is interrupted instead)")
+    try:
+        low, high = int_range(args.think_budget)
+        if not 1 <= low <= high:
+            raise ValueError
+        if args.length_control == "interruptions" and high >= args.max_tokens:
+            problems.append("--think-budget must end below --max-tokens so that an answer fits")
+    except ValueError:
+        problems.append(f"--think-budget {args.think_budget!r}: expected MIN,MAX with 1 <= MIN <= MAX, e.g. 34,40")
+    if not args.temperature > 0:
+        problems.append(f"--temperature must be > 0 (got {args.temperature}): RL samples, and greedy decoding has no "
+                        "usable logprobs")
+    for flag in ("lr", "adam_eps"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            problems.append(f"--{flag.replace('_', '-')} must be > 0 (got {value})")
+    for flag in ("weight_decay", "warmup_steps"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 0 (got {value})")
+    if args.lm_head_gemm == "split-bf16" and (args.dtype == "float32" or not args.fp32_lm_head):
+        problems.append("--lm-head-gemm split-bf16 multiplies bf16 hidden states by the FP32 head's weight: it needs "
+                        "--fp32-lm-head and --dtype bfloat16")
+    if args.logits_chunk_tokens is not None and args.logits_chunk_tokens < 1:
+        problems.append(f"--logits-chunk-tokens must be >= 1 (got {args.logits_chunk_tokens})")
+    for flag in ("group_size", "max_tokens", "answer_budget", "eval_samples", "eval_prompts", "checkpoint_every",
+                 "log_every", "micro_batch_tokens", "max_bad_steps", "final_eval_samples"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    if not args.grad_clip > 0:
+        problems.append(f"--grad-clip must be > 0 (got {args.grad_clip})")
+    if args.model is not None and not Path(args.model).exists() and (
+            args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1):
+        problems.append(f"--model {args.model}: no such directory (a hub model is named ORG/NAME)")
+    elif args.model is not None:  # a local directory: config, weights, tokenizer, a head size vLLM supports here
+        problems += [f"--model {p}" for p in tasks.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]
+    if args.dataset and tasks.is_local_data_file(args.dataset) and not Path(args.dataset).is_file():
+        problems.append(f"--dataset {args.dataset}: no such file")
+    for flag in ("dataset", "test_dataset"):  # an existing data.txt is a file of unknown kind, not a hub name
+        if getattr(args, flag) and tasks.data_file_kind_problem(getattr(args, flag)):
+            problems.append(f"--{flag.replace('_', '-')} {tasks.data_file_kind_problem(getattr(args, flag))}")
+    problems += _output_dir_problems(Path(args.output_dir))
+    if model_context(args) <= args.max_tokens:
+        problems.append(f"--max-model-len ({model_context(args)}) must exceed --max-tokens ({args.max_tokens}): it "
+                        "holds the prompt and the completion")
+    problems += run_dir_problems(args)
+    if args.dataset_config and not (args.dataset and args.dataset not in tasks.EMBEDDED_TASKS
+                                    and not tasks.is_local_data_file(args.dataset)):
+        problems.append("--dataset-config names a configuration of a hub data set: give --dataset NAME too, not a "
+                        "local file or the embedded task")
+    for item in args.loss_arg or []:
+        if "=" not in item:
+            problems.append(f"--loss-arg {item!r}: expected KEY=VALUE")
+    if args.eval_every < 1 or args.max_steps < 1 or args.prompts_per_step < 1:
+        problems.append("--eval-every, --max-steps and --prompts-per-step must be >= 1")
+    return problems
+
+
+def run_dir_problems(args: Args) -> list[str]:
+    """--resume needs a complete checkpoint to continue from; a new run does not start over an old one unasked."""
+    problems = []
+    if args.resume and not complete_checkpoints(Path(args.resume)):
+        problems.append(f"--resume {args.resume}: no complete checkpoint there (expected {args.resume}/checkpoint/ "
+                        f"or checkpoint.old/ with trainer_state.json); a run killed before its first checkpoint "
+                        f"cannot be continued: start it afresh with --output-dir {args.resume} --overwrite")
+    existing = [name for name in ("metrics.jsonl", "checkpoint", "checkpoint.old")
+                if (Path(args.output_dir) / name).exists()
+                and not (name == "metrics.jsonl" and (Path(args.output_dir) / name).stat().st_size == 0)]
+    if args.resume and args.overwrite:
+        problems.append("--resume continues a run and --overwrite deletes it: choose one")
+    elif not args.resume and existing and not args.overwrite:
+        problems.append(f"--output-dir {args.output_dir} already holds a run ({', '.join(existing)}): continue it "
+                        f"with --resume {args.output_dir}, start afresh with --overwrite, or pick another directory")
+    return problems
+
+
+def replica_problems(args: Args) -> list[str]:
+    """The replica flags, checked before anything starts (their GPU layout: gpu_layout_problems)."""
+    problems = []
+    if (args.gen_replicas is not None and args.gen_replicas < 0) or args.gen_remote_replicas < 0:
+        problems.append("--gen-replicas and --gen-remote-replicas must be >= 0")
+    elif (args.gen_replicas if args.gen_replicas is not None else 1) + args.gen_remote_replicas < 1:
+        problems.append("--gen-replicas 0 needs --gen-remote-replicas 1 or more: someone must generate")
+    try:
+        host, port = pipeline_rl.parse_address(args.gen_listen)
+        if host in ("", "0.0.0.0", "::"):
+            problems.append(f"--gen-listen {args.gen_listen}: name the address the replicas reach this node at, not "
+                            "a wildcard (only that address is bound)")
+        if args.gen_remote_replicas and port == 0:
+            problems.append(f"--gen-listen {args.gen_listen}: remote replicas need a fixed port to connect to")
+    except ValueError as e:
+        problems.append(f"--gen-listen: {e}")
+    if args.gen_remote_replicas and not args.gen_secret_file:
+        problems.append("--gen-remote-replicas needs --gen-secret-file: replicas on other nodes must prove a shared "
+                        "secret (e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`, copied to each node)")
+    if args.gen_secret_file:
+        try:
+            pipeline_rl.read_secret(args.gen_secret_file)
+        except ValueError as e:
+            problems.append(f"--gen-secret-file: {e}")
+    if args.weight_transport == "file" and args.gen_remote_replicas:
+        problems.append("--weight-transport file reaches replicas on this node only: remote replicas need broadcast")
+    return problems
+
+
+def gen_slowdowns(args: Args) -> tuple[float, ...]:
+    """--debug-gen-slowdown: 'X' or 'X,Y,...' (one factor per replica)."""
+    return tuple(float(x) for x in str(args.debug_gen_slowdown).split(","))
+
+
+def local_replicas(args: Args, num_gpus: int) -> int:
+    """How many replicas this node runs: --gen-replicas, else one per --tensor-parallel-size GPUs of --gen-devices
+    on GPU, else 1."""
+    if args.gen_replicas is not None:
+        return args.gen_replicas
+    if args.gen_devices and num_gpus:
+        return max(1, len([d for d in args.gen_devices.split(",") if d.strip()]) // max(1, args.tensor_parallel_size))
+    return 1
+
+
+def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[str]:
+    """Where the generator and the learner ranks of this node go, refused before anything starts when it cannot
+    work: on a GPU machine vLLM needs --gen-devices, and every learner rank a GPU of its own among the others (NCCL
+    refuses two ranks on one GPU). When --gen-devices takes every GPU (a machine's one GPU, say), the learner ranks
+    share the generator's GPUs, one rank per GPU, and vLLM gets a smaller share of their memory."""
+    if num_gpus == 0:
+        return [f"--gen-devices {args.gen_devices}: no CUDA GPU here (on CPU, vLLM runs beside the learner; drop the "
+                "flag)"] if args.gen_devices else []
+    if not args.gen_devices:
+        return [f"--gen-devices is needed on a GPU machine: the CUDA devices of the vLLM generator, e.g. --gen-devices "
+                f"{num_gpus - 1} (the learner ranks take the others; on a machine with one GPU, --gen-devices 0 "
+                "shares it)"]
+    try:
+        learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, num_gpus)
+    except ValueError as e:
+        return [f"--gen-devices {args.gen_devices}: {e}"]
+    problems = []
+    if learner_ranks > len(learner_ids):
+        problems.append(f"--nproc_per_node {learner_ranks}: each learner rank needs a GPU of its own, and "
+                        f"{len(learner_ids)} of the {num_gpus} are left after --gen-devices {args.gen_devices}")
+    if args.tensor_parallel_size > len(gen_ids):
+        problems.append(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many --gen-devices (got "
+                        f"{args.gen_devices})")
+    elif len(gen_ids) % args.tensor_parallel_size:
+        problems.append(f"--gen-devices {args.gen_devices}: {len(gen_ids)} devices do not split into replicas of "
+                        f"--tensor-parallel-size {args.tensor_parallel_size}")
+    elif args.gen_replicas is not None and args.gen_replicas != len(gen_ids) // args.tensor_parallel_size:
+        problems.append(f"--gen-replicas {args.gen_replicas}: --gen-devices {args.gen_devices} with "
+                        f"--tensor-parallel-size {args.tensor_parallel_size} makes "
+                        f"{len(gen_ids) // args.tensor_parallel_size} replica(s); drop --gen-replicas or change them")
+    return problems
+
+
+def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -> list[str]:
+    """On a GPU machine, a --model whose learner cannot fit its GPUs is refused before anything starts, with the
+    flags that would make it fit (memory_plan.py); only its config is read. `learner_ranks`: this node's, whose
+    GPUs are checked; `world`: all of them, over which FSDP2 shards. Not on CPU: host memory is not what the plan is
+    for. A model whose config cannot be read here (set_up will say why) or that the plan does not describe goes
+    unchecked; the embedded tiny model always fits."""
+    if num_gpus == 0 or args.model is None:
+        return []
+    from transformers import AutoConfig  # here, not at the top: see build_learner
+
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+        memory_plan.parameter_counts(config)
+    except (OSError, ValueError):
+        return []
+    learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, num_gpus)
+    in_use = learner_ids[:learner_ranks]
+    plan = learner_memory_plan(args, config, world, min(learner_gpu_memory(i) for i in in_use),
+                               shares_gpu=bool(set(in_use) & set(gen_ids)))
+    return plan.problems()
+
+
+def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory: int,
+                        shares_gpu: bool = False) -> memory_plan.MemoryPlan:
+    """The memory plan of this run's learner on `learner_ranks` GPUs of `gpu_memory` bytes, `config` being the
+    model's (transformers) config; `shares_gpu`: vLLM takes its share of each learner GPU too."""
+    dtype = compute_dtype(args, on_gpu=True)
+    split = lm_head_gemm(dataclasses.replace(args, dtype=dtype), "cuda") == "split-bf16"
+    return memory_plan.plan_memory(
+        config, args, learner_ranks, gpu_memory, dtype=dtype, sequence_tokens=model_context(args),
+        logits_chunk_bytes=SPLIT_CHUNK_BYTES if split else LOGITS_CHUNK_BYTES, split_bf16_head=split,
+        generator_share=generator_memory_fraction(args, shares_gpu) if shares_gpu else 0.0)
+
+
+def learner_gpu_memory(device_id: int) -> int:
+    """Bytes of memory of CUDA device `device_id`."""
+    return torch.cuda.get_device_properties(device_id).total_memory
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The command line: Args -> argparse, --resume's saved flags, loss-file options
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def flags_markdown() -> str:
+    """Every flag of `Args` as a Markdown table per --help group: docs/flags.md, regenerated with
+    `python train.py --help-markdown > docs/flags.md` (a test fails when the page and Args disagree)."""
+    out = ["# train.py flags", "",
+           "Generated from `Args` in flags.py by `python train.py --help-markdown > docs/flags.md`: the same text as",
+           "`python train.py --help`, grouped the same way. Do not edit by hand."]
+    group = None
+    for f in dataclasses.fields(Args):
+        if f.metadata["group"] != group:
+            group = f.metadata["group"]
+            out += ["", f"## {group}", "", "| flag | default | what it does |", "|---|---|---|"]
+        flag = "--" + f.name.replace("_", "-")
+        if f.metadata.get("action") is argparse.BooleanOptionalAction:
+            flag += f" / --no-{f.name.replace('_', '-')}"
+        default = "" if f.default is None else f"`{f.default}`"
+        text = f.metadata["help"] + (f" (one of: {', '.join(f.metadata['choices'])})" if "choices" in f.metadata
+                                     else "")
+        out.append(f"| `{flag}` | {default} | {text.replace('|', '/')} |")
+    return "\n".join(out) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="train.py", description="The ScaleRL recipe: vLLM generator + FSDP2 learner. Run under torchrun.",
+        epilog="Other commands: `train.py plan --shape NAME | --model DIR [flags]` prints the learner's GPU memory "
+        "per rank for a layout, no GPU needed, and what would make it fit (train.py plan --help); on a GPU, a run "
+        "whose plan does not fit is refused before it starts. `train.py export RUN_DIR OUT_DIR`, `train.py evaluate "
+        "[flags]`, `train.py migrate-checkpoint RUN_DIR`.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    groups: dict[str, Any] = {}  # title -> argparse argument group, in the order of Args
+    for f in dataclasses.fields(Args):
+        meta = dict(f.metadata)
+        group = meta.pop("group")
+        if group not in groups:
+            groups[group] = parser.add_argument_group(group)
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"default": f.default, "help": meta.pop("help")}
+        kwargs.update(meta)
+        if f.type in ("bool",) and "action" not in kwargs:
+            kwargs["action"] = "store_true"
+        elif "action" not in kwargs:
+            kwargs["type"] = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
+        groups[group].add_argument(flag, **kwargs)
+    return parser
+
+
+class _Unset:
+    """Marks a flag the command line did not give."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors in one line, printed once: every torchrun rank parses the same flags, so only rank 0
+    speaks and the others exit quietly with the same status."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(argv: list[str] | None = None, evaluating: bool = False) -> Args:
+    """The flags of a run, checked (check_args), and on a GPU its learner's memory plan (memory_problems); with
+    --resume, its own (resumed_values). `evaluating`: for `train.py evaluate --resume`, which trains nothing, so that
+    any flag may differ from the run's (another data set, more samples)."""
+    parser = build_parser()
+    values = vars(parser.parse_args(argv))
+    if values["resume"]:
+        values = resumed_values(parser, argv, values["resume"], evaluating)
+    args = Args(**values)
+    problems = check_args(args)
+    if not problems and not evaluating:  # evaluating trains nothing: no learner to fit
+        problems = memory_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                   int(os.environ.get("WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if problems:
+        parser.error("; ".join(problems))
+    return args
+
+
+def plan(argv: list[str]) -> str:
+    """`train.py plan`: the learner's memory plan per rank for a model (--shape, or --model's config) and a layout
+    given as on the command line of a run, printed without a GPU and without checking the flags against this
+    machine. Returns the plan's parts and, when it does not fit, the flags that would make it fit."""
+    parser = argparse.ArgumentParser(
+        prog="train.py plan", description="The learner's GPU memory per rank (memory_plan.py; docs/memory.md), for "
+        "the model and layout of a run; any other flag is train.py's.", allow_abbrev=False)
+    parser.add_argument("--shape", choices=sorted(memory_plan.SHAPES), help="a model shape written in memory_plan.py "
+                        "(else --model's config)")
+    parser.add_argument("--learner-ranks", type=int, default=1, help="learner ranks (GPUs) in all (default 1)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one learner GPU (default 80)")
+    parser.add_argument("--gpus", type=int, help="GPUs of the node, to tell whether vLLM shares the learner's GPUs "
+                        "under --gen-devices (default: it does not)")
+    options, rest = parser.parse_known_args(argv)
+    args = Args(**vars(build_parser().parse_args(rest)))
+    if options.shape:
+        config = memory_plan.shape_config(options.shape)
+        args.model = args.model or options.shape  # a real model: its context is --max-tokens + a prompt
+    elif args.model:
+        from transformers import AutoConfig  # here, not at the top: see build_learner
+
+        config = AutoConfig.from_pretrained(args.model)
+    else:
+        raise SystemExit("train.py plan: give --shape NAME or --model DIR (a config.json is enough)")
+    shares = False
+    if args.gen_devices and options.gpus:
+        learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, options.gpus)
+        shares = bool(set(learner_ids) & set(gen_ids))
+    memory = learner_memory_plan(args, config, options.learner_ranks, int(options.gpu_memory_gib * memory_plan.GIB),
+                                 shares_gpu=shares)
+    return "\n".join([memory.describe(), *memory.problems()])
+
+
+def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_dir: str,
+                   evaluating: bool = False) -> dict[str, Any]:
+    """The flags a resumed run continues with: those it was started with (its args.json), where the flags of
+    CHANGEABLE_ON_RESUME given now win (e.g. --max-steps 400 to extend it). Any other flag defines the run: giving it
+    another value is refused, naming each with the run's value and the new one, and so is a --max-steps below the
+    run's step; a --max-steps equal to it has nothing to do. Its output directory is `run_dir`, whatever
+    --output-dir says. `evaluating` (evaluate --resume) skips these checks: it trains nothing."""
+    # Parse again into a namespace that already holds every field, so argparse leaves out the defaults; append
+    # actions need a list-like start, hence None for them.
+    blank = {f.name: None if f.metadata.get("action") == "append" else _Unset for f in dataclasses.fields(Args)}
+    given = {k: v for k, v in vars(parser.parse_args(argv, namespace=argparse.Namespace(**blank))).items()
+             if v is not _Unset and not (v is None and blank[k] is None)}
+    saved: dict[str, Any] = {}
+    if (Path(run_dir) / "args.json").exists():
+        try:
+            saved = read_args_json(Path(run_dir))
+        except ValueError as e:
+            parser.error(f"--resume {run_dir}: {e}")
+    elif complete_checkpoints(Path(run_dir)):
+        parser.error(f"--resume {run_dir}: no args.json there, so the flags of the run are unknown")
+    values = {f.name: f.default for f in dataclasses.fields(Args)}
+    values.update({k: v for k, v in saved.items() if k in values})
+    run_values = dict(values)
+    values.update(resume=run_dir, overwrite=False)
+    values.update(given)
+    values["output_dir"] = run_dir
+    if not saved or evaluating:
+        return values
+    changed = [f"--{name.replace('_', '-')} (the run's {_shown(run_values[name])}, now {_shown(value)})"
+               for name, value in given.items() if name not in CHANGEABLE_ON_RESUME and value != run_values[name]]
+    if changed:
+        which = "these flags define" if len(changed) > 1 else "this flag defines"
+        parser.error(f"--resume {run_dir}: {', '.join(changed)}: {which} the run and cannot change when it resumes; "
+                     "start a new run (another --output-dir) to train with them")
+    step = newest_checkpoint_step(Path(run_dir))
+    if step is not None and values["max_steps"] < step:
+        parser.error(f"--max-steps {values['max_steps']} is below step {step}, where the run {run_dir} is: a run "
+                     f"cannot be shortened (its checkpoint is at step {step})")
+    if step is not None and values["max_steps"] == step:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[resume] {run_dir} is at step {step}, its --max-steps: nothing to do (give a higher --max-steps "
+                  "to continue it)", file=sys.stderr)
+        raise SystemExit(0)
+    return values
+
+
+def _shown(value: Any) -> str:
+    """A flag's value as the command line writes it (--loss-arg's list as its items)."""
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+_JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list[str]": (list,)}
+
+
+def read_args_json(run_dir: Path) -> dict[str, Any]:
+    """A run's args.json: its flags (and "resumes", the history of its resumes). ValueError, in one line, for a file
+    that is not JSON, not an object, or holds a flag of the wrong type (a file edited by hand, or cut short)."""
+    path = run_dir / "args.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}): restore it, or start the run "
+                         "afresh with --overwrite") from None
+    if not isinstance(saved, dict) or not isinstance(saved.get("resumes", []), list):
+        raise ValueError(f"{path} holds {type(saved).__name__} {str(saved)[:40]!r}, not a run's flags")
+    for f in dataclasses.fields(Args):
+        value = saved.get(f.name)
+        if f.name not in saved or value is None and (f.default is None or "None" in f.type):
+            continue
+        types = _JSON_TYPES.get(f.type.split(" |")[0])
+        if types and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+            raise ValueError(f"{path}: {f.name} is {value!r}, not a {f.type}: restore the file, or start the run "
+                             "afresh with --overwrite")
+    return saved
+
+
+def _output_dir_problems(out: Path) -> list[str]:
+    """--output-dir must be a directory this process can write, or a path where one can be made."""
+    if out.exists() and not out.is_dir():
+        return [f"--output-dir {out} is a file, not a directory"]
+    probe = out
+    while not probe.exists():  # the nearest existing ancestor is where the directory would be made
+        probe = probe.parent
+    if not probe.is_dir():
+        return [f"--output-dir {out}: {probe} is a file, not a directory"]
+    try:  # a real write: permission bits say little to root, or on a read-only file system
+        tempfile.TemporaryDirectory(dir=probe, prefix=".scalerl-probe-").cleanup()
+    except OSError as e:
+        return [f"--output-dir {out}: {probe} is not writable ({e.strerror})"]
+    return []
+
+
+def model_context(args: Args) -> int:
+    """vLLM's max_model_len: --max-model-len, else the tiny model's context, else --max-tokens + a prompt allowance."""
+    if args.max_model_len is not None:
+        return args.max_model_len
+    return EMBEDDED_MAX_MODEL_LEN if args.model is None else args.max_tokens + PROMPT_ALLOWANCE
+
+
+def int_range(text: str) -> tuple[int, int]:
+    """'LOW,HIGH' -> (LOW, HIGH), as --think-budget (and bench.py's --completion-tokens) write a range."""
+    low, high = (int(x) for x in text.split(","))
+    return low, high
+
+
+def _literal(value: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(value.lower(), value)
+
+
+def resolve_defaults(args: Args, embedded: bool, on_gpu: bool) -> None:
+    """The tiny model's tuned optimiser defaults, or the paper's for real models."""
+    tiny = {"lr": 1e-4, "adam_eps": 1e-8, "weight_decay": 0.0, "warmup_steps": 0}
+    paper = {"lr": 5e-7, "adam_eps": 1e-15, "weight_decay": 0.01, "warmup_steps": 100}
+    for key, value in (tiny if embedded else paper).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.dtype = compute_dtype(args, on_gpu)
+
+
+def compute_dtype(args: Args, on_gpu: bool) -> str:
+    """--dtype, else bfloat16 on GPU and float32 on CPU."""
+    return args.dtype or ("bfloat16" if on_gpu else "float32")
+
+
+LOGITS_CHUNK_BYTES = 1 << 28  # default of --logits-chunk-tokens: 256 MiB of float32 logits held at once
+SPLIT_CHUNK_BYTES = 1 << 30  # its default under split-bf16, whose chunks are not recomputed: a GEMM of more rows
+                             # runs nearer the tensor cores' peak, and each chunk reads the whole weight again
+
+
+def lm_head_gemm(args: Args, device: Any) -> str:
+    """--lm-head-gemm as the learner runs it: auto is split-bf16 where an FP32 head takes bf16 hidden states on a
+    GPU, fp32 elsewhere (a CPU learner, a float32 model: the tests and the tiny default run)."""
+    if args.lm_head_gemm != "auto":
+        return args.lm_head_gemm
+    on_gpu = torch.device(device).type == "cuda"
+    return "split-bf16" if on_gpu and args.dtype == "bfloat16" and args.fp32_lm_head else "fp32"
+
+
+def generator_memory_fraction(args: Args, shares_gpu: bool) -> float:
+    """vLLM's share of each of its GPUs: --gen-memory-fraction, else 0.3 of a GPU it shares with a learner rank and
+    0.85 of one of its own."""
+    return args.gen_memory_fraction or (0.3 if shares_gpu else 0.85)
+
+
+def _ranges(steps: list[int]) -> list[list[int]]:
+    """[3, 4, 5, 8] -> [[3, 5], [8, 8]]: runs of consecutive steps."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return runs
+
+
+def write_args_json(out: Path, args: Args, step: int, missing_steps: list[int]) -> None:
+    """OUTPUT_DIR/args.json: the run's flags, and "resumes", the history of its resumes. Each resume appends the
+    step it resumed from, the changeable flags it changed ({flag: [before, after]}) and the steps metrics.jsonl had
+    lost; the history is never rewritten. Written through a temporary file renamed over the old one."""
+    current = dataclasses.asdict(args)
+    resumes = []
+    if args.resume:
+        saved = read_args_json(out) if (out / "args.json").exists() else {}
+        defaults = {f.name: f.default for f in dataclasses.fields(Args)}
+        before = {k: saved.get(k, defaults[k]) for k in current}
+        resumes = list(saved.get("resumes") or [])
+        entry: dict[str, Any] = {"step": step, "changed": {
+            k: [before[k], current[k]] for k in sorted(CHANGEABLE_ON_RESUME - {"output_dir", "resume", "overwrite"})
+            if before[k] != current[k]}}
+        if missing_steps:
+            entry["metrics_missing_steps"] = _ranges(missing_steps)
+        resumes.append(entry)
+    write_atomically(out / "args.json", json.dumps({**current, "resumes": resumes}, indent=1))

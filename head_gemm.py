@@ -1,0 +1,155 @@
+"""head_gemm.py: the split-bf16 GEMM of the FP32 LM head (--lm-head-gemm split-bf16). A runtime module: a reader
+of the recipe may skip it.
+
+train.py's FP32 head (install_target_logprob_head) computes log pi(target) from float32 logits. On a GPU with bf16
+hidden states, `split_bf16_logprobs` computes the same logprobs, at float32's accuracy, from bf16 tensor-core
+products (the float32 weight split into bf16 parts), a chunk of rows at a time, with its own backward
+(_SplitBf16Head): a faster way to the same head, not a different one.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+
+def split_bf16_logprobs(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int) -> Any:
+    """log pi(targets) [M] of the head `weight` [V, H] (float32; `bias` [V] or None) on bf16 hidden states [M, H],
+    at float32's accuracy from bf16 products (_SplitBf16Head), `chunk` rows of logits at a time; differentiable
+    where autograd needs it, and without keeping anything for backward where it does not (old logprobs, the frozen
+    reference)."""
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _SplitBf16Head.apply(hidden, targets, weight, bias, temperature, chunk)
+    return _split_bf16_forward(hidden, targets, weight, bias, temperature, chunk, None)
+
+
+class _SplitBf16Head(torch.autograd.Function):
+    """The FP32 LM head's log pi(target) on bf16 tensor cores, at float32's accuracy (--lm-head-gemm split-bf16).
+
+    Forward. The hidden states are bf16 values (a bf16 trunk computed them), so only the float32 weight needs more
+    bits than a bf16 product takes: W / T = hi + mid + lo, three bf16 parts, each the top 8 significant bits of
+    what the parts before it left, hold all 24 bits of a float32 exactly. A bf16 x bf16 product is exact in
+    float32 and the tensor cores sum in float32, so [h | h | h] @ [lo | mid | hi]^T, one bf16 GEMM of inner size
+    3H, gives the logits / T to float32's accuracy (tests/test_train.py: within 1e-5 of a float32 head, and nearer
+    float64 than it, where one bf16 product, h @ hi^T, is off by 1e-2). The log-softmax then runs on them in
+    float32, a chunk of rows at a time.
+
+    Backward, without recomputing the logits: the forward keeps D = softmax - onehot(target) [M, V] in bf16, the
+    gradient of -log pi(target) with respect to the logits / T (M * V * 2 bytes, half of what the float32 logits
+    would take: 2.5 GB for 8,192 tokens of a 152k vocabulary). The target's entry is p - 1 = expm1(log p), so that
+    a confident token's small gradient keeps its digits. With s = -(dloss / dlog pi) / T [M], one bf16 product
+    each, summed in float32 (the head's GEMMs: 3 x 2MVH FLOPs forward, 2 x 2MVH backward; the bias's is a GEMV):
+      hidden:  s * (D @ bf16(W))    it goes back into the bf16 trunk, which rounds it to bf16 in any case
+      weight:  D^T @ bf16(s * h)    bf16-grade, as every other weight's gradient in a bf16 learner; AdamW divides
+                                    each entry by its running RMS, so a 2^-9 relative error moves a step by as much
+      bias:    D^T @ bf16(s)"""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int) -> Any:
+        grad = hidden.new_empty(hidden.shape[0], weight.shape[0])            # [M, V] bf16: D, filled chunk by chunk
+        logprobs = _split_bf16_forward(hidden, targets, weight, bias, temperature, chunk, grad)
+        ctx.save_for_backward(hidden, weight, grad)
+        ctx.temperature = temperature
+        return logprobs
+
+    @staticmethod
+    def backward(ctx: Any, grad_logprobs: Any) -> tuple:
+        hidden, weight, grad = ctx.saved_tensors                             # [M, H] bf16, [V, H] fp32, [M, V] bf16
+        scale = -grad_logprobs.float() / ctx.temperature                     # [M]: dloss/d(logits / T) = -g D / T
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_hidden = (_mm_float32(grad, weight.to(torch.bfloat16)) * scale[:, None]).to(hidden.dtype)  # [M, H]
+        if ctx.needs_input_grad[2]:
+            grad_weight = _mm_float32(grad.t(), (hidden * scale[:, None]).to(torch.bfloat16))  # [V, H]
+        if ctx.needs_input_grad[3]:
+            grad_bias = _mm_float32(grad.t(), scale[:, None].to(torch.bfloat16)).squeeze(1)    # [V]
+        return grad_hidden, None, grad_weight, grad_bias, None, None
+
+
+def _split_bf16_forward(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int,
+                        grad: Any) -> Any:
+    """_SplitBf16Head's forward: log pi(targets) [M]; where `grad` [M, V] (bf16) is given, D written into it."""
+    parts = _split_bf16(weight, temperature)                                 # [V, 3H]: lo | mid | hi of W / T
+    logprobs = torch.empty(targets.shape[0], device=hidden.device)          # [M]
+    for i in range(0, targets.shape[0], chunk):
+        logits = _mm_float32(hidden[i: i + chunk].repeat(1, 3), parts.t())   # [n, V]: the logits / T
+        if bias is not None:
+            logits += bias / temperature
+        logprobs[i: i + chunk] = _logprobs_and_grad(logits, targets[i: i + chunk],
+                                                    None if grad is None else grad[i: i + chunk])
+    return logprobs
+
+
+def _mm_float32(a: Any, b: Any) -> Any:
+    """a [n, k] @ b [k, m] of bf16 matrices, summed and returned in float32: on a GPU one tensor-core GEMM; on a CPU
+    the same products (a bf16 x bf16 product is exact in float32) in a float32 GEMM."""
+    if a.is_cuda and _MM_OUT_DTYPE:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError) as error:  # a torch without mm's out_dtype on this GPU: said once
+            _MM_OUT_DTYPE.clear()
+            print(f"torch.mm(..., out_dtype=float32) failed ({error}); the split-bf16 head runs float32 GEMMs: the "
+                  "same values, slower", file=sys.stderr)
+    return torch.mm(a.float(), b.float())
+
+
+_MM_OUT_DTYPE = [True]  # cleared where torch.mm(bf16, bf16, out_dtype=float32) fails on a GPU
+
+
+def _fused_on_gpu(fn: Any) -> Any:
+    """fn compiled (torch.compile) where its first argument is on a GPU: its elementwise steps over [tokens, vocab]
+    are bound by memory, and one kernel reads the logits once where eager torch reads them once a step. As it is
+    elsewhere, and where compiling fails (said once: the same math, slower). `run.fused`: None until it ran on a
+    GPU, then whether it runs compiled."""
+    compiled: list = []  # torch.compile's wrapper, made at the first call on a GPU (it imports dynamo: seconds)
+
+    def run(*args: Any) -> Any:
+        if args[0].is_cuda and run.fused is not False:
+            try:
+                compiled[:] = compiled or [torch.compile(fn, dynamic=True)]
+                result = compiled[0](*args)
+                run.fused = True
+                return result
+            except Exception as error:  # e.g. no C compiler for Triton on this machine
+                print(f"{fn.__name__}: torch.compile failed ({type(error).__name__}: {error}); running it unfused",
+                      file=sys.stderr)
+                run.fused = False
+        return fn(*args)
+    run.fused = None
+    return run
+
+
+@_fused_on_gpu
+def _split_bf16(weight: Any, temperature: float) -> Any:
+    """weight [V, H] float32 -> [V, 3H] bf16: lo | mid | hi, whose sum is weight / temperature exactly. Each part
+    is the top 8 significant bits of what the parts before it left, cut by clearing the low 16 bits of the float32
+    (a cast's rounding would do as well, but torch.compile may skip a bf16 round trip inside a fused kernel, and
+    then mid and lo come out 0). The small parts come first, so that a GEMM adds their products while its running
+    sum is small: after hi's, each would be rounded to the full sum's float32 ulp (hi | mid | lo was twice float32's
+    error on a CPU; this is half)."""
+    scaled = weight / temperature                                            # float32 (rounded once: float32's error)
+    hi = _top_8_bits(scaled)
+    mid = _top_8_bits(scaled - hi)                                           # exact differences: no bit is lost
+    lo = scaled - hi - mid                                                   # at most 8 significant bits are left
+    return torch.cat([lo, mid, hi], dim=1).to(torch.bfloat16)                # exact: each is a bf16 value
+
+
+def _top_8_bits(x: Any) -> Any:
+    """float32 x with its 16 low bits cleared: the bf16 value nearest x towards 0."""
+    return (x.view(torch.int32) & -65536).view(torch.float32)
+
+
+@_fused_on_gpu
+def _logprobs_and_grad(logits: Any, targets: Any, grad: Any) -> Any:
+    """log pi(targets) [n] from float32 logits [n, V], already divided by the temperature; where `grad` [n, V]
+    (bf16) is given, writes into it softmax - onehot(targets), the gradient of -log pi(targets) wrt the logits."""
+    lse = torch.logsumexp(logits, dim=1)                                     # [n]
+    logprobs = logits.gather(1, targets[:, None]).squeeze(1) - lse           # [n]
+    if grad is not None:
+        grad.copy_(torch.exp(logits - lse[:, None]))                         # softmax, rounded to bf16
+        # the target's p - 1 as expm1(log p): a confident token's 1 - p keeps its digits
+        grad.scatter_(1, targets[:, None], torch.expm1(logprobs)[:, None].to(grad.dtype))
+    return logprobs

@@ -1,0 +1,592 @@
+"""runtime.py: the learner's runtime, what makes the recipe survive real machines. A reader of the recipe may
+skip it.
+
+It holds:
+  - `set_up`: everything before the first step, on every rank (process groups, the OUTPUT_DIR lock, data, the
+    learner that train.py's make_learner builds, resume, the generator's start, the metrics log), and `Run`, the
+    run around the learner that the loop works with;
+  - the collectives that keep the learner ranks in step (`broadcast_from_rank0`, `reduce_metrics`, the idle
+    forwards of a rank with no micro-batch left, `full_state_dict`);
+  - signals (`GracefulStop`), the output-directory lock, the metrics file (`MetricsLog`) and a metrics row's
+    bookkeeping (`new_row`, `summary_line`, model FLOPs utilisation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from tqdm import tqdm
+
+import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
+import scaling_fit
+import tasks
+from checkpoints import TrainerState, load_checkpoint, write_atomically
+from flags import (Args, _ranges, gen_slowdowns, generator_memory_fraction, int_range, local_replicas,
+                   model_context, resolve_defaults, write_args_json)
+from packing import model_device
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The run around the learner, and what a metrics row counts beside the loss (model FLOPs utilisation, the fit)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+# Dense peak TFLOP/s of one GPU (no 2:4 sparsity: NVIDIA's data sheets quote bfloat16 tensor cores with it, twice
+# these), from the data sheets: H100 SXM/PCIe/NVL and H200 SXM/NVL (nvidia.com/en-us/data-center/h100 and /h200),
+# A100 (A100 data sheet, SXM and PCIe alike), L40S, L40, A10, L4 (their product pages' data sheets). float32 is
+# the CUDA cores' plain FP32, not TF32: the learner leaves TF32 matmuls off (PyTorch's default). Matched in order
+# against torch.cuda.get_device_name(), case aside: the first substring found wins, so a variant precedes its
+# family ("H100 PCIe" before "H100", "A100" before "A10", "L40S" and "L40" before "L4"). GH200 is an H200 here.
+PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (  # (name substring, bfloat16, float32)
+    ("H100 PCIe", 756.0, 51.0),
+    ("H100 NVL", 835.0, 60.0),
+    ("H100", 989.4, 66.9),  # SXM: "NVIDIA H100 80GB HBM3"
+    ("H200 NVL", 835.0, 60.0),
+    ("H200", 989.4, 66.9),
+    ("A100", 312.0, 19.5),
+    ("L40S", 362.05, 91.6),
+    ("L40", 181.05, 90.5),
+    ("A10", 125.0, 31.2),
+    ("L4", 121.0, 30.3),
+)
+
+
+def known_peak_tflops(device_name: str, dtype: str) -> float | None:
+    """PEAK_TFLOPS' dense peak of the GPU `device_name` in `dtype` (float32 or bfloat16); None if not listed."""
+    for substring, bf16, fp32 in PEAK_TFLOPS:
+        if substring.lower() in device_name.lower():
+            return bf16 if dtype == "bfloat16" else fp32
+    return None
+
+
+def peak_flops_per_s(dtype: str | None, given_tflops: float | None = None) -> float | None:
+    """One learner rank's peak FLOP/s: --peak-tflops if given, else the table's for this rank's GPU in `dtype`
+    (bfloat16's under --fp32-lm-head too: the head is a small share of the step); None on a CPU or an unlisted GPU.
+    The learner's GPU is the current CUDA device (init_distributed sets it)."""
+    if given_tflops is not None:
+        return given_tflops * 1e12
+    if not torch.cuda.is_available():
+        return None
+    tflops = known_peak_tflops(torch.cuda.get_device_name(), dtype or "bfloat16")
+    return None if tflops is None else tflops * 1e12
+
+
+def model_flops_utilisation(n_params: int, trained_tokens: int, step_s: float, ranks: int,
+                            peak_flops: float | None) -> float | None:
+    """MFU of a learner step: its model FLOPs, 6 x parameters x trained tokens (as TrainerState.count_tokens counts
+    them: no attention FLOPs), over what `ranks` devices of `peak_flops` FLOP/s each could do in `step_s`. None
+    without a known peak."""
+    if peak_flops is None or step_s <= 0:
+        return None
+    return 6 * n_params * trained_tokens / (step_s * ranks * peak_flops)
+
+
+@dataclass
+class Run:
+    """What the loop talks to besides the learner. Rank 0 alone holds the generator, the metrics log and the
+    progress display (None or empty on the other ranks)."""
+
+    rank: int
+    world: int
+    out: Path  # --output-dir
+    stopper: GracefulStop  # Ctrl-C / SIGTERM: stop at the next step boundary, with a checkpoint
+    devices_in_use: int  # learner ranks + the generator's devices: compute_hours = wall-clock hours x this
+    started: float  # time.time() the run would have started at, had it never stopped (elapsed_hours earlier)
+    val_problems: list
+    test_problems: list
+    generator: Any = None  # pipeline_rl.Generator
+    metrics: MetricsLog | None = None  # metrics.jsonl
+    bar: Any = None  # tqdm progress bar (disabled off rank 0)
+    recent: deque = field(default_factory=deque)  # the last --log-every rows, for the summary line
+    eval_rows: list[dict] = field(default_factory=list)  # the evaluation rows so far, for the running sigmoid fit
+    data_skipped: dict[str, Any] = field(default_factory=dict)  # a fresh run's first row: bad data rows skipped
+    lock: Any = None  # the open OUTPUT_DIR/.lock (rank 0), held as long as this object lives
+    generator_error: str | None = None  # rank 0: why the generator failed (GeneratorError), once it has
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def hours(self) -> float:
+        return (time.time() - self.started) / 3600.0
+
+
+def current_asymptote(rows: list[dict]) -> float | None:
+    """The sigmoid fit's predicted asymptote A over the evaluation rows so far (None until it can be fitted)."""
+    points = [(r["compute_hours"], r["val_pass_rate"]) for r in rows]
+    if len(points) < 5:
+        return None
+    try:
+        return scaling_fit.fit_sigmoid(*zip(*points)).A
+    except ValueError:
+        return None
+
+
+def new_row(run: Run, state: TrainerState) -> dict[str, Any]:
+    """The start of a metrics.jsonl row: where the run stands in steps and compute."""
+    return {"step": state.step, "compute_hours": run.hours() * run.devices_in_use, "flops": state.flops,
+            "tokens": state.gen_tokens}
+
+
+def summary_line(row: dict, recent: deque) -> str:
+    mean = lambda key: sum(r.get(key, 0.0) for r in recent) / max(len(recent), 1)  # noqa: E731
+    parts = [f"step {row['step']:4d}", f"reward {mean('reward'):+.3f}", f"train pass {mean('train_pass_rate'):.3f}"]
+    if "val_pass_rate" in row:
+        parts.append(f"VAL PASS {row['val_pass_rate']:.3f}")
+    if "fit_asymptote" in row:
+        parts.append(f"fit A {row['fit_asymptote']:.3f}")
+    parts += [f"clip {mean('clip_frac'):.3f}", f"kl {mean('kl_k3'):.2e}", f"0-var {mean('frac_zero_variance'):.2f}",
+              f"lag {mean('lag_mean'):.2f}", f"wait {mean('wait_s'):.2f}s", f"step {mean('step_s'):.2f}s",
+              f"{row['compute_hours'] * 3600:.0f} dev-s"]
+    return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Setup: from the flags to the learner, the generator and the trainer state the loop starts from
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def set_up(args: Args,
+           make_learner: Callable[[Args, str, Any, int], Any]) -> Iterator[tuple[Any, Run, TrainerState]]:
+    """Everything before the first step, on every rank: process group, OUTPUT_DIR lock, data, model, optimizer,
+    resume, generator, metrics log. `make_learner(args, model_path, device, rank)` builds the learner (train.py's).
+    On exit the generator is closed; a run that fails before its first metrics row leaves OUTPUT_DIR as it found it
+    (with --overwrite, the old run is deleted only once all of that has started)."""
+    tasks.set_vllm_cpu_env()  # vLLM's CPU settings (offline hub, no dynamo); nothing on a machine with CUDA
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
+        # training on, and a --resume would then race them for OUTPUT_DIR: die with the launcher instead.
+        pipeline_rl.set_parent_death_signal(signal.SIGKILL)
+    rank, world, device = init_distributed(args.gen_devices, args.cpu_offload)
+    is_main = rank == 0
+    stopper = GracefulStop(announce=is_main)
+    out = Path(args.output_dir)
+    fresh_dir = not out.exists()  # a start that fails removes what it made
+    lock = claim_output_dir(out, is_main)
+    generator = None
+    log: MetricsLog | None = None
+    old_run_kept = args.overwrite and not fresh_dir  # --overwrite deletes the old run last, once all checks pass
+    try:  # until the first metrics row, a failure leaves the output directory as it was found
+        # Data and model. Rank 0 builds the embedded model once (cached); the others wait at the barrier.
+        task, test_task = _data(args, is_main)
+        embedded = args.model is None
+        if embedded and is_main:
+            tasks.build_base_model()
+        dist.barrier()
+        model_path = str(tasks.build_base_model()) if embedded else args.model
+        resolve_defaults(args, embedded, device.type == "cuda")
+        learner = make_learner(args, model_path, device, rank)
+        state = _resumed_state(args, out, learner, rank)
+        data_skipped = {}
+        if not args.resume and is_main:
+            data_skipped = {"data_skipped_rows": getattr(task, "skipped_rows", 0),
+                            "data_skipped_reasons": getattr(task, "skipped_reasons", {})}
+
+        # The generator (rank 0 owns it; its process is vLLM's).
+        val_problems = task.validation(args.eval_prompts)
+        test_problems = test_task.validation(None) if test_task else []
+        gen_config = generator_config(args, model_path, state.step)
+        devices_in_use = _devices_in_use(args, world, gen_config)
+        if is_main:
+            consumed = state.consumed
+            data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
+            if args.gen_remote_replicas:
+                print(f"[generator] waiting up to {args.gen_join_timeout:.0f} s for {args.gen_remote_replicas} "
+                      f"remote replica(s): on each generator node run `python pipeline_rl.py replica --connect "
+                      f"{args.gen_listen} --secret-file FILE`", file=sys.stderr, flush=True)
+            generator = pipeline_rl.Generator(gen_config, task,
+                                              data_start=data_start,
+                                              skip_indices={i for i in consumed if i >= data_start},
+                                              retired_ids=state.retired)
+            generator.start()
+        if state.step > 0:  # the generator starts from the base weights: give it the resumed ones
+            weights = full_state_dict(learner.model)
+            if is_main:
+                generator.update_weights(weights, state.step)
+        eval_rows: list[dict] = []
+        if is_main:  # the run's files appear only once it has started
+            if args.overwrite:  # data, model and generator have all started: only now is the old run deleted
+                remove_previous_run(out)
+                old_run_kept = False
+            log = MetricsLog(out / "metrics.jsonl", state.metrics_lines if args.resume else 0,
+                             covers_step=state.step if args.resume else None)
+            eval_rows = _record_start(args, out, state, log)
+        bar = tqdm(total=args.max_steps, initial=state.step, desc=f"{args.loss}/{args.mode}", disable=not is_main,
+                   dynamic_ncols=True)
+        run = Run(rank=rank, world=world, out=out, stopper=stopper, devices_in_use=devices_in_use,
+                  started=time.time() - state.elapsed_hours * 3600.0, val_problems=val_problems,
+                  test_problems=test_problems, generator=generator, metrics=log, bar=bar,
+                  recent=deque(maxlen=args.log_every), eval_rows=eval_rows, data_skipped=data_skipped, lock=lock)
+        yield learner, run, state
+    except BaseException:
+        if is_main and not args.resume and not old_run_kept and (log is None or log.lines == 0):
+            _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
+        raise
+    finally:
+        if generator is not None:
+            generator.close()
+
+
+def _data(args: Args, is_main: bool) -> tuple[tasks.Task, tasks.Task | None]:
+    """load_tasks, a bad row named in a message rather than a traceback; what was skipped said once (rank 0)."""
+    try:
+        task, test_task = load_tasks(args)
+    except (tasks.BadRowError, FileNotFoundError) as e:  # every bad row is named: a message, not a traceback
+        if is_main:
+            print(f"train.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    for t in (task, test_task):
+        if is_main and getattr(t, "skipped_summary", ""):
+            print(f"[data] {t.name_or_path}: {t.skipped_summary}", file=sys.stderr)
+    return task, test_task
+
+
+def _resumed_state(args: Args, out: Path, learner: Any, rank: int) -> TrainerState:
+    """A fresh TrainerState, or with --resume the checkpoint's, its weights and optimizer loaded into `learner`
+    and the learning-rate schedule stepped to where it was."""
+    state = TrainerState()
+    if args.resume:
+        saved, ckpt = load_checkpoint(out, learner.model, learner.optimizer, rank)
+        state = TrainerState.from_json(saved)
+        if rank == 0:
+            print(f"[resume] {ckpt}: step {state.step}", file=sys.stderr)
+        for _ in range(state.step):
+            learner.scheduler.step()
+    return state
+
+
+def _devices_in_use(args: Args, world: int, gen_config: pipeline_rl.GeneratorConfig) -> int:
+    """learner ranks + the replicas (on CPU a replica counts as a device); on GPU: the GPUs either of them uses."""
+    devices_in_use = world + gen_config.replicas + gen_config.remote_replicas
+    if args.gen_devices:
+        learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, torch.cuda.device_count())
+        devices_in_use = (len(set(gen_ids) | set(learner_ids[:world]))
+                          + gen_config.remote_replicas * args.tensor_parallel_size)
+    return devices_in_use
+
+
+def _record_start(args: Args, out: Path, state: TrainerState, log: MetricsLog) -> list[dict]:
+    """Rank 0, once the run has started: args.json written (with this resume in its history), a metrics file cut
+    short behind the run's back said, and the evaluation rows the sigmoid fit has so far."""
+    write_args_json(out, args, state.step, log.missing_steps)
+    if log.missing_steps:  # a metrics file cut short behind the run's back: say so, and keep it on record
+        gaps = ", ".join(f"{a}..{b}" if a < b else str(a) for a, b in _ranges(log.missing_steps))
+        print(f"[resume] {log.path} holds {log.lines} rows but the checkpoint covers {state.metrics_lines}: "
+              f"no rows for steps {gaps} (recorded in args.json's resumes)", file=sys.stderr)
+    if log.lines:
+        return [r for r in scaling_fit.read_metrics(log.path) if "val_pass_rate" in r]
+    return []
+
+
+def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False) -> tuple[int, int, Any]:
+    """(rank, world size, this rank's device). On GPU the learner keeps off the generator's `gen_devices`;
+    `cpu_offload` (--cpu-offload) adds gloo for the collectives over the parameters and gradients FSDP2 keeps on
+    the host (the gradient norm's)."""
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        learner_ids, _ = pipeline_rl.split_devices(gen_devices, torch.cuda.device_count())
+        device = torch.device("cuda", learner_ids[int(os.environ["LOCAL_RANK"]) % len(learner_ids)])
+        torch.cuda.set_device(device)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        # Two cores are shared by the learner ranks and the generator: oversubscribing threads only slows all down.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)))
+    return rank, world, device
+
+
+def claim_output_dir(out: Path, is_main: bool) -> Any:
+    """One run per OUTPUT_DIR at a time: rank 0 takes the lock, and every rank stops if it is taken. The lock
+    dies with its process, so a killed run never blocks its own --resume. Returns the open lock file (rank 0)."""
+    lock, error = None, [None]
+    if is_main:
+        try:
+            lock = lock_output_dir(out)
+        except OutputDirBusyError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        dist.destroy_process_group()
+        raise SystemExit(error[0])
+    return lock
+
+
+def remove_previous_run(out: Path) -> None:
+    """--overwrite, once the new run has passed every check and started: the old run's checkpoints, metrics and
+    plot go (its args.json is rewritten next)."""
+    for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    for name in ("metrics.jsonl", "scaling.png"):
+        (out / name).unlink(missing_ok=True)
+
+
+def _remove_failed_start(out: Path, fresh_dir: bool) -> None:
+    """Leave the output directory as a failed start found it."""
+    for name in ("metrics.jsonl", "args.json", ".lock"):
+        (out / name).unlink(missing_ok=True)
+    if fresh_dir:
+        try:
+            out.rmdir()
+        except OSError:  # something else is in it now: keep it
+            pass
+
+
+def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
+    """The training task behind --dataset (with --dataset-config for a hub data set) and the optional test task."""
+    task = tasks.load_task(args.dataset, **{k: v for k, v in (("question_field", args.question_field),
+                                                                ("answer_field", args.answer_field),
+                                                                ("skip_bad_rows", args.skip_bad_rows),
+                                                                ("dataset_config", args.dataset_config)) if v})
+    test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
+                                answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
+        if args.test_dataset else None
+    return task, test_task
+
+
+def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.GeneratorConfig:
+    """The vLLM generator's settings for this run; it restarts from `step` after a resume."""
+    return pipeline_rl.GeneratorConfig(
+        model=model_path, group_size=args.group_size, temperature=args.temperature,
+        interruptions=args.length_control == "interruptions", think_budget=int_range(args.think_budget),
+        answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_model_len=model_context(args),
+        max_off_policy=args.max_off_policy, buffer_steps=args.buffer_steps, mode=args.mode,
+        seed=args.seed + step, data_seed=args.seed, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
+        debug_slowdown=gen_slowdowns(args),
+        groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
+        gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=generator_memory_fraction(args, generator_shares_a_gpu(args)),
+        replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
+        remote_replicas=args.gen_remote_replicas, listen=args.gen_listen, join_timeout=args.gen_join_timeout,
+        secret=pipeline_rl.read_secret(args.gen_secret_file) if args.gen_secret_file else None,
+        weight_transport=args.weight_transport, num_threads=generator_threads(args),
+    )
+
+
+def generator_threads(args: Args) -> int | None:
+    """Torch threads of each local replica on CPU (None: the process's default, one under torchrun). In sync mode
+    the learner ranks wait while the replicas generate, so the replicas may take every core between them."""
+    if torch.cuda.is_available():
+        return None
+    if args.gen_threads is not None:
+        return args.gen_threads
+    if args.mode == "sync":
+        return max(1, (os.cpu_count() or 1) // max(1, local_replicas(args, 0)))
+    return None
+
+
+def generator_shares_a_gpu(args: Args) -> bool:
+    """True when the learner shares the generator's GPUs: --gen-devices takes every GPU of the machine, and
+    pipeline_rl.split_devices then gives the learner ranks the same ones (gpu_layout_problems allows one rank each)."""
+    if not (args.gen_devices and torch.cuda.is_available()):
+        return False
+    learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, torch.cuda.device_count())
+    return bool(set(learner_ids) & set(gen_ids))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Keeping the ranks in step: collectives every rank calls at the same point
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (pickled; e.g. a round of groups)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def full_state_dict(model: Any) -> dict:
+    """HF-named full weights gathered on rank 0 (empty elsewhere); a collective: every rank calls it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def this_ranks_share(items: list, run: Run) -> list:
+    """Every world-th item, from this rank's: the groups of a batch are dealt out to the ranks like cards."""
+    return [item for i, item in enumerate(items) if i % run.world == run.rank]
+
+
+def collective_device() -> torch.device:
+    """Where a collective's tensors must be: NCCL reduces on this rank's GPU only, gloo on the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
+
+
+def sum_over_ranks(value: float) -> float:
+    total = torch.tensor([float(value)], device=collective_device())
+    dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item()
+
+
+def idle_forwards_needed(n_micro_batches: int) -> int:
+    """How many forwards this rank must add to its own micro-batches to run as many as the busiest rank: FSDP2's
+    all-gathers are collectives, so a rank with no micro-batch left must still join them (idle_forward). A
+    collective itself: call it before the first forward."""
+    most = torch.tensor([n_micro_batches], device=collective_device())
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item()) - n_micro_batches
+
+
+def idle_forward(model: Any, pad_id: int, backward: bool, ref_model: Any = None) -> None:
+    """A forward (and backward) on a dummy row that contributes nothing, with the collectives of a real micro-batch
+    in the same order: the policy's forward, the reference model's forward, the backward."""
+    dummy = torch.full((1, 2), pad_id, dtype=torch.long, device=model_device(model))
+    logits = model(input_ids=dummy).logits
+    if ref_model is not None:
+        with torch.no_grad():
+            ref_model(input_ids=dummy)
+    if backward:
+        (logits.sum() * 0.0).backward()
+
+
+PER_REPLICA_MISMATCH = ("kl_k3", "max_abs_diff")  # logged per replica as mismatch_<key>_by_replica {replica: value}
+
+
+def reduce_metrics(totals: dict[str, float], world: int) -> dict[str, Any]:
+    """Token-weighted means over all ranks (the loss is a sum of micro-batch terms, so it is summed); a replica's
+    mismatch (mismatch_r<R>_<key>) over that replica's tokens, gathered into mismatch_<key>_by_replica."""
+    gathered: list[dict] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(gathered, totals)
+    summed: dict[str, float] = defaultdict(float)
+    for part in gathered:
+        for key, value in part.items():
+            summed[key] += value
+    out: dict[str, Any] = {"loss": summed.pop("loss", 0.0), "num_tokens": summed.get("num_tokens", 0.0)}
+    n_tok, n_same = summed.pop("num_tokens", 0.0), summed.pop("mismatch_tokens", 0.0)
+    replica_tokens = {key: summed.pop(key) for key in list(summed) if re.fullmatch(r"mismatch_r\d+_tokens", key)}
+    for key, value in summed.items():
+        if per_replica := re.fullmatch(r"mismatch_r(\d+)_(.+)", key):
+            replica, name = per_replica.groups()
+            out.setdefault(f"mismatch_{name}_by_replica", {})[int(replica)] = \
+                value / replica_tokens[f"mismatch_r{replica}_tokens"]
+            continue
+        denom = n_same if key.startswith("mismatch_") else n_tok
+        out[key] = value / denom if denom else 0.0
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Signals, the output-directory lock, the metrics file
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class GracefulStop:
+    """SIGINT (Ctrl-C; torchrun passes it on to every rank) or SIGTERM: finish the current step, save a checkpoint
+    and exit, so that a --resume redoes nothing. A second signal stops at once."""
+
+    def __init__(self, announce: bool):
+        self.signal: str | None = None
+        self.announce = announce
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if self.signal is not None:
+            # torchrun passes a first Ctrl-C on to the ranks as SIGINT, and a second one as SIGTERM (its shutdown
+            # after an interrupted shutdown): after a SIGINT, a SIGTERM is the second Ctrl-C, and is named so.
+            label = "SIGINT" if self.signal == "SIGINT" and name == "SIGTERM" else name
+            raise SystemExit(f"second {label}: stopping at once, without the checkpoint of this step (the previous "
+                             "one is intact)")
+        self.signal = name
+        if self.announce:
+            print(f"\n[{self.signal}] stopping after this step, with a checkpoint (again to stop at once)",
+                  file=sys.stderr, flush=True)
+
+    def agreed(self) -> bool:
+        """True on every rank if any rank was signalled (a collective: every rank calls it at the same point)."""
+        flag = torch.tensor([float(self.signal is not None)], device=collective_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class OutputDirBusyError(RuntimeError):
+    """Another live train.py holds the output directory."""
+
+
+def lock_output_dir(out: Path) -> Any:
+    """Take OUTPUT_DIR/.lock for the life of this process; raise OutputDirBusyError if a live run holds it.
+    flock is released by the kernel when its holder dies, however it dies."""
+    out.mkdir(parents=True, exist_ok=True)
+    handle = (out / ".lock").open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise OutputDirBusyError(f"{out} is in use by another train.py (pid {holder}); stop it before starting or "
+                                 "resuming a run there") from None
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:
+    """`value` with every non-finite float replaced by None, and the dotted names of the replaced fields."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, [name]
+    if isinstance(value, dict):
+        out, bad = {}, []
+        for key, item in value.items():
+            out[key], found = _json_safe(item, f"{name}.{key}" if name else str(key))
+            bad += found
+        return out, bad
+    if isinstance(value, (list, tuple)):
+        pairs = [_json_safe(item, f"{name}[{i}]") for i, item in enumerate(value)]
+        return [item for item, _ in pairs], [n for _, found in pairs for n in found]
+    return value, []
+
+
+class MetricsLog:
+    """metrics.jsonl (format: scaling_fit.py's docstring). On resume it is cut back to the checkpoint's line
+    count, so steps re-done after a crash are neither lost nor duplicated; the cut goes through a temporary file
+    renamed over the old one, so a kill at that moment leaves it whole. A file with fewer lines than the checkpoint
+    covers (cut behind the run's back) cannot be made whole: `missing_steps` names the steps 0..`covers_step`
+    that have no row."""
+
+    def __init__(self, path: Path, keep_lines: int | None, covers_step: int | None = None):
+        self.path = path
+        lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+        kept = lines if keep_lines is None else lines[:keep_lines]
+        self.lines = len(kept)
+        if kept != lines or not path.exists():
+            write_atomically(path, "".join(kept))
+        self.missing_steps: list[int] = []
+        if covers_step is not None and keep_lines is not None and len(lines) < keep_lines:
+            present = set()
+            for line in kept:
+                with contextlib.suppress(ValueError, AttributeError):
+                    present.add(json.loads(line).get("step"))
+            self.missing_steps = [s for s in range(covers_step + 1) if s not in present]
+
+    def write(self, row: dict) -> None:
+        row, non_finite = _json_safe(row)
+        if non_finite:  # strict JSON has no NaN or Infinity: write null and name the fields
+            row["non_finite"] = non_finite
+        with self.path.open("a") as f:
+            f.write(json.dumps(row, allow_nan=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.lines += 1

@@ -34,6 +34,7 @@ import gspo
 import memory_plan  # the learner's memory per rank, checked before anything starts on a GPU (train.py plan)
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import tasks
+import vllm_replica  # the replica runtime: the address and secret checks
 from checkpoints import complete_checkpoints, newest_checkpoint_step, write_atomically
 
 
@@ -406,7 +407,7 @@ def replica_problems(args: Args) -> list[str]:
     elif (args.gen_replicas if args.gen_replicas is not None else 1) + args.gen_remote_replicas < 1:
         problems.append("--gen-replicas 0 needs --gen-remote-replicas 1 or more: someone must generate")
     try:
-        host, port = pipeline_rl.parse_address(args.gen_listen)
+        host, port = vllm_replica.parse_address(args.gen_listen)
         if host in ("", "0.0.0.0", "::"):
             problems.append(f"--gen-listen {args.gen_listen}: name the address the replicas reach this node at, not "
                             "a wildcard (only that address is bound)")
@@ -419,7 +420,7 @@ def replica_problems(args: Args) -> list[str]:
                         "secret (e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`, copied to each node)")
     if args.gen_secret_file:
         try:
-            pipeline_rl.read_secret(args.gen_secret_file)
+            vllm_replica.read_secret(args.gen_secret_file)
         except ValueError as e:
             problems.append(f"--gen-secret-file: {e}")
     if args.weight_transport == "file" and args.gen_remote_replicas:
@@ -734,7 +735,7 @@ def int_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def _literal(value: str) -> Any:
+def parse_literal(value: str) -> Any:
     for cast in (int, float):
         try:
             return cast(value)
@@ -778,7 +779,7 @@ def generator_memory_fraction(args: Args, shares_gpu: bool) -> float:
     return args.gen_memory_fraction or (0.3 if shares_gpu else 0.85)
 
 
-def _ranges(steps: list[int]) -> list[list[int]]:
+def step_ranges(steps: list[int]) -> list[list[int]]:
     """[3, 4, 5, 8] -> [[3, 5], [8, 8]]: runs of consecutive steps."""
     runs: list[list[int]] = []
     for s in steps:
@@ -804,6 +805,6 @@ def write_args_json(out: Path, args: Args, step: int, missing_steps: list[int]) 
             k: [before[k], current[k]] for k in sorted(CHANGEABLE_ON_RESUME - {"output_dir", "resume", "overwrite"})
             if before[k] != current[k]}}
         if missing_steps:
-            entry["metrics_missing_steps"] = _ranges(missing_steps)
+            entry["metrics_missing_steps"] = step_ranges(missing_steps)
         resumes.append(entry)
     write_atomically(out / "args.json", json.dumps({**current, "resumes": resumes}, indent=1))

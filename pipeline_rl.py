@@ -51,7 +51,7 @@ import torch
 import tasks
 from tasks import Problem, Task
 import vllm_replica
-from vllm_replica import _DTYPES, parse_address  # GeneratorConfig checks its listen and dtype with them
+from vllm_replica import DTYPES, parse_address  # GeneratorConfig checks its listen and dtype with them
 
 # --------------------------------------------------------------------------------------------------------------
 # Public data types
@@ -160,8 +160,8 @@ class GeneratorConfig:
         host, _ = parse_address(self.listen)
         if host in ("", "0.0.0.0", "::"):
             raise ValueError(f"listen {self.listen!r}: name the address replicas reach this node at, not a wildcard")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.mode not in ("pipeline", "sync"):
             raise ValueError(f"mode must be 'pipeline' or 'sync', got {self.mode!r}")
         if self.group_size < 1:
@@ -485,7 +485,7 @@ class _ReplicaPool:
 
     def init_replicas(self, config: GeneratorConfig) -> None:
         """A slot per replica: the local ones (with their devices) first, then the remote places."""
-        self.listener: vllm_replica._ReplicaListener | None = None
+        self.listener: vllm_replica.ReplicaListener | None = None
         self.new_conns: list[tuple[Any, tuple]] = []  # authenticated, no hello yet
         gen_ids = [int(x) for x in config.gen_devices.split(",") if x.strip()] if config.gen_devices else []
         devices = (vllm_replica.replica_devices(gen_ids, config.tensor_parallel_size) if gen_ids
@@ -500,11 +500,11 @@ class _ReplicaPool:
     def start_replicas(self) -> None:
         """Listen, spawn the local replicas and wait until every replica (local and remote) has its engine up."""
         cfg = self.cfg
-        self.listener = vllm_replica._ReplicaListener(cfg.listen, self.secret)
+        self.listener = vllm_replica.ReplicaListener(cfg.listen, self.secret)
         ctx = mp.get_context("spawn")
         for slot in self.replicas.values():
             if slot.local:
-                slot.proc = ctx.Process(target=vllm_replica._replica_main, name=f"scalerl-replica-{slot.id}",
+                slot.proc = ctx.Process(target=vllm_replica.replica_main, name=f"scalerl-replica-{slot.id}",
                                         args=(self.listener.address, self.secret, slot.id, slot.devices, os.getpid()))
                 slot.proc.start()
                 slot.pid = slot.proc.pid
@@ -648,7 +648,7 @@ class _ReplicaPool:
                     s.proc.kill()
                     s.proc.join(5)
             if s.local:
-                vllm_replica._kill_processes(s.info.get("vllm_processes", []))
+                vllm_replica.kill_processes(s.info.get("vllm_processes", []))
         if self.listener is not None:
             self.listener.close()
 
@@ -681,7 +681,7 @@ class _ReplicaFaults:
         if slot.proc is not None and slot.proc.is_alive():
             slot.proc.kill()
         if slot.local:  # a remote replica's processes are on its own node
-            vllm_replica._kill_processes(slot.info.get("vllm_processes", []))
+            vllm_replica.kill_processes(slot.info.get("vllm_processes", []))
         moved = 0
         for table in (self.groups, self.eval_groups):
             for state in table.values():
@@ -1161,8 +1161,8 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
     vllm_replica.set_parent_death_signal(signal.SIGTERM)  # the learner died: shut the replicas down in order
     if os.getppid() != parent_pid:  # the learner died before prctl took effect
         return
-    vllm_replica._exit_on_sigterm()
-    for var in vllm_replica._TORCHRUN_VARS:
+    vllm_replica.exit_on_sigterm()
+    for var in vllm_replica.TORCHRUN_VARS:
         os.environ.pop(var, None)
     scheduler = None
     try:
@@ -1308,9 +1308,9 @@ class Generator:
             conn.close()
         # the replicas and vLLM processes that outlived the generator process (e.g. after it was SIGKILLed): nothing
         # can shut them down in order any more
-        vllm_replica._kill_processes(self._info.get("descendants", []))
+        vllm_replica.kill_processes(self._info.get("descendants", []))
         if self._info.get("descendants"):
-            vllm_replica._remove_leaked_segments(self._started_at)
+            vllm_replica.remove_leaked_segments(self._started_at)
         self._sender = None  # its store and weight groups go with it
 
     # ---- messaging --------------------------------------------------------------------------------------------
@@ -1401,7 +1401,7 @@ class Generator:
         update fails is taken out of the run (its work goes to the others). `transport` overrides the config's
         weight_transport for this update ("file": local replicas only; bench.py compares the two this way)."""
         t0 = time.perf_counter()
-        tensors = vllm_replica.weight_tensors(state_dict, _DTYPES.get(self.config.dtype, torch.float32), self._tied)
+        tensors = vllm_replica.weight_tensors(state_dict, DTYPES.get(self.config.dtype, torch.float32), self._tied)
         self._check_usable()
         transport = transport or self.config.weight_transport
         if transport == "broadcast" and self._sender is None:
@@ -1411,7 +1411,7 @@ class Generator:
             from safetensors.torch import save_file
 
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            directory = vllm_replica._weight_dir(self.config.weight_dir, nbytes)
+            directory = vllm_replica.choose_weight_dir(self.config.weight_dir, nbytes)
             path = directory / f"scalerl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-v{version}.safetensors"
             tmp = path.with_suffix(".tmp")
             save_file(tensors, str(tmp))

@@ -37,8 +37,9 @@ from tqdm import tqdm
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import scaling_fit
 import tasks
+import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from checkpoints import TrainerState, load_checkpoint, write_atomically
-from flags import (Args, _ranges, gen_slowdowns, generator_memory_fraction, int_range, local_replicas,
+from flags import (Args, step_ranges, gen_slowdowns, generator_memory_fraction, int_range, local_replicas,
                    model_context, resolve_defaults, write_args_json)
 from packing import model_device
 
@@ -174,7 +175,7 @@ def set_up(args: Args,
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
         # training on, and a --resume would then race them for OUTPUT_DIR: die with the launcher instead.
-        pipeline_rl.set_parent_death_signal(signal.SIGKILL)
+        vllm_replica.set_parent_death_signal(signal.SIGKILL)
     rank, world, device = init_distributed(args.gen_devices, args.cpu_offload)
     is_main = rank == 0
     stopper = GracefulStop(announce=is_main)
@@ -288,7 +289,7 @@ def _record_start(args: Args, out: Path, state: TrainerState, log: MetricsLog) -
     short behind the run's back said, and the evaluation rows the sigmoid fit has so far."""
     write_args_json(out, args, state.step, log.missing_steps)
     if log.missing_steps:  # a metrics file cut short behind the run's back: say so, and keep it on record
-        gaps = ", ".join(f"{a}..{b}" if a < b else str(a) for a, b in _ranges(log.missing_steps))
+        gaps = ", ".join(f"{a}..{b}" if a < b else str(a) for a, b in step_ranges(log.missing_steps))
         print(f"[resume] {log.path} holds {log.lines} rows but the checkpoint covers {state.metrics_lines}: "
               f"no rows for steps {gaps} (recorded in args.json's resumes)", file=sys.stderr)
     if log.lines:
@@ -379,7 +380,7 @@ def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.Gene
         gpu_memory_utilization=generator_memory_fraction(args, generator_shares_a_gpu(args)),
         replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
         remote_replicas=args.gen_remote_replicas, listen=args.gen_listen, join_timeout=args.gen_join_timeout,
-        secret=pipeline_rl.read_secret(args.gen_secret_file) if args.gen_secret_file else None,
+        secret=vllm_replica.read_secret(args.gen_secret_file) if args.gen_secret_file else None,
         weight_transport=args.weight_transport, num_threads=generator_threads(args),
     )
 

@@ -78,7 +78,7 @@ import tasks
 import tis
 from checkpoints import TrainerState, migrate_checkpoint, read_checkpoint, save_checkpoint
 from flags import LOSSES  # --loss NAME -> its loss file (grpo.py, dapo.py, drgrpo.py, gspo.py, cispo.py)
-from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, _literal, flags_markdown, lm_head_gemm,
+from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, parse_literal, flags_markdown, lm_head_gemm,
                    parse_args, plan, read_args_json, resolve_defaults)
 from head_gemm import split_bf16_logprobs
 from packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
@@ -911,7 +911,7 @@ def loss_hyperparameters(args: Args, loss_module: Any) -> dict[str, Any]:
         if key not in accepted or key in ("logprobs", "old_logprobs", "advantages", "mask", "group_size"):
             names = [n for n, p in accepted.items() if p.kind == p.KEYWORD_ONLY and n not in ("is_weights", "denominator")]
             raise SystemExit(f"--loss-arg {key}: {args.loss}.compute_loss has no such hyper-parameter; it has {names}")
-        hp[key] = _literal(value)
+        hp[key] = parse_literal(value)
     return hp
 
 

@@ -49,7 +49,7 @@ import tasks
 # --------------------------------------------------------------------------------------------------------------
 
 # the dtypes a generator may load its weights in (GeneratorConfig.dtype checks its value against these)
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
 
@@ -460,7 +460,7 @@ class WeightSender:
 # A replica: one vLLM engine in a process of its own, on this node or another
 # --------------------------------------------------------------------------------------------------------------
 
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME",
                   "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
                   "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
                   "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
@@ -479,9 +479,9 @@ def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
     )
     if cfg.interruptions:
         kwargs["logits_processors"] = [f"{__name__}:InterruptionLogitsProcessor"]
-    if cfg.slowdown_of(replica) > 1:  # the factor reaches vLLM's worker through the environment (_replica_main)
+    if cfg.slowdown_of(replica) > 1:  # the factor reaches vLLM's worker through the environment (replica_main)
         kwargs["logits_processors"] = kwargs.get("logits_processors", []) + [f"{__name__}:SlowdownLogitsProcessor"]
-    if cfg.fp32_lm_head and _DTYPES.get(cfg.dtype, torch.float32) != torch.float32:
+    if cfg.fp32_lm_head and DTYPES.get(cfg.dtype, torch.float32) != torch.float32:
         kwargs["hf_overrides"] = {"head_dtype": "float32"}  # lm_head matmul and logits in float32
     if on_gpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
@@ -673,7 +673,7 @@ def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
         pass
 
 
-def _exit_on_sigterm() -> None:
+def exit_on_sigterm() -> None:
     """SIGTERM ends the process through its `finally` blocks; a second one is ignored, so that the shutdown they
     run (closing the replicas) is not cut short by it (the learner's close() escalates to SIGKILL anyway)."""
     def on_term(signum: int, frame: Any) -> None:
@@ -683,7 +683,7 @@ def _exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
-def _replica_main(address: str, secret: bytes, local_id: int | None, devices: list[int] | None,
+def replica_main(address: str, secret: bytes, local_id: int | None, devices: list[int] | None,
                   parent_pid: int | None, model: str | None = None, tensor_parallel_size: int | None = None,
                   connect_timeout: float = 60.0) -> None:
     """Entry point of a replica process: connect to the scheduler at `address`, prove the secret, start the engine
@@ -694,8 +694,8 @@ def _replica_main(address: str, secret: bytes, local_id: int | None, devices: li
         set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != parent_pid:
             return
-    _exit_on_sigterm()
-    for var in _TORCHRUN_VARS:  # a vLLM started under torchrun must not see the learner's process group
+    exit_on_sigterm()
+    for var in TORCHRUN_VARS:  # a vLLM started under torchrun must not see the learner's process group
         os.environ.pop(var, None)
     if devices is not None:  # before anything touches CUDA
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
@@ -785,7 +785,7 @@ def connect_to_generator(address: str, secret: bytes, timeout: float) -> tuple[A
     return conn, bind_host
 
 
-class _ReplicaListener:
+class ReplicaListener:
     """The generator process's listening socket: binds exactly `address`; each connection must prove the secret
     within HANDSHAKE_S seconds (in a thread of its own, so a silent one blocks nothing) or is refused and logged."""
 
@@ -837,7 +837,7 @@ class _ReplicaListener:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _kill_processes(processes: Iterable[tuple[int, float, str]]) -> None:
+def kill_processes(processes: Iterable[tuple[int, float, str]]) -> None:
     """Kill the processes (pid, create time, name) that are still the ones recorded, and wait until they are gone."""
     try:
         import psutil
@@ -855,7 +855,7 @@ def _kill_processes(processes: Iterable[tuple[int, float, str]]) -> None:
         time.sleep(0.05)
 
 
-def _weight_dir(preferred: str | None, nbytes: int) -> Path:
+def choose_weight_dir(preferred: str | None, nbytes: int) -> Path:
     """Where the learner writes a weight file for the replicas of its node (weight_transport="file")."""
     if preferred:
         return Path(preferred)
@@ -865,7 +865,7 @@ def _weight_dir(preferred: str | None, nbytes: int) -> Path:
     return Path(tempfile.gettempdir())
 
 
-def _remove_leaked_segments(since: float, shm: Path = Path("/dev/shm")) -> list[str]:
+def remove_leaked_segments(since: float, shm: Path = Path("/dev/shm")) -> list[str]:
     """Unlink vLLM's shared-memory queues (psm_*) made since `since` that no live process maps or holds open any
     more: a killed engine core leaves them, and Python's resource tracker would remove them only when the learner
     exits. Segments of any other live vLLM are in use, hence kept."""
@@ -976,7 +976,7 @@ def replica_command(argv: list[str]) -> int:
         parser.error(f"--replicas {n}: --gen-devices {args.gen_devices} makes {len(devices)} replica(s) of "
                      f"{args.tensor_parallel_size} device(s)")
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_replica_main, name=f"scalerl-replica-{i}",
+    procs = [ctx.Process(target=replica_main, name=f"scalerl-replica-{i}",
                          args=(args.connect, secret, None, devices[i] if ids else None, os.getpid(), args.model,
                                args.tensor_parallel_size if ids else None, args.connect_timeout))
              for i in range(n)]

@@ -429,7 +429,7 @@ def test_the_listener_refuses_a_wrong_secret_and_a_silent_client_and_accepts_the
 
     monkeypatch.setattr(vllm_replica, "HANDSHAKE_S", 1)
     secret = b"the-right-secret-of-32-bytes-...."
-    listener = vllm_replica._ReplicaListener("127.0.0.2:0", secret)
+    listener = vllm_replica.ReplicaListener("127.0.0.2:0", secret)
     try:
         host, port = vllm_replica.parse_address(listener.address)
         assert host == "127.0.0.2" and port > 0

@@ -1198,7 +1198,7 @@ def test_metrics_and_args_are_rewritten_through_a_rename_and_gaps_are_named(tmp_
     monkeypatch.undo()
     log = runtime.MetricsLog(path, keep_lines=7, covers_step=6)  # a file cut short behind the run's back
     assert log.lines == 3 and log.missing_steps == [3, 4, 5, 6]
-    assert flags._ranges([3, 4, 5, 6, 9]) == [[3, 6], [9, 9]]
+    assert flags.step_ranges([3, 4, 5, 6, 9]) == [[3, 6], [9, 9]]
 
 
 def test_raw_tracebacks_became_one_line_each(tmp_path, capsys):

@@ -44,6 +44,27 @@ PROMPT_ALLOWANCE = 512  # prompt tokens a real model's context keeps beside --ma
                         # system prompt) around a GSM8K or Polaris problem fits with room to spare
 
 
+# The flags the learner shares with the generator take their defaults from pipeline_rl.GeneratorConfig and are
+# checked by pipeline_rl.config_problems, each written once there; this maps a field to its flag where the names differ.
+GENERATOR_FLAGS = {"replicas": "gen_replicas", "remote_replicas": "gen_remote_replicas", "listen": "gen_listen",
+                   "secret": "gen_secret_file", "join_timeout": "gen_join_timeout",
+                   "debug_slowdown": "debug_gen_slowdown"}
+
+
+def generator_flag(field_name: str) -> str:
+    """The command-line flag of a GeneratorConfig field: --max-off-policy for max_off_policy, --gen-listen for
+    listen."""
+    return "--" + GENERATOR_FLAGS.get(field_name, field_name).replace("_", "-")
+
+
+def generator_default(field_name: str) -> Any:
+    """GeneratorConfig's default of a field: the one place a default the learner's flags share with it is written."""
+    return pipeline_rl.GeneratorConfig.__dataclass_fields__[field_name].default
+
+
+TINY_THINK_BUDGET = ",".join(str(n) for n in generator_default("think_budget"))  # --think-budget's default, as typed
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Arguments: one dataclass field per flag, grouped in --help by the step of the loop each one configures
 # ----------------------------------------------------------------------------------------------------------------
@@ -113,23 +134,28 @@ class Args:
                                     "final_answer)")
     skip_bad_rows: bool = _arg(HelpGroup.WHAT, False, "skip and count malformed data rows instead of stopping with an "
                                "error")
-    seed: int = _arg(HelpGroup.WHAT, 0, "seed of data order, sampling and initialisation")
+    seed: int = _arg(HelpGroup.WHAT, generator_default("seed"), "seed of data order, sampling and initialisation")
 
     max_steps: int = _arg(HelpGroup.BATCH, 100, "optimizer steps (tiny-task default: the pass rate levels off near "
                           "0.95 by step 50-60)")
     prompts_per_step: int = _arg(HelpGroup.BATCH, 32, "prompts per optimizer step (ScaleRL: 48; tiny-task default 32)")
-    group_size: int = _arg(HelpGroup.BATCH, 8, "completions per prompt (ScaleRL: 16; tiny-task default 8)")
+    group_size: int = _arg(HelpGroup.BATCH, generator_default("group_size"), "completions per prompt (ScaleRL: 16; "
+                            f"tiny-task default {generator_default('group_size')})")
 
-    mode: str = _arg(HelpGroup.GENERATION, "pipeline", "pipeline: PipelineRL in-flight updates (ScaleRL); sync: "
-                     "generate, then train", choices=("pipeline", "sync"))
-    max_off_policy: int = _arg(HelpGroup.GENERATION, 8, "k: pipeline: a sample's oldest token is at most k optimizer "
+    mode: str = _arg(HelpGroup.GENERATION, generator_default("mode"),
+                     "pipeline: PipelineRL in-flight updates (ScaleRL); sync: "
+                     "generate, then train", choices=pipeline_rl.MODES)
+    max_off_policy: int = _arg(HelpGroup.GENERATION, generator_default("max_off_policy"),
+                               "k: pipeline: a sample's oldest token is at most k optimizer "
                                "steps old (ScaleRL: 8); sync: k optimizer steps per generation round "
                                "(PPO-off-policy-k; 1 = on-policy)")
-    buffer_steps: int = _arg(HelpGroup.GENERATION, 1, "pipeline: freshness bound under k: the generator admits at "
+    buffer_steps: int = _arg(HelpGroup.GENERATION, generator_default("buffer_steps"),
+                             "pipeline: freshness bound under k: the generator admits at "
                              "most this many learner steps' worth of prompts ahead of the learner (1: it samples the "
                              "next batch while the learner trains on this one; the lag then stays near 1 however fast "
                              "the generator is); k + 1 or more: only k limits it, as in PipelineRL and ScaleRL")
-    temperature: float = _arg(HelpGroup.GENERATION, 1.0, "sampling temperature; the learner divides its logits by the "
+    temperature: float = _arg(HelpGroup.GENERATION, generator_default("temperature"),
+                              "sampling temperature; the learner divides its logits by the "
                               "same value")
     max_model_len: int | None = _arg(HelpGroup.GENERATION, None, "vLLM's context per sequence, prompt + completion "
                                      f"tokens (default: {EMBEDDED_MAX_MODEL_LEN} for the embedded tiny model, its "
@@ -145,10 +171,13 @@ class Args:
 
     length_control: str = _arg(HelpGroup.LENGTH, "interruptions", "interruptions (ScaleRL) or overlong (DAPO's soft "
                                "overlong penalty added to the reward)", choices=("interruptions", "overlong"))
-    think_budget: str = _arg(HelpGroup.LENGTH, "34,40", "interruption point drawn uniformly in MIN,MAX thinking tokens "
-                             "(ScaleRL: 10240,12288; tiny task: 34,40, above its ~29-token scratchpad)")
-    answer_budget: int = _arg(HelpGroup.LENGTH, 8, "tokens allowed after an interruption (ScaleRL: 2048; tiny task: 8)")
-    max_tokens: int = _arg(HelpGroup.LENGTH, 48, "generation budget per completion (ScaleRL: 14336; tiny task: 48)")
+    think_budget: str = _arg(HelpGroup.LENGTH, TINY_THINK_BUDGET, "interruption point drawn uniformly in MIN,MAX "
+                             f"thinking tokens (ScaleRL: 10240,12288; tiny task: {TINY_THINK_BUDGET}, above its "
+                             "~29-token scratchpad)")
+    answer_budget: int = _arg(HelpGroup.LENGTH, generator_default("answer_budget"), "tokens allowed after an "
+                               f"interruption (ScaleRL: 2048; tiny task: {generator_default('answer_budget')})")
+    max_tokens: int = _arg(HelpGroup.LENGTH, generator_default("max_tokens"), "generation budget per completion "
+                            f"(ScaleRL: 14336; tiny task: {generator_default('max_tokens')})")
     overlong_cache: int = _arg(HelpGroup.LENGTH, 16, "DAPO L_cache for --length-control overlong, in tokens (paper: "
                                "4096 of 20480; tiny-task default 16 of 48)")
     overlong_filter: bool = _arg(HelpGroup.LENGTH, False, "DAPO's overlong filtering: completions cut off by "
@@ -222,7 +251,8 @@ class Args:
 
     dtype: str | None = _arg(HelpGroup.PRECISION, None, "float32 or bfloat16 (default: bfloat16 on GPU, float32 on "
                              "CPU)")
-    fp32_lm_head: bool = _arg(HelpGroup.PRECISION, True, "compute the LM head in float32 in generator and learner "
+    fp32_lm_head: bool = _arg(HelpGroup.PRECISION, generator_default("fp32_lm_head"),
+                              "compute the LM head in float32 in generator and learner "
                               "(ScaleRL, MiniMax-M1); a no-op for float32 weights",
                               action=argparse.BooleanOptionalAction)
     logits_chunk_tokens: int | None = _arg(HelpGroup.PRECISION, None, "positions whose logits the learner's LM head "
@@ -251,7 +281,8 @@ class Args:
     gen_devices: str | None = _arg(HelpGroup.GPU, None, "GPU only: comma-separated CUDA devices for the vLLM "
                                    "replicas of this node, taken in runs of --tensor-parallel-size (the learner uses "
                                    "the others); ScaleRL split 64 generator / 16 trainer GPUs")
-    tensor_parallel_size: int = _arg(HelpGroup.GPU, 1, "GPU only: vLLM tensor parallelism of each replica")
+    tensor_parallel_size: int = _arg(HelpGroup.GPU, generator_default("tensor_parallel_size"),
+                                     "GPU only: vLLM tensor parallelism of each replica")
     gen_memory_fraction: float | None = _arg(HelpGroup.GPU, None, "GPU only: vLLM's share of each generator GPU's "
                                              "memory (default: 0.85 on GPUs of its own, 0.3 on GPUs it shares with "
                                              "the learner, when --gen-devices takes them all)")
@@ -263,23 +294,28 @@ class Args:
                                    "(default: in sync mode the machine's cores shared among the replicas, since the "
                                    "learner ranks wait while they generate; in pipeline mode 1, beside the busy "
                                    "learner ranks, where two threads stall each other)")
-    gen_remote_replicas: int = _arg(HelpGroup.REPLICAS, 0, "replicas on other nodes to wait for, each started there "
+    gen_remote_replicas: int = _arg(HelpGroup.REPLICAS, generator_default("remote_replicas"),
+                                    "replicas on other nodes to wait for, each started there "
                                     "with `python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE` "
                                     "(needs --gen-listen and --gen-secret-file)")
-    gen_listen: str = _arg(HelpGroup.REPLICAS, "127.0.0.1:0", "HOST:PORT the generator listens on for replicas "
+    gen_listen: str = _arg(HelpGroup.REPLICAS, generator_default("listen"),
+                           "HOST:PORT the generator listens on for replicas "
                            "(port 0: a free one, for local replicas); with --gen-remote-replicas, an address of this "
                            "node the generator nodes reach, and a fixed port. Only this address is bound")
     gen_secret_file: str | None = _arg(HelpGroup.REPLICAS, None, "file with the secret every replica must prove "
                                        "(HMAC challenge), readable by its owner only; needed for remote replicas "
                                        "(default: a random one for the local replicas)")
-    gen_join_timeout: float = _arg(HelpGroup.REPLICAS, 600.0, "seconds to wait for every replica to connect and "
+    gen_join_timeout: float = _arg(HelpGroup.REPLICAS, generator_default("join_timeout"),
+                                   "seconds to wait for every replica to connect and "
                                    "start its engine; then the start fails naming the missing ones")
-    weight_transport: str = _arg(HelpGroup.REPLICAS, "broadcast", "how new weights reach the replicas: broadcast "
+    weight_transport: str = _arg(HelpGroup.REPLICAS, generator_default("weight_transport"),
+                                 "how new weights reach the replicas: broadcast "
                                  "(torch.distributed, gloo on CPU, NCCL on GPU, in buckets) or file (a safetensors "
-                                 "file in /dev/shm; replicas on this node only)", choices=("broadcast", "file"))
+                                 "file in /dev/shm; replicas on this node only)", choices=vllm_replica.WEIGHT_TRANSPORTS)
 
     # debugging: turn the generator/learner speed ratio on purpose
-    debug_gen_slowdown: str = _arg(HelpGroup.DEBUG, "1", "debug: make the generator X times slower (it sleeps X-1 "
+    debug_gen_slowdown: str = _arg(HelpGroup.DEBUG, f"{generator_default('debug_slowdown'):g}",
+                                   "debug: make the generator X times slower (it sleeps X-1 "
                                    "times each engine step's duration), to see how the recipe behaves on a machine "
                                    "whose generator is slower relative to its learner; X,Y,...: one factor per "
                                    "replica (the last for the rest)")
@@ -296,23 +332,19 @@ def check_args(args: Args) -> list[str]:
     if args.loss != "cispo" and (args.aggregation or args.adv_norm):
         problems.append(f"--aggregation and --adv-norm are CISPO's options; --loss {args.loss} fixes its own "
                         "(see its file's docstring)")
-    if args.mode == "sync" and args.max_off_policy < 1:
-        problems.append("--max-off-policy must be >= 1 in sync mode (1 = on-policy)")
-    if args.mode == "pipeline" and args.max_off_policy < 0:
-        problems.append("--max-off-policy must be >= 0")
-    if args.buffer_steps < 0:
-        problems.append("--buffer-steps must be >= 0")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         problems.append(f"--peak-tflops must be > 0 (got {args.peak_tflops})")
     try:
-        if not all(x >= 1 for x in gen_slowdowns(args)):
-            raise ValueError
+        gen_slowdowns(args)  # its values are checked with the generator's settings, below
     except ValueError:
         problems.append(f"--debug-gen-slowdown {args.debug_gen_slowdown}: X or X,Y,... (one per replica), each "
                         "must be >= 1 (1 = full speed)")
     if not args.debug_learner_slowdown >= 1:
         problems.append("--debug-learner-slowdown must be >= 1 (1 = full speed)")
     problems += replica_problems(args)
+    problems += pipeline_rl.config_problems(  # the checks of every setting the generator shares, written there
+        {**generator_values(args), "replicas": 1 if args.gen_replicas is None else args.gen_replicas,
+         "secret": args.gen_secret_file}, generator_flag)
     if args.zero_variance == "drop" and args.group_size < 2:
         problems.append("--group-size 1 has no group variance: every group would be dropped")
     if args.tis is None and (args.tis_cap != 2.0 or args.tis_mode != "truncate" or args.tis_cap_min is not None):
@@ -325,16 +357,12 @@ def check_args(args: Args) -> list[str]:
         problems.append("--overlong-filter masks completions cut off by --max-tokens: use it with "
                         "--length-control overlong (with interruptions, a long completion is interrupted instead)")
     try:
-        low, high = int_range(args.think_budget)
-        if not 1 <= low <= high:
-            raise ValueError
-        if args.length_control == "interruptions" and high >= args.max_tokens:
+        low, high = int_range(args.think_budget)  # 1 <= low <= high is checked with the generator's settings
+        if args.length_control == "interruptions" and 1 <= low <= high >= args.max_tokens:
             problems.append("--think-budget must end below --max-tokens so that an answer fits")
     except ValueError:
-        problems.append(f"--think-budget {args.think_budget!r}: expected MIN,MAX with 1 <= MIN <= MAX, e.g. 34,40")
-    if not args.temperature > 0:
-        problems.append(f"--temperature must be > 0 (got {args.temperature}): RL samples, and greedy decoding has no "
-                        "usable logprobs")
+        problems.append(f"--think-budget {args.think_budget!r}: expected MIN,MAX with 1 <= MIN <= MAX, e.g. "
+                        f"{TINY_THINK_BUDGET}")
     for flag in ("lr", "adam_eps"):
         value = getattr(args, flag)
         if value is not None and not value > 0:
@@ -348,7 +376,7 @@ def check_args(args: Args) -> list[str]:
                         "--fp32-lm-head and --dtype bfloat16")
     if args.logits_chunk_tokens is not None and args.logits_chunk_tokens < 1:
         problems.append(f"--logits-chunk-tokens must be >= 1 (got {args.logits_chunk_tokens})")
-    for flag in ("group_size", "max_tokens", "answer_budget", "eval_samples", "eval_prompts", "checkpoint_every",
+    for flag in ("eval_samples", "eval_prompts", "checkpoint_every",
                  "log_every", "micro_batch_tokens", "max_bad_steps", "final_eval_samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             problems.append(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
@@ -365,9 +393,6 @@ def check_args(args: Args) -> list[str]:
         if getattr(args, flag) and tasks.data_file_kind_problem(getattr(args, flag)):
             problems.append(f"--{flag.replace('_', '-')} {tasks.data_file_kind_problem(getattr(args, flag))}")
     problems += _output_dir_problems(Path(args.output_dir))
-    if model_context(args) <= args.max_tokens:
-        problems.append(f"--max-model-len ({model_context(args)}) must exceed --max-tokens ({args.max_tokens}): it "
-                        "holds the prompt and the completion")
     problems += run_dir_problems(args)
     if args.dataset_config and not (args.dataset and args.dataset not in tasks.EMBEDDED_TASKS
                                     and not tasks.is_local_data_file(args.dataset)):
@@ -400,32 +425,41 @@ def run_dir_problems(args: Args) -> list[str]:
 
 
 def replica_problems(args: Args) -> list[str]:
-    """The replica flags, checked before anything starts (their GPU layout: gpu_layout_problems)."""
+    """The replica flags' own checks, before anything starts (their number, address, secret and weight transport:
+    pipeline_rl.config_problems; their GPU layout: gpu_layout_problems)."""
     problems = []
-    if (args.gen_replicas is not None and args.gen_replicas < 0) or args.gen_remote_replicas < 0:
-        problems.append("--gen-replicas and --gen-remote-replicas must be >= 0")
-    elif (args.gen_replicas if args.gen_replicas is not None else 1) + args.gen_remote_replicas < 1:
-        problems.append("--gen-replicas 0 needs --gen-remote-replicas 1 or more: someone must generate")
-    try:
-        host, port = vllm_replica.parse_address(args.gen_listen)
-        if host in ("", "0.0.0.0", "::"):
-            problems.append(f"--gen-listen {args.gen_listen}: name the address the replicas reach this node at, not "
-                            "a wildcard (only that address is bound)")
+    try:  # a malformed address, a wildcard: pipeline_rl.config_problems, with the generator's other settings
+        _, port = vllm_replica.parse_address(args.gen_listen)
         if args.gen_remote_replicas and port == 0:
             problems.append(f"--gen-listen {args.gen_listen}: remote replicas need a fixed port to connect to")
-    except ValueError as e:
-        problems.append(f"--gen-listen: {e}")
-    if args.gen_remote_replicas and not args.gen_secret_file:
-        problems.append("--gen-remote-replicas needs --gen-secret-file: replicas on other nodes must prove a shared "
-                        "secret (e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`, copied to each node)")
+    except ValueError:
+        pass
     if args.gen_secret_file:
         try:
             vllm_replica.read_secret(args.gen_secret_file)
         except ValueError as e:
             problems.append(f"--gen-secret-file: {e}")
-    if args.weight_transport == "file" and args.gen_remote_replicas:
-        problems.append("--weight-transport file reaches replicas on this node only: remote replicas need broadcast")
     return problems
+
+
+def generator_values(args: Args) -> dict[str, Any]:
+    """The generator's settings this command line gives, by GeneratorConfig's field names: what check_args checks
+    with pipeline_rl.config_problems and runtime.generator_config passes on. A flag that does not parse
+    (--think-budget, --debug-gen-slowdown) is left out; check_args names it."""
+    values = {"group_size": args.group_size, "temperature": args.temperature, "answer_budget": args.answer_budget,
+              "interruptions": args.length_control == "interruptions", "max_tokens": args.max_tokens,
+              "max_model_len": model_context(args), "max_off_policy": args.max_off_policy, "mode": args.mode,
+              "buffer_steps": args.buffer_steps, "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head,
+              "gen_devices": args.gen_devices, "tensor_parallel_size": args.tensor_parallel_size,
+              "remote_replicas": args.gen_remote_replicas, "listen": args.gen_listen,
+              "join_timeout": args.gen_join_timeout, "weight_transport": args.weight_transport}
+    for key, parse in (("think_budget", lambda: int_range(args.think_budget)),
+                       ("debug_slowdown", lambda: gen_slowdowns(args))):
+        try:
+            values[key] = parse()
+        except ValueError:
+            pass
+    return values
 
 
 def gen_slowdowns(args: Args) -> tuple[float, ...]:
@@ -456,7 +490,7 @@ def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[s
                 f"{num_gpus - 1} (the learner ranks take the others; on a machine with one GPU, --gen-devices 0 "
                 "shares it)"]
     try:
-        learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, num_gpus)
+        learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, num_gpus)
     except ValueError as e:
         return [f"--gen-devices {args.gen_devices}: {e}"]
     problems = []
@@ -491,7 +525,7 @@ def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -
         memory_plan.parameter_counts(config)
     except (OSError, ValueError):
         return []
-    learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, num_gpus)
+    learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, num_gpus)
     in_use = learner_ids[:learner_ranks]
     plan = learner_memory_plan(args, config, world, min(learner_gpu_memory(i) for i in in_use),
                                shares_gpu=bool(set(in_use) & set(gen_ids)))
@@ -623,7 +657,7 @@ def plan(argv: list[str]) -> str:
         raise SystemExit("train.py plan: give --shape NAME or --model DIR (a config.json is enough)")
     shares = False
     if args.gen_devices and options.gpus:
-        learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, options.gpus)
+        learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, options.gpus)
         shares = bool(set(learner_ids) & set(gen_ids))
     memory = learner_memory_plan(args, config, options.learner_ranks, int(options.gpu_memory_gib * memory_plan.GIB),
                                  shares_gpu=shares)

@@ -43,7 +43,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -60,7 +60,8 @@ from vllm_replica import DTYPES, parse_address  # GeneratorConfig checks its lis
 
 @dataclass
 class GeneratorConfig:
-    """Settings of the generator (train.py maps its flags onto them in generator_config)."""
+    """Settings of the generator. train.py's flags of the same names take their defaults from here and are checked
+    by the same `config_problems` (flags.py); runtime.generator_config maps the flags onto a GeneratorConfig."""
 
     # HF model directory or name that the generator starts from
     model: str
@@ -148,39 +149,9 @@ class GeneratorConfig:
         self.think_budget = tuple(int(x) for x in self.think_budget)  # type: ignore[assignment]
         if isinstance(self.debug_slowdown, (list, tuple)):
             self.debug_slowdown = tuple(float(x) for x in self.debug_slowdown)
-        if self.replicas < 0 or self.remote_replicas < 0 or self.replicas + self.remote_replicas < 1:
-            raise ValueError(f"replicas ({self.replicas}) + remote_replicas ({self.remote_replicas}) must be >= 1")
-        if self.weight_transport not in ("broadcast", "file"):
-            raise ValueError(f"weight_transport must be 'broadcast' or 'file', got {self.weight_transport!r}")
-        if self.weight_transport == "file" and self.remote_replicas:
-            raise ValueError("weight_transport 'file' reaches replicas on this node only: remote replicas need "
-                             "'broadcast'")
-        if self.remote_replicas and not self.secret:
-            raise ValueError("remote replicas need a shared secret (secret=...; train.py: --gen-secret-file)")
-        host, _ = parse_address(self.listen)
-        if host in ("", "0.0.0.0", "::"):
-            raise ValueError(f"listen {self.listen!r}: name the address replicas reach this node at, not a wildcard")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.mode not in ("pipeline", "sync"):
-            raise ValueError(f"mode must be 'pipeline' or 'sync', got {self.mode!r}")
-        if self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
-        if self.max_off_policy < 0:
-            raise ValueError(f"max_off_policy must be >= 0, got {self.max_off_policy}")
-        if self.buffer_steps is not None and self.buffer_steps < 0:
-            raise ValueError(f"buffer_steps must be >= 0 or None, got {self.buffer_steps}")
-        if not all(x >= 1 for x in self.slowdowns()):
-            raise ValueError(f"debug_slowdown must be >= 1, got {self.debug_slowdown}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 (sampling; greedy has no usable logprobs), got {self.temperature}")
-        lo, hi = self.think_budget
-        if not 1 <= lo <= hi:
-            raise ValueError(f"think_budget must be (lo, hi) with 1 <= lo <= hi, got {self.think_budget}")
-        if self.answer_budget < 1 or self.max_tokens < 1:
-            raise ValueError("answer_budget and max_tokens must be >= 1")
-        if self.max_tokens >= self.max_model_len:
-            raise ValueError(f"max_tokens ({self.max_tokens}) must be below max_model_len ({self.max_model_len})")
+        problems = config_problems({f.name: getattr(self, f.name) for f in fields(self)})
+        if problems:
+            raise ValueError("; ".join(problems))
 
     def slowdowns(self) -> tuple[float, ...]:
         return self.debug_slowdown if isinstance(self.debug_slowdown, tuple) else (float(self.debug_slowdown),)
@@ -271,7 +242,7 @@ def admission_allowed(unconsumed: int, gen_version: int, next_learner_version: i
     return unconsumed + 1 <= steps_left * max(1, groups_per_step)
 
 
-def off_policy_problems(mode: str, k: int) -> list[str]:
+def off_policy_problems(mode: str, k: int, name: str = "--max-off-policy") -> list[str]:
     """What is wrong with k = --max-off-policy (GeneratorConfig.max_off_policy) in `mode`; [] when nothing is.
     The one place where k's meaning in each mode is stated and checked:
 
@@ -282,10 +253,10 @@ def off_policy_problems(mode: str, k: int) -> list[str]:
       steps, so the last step trains on tokens k - 1 steps old. k >= 1; k = 1 is on-policy.
     """
     if mode == "pipeline" and k < 0:
-        return [f"--max-off-policy {k}: in pipeline mode it bounds a token's lag in optimizer steps and must be >= 0 "
+        return [f"{name} {k}: in pipeline mode it bounds a token's lag in optimizer steps and must be >= 0 "
                 "(0: on-policy)"]
     if mode == "sync" and k < 1:
-        return [f"--max-off-policy {k}: in sync mode it is the optimizer steps per generation round "
+        return [f"{name} {k}: in sync mode it is the optimizer steps per generation round "
                 "(PPO-off-policy-k) and must be >= 1 (1: on-policy)"]
     return []
 
@@ -373,24 +344,46 @@ def lag_stats(groups: list[Group], learner_version: int) -> dict[str, Any]:
     }
 
 
+MODES = ("pipeline", "sync")  # GeneratorConfig.mode; train.py's --mode
+
+
+def config_problems(values: Mapping[str, Any], name: Callable[[str], str] = str) -> list[str]:
+    """What is wrong with these generator settings; [] when nothing is. The one place where each check is written:
+    GeneratorConfig raises on them, and train.py's flags report them before anything starts (flags.check_args).
+    `values` maps GeneratorConfig field names to values (a missing one is not checked); `name` spells a field as
+    the caller calls it (flags.py: its command-line flag)."""
+    v, problems = values, []
+    if "mode" in v and v["mode"] not in MODES:
+        problems.append(f"{name('mode')} must be 'pipeline' or 'sync', got {v['mode']!r}")
+    elif "max_off_policy" in v:
+        problems += off_policy_problems(v.get("mode", "pipeline"), v["max_off_policy"], name("max_off_policy"))
+    if v.get("buffer_steps") is not None and v["buffer_steps"] < 0:
+        problems.append(f"{name('buffer_steps')} must be >= 0 (got {v['buffer_steps']})")
+    problems += [f"{name(key)} must be >= 1 (got {v[key]})" for key in ("group_size", "answer_budget", "max_tokens")
+                 if key in v and v[key] < 1]
+    if "temperature" in v and not v["temperature"] > 0:
+        problems.append(f"{name('temperature')} must be > 0 (got {v['temperature']}): RL samples, and greedy "
+                        "decoding has no usable logprobs")
+    if "think_budget" in v and not 1 <= v["think_budget"][0] <= v["think_budget"][1]:
+        low, high = v["think_budget"]
+        problems.append(f"{name('think_budget')} '{low},{high}': expected MIN,MAX with 1 <= MIN <= MAX, e.g. 34,40")
+    if "max_model_len" in v and "max_tokens" in v and v["max_model_len"] <= v["max_tokens"]:
+        problems.append(f"{name('max_model_len')} ({v['max_model_len']}) must exceed {name('max_tokens')} "
+                        f"({v['max_tokens']}): it holds the prompt and the completion")
+    if "dtype" in v and v["dtype"] is not None and v["dtype"] not in DTYPES:
+        problems.append(f"{name('dtype')} must be one of {sorted(DTYPES)}, got {v['dtype']!r}")
+    factors = v.get("debug_slowdown", ())
+    factors = tuple(factors) if isinstance(factors, (tuple, list)) else (factors,)
+    if not all(x >= 1 for x in factors):
+        shown = ",".join(f"{x:g}" for x in factors)
+        problems.append(f"{name('debug_slowdown')} {shown}: X or X,Y,... (one per replica), each must be >= 1 "
+                        "(1 = full speed)")
+    return problems + vllm_replica.replica_problems(v, name)
+
+
 def pick_replica(loads: Mapping[int, int]) -> int | None:
     """The least-loaded replica (fewest groups in flight; the lowest id among equals), or None if there is none."""
     return min(loads, key=lambda r: (loads[r], r)) if loads else None
-
-
-def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int], list[int]]:
-    """(learner device ids, generator device ids) for a node with `num_devices` GPUs and `--gen-devices`.
-    Learner rank r uses learner_ids[r % len(learner_ids)]; the generator child sees only gen ids."""
-    gen = [int(x) for x in gen_devices.split(",") if x.strip()] if gen_devices else []
-    bad = [d for d in gen if not 0 <= d < num_devices]
-    if bad:
-        raise ValueError(f"gen_devices {bad} out of range for {num_devices} devices")
-    learner = [d for d in range(num_devices) if d not in gen]
-    return (learner or list(range(num_devices))), gen
-# --------------------------------------------------------------------------------------------------------------
-# The generator process: one scheduler for all replicas, in parts named for what they hold: _DataStream,
-# _ReplicaPool (replica bookkeeping), _ReplicaFaults, _Admission, _Rewards, _BatchChoice, then _Scheduler
-# --------------------------------------------------------------------------------------------------------------
 
 
 def _make_task(task_factory: Any) -> Task:
@@ -1473,7 +1466,7 @@ def main(argv: list[str]) -> int:
 
 __all__ = ["GeneratorConfig", "Completion", "Group", "Generator", "GeneratorError", "GeneratorTimeout",
            "admission_allowed", "off_policy_problems", "should_admit", "mandatory_count", "plan_batch", "pick_replica",
-           "lag_histogram", "lag_stats", "split_devices"]
+           "lag_histogram", "lag_stats"]
 
 
 if __name__ == "__main__":

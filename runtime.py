@@ -39,8 +39,8 @@ import scaling_fit
 import tasks
 import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from checkpoints import TrainerState, load_checkpoint, write_atomically
-from flags import (Args, step_ranges, gen_slowdowns, generator_memory_fraction, int_range, local_replicas,
-                   model_context, resolve_defaults, write_args_json)
+from flags import (Args, generator_memory_fraction, generator_values, local_replicas, resolve_defaults, step_ranges,
+                   write_args_json)
 from packing import model_device
 
 
@@ -278,7 +278,7 @@ def _devices_in_use(args: Args, world: int, gen_config: pipeline_rl.GeneratorCon
     """learner ranks + the replicas (on CPU a replica counts as a device); on GPU: the GPUs either of them uses."""
     devices_in_use = world + gen_config.replicas + gen_config.remote_replicas
     if args.gen_devices:
-        learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, torch.cuda.device_count())
+        learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, torch.cuda.device_count())
         devices_in_use = (len(set(gen_ids) | set(learner_ids[:world]))
                           + gen_config.remote_replicas * args.tensor_parallel_size)
     return devices_in_use
@@ -306,7 +306,7 @@ def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False) 
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
-        learner_ids, _ = pipeline_rl.split_devices(gen_devices, torch.cuda.device_count())
+        learner_ids, _ = vllm_replica.split_devices(gen_devices, torch.cuda.device_count())
         device = torch.device("cuda", learner_ids[int(os.environ["LOCAL_RANK"]) % len(learner_ids)])
         torch.cuda.set_device(device)
         dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device)
@@ -369,19 +369,12 @@ def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
 def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.GeneratorConfig:
     """The vLLM generator's settings for this run; it restarts from `step` after a resume."""
     return pipeline_rl.GeneratorConfig(
-        model=model_path, group_size=args.group_size, temperature=args.temperature,
-        interruptions=args.length_control == "interruptions", think_budget=int_range(args.think_budget),
-        answer_budget=args.answer_budget, max_tokens=args.max_tokens, max_model_len=model_context(args),
-        max_off_policy=args.max_off_policy, buffer_steps=args.buffer_steps, mode=args.mode,
-        seed=args.seed + step, data_seed=args.seed, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
-        debug_slowdown=gen_slowdowns(args),
+        model=model_path, **generator_values(args), seed=args.seed + step, data_seed=args.seed,
         groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
-        gen_devices=args.gen_devices, tensor_parallel_size=args.tensor_parallel_size,
         gpu_memory_utilization=generator_memory_fraction(args, generator_shares_a_gpu(args)),
         replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
-        remote_replicas=args.gen_remote_replicas, listen=args.gen_listen, join_timeout=args.gen_join_timeout,
         secret=vllm_replica.read_secret(args.gen_secret_file) if args.gen_secret_file else None,
-        weight_transport=args.weight_transport, num_threads=generator_threads(args),
+        num_threads=generator_threads(args),
     )
 
 
@@ -399,10 +392,10 @@ def generator_threads(args: Args) -> int | None:
 
 def generator_shares_a_gpu(args: Args) -> bool:
     """True when the learner shares the generator's GPUs: --gen-devices takes every GPU of the machine, and
-    pipeline_rl.split_devices then gives the learner ranks the same ones (gpu_layout_problems allows one rank each)."""
+    vllm_replica.split_devices then gives the learner ranks the same ones (gpu_layout_problems allows one rank each)."""
     if not (args.gen_devices and torch.cuda.is_available()):
         return False
-    learner_ids, gen_ids = pipeline_rl.split_devices(args.gen_devices, torch.cuda.device_count())
+    learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, torch.cuda.device_count())
     return bool(set(learner_ids) & set(gen_ids))
 
 

@@ -6,6 +6,9 @@ what makes it run on real machines, and it imports nothing of pipeline_rl (nor o
 - what runs inside vLLM's processes: the interruption and slowdown logits processors (vLLM loads them by the
   names "vllm_replica:InterruptionLogitsProcessor" and "vllm_replica:SlowdownLogitsProcessor") and the
   worker extension "vllm_replica.WeightSyncExtension" that receives and reloads weights;
+- placement and the replicas' own settings: which GPUs the replicas and the learner take (`split_devices`,
+  `replica_devices`), and the checks of their number, address, secret and transport (`replica_problems`, called by
+  pipeline_rl.config_problems);
 - the weight transport: buckets over a torch.distributed group per replica (gloo on CPU, NCCL on GPU);
 - the replica process: one vLLM engine, serving the scheduler over one connection;
 - the handshake: who may connect (an HMAC challenge on the shared secret, both ways);
@@ -38,7 +41,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -59,6 +62,55 @@ def parse_address(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     return host.strip("[]"), int(port)
+
+
+WEIGHT_TRANSPORTS = ("broadcast", "file")  # GeneratorConfig.weight_transport; train.py's --weight-transport
+
+
+def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int], list[int]]:
+    """(learner device ids, generator device ids) for a node with `num_devices` GPUs and `--gen-devices`.
+    Learner rank r uses learner_ids[r % len(learner_ids)]; the generator child sees only gen ids."""
+    gen = [int(x) for x in gen_devices.split(",") if x.strip()] if gen_devices else []
+    bad = [d for d in gen if not 0 <= d < num_devices]
+    if bad:
+        raise ValueError(f"gen_devices {bad} out of range for {num_devices} devices")
+    learner = [d for d in range(num_devices) if d not in gen]
+    return (learner or list(range(num_devices))), gen
+# --------------------------------------------------------------------------------------------------------------
+# The generator process: one scheduler for all replicas, in parts named for what they hold: _DataStream,
+# _ReplicaPool (replica bookkeeping), _ReplicaFaults, _Admission, _Rewards, _BatchChoice, then _Scheduler
+# --------------------------------------------------------------------------------------------------------------
+
+
+def replica_problems(values: Mapping[str, Any], name: Callable[[str], str]) -> list[str]:
+    """What is wrong with the replicas' settings (their number, the address they connect to, the secret, the weight
+    transport); pipeline_rl.config_problems, where every generator setting is checked, calls it: `values` holds
+    GeneratorConfig's field names, `name` spells a field as the caller calls it."""
+    v, problems = values, []
+    replicas, remote = v.get("replicas", 1), v.get("remote_replicas", 0)
+    if replicas < 0 or remote < 0:
+        problems.append(f"{name('replicas')} and {name('remote_replicas')} must be >= 0")
+    elif replicas + remote < 1:
+        problems.append(f"{name('replicas')} 0 needs {name('remote_replicas')} 1 or more: someone must generate "
+                        "(their sum must be >= 1)")
+    if "listen" in v:
+        try:
+            host, _ = parse_address(v["listen"])
+            if host in ("", "0.0.0.0", "::"):
+                problems.append(f"{name('listen')} {v['listen']}: name the address the replicas reach this node at, "
+                                "not a wildcard (only that address is bound)")
+        except ValueError as e:
+            problems.append(f"{name('listen')}: {e}")
+    if remote and not v.get("secret"):
+        problems.append(f"{name('remote_replicas')} needs {name('secret')}: replicas on other nodes must prove a "
+                        "shared secret (e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`, copied to "
+                        "each node)")
+    if "weight_transport" in v and v["weight_transport"] not in WEIGHT_TRANSPORTS:
+        problems.append(f"{name('weight_transport')} must be 'broadcast' or 'file', got {v['weight_transport']!r}")
+    elif v.get("weight_transport") == "file" and remote:
+        problems.append(f"{name('weight_transport')} file reaches replicas on this node only: remote replicas need "
+                        "'broadcast'")
+    return problems
 
 
 def replica_devices(gen_ids: list[int], tensor_parallel_size: int) -> list[list[int]]:

@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import pipeline_rl as pl
+import vllm_replica
 import tasks
 
 pytestmark = [
@@ -127,7 +128,7 @@ def setup():
     pytest.importorskip("vllm", reason="the generator needs the CUDA build of vLLM")
     n = torch.cuda.device_count()
     gen_devices = os.environ.get("SCALERL_GEN_DEVICES", str(n - 1))
-    learner_ids, gen_ids = pl.split_devices(gen_devices, n)
+    learner_ids, gen_ids = vllm_replica.split_devices(gen_devices, n)
     model = os.environ.get("SCALERL_GPU_MODEL") or str(tasks.build_base_model(progress=False))
     shared = bool(set(learner_ids) & set(gen_ids)) or n == 1
     config = pl.GeneratorConfig(model=model, group_size=4, temperature=0.7, dtype="bfloat16", fp32_lm_head=True,

@@ -236,10 +236,10 @@ def test_config_validation_and_device_split():
     with pytest.raises(ValueError, match="think_budget"):
         pl.GeneratorConfig(model="m", think_budget=(10, 5))
     assert pl.GeneratorConfig(model="m", think_budget=[3, 4]).think_budget == (3, 4)
-    assert pl.split_devices("6,7", 8) == ([0, 1, 2, 3, 4, 5], [6, 7])
-    assert pl.split_devices(None, 2) == ([0, 1], [])
+    assert vllm_replica.split_devices("6,7", 8) == ([0, 1, 2, 3, 4, 5], [6, 7])
+    assert vllm_replica.split_devices(None, 2) == ([0, 1], [])
     with pytest.raises(ValueError):
-        pl.split_devices("8", 8)
+        vllm_replica.split_devices("8", 8)
 
 
 def test_engine_arguments():

@@ -28,6 +28,7 @@ import packing
 import runtime
 import train
 import pipeline_rl as pl
+import vllm_replica
 from pipeline_rl import Completion, Group
 from tasks import Problem
 
@@ -140,6 +141,49 @@ def test_incompatible_flags_are_explained_before_anything_starts(argv, message, 
     assert "usage:" not in err and len(err.splitlines()) == 1  # one line, no usage block
 
 
+# The generator's fields whose flag starts unset and is resolved at start-up (the model directory, dtype by device,
+# the context by model, the replicas by --gen-devices), so its default differs from GeneratorConfig's on purpose.
+RESOLVED_AT_START = {"model", "dtype", "max_model_len", "replicas"}
+
+
+def test_the_flags_the_generator_shares_take_its_defaults():
+    """Every flag that sets a GeneratorConfig field defaults to that field's default, written only there."""
+    args, shared = flags.Args(), 0
+    for field in dataclasses.fields(pl.GeneratorConfig):
+        flag = flags.GENERATOR_FLAGS.get(field.name, field.name)
+        if not hasattr(args, flag) or field.name in RESOLVED_AT_START:
+            continue
+        shared += 1
+        given = getattr(args, flag)
+        if field.name == "think_budget":
+            given = flags.int_range(given)
+        elif field.name == "debug_slowdown":
+            given = float(given)
+        assert given == field.default, f"--{flag.replace('_', '-')} defaults to {given!r}, the generator's " \
+                                       f"{field.name} to {field.default!r}"
+    assert shared >= 14  # group_size, temperature, think_budget, ..., weight_transport
+
+
+@pytest.mark.parametrize("argv, config", [
+    (["--mode", "sync", "--max-off-policy", "0"], {"mode": "sync", "max_off_policy": 0}),
+    (["--max-off-policy", "-1"], {"max_off_policy": -1}),
+    (["--temperature", "0"], {"temperature": 0.0}),
+    (["--gen-listen", "0.0.0.0:29600"], {"listen": "0.0.0.0:29600"}),
+    (["--group-size", "0", "--zero-variance", "keep"], {"group_size": 0}),
+])
+def test_the_flags_the_generator_shares_get_its_checks(argv, config, capsys):
+    """A bad value gives the same message from the command line as from GeneratorConfig, each spelling the setting
+    its own way: both come from pipeline_rl.config_problems."""
+    with pytest.raises(SystemExit):
+        flags.parse_args(argv)
+    from_flags = capsys.readouterr().err
+    with pytest.raises(ValueError) as raised:
+        pl.GeneratorConfig(model="m", **config)
+    field = next(iter(config)) if len(config) == 1 else "max_off_policy"
+    from_config = str(raised.value)
+    assert from_config.startswith(field)
+    assert from_config.replace(field, flags.generator_flag(field), 1).split(" (got")[0].rstrip(".") in from_flags
+
 def test_argument_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit_info:
@@ -241,7 +285,7 @@ def test_the_readme_s_eight_gpu_node_is_six_replicas_and_two_learner_ranks():
     args = flags.Args(gen_devices="0,1,2,3,4,5")
     assert flags.gpu_layout_problems(args, num_gpus=8, learner_ranks=2) == []
     assert flags.local_replicas(args, num_gpus=8) == 6
-    assert pl.split_devices(args.gen_devices, 8)[0] == [6, 7]
+    assert vllm_replica.split_devices(args.gen_devices, 8)[0] == [6, 7]
     args.tensor_parallel_size = 2
     assert flags.local_replicas(args, num_gpus=8) == 3
     args.gen_replicas = 2

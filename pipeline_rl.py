@@ -60,7 +60,7 @@ from vllm_replica import DTYPES, parse_address  # GeneratorConfig checks its lis
 
 @dataclass
 class GeneratorConfig:
-    """Settings of the generator (train.py maps its flags onto them in generator_config)."""
+    """Settings of the generator (train.py maps its flags onto them in runtime.py's generator_config)."""
 
     # HF model directory or name that the generator starts from
     model: str
@@ -96,7 +96,7 @@ class GeneratorConfig:
     tensor_parallel_size: int = 1
     # vLLM engines on this node (GPU: len(gen_devices) / tensor_parallel_size of them; CPU: they share the machine)
     replicas: int = 1
-    # replicas on other nodes to wait for (`python pipeline_rl.py replica --connect HOST:PORT`, section 6)
+    # replicas on other nodes to wait for (`python pipeline_rl.py replica --connect HOST:PORT`, docs/pipeline.md)
     remote_replicas: int = 0
     # HOST:PORT the generator listens on for replicas, local ones included (port 0: a free one); remote replicas
     # need an address they reach

@@ -963,7 +963,7 @@ def _time_bare(model_dir: str, cli: Any, groups: list, advantages: Any, args: ar
 
 
 def _planned_learner_bytes(config: Any, cli: Any, groups: list, world: int, device: Any) -> int | None:
-    """What the memory plan (memory_plan.py, as train.py's start-up check makes it) expects the learner to allocate
+    """What the memory plan (memory_plan.py, as the start-up check in flags.py makes it) expects the learner to allocate
     on this GPU for the largest packed micro-batch of `groups`: the bench prints it beside the measured peak. None
     off a GPU."""
     import torch
@@ -1252,7 +1252,7 @@ def bench_head(args: argparse.Namespace) -> dict:
     def relative_error(grad, ref) -> float:
         return float((grad.double() - ref).norm() / ref.norm())
 
-    with torch.no_grad():  # as the learner's head calls train's compiled pieces: else they would compile again
+    with torch.no_grad():  # as the learner's head calls head_gemm's compiled pieces: else they would compile again
         gemms = _head_gemm_variants(weight, hidden, temperature)
         results = {name: {"ms": 1e3 * _median_seconds(fn, args.repeats, cuda)} for name, fn in gemms.items()}
         for name, logits_fn in _head_logits_variants(weight, hidden, temperature).items():

@@ -518,7 +518,7 @@ def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -
     unchecked; the embedded tiny model always fits."""
     if num_gpus == 0 or args.model is None:
         return []
-    from transformers import AutoConfig  # here, not at the top: see build_learner
+    from transformers import AutoConfig  # here, not at the top: see train.py's build_learner
 
     try:
         config = AutoConfig.from_pretrained(args.model)
@@ -650,7 +650,7 @@ def plan(argv: list[str]) -> str:
         config = memory_plan.shape_config(options.shape)
         args.model = args.model or options.shape  # a real model: its context is --max-tokens + a prompt
     elif args.model:
-        from transformers import AutoConfig  # here, not at the top: see build_learner
+        from transformers import AutoConfig  # here, not at the top: see train.py's build_learner
 
         config = AutoConfig.from_pretrained(args.model)
     else:

@@ -97,7 +97,7 @@ class GeneratorConfig:
     tensor_parallel_size: int = 1
     # vLLM engines on this node (GPU: len(gen_devices) / tensor_parallel_size of them; CPU: they share the machine)
     replicas: int = 1
-    # replicas on other nodes to wait for (`python pipeline_rl.py replica --connect HOST:PORT`, section 6)
+    # replicas on other nodes to wait for (`python pipeline_rl.py replica --connect HOST:PORT`, docs/pipeline.md)
     remote_replicas: int = 0
     # HOST:PORT the generator listens on for replicas, local ones included (port 0: a free one); remote replicas
     # need an address they reach

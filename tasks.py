@@ -62,7 +62,7 @@ from typing import Any, Iterator, Protocol
 
 REPO_DIR = Path(__file__).resolve().parent
 
-# Environment that vLLM on CPU needs; set before vllm is imported anywhere (pipeline_rl.py reuses this).
+# Environment that vLLM on CPU needs; set before vllm is imported anywhere (runtime.py and vllm_replica.py set it).
 VLLM_CPU_ENV = {
     "TORCHDYNAMO_DISABLE": "1",  # first generate call ~37 s -> ~1.4 s on CPU
     "VLLM_HOST_IP": "127.0.0.1",

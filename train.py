@@ -511,7 +511,7 @@ def optimizer_step(args: Args, learner: Learner, loss: float, has_groups: bool) 
 def push_weights(learner: Learner, run: Run, version: int) -> tuple[float, float]:
     """Push the new weights to every generator replica as `version` (in pipeline mode applied between two decoding
     steps, in flight). Gathering them is a collective; rank 0 sends them. Returns the seconds rank 0 spent in all
-    and, of those, in the broadcast itself (pipeline_rl's WeightSender)."""
+    and, of those, in the broadcast itself (vllm_replica's WeightSender)."""
     weights = full_state_dict(learner.model)
     if not run.is_main or run.generator_error:
         return 0.0, 0.0
@@ -633,7 +633,7 @@ def install_target_logprob_head(model: Any, chunk_tokens: int | None = None, gem
     that only one chunk's logits exist at a time. `gemm` (--lm-head-gemm) says how: fp32, the head's own
     linear layer, each chunk recomputed in backward (activation checkpointing; default chunk: as many positions as
     fit in LOGITS_CHUNK_BYTES of float32 logits); split-bf16, for bf16 hidden states, float32's logprobs from bf16
-    tensor-core products (_SplitBf16Head; default chunk: SPLIT_CHUNK_BYTES). Otherwise (an idle forward, or any
+    tensor-core products (head_gemm.py; default chunk: SPLIT_CHUNK_BYTES). Otherwise (an idle forward, or any
     other caller) it is the plain linear layer. The head's own forward hooks (FSDP2's gathers, the FP32 head's
     cast) run as before: only its forward body changes. Not for models that transform the logits after the head
     (Gemma's soft-capping): those keep the full logits.

@@ -97,7 +97,7 @@ def test_learner_step_on_gpu_matches_cpu(tmp_path, model):
 
 
 def test_weight_broadcast_over_nccl_reaches_every_receiver(tmp_path):
-    """pipeline_rl's weight broadcast over NCCL, the GPU path (no vLLM needed): the learner's WeightSender on GPU 0
+    """vllm_replica's weight broadcast over NCCL, the GPU path (no vLLM needed): the learner's WeightSender on GPU 0
     and fake replicas (tests/weight_probe.py), each in its own group, receiving into buffers on GPUs of their own;
     every byte must arrive. NCCL refuses two ranks on one GPU, so a 1-GPU machine skips it, saying so."""
     import weight_probe

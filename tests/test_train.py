@@ -1,4 +1,5 @@
-"""train.py: flags, batching, the micro-batch/world-size invariance of a step, and end-to-end runs under torchrun."""
+"""train.py and its runtime (flags.py, checkpoints.py, runtime.py, packing.py, head_gemm.py): flags, batching, the
+micro-batch/world-size invariance of a step, checkpoints, and end-to-end runs under torchrun."""
 
 import importlib
 import inspect
@@ -1067,7 +1068,7 @@ def test_a_failed_write_names_the_file_and_leaves_no_partial_directory(tmp_path,
 
 
 def test_a_save_needs_two_checkpoints_of_space_at_its_peak(tmp_path, one_rank_group, monkeypatch):
-    """The space the checkpoints take, measured after every file operation of a save (docs/recipe.md states the
+    """The space the checkpoints take, measured after every file operation of a save (docs/runtime.md states the
     result): at most the kept checkpoint and the new one, where the old order (write, then delete the oldest) held
     three."""
     model, optimizer = _saved_run(tmp_path, steps=(1, 2), size=320)

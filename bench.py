@@ -1935,7 +1935,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
     "report": (bench_report, _add_report_args,
                "targets of finished runs: pass rate, largest fall, mean lag, fit R^2, first-half prediction error"),
     "study": (bench_study, _add_study_args,
-              "ScaleRL's ablations in miniature: variants x seeds (resumable), pooled fits with 95% intervals of A, B"),
+              "ScaleRL's ablations in miniature: variants x seeds (resumable), pooled fits with 95%% intervals of A, B"),
     "staleness": (bench_staleness, _add_staleness_args,
                   "the tiny recipe at k = 0 (sync), 1, 2, 4, 8 with a fast generator: pass rate vs compute, lag"),
 }

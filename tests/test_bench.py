@@ -464,3 +464,13 @@ def test_head_bench_times_each_head_and_measures_its_logprobs_against_float64(tm
     assert result["bf16_gemms"]["max_logprob_error"] > 1e-3 and result["one_bf16_product"]["max_logprob_error"] > 1e-3
     for grad in ("grad_hidden_rel_error", "grad_weight_rel_error"):
         assert result["learner_fp32"][grad] < 1e-5 and result["learner_split_bf16"][grad] < 1e-2
+
+
+def test_help_lists_every_benchmark_and_each_has_its_own():
+    """`bench.py --help` and each benchmark's --help print (a bare % in a help text once made --help crash)."""
+    top = subprocess.run([sys.executable, "bench.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    assert top.returncode == 0, top.stderr
+    for name in bench.BENCHMARKS:
+        assert name in top.stdout
+        own = subprocess.run([sys.executable, "bench.py", name, "--help"], cwd=REPO, capture_output=True, text=True)
+        assert own.returncode == 0 and f"bench.py {name}" in own.stdout, own.stderr

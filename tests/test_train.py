@@ -57,7 +57,7 @@ def test_help_explains_every_flag(capsys):
                  "--tis", "--tis-cap", "--zero-variance", "--aggregation", "--adv-norm", "--fp32-lm-head",
                  "--length-control", "--retire-pass-rate", "--loss-arg"):
         assert flag in text
-    assert text.count("(default:") >= len(train.dataclasses.fields(flags.Args)) - 1
+    assert text.count("(default:") >= len(dataclasses.fields(flags.Args)) - 1
 
 
 def test_unknown_loss_lists_the_valid_ones(capsys):
@@ -72,7 +72,7 @@ def test_the_flags_page_is_what_args_gives():
     from --help again: every flag, its default and its help, in --help's groups."""
     page = (REPO / "docs" / "flags.md").read_text()
     assert page == flags.flags_markdown(), "docs/flags.md is stale: python train.py --help-markdown > docs/flags.md"
-    for f in train.dataclasses.fields(flags.Args):
+    for f in dataclasses.fields(flags.Args):
         assert f"`--{f.name.replace('_', '-')}" in page
 
 
@@ -931,11 +931,11 @@ def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path,
 def test_a_resumed_run_keeps_its_flags_unless_overridden(tmp_path):
     started = flags.parse_args(["--output-dir", str(tmp_path), "--loss", "grpo", "--max-steps", "8",
                                 "--no-fp32-lm-head", "--loss-arg", "clip_eps_high=0.3"])
-    (tmp_path / "args.json").write_text(json.dumps(train.dataclasses.asdict(started)))
+    (tmp_path / "args.json").write_text(json.dumps(dataclasses.asdict(started)))
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "trainer_state.json").write_text("{}")
     resumed = flags.parse_args(["--resume", str(tmp_path), "--output-dir", "elsewhere"])
-    assert resumed == train.dataclasses.replace(started, resume=str(tmp_path))
+    assert resumed == dataclasses.replace(started, resume=str(tmp_path))
     extended = flags.parse_args(["--resume", str(tmp_path), "--max-steps", "200", "--eval-every", "7"])
     assert (extended.max_steps, extended.eval_every, extended.loss) == (200, 7, "grpo")
     assert extended.loss_arg == ["clip_eps_high=0.3"]
@@ -961,7 +961,7 @@ def _saved_run(out: Path, steps: tuple[int, ...] = (1, 2), size: int = 4) -> tup
     model = torch.nn.Linear(size, size)
     optimizer = torch.optim.AdamW(model.parameters())
     out.mkdir(exist_ok=True)
-    (out / "args.json").write_text(json.dumps(train.dataclasses.asdict(flags.Args(output_dir=str(out)))))
+    (out / "args.json").write_text(json.dumps(dataclasses.asdict(flags.Args(output_dir=str(out)))))
     for step in steps:
         model(torch.ones(1, size)).sum().backward()
         optimizer.step()
@@ -1135,7 +1135,7 @@ def test_changes_on_resume_are_recorded_with_their_step_and_listed_in_help(tmp_p
     assert record["max_steps"] == 50 and record["eval_every"] == 2 and record["loss"] == "cispo"
     assert record["resumes"] == [{"step": 10, "changed": {"eval_every": [5, 2], "max_steps": [20, 40]}},
                                  {"step": 40, "changed": {"max_steps": [40, 50]}, "metrics_missing_steps": [[7, 8]]}]
-    assert flags.CHANGEABLE_ON_RESUME <= {f.name for f in train.dataclasses.fields(flags.Args)}
+    assert flags.CHANGEABLE_ON_RESUME <= {f.name for f in dataclasses.fields(flags.Args)}
     with pytest.raises(SystemExit):
         flags.parse_args(["--help"])
     text = "".join(capsys.readouterr().out.split())  # argparse wraps lines at hyphens too: compare without spaces

@@ -203,7 +203,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                     "weight_broadcast_s": broadcast_s, "step_s": step_s,
                     "train_tokens_per_s": trained_tokens / max(step_s, 1e-9), "retired_prompts": len(state.retired),
                     "gen_tokens": gen_tokens, **({"mfu": mfu} if mfu is not None else {}),  # no peak known: none
-                    **metrics, **round_.stats,
+                    **metrics, **round_.stats, **completion_lengths(batch),
                     # Lag of the tokens trained on at this step (in a sync round of k steps it grows 0..k-1).
                     **pipeline_rl.lag_stats(batch, version),
                 }
@@ -286,6 +286,23 @@ def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
     per_step = math.ceil(len(kept) / steps) if kept else 0
     batches = [kept[i * per_step: (i + 1) * per_step] for i in range(steps)] if per_step else [[] for _ in range(steps)]
     return Round(batches, stats)
+
+
+def completion_lengths(groups: list) -> dict[str, float]:
+    """The lengths of a batch's completions in generated tokens, the second thing RL practitioners watch after the
+    reward: their mean, 90th percentile and longest; the mean of the correct and of the incorrect ones (a length
+    that grows on wrong answers only is rambling, not reasoning); and the fractions interrupted and cut off."""
+    completions = [c for grp in groups for c in grp.completions]
+    if not completions:
+        return {}
+    lengths = sorted(len(c.token_ids) for c in completions)
+    mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731 (None: no such completion)
+    return {"length_mean": mean(lengths), "length_p90": float(lengths[math.ceil(0.9 * len(lengths)) - 1]),
+            "length_max": float(lengths[-1]),
+            "length_mean_correct": mean([len(c.token_ids) for c in completions if c.reward > 0]),
+            "length_mean_incorrect": mean([len(c.token_ids) for c in completions if not c.reward > 0]),
+            "frac_interrupted": mean([float(c.interrupted) for c in completions]),
+            "frac_truncated": mean([float(c.truncated) for c in completions])}
 
 
 def pull_groups(generator: Any, n: int, version: int, stats: dict[str, Any]) -> list:

@@ -333,6 +333,20 @@ def _group(i: int, lengths: list[int], rewards: list[float], prompt_len: int = 3
     return Group(Problem(f"p{i}", "", ""), i, list(range(1, 1 + prompt_len)), completions)
 
 
+def test_completion_lengths_of_a_batch_by_hand():
+    """Ten completions of 1..10 tokens: mean 5.5, p90 the 9th shortest, longest 10; the correct ones are the even
+    lengths (mean 6), the incorrect the odd (mean 5); one interrupted, two cut off."""
+    groups = [_group(0, [1, 2, 3, 4, 5], [0, 1, 0, 1, 0]), _group(1, [6, 7, 8, 9, 10], [1, 0, 1, 0, 1])]
+    groups[0].completions[4].interrupted = True
+    groups[1].completions[3].truncated = groups[1].completions[4].truncated = True
+    assert train.completion_lengths(groups) == {
+        "length_mean": 5.5, "length_p90": 9.0, "length_max": 10.0, "length_mean_correct": 6.0,
+        "length_mean_incorrect": 5.0, "frac_interrupted": 0.1, "frac_truncated": 0.2}
+    solved = [_group(0, [4, 6], [1, 1])]
+    assert train.completion_lengths(solved)["length_mean_incorrect"] is None  # none wrong: no mean, not 0
+    assert train.completion_lengths([]) == {}
+
+
 def test_micro_batches_hold_completions_within_the_budget_and_may_split_groups():
     groups = [_group(i, [2 + i, 3], [1.0, -1.0]) for i in range(6)]
     lengths = [3 + len(c.token_ids) for g in groups for c in g.completions]

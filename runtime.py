@@ -154,7 +154,8 @@ def summary_line(row: dict, recent: deque) -> str:
     if "fit_asymptote" in row:
         parts.append(f"fit A {row['fit_asymptote']:.3f}")
     parts += [f"clip {mean('clip_frac'):.3f}", f"kl {mean('kl_k3'):.2e}", f"0-var {mean('frac_zero_variance'):.2f}",
-              f"lag {mean('lag_mean'):.2f}", f"len {mean('length_mean'):.1f}", f"wait {mean('wait_s'):.2f}s",
+              f"lag {mean('lag_mean'):.2f}", f"len {mean('length_mean'):.1f}", f"ent {mean('entropy'):.3f}",
+              f"wait {mean('wait_s'):.2f}s",
               f"step {mean('step_s'):.2f}s", f"{row['compute_hours'] * 3600:.0f} dev-s"]
     return " | ".join(parts)
 

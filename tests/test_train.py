@@ -679,7 +679,8 @@ def test_micro_batches_that_split_groups_give_the_whole_batch_s_step(one_rank_gr
         loss, metrics, grads = _one_step(model, loss_name, settings, groups, **layout)
         assert loss == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), layout
         assert metrics["num_tokens"] == reference["num_tokens"], layout
-        for key in ("is_weight_mean", "kl_k3"):
+        assert reference["entropy"] > 0.01  # the policy's token-mean entropy: the same however the batch is split
+        for key in ("is_weight_mean", "kl_k3", "entropy"):
             if key in reference:
                 assert metrics[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7), (layout, key)
         for grad, reference_grad in zip(grads, reference_grads):
@@ -904,8 +905,9 @@ def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():
     targets = torch.randint(0, 4096, (n, length - 1), generator=gen)
     scored = torch.randperm(n * (length - 1), generator=gen)[:70].sort().values
     loss_weights = torch.randn(n, length - 1, generator=gen)
-    head.scalerl_request = (targets, temperature, scored)
+    head.scalerl_request = (targets, temperature, scored, True)
     logprobs = head(hidden)
+    entropy = head.scalerl_entropy
     (logprobs * loss_weights).sum().backward()
 
     reference = dict(hidden=hidden.detach().float().requires_grad_(), weight=weight.clone().requires_grad_(),
@@ -916,6 +918,12 @@ def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():
     (expected * loss_weights).sum().backward()
     assert (logprobs - expected).abs().max() < 1e-5
     assert torch.count_nonzero(logprobs) == len(scored)
+    with torch.no_grad():  # the policy's entropy at the scored positions, from the same chunks; 0 elsewhere
+        logp = torch.log_softmax(logits.detach().double(), -1)
+        expected_entropy = -(logp.exp() * logp).sum(-1).reshape(-1).float()
+        expected_entropy = torch.zeros(n * (length - 1)).index_copy(0, scored, expected_entropy[scored])
+    assert not entropy.requires_grad and (entropy.reshape(-1) - expected_entropy).abs().max() < 1e-4
+    assert expected_entropy[scored].min() > 0.1  # a test of something: far from 0 at every scored position
     for name, grad in [("hidden", hidden.grad.float()), ("weight", head.weight.grad), ("bias", head.bias.grad)]:
         ref = reference[name].grad
         assert (grad - ref).norm() < 1e-2 * ref.norm(), (name, ((grad - ref).norm() / ref.norm()).item())
@@ -1315,6 +1323,9 @@ plain = LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 ids = torch.randint(0, 32, (3, 9))
 rows = packing.Rows(ids, torch.ones_like(ids, dtype=torch.bool), None, None, None, None, None)
 plain_logprobs = train.token_logprobs(plain, rows, 0.7)
+plain_entropy = train.token_logprobs_and_entropy(plain, rows, 0.7)[1]  # from the full logits
+logp = torch.log_softmax(plain(input_ids=ids).logits[:, :-1].detach() / 0.7, -1)
+torch.testing.assert_close(plain_entropy, -(logp.exp() * logp).sum(-1))
 scored = torch.tensor([0, 1, 2, 9, 10, 17, 23])  # positions of the flattened [3 * 8] a loss would read
 plain_logprobs.reshape(-1)[scored].sum().backward(retain_graph=True)
 subset_head_grad = plain.lm_head.weight.grad.clone()
@@ -1329,6 +1340,10 @@ for fp32_head in (True, False):  # --fp32-lm-head, --no-fp32-lm-head (Args direc
     assert model.lm_head.weight is model.get_input_embeddings().weight, fp32_head
     logprobs = train.token_logprobs(model, rows, 0.7)
     torch.testing.assert_close(logprobs, plain_logprobs)
+    # the policy's entropy, from the same chunks of 5 as the logprobs: the plain model's, without gradient
+    entropy = train.token_logprobs_and_entropy(model, rows, 0.7)[1]
+    torch.testing.assert_close(entropy, plain_entropy)
+    assert not entropy.requires_grad
     logprobs.sum().backward()
     torch.testing.assert_close(model.lm_head.weight.grad.full_tensor(), plain.lm_head.weight.grad)
     # Rows.scored: the head scores those positions only, gives 0 at the others, and the same gradient as the plain
@@ -1353,8 +1368,10 @@ rows.scored = scored
 for gemm in ("fp32", "split-bf16"):
     args = flags.Args(model=sys.argv[1], dtype="bfloat16", lm_head_gemm=gemm, logits_chunk_tokens=5)
     model, _ = train.build_learner(sys.argv[1], args, device)
-    logprobs = train.token_logprobs(model, rows, 0.7)
+    logprobs, entropy = train.token_logprobs_and_entropy(model, rows, 0.7)
     logprobs.sum().backward()
+    expected = torch.zeros(3 * 8).index_copy(0, scored, plain_entropy.reshape(-1)[scored])
+    torch.testing.assert_close(entropy.reshape(-1), expected, rtol=0, atol=2e-2)  # a bf16 trunk's entropy
     grad = torch.cat([p.grad.full_tensor().float().flatten() for _, p in sorted(model.named_parameters())])
     results[gemm] = logprobs.detach(), grad
 torch.testing.assert_close(results["split-bf16"][0], results["fp32"][0], rtol=0, atol=1e-5)

@@ -4,8 +4,9 @@ A checkpoint is OUTPUT_DIR/checkpoint/ (the previous one kept as checkpoint.old/
 (weights.pt), every rank's RNG states (rng-RANK.json) and the trainer state (trainer_state.json, `TrainerState`:
 everything the loop carries from one step to the next). This file holds how they are saved (`save_checkpoint`,
 which refuses to start a save the disk cannot hold), read back and agreed on by every rank (`agree_on_checkpoint`,
-`load_checkpoint`, `read_checkpoint`), converted from an older run's pickled RNG files (`migrate_checkpoint`), and
-`write_atomically`, the one way the run's small files are written.
+`load_checkpoint`, `read_checkpoint`), converted from an older run's pickled RNG files (`migrate_checkpoint`),
+`write_atomically`, the one way the run's small files are written, and `open_no_follow`, the one way a file in a run
+directory is opened: never through a symbolic link (people share run directories; docs/runtime.md).
 """
 
 from __future__ import annotations

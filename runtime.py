@@ -38,8 +38,8 @@ import pipeline_rl  # imports vLLM only inside the generator process, never in a
 import scaling_fit
 import tasks
 import vllm_replica  # the replica runtime: the secret file, the parent-death signal
-from checkpoints import (LinkRefusedError, TrainerState, load_checkpoint, open_no_follow, refuse_unless_regular,
-                         write_atomically)
+from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, open_no_follow,
+                         refuse_unless_regular, write_atomically)
 from flags import (Args, generator_memory_fraction, generator_values, local_replicas, resolve_defaults, step_ranges,
                    write_args_json)
 from packing import model_device
@@ -326,6 +326,7 @@ def claim_output_dir(out: Path, is_main: bool) -> Any:
     if is_main:
         try:
             lock = lock_output_dir(out)
+            refuse_planted_links(out)
         except (OutputDirBusyError, LinkRefusedError) as e:
             error = [str(e)]
     dist.broadcast_object_list(error, src=0)
@@ -538,6 +539,16 @@ def lock_output_dir(out: Path) -> Any:
     handle.write(str(os.getpid()))
     handle.flush()
     return handle
+
+
+def refuse_planted_links(out: Path) -> None:
+    """LinkRefusedError, naming it, for a symbolic link (or a non-file) where the run keeps a file or a checkpoint
+    directory: checked as the run claims OUTPUT_DIR, so every rank stops in one line before anything starts. Each
+    file is opened without following links as well (a link planted later is refused there)."""
+    for name in ("args.json", "metrics.jsonl", "scaling.png"):
+        refuse_unless_regular(out / name)
+    for name in (*CHECKPOINT_DIRS, "checkpoint.tmp"):
+        refuse_unless_regular(out / name, directory=True)
 
 
 def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:

@@ -1050,6 +1050,27 @@ def test_a_weight_file_is_never_written_through_a_planted_link(tmp_path, victim,
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [f".{path.name}.planted.tmp"]
 
 
+@pytest.mark.parametrize("name", ["args.json", "metrics.jsonl", "scaling.png", "checkpoint", "checkpoint.old",
+                                  "checkpoint.tmp"])
+def test_claiming_a_run_directory_refuses_a_planted_link_by_name(tmp_path, victim, name):
+    """Checked on rank 0 as the run takes its lock, so every rank stops with that one line before anything starts."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(victim)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{out / name} is a symbolic link"):
+        runtime.refuse_planted_links(out)
+    (out / name).unlink()
+    runtime.refuse_planted_links(out)
+
+
+def test_the_scaling_plot_replaces_a_planted_link_instead_of_writing_through_it(tmp_path, victim):
+    (tmp_path / "scaling.png").symlink_to(victim)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "compute_hours": 0.1, "val_pass_rate": 0.5}))
+    train.fit_and_plot(tmp_path / "metrics.jsonl", tmp_path / "scaling.png", "run")
+    assert not (tmp_path / "scaling.png").is_symlink() and (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+    assert victim.read_text() == "precious\n" and not list(tmp_path.glob(".scaling.png.*"))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Checkpoints and resume (issue 32): saves that keep the last good copy, a recipe fixed for the run's life,
 # nothing unpickled from a run directory, --overwrite that deletes last, atomic writes and named gaps

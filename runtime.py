@@ -38,7 +38,8 @@ import pipeline_rl  # imports vLLM only inside the generator process, never in a
 import scaling_fit
 import tasks
 import vllm_replica  # the replica runtime: the secret file, the parent-death signal
-from checkpoints import TrainerState, load_checkpoint, write_atomically
+from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, open_no_follow,
+                         refuse_unless_regular, write_atomically)
 from flags import (Args, generator_memory_fraction, generator_values, local_replicas, resolve_defaults, step_ranges,
                    write_args_json)
 from packing import model_device
@@ -326,7 +327,8 @@ def claim_output_dir(out: Path, is_main: bool) -> Any:
     if is_main:
         try:
             lock = lock_output_dir(out)
-        except OutputDirBusyError as e:
+            refuse_planted_links(out)
+        except (OutputDirBusyError, LinkRefusedError) as e:
             error = [str(e)]
     dist.broadcast_object_list(error, src=0)
     if error[0]:
@@ -520,10 +522,12 @@ class OutputDirBusyError(RuntimeError):
 
 
 def lock_output_dir(out: Path) -> Any:
-    """Take OUTPUT_DIR/.lock for the life of this process; raise OutputDirBusyError if a live run holds it.
-    flock is released by the kernel when its holder dies, however it dies."""
+    """Take OUTPUT_DIR/.lock for the life of this process; raise OutputDirBusyError if a live run holds it, and
+    LinkRefusedError (naming it) if .lock is a symbolic link or not a regular file. flock is released by the kernel
+    when its holder dies, however it dies."""
     out.mkdir(parents=True, exist_ok=True)
-    handle = (out / ".lock").open("a+")
+    # never through a link: a planted .lock -> ~/file would have that file truncated to our pid
+    handle = os.fdopen(open_no_follow(out / ".lock", os.O_RDWR | os.O_CREAT, 0o666), "r+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -536,6 +540,16 @@ def lock_output_dir(out: Path) -> Any:
     handle.write(str(os.getpid()))
     handle.flush()
     return handle
+
+
+def refuse_planted_links(out: Path) -> None:
+    """LinkRefusedError, naming it, for a symbolic link (or a non-file) where the run keeps a file or a checkpoint
+    directory: checked as the run claims OUTPUT_DIR, so every rank stops in one line before anything starts. Each
+    file is opened without following links as well (a link planted later is refused there)."""
+    for name in ("args.json", "metrics.jsonl", "scaling.png"):
+        refuse_unless_regular(out / name)
+    for name in (*CHECKPOINT_DIRS, "checkpoint.tmp"):
+        refuse_unless_regular(out / name, directory=True)
 
 
 def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:
@@ -563,7 +577,10 @@ class MetricsLog:
 
     def __init__(self, path: Path, keep_lines: int | None, covers_step: int | None = None):
         self.path = path
-        lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+        lines: list[str] = []
+        if refuse_unless_regular(path):  # a planted link would copy its target's text into the run directory
+            with os.fdopen(open_no_follow(path, os.O_RDONLY)) as f:
+                lines = f.read().splitlines(keepends=True)
         kept = lines if keep_lines is None else lines[:keep_lines]
         self.lines = len(kept)
         if kept != lines or not path.exists():
@@ -580,7 +597,7 @@ class MetricsLog:
         row, non_finite = _json_safe(row)
         if non_finite:  # strict JSON has no NaN or Infinity: write null and name the fields
             row["non_finite"] = non_finite
-        with self.path.open("a") as f:
+        with os.fdopen(open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666), "a") as f:
             f.write(json.dumps(row, allow_nan=False) + "\n")
             f.flush()
             os.fsync(f.fileno())

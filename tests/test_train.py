@@ -972,6 +972,128 @@ def test_one_live_run_per_output_dir(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Nothing in a run directory follows a link it did not create (issue 39): people share run directories, so each
+# file the run writes is tried with a symbolic link planted in its place, pointing at a file the user can write
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A file outside the run directory that a planted link points at; the tests check that it is unchanged."""
+    path = tmp_path / "victim.txt"
+    path.write_text("precious\n")
+    return path
+
+
+def test_a_planted_lock_link_or_fifo_is_refused_by_name(tmp_path, victim):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").symlink_to(victim)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{out / '.lock'} is a symbolic link"):
+        runtime.lock_output_dir(out)
+    assert victim.read_text() == "precious\n"
+    (out / ".lock").unlink()
+    os.mkfifo(out / ".lock")  # would block an open for writing: refused at once instead
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{out / '.lock'} is not a regular file"):
+        runtime.lock_output_dir(out)
+
+
+def test_args_json_is_never_written_through_a_planted_link(tmp_path, victim, monkeypatch):
+    """A planted .args.json.tmp is not the temporary a write uses (O_EXCL under a random name), even when it is
+    given that very name; a link at args.json itself is refused, not renamed over."""
+    (tmp_path / ".args.json.tmp").symlink_to(victim)
+    names = iter(["planted", "fresh"])
+    monkeypatch.setattr(checkpoints.secrets, "token_hex", lambda n: next(names))
+    (tmp_path / ".args.json.planted.tmp").symlink_to(victim)
+    flags.write_args_json(tmp_path, flags.Args(output_dir=str(tmp_path)), 0, [])
+    assert json.loads((tmp_path / "args.json").read_text())["output_dir"] == str(tmp_path)
+    assert not (tmp_path / "args.json").is_symlink() and victim.read_text() == "precious\n"
+    (tmp_path / "args.json").unlink()
+    (tmp_path / "args.json").symlink_to(victim)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{tmp_path / 'args.json'} is a symbolic link"):
+        checkpoints.write_atomically(tmp_path / "args.json", "{}")
+    assert victim.read_text() == "precious\n" and (tmp_path / "args.json").is_symlink()
+
+
+def test_metrics_jsonl_is_never_read_or_written_through_a_planted_link(tmp_path, victim):
+    path = tmp_path / "metrics.jsonl"
+    path.symlink_to(victim)  # read, its target's text would be copied into the run directory
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{path} is a symbolic link"):
+        runtime.MetricsLog(path, keep_lines=0)
+    path.unlink()
+    log = runtime.MetricsLog(path, None)
+    path.unlink()
+    path.symlink_to(victim)  # swapped in while the run is going
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{path} is a symbolic link"):
+        log.write({"step": 0})
+    assert victim.read_text() == "precious\n"
+
+
+def test_checkpoints_are_never_written_or_read_through_a_planted_link(tmp_path, victim, one_rank_group, capsys):
+    """A link in place of checkpoint.tmp/ stops the save before anything is written, naming it; a link in place of
+    a checkpoint's file makes that checkpoint unreadable (named), the older one is used, and the next save removes
+    the link, never its target."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    out = tmp_path / "run"
+    out.mkdir()
+    victim_dir = tmp_path / "victim_dir"
+    victim_dir.mkdir()
+    (victim_dir / "weights.pt").write_text("precious\n")
+    (out / "checkpoint.tmp").symlink_to(victim_dir)
+    with pytest.raises(SystemExit, match=f"{out / 'checkpoint.tmp'} is a symbolic link: refused"):
+        checkpoints.save_checkpoint(out, model, optimizer, {"step": 1}, rank=0)
+    assert (victim_dir / "weights.pt").read_text() == "precious\n" and sorted(os.listdir(out)) == ["checkpoint.tmp"]
+    (out / "checkpoint.tmp").unlink()
+    for step in (1, 2):
+        checkpoints.save_checkpoint(out, model, optimizer, {"step": step}, rank=0)
+    (out / "checkpoint" / "trainer_state.json").unlink()
+    (out / "checkpoint" / "trainer_state.json").symlink_to(victim)
+    state, used = checkpoints.load_checkpoint(out, model, optimizer, rank=0)
+    assert (state["step"], used) == (1, out / "checkpoint.old")
+    assert f"{out / 'checkpoint' / 'trainer_state.json'} is a symbolic link" in capsys.readouterr().err
+    checkpoints.save_checkpoint(out, model, optimizer, {"step": 3}, rank=0)
+    assert checkpoints.load_checkpoint(out, model, optimizer, rank=0)[0]["step"] == 3
+    assert victim.read_text() == "precious\n" and not any(p.is_symlink() for p in out.rglob("*"))
+
+
+def test_a_weight_file_is_never_written_through_a_planted_link(tmp_path, victim, monkeypatch):
+    """The generator's weight files go to /dev/shm or the temp dir, shared by every user of the machine."""
+    names = iter(["planted", "fresh"])
+    monkeypatch.setattr(checkpoints.secrets, "token_hex", lambda n: next(names))
+    path = tmp_path / "scalerl-weights-v1.safetensors"
+    (tmp_path / f".{path.name}.planted.tmp").symlink_to(victim)
+    path.symlink_to(victim)  # the final name is renamed over, never followed
+    written = vllm_replica.write_weight_file({"w": torch.ones(2, 3)}, path)
+    from safetensors.torch import load_file
+
+    assert written == path and not path.is_symlink() and load_file(str(path))["w"].shape == (2, 3)
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [f".{path.name}.planted.tmp"]
+
+
+@pytest.mark.parametrize("name", ["args.json", "metrics.jsonl", "scaling.png", "checkpoint", "checkpoint.old",
+                                  "checkpoint.tmp"])
+def test_claiming_a_run_directory_refuses_a_planted_link_by_name(tmp_path, victim, name):
+    """Checked on rank 0 as the run takes its lock, so every rank stops with that one line before anything starts."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(victim)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{out / name} is a symbolic link"):
+        runtime.refuse_planted_links(out)
+    (out / name).unlink()
+    runtime.refuse_planted_links(out)
+
+
+def test_the_scaling_plot_replaces_a_planted_link_instead_of_writing_through_it(tmp_path, victim):
+    (tmp_path / "scaling.png").symlink_to(victim)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "compute_hours": 0.1, "val_pass_rate": 0.5}))
+    train.fit_and_plot(tmp_path / "metrics.jsonl", tmp_path / "scaling.png", "run")
+    assert not (tmp_path / "scaling.png").is_symlink() and (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+    assert victim.read_text() == "precious\n" and not list(tmp_path.glob(".scaling.png.*"))
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Checkpoints and resume (issue 32): saves that keep the last good copy, a recipe fixed for the run's life,
 # nothing unpickled from a run directory, --overwrite that deletes last, atomic writes and named gaps
 # --------------------------------------------------------------------------------------------------------------

@@ -546,7 +546,7 @@ def refuse_planted_links(out: Path) -> None:
     """LinkRefusedError, naming it, for a symbolic link (or a non-file) where the run keeps a file or a checkpoint
     directory: checked as the run claims OUTPUT_DIR, so every rank stops in one line before anything starts. Each
     file is opened without following links as well (a link planted later is refused there)."""
-    for name in ("args.json", "metrics.jsonl", "scaling.png"):
+    for name in ("args.json", "metrics.jsonl", "scaling.png", "dashboard.png"):
         refuse_unless_regular(out / name)
     for name in (*CHECKPOINT_DIRS, "checkpoint.tmp"):
         refuse_unless_regular(out / name, directory=True)

@@ -64,7 +64,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from scipy.optimize import curve_fit
@@ -761,14 +761,19 @@ def plot_fits(
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    out_path = Path(out_path)
+    return _save_figure(fig, Path(out_path))
+
+
+def _save_figure(fig: Any, out_path: Path, dpi: int = 120) -> Path:
+    """Save `fig` to `out_path` and close it. A run directory may be shared: a new file (O_EXCL, random name:
+    nothing planted is written through) renamed over the old, which replaces a link there rather than following it."""
+    import matplotlib.pyplot as plt
+
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    # a run directory may be shared: a new file (O_EXCL, random name: nothing planted is written through) renamed
-    # over the old, which replaces a link there rather than following it
     tmp = out_path.with_name(f".{out_path.name}.{os.urandom(4).hex()}.tmp")
     try:
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), "wb") as f:
-            fig.savefig(f, dpi=120, format=out_path.suffix[1:] or "png")
+            fig.savefig(f, dpi=dpi, format=out_path.suffix[1:] or "png")
         os.replace(tmp, out_path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -776,6 +781,68 @@ def plot_fits(
     finally:
         plt.close(fig)
     return out_path
+
+
+# What a practitioner watches in a run, one panel each: (title, [(field, line style)]), against the step.
+DASHBOARD_PANELS = (
+    ("validation pass rate (dashed: the sigmoid fit)", [("val_pass_rate", "o-")]),
+    ("reward (dotted: train pass rate)", [("reward", "-"), ("train_pass_rate", ":")]),
+    ("policy entropy (trained tokens)", [("entropy", "-")]),
+    ("completion length (dotted: p90)", [("length_mean", "-"), ("length_p90", ":")]),
+    ("sampler/learner KL (dotted: KL to pi_old)", [("mismatch_kl_k3", "-"), ("kl_k3", ":")]),
+    ("clipped (dotted: truncated) fraction", [("clip_frac", "-"), ("frac_truncated", ":")]),
+    ("lag of trained tokens (steps)", [("lag_mean", "-")]),
+    ("trained tokens / s (dotted: MFU x 1e5)", [("train_tokens_per_s", "-"), ("mfu", ":")]),
+    ("gradient norm", [("grad_norm", "-")]),
+)
+
+
+def plot_dashboard(runs: Sequence[tuple[str, Sequence[dict]]], out_path: str | Path) -> Path:
+    """One picture of one run or several overlaid (label, metrics rows): DASHBOARD_PANELS against the step, the
+    validation panel with each run's sigmoid fit (on compute_hours) drawn at its evaluations. A field no row has
+    leaves its panel saying so. Returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no screen needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 3, figsize=(13.0, 9.0))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (title, fields) in zip(axes.flat, DASHBOARD_PANELS):
+        drawn = False
+        for index, (label, rows) in enumerate(runs):
+            color = colors[index % len(colors)]
+            for field, style in fields:
+                points = [(r["step"], r[field] * (1e5 if field == "mfu" else 1)) for r in rows
+                          if isinstance(r.get(field), (int, float)) and math.isfinite(r[field]) and "step" in r]
+                if points:
+                    ax.plot(*zip(*points), style, color=color, markersize=3, label=label if style != ":" else None)
+                    drawn = True
+            if field == "val_pass_rate":
+                _draw_step_fit(ax, rows, color)
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.tick_params(labelsize=8)
+        if not drawn:
+            ax.text(0.5, 0.5, "not in these metrics", ha="center", va="center", transform=ax.transAxes, fontsize=8)
+    axes.flat[0].legend(fontsize=8, loc="lower right")
+    for ax in axes[-1]:
+        ax.set_xlabel("step", fontsize=8)
+    fig.tight_layout()
+    return _save_figure(fig, Path(out_path), dpi=90)  # redrawn at every evaluation of a run: kept cheap
+
+
+def _draw_step_fit(ax: Any, rows: Sequence[dict], color: str) -> None:
+    """The sigmoid fitted on (compute_hours, val_pass_rate), drawn dashed at the evaluations' steps; nothing where
+    it cannot be fitted (too few points, a flat curve)."""
+    evals = [r for r in rows if isinstance(r.get("val_pass_rate"), (int, float)) and "compute_hours" in r]
+    try:
+        fit = fit_sigmoid([r["compute_hours"] for r in evals], [r["val_pass_rate"] for r in evals])
+    except ValueError:
+        return
+    steps = [r["step"] for r in evals]
+    ax.plot(steps, sigmoid(np.array([r["compute_hours"] for r in evals]), fit.A, fit.B, fit.C_mid, fit.R0), "--",
+            color=color, linewidth=1)
 
 
 # ---------------------------------------------------------------------------------------------------- CLI
@@ -844,6 +911,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="fit only IsoCompute's record-breaking points with this many reward bins (0: all points)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the bootstrap")
     parser.add_argument("--out", default="scaling_fit.png", help="where to write the figure (default: scaling_fit.png)")
+    parser.add_argument("--dashboard", default=None, metavar="PNG",
+                        help="also draw the runs' dashboards, overlaid, into PNG: pass rate with its fit, reward, "
+                        "entropy, lengths, KL and mismatch, clip and truncation, lag, throughput, gradient norm "
+                        "against the step (train.py draws OUTPUT_DIR/dashboard.png for its own run)")
     return parser
 
 
@@ -863,6 +934,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if args.dashboard:
+        runs = [(label, read_metrics(path)) for label, path in zip(curves, args.paths)]
+        print(f"dashboard: {plot_dashboard(runs, args.dashboard)}")
 
     def fitted_part(C: np.ndarray, R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keep = C <= args.fit_until if args.fit_until is not None else np.ones(len(C), dtype=bool)

@@ -583,6 +583,17 @@ def log_row(args: Args, run: Run, row: dict) -> None:
     run.bar.set_postfix(reward=f"{row['reward']:+.2f}", val=f"{run.eval_rows[-1]['val_pass_rate']:.2f}")
     if row["step"] % args.log_every == 0 or "val_pass_rate" in row:
         tqdm.write(summary_line(row, run.recent))
+    if "val_pass_rate" in row:
+        draw_dashboard(run, f"{args.loss} ({args.mode})")
+
+
+def draw_dashboard(run: Run, label: str) -> None:
+    """Rank 0, at every evaluation: OUTPUT_DIR/dashboard.png redrawn from metrics.jsonl, the run at a glance
+    (scaling_fit.plot_dashboard: pass rate and its fit, reward, entropy, lengths, KL, clipping, lag, speed)."""
+    try:
+        scaling_fit.plot_dashboard([(label, scaling_fit.read_metrics(run.metrics.path))], run.out / "dashboard.png")
+    except Exception as error:  # a picture is not worth the run: say so, and train on
+        tqdm.write(f"[dashboard] not drawn: {type(error).__name__}: {error}")
 
 
 def checkpoint(learner: Learner, run: Run, state: TrainerState) -> None:

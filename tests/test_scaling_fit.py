@@ -347,3 +347,27 @@ def test_plot_gives_the_log_axis_to_the_run_and_draws_the_step_0_point_as_r0(tmp
     assert 1e-3 < left < 0.01 and right > 0.5  # the axis starts just before the first trained point
     assert any(line.get_linestyle() == "-." and line.get_ydata()[0] == pytest.approx(0.4)
                for line in ax.get_lines())  # R0 drawn as a line
+
+
+def test_dashboard_overlays_runs_and_says_which_panels_have_no_data(tmp_path, capsys):
+    """plot_dashboard draws a run's metrics rows against the step, runs overlaid; `--dashboard` draws it for
+    finished runs. A run without the newer fields (entropy, lengths) still draws, those panels saying so."""
+    import matplotlib.pyplot as plt
+
+    full, old = tmp_path / "full", tmp_path / "old"
+    for run, extra in ((full, {"entropy": 0.5, "length_mean": 30.0, "length_p90": 40.0}), (old, {})):
+        run.mkdir()
+        rows = [{"step": s, "compute_hours": 0.001 * (s + 0.01), "reward": 0.1 * s, "grad_norm": 1.0, **extra,
+                 **({"val_pass_rate": 0.3 + 0.06 * s} if s % 2 == 0 else {})} for s in range(10)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn: list = []
+    real_text = plt.Axes.text
+    with pytest.MonkeyPatch.context() as mp:  # count the panels that say they have no data
+        mp.setattr(plt.Axes, "text", lambda self, *a, **k: drawn.append(a[2]) or real_text(self, *a, **k))
+        out = sf.plot_dashboard([("full", sf.read_metrics(full)), ("old", sf.read_metrics(old))], tmp_path / "d.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    # full has pass rate, reward, entropy, lengths and gradient norm: the other four panels have nothing
+    assert drawn.count("not in these metrics") == 4
+    assert sf.main([str(full), str(old), "--dashboard", str(tmp_path / "cli.png"), "--bootstrap", "0",
+                    "--out", str(tmp_path / "fit.png")]) in (0, 1)
+    assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG" and "dashboard:" in capsys.readouterr().out

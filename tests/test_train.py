@@ -1072,8 +1072,8 @@ def test_a_weight_file_is_never_written_through_a_planted_link(tmp_path, victim,
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [f".{path.name}.planted.tmp"]
 
 
-@pytest.mark.parametrize("name", ["args.json", "metrics.jsonl", "scaling.png", "checkpoint", "checkpoint.old",
-                                  "checkpoint.tmp"])
+@pytest.mark.parametrize("name", ["args.json", "metrics.jsonl", "scaling.png", "dashboard.png", "checkpoint",
+                                  "checkpoint.old", "checkpoint.tmp"])
 def test_claiming_a_run_directory_refuses_a_planted_link_by_name(tmp_path, victim, name):
     """Checked on rank 0 as the run takes its lock, so every rank stops with that one line before anything starts."""
     out = tmp_path / "run"
@@ -1717,6 +1717,9 @@ def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
         k = int(flags[flags.index("--max-off-policy") + 1])
         assert [r["lag_max"] for r in rows[1:]] == [i % k for i in range(3)]
     assert (out / "scaling.png").stat().st_size > 0
+    assert (out / "dashboard.png").read_bytes()[:4] == b"\x89PNG"  # drawn at the evaluations
+    trained = [r for r in rows[1:] if r["groups"]]  # (a step whose groups were all dropped trains nothing)
+    assert trained and all(r["entropy"] > 0 and 0 < r["length_mean"] <= r["length_max"] <= 48 for r in trained)
     assert (out / "checkpoint" / "trainer_state.json").exists()
     if loss == "cispo":  # the trained policy, exported, loads in transformers and vLLM with the learner's logprobs
         exported, result = _export_and_evaluate(out, tmp_path / "exported", eval_prompts=8)

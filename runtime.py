@@ -355,14 +355,21 @@ def _remove_failed_start(out: Path, fresh_dir: bool) -> None:
 
 
 def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
-    """The training task behind --dataset (with --dataset-config for a hub data set) and the optional test task."""
-    task = tasks.load_task(args.dataset, **{k: v for k, v in (("question_field", args.question_field),
-                                                                ("answer_field", args.answer_field),
-                                                                ("skip_bad_rows", args.skip_bad_rows),
-                                                                ("dataset_config", args.dataset_config)) if v})
-    test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
-                                answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
-        if args.test_dataset else None
+    """The training task behind --dataset (with --dataset-config for a hub data set) and the optional test task.
+    A data set found nowhere is named with its flag: "--dataset NAME: not a local file and not found on the hub"."""
+    try:
+        task = tasks.load_task(args.dataset, **{k: v for k, v in (("question_field", args.question_field),
+                                                                    ("answer_field", args.answer_field),
+                                                                    ("skip_bad_rows", args.skip_bad_rows),
+                                                                    ("dataset_config", args.dataset_config)) if v})
+    except tasks.DataNotFoundError as e:
+        raise tasks.DataNotFoundError(f"--dataset {e}") from None
+    try:
+        test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
+                                    answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
+            if args.test_dataset else None
+    except tasks.DataNotFoundError as e:
+        raise tasks.DataNotFoundError(f"--test-dataset {e}") from None
     return task, test_task
 
 

@@ -178,7 +178,7 @@ def set_up(args: Args,
         vllm_replica.set_parent_death_signal(signal.SIGKILL)
     rank, world, device = init_distributed(args.gen_devices, args.cpu_offload)
     is_main = rank == 0
-    stopper = GracefulStop(announce=is_main)
+    stopper = GracefulStop(announce=is_main, at_once=True)  # until the first step: nothing to checkpoint
     out = Path(args.output_dir)
     fresh_dir = not out.exists()  # a start that fails removes what it made
     lock = claim_output_dir(out, is_main)
@@ -217,7 +217,10 @@ def set_up(args: Args,
                                               data_start=data_start,
                                               skip_indices={i for i in consumed if i >= data_start},
                                               retired_ids=state.retired)
-            generator.start()
+            try:
+                generator.start()
+            except pipeline_rl.GeneratorError as e:  # e.g. a remote replica that never joined: its line, no traceback
+                raise SystemExit(f"train.py: error: {e}") from None
         if state.step > 0:  # the generator starts from the base weights: give it the resumed ones
             weights = full_state_dict(learner.model)
             if is_main:
@@ -236,8 +239,10 @@ def set_up(args: Args,
                   started=time.time() - state.elapsed_hours * 3600.0, val_problems=val_problems,
                   test_problems=test_problems, generator=generator, metrics=log, bar=bar,
                   recent=deque(maxlen=args.log_every), eval_rows=eval_rows, data_skipped=data_skipped, lock=lock)
+        stopper.at_once = False  # from the first step on, a signal stops at a step boundary, with a checkpoint
         yield learner, run, state
     except BaseException:
+        stopper.at_once = False  # the cleanup below runs to its end unless signalled twice
         if is_main and not args.resume and not old_run_kept and (log is None or log.lines == 0):
             _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
         raise
@@ -493,11 +498,13 @@ def reduce_metrics(totals: dict[str, float], world: int) -> dict[str, Any]:
 
 class GracefulStop:
     """SIGINT (Ctrl-C; torchrun passes it on to every rank) or SIGTERM: finish the current step, save a checkpoint
-    and exit, so that a --resume redoes nothing. A second signal stops at once."""
+    and exit, so that a --resume redoes nothing. A second signal stops at once, and so does the first while
+    `at_once` (the start: nothing is trained yet, and the wait for remote replicas may last --gen-join-timeout)."""
 
-    def __init__(self, announce: bool):
+    def __init__(self, announce: bool, at_once: bool = False):
         self.signal: str | None = None
         self.announce = announce
+        self.at_once = at_once
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -510,6 +517,8 @@ class GracefulStop:
             raise SystemExit(f"second {label}: stopping at once, without the checkpoint of this step (the previous "
                              "one is intact)")
         self.signal = name
+        if self.at_once:
+            raise SystemExit(f"{name} during the start: stopped before the first step, nothing was trained")
         if self.announce:
             print(f"\n[{self.signal}] stopping after this step, with a checkpoint (again to stop at once)",
                   file=sys.stderr, flush=True)
@@ -519,6 +528,30 @@ class GracefulStop:
         flag = torch.tensor([float(self.signal is not None)], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+# What gloo raises on a rank whose peer has gone (rank 0 stopped, and says why itself).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+@contextlib.contextmanager
+def rank0_speaks() -> Iterator[None]:
+    """A run that stops says why once, on rank 0. Another rank exits with status 1 and prints nothing for what
+    rank 0 reports: a SystemExit message that every rank raises together (a refused output directory, a failed
+    start, a stop), or a collective that failed because rank 0 left (gloo's "Connection closed by peer")."""
+    if os.environ.get("RANK", "0") == "0":
+        yield
+        return
+    try:
+        yield
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            raise SystemExit(1) from None
+        raise
+    except RuntimeError as e:
+        if any(text in str(e) for text in PEER_GONE):
+            raise SystemExit(1) from None
+        raise
 
 
 class OutputDirBusyError(RuntimeError):

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
     faulthandler.enable(all_threads=True)
-    with set_up(args, make_learner) as (learner, run, state):
+    with rank0_speaks(), set_up(args, make_learner) as (learner, run, state):
         train(args, learner, run, state)
     if run.is_main:  # the generator is closed by now: the fit has the CPU to itself
         fit = fit_and_plot(run.out / "metrics.jsonl", run.out / "scaling.png", f"{args.loss} ({args.mode})")

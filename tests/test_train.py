@@ -1775,6 +1775,29 @@ def test_evaluate_prints_pass_at_k_of_the_base_model(base_model_dir):
 
 
 @pytest.mark.slow
+def test_a_remote_replica_that_never_joins_is_one_line_once_under_torchrun(tmp_path, base_model_dir):
+    """Issue 39: a start that fails on rank 0 (here the remote replica it waits for never connects) printed a rank-0
+    traceback, then rank 1's gloo "Connection closed by peer" traceback. Now: rank 0's one line, once, and the
+    output directory as it was (no vLLM starts: the generator waits for a remote replica only)."""
+    import socket
+
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    with socket.socket() as s:  # a free port: remote replicas need a fixed one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    run = _train(out, "--gen-replicas", "0", "--gen-remote-replicas", "1", "--gen-secret-file", str(secret),
+                 "--gen-listen", f"127.0.0.1:{port}", "--gen-join-timeout", "3", "--max-steps", "1", timeout=300)
+    assert run.returncode != 0
+    assert run.stderr.count("train.py: error:") == 1, run.stderr[-3000:]
+    assert "replica 0 (remote) never connected to" in run.stderr
+    assert 'train.py", line' not in run.stderr and "Connection closed by peer" not in run.stderr, run.stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.mark.slow
 def test_bad_data_rows_are_named_once_without_a_traceback(tmp_path, base_model_dir):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"question": "1+1?", "answer": "2"}\nnot json\n{"question": 42, "answer": "3"}\n')

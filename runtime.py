@@ -14,6 +14,7 @@ It holds:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import math
@@ -38,7 +39,7 @@ import pipeline_rl  # imports vLLM only inside the generator process, never in a
 import scaling_fit
 import tasks
 import vllm_replica  # the replica runtime: the secret file, the parent-death signal
-from checkpoints import TrainerState, load_checkpoint, write_atomically
+from checkpoints import TrainerState, load_checkpoint, no_space_message, write_atomically
 from flags import (Args, generator_memory_fraction, generator_values, local_replicas, resolve_defaults, step_ranges,
                    write_args_json)
 from packing import model_device
@@ -119,7 +120,7 @@ class Run:
     eval_rows: list[dict] = field(default_factory=list)  # the evaluation rows so far, for the running sigmoid fit
     data_skipped: dict[str, Any] = field(default_factory=dict)  # a fresh run's first row: bad data rows skipped
     lock: Any = None  # the open OUTPUT_DIR/.lock (rank 0), held as long as this object lives
-    generator_error: str | None = None  # rank 0: why the generator failed (GeneratorError), once it has
+    stop_reason: str | None = None  # rank 0: why the run must stop (the generator failed, a full disk), once noted
 
     @property
     def is_main(self) -> bool:
@@ -292,7 +293,11 @@ def _devices_in_use(args: Args, world: int, gen_config: pipeline_rl.GeneratorCon
 def _record_start(args: Args, out: Path, state: TrainerState, log: MetricsLog) -> list[dict]:
     """Rank 0, once the run has started: args.json written (with this resume in its history), a metrics file cut
     short behind the run's back said, and the evaluation rows the sigmoid fit has so far."""
-    write_args_json(out, args, state.step, log.missing_steps)
+    try:
+        write_args_json(out, args, state.step, log.missing_steps)
+    except OSError as e:  # a full disk: one line (an old args.json stays whole: it is replaced by a rename)
+        size = len(json.dumps(vars(args), default=str))
+        raise SystemExit(f"train.py: error: {write_failure(out / 'args.json', e, size, 'args.json')}") from None
     if log.missing_steps:  # a metrics file cut short behind the run's back: say so, and keep it on record
         gaps = ", ".join(f"{a}..{b}" if a < b else str(a) for a, b in step_ranges(log.missing_steps))
         print(f"[resume] {log.path} holds {log.lines} rows but the checkpoint covers {state.metrics_lines}: "
@@ -523,9 +528,10 @@ class GracefulStop:
             print(f"\n[{self.signal}] stopping after this step, with a checkpoint (again to stop at once)",
                   file=sys.stderr, flush=True)
 
-    def agreed(self) -> bool:
-        """True on every rank if any rank was signalled (a collective: every rank calls it at the same point)."""
-        flag = torch.tensor([float(self.signal is not None)], device=collective_device())
+    def agreed(self, also: bool = False) -> bool:
+        """True on every rank if any rank was signalled, or has `also` (rank 0: a noted failure). A collective:
+        every rank calls it at the same point."""
+        flag = torch.tensor([float(self.signal is not None or also)], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -593,6 +599,20 @@ def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:
     return value, []
 
 
+class RunFileError(Exception):
+    """A file of the run could not be written (a full disk); the message names it and, on a full disk, the free
+    space."""
+
+
+def write_failure(path: Path, error: OSError, need: int, what: str) -> str:
+    """One line for `path` not written: on a full disk (or quota) its file system and the free space for `what` of
+    `need` bytes, else the error."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(path.parent).free
+        return f"could not write {path}: {no_space_message(path.parent, need, free, 0, what=what)}"
+    return f"could not write {path}: {error.strerror or error}"
+
+
 class MetricsLog:
     """metrics.jsonl (format: scaling_fit.py's docstring). On resume it is cut back to the checkpoint's line
     count, so steps re-done after a crash are neither lost nor duplicated; the cut goes through a temporary file
@@ -602,6 +622,7 @@ class MetricsLog:
 
     def __init__(self, path: Path, keep_lines: int | None, covers_step: int | None = None):
         self.path = path
+        self.failure: str | None = None  # why a write failed: no row is written after it
         lines = path.read_text().splitlines(keepends=True) if path.exists() else []
         kept = lines if keep_lines is None else lines[:keep_lines]
         self.lines = len(kept)
@@ -616,11 +637,23 @@ class MetricsLog:
             self.missing_steps = [s for s in range(covers_step + 1) if s not in present]
 
     def write(self, row: dict) -> None:
+        """Append `row` as one line. A write that fails (a full disk) cuts the file back to its last complete row
+        and raises RunFileError: no half-written row stays behind, and no later row leaves a gap after it."""
+        if self.failure:
+            raise RunFileError(self.failure)
         row, non_finite = _json_safe(row)
         if non_finite:  # strict JSON has no NaN or Infinity: write null and name the fields
             row["non_finite"] = non_finite
-        with self.path.open("a") as f:
-            f.write(json.dumps(row, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        data = (json.dumps(row, allow_nan=False) + "\n").encode()
+        with self.path.open("ab", buffering=0) as f:
+            end = f.seek(0, os.SEEK_END)  # the end of the last complete row
+            try:
+                written = 0
+                while written < len(data):  # an unbuffered write may be short just before the disk is full
+                    written += f.write(data[written:])
+                os.fsync(f.fileno())
+            except OSError as e:
+                os.ftruncate(f.fileno(), end)  # frees, never needs, space
+                self.failure = write_failure(self.path, e, len(data), "a row")
+                raise RunFileError(self.failure) from None
         self.lines += 1

@@ -840,7 +840,7 @@ def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats:
             head.weight.grad = None
             for hidden, targets, scored in inputs:
                 hidden.grad = None
-                head.scalerl_request = (targets, 1.0, scored)
+                head.scalerl_request = (targets, 1.0, scored, True)  # as a learner's step: with its entropy
                 head(hidden).sum().backward()                                             # [R, W-1] -> scalar
             head.scalerl_request = None
 
@@ -1269,7 +1269,7 @@ def bench_head(args: argparse.Namespace) -> dict:
 
         def step() -> None:
             weight.grad = leaf.grad = None
-            head.scalerl_request = (targets[None], temperature, None)
+            head.scalerl_request = (targets[None], temperature, None, False)
             logprobs = head(leaf)                                                       # [1, M]
             head.scalerl_request = None
             logprobs.backward(grad_logprobs[None])

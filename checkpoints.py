@@ -4,18 +4,22 @@ A checkpoint is OUTPUT_DIR/checkpoint/ (the previous one kept as checkpoint.old/
 (weights.pt), every rank's RNG states (rng-RANK.json) and the trainer state (trainer_state.json, `TrainerState`:
 everything the loop carries from one step to the next). This file holds how they are saved (`save_checkpoint`,
 which refuses to start a save the disk cannot hold), read back and agreed on by every rank (`agree_on_checkpoint`,
-`load_checkpoint`, `read_checkpoint`), converted from an older run's pickled RNG files (`migrate_checkpoint`), and
-`write_atomically`, the one way the run's small files are written.
+`load_checkpoint`, `read_checkpoint`), converted from an older run's pickled RNG files (`migrate_checkpoint`),
+`write_atomically`, the one way the run's small files are written, and `open_no_follow`, the one way a file in a run
+directory is opened: never through a symbolic link (people share run directories; docs/runtime.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import pickle
 import random
+import secrets
 import shutil
+import stat
 import sys
 import zipfile
 from dataclasses import dataclass, field
@@ -105,10 +109,13 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: in
     need, refused = 0, None
     if rank == 0:
         need = checkpoint_bytes(weights, state, world)
-        doomed = [d for d in (tmp, final, old) if d.exists() and d != keep]
+        planted = _planted(tmp, final, old)  # checked first: nothing below may remove or measure through a link
+        doomed = [] if planted else [d for d in (tmp, final, old) if d.exists() and d != keep]
         reclaimed = sum(_tree_bytes(d) for d in doomed)
         free = shutil.disk_usage(out).free
-        if free + reclaimed < need:
+        if planted:
+            refused = f"{planted}; {_kept(keep)}"
+        elif free + reclaimed < need:
             refused = no_space_message(out, need, free, reclaimed) + f"; nothing was written: {_kept(keep)}"
         else:
             for d in doomed:
@@ -124,7 +131,8 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: in
     try:
         if rank == 0:
             writing = tmp / "weights.pt"
-            torch.save(weights, writing)
+            with os.fdopen(open_no_follow(writing, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
+                torch.save(weights, f)
             os.chmod(writing, 0o600)
             writing = tmp / "trainer_state.json"
             write_atomically(writing, json.dumps(state), private=True)
@@ -153,6 +161,17 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: in
             final.rename(old)
         tmp.rename(final)
     dist.barrier()  # no rank reads the directory again before it is in place
+
+
+def _planted(*directories: Path) -> str | None:
+    """Why a save must not touch these checkpoint directories (a symbolic link or a file where one belongs: the run
+    makes neither, and removing or renaming through one would reach whatever it points at), or None."""
+    for d in directories:
+        try:
+            refuse_unless_regular(d, directory=True)
+        except LinkRefusedError as e:
+            return str(e)
+    return None
 
 
 def _kept(keep: Path | None) -> str:
@@ -305,7 +324,14 @@ def read_rng(ckpt: Path, rank: int, world: int | None) -> dict[str, Any] | None:
 
 def read_checkpoint_files(ckpt: Path, rank: int | None) -> tuple[dict, dict, dict | None]:
     """The files of checkpoint directory `ckpt` that rank `rank` loads: (trainer state, weights, its RNG states);
-    rank None (export) skips the RNG. CheckpointError names the first file that does not read."""
+    rank None (export) skips the RNG. CheckpointError names the first file that does not read; a symbolic link (the
+    directory or a file in it) is never read through."""
+    try:
+        refuse_unless_regular(ckpt, directory=True)
+        for name in ("trainer_state.json", "weights.pt", *([] if rank is None else [f"rng-{rank}.json"])):
+            refuse_unless_regular(ckpt / name)
+    except LinkRefusedError as e:
+        raise CheckpointError(str(e)) from None
     state = read_trainer_state(ckpt)
     weights = read_weights(ckpt / "weights.pt")
     return state, weights, None if rank is None else read_rng(ckpt, rank, state.get("world_size"))
@@ -413,11 +439,73 @@ def migrate_checkpoint(run_dir: Path) -> dict[str, Any]:
     return {"run_dir": str(run_dir), "converted": written}
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Writing into a run directory that others may write too: nothing here follows a link the run did not create
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class LinkRefusedError(OSError):
+    """A path the run would write or read that is a symbolic link, or not a regular file or a real directory: the run
+    never makes one, so someone else planted it. The message names it."""
+
+
+def refused_path_message(path: Path, what: str) -> str:
+    return (f"{path} is {what}: refused, nothing was written through it (a run never makes one there; remove it if "
+            "it is not yours)")
+
+
+def open_no_follow(path: Path, flags: int, mode: int = 0o600) -> int:
+    """os.open that refuses a symbolic link or anything but a regular file at `path` (LinkRefusedError naming it),
+    instead of writing through it into whatever it points at. O_NONBLOCK keeps a planted FIFO from hanging the open;
+    it is cleared again for the regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LinkRefusedError(refused_path_message(path, "a symbolic link")) from None
+        if e.errno in (errno.EISDIR, errno.ENXIO):
+            raise LinkRefusedError(refused_path_message(path, "not a regular file")) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LinkRefusedError(refused_path_message(path, "not a regular file"))
+    os.set_blocking(fd, True)
+    return fd
+
+
+def refuse_unless_regular(path: Path, directory: bool = False) -> bool:
+    """Whether `path` exists, refusing (LinkRefusedError) a symbolic link there, or anything but a regular file (a
+    real directory, with `directory`)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(mode):
+        raise LinkRefusedError(refused_path_message(path, "a symbolic link"))
+    if not (stat.S_ISDIR(mode) if directory else stat.S_ISREG(mode)):
+        raise LinkRefusedError(refused_path_message(path, "not a directory" if directory else "not a regular file"))
+    return True
+
+
+def create_beside(path: Path, mode: int = 0o600) -> tuple[int, Path]:
+    """A new file beside `path` (.NAME.RANDOM.tmp), opened for writing: O_EXCL with a fresh random name, so a link
+    or a file planted under any name is never written through, and a temporary left by a killed run blocks
+    nothing. Returns (its descriptor, its path)."""
+    for _ in range(16):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            return open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
 def write_atomically(path: Path, text: str, private: bool = False) -> None:
-    """Write `text` to a temporary file beside `path`, flush it to disk, then rename it over `path`: a kill at any
-    moment leaves the old file or the new one, never an empty or half-written one. `private`: mode 0600."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o666)
+    """Write `text` to a new temporary file beside `path` (create_beside), flush it to disk, then rename it over
+    `path`: a kill at any moment leaves the old file or the new one, never an empty or half-written one. A link or
+    a non-file at `path` is refused (LinkRefusedError), not replaced. `private`: mode 0600."""
+    refuse_unless_regular(path)
+    fd, tmp = create_beside(path, 0o600 if private else 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -15,15 +15,19 @@ from typing import Any
 import torch
 
 
-def split_bf16_logprobs(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int) -> Any:
+def split_bf16_logprobs(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int,
+                        entropy: bool = False) -> Any:
     """log pi(targets) [M] of the head `weight` [V, H] (float32; `bias` [V] or None) on bf16 hidden states [M, H],
     at float32's accuracy from bf16 products (_SplitBf16Head), `chunk` rows of logits at a time; differentiable
     where autograd needs it, and without keeping anything for backward where it does not (old logprobs, the frozen
-    reference)."""
+    reference). With `entropy`: (log pi(targets) [M], the policy's entropy at each row [M], a metric: no
+    gradient), from the same chunks of logits."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
-        return _SplitBf16Head.apply(hidden, targets, weight, bias, temperature, chunk)
-    return _split_bf16_forward(hidden, targets, weight, bias, temperature, chunk, None)
+        logprobs, entropies = _SplitBf16Head.apply(hidden, targets, weight, bias, temperature, chunk, entropy)
+    else:
+        logprobs, entropies = _split_bf16_forward(hidden, targets, weight, bias, temperature, chunk, None, entropy)
+    return (logprobs, entropies) if entropy else logprobs
 
 
 class _SplitBf16Head(torch.autograd.Function):
@@ -48,15 +52,18 @@ class _SplitBf16Head(torch.autograd.Function):
       bias:    D^T @ bf16(s)"""
 
     @staticmethod
-    def forward(ctx: Any, hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int) -> Any:
+    def forward(ctx: Any, hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int,
+                entropy: bool) -> tuple:
         grad = hidden.new_empty(hidden.shape[0], weight.shape[0])            # [M, V] bf16: D, filled chunk by chunk
-        logprobs = _split_bf16_forward(hidden, targets, weight, bias, temperature, chunk, grad)
+        logprobs, entropies = _split_bf16_forward(hidden, targets, weight, bias, temperature, chunk, grad, entropy)
+        entropies = entropies if entropy else logprobs.new_zeros(0)          # an autograd output must be a tensor
+        ctx.mark_non_differentiable(entropies)
         ctx.save_for_backward(hidden, weight, grad)
         ctx.temperature = temperature
-        return logprobs
+        return logprobs, entropies
 
     @staticmethod
-    def backward(ctx: Any, grad_logprobs: Any) -> tuple:
+    def backward(ctx: Any, grad_logprobs: Any, grad_entropies: Any) -> tuple:
         hidden, weight, grad = ctx.saved_tensors                             # [M, H] bf16, [V, H] fp32, [M, V] bf16
         scale = -grad_logprobs.float() / ctx.temperature                     # [M]: dloss/d(logits / T) = -g D / T
         grad_hidden = grad_weight = grad_bias = None
@@ -66,21 +73,26 @@ class _SplitBf16Head(torch.autograd.Function):
             grad_weight = _mm_float32(grad.t(), (hidden * scale[:, None]).to(torch.bfloat16))  # [V, H]
         if ctx.needs_input_grad[3]:
             grad_bias = _mm_float32(grad.t(), scale[:, None].to(torch.bfloat16)).squeeze(1)    # [V]
-        return grad_hidden, None, grad_weight, grad_bias, None, None
+        return grad_hidden, None, grad_weight, grad_bias, None, None, None
 
 
 def _split_bf16_forward(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int,
-                        grad: Any) -> Any:
-    """_SplitBf16Head's forward: log pi(targets) [M]; where `grad` [M, V] (bf16) is given, D written into it."""
+                        grad: Any, entropy: bool = False) -> tuple[Any, Any]:
+    """_SplitBf16Head's forward: (log pi(targets) [M], the entropy at each row [M] if `entropy`, else None); where
+    `grad` [M, V] (bf16) is given, D written into it."""
     parts = _split_bf16(weight, temperature)                                 # [V, 3H]: lo | mid | hi of W / T
     logprobs = torch.empty(targets.shape[0], device=hidden.device)          # [M]
+    entropies = torch.empty(targets.shape[0], device=hidden.device) if entropy else None  # [M]
     for i in range(0, targets.shape[0], chunk):
         logits = _mm_float32(hidden[i: i + chunk].repeat(1, 3), parts.t())   # [n, V]: the logits / T
         if bias is not None:
             logits += bias / temperature
-        logprobs[i: i + chunk] = _logprobs_and_grad(logits, targets[i: i + chunk],
-                                                    None if grad is None else grad[i: i + chunk])
-    return logprobs
+        chunk_logprobs, chunk_entropies = _logprobs_and_grad(logits, targets[i: i + chunk],
+                                                             None if grad is None else grad[i: i + chunk], entropy)
+        logprobs[i: i + chunk] = chunk_logprobs
+        if entropy:
+            entropies[i: i + chunk] = chunk_entropies
+    return logprobs, entropies
 
 
 def _mm_float32(a: Any, b: Any) -> Any:
@@ -143,13 +155,19 @@ def _top_8_bits(x: Any) -> Any:
 
 
 @_fused_on_gpu
-def _logprobs_and_grad(logits: Any, targets: Any, grad: Any) -> Any:
-    """log pi(targets) [n] from float32 logits [n, V], already divided by the temperature; where `grad` [n, V]
-    (bf16) is given, writes into it softmax - onehot(targets), the gradient of -log pi(targets) wrt the logits."""
+def _logprobs_and_grad(logits: Any, targets: Any, grad: Any, entropy: bool = False) -> tuple[Any, Any]:
+    """(log pi(targets) [n], with `entropy` the entropy at each row [n], else None) from float32 logits [n, V],
+    already divided by the temperature; where `grad` [n, V] (bf16) is given, writes into it
+    softmax - onehot(targets), the gradient of -log pi(targets) wrt the logits."""
     lse = torch.logsumexp(logits, dim=1)                                     # [n]
     logprobs = logits.gather(1, targets[:, None]).squeeze(1) - lse           # [n]
-    if grad is not None:
-        grad.copy_(torch.exp(logits - lse[:, None]))                         # softmax, rounded to bf16
-        # the target's p - 1 as expm1(log p): a confident token's 1 - p keeps its digits
-        grad.scatter_(1, targets[:, None], torch.expm1(logprobs)[:, None].to(grad.dtype))
-    return logprobs
+    entropies = None
+    if grad is not None or entropy:
+        probs = torch.exp(logits - lse[:, None])                             # [n, V] softmax, float32
+        if entropy:  # H = -sum p log p = lse - sum p z
+            entropies = lse - (probs * logits).sum(dim=1)
+        if grad is not None:
+            grad.copy_(probs)                                                # rounded to bf16
+            # the target's p - 1 as expm1(log p): a confident token's 1 - p keeps its digits
+            grad.scatter_(1, targets[:, None], torch.expm1(logprobs)[:, None].to(grad.dtype))
+    return logprobs, entropies

@@ -1401,14 +1401,10 @@ class Generator:
             raise GeneratorError("this generator was started with weight_transport='file': it has no weight groups")
         path = None
         if transport == "file":
-            from safetensors.torch import save_file
-
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             directory = vllm_replica.choose_weight_dir(self.config.weight_dir, nbytes)
-            path = directory / f"scalerl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-v{version}.safetensors"
-            tmp = path.with_suffix(".tmp")
-            save_file(tensors, str(tmp))
-            os.replace(tmp, path)
+            path = vllm_replica.write_weight_file(
+                tensors, directory / f"scalerl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-v{version}.safetensors")
             how: dict[str, Any] = {"kind": "file", "path": str(path)}
         else:
             manifest = vllm_replica.weight_manifest(tensors, self.config.weight_bucket_bytes)

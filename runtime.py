@@ -39,7 +39,8 @@ import pipeline_rl  # imports vLLM only inside the generator process, never in a
 import scaling_fit
 import tasks
 import vllm_replica  # the replica runtime: the secret file, the parent-death signal
-from checkpoints import TrainerState, load_checkpoint, no_space_message, write_atomically
+from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, no_space_message,
+                         open_no_follow, refuse_unless_regular, write_atomically)
 from flags import (Args, generator_memory_fraction, generator_values, local_replicas, resolve_defaults, step_ranges,
                    write_args_json)
 from packing import model_device
@@ -155,8 +156,9 @@ def summary_line(row: dict, recent: deque) -> str:
     if "fit_asymptote" in row:
         parts.append(f"fit A {row['fit_asymptote']:.3f}")
     parts += [f"clip {mean('clip_frac'):.3f}", f"kl {mean('kl_k3'):.2e}", f"0-var {mean('frac_zero_variance'):.2f}",
-              f"lag {mean('lag_mean'):.2f}", f"wait {mean('wait_s'):.2f}s", f"step {mean('step_s'):.2f}s",
-              f"{row['compute_hours'] * 3600:.0f} dev-s"]
+              f"lag {mean('lag_mean'):.2f}", f"len {mean('length_mean'):.1f}", f"ent {mean('entropy'):.3f}",
+              f"wait {mean('wait_s'):.2f}s",
+              f"step {mean('step_s'):.2f}s", f"{row['compute_hours'] * 3600:.0f} dev-s"]
     return " | ".join(parts)
 
 
@@ -335,7 +337,8 @@ def claim_output_dir(out: Path, is_main: bool) -> Any:
     if is_main:
         try:
             lock = lock_output_dir(out)
-        except OutputDirBusyError as e:
+            refuse_planted_links(out)
+        except (OutputDirBusyError, LinkRefusedError) as e:
             error = [str(e)]
     dist.broadcast_object_list(error, src=0)
     if error[0]:
@@ -565,10 +568,12 @@ class OutputDirBusyError(RuntimeError):
 
 
 def lock_output_dir(out: Path) -> Any:
-    """Take OUTPUT_DIR/.lock for the life of this process; raise OutputDirBusyError if a live run holds it.
-    flock is released by the kernel when its holder dies, however it dies."""
+    """Take OUTPUT_DIR/.lock for the life of this process; raise OutputDirBusyError if a live run holds it, and
+    LinkRefusedError (naming it) if .lock is a symbolic link or not a regular file. flock is released by the kernel
+    when its holder dies, however it dies."""
     out.mkdir(parents=True, exist_ok=True)
-    handle = (out / ".lock").open("a+")
+    # never through a link: a planted .lock -> ~/file would have that file truncated to our pid
+    handle = os.fdopen(open_no_follow(out / ".lock", os.O_RDWR | os.O_CREAT, 0o666), "r+")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -581,6 +586,16 @@ def lock_output_dir(out: Path) -> Any:
     handle.write(str(os.getpid()))
     handle.flush()
     return handle
+
+
+def refuse_planted_links(out: Path) -> None:
+    """LinkRefusedError, naming it, for a symbolic link (or a non-file) where the run keeps a file or a checkpoint
+    directory: checked as the run claims OUTPUT_DIR, so every rank stops in one line before anything starts. Each
+    file is opened without following links as well (a link planted later is refused there)."""
+    for name in ("args.json", "metrics.jsonl", "scaling.png"):
+        refuse_unless_regular(out / name)
+    for name in (*CHECKPOINT_DIRS, "checkpoint.tmp"):
+        refuse_unless_regular(out / name, directory=True)
 
 
 def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:
@@ -623,7 +638,10 @@ class MetricsLog:
     def __init__(self, path: Path, keep_lines: int | None, covers_step: int | None = None):
         self.path = path
         self.failure: str | None = None  # why a write failed: no row is written after it
-        lines = path.read_text().splitlines(keepends=True) if path.exists() else []
+        lines: list[str] = []
+        if refuse_unless_regular(path):  # a planted link would copy its target's text into the run directory
+            with os.fdopen(open_no_follow(path, os.O_RDONLY)) as f:
+                lines = f.read().splitlines(keepends=True)
         kept = lines if keep_lines is None else lines[:keep_lines]
         self.lines = len(kept)
         if kept != lines or not path.exists():
@@ -645,7 +663,8 @@ class MetricsLog:
         if non_finite:  # strict JSON has no NaN or Infinity: write null and name the fields
             row["non_finite"] = non_finite
         data = (json.dumps(row, allow_nan=False) + "\n").encode()
-        with self.path.open("ab", buffering=0) as f:
+        fd = open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        with os.fdopen(fd, "ab", buffering=0) as f:
             end = f.seek(0, os.SEEK_END)  # the end of the last complete row
             try:
                 written = 0

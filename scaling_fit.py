@@ -59,6 +59,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -762,8 +763,18 @@ def plot_fits(
     fig.tight_layout()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
+    # a run directory may be shared: a new file (O_EXCL, random name: nothing planted is written through) renamed
+    # over the old, which replaces a link there rather than following it
+    tmp = out_path.with_name(f".{out_path.name}.{os.urandom(4).hex()}.tmp")
+    try:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666), "wb") as f:
+            fig.savefig(f, dpi=120, format=out_path.suffix[1:] or "png")
+        os.replace(tmp, out_path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
     return out_path
 
 

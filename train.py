@@ -203,7 +203,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                     "weight_broadcast_s": broadcast_s, "step_s": step_s,
                     "train_tokens_per_s": trained_tokens / max(step_s, 1e-9), "retired_prompts": len(state.retired),
                     "gen_tokens": gen_tokens, **({"mfu": mfu} if mfu is not None else {}),  # no peak known: none
-                    **metrics, **round_.stats,
+                    **metrics, **round_.stats, **completion_lengths(batch),
                     # Lag of the tokens trained on at this step (in a sync round of k steps it grows 0..k-1).
                     **pipeline_rl.lag_stats(batch, version),
                 }
@@ -289,6 +289,23 @@ def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
     per_step = math.ceil(len(kept) / steps) if kept else 0
     batches = [kept[i * per_step: (i + 1) * per_step] for i in range(steps)] if per_step else [[] for _ in range(steps)]
     return Round(batches, stats)
+
+
+def completion_lengths(groups: list) -> dict[str, float]:
+    """The lengths of a batch's completions in generated tokens, the second thing RL practitioners watch after the
+    reward: their mean, 90th percentile and longest; the mean of the correct and of the incorrect ones (a length
+    that grows on wrong answers only is rambling, not reasoning); and the fractions interrupted and cut off."""
+    completions = [c for grp in groups for c in grp.completions]
+    if not completions:
+        return {}
+    lengths = sorted(len(c.token_ids) for c in completions)
+    mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731 (None: no such completion)
+    return {"length_mean": mean(lengths), "length_p90": float(lengths[math.ceil(0.9 * len(lengths)) - 1]),
+            "length_max": float(lengths[-1]),
+            "length_mean_correct": mean([len(c.token_ids) for c in completions if c.reward > 0]),
+            "length_mean_incorrect": mean([len(c.token_ids) for c in completions if not c.reward > 0]),
+            "frac_interrupted": mean([float(c.interrupted) for c in completions]),
+            "frac_truncated": mean([float(c.truncated) for c in completions])}
 
 
 def pull_groups(generator: Any, n: int, version: int, stats: dict[str, Any]) -> list:
@@ -452,7 +469,7 @@ def micro_batch_loss(model: Any, loss_module: Any, hp: dict, rows: Rows, args: A
     `group_size`: the rows' completions per group (default --group-size; 1 where the micro-batch splits a group),
     `token_weights` [N]: each completion's weight in the loss (loss_and_backward), multiplied into the importance
     weights."""
-    logprobs = token_logprobs(model, rows, args.temperature)
+    logprobs, entropy = token_logprobs_and_entropy(model, rows, args.temperature)
     old = logprobs.detach() if old_is_current else rows.old_logprobs
     is_weights = None
     if args.tis:
@@ -472,7 +489,7 @@ def micro_batch_loss(model: Any, loss_module: Any, hp: dict, rows: Rows, args: A
     (loss * world).backward()
     weight = metrics.get("num_tokens", 0.0)
     totals = {"loss": loss.item(), **{k: v * weight for k, v in metrics.items() if k != "num_tokens"},
-              "num_tokens": weight}
+              "num_tokens": weight, "entropy": float(entropy[rows.loss_mask].sum())}  # its token mean, reduced
     # Sampler/learner mismatch on completions sampled wholly by the weights being trained now (lag 0), in all and
     # per replica: a replica still serving old weights (an update that silently did nothing) shows here. A
     # completion that straddles an update is left out: its later tokens were sampled over a KV cache computed by
@@ -610,7 +627,13 @@ def stop_if_signalled(learner: Learner, run: Run, state: TrainerState) -> None:
 
 
 def token_logprobs(model: Any, rows: Rows, temperature: float) -> Any:
-    """log pi(token) for every next-token position [N, L-1], after dividing the logits by the sampling temperature.
+    """log pi(token) [N, L-1]: token_logprobs_and_entropy's first half, for old and reference logprobs."""
+    return token_logprobs_and_entropy(model, rows, temperature, entropy=False)[0]
+
+
+def token_logprobs_and_entropy(model: Any, rows: Rows, temperature: float, entropy: bool = True) -> tuple[Any, Any]:
+    """log pi(token) for every next-token position [N, L-1], after dividing the logits by the sampling temperature,
+    and with `entropy` the policy's entropy at each position [N, L-1] (a metric, without gradient; else None).
     Packed rows go through the model as they are, and their logprobs are gathered back into Rows' layout (0 beyond
     each sequence's end, where the loss files mask anyway).
 
@@ -627,17 +650,27 @@ def token_logprobs(model: Any, rows: Rows, temperature: float) -> Any:
     head = model.get_output_embeddings()
     targets = input_ids[:, 1:]
     if getattr(head, "scalerl_request", False) is None:  # an installed head, idle
-        head.scalerl_request = (targets, temperature, scored)
+        head.scalerl_request = (targets, temperature, scored, entropy)
         try:
             logprobs = model(input_ids=input_ids, use_cache=False, **layout).logits
+            entropies = head.scalerl_entropy
         finally:
-            head.scalerl_request = None
+            head.scalerl_request = head.scalerl_entropy = None
     else:
         logits = model(input_ids=input_ids, use_cache=False, **layout).logits[:, :-1]
         logprobs = _target_logprobs(logits, targets, temperature)
+        entropies = _entropy(logits.detach().float() / temperature) if entropy else None
     if rows.packed is None:
-        return logprobs                                                                       # [N, L-1]
-    return torch.where(rows.attention[:, 1:], logprobs.reshape(-1)[rows.packed.index], 0.0)   # [R, W-1] -> [N, L-1]
+        return logprobs, entropies                                                            # [N, L-1] each
+    unpack = lambda x: torch.where(rows.attention[:, 1:], x.reshape(-1)[rows.packed.index], 0.0)  # noqa: E731
+    return unpack(logprobs), None if entropies is None else unpack(entropies)                # [R, W-1] -> [N, L-1]
+
+
+def _entropy(logits: Any) -> Any:
+    """The entropy of softmax(logits) over the last axis, without gradient: logits [..., V] -> [...] float32."""
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return -(logp.exp() * logp).sum(-1)
 
 
 def _target_logprobs(logits: Any, targets: Any, temperature: float) -> Any:
@@ -648,15 +681,16 @@ def _target_logprobs(logits: Any, targets: Any, temperature: float) -> Any:
 
 def install_target_logprob_head(model: Any, chunk_tokens: int | None = None, gemm: str = "fp32") -> None:
     """Make the model's LM head compute token_logprobs' answer itself. While token_logprobs has set
-    `head.scalerl_request = (targets [N, L-1], temperature, scored)`, the head's forward takes the hidden states
-    [N, L, H] and returns log pi(target) [N, L-1] instead of logits, over chunks of `chunk_tokens` positions, so
-    that only one chunk's logits exist at a time. `gemm` (--lm-head-gemm) says how: fp32, the head's own
-    linear layer, each chunk recomputed in backward (activation checkpointing; default chunk: as many positions as
-    fit in LOGITS_CHUNK_BYTES of float32 logits); split-bf16, for bf16 hidden states, float32's logprobs from bf16
-    tensor-core products (head_gemm.py; default chunk: SPLIT_CHUNK_BYTES). Otherwise (an idle forward, or any
-    other caller) it is the plain linear layer. The head's own forward hooks (FSDP2's gathers, the FP32 head's
-    cast) run as before: only its forward body changes. Not for models that transform the logits after the head
-    (Gemma's soft-capping): those keep the full logits.
+    `head.scalerl_request = (targets [N, L-1], temperature, scored, entropy)`, the head's forward takes the hidden
+    states [N, L, H] and returns log pi(target) [N, L-1] instead of logits, over chunks of `chunk_tokens` positions,
+    so that only one chunk's logits exist at a time; with `entropy`, it leaves the policy's entropy at each position
+    [N, L-1] (a metric: no gradient) in `head.scalerl_entropy`, from the same chunks. `gemm` (--lm-head-gemm) says
+    how: fp32, the head's own linear layer, each chunk recomputed in backward (activation checkpointing; default
+    chunk: as many positions as fit in LOGITS_CHUNK_BYTES of float32 logits); split-bf16, for bf16 hidden states,
+    float32's logprobs from bf16 tensor-core products (head_gemm.py; default chunk: SPLIT_CHUNK_BYTES). Otherwise
+    (an idle forward, or any other caller) it is the plain linear layer. The head's own forward hooks (FSDP2's
+    gathers, the FP32 head's cast) run as before: only its forward body changes. Not for models that transform the
+    logits after the head (Gemma's soft-capping): those keep the full logits.
 
     The request's third element, `scored` [M] (or None: all), names the positions of the flattened [N * (L-1)] to
     score; the others get 0 and cost nothing. Only completion tokens enter a loss, and a chat template's prompt can
@@ -665,7 +699,7 @@ def install_target_logprob_head(model: Any, chunk_tokens: int | None = None, gem
     if getattr(model.config, "final_logit_softcapping", None):
         return
     head = model.get_output_embeddings()
-    head.scalerl_request = None
+    head.scalerl_request = head.scalerl_entropy = None
 
     def forward(hidden: Any) -> Any:
         request = head.scalerl_request
@@ -674,7 +708,7 @@ def install_target_logprob_head(model: Any, chunk_tokens: int | None = None, gem
         hidden = hidden if split else hidden.to(head.weight.dtype)
         if request is None:
             return torch.nn.functional.linear(hidden, head.weight, head.bias)
-        targets, temperature, scored = request
+        targets, temperature, scored, want_entropy = request
         n, length = targets.shape
         flat_hidden = hidden[:, :-1].reshape(n * length, -1)                 # [N*(L-1), H]: the last predicts nothing
         flat_targets = targets.reshape(-1)                                   # [N*(L-1)]
@@ -682,26 +716,36 @@ def install_target_logprob_head(model: Any, chunk_tokens: int | None = None, gem
             flat_hidden, flat_targets = flat_hidden[scored], flat_targets[scored]    # [M, H], [M]
         if split:
             chunk = chunk_tokens or max(128, SPLIT_CHUNK_BYTES // (4 * head.weight.shape[0]) // 128 * 128)
-            logprobs = split_bf16_logprobs(flat_hidden, flat_targets, head.weight, head.bias, temperature, chunk)
+            logprobs = split_bf16_logprobs(flat_hidden, flat_targets, head.weight, head.bias, temperature, chunk,
+                                           entropy=want_entropy)
+            logprobs, entropies = logprobs if want_entropy else (logprobs, torch.zeros_like(logprobs.detach()))
         else:
             chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk
             if flat_targets.numel() <= chunk:  # one chunk: nothing to save by recomputing it
-                logprobs = _head_chunk(flat_hidden, flat_targets, head.weight, head.bias, temperature)
+                logprobs, entropies = _head_chunk(flat_hidden, flat_targets, head.weight, head.bias, temperature,
+                                                  want_entropy)
             else:
-                logprobs = torch.cat([torch.utils.checkpoint.checkpoint(
+                outputs = [torch.utils.checkpoint.checkpoint(
                     _head_chunk, flat_hidden[i: i + chunk], flat_targets[i: i + chunk], head.weight, head.bias,
-                    temperature, use_reentrant=False) for i in range(0, flat_targets.numel(), chunk)])
+                    temperature, want_entropy, use_reentrant=False) for i in range(0, flat_targets.numel(), chunk)]
+                logprobs, entropies = (torch.cat(parts) for parts in zip(*outputs))
         if scored is not None:  # back to every position, 0 where nothing was scored
             logprobs = logprobs.new_zeros(n * length).index_copy(0, scored, logprobs)
+            entropies = entropies.new_zeros(n * length).index_copy(0, scored, entropies)
+        head.scalerl_entropy = entropies.view(n, length) if want_entropy else None
         # [N, L-1], a tensor of its own rather than a view: FSDP2 hooks its backward onto the module's output
         return logprobs.view(n, length).clone()
 
     head.forward = forward
 
 
-def _head_chunk(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float) -> Any:
-    """One chunk of the LM head: hidden [n, H] -> log pi(targets) [n]."""
-    return _target_logprobs(torch.nn.functional.linear(hidden, weight, bias), targets, temperature)
+def _head_chunk(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float,
+                entropy: bool = False) -> tuple[Any, Any]:
+    """One chunk of the LM head: hidden [n, H] -> (log pi(targets) [n], with `entropy` the entropy at each position
+    [n], without gradient, else 0s), both from the chunk's one [n, V] of logits."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logprobs, _entropy(logits) if entropy else logprobs.detach().new_zeros(logprobs.shape)
 
 
 def pass_rates(generator: Any, problems: list, samples: int, temperature: float) -> dict[str, float]:

@@ -921,6 +921,27 @@ def choose_weight_dir(preferred: str | None, nbytes: int) -> Path:
     return Path(tempfile.gettempdir())
 
 
+def write_weight_file(tensors: dict[str, torch.Tensor], path: Path) -> Path:
+    """Write `tensors` as a safetensors file at `path`, through a temporary beside it renamed into place. The
+    directory (/dev/shm, the temp dir) is shared with other users: the temporary is first created O_EXCL|O_NOFOLLOW
+    under a random name (checkpoints.create_beside), so nothing planted there is written through; safetensors then
+    writes a file of its own and renames it over ours (the rename replaces a name, never follows it)."""
+    from safetensors.torch import save_file
+
+    from checkpoints import create_beside, refuse_unless_regular  # here: replica processes never write weights
+
+    fd, tmp = create_beside(path)
+    os.close(fd)
+    try:
+        save_file(tensors, str(tmp))
+        refuse_unless_regular(tmp)  # still the regular file it was: nothing was swapped in meanwhile
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
 def remove_leaked_segments(since: float, shm: Path = Path("/dev/shm")) -> list[str]:
     """Unlink vLLM's shared-memory queues (psm_*) made since `since` that no live process maps or holds open any
     more: a killed engine core leaves them, and Python's resource tracker would remove them only when the learner

@@ -718,3 +718,23 @@ def test_a_data_set_found_nowhere_is_named_with_its_flag_in_one_line(monkeypatch
     assert exit_info.value.code == 2
     printed = capsys.readouterr().err.splitlines()
     assert printed == [f"train.py: error: {raised.value}"]
+
+
+def test_weights_checksum_sees_every_bit_of_the_weights_and_nothing_else(tmp_path):
+    """Two machines compare their base models by weights_checksum: the same tensors give the same sum whatever the
+    file's key order or metadata, and one flipped bit of one weight gives another."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = {"a.weight": torch.randn(4, 3), "b.bias": torch.randn(3)}
+    for name, order, metadata in (("one", ["a.weight", "b.bias"], None),
+                                  ("two", ["b.bias", "a.weight"], {"format": "pt", "built_by": "another machine"})):
+        (tmp_path / name).mkdir()
+        save_file({k: weights[k] for k in order}, str(tmp_path / name / "model.safetensors"), metadata=metadata)
+    assert tasks.weights_checksum(tmp_path / "one") == tasks.weights_checksum(tmp_path / "two")
+    flipped = weights["a.weight"].clone()
+    flipped.view(torch.int32)[1, 2] ^= 1  # the last bit of one float32: about 1e-7 of its value
+    (tmp_path / "three").mkdir()
+    save_file({**weights, "a.weight": flipped}, str(tmp_path / "three" / "model.safetensors"))
+    assert tasks.weights_checksum(tmp_path / "three") != tasks.weights_checksum(tmp_path / "one")
+    assert len(tasks.weights_checksum(tmp_path / "one")) == 64

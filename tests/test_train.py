@@ -57,7 +57,7 @@ def test_help_explains_every_flag(capsys):
                  "--tis", "--tis-cap", "--zero-variance", "--aggregation", "--adv-norm", "--fp32-lm-head",
                  "--length-control", "--retire-pass-rate", "--loss-arg"):
         assert flag in text
-    assert text.count("(default:") >= len(train.dataclasses.fields(flags.Args)) - 1
+    assert text.count("(default:") >= len(dataclasses.fields(flags.Args)) - 1
 
 
 def test_unknown_loss_lists_the_valid_ones(capsys):
@@ -72,7 +72,7 @@ def test_the_flags_page_is_what_args_gives():
     from --help again: every flag, its default and its help, in --help's groups."""
     page = (REPO / "docs" / "flags.md").read_text()
     assert page == flags.flags_markdown(), "docs/flags.md is stale: python train.py --help-markdown > docs/flags.md"
-    for f in train.dataclasses.fields(flags.Args):
+    for f in dataclasses.fields(flags.Args):
         assert f"`--{f.name.replace('_', '-')}" in page
 
 
@@ -331,6 +331,20 @@ def _group(i: int, lengths: list[int], rewards: list[float], prompt_len: int = 3
                               loss_mask=[True] * (n - 1) + [False], text="", finish_reason="stop", reward=r)
                    for n, r in zip(lengths, rewards)]
     return Group(Problem(f"p{i}", "", ""), i, list(range(1, 1 + prompt_len)), completions)
+
+
+def test_completion_lengths_of_a_batch_by_hand():
+    """Ten completions of 1..10 tokens: mean 5.5, p90 the 9th shortest, longest 10; the correct ones are the even
+    lengths (mean 6), the incorrect the odd (mean 5); one interrupted, two cut off."""
+    groups = [_group(0, [1, 2, 3, 4, 5], [0, 1, 0, 1, 0]), _group(1, [6, 7, 8, 9, 10], [1, 0, 1, 0, 1])]
+    groups[0].completions[4].interrupted = True
+    groups[1].completions[3].truncated = groups[1].completions[4].truncated = True
+    assert train.completion_lengths(groups) == {
+        "length_mean": 5.5, "length_p90": 9.0, "length_max": 10.0, "length_mean_correct": 6.0,
+        "length_mean_incorrect": 5.0, "frac_interrupted": 0.1, "frac_truncated": 0.2}
+    solved = [_group(0, [4, 6], [1, 1])]
+    assert train.completion_lengths(solved)["length_mean_incorrect"] is None  # none wrong: no mean, not 0
+    assert train.completion_lengths([]) == {}
 
 
 def test_micro_batches_hold_completions_within_the_budget_and_may_split_groups():
@@ -737,7 +751,8 @@ def test_micro_batches_that_split_groups_give_the_whole_batch_s_step(one_rank_gr
         loss, metrics, grads = _one_step(model, loss_name, settings, groups, **layout)
         assert loss == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), layout
         assert metrics["num_tokens"] == reference["num_tokens"], layout
-        for key in ("is_weight_mean", "kl_k3"):
+        assert reference["entropy"] > 0.01  # the policy's token-mean entropy: the same however the batch is split
+        for key in ("is_weight_mean", "kl_k3", "entropy"):
             if key in reference:
                 assert metrics[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7), (layout, key)
         for grad, reference_grad in zip(grads, reference_grads):
@@ -962,8 +977,9 @@ def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():
     targets = torch.randint(0, 4096, (n, length - 1), generator=gen)
     scored = torch.randperm(n * (length - 1), generator=gen)[:70].sort().values
     loss_weights = torch.randn(n, length - 1, generator=gen)
-    head.scalerl_request = (targets, temperature, scored)
+    head.scalerl_request = (targets, temperature, scored, True)
     logprobs = head(hidden)
+    entropy = head.scalerl_entropy
     (logprobs * loss_weights).sum().backward()
 
     reference = dict(hidden=hidden.detach().float().requires_grad_(), weight=weight.clone().requires_grad_(),
@@ -974,6 +990,12 @@ def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():
     (expected * loss_weights).sum().backward()
     assert (logprobs - expected).abs().max() < 1e-5
     assert torch.count_nonzero(logprobs) == len(scored)
+    with torch.no_grad():  # the policy's entropy at the scored positions, from the same chunks; 0 elsewhere
+        logp = torch.log_softmax(logits.detach().double(), -1)
+        expected_entropy = -(logp.exp() * logp).sum(-1).reshape(-1).float()
+        expected_entropy = torch.zeros(n * (length - 1)).index_copy(0, scored, expected_entropy[scored])
+    assert not entropy.requires_grad and (entropy.reshape(-1) - expected_entropy).abs().max() < 1e-4
+    assert expected_entropy[scored].min() > 0.1  # a test of something: far from 0 at every scored position
     for name, grad in [("hidden", hidden.grad.float()), ("weight", head.weight.grad), ("bias", head.bias.grad)]:
         ref = reference[name].grad
         assert (grad - ref).norm() < 1e-2 * ref.norm(), (name, ((grad - ref).norm() / ref.norm()).item())
@@ -1003,11 +1025,11 @@ def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path,
 def test_a_resumed_run_keeps_its_flags_unless_overridden(tmp_path):
     started = flags.parse_args(["--output-dir", str(tmp_path), "--loss", "grpo", "--max-steps", "8",
                                 "--no-fp32-lm-head", "--loss-arg", "clip_eps_high=0.3"])
-    (tmp_path / "args.json").write_text(json.dumps(train.dataclasses.asdict(started)))
+    (tmp_path / "args.json").write_text(json.dumps(dataclasses.asdict(started)))
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "trainer_state.json").write_text("{}")
     resumed = flags.parse_args(["--resume", str(tmp_path), "--output-dir", "elsewhere"])
-    assert resumed == train.dataclasses.replace(started, resume=str(tmp_path))
+    assert resumed == dataclasses.replace(started, resume=str(tmp_path))
     extended = flags.parse_args(["--resume", str(tmp_path), "--max-steps", "200", "--eval-every", "7"])
     assert (extended.max_steps, extended.eval_every, extended.loss) == (200, 7, "grpo")
     assert extended.loss_arg == ["clip_eps_high=0.3"]
@@ -1022,6 +1044,128 @@ def test_one_live_run_per_output_dir(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Nothing in a run directory follows a link it did not create (issue 39): people share run directories, so each
+# file the run writes is tried with a symbolic link planted in its place, pointing at a file the user can write
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A file outside the run directory that a planted link points at; the tests check that it is unchanged."""
+    path = tmp_path / "victim.txt"
+    path.write_text("precious\n")
+    return path
+
+
+def test_a_planted_lock_link_or_fifo_is_refused_by_name(tmp_path, victim):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").symlink_to(victim)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{out / '.lock'} is a symbolic link"):
+        runtime.lock_output_dir(out)
+    assert victim.read_text() == "precious\n"
+    (out / ".lock").unlink()
+    os.mkfifo(out / ".lock")  # would block an open for writing: refused at once instead
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{out / '.lock'} is not a regular file"):
+        runtime.lock_output_dir(out)
+
+
+def test_args_json_is_never_written_through_a_planted_link(tmp_path, victim, monkeypatch):
+    """A planted .args.json.tmp is not the temporary a write uses (O_EXCL under a random name), even when it is
+    given that very name; a link at args.json itself is refused, not renamed over."""
+    (tmp_path / ".args.json.tmp").symlink_to(victim)
+    names = iter(["planted", "fresh"])
+    monkeypatch.setattr(checkpoints.secrets, "token_hex", lambda n: next(names))
+    (tmp_path / ".args.json.planted.tmp").symlink_to(victim)
+    flags.write_args_json(tmp_path, flags.Args(output_dir=str(tmp_path)), 0, [])
+    assert json.loads((tmp_path / "args.json").read_text())["output_dir"] == str(tmp_path)
+    assert not (tmp_path / "args.json").is_symlink() and victim.read_text() == "precious\n"
+    (tmp_path / "args.json").unlink()
+    (tmp_path / "args.json").symlink_to(victim)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{tmp_path / 'args.json'} is a symbolic link"):
+        checkpoints.write_atomically(tmp_path / "args.json", "{}")
+    assert victim.read_text() == "precious\n" and (tmp_path / "args.json").is_symlink()
+
+
+def test_metrics_jsonl_is_never_read_or_written_through_a_planted_link(tmp_path, victim):
+    path = tmp_path / "metrics.jsonl"
+    path.symlink_to(victim)  # read, its target's text would be copied into the run directory
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{path} is a symbolic link"):
+        runtime.MetricsLog(path, keep_lines=0)
+    path.unlink()
+    log = runtime.MetricsLog(path, None)
+    path.unlink()
+    path.symlink_to(victim)  # swapped in while the run is going
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{path} is a symbolic link"):
+        log.write({"step": 0})
+    assert victim.read_text() == "precious\n"
+
+
+def test_checkpoints_are_never_written_or_read_through_a_planted_link(tmp_path, victim, one_rank_group, capsys):
+    """A link in place of checkpoint.tmp/ stops the save before anything is written, naming it; a link in place of
+    a checkpoint's file makes that checkpoint unreadable (named), the older one is used, and the next save removes
+    the link, never its target."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    out = tmp_path / "run"
+    out.mkdir()
+    victim_dir = tmp_path / "victim_dir"
+    victim_dir.mkdir()
+    (victim_dir / "weights.pt").write_text("precious\n")
+    (out / "checkpoint.tmp").symlink_to(victim_dir)
+    with pytest.raises(SystemExit, match=f"{out / 'checkpoint.tmp'} is a symbolic link: refused"):
+        checkpoints.save_checkpoint(out, model, optimizer, {"step": 1}, rank=0)
+    assert (victim_dir / "weights.pt").read_text() == "precious\n" and sorted(os.listdir(out)) == ["checkpoint.tmp"]
+    (out / "checkpoint.tmp").unlink()
+    for step in (1, 2):
+        checkpoints.save_checkpoint(out, model, optimizer, {"step": step}, rank=0)
+    (out / "checkpoint" / "trainer_state.json").unlink()
+    (out / "checkpoint" / "trainer_state.json").symlink_to(victim)
+    state, used = checkpoints.load_checkpoint(out, model, optimizer, rank=0)
+    assert (state["step"], used) == (1, out / "checkpoint.old")
+    assert f"{out / 'checkpoint' / 'trainer_state.json'} is a symbolic link" in capsys.readouterr().err
+    checkpoints.save_checkpoint(out, model, optimizer, {"step": 3}, rank=0)
+    assert checkpoints.load_checkpoint(out, model, optimizer, rank=0)[0]["step"] == 3
+    assert victim.read_text() == "precious\n" and not any(p.is_symlink() for p in out.rglob("*"))
+
+
+def test_a_weight_file_is_never_written_through_a_planted_link(tmp_path, victim, monkeypatch):
+    """The generator's weight files go to /dev/shm or the temp dir, shared by every user of the machine."""
+    names = iter(["planted", "fresh"])
+    monkeypatch.setattr(checkpoints.secrets, "token_hex", lambda n: next(names))
+    path = tmp_path / "scalerl-weights-v1.safetensors"
+    (tmp_path / f".{path.name}.planted.tmp").symlink_to(victim)
+    path.symlink_to(victim)  # the final name is renamed over, never followed
+    written = vllm_replica.write_weight_file({"w": torch.ones(2, 3)}, path)
+    from safetensors.torch import load_file
+
+    assert written == path and not path.is_symlink() and load_file(str(path))["w"].shape == (2, 3)
+    assert victim.read_text() == "precious\n"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [f".{path.name}.planted.tmp"]
+
+
+@pytest.mark.parametrize("name", ["args.json", "metrics.jsonl", "scaling.png", "checkpoint", "checkpoint.old",
+                                  "checkpoint.tmp"])
+def test_claiming_a_run_directory_refuses_a_planted_link_by_name(tmp_path, victim, name):
+    """Checked on rank 0 as the run takes its lock, so every rank stops with that one line before anything starts."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(victim)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{out / name} is a symbolic link"):
+        runtime.refuse_planted_links(out)
+    (out / name).unlink()
+    runtime.refuse_planted_links(out)
+
+
+def test_the_scaling_plot_replaces_a_planted_link_instead_of_writing_through_it(tmp_path, victim):
+    (tmp_path / "scaling.png").symlink_to(victim)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "compute_hours": 0.1, "val_pass_rate": 0.5}))
+    train.fit_and_plot(tmp_path / "metrics.jsonl", tmp_path / "scaling.png", "run")
+    assert not (tmp_path / "scaling.png").is_symlink() and (tmp_path / "scaling.png").read_bytes()[:4] == b"\x89PNG"
+    assert victim.read_text() == "precious\n" and not list(tmp_path.glob(".scaling.png.*"))
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Checkpoints and resume (issue 32): saves that keep the last good copy, a recipe fixed for the run's life,
 # nothing unpickled from a run directory, --overwrite that deletes last, atomic writes and named gaps
 # --------------------------------------------------------------------------------------------------------------
@@ -1033,7 +1177,7 @@ def _saved_run(out: Path, steps: tuple[int, ...] = (1, 2), size: int = 4) -> tup
     model = torch.nn.Linear(size, size)
     optimizer = torch.optim.AdamW(model.parameters())
     out.mkdir(exist_ok=True)
-    (out / "args.json").write_text(json.dumps(train.dataclasses.asdict(flags.Args(output_dir=str(out)))))
+    (out / "args.json").write_text(json.dumps(dataclasses.asdict(flags.Args(output_dir=str(out)))))
     for step in steps:
         model(torch.ones(1, size)).sum().backward()
         optimizer.step()
@@ -1207,7 +1351,7 @@ def test_changes_on_resume_are_recorded_with_their_step_and_listed_in_help(tmp_p
     assert record["max_steps"] == 50 and record["eval_every"] == 2 and record["loss"] == "cispo"
     assert record["resumes"] == [{"step": 10, "changed": {"eval_every": [5, 2], "max_steps": [20, 40]}},
                                  {"step": 40, "changed": {"max_steps": [40, 50]}, "metrics_missing_steps": [[7, 8]]}]
-    assert flags.CHANGEABLE_ON_RESUME <= {f.name for f in train.dataclasses.fields(flags.Args)}
+    assert flags.CHANGEABLE_ON_RESUME <= {f.name for f in dataclasses.fields(flags.Args)}
     with pytest.raises(SystemExit):
         flags.parse_args(["--help"])
     text = "".join(capsys.readouterr().out.split())  # argparse wraps lines at hyphens too: compare without spaces
@@ -1373,6 +1517,9 @@ plain = LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 ids = torch.randint(0, 32, (3, 9))
 rows = packing.Rows(ids, torch.ones_like(ids, dtype=torch.bool), None, None, None, None, None)
 plain_logprobs = train.token_logprobs(plain, rows, 0.7)
+plain_entropy = train.token_logprobs_and_entropy(plain, rows, 0.7)[1]  # from the full logits
+logp = torch.log_softmax(plain(input_ids=ids).logits[:, :-1].detach() / 0.7, -1)
+torch.testing.assert_close(plain_entropy, -(logp.exp() * logp).sum(-1))
 scored = torch.tensor([0, 1, 2, 9, 10, 17, 23])  # positions of the flattened [3 * 8] a loss would read
 plain_logprobs.reshape(-1)[scored].sum().backward(retain_graph=True)
 subset_head_grad = plain.lm_head.weight.grad.clone()
@@ -1387,6 +1534,10 @@ for fp32_head in (True, False):  # --fp32-lm-head, --no-fp32-lm-head (Args direc
     assert model.lm_head.weight is model.get_input_embeddings().weight, fp32_head
     logprobs = train.token_logprobs(model, rows, 0.7)
     torch.testing.assert_close(logprobs, plain_logprobs)
+    # the policy's entropy, from the same chunks of 5 as the logprobs: the plain model's, without gradient
+    entropy = train.token_logprobs_and_entropy(model, rows, 0.7)[1]
+    torch.testing.assert_close(entropy, plain_entropy)
+    assert not entropy.requires_grad
     logprobs.sum().backward()
     torch.testing.assert_close(model.lm_head.weight.grad.full_tensor(), plain.lm_head.weight.grad)
     # Rows.scored: the head scores those positions only, gives 0 at the others, and the same gradient as the plain
@@ -1411,8 +1562,10 @@ rows.scored = scored
 for gemm in ("fp32", "split-bf16"):
     args = flags.Args(model=sys.argv[1], dtype="bfloat16", lm_head_gemm=gemm, logits_chunk_tokens=5)
     model, _ = train.build_learner(sys.argv[1], args, device)
-    logprobs = train.token_logprobs(model, rows, 0.7)
+    logprobs, entropy = train.token_logprobs_and_entropy(model, rows, 0.7)
     logprobs.sum().backward()
+    expected = torch.zeros(3 * 8).index_copy(0, scored, plain_entropy.reshape(-1)[scored])
+    torch.testing.assert_close(entropy.reshape(-1), expected, rtol=0, atol=2e-2)  # a bf16 trunk's entropy
     grad = torch.cat([p.grad.full_tensor().float().flatten() for _, p in sorted(model.named_parameters())])
     results[gemm] = logprobs.detach(), grad
 torch.testing.assert_close(results["split-bf16"][0], results["fp32"][0], rtol=0, atol=1e-5)

@@ -201,10 +201,13 @@ def checkpoint_bytes(weights: dict, state: dict, world: int) -> int:
 RNG_FILE_BYTES = 32 << 10  # rng-RANK.json: Python's 625 and numpy's 624 integers, torch's 5056 bytes in hex
 
 
-def no_space_message(out: Path, need: int, free: int, reclaimed: int) -> str:
+def no_space_message(out: Path, need: int, free: int, reclaimed: int, what: str = "a checkpoint") -> str:
+    """No room on `out`'s file system for `what` of `need` bytes, with the free space (`reclaimed` of it in the
+    older checkpoints a save would replace)."""
     mb = 1 << 20
     freed = f", {reclaimed / mb:.1f} MB of it in older checkpoints a save replaces" if reclaimed else ""
-    return (f"no space left on {file_system(out)} for a checkpoint of {need / mb:.1f} MB (free "
+    size = f"{need / mb:.1f} MB" if need >= mb // 10 else f"{need} bytes"
+    return (f"no space left on {file_system(out)} for {what} of {size} (free "
             f"{(free + reclaimed) / mb:.1f} MB{freed})")
 
 

@@ -14,6 +14,7 @@ It holds:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import math
@@ -38,8 +39,8 @@ import pipeline_rl  # imports vLLM only inside the generator process, never in a
 import scaling_fit
 import tasks
 import vllm_replica  # the replica runtime: the secret file, the parent-death signal
-from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, open_no_follow,
-                         refuse_unless_regular, write_atomically)
+from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, no_space_message,
+                         open_no_follow, refuse_unless_regular, write_atomically)
 from flags import (Args, generator_memory_fraction, generator_values, local_replicas, resolve_defaults, step_ranges,
                    write_args_json)
 from packing import model_device
@@ -120,7 +121,7 @@ class Run:
     eval_rows: list[dict] = field(default_factory=list)  # the evaluation rows so far, for the running sigmoid fit
     data_skipped: dict[str, Any] = field(default_factory=dict)  # a fresh run's first row: bad data rows skipped
     lock: Any = None  # the open OUTPUT_DIR/.lock (rank 0), held as long as this object lives
-    generator_error: str | None = None  # rank 0: why the generator failed (GeneratorError), once it has
+    stop_reason: str | None = None  # rank 0: why the run must stop (the generator failed, a full disk), once noted
 
     @property
     def is_main(self) -> bool:
@@ -180,7 +181,7 @@ def set_up(args: Args,
         vllm_replica.set_parent_death_signal(signal.SIGKILL)
     rank, world, device = init_distributed(args.gen_devices, args.cpu_offload)
     is_main = rank == 0
-    stopper = GracefulStop(announce=is_main)
+    stopper = GracefulStop(announce=is_main, at_once=True)  # until the first step: nothing to checkpoint
     out = Path(args.output_dir)
     fresh_dir = not out.exists()  # a start that fails removes what it made
     lock = claim_output_dir(out, is_main)
@@ -219,7 +220,10 @@ def set_up(args: Args,
                                               data_start=data_start,
                                               skip_indices={i for i in consumed if i >= data_start},
                                               retired_ids=state.retired)
-            generator.start()
+            try:
+                generator.start()
+            except pipeline_rl.GeneratorError as e:  # e.g. a remote replica that never joined: its line, no traceback
+                raise SystemExit(f"train.py: error: {e}") from None
         if state.step > 0:  # the generator starts from the base weights: give it the resumed ones
             weights = full_state_dict(learner.model)
             if is_main:
@@ -238,8 +242,10 @@ def set_up(args: Args,
                   started=time.time() - state.elapsed_hours * 3600.0, val_problems=val_problems,
                   test_problems=test_problems, generator=generator, metrics=log, bar=bar,
                   recent=deque(maxlen=args.log_every), eval_rows=eval_rows, data_skipped=data_skipped, lock=lock)
+        stopper.at_once = False  # from the first step on, a signal stops at a step boundary, with a checkpoint
         yield learner, run, state
     except BaseException:
+        stopper.at_once = False  # the cleanup below runs to its end unless signalled twice
         if is_main and not args.resume and not old_run_kept and (log is None or log.lines == 0):
             _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
         raise
@@ -289,7 +295,11 @@ def _devices_in_use(args: Args, world: int, gen_config: pipeline_rl.GeneratorCon
 def _record_start(args: Args, out: Path, state: TrainerState, log: MetricsLog) -> list[dict]:
     """Rank 0, once the run has started: args.json written (with this resume in its history), a metrics file cut
     short behind the run's back said, and the evaluation rows the sigmoid fit has so far."""
-    write_args_json(out, args, state.step, log.missing_steps)
+    try:
+        write_args_json(out, args, state.step, log.missing_steps)
+    except OSError as e:  # a full disk: one line (an old args.json stays whole: it is replaced by a rename)
+        size = len(json.dumps(vars(args), default=str))
+        raise SystemExit(f"train.py: error: {write_failure(out / 'args.json', e, size, 'args.json')}") from None
     if log.missing_steps:  # a metrics file cut short behind the run's back: say so, and keep it on record
         gaps = ", ".join(f"{a}..{b}" if a < b else str(a) for a, b in step_ranges(log.missing_steps))
         print(f"[resume] {log.path} holds {log.lines} rows but the checkpoint covers {state.metrics_lines}: "
@@ -358,14 +368,21 @@ def _remove_failed_start(out: Path, fresh_dir: bool) -> None:
 
 
 def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
-    """The training task behind --dataset (with --dataset-config for a hub data set) and the optional test task."""
-    task = tasks.load_task(args.dataset, **{k: v for k, v in (("question_field", args.question_field),
-                                                                ("answer_field", args.answer_field),
-                                                                ("skip_bad_rows", args.skip_bad_rows),
-                                                                ("dataset_config", args.dataset_config)) if v})
-    test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
-                                answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
-        if args.test_dataset else None
+    """The training task behind --dataset (with --dataset-config for a hub data set) and the optional test task.
+    A data set found nowhere is named with its flag: "--dataset NAME: not a local file and not found on the hub"."""
+    try:
+        task = tasks.load_task(args.dataset, **{k: v for k, v in (("question_field", args.question_field),
+                                                                    ("answer_field", args.answer_field),
+                                                                    ("skip_bad_rows", args.skip_bad_rows),
+                                                                    ("dataset_config", args.dataset_config)) if v})
+    except tasks.DataNotFoundError as e:
+        raise tasks.DataNotFoundError(f"--dataset {e}") from None
+    try:
+        test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
+                                    answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
+            if args.test_dataset else None
+    except tasks.DataNotFoundError as e:
+        raise tasks.DataNotFoundError(f"--test-dataset {e}") from None
     return task, test_task
 
 
@@ -489,11 +506,13 @@ def reduce_metrics(totals: dict[str, float], world: int) -> dict[str, Any]:
 
 class GracefulStop:
     """SIGINT (Ctrl-C; torchrun passes it on to every rank) or SIGTERM: finish the current step, save a checkpoint
-    and exit, so that a --resume redoes nothing. A second signal stops at once."""
+    and exit, so that a --resume redoes nothing. A second signal stops at once, and so does the first while
+    `at_once` (the start: nothing is trained yet, and the wait for remote replicas may last --gen-join-timeout)."""
 
-    def __init__(self, announce: bool):
+    def __init__(self, announce: bool, at_once: bool = False):
         self.signal: str | None = None
         self.announce = announce
+        self.at_once = at_once
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -506,15 +525,42 @@ class GracefulStop:
             raise SystemExit(f"second {label}: stopping at once, without the checkpoint of this step (the previous "
                              "one is intact)")
         self.signal = name
+        if self.at_once:
+            raise SystemExit(f"{name} during the start: stopped before the first step, nothing was trained")
         if self.announce:
             print(f"\n[{self.signal}] stopping after this step, with a checkpoint (again to stop at once)",
                   file=sys.stderr, flush=True)
 
-    def agreed(self) -> bool:
-        """True on every rank if any rank was signalled (a collective: every rank calls it at the same point)."""
-        flag = torch.tensor([float(self.signal is not None)], device=collective_device())
+    def agreed(self, also: bool = False) -> bool:
+        """True on every rank if any rank was signalled, or has `also` (rank 0: a noted failure). A collective:
+        every rank calls it at the same point."""
+        flag = torch.tensor([float(self.signal is not None or also)], device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+# What gloo raises on a rank whose peer has gone (rank 0 stopped, and says why itself).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+@contextlib.contextmanager
+def rank0_speaks() -> Iterator[None]:
+    """A run that stops says why once, on rank 0. Another rank exits with status 1 and prints nothing for what
+    rank 0 reports: a SystemExit message that every rank raises together (a refused output directory, a failed
+    start, a stop), or a collective that failed because rank 0 left (gloo's "Connection closed by peer")."""
+    if os.environ.get("RANK", "0") == "0":
+        yield
+        return
+    try:
+        yield
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            raise SystemExit(1) from None
+        raise
+    except RuntimeError as e:
+        if any(text in str(e) for text in PEER_GONE):
+            raise SystemExit(1) from None
+        raise
 
 
 class OutputDirBusyError(RuntimeError):
@@ -568,6 +614,20 @@ def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:
     return value, []
 
 
+class RunFileError(Exception):
+    """A file of the run could not be written (a full disk); the message names it and, on a full disk, the free
+    space."""
+
+
+def write_failure(path: Path, error: OSError, need: int, what: str) -> str:
+    """One line for `path` not written: on a full disk (or quota) its file system and the free space for `what` of
+    `need` bytes, else the error."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(path.parent).free
+        return f"could not write {path}: {no_space_message(path.parent, need, free, 0, what=what)}"
+    return f"could not write {path}: {error.strerror or error}"
+
+
 class MetricsLog:
     """metrics.jsonl (format: scaling_fit.py's docstring). On resume it is cut back to the checkpoint's line
     count, so steps re-done after a crash are neither lost nor duplicated; the cut goes through a temporary file
@@ -577,6 +637,7 @@ class MetricsLog:
 
     def __init__(self, path: Path, keep_lines: int | None, covers_step: int | None = None):
         self.path = path
+        self.failure: str | None = None  # why a write failed: no row is written after it
         lines: list[str] = []
         if refuse_unless_regular(path):  # a planted link would copy its target's text into the run directory
             with os.fdopen(open_no_follow(path, os.O_RDONLY)) as f:
@@ -594,11 +655,24 @@ class MetricsLog:
             self.missing_steps = [s for s in range(covers_step + 1) if s not in present]
 
     def write(self, row: dict) -> None:
+        """Append `row` as one line. A write that fails (a full disk) cuts the file back to its last complete row
+        and raises RunFileError: no half-written row stays behind, and no later row leaves a gap after it."""
+        if self.failure:
+            raise RunFileError(self.failure)
         row, non_finite = _json_safe(row)
         if non_finite:  # strict JSON has no NaN or Infinity: write null and name the fields
             row["non_finite"] = non_finite
-        with os.fdopen(open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666), "a") as f:
-            f.write(json.dumps(row, allow_nan=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        data = (json.dumps(row, allow_nan=False) + "\n").encode()
+        fd = open_no_follow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        with os.fdopen(fd, "ab", buffering=0) as f:
+            end = f.seek(0, os.SEEK_END)  # the end of the last complete row
+            try:
+                written = 0
+                while written < len(data):  # an unbuffered write may be short just before the disk is full
+                    written += f.write(data[written:])
+                os.fsync(f.fileno())
+            except OSError as e:
+                os.ftruncate(f.fileno(), end)  # frees, never needs, space
+                self.failure = write_failure(self.path, e, len(data), "a row")
+                raise RunFileError(self.failure) from None
         self.lines += 1

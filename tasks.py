@@ -250,6 +250,10 @@ class BadRow:
         return f"{self.where}: {self.reason}" + (f" ({self.detail})" if self.detail else "")
 
 
+class DataNotFoundError(FileNotFoundError):
+    """A data set that is neither a local file nor on a reachable hub; the message names it and says so."""
+
+
 class DataFileError(BadRowError):
     """Every bad row of one data source at once (the first BAD_ROWS_SHOWN listed, then a count of the rest, by
     reason), or a file that cannot be read as rows at all. `bad_rows` holds all of them (empty for a whole file)."""
@@ -314,7 +318,12 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         import datasets
 
         label = f"{name_or_path}{f' ({config})' if config else ''}:{split}"
-        return _dataset_rows(datasets.load_dataset(name_or_path, config, split=split), label)
+        try:
+            hub_rows = datasets.load_dataset(name_or_path, config, split=split)
+        except (ConnectionError, FileNotFoundError) as e:  # offline: ConnectionError; online: DatasetNotFoundError
+            raise DataNotFoundError(f"{name_or_path}: not a local file and not found on the hub (offline?): "
+                                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        return _dataset_rows(hub_rows, label)
     path, source = Path(name_or_path), name_or_path
     if config:
         raise ValueError(f"a data set configuration ({config!r}) names a part of a hub data set; {path} is a "

@@ -82,9 +82,9 @@ from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, parse_literal, f
                    parse_args, plan, read_args_json, resolve_defaults)
 from head_gemm import split_bf16_logprobs
 from packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
-from runtime import (PER_REPLICA_MISMATCH, Run, broadcast_from_rank0, current_asymptote, full_state_dict,
+from runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, current_asymptote, full_state_dict,
                      generator_config, idle_forward, idle_forwards_needed, load_tasks, model_flops_utilisation,
-                     new_row, peak_flops_per_s, reduce_metrics, set_up, sum_over_ranks, summary_line,
+                     new_row, peak_flops_per_s, rank0_speaks, reduce_metrics, set_up, sum_over_ranks, summary_line,
                      this_ranks_share)
 
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
     faulthandler.enable(all_threads=True)
-    with set_up(args, make_learner) as (learner, run, state):
+    with rank0_speaks(), set_up(args, make_learner) as (learner, run, state):
         train(args, learner, run, state)
     if run.is_main:  # the generator is closed by now: the fit has the CPU to itself
         fit = fit_and_plot(run.out / "metrics.jsonl", run.out / "scaling.png", f"{args.loss} ({args.mode})")
@@ -141,8 +141,8 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
     if state.step == 0 and run.is_main and run.metrics.lines == 0:  # (a run stopped at step 0 has its row already)
         row = {**new_row(run, state), **run.data_skipped}
         evaluate(args, run, row)
-        run.metrics.write(row)
-        tqdm.write(f"step 0: val pass rate {row['val_pass_rate']:.3f} (the base model)")
+        if write_row(run, row):
+            tqdm.write(f"step 0: val pass rate {row['val_pass_rate']:.3f} (the base model)")
     consecutive_bad = 0
     peak_flops = peak_flops_per_s(args.dtype, args.peak_tflops)  # one learner rank's; None: no mfu
     while state.step < args.max_steps:
@@ -150,9 +150,9 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
         # groups, overlong penalty and filter. A round is one step's batch (pipeline mode) or k steps' (sync mode,
         # PPO-off-policy-k). Every rank receives the same round and trains on its share of each batch.
         round_ = broadcast_from_rank0(pull_round_or_error(args, run, state) if run.is_main else None)
-        if round_.generator_error:  # the generator (or vLLM's engine) died: keep what was learned, then stop
+        if round_.stop_reason:  # the generator (or vLLM's engine) died, the disk is full: keep what was learned
             checkpoint(learner, run, state)
-            raise SystemExit(f"stopping after step {state.step}: {round_.generator_error}; checkpoint saved in "
+            raise SystemExit(f"stopping after step {state.step}: {round_.stop_reason}; checkpoint saved in "
                              f"{run.out / 'checkpoint'}: continue with --resume {run.out}")
         my_batches = [this_ranks_share(batch, run) for batch in round_.batches]
         # Old logprobs: the sampler's (pipeline mode, ScaleRL), or the learner's before the round's first update
@@ -207,7 +207,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                     # Lag of the tokens trained on at this step (in a sync round of k steps it grows 0..k-1).
                     **pipeline_rl.lag_stats(batch, version),
                 }
-                if (state.step % args.eval_every == 0 or state.step == args.max_steps) and not run.generator_error:
+                if (state.step % args.eval_every == 0 or state.step == args.max_steps) and not run.stop_reason:
                     with generator_errors_noted(run):
                         evaluate(args, run, row)
                 log_row(args, run, row)
@@ -219,6 +219,9 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                                  f"(last at step {state.step}); checkpoint saved in {run.out / 'checkpoint'}. Lower "
                                  "--lr or check the data, then --resume.")
     run.bar.close()
+    if run.stop_reason:  # rank 0: the last step's row was not written (its checkpoint was, at --max-steps)
+        raise SystemExit(f"stopping after step {state.step}: {run.stop_reason}; checkpoint saved in "
+                         f"{run.out / 'checkpoint'}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -254,7 +257,7 @@ class Round:
 
     batches: list[list[pipeline_rl.Group]]
     stats: dict[str, Any]
-    generator_error: str | None = None  # the generator died: every rank checkpoints and stops instead
+    stop_reason: str | None = None  # the generator died, a full disk: every rank checkpoints and stops instead
 
 
 def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
@@ -530,7 +533,7 @@ def push_weights(learner: Learner, run: Run, version: int) -> tuple[float, float
     steps, in flight). Gathering them is a collective; rank 0 sends them. Returns the seconds rank 0 spent in all
     and, of those, in the broadcast itself (vllm_replica's WeightSender)."""
     weights = full_state_dict(learner.model)
-    if not run.is_main or run.generator_error:
+    if not run.is_main or run.stop_reason:
         return 0.0, 0.0
     with generator_errors_noted(run):
         seconds = run.generator.update_weights(weights, version)
@@ -540,21 +543,21 @@ def push_weights(learner: Learner, run: Run, version: int) -> tuple[float, float
 
 @contextlib.contextmanager
 def generator_errors_noted(run: Run) -> Iterator[None]:
-    """Rank 0: a GeneratorError is noted in run.generator_error rather than raised, so that the next round tells
+    """Rank 0: a GeneratorError is noted in run.stop_reason rather than raised, so that the next round tells
     every rank to checkpoint and stop together (an exception on rank 0 alone would leave the others waiting)."""
     try:
         yield
     except pipeline_rl.GeneratorError as e:
-        run.generator_error = str(e)
+        run.stop_reason = str(e)
         print(f"[generator] {e}", file=sys.stderr, flush=True)
 
 
 def pull_round_or_error(args: Args, run: Run, state: TrainerState) -> Round:
     """Rank 0: `pull_round`, or a Round that carries the generator's failure to every rank."""
-    if not run.generator_error:
+    if not run.stop_reason:
         with generator_errors_noted(run):
             return pull_round(args, run.generator, state)
-    return Round([], {}, generator_error=run.generator_error)
+    return Round([], {}, stop_reason=run.stop_reason)
 
 
 def evaluate(args: Args, run: Run, row: dict) -> None:
@@ -574,10 +577,25 @@ def evaluate(args: Args, run: Run, row: dict) -> None:
         row["fit_asymptote"] = asymptote
 
 
+def write_row(run: Run, row: dict) -> bool:
+    """Rank 0: append `row` to metrics.jsonl; False if it could not be (a full disk: MetricsLog cut the file back to
+    its last complete row, and writes no row after it). The first failure is noted in run.stop_reason, so that every
+    rank checkpoints and stops together before the next step, as after a generator error."""
+    try:
+        run.metrics.write(row)
+        return True
+    except RunFileError as e:
+        if str(e) not in (run.stop_reason or ""):  # its first failure
+            run.stop_reason = "; ".join(filter(None, [run.stop_reason, f"{e}; metrics.jsonl has no row from step "
+                                                                        f"{row['step']} on"]))
+            print(f"[metrics] {e}", file=sys.stderr, flush=True)
+        return False
+
+
 def log_row(args: Args, run: Run, row: dict) -> None:
     """Rank 0: append the step's row to metrics.jsonl, move the progress bar, print a summary line every
     --log-every steps and at every evaluation."""
-    run.metrics.write(row)
+    write_row(run, row)
     run.recent.append(row)
     run.bar.update(1)
     run.bar.set_postfix(reward=f"{row['reward']:+.2f}", val=f"{run.eval_rows[-1]['val_pass_rate']:.2f}")
@@ -605,11 +623,13 @@ def checkpoint(learner: Learner, run: Run, state: TrainerState) -> None:
 
 
 def stop_if_signalled(learner: Learner, run: Run, state: TrainerState) -> None:
-    """Ctrl-C or SIGTERM to any rank: stop here, at a step boundary, with a checkpoint (a --resume redoes nothing)."""
-    if run.stopper.agreed():
+    """Ctrl-C or SIGTERM to any rank, or a failure rank 0 noted in the middle of a round (a full disk): stop here,
+    at a step boundary, with a checkpoint (a --resume redoes nothing)."""
+    if run.stopper.agreed(also=run.stop_reason is not None):
         checkpoint(learner, run, state)
-        raise SystemExit(f"stopped by {run.stopper.signal or 'a signal to another rank'} after step {state.step}; "
-                         f"checkpoint saved in {run.out / 'checkpoint'}: continue with --resume {run.out}")
+        why = run.stop_reason or f"stopped by {run.stopper.signal or 'a signal to another rank or rank 0'}"
+        raise SystemExit(f"stopping after step {state.step}: {why}; checkpoint saved in {run.out / 'checkpoint'}: "
+                         f"continue with --resume {run.out}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -753,7 +753,11 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     else:
         tasks.set_vllm_cpu_env()
-    conn, bind_host = connect_to_generator(address, secret, connect_timeout)
+    try:
+        conn, bind_host = connect_to_generator(address, secret, connect_timeout)
+    except ConnectionError as e:  # unreachable, or refused (a wrong secret): one line on this side, no traceback
+        print(f"[replica] {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     replica = None
     try:
         conn.send(("hello", {"pid": os.getpid(), "local_id": local_id, "node": socket.gethostname(),

@@ -943,3 +943,22 @@ def test_start_failure_is_reported(tmp_path):
         gen.start(timeout=300)
     assert time.monotonic() - t0 < 120
     gen.close()
+
+
+def test_a_replica_refused_for_a_wrong_secret_says_so_in_one_line(tmp_path):
+    """Issue 39: `pipeline_rl.py replica` with the wrong secret printed a raw traceback on its side. Now: one line
+    naming the generator and the likely cause, a non-zero exit status, no traceback (a listener, no vLLM)."""
+    listener = vllm_replica.ReplicaListener("127.0.0.1:0", b"the-right-secret-of-32-bytes-....")
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("a-wrong-secret-of-32-bytes-......")
+    secret_file.chmod(0o600)
+    try:
+        run = subprocess.run([sys.executable, "pipeline_rl.py", "replica", "--connect", listener.address,
+                              "--secret-file", str(secret_file), "--connect-timeout", "5"],
+                             cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=60)
+    finally:
+        listener.close()
+    lines = [line for line in run.stderr.splitlines() if "connecting to" not in line]
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    assert len(lines) == 1 and lines[0].startswith(f"[replica] the generator at {listener.address} refused this "
+                                                   "replica: wrong secret?"), run.stderr

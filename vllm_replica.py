@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import ipaddress
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -57,11 +58,40 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float3
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """'HOST:PORT' (IPv6: '[::1]:PORT') -> (HOST, PORT)."""
+    """'HOST:PORT' (IPv6: '[::1]:PORT') -> (HOST, PORT), PORT in 0..65535."""
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or not port.isascii():
         raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if int(port) > 65535:
+        raise ValueError(f"port {port} of {text!r} is out of range (0..65535)")
     return host.strip("[]"), int(port)
+
+
+def listen_address(text: str) -> tuple[str, int, socket.AddressFamily]:
+    """The address a listener binds for 'HOST:PORT': (the numeric address HOST resolves to, PORT, its family).
+    ValueError, in one line, for a malformed text, a host that does not resolve, or any spelling of a wildcard
+    ('0:P', '000.0.0.0:P', '[::0]:P', ':P'): judged by what the host resolves to, not by how it is written, since
+    a wildcard would expose the generator on every interface of the node."""
+    host, port = parse_address(text)
+    wildcard = (f"{text}: name the address the replicas reach this node at, not a wildcard (only that address is "
+                "bound)")
+    if not host:
+        raise ValueError(wildcard)
+    try:  # a numeric host first, so that an address never waits on a name server
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except (socket.gaierror, UnicodeError):
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            raise ValueError(f"{text}: host {host!r} does not resolve ({getattr(e, 'strerror', None) or e})") \
+                from None
+    for family, _, _, _, sockaddr in infos:
+        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
+        mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:0.0.0.0 is IPv4's wildcard
+        if ip.is_unspecified or (mapped is not None and mapped.is_unspecified):
+            raise ValueError(wildcard)
+    family, _, _, _, sockaddr = infos[0]
+    return sockaddr[0], port, family
 
 
 WEIGHT_TRANSPORTS = ("broadcast", "file")  # GeneratorConfig.weight_transport; train.py's --weight-transport
@@ -95,12 +125,9 @@ def replica_problems(values: Mapping[str, Any], name: Callable[[str], str]) -> l
                         "(their sum must be >= 1)")
     if "listen" in v:
         try:
-            host, _ = parse_address(v["listen"])
-            if host in ("", "0.0.0.0", "::"):
-                problems.append(f"{name('listen')} {v['listen']}: name the address the replicas reach this node at, "
-                                "not a wildcard (only that address is bound)")
+            listen_address(v["listen"])
         except ValueError as e:
-            problems.append(f"{name('listen')}: {e}")
+            problems.append(f"{name('listen')} {e}" if str(e).startswith(v["listen"]) else f"{name('listen')}: {e}")
     if remote and not v.get("secret"):
         problems.append(f"{name('remote_replicas')} needs {name('secret')}: replicas on other nodes must prove a "
                         "shared secret (e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`, copied to "
@@ -842,9 +869,8 @@ class ReplicaListener:
     within HANDSHAKE_S seconds (in a thread of its own, so a silent one blocks nothing) or is refused and logged."""
 
     def __init__(self, address: str, secret: bytes):
-        host, port = parse_address(address)
-        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                         backlog=64)
+        host, port, family = listen_address(address)  # refuses a wildcard however it is spelled, before binding
+        self.sock = socket.create_server((host, port), family=family, backlog=64)
         bound = self.sock.getsockname()[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         self.secret = secret

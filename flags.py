@@ -345,7 +345,7 @@ def check_args(args: Args) -> list[str]:
     problems += pipeline_rl.config_problems(  # the checks of every setting the generator shares, written there
         {**generator_values(args), "replicas": 1 if args.gen_replicas is None else args.gen_replicas,
          "secret": args.gen_secret_file}, generator_flag)
-    if args.zero_variance == "drop" and args.group_size < 2:
+    if args.zero_variance == "drop" and args.group_size == 1:  # below 1 is refused with the generator's settings
         problems.append("--group-size 1 has no group variance: every group would be dropped")
     if args.tis is None and (args.tis_cap != 2.0 or args.tis_mode != "truncate" or args.tis_cap_min is not None):
         problems.append("--tis-cap, --tis-mode and --tis-cap-min have no effect without --tis token|sequence")
@@ -669,7 +669,7 @@ def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_
     """The flags a resumed run continues with: those it was started with (its args.json), where the flags of
     CHANGEABLE_ON_RESUME given now win (e.g. --max-steps 400 to extend it). Any other flag defines the run: giving it
     another value is refused, naming each with the run's value and the new one, and so is a --max-steps below the
-    run's step; a --max-steps equal to it has nothing to do. Its output directory is `run_dir`, whatever
+    run's (upwards only) or its step; a --max-steps equal to its step has nothing to do. Its output directory is `run_dir`, whatever
     --output-dir says. `evaluating` (evaluate --resume) skips these checks: it trains nothing."""
     # Parse again into a namespace that already holds every field, so argparse leaves out the defaults; append
     # actions need a list-like start, hence None for them.
@@ -702,6 +702,9 @@ def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_
     if step is not None and values["max_steps"] < step:
         parser.error(f"--max-steps {values['max_steps']} is below step {step}, where the run {run_dir} is: a run "
                      f"cannot be shortened (its checkpoint is at step {step})")
+    if "max_steps" in given and values["max_steps"] < run_values["max_steps"]:
+        parser.error(f"--max-steps {values['max_steps']} is below the run's {run_values['max_steps']}: on --resume "
+                     "--max-steps only goes upwards (a shorter run is a new run: another --output-dir)")
     if step is not None and values["max_steps"] == step:
         if os.environ.get("RANK", "0") == "0":
             print(f"[resume] {run_dir} is at step {step}, its --max-steps: nothing to do (give a higher --max-steps "

@@ -1105,15 +1105,18 @@ def test_a_resume_refuses_a_changed_recipe_and_keeps_args_json(tmp_path, capsys)
         (["--model", str(tmp_path)], f"--model (the run's None, now {tmp_path})"),
         (["--loss-arg", "eps_max=8"], "--loss-arg (the run's None, now eps_max=8)"),
         (["--max-steps", "5"], f"--max-steps 5 is below step 10, where the run {tmp_path} is"),
+        (["--max-steps", "15"], "--max-steps 15 is below the run's 20: on --resume --max-steps only goes upwards"),
     ]:
         with pytest.raises(SystemExit) as stop:
             flags.parse_args(["--resume", str(tmp_path), *argv])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and message in err and len(err.splitlines()) == 1, err
         assert (tmp_path / "args.json").read_bytes() == saved
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 20}))
     with pytest.raises(SystemExit) as stop:  # at its --max-steps already: nothing to do, and nothing starts
-        flags.parse_args(["--resume", str(tmp_path), "--max-steps", "10"])
-    assert stop.value.code == 0 and "is at step 10, its --max-steps: nothing to do" in capsys.readouterr().err
+        flags.parse_args(["--resume", str(tmp_path), "--max-steps", "20"])
+    assert stop.value.code == 0 and "is at step 20, its --max-steps: nothing to do" in capsys.readouterr().err
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 10}))
     # the same value again, and the flags that may change, are accepted
     args = flags.parse_args(["--resume", str(tmp_path), "--loss", "cispo", "--max-steps", "30", "--eval-every", "2",
                              "--eval-samples", "8", "--checkpoint-every", "3", "--log-every", "1"])
@@ -1178,8 +1181,10 @@ def test_a_planted_pickle_is_never_run(tmp_path, one_rank_group, capsys):
     with pytest.raises(SystemExit, match="weights.pt holds objects other than tensors"):
         train.export(run, tmp_path / "exported")
     (run / "checkpoint" / "rng-0.json").unlink()
-    with pytest.raises(SystemExit, match="rng-0.pt is refused .*nothing in it was run"):
+    with pytest.raises(SystemExit, match="rng-0.pt is refused .*nothing in it was run") as refused:
         train.main(["migrate-checkpoint", str(run)])
+    assert "weights_only" not in str(refused.value) and "Re-running" not in str(refused.value)  # torch's advice
+    assert "holds objects other than tensors" in str(refused.value) and "could run code" in str(refused.value)
     assert not marker.exists()
     assert "weights_only=False" not in capsys.readouterr().err  # torch's advice to load it anyway is not passed on
 

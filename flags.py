@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
+import math
 import os
 import sys
 import tempfile
@@ -345,6 +347,7 @@ def check_args(args: Args) -> list[str]:
     problems += pipeline_rl.config_problems(  # the checks of every setting the generator shares, written there
         {**generator_values(args), "replicas": 1 if args.gen_replicas is None else args.gen_replicas,
          "secret": args.gen_secret_file}, generator_flag)
+    problems += range_problems(args)
     if args.zero_variance == "drop" and args.group_size == 1:  # below 1 is refused with the generator's settings
         problems.append("--group-size 1 has no group variance: every group would be dropped")
     if args.tis is None and (args.tis_cap != 2.0 or args.tis_mode != "truncate" or args.tis_cap_min is not None):
@@ -398,12 +401,57 @@ def check_args(args: Args) -> list[str]:
                                     and not tasks.is_local_data_file(args.dataset)):
         problems.append("--dataset-config names a configuration of a hub data set: give --dataset NAME too, not a "
                         "local file or the embedded task")
-    for item in args.loss_arg or []:
-        if "=" not in item:
-            problems.append(f"--loss-arg {item!r}: expected KEY=VALUE")
     if args.eval_every < 1 or args.max_steps < 1 or args.prompts_per_step < 1:
         problems.append("--eval-every, --max-steps and --prompts-per-step must be >= 1")
     return problems
+
+
+SEED_LIMIT = 2**31  # numpy seeds each rank with --seed + rank, in 0..2**32 - 1: room for any number of ranks
+
+
+def range_problems(args: Args) -> list[str]:
+    """The documented ranges of the flags that check_args's other checks do not cover."""
+    problems = []
+    if not 0 <= args.seed < SEED_LIMIT:
+        problems.append(f"--seed must lie in [0, 2**31) (got {args.seed}): each rank seeds numpy with --seed + rank")
+    if not 0 <= args.retire_pass_rate <= 1:
+        problems.append(f"--retire-pass-rate is a pass rate: it must lie in [0, 1] (got {args.retire_pass_rate}; 0 "
+                        "disables)")
+    if args.gen_memory_fraction is not None and not 0 < args.gen_memory_fraction <= 1:
+        problems.append(f"--gen-memory-fraction is a share of a GPU's memory: it must lie in (0, 1] (got "
+                        f"{args.gen_memory_fraction})")
+    if args.overlong_cache < 1:
+        problems.append(f"--overlong-cache must be >= 1 (got {args.overlong_cache})")
+    elif args.length_control == "overlong" and args.overlong_cache > args.max_tokens:
+        problems.append(f"--overlong-cache {args.overlong_cache} must not exceed --max-tokens {args.max_tokens}: the "
+                        "penalty's ramp lies inside the generation budget")
+    if args.model is None and args.max_model_len is not None and args.max_model_len > EMBEDDED_MAX_MODEL_LEN:
+        problems.append(f"--max-model-len {args.max_model_len} exceeds the embedded tiny model's context "
+                        f"({EMBEDDED_MAX_MODEL_LEN} positions)")
+    return problems + loss_arg_problems(args)
+
+
+def loss_arg_problems(args: Args, loss_module: Any = None) -> list[str]:
+    """--loss-arg KEY=VALUE: KEY must be a hyper-parameter of the loss file's compute_loss (`loss_module`, default
+    --loss's), and VALUE a number where its default is one; refused before anything starts, not at the first step."""
+    accepted = inspect.signature((loss_module or LOSSES[args.loss]).compute_loss).parameters
+    names = [n for n, p in accepted.items() if p.kind == p.KEYWORD_ONLY and n not in LOSS_INPUTS]
+    problems = []
+    for item in args.loss_arg or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            problems.append(f"--loss-arg {item!r}: expected KEY=VALUE")
+        elif key not in names:
+            problems.append(f"--loss-arg {key}: {args.loss}.compute_loss has no such hyper-parameter; it has {names}")
+        elif isinstance(accepted[key].default, (int, float)) and not isinstance(accepted[key].default, bool) and \
+                not isinstance(parse_literal(value), (int, float)):
+            problems.append(f"--loss-arg {item}: {key} is a number (default {accepted[key].default})")
+    return problems
+
+
+# compute_loss's arguments that the recipe passes, not hyper-parameters a --loss-arg may set
+LOSS_INPUTS = ("logprobs", "old_logprobs", "advantages", "mask", "group_size", "is_weights", "denominator",
+               "ref_logprobs")
 
 
 def run_dir_problems(args: Args) -> list[str]:
@@ -463,8 +511,11 @@ def generator_values(args: Args) -> dict[str, Any]:
 
 
 def gen_slowdowns(args: Args) -> tuple[float, ...]:
-    """--debug-gen-slowdown: 'X' or 'X,Y,...' (one factor per replica)."""
-    return tuple(float(x) for x in str(args.debug_gen_slowdown).split(","))
+    """--debug-gen-slowdown: 'X' or 'X,Y,...' (one factor per replica), each finite."""
+    factors = tuple(float(x) for x in str(args.debug_gen_slowdown).split(","))
+    if not all(math.isfinite(x) for x in factors):
+        raise ValueError(f"--debug-gen-slowdown {args.debug_gen_slowdown}: not a finite number")
+    return factors
 
 
 def local_replicas(args: Args, num_gpus: int) -> int:
@@ -593,10 +644,31 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs.update(meta)
         if f.type in ("bool",) and "action" not in kwargs:
             kwargs["action"] = "store_true"
-        elif "action" not in kwargs:
-            kwargs["type"] = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
+        elif "action" not in kwargs or kwargs["action"] == "append":
+            kwargs["type"] = {"int": int, "float": finite_float}.get(f.type.split(" |")[0], text_value)
         groups[group].add_argument(flag, **kwargs)
     return parser
+
+
+def finite_float(text: str) -> float:
+    """A float flag's type: a finite number (inf and nan would pass every range check, and then poison the run)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def text_value(text: str) -> str:
+    """A text flag's type (a path, a name, a list): not empty, since an empty value would silently mean the default,
+    and no NUL byte, which no path or name may hold."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a value, got an empty one (leave the flag out for its default)")
+    if "\x00" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} holds a NUL byte")
+    return text
 
 
 class _Unset:

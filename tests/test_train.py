@@ -126,7 +126,8 @@ def test_mfu_is_six_n_tokens_over_the_ranks_peak_and_absent_without_a_peak(monke
     (["--gen-secret-file", "/nonexistent/secret"], "--gen-secret-file: secret file /nonexistent/secret: no such file"),
     (["--weight-transport", "file", "--gen-remote-replicas", "1", "--gen-listen", "127.0.0.2:29600"],
      "--weight-transport file reaches replicas on this node only"),
-    (["--debug-learner-slowdown", "nan"], "--debug-learner-slowdown must be >= 1"),
+    (["--debug-learner-slowdown", "nan"], "argument --debug-learner-slowdown: expected a finite number"),
+    (["--debug-learner-slowdown", "0.5"], "--debug-learner-slowdown must be >= 1"),
     (["--lm-head-gemm", "split-bf16", "--dtype", "float32"], "--lm-head-gemm split-bf16 multiplies bf16 hidden"),
     (["--max-model-len", "48"], "--max-model-len (48) must exceed --max-tokens (48)"),
     (["--max-tokens", "300", "--think-budget", "200,250"], "--max-model-len (256) must exceed --max-tokens (300)"),
@@ -216,13 +217,20 @@ def test_algorithm_options_reach_the_loss():
     assert train.loss_hyperparameters(args, gspo) == {"token_level": True}
 
 
-def test_loss_arg_overrides_and_rejects_unknown_keys():
+def test_loss_arg_overrides_and_rejects_unknown_keys(capsys):
     import cispo
 
     args = flags.parse_args(["--loss-arg", "eps_max=8", "--loss-arg", "aggregation=token"])
     assert train.loss_hyperparameters(args, cispo) == {"eps_max": 8, "aggregation": "token"}
-    with pytest.raises(SystemExit, match="no such hyper-parameter.*eps_max"):
-        train.loss_hyperparameters(flags.parse_args(["--loss-arg", "clip_eps=0.1"]), cispo)
+    for item, message in (("clip_eps=0.1", "--loss-arg clip_eps: cispo.compute_loss has no such hyper-parameter; it "
+                           "has ['eps_max', 'eps_min', 'aggregation', 'kl_coef']"),
+                          ("eps_max=abc", "--loss-arg eps_max=abc: eps_max is a number"),
+                          ("ref_logprobs=1", "--loss-arg ref_logprobs: cispo.compute_loss has no such")):
+        with pytest.raises(SystemExit):  # refused with the other flags, before anything starts
+            flags.parse_args(["--loss-arg", item])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no such hyper-parameter.*eps_max"):  # and by the learner, for any caller
+        train.loss_hyperparameters(flags.Args(loss_arg=["clip_eps=0.1"]), cispo)
     import drgrpo
 
     args = flags.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
@@ -930,7 +938,7 @@ def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path,
 
 def test_a_resumed_run_keeps_its_flags_unless_overridden(tmp_path):
     started = flags.parse_args(["--output-dir", str(tmp_path), "--loss", "grpo", "--max-steps", "8",
-                                "--no-fp32-lm-head", "--loss-arg", "clip_eps_high=0.3"])
+                                "--no-fp32-lm-head", "--loss-arg", "clip_eps=0.3"])
     (tmp_path / "args.json").write_text(json.dumps(train.dataclasses.asdict(started)))
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "trainer_state.json").write_text("{}")
@@ -938,7 +946,7 @@ def test_a_resumed_run_keeps_its_flags_unless_overridden(tmp_path):
     assert resumed == train.dataclasses.replace(started, resume=str(tmp_path))
     extended = flags.parse_args(["--resume", str(tmp_path), "--max-steps", "200", "--eval-every", "7"])
     assert (extended.max_steps, extended.eval_every, extended.loss) == (200, 7, "grpo")
-    assert extended.loss_arg == ["clip_eps_high=0.3"]
+    assert extended.loss_arg == ["clip_eps=0.3"]
 
 
 def test_one_live_run_per_output_dir(tmp_path):

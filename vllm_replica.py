@@ -1020,9 +1020,8 @@ def read_secret(path: str | os.PathLike) -> bytes:
     return secret
 
 
-def replica_command(argv: list[str]) -> int:
-    """`python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`: start replicas on this node for
-    a run whose learner listens at HOST:PORT (train.py --gen-listen). Returns the exit status."""
+def replica_parser() -> argparse.ArgumentParser:
+    """The flags of `python pipeline_rl.py replica`."""
     parser = argparse.ArgumentParser(
         prog="pipeline_rl.py replica", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Start vLLM replicas on this node for a train.py run on another node. The run's engine settings "
@@ -1032,31 +1031,77 @@ def replica_command(argv: list[str]) -> int:
                         "--gen-listen)")
     parser.add_argument("--secret-file", required=True, help="file holding the run's shared secret (train.py "
                         "--gen-secret-file), readable by its owner only")
-    parser.add_argument("--replicas", type=int, default=None, help="replicas to start (default: 1 on CPU; on GPU, "
-                        "the number of --gen-devices / --tensor-parallel-size)")
+    parser.add_argument("--replicas", type=_at_least(1), default=None, help="replicas to start (default: 1 on CPU; "
+                        "on GPU, the number of --gen-devices / --tensor-parallel-size)")
     parser.add_argument("--gen-devices", default=None, help="GPU: comma-separated CUDA devices of this node for the "
                         "replicas, taken in runs of --tensor-parallel-size")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism of each replica")
+    parser.add_argument("--tensor-parallel-size", type=_at_least(1), default=1, help="vLLM tensor parallelism of each "
+                        "replica")
     parser.add_argument("--model", default=None, help="the run's model as a path on this node (default: the "
                         "learner's --model, which must then be a hub name or the same path here)")
-    parser.add_argument("--connect-timeout", type=float, default=600.0, help="seconds to keep trying to reach the "
-                        "learner (a replica may be started before it)")
+    parser.add_argument("--connect-timeout", type=_seconds, default=600.0, help="seconds to keep trying to reach "
+                        "the learner (a replica may be started before it)")
+    return parser
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+    return count
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0 (got {text})")
+    return value
+
+
+def replica_args(argv: list[str]) -> tuple[argparse.Namespace, bytes, list[list[int] | None], int]:
+    """`pipeline_rl.py replica`'s flags, checked before anything connects: (the flags, the secret, each replica's
+    devices, the number of replicas). A bad flag exits with status 2 and one line naming it."""
+    parser = replica_parser()
     args = parser.parse_args(argv)
     try:
         secret = read_secret(args.secret_file)
+    except ValueError as e:
+        parser.error(f"--secret-file: {e}")
+    try:
         parse_address(args.connect)
+    except ValueError as e:
+        parser.error(f"--connect: {e}")
+    try:
         ids = [int(x) for x in args.gen_devices.split(",") if x.strip()] if args.gen_devices else []
         devices: list[list[int] | None] = list(replica_devices(ids, args.tensor_parallel_size)) if ids else [None]
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(f"--gen-devices {args.gen_devices}: {e}")
     n = args.replicas or len(devices)
     if ids and n > len(devices):
         parser.error(f"--replicas {n}: --gen-devices {args.gen_devices} makes {len(devices)} replica(s) of "
                      f"{args.tensor_parallel_size} device(s)")
+    return args, secret, devices, n
+
+
+def replica_command(argv: list[str]) -> int:
+    """`python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`: start replicas on this node for
+    a run whose learner listens at HOST:PORT (train.py --gen-listen). Returns the exit status."""
+    args, secret, devices, n = replica_args(argv)
+    on_gpu = devices != [None]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=replica_main, name=f"scalerl-replica-{i}",
-                         args=(args.connect, secret, None, devices[i] if ids else None, os.getpid(), args.model,
-                               args.tensor_parallel_size if ids else None, args.connect_timeout))
+                         args=(args.connect, secret, None, devices[i] if on_gpu else None, os.getpid(), args.model,
+                               args.tensor_parallel_size if on_gpu else None, args.connect_timeout))
              for i in range(n)]
     for p in procs:
         p.start()

@@ -104,7 +104,8 @@ def _shell_words(text: str) -> str:
     return text
 
 def _add_fit_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--points", type=_count(1), default=75, help="evaluation points in the synthetic curve (default 75)")
+    parser.add_argument("--points", type=_count(1), default=75,
+                        help="evaluation points in the synthetic curve (default 75)")
     parser.add_argument("--noise", type=_number(0.0), default=0.01, help="std of the Gaussian noise on the pass rate")
     parser.add_argument("--repeats", type=_count(1), default=5, help="timed repeats of our fit; the median is reported")
     parser.add_argument("--seed", type=_count(0), default=0, help="random seed of the synthetic noise")
@@ -203,8 +204,10 @@ def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
                         help="alternating timed repeats of each throughput run; the median and range are reported "
                              "(default 9)")
     parser.add_argument("--prompts-per-step", type=_count(1), default=16, help="groups per learner step (default 16)")
-    parser.add_argument("--steps", type=_count(1), default=16, help="learner steps per mode, timed from generator ready")
-    parser.add_argument("--max-off-policy", type=_count(0), default=8, help="k of the pipeline run (default 8, ScaleRL)")
+    parser.add_argument("--steps", type=_count(1), default=16,
+                        help="learner steps per mode, timed from generator ready")
+    parser.add_argument("--max-off-policy", type=_count(0), default=8,
+                        help="k of the pipeline run (default 8, ScaleRL)")
     parser.add_argument("--buffer-steps", type=_count(0, none=True), default=1,
                         help="buffer limit of the pipeline run in learner steps (default 1, train.py's; none: only "
                              "k limits how far the generator runs ahead)")
@@ -558,7 +561,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
 
 
 def _add_train_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--groups", type=_count(1), default=32, help="groups in the batch (default 32, the tiny recipe's)")
+    parser.add_argument("--groups", type=_count(1), default=32,
+                        help="groups in the batch (default 32, the tiny recipe's)")
     parser.add_argument("--group-size", type=_count(1), default=8, help="completions per group (default 8)")
     parser.add_argument("--repeats", type=_count(1), default=5,
                         help="timed steps per method in each of 2 interleaved rounds, after one warm-up (default 5)")
@@ -1205,7 +1209,8 @@ def _add_head_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=_count(1), default=None,
                         help="scored tokens (default: 8117 on a GPU, a micro-batch of train.py's 8192 tokens' "
                              "completion tokens; 256 on a CPU)")
-    parser.add_argument("--temperature", type=_number(0.0, above=True), default=1.0, help="the logits are divided by it (default 1)")
+    parser.add_argument("--temperature", type=_number(0.0, above=True), default=1.0,
+                        help="the logits are divided by it (default 1)")
     parser.add_argument("--logit-std", type=_number(0.0, above=True), default=5.0,
                         help="standard deviation of the random head's logits (default 5: the largest near 25)")
     parser.add_argument("--chunk-tokens", type=_count(1), default=None,
@@ -1600,7 +1605,8 @@ def _add_curve_fit_args(parser: argparse.ArgumentParser) -> None:
 def _add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+",
                         help="run directories (train.py --output-dir) or a study's run records (.json) to report")
-    parser.add_argument("--devices", type=_count(1), default=3, help="learner ranks + generator of the runs (default 3)")
+    parser.add_argument("--devices", type=_count(1), default=3,
+                        help="learner ranks + generator of the runs (default 3)")
     parser.add_argument("--at-steps", type=_int_list(0), default=None,
                         help="comma list of evaluated steps: report each run as if it had stopped there too, to see "
                              "from which length on its first half predicts its end, e.g. 100,150,200 (default: the "

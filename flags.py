@@ -3,8 +3,9 @@
 train.py's flags are the fields of `Args`, one per flag, grouped in --help by the step of the loop each one
 configures (docs/flags.md is generated from them: `python train.py --help-markdown`). This file holds:
   - `Args`, its --help groups and `build_parser`/`parse_args`, and `flags_markdown`;
-  - the checks run before anything starts (`check_args`, `replica_problems`, `gpu_layout_problems`,
-    `memory_problems` with the learner's memory plan, which `python train.py plan` prints);
+  - the checks run before anything starts (`check_args`, `range_problems`, `loss_arg_problems`, `replica_problems`,
+    `gpu_layout_problems`, `memory_problems` with the learner's memory plan, which `python train.py plan` prints),
+    and the argparse types of the flags' values (`finite_float`, `text_value`);
   - the resume rules: which flags a --resume may change (CHANGEABLE_ON_RESUME), the run's saved flags
     (`resumed_values`), and OUTPUT_DIR/args.json with its history of resumes (`read_args_json`, `write_args_json`);
   - what the flags resolve to once the machine and the model are known (`resolve_defaults`, `compute_dtype`,
@@ -741,8 +742,8 @@ def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_
     """The flags a resumed run continues with: those it was started with (its args.json), where the flags of
     CHANGEABLE_ON_RESUME given now win (e.g. --max-steps 400 to extend it). Any other flag defines the run: giving it
     another value is refused, naming each with the run's value and the new one, and so is a --max-steps below the
-    run's (upwards only) or its step; a --max-steps equal to its step has nothing to do. Its output directory is `run_dir`, whatever
-    --output-dir says. `evaluating` (evaluate --resume) skips these checks: it trains nothing."""
+    run's (upwards only) or below its step; a --max-steps equal to its step has nothing to do. Its output directory
+    is `run_dir`, whatever --output-dir says. `evaluating` (evaluate --resume) skips these checks: it trains nothing."""
     # Parse again into a namespace that already holds every field, so argparse leaves out the defaults; append
     # actions need a list-like start, hence None for them.
     blank = {f.name: None if f.metadata.get("action") == "append" else _Unset for f in dataclasses.fields(Args)}

@@ -832,7 +832,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--record-bins", type=_count(0), default=0,
                         help="fit only IsoCompute's record-breaking points with this many reward bins (0: all points)")
     parser.add_argument("--seed", type=_count(0), default=0, help="random seed of the bootstrap")
-    parser.add_argument("--out", type=_text, default="scaling_fit.png", help="where to write the figure (default: scaling_fit.png)")
+    parser.add_argument("--out", type=_text, default="scaling_fit.png",
+                        help="where to write the figure (default: scaling_fit.png)")
     return parser
 
 

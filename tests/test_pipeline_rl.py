@@ -952,9 +952,9 @@ def test_a_wildcard_listen_address_is_refused_however_it_is_spelled(listen, monk
     """The wildcard check resolves the host (getaddrinfo, numeric first) and asks ipaddress, so that no spelling of
     0.0.0.0 or :: binds every interface: refused by the flag check, by GeneratorConfig and by the listener itself."""
     monkeypatch.setattr(socket, "getaddrinfo", _numeric_only(socket.getaddrinfo))
-    message = f"{listen}: name the address the replicas reach this node at, not a wildcard"
-    assert vllm_replica.replica_problems({"listen": listen}, lambda n: "--gen-listen") == [f"--gen-listen {message}"
-                                                                                         " (only that address is bound)"]
+    message = f"--gen-listen {listen}: name the address the replicas reach this node at, not a wildcard (only that " \
+              "address is bound)"
+    assert vllm_replica.replica_problems({"listen": listen}, lambda n: "--gen-listen") == [message]
     with pytest.raises(ValueError, match="not a wildcard"):
         pl.GeneratorConfig(model="m", listen=listen)
     with pytest.raises(ValueError, match="not a wildcard"):

@@ -380,10 +380,6 @@ def check_args(args: Args) -> list[str]:
                         "--fp32-lm-head and --dtype bfloat16")
     if args.logits_chunk_tokens is not None and args.logits_chunk_tokens < 1:
         problems.append(f"--logits-chunk-tokens must be >= 1 (got {args.logits_chunk_tokens})")
-    for flag in ("eval_samples", "eval_prompts", "checkpoint_every",
-                 "log_every", "micro_batch_tokens", "max_bad_steps", "final_eval_samples"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            problems.append(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     if not args.grad_clip > 0:
         problems.append(f"--grad-clip must be > 0 (got {args.grad_clip})")
     if args.model is not None and not Path(args.model).exists() and (
@@ -402,8 +398,6 @@ def check_args(args: Args) -> list[str]:
                                     and not tasks.is_local_data_file(args.dataset)):
         problems.append("--dataset-config names a configuration of a hub data set: give --dataset NAME too, not a "
                         "local file or the embedded task")
-    if args.eval_every < 1 or args.max_steps < 1 or args.prompts_per_step < 1:
-        problems.append("--eval-every, --max-steps and --prompts-per-step must be >= 1")
     return problems
 
 
@@ -411,8 +405,15 @@ SEED_LIMIT = 2**31  # numpy seeds each rank with --seed + rank, in 0..2**32 - 1:
 
 
 def range_problems(args: Args) -> list[str]:
-    """The documented ranges of the flags that check_args's other checks do not cover."""
+    """The documented ranges of the flags that check_args's other checks do not cover; they hold on any machine
+    (train.py plan checks them too)."""
     problems = []
+    for flag in ("eval_samples", "eval_prompts", "checkpoint_every",
+                 "log_every", "micro_batch_tokens", "max_bad_steps", "final_eval_samples"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
+    if args.eval_every < 1 or args.max_steps < 1 or args.prompts_per_step < 1:
+        problems.append("--eval-every, --max-steps and --prompts-per-step must be >= 1")
     if not 0 <= args.seed < SEED_LIMIT:
         problems.append(f"--seed must lie in [0, 2**31) (got {args.seed}): each rank seeds numpy with --seed + rank")
     if not 0 <= args.retire_pass_rate <= 1:
@@ -662,6 +663,19 @@ def finite_float(text: str) -> float:
     return value
 
 
+def int_at_least(minimum: int) -> Any:
+    """An integer flag's type with a lower bound, for the flags of `train.py plan`."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+    return count
+
+
 def text_value(text: str) -> str:
     """A text flag's type (a path, a name, a list): not empty, since an empty value would silently mean the default,
     and no NUL byte, which no path or name may hold."""
@@ -708,20 +722,33 @@ def plan(argv: list[str]) -> str:
     """`train.py plan`: the learner's memory plan per rank for a model (--shape, or --model's config) and a layout
     given as on the command line of a run, printed without a GPU and without checking the flags against this
     machine. Returns the plan's parts and, when it does not fit, the flags that would make it fit."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="train.py plan", description="The learner's GPU memory per rank (memory_plan.py; docs/memory.md), for "
         "the model and layout of a run; any other flag is train.py's.", allow_abbrev=False)
     parser.add_argument("--shape", choices=sorted(memory_plan.SHAPES), help="a model shape written in memory_plan.py "
                         "(else --model's config)")
-    parser.add_argument("--learner-ranks", type=int, default=1, help="learner ranks (GPUs) in all (default 1)")
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one learner GPU (default 80)")
-    parser.add_argument("--gpus", type=int, help="GPUs of the node, to tell whether vLLM shares the learner's GPUs "
-                        "under --gen-devices (default: it does not)")
+    parser.add_argument("--learner-ranks", type=int_at_least(1), default=1, help="learner ranks (GPUs) in all "
+                        "(default 1)")
+    parser.add_argument("--gpu-memory-gib", type=finite_float, default=80.0, help="memory of one learner GPU (default "
+                        "80)")
+    parser.add_argument("--gpus", type=int_at_least(1), help="GPUs of the node, to tell whether vLLM shares the "
+                        "learner's GPUs under --gen-devices (default: it does not)")
     options, rest = parser.parse_known_args(argv)
     args = Args(**vars(build_parser().parse_args(rest)))
     if options.shape:
-        config = memory_plan.shape_config(options.shape)
         args.model = args.model or options.shape  # a real model: its context is --max-tokens + a prompt
+    problems = range_problems(args) + pipeline_rl.config_problems(generator_values(args), generator_flag)
+    if not options.gpu_memory_gib > 0:
+        problems.append(f"--gpu-memory-gib must be > 0 (got {options.gpu_memory_gib:g})")
+    if args.gen_devices and options.gpus:
+        try:
+            vllm_replica.split_devices(args.gen_devices, options.gpus)
+        except ValueError as e:
+            problems.append(f"--gen-devices {args.gen_devices}: {e}")
+    if problems:  # what holds on any machine: the plan divides by these
+        parser.error("; ".join(problems))
+    if options.shape:
+        config = memory_plan.shape_config(options.shape)
     elif args.model:
         from transformers import AutoConfig  # here, not at the top: see train.py's build_learner
 

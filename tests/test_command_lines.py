@@ -159,3 +159,18 @@ def test_the_real_entry_points_refuse_in_one_line(argv, message, tmp_path):
     errors = [line for line in run.stderr.splitlines() if "error:" in line]
     assert run.returncode == 2 and len(errors) == 1 and message in errors[0], run.stderr[-2000:]
     assert "Traceback" not in run.stderr
+
+
+def test_train_plan_checks_what_the_plan_divides_by(capsys):
+    """train.py plan checks no machine, but the flags' own ranges hold everywhere: --learner-ranks 0 or --group-size 0
+    divided by zero, --gpu-memory-gib nan failed to convert; each is now one line naming its flag."""
+    import memory_plan
+
+    shape = ["--shape", sorted(memory_plan.SHAPES)[0]]
+    for argv, flag in ((["--learner-ranks", "0"], "--learner-ranks"), (["--gpu-memory-gib=nan"], "--gpu-memory-gib"),
+                       (["--gpu-memory-gib", "-5"], "--gpu-memory-gib"), (["--gpus", "0"], "--gpus"),
+                       (["--group-size", "0"], "--group-size"), (["--micro-batch-tokens", "0"], "--micro-batch-tokens"),
+                       (["--gen-devices", "3", "--gpus", "1"], "--gen-devices"), (["--max-steps", "x"], "--max-steps")):
+        line = outcome(flags.plan, [*shape, *argv], capsys)
+        assert line and flag in line, (argv, line)
+    assert outcome(flags.plan, [*shape, "--max-tokens", "14336", "--think-budget", "10240,12288"], capsys) is None

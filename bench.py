@@ -20,6 +20,7 @@ import collections
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import threading
@@ -38,11 +39,76 @@ def _pin_to_one_core() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 
+
+def _count(minimum: int, none: bool = False) -> Callable[[str], int | None]:
+    """An argparse type: an integer >= minimum (`none`: or the word none), so that a bad value is one line naming
+    its flag instead of a traceback in the middle of a benchmark."""
+    def count(text: str) -> int | None:
+        if none and text == "none":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer{' or none' if none else ''}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+    return count
+
+
+def _number(low: float, high: float = math.inf, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (`above`: in (low, high])."""
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (above and value == low) or value > high:
+            bound = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound} (got {text})")
+        return value
+    return number
+
+
+def _int_list(minimum: int, pair: bool = False) -> Callable[[str], str]:
+    """An argparse type that checks a comma-separated list of integers >= minimum (`pair`: LOW,HIGH with LOW <=
+    HIGH) and keeps its text, which the benchmark reads."""
+    def int_list(text: str) -> str:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if pair and (len(values) != 2 or values[0] > values[1]):
+            raise argparse.ArgumentTypeError(f"expected LOW,HIGH with LOW <= HIGH, got {text!r}")
+        if min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"each must be >= {minimum} (got {text!r})")
+        return text
+    return int_list
+
+
+def _variant_names(text: str) -> str:
+    """An argparse type that checks --variants (a named set, or variants by name) and keeps its text."""
+    unknown = [name for name in VARIANT_SETS.get(text, text).split(",") if name not in VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variants {unknown}; known: {list(VARIANTS)}, or a set: "
+                                          f"{list(VARIANT_SETS)}")
+    return text
+
+
+def _shell_words(text: str) -> str:
+    """An argparse type that checks shell-quoted words (train.py flags) and keeps their text."""
+    try:
+        shlex.split(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    return text
+
 def _add_fit_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--points", type=int, default=75, help="evaluation points in the synthetic curve (default 75)")
-    parser.add_argument("--noise", type=float, default=0.01, help="std of the Gaussian noise on the pass rate")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats of our fit; the median is reported")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the synthetic noise")
+    parser.add_argument("--points", type=_count(1), default=75,
+                        help="evaluation points in the synthetic curve (default 75)")
+    parser.add_argument("--noise", type=_number(0.0), default=0.01, help="std of the Gaussian noise on the pass rate")
+    parser.add_argument("--repeats", type=_count(1), default=5, help="timed repeats of our fit; the median is reported")
+    parser.add_argument("--seed", type=_count(0), default=0, help="random seed of the synthetic noise")
 
 
 def bench_fit(args: argparse.Namespace) -> dict:
@@ -129,35 +195,37 @@ def bench_fit(args: argparse.Namespace) -> dict:
 
 
 def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", type=int, default=128,
+    parser.add_argument("--prompts", type=_count(1), default=128,
                         help="prompts per timed repeat of the throughput comparison (default 128: on a machine whose "
                              "vLLM makes 15,000 tokens/s, 64 took a second a repeat and the ratio moved by 0.4)")
-    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (default 8)")
-    parser.add_argument("--max-tokens", type=int, default=48, help="generation budget of the throughput runs")
-    parser.add_argument("--repeats", type=int, default=9,
+    parser.add_argument("--group-size", type=_count(1), default=8, help="completions per prompt (default 8)")
+    parser.add_argument("--max-tokens", type=_count(1), default=48, help="generation budget of the throughput runs")
+    parser.add_argument("--repeats", type=_count(1), default=9,
                         help="alternating timed repeats of each throughput run; the median and range are reported "
                              "(default 9)")
-    parser.add_argument("--prompts-per-step", type=int, default=16, help="groups per learner step (default 16)")
-    parser.add_argument("--steps", type=int, default=16, help="learner steps per mode, timed from generator ready")
-    parser.add_argument("--max-off-policy", type=int, default=8, help="k of the pipeline run (default 8, ScaleRL)")
-    parser.add_argument("--buffer-steps", type=lambda v: None if v == "none" else int(v), default=1,
+    parser.add_argument("--prompts-per-step", type=_count(1), default=16, help="groups per learner step (default 16)")
+    parser.add_argument("--steps", type=_count(1), default=16,
+                        help="learner steps per mode, timed from generator ready")
+    parser.add_argument("--max-off-policy", type=_count(0), default=8,
+                        help="k of the pipeline run (default 8, ScaleRL)")
+    parser.add_argument("--buffer-steps", type=_count(0, none=True), default=1,
                         help="buffer limit of the pipeline run in learner steps (default 1, train.py's; none: only "
                              "k limits how far the generator runs ahead)")
-    parser.add_argument("--gen-threads", type=int, default=1,
+    parser.add_argument("--gen-threads", type=_count(1), default=1,
                         help="torch threads of the generator's engine, both modes (default 1: what train.py's "
                              "generator gets, as torchrun sets OMP_NUM_THREADS=1 for the ranks it inherits from; "
                              "0: torch's default, one per core, whose threads stall beside a busy learner)")
-    parser.add_argument("--learner-threads", type=int, default=1,
+    parser.add_argument("--learner-threads", type=_count(1), default=1,
                         help="torch threads of the simulated learner, both modes (default 1: one core each)")
-    parser.add_argument("--train-batch", type=int, nargs=2, default=(128, 50), metavar=("ROWS", "TOKENS"),
+    parser.add_argument("--train-batch", type=_count(1), nargs=2, default=(128, 50), metavar=("ROWS", "TOKENS"),
                         help="batch of the reference training step for weight_sync_frac (default 128 x 50: what "
                              "one of train.py's two learner ranks trains per step by default, 32 prompts x 8 / 2, "
                              "and this benchmark's own learner step, 16 prompts x 8)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts and the sampler")
-    parser.add_argument("--gen-replicas", type=int, default=1,
+    parser.add_argument("--seed", type=_count(0), default=0, help="seed of the prompts and the sampler")
+    parser.add_argument("--gen-replicas", type=_count(1), default=1,
                         help="vLLM replicas of the generator, under one scheduler (default 1); the weight updates "
                              "then go to each by broadcast and by file, alternately, and each is timed")
-    parser.add_argument("--weight-updates", type=int, default=8,
+    parser.add_argument("--weight-updates", type=_count(1), default=8,
                         help="timed weight updates, alternating broadcast and file (default 8: 4 of each)")
     parser.add_argument("--only-weights", action="store_true",
                         help="time the weight updates alone (with --model, e.g. a real model), nothing else")
@@ -493,12 +561,13 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
 
 
 def _add_train_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--groups", type=int, default=32, help="groups in the batch (default 32, the tiny recipe's)")
-    parser.add_argument("--group-size", type=int, default=8, help="completions per group (default 8)")
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--groups", type=_count(1), default=32,
+                        help="groups in the batch (default 32, the tiny recipe's)")
+    parser.add_argument("--group-size", type=_count(1), default=8, help="completions per group (default 8)")
+    parser.add_argument("--repeats", type=_count(1), default=5,
                         help="timed steps per method in each of 2 interleaved rounds, after one warm-up (default 5)")
     parser.add_argument("--loss", default="cispo", help="loss file used by the learner (default cispo)")
-    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+    parser.add_argument("--micro-batch-tokens", type=_count(1), default=None,
                         help="the learner's micro-batch token budget (default: train.py's --micro-batch-tokens)")
     parser.add_argument("--model", default=None,
                         help="HF model name or directory to time (default: the embedded tiny model, built on "
@@ -518,16 +587,16 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                              "in backward too (transformers' gradient checkpointing)")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="the learner's --cpu-offload; the bare step, a plain model, keeps everything on the GPU")
-    parser.add_argument("--completion-tokens", default="3,20",
+    parser.add_argument("--completion-tokens", type=_int_list(1, pair=True), default="3,20",
                         help="MIN,MAX length of the synthetic completions, uniform (default 3,20)")
-    parser.add_argument("--row-widths", default=None,
+    parser.add_argument("--row-widths", type=_int_list(1), default=None,
                         help="W1,W2,...: also time the bare step on the batch packed (best-fit decreasing) into rows "
                              "of each width, at least the longest sequence's, and in padded rows: where the packed "
                              "rows' length should sit, against the one packing.pack_rows chooses")
     parser.add_argument("--packed-only", action="store_true",
                         help="time the learner in packed rows only, without the padded layout and the per-micro-batch "
                              "host times: for batches whose steps take seconds (one long sequence has no padding)")
-    parser.add_argument("--peak-tflops", type=float, default=None,
+    parser.add_argument("--peak-tflops", type=_number(0.0, above=True), default=None,
                         help="dense peak TFLOP/s of the GPU in --dtype, for MFU, as train.py's --peak-tflops "
                              "(default: runtime.py's table of GPUs; none on CPU, and then no MFU)")
     parser.add_argument("--json", default=None, metavar="PATH",
@@ -1135,20 +1204,21 @@ def _add_head_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", choices=sorted(memory_plan.SHAPES), default=None,
                         help="the model whose head to time (default: qwen3-1.7b on a GPU; on a CPU a small head, "
                              "vocab 8192 x hidden 256)")
-    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (over --shape's)")
-    parser.add_argument("--hidden", type=int, default=None, help="hidden size (over --shape's)")
-    parser.add_argument("--tokens", type=int, default=None,
+    parser.add_argument("--vocab", type=_count(1), default=None, help="vocabulary size (over --shape's)")
+    parser.add_argument("--hidden", type=_count(1), default=None, help="hidden size (over --shape's)")
+    parser.add_argument("--tokens", type=_count(1), default=None,
                         help="scored tokens (default: 8117 on a GPU, a micro-batch of train.py's 8192 tokens' "
                              "completion tokens; 256 on a CPU)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="the logits are divided by it (default 1)")
-    parser.add_argument("--logit-std", type=float, default=5.0,
+    parser.add_argument("--temperature", type=_number(0.0, above=True), default=1.0,
+                        help="the logits are divided by it (default 1)")
+    parser.add_argument("--logit-std", type=_number(0.0, above=True), default=5.0,
                         help="standard deviation of the random head's logits (default 5: the largest near 25)")
-    parser.add_argument("--chunk-tokens", type=int, default=None,
+    parser.add_argument("--chunk-tokens", type=_count(1), default=None,
                         help="the learner's --logits-chunk-tokens (default: train.py's)")
-    parser.add_argument("--repeats", type=int, default=5,
+    parser.add_argument("--repeats", type=_count(1), default=5,
                         help="timed runs of each, after a warm-up; the median is reported (default 5; fewer for "
                              "one that has taken a second)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random head, hidden states and targets")
+    parser.add_argument("--seed", type=_count(0), default=0, help="seed of the random head, hidden states and targets")
     parser.add_argument("--json", default=None, help="also write the results to this file")
 
 
@@ -1522,7 +1592,7 @@ def _mean_spread(values: list[float | None], fmt: str) -> str:
 
 def _add_curve_fit_args(parser: argparse.ArgumentParser) -> None:
     """What run_report's fits take, the same for `report` and `study`."""
-    parser.add_argument("--fit-from-step", type=int, default=0,
+    parser.add_argument("--fit-from-step", type=_count(0), default=0,
                         help="leave every run's evaluations before this step out of the fits (R0 stays the step-0 "
                              "evaluation), as ScaleRL leaves out its first ~1.5k GPU-hours (default 0: fit them all)")
     parser.add_argument("--compute-axis", choices=list(COMPUTE_AXES), default="compute_hours",
@@ -1535,8 +1605,9 @@ def _add_curve_fit_args(parser: argparse.ArgumentParser) -> None:
 def _add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("runs", nargs="+",
                         help="run directories (train.py --output-dir) or a study's run records (.json) to report")
-    parser.add_argument("--devices", type=int, default=3, help="learner ranks + generator of the runs (default 3)")
-    parser.add_argument("--at-steps", default=None,
+    parser.add_argument("--devices", type=_count(1), default=3,
+                        help="learner ranks + generator of the runs (default 3)")
+    parser.add_argument("--at-steps", type=_int_list(0), default=None,
                         help="comma list of evaluated steps: report each run as if it had stopped there too, to see "
                              "from which length on its first half predicts its end, e.g. 100,150,200 (default: the "
                              "whole run only)")
@@ -1587,14 +1658,14 @@ def bench_report(args: argparse.Namespace) -> dict:
 
 
 def _add_staleness_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ks", default="0,1,2,4,8",
+    parser.add_argument("--ks", type=_int_list(0), default="0,1,2,4,8",
                         help="staleness bounds k to compare; 0 is synchronous on-policy RL (--mode sync "
                              "--max-off-policy 1), k >= 1 PipelineRL-k with only k limiting the lag (default 0,1,2,4,8)")
-    parser.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
-    parser.add_argument("--learner-slowdown", type=float, default=2.0,
+    parser.add_argument("--steps", type=_count(1), default=50, help="optimizer steps per run (default 50)")
+    parser.add_argument("--learner-slowdown", type=_number(1.0), default=2.0,
                         help="train.py --debug-learner-slowdown: a generator this much faster relative to the learner "
                              "than the machine's own ratio (default 2)")
-    parser.add_argument("--seeds", default="0,1", help="seeds: every k runs on each (default 0,1)")
+    parser.add_argument("--seeds", type=_int_list(0), default="0,1", help="seeds: every k runs on each (default 0,1)")
     parser.add_argument("--out-dir", default="runs/staleness",
                         help="one run directory per k and seed under it (kK-sSEED), plus staleness.png and "
                              "staleness.md; finished runs are not run again (default runs/staleness)")
@@ -1780,16 +1851,16 @@ def plot_study(fits: dict[str, dict], out_path, title: str, ceiling: float | Non
 
 
 def _add_study_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--variants", default="study",
+    parser.add_argument("--variants", type=_variant_names, default="study",
                         help=f"a named set ({', '.join(f'{k}: {v}' for k, v in VARIANT_SETS.items())}) or a comma "
                              f"list of variants from: {', '.join(VARIANTS)} (default: study). The first is the "
                              "baseline the others are compared with")
-    parser.add_argument("--seeds", default="0,1,2", help="seeds of every variant (default 0,1,2)")
-    parser.add_argument("--steps", type=int, default=50, help="optimizer steps per run (default 50)")
-    parser.add_argument("--common", default="",
+    parser.add_argument("--seeds", type=_int_list(0), default="0,1,2", help="seeds of every variant (default 0,1,2)")
+    parser.add_argument("--steps", type=_count(1), default=50, help="optimizer steps per run (default 50)")
+    parser.add_argument("--common", type=_shell_words, default="",
                         help="train.py flags added to every run, e.g. \"--model DIR --dataset FILE\" for another task")
     _add_curve_fit_args(parser)
-    parser.add_argument("--bootstrap", type=int, default=200,
+    parser.add_argument("--bootstrap", type=_count(0), default=200,
                         help="residual-bootstrap replicates of each pooled fit, for the 95%% intervals (default 200)")
     parser.add_argument("--out-dir", default="runs/study",
                         help="runs go to OUT_DIR/VARIANT-sSEED; a finished run is not run again, so a killed study "
@@ -1802,7 +1873,7 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
                              "refitted (another fitter, fewer steps) without its run directories, or continued by a "
                              "later session (on compute_hours, only records from machines of one speed pool; on "
                              "--compute-axis flops, any do) (default OUT_DIR/records)")
-    parser.add_argument("--ceiling", type=float, default=None,
+    parser.add_argument("--ceiling", type=_number(0.0, 1.0), default=None,
                         help="the task's known ceiling, drawn beside the fitted asymptotes and kept in the summary "
                              "(arithmetic-verified with --think-budget 27,36: 0.7, see tasks.VerifiedArithmeticTask)")
     parser.add_argument("--summary", default=None, help="also write the summary JSON here, e.g. docs/study.json")
@@ -1820,7 +1891,6 @@ def bench_study(args: argparse.Namespace) -> dict:
     with 95% bootstrap intervals of A and B, each run's first-half prediction error, and whether the variant's
     asymptote is separable from the baseline's (the first variant); then, for the variants whose A is not, B and
     C_mid refitted at their shared A and compared the same way: one table, one figure, one summary JSON."""
-    import shlex
 
     out_dir = Path(args.out_dir)
     seeds = [int(x) for x in args.seeds.split(",")]
@@ -1941,12 +2011,17 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """bench.py's command line: one subcommand per benchmark, each with its own flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     subparsers = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, (_, add_args, help_text) in BENCHMARKS.items():
         add_args(subparsers.add_parser(name, help=help_text, description=help_text))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     results = BENCHMARKS[args.benchmark][0](args)
     print(json.dumps(results))
     return 0

@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import random
+import re
 import secrets
 import shutil
 import stat
@@ -407,6 +408,16 @@ def load_checkpoint(out: Path, model: Any, optimizer: Any, rank: int) -> tuple[d
     return state, chosen
 
 
+def _refusal_reason(e: BaseException) -> str:
+    """Why torch's weights_only loader refused a file, in the project's words: torch's own message advises loading
+    it again with weights_only=False, which would run whatever the file holds, so it is never quoted whole."""
+    if isinstance(e, pickle.UnpicklingError):
+        found = re.search(r"unsupported GLOBAL (\S+)|Unsupported global: GLOBAL (\S+)", str(e))
+        what = f" such as {next(g for g in found.groups() if g)}" if found else ""
+        return f"it holds objects other than tensors, numpy arrays and plain values{what}: a pickle that could run code"
+    return _first_line(e)
+
+
 def migrate_checkpoint(run_dir: Path) -> dict[str, Any]:
     """`train.py migrate-checkpoint RUN_DIR`: convert, once, the RNG files of a run's checkpoints written by an older
     train.py (rng-RANK.pt, pickles) into rng-RANK.json, deleting the pickles. They are read with torch's weights_only
@@ -430,8 +441,8 @@ def migrate_checkpoint(run_dir: Path) -> dict[str, Any]:
                           "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
                           "torch": saved["torch"].numpy().tobytes().hex()}
             except Exception as e:
-                raise SystemExit(f"migrate-checkpoint: {pickled} is refused ({_first_line(e)}): it is not an RNG "
-                                 "file of train.py; nothing in it was run, and nothing was changed") from None
+                raise SystemExit(f"migrate-checkpoint: {pickled} is refused ({_refusal_reason(e)}): it is not an "
+                                 "RNG file of train.py; nothing in it was run, and nothing was changed") from None
             write_atomically(target, json.dumps(states), private=True)
             read_rng(ckpt, int(pickled.stem.split("-")[1]), None)  # reads back as a resume will read it
             pickled.unlink()

@@ -3,8 +3,9 @@
 train.py's flags are the fields of `Args`, one per flag, grouped in --help by the step of the loop each one
 configures (docs/flags.md is generated from them: `python train.py --help-markdown`). This file holds:
   - `Args`, its --help groups and `build_parser`/`parse_args`, and `flags_markdown`;
-  - the checks run before anything starts (`check_args`, `replica_problems`, `gpu_layout_problems`,
-    `memory_problems` with the learner's memory plan, which `python train.py plan` prints);
+  - the checks run before anything starts (`check_args`, `range_problems`, `loss_arg_problems`, `replica_problems`,
+    `gpu_layout_problems`, `memory_problems` with the learner's memory plan, which `python train.py plan` prints),
+    and the argparse types of the flags' values (`finite_float`, `text_value`);
   - the resume rules: which flags a --resume may change (CHANGEABLE_ON_RESUME), the run's saved flags
     (`resumed_values`), and OUTPUT_DIR/args.json with its history of resumes (`read_args_json`, `write_args_json`);
   - what the flags resolve to once the machine and the model are known (`resolve_defaults`, `compute_dtype`,
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
+import math
 import os
 import sys
 import tempfile
@@ -345,7 +348,8 @@ def check_args(args: Args) -> list[str]:
     problems += pipeline_rl.config_problems(  # the checks of every setting the generator shares, written there
         {**generator_values(args), "replicas": 1 if args.gen_replicas is None else args.gen_replicas,
          "secret": args.gen_secret_file}, generator_flag)
-    if args.zero_variance == "drop" and args.group_size < 2:
+    problems += range_problems(args)
+    if args.zero_variance == "drop" and args.group_size == 1:  # below 1 is refused with the generator's settings
         problems.append("--group-size 1 has no group variance: every group would be dropped")
     if args.tis is None and (args.tis_cap != 2.0 or args.tis_mode != "truncate" or args.tis_cap_min is not None):
         problems.append("--tis-cap, --tis-mode and --tis-cap-min have no effect without --tis token|sequence")
@@ -376,10 +380,6 @@ def check_args(args: Args) -> list[str]:
                         "--fp32-lm-head and --dtype bfloat16")
     if args.logits_chunk_tokens is not None and args.logits_chunk_tokens < 1:
         problems.append(f"--logits-chunk-tokens must be >= 1 (got {args.logits_chunk_tokens})")
-    for flag in ("eval_samples", "eval_prompts", "checkpoint_every",
-                 "log_every", "micro_batch_tokens", "max_bad_steps", "final_eval_samples"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            problems.append(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     if not args.grad_clip > 0:
         problems.append(f"--grad-clip must be > 0 (got {args.grad_clip})")
     if args.model is not None and not Path(args.model).exists() and (
@@ -398,12 +398,62 @@ def check_args(args: Args) -> list[str]:
                                     and not tasks.is_local_data_file(args.dataset)):
         problems.append("--dataset-config names a configuration of a hub data set: give --dataset NAME too, not a "
                         "local file or the embedded task")
-    for item in args.loss_arg or []:
-        if "=" not in item:
-            problems.append(f"--loss-arg {item!r}: expected KEY=VALUE")
+    return problems
+
+
+SEED_LIMIT = 2**31  # numpy seeds each rank with --seed + rank, in 0..2**32 - 1: room for any number of ranks
+
+
+def range_problems(args: Args) -> list[str]:
+    """The documented ranges of the flags that check_args's other checks do not cover; they hold on any machine
+    (train.py plan checks them too)."""
+    problems = []
+    for flag in ("eval_samples", "eval_prompts", "checkpoint_every",
+                 "log_every", "micro_batch_tokens", "max_bad_steps", "final_eval_samples"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            problems.append(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
     if args.eval_every < 1 or args.max_steps < 1 or args.prompts_per_step < 1:
         problems.append("--eval-every, --max-steps and --prompts-per-step must be >= 1")
+    if not 0 <= args.seed < SEED_LIMIT:
+        problems.append(f"--seed must lie in [0, 2**31) (got {args.seed}): each rank seeds numpy with --seed + rank")
+    if not 0 <= args.retire_pass_rate <= 1:
+        problems.append(f"--retire-pass-rate is a pass rate: it must lie in [0, 1] (got {args.retire_pass_rate}; 0 "
+                        "disables)")
+    if args.gen_memory_fraction is not None and not 0 < args.gen_memory_fraction <= 1:
+        problems.append(f"--gen-memory-fraction is a share of a GPU's memory: it must lie in (0, 1] (got "
+                        f"{args.gen_memory_fraction})")
+    if args.overlong_cache < 1:
+        problems.append(f"--overlong-cache must be >= 1 (got {args.overlong_cache})")
+    elif args.length_control == "overlong" and args.overlong_cache > args.max_tokens:
+        problems.append(f"--overlong-cache {args.overlong_cache} must not exceed --max-tokens {args.max_tokens}: the "
+                        "penalty's ramp lies inside the generation budget")
+    if args.model is None and args.max_model_len is not None and args.max_model_len > EMBEDDED_MAX_MODEL_LEN:
+        problems.append(f"--max-model-len {args.max_model_len} exceeds the embedded tiny model's context "
+                        f"({EMBEDDED_MAX_MODEL_LEN} positions)")
+    return problems + loss_arg_problems(args)
+
+
+def loss_arg_problems(args: Args, loss_module: Any = None) -> list[str]:
+    """--loss-arg KEY=VALUE: KEY must be a hyper-parameter of the loss file's compute_loss (`loss_module`, default
+    --loss's), and VALUE a number where its default is one; refused before anything starts, not at the first step."""
+    accepted = inspect.signature((loss_module or LOSSES[args.loss]).compute_loss).parameters
+    names = [n for n, p in accepted.items() if p.kind == p.KEYWORD_ONLY and n not in LOSS_INPUTS]
+    problems = []
+    for item in args.loss_arg or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            problems.append(f"--loss-arg {item!r}: expected KEY=VALUE")
+        elif key not in names:
+            problems.append(f"--loss-arg {key}: {args.loss}.compute_loss has no such hyper-parameter; it has {names}")
+        elif isinstance(accepted[key].default, (int, float)) and not isinstance(accepted[key].default, bool) and \
+                not isinstance(parse_literal(value), (int, float)):
+            problems.append(f"--loss-arg {item}: {key} is a number (default {accepted[key].default})")
     return problems
+
+
+# compute_loss's arguments that the recipe passes, not hyper-parameters a --loss-arg may set
+LOSS_INPUTS = ("logprobs", "old_logprobs", "advantages", "mask", "group_size", "is_weights", "denominator",
+               "ref_logprobs")
 
 
 def run_dir_problems(args: Args) -> list[str]:
@@ -463,8 +513,11 @@ def generator_values(args: Args) -> dict[str, Any]:
 
 
 def gen_slowdowns(args: Args) -> tuple[float, ...]:
-    """--debug-gen-slowdown: 'X' or 'X,Y,...' (one factor per replica)."""
-    return tuple(float(x) for x in str(args.debug_gen_slowdown).split(","))
+    """--debug-gen-slowdown: 'X' or 'X,Y,...' (one factor per replica), each finite."""
+    factors = tuple(float(x) for x in str(args.debug_gen_slowdown).split(","))
+    if not all(math.isfinite(x) for x in factors):
+        raise ValueError(f"--debug-gen-slowdown {args.debug_gen_slowdown}: not a finite number")
+    return factors
 
 
 def local_replicas(args: Args, num_gpus: int) -> int:
@@ -593,10 +646,44 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs.update(meta)
         if f.type in ("bool",) and "action" not in kwargs:
             kwargs["action"] = "store_true"
-        elif "action" not in kwargs:
-            kwargs["type"] = {"int": int, "float": float}.get(f.type.split(" |")[0], str)
+        elif "action" not in kwargs or kwargs["action"] == "append":
+            kwargs["type"] = {"int": int, "float": finite_float}.get(f.type.split(" |")[0], text_value)
         groups[group].add_argument(flag, **kwargs)
     return parser
+
+
+def finite_float(text: str) -> float:
+    """A float flag's type: a finite number (inf and nan would pass every range check, and then poison the run)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def int_at_least(minimum: int) -> Any:
+    """An integer flag's type with a lower bound, for the flags of `train.py plan`."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+    return count
+
+
+def text_value(text: str) -> str:
+    """A text flag's type (a path, a name, a list): not empty, since an empty value would silently mean the default,
+    and no NUL byte, which no path or name may hold."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a value, got an empty one (leave the flag out for its default)")
+    if "\x00" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} holds a NUL byte")
+    return text
 
 
 class _Unset:
@@ -635,20 +722,33 @@ def plan(argv: list[str]) -> str:
     """`train.py plan`: the learner's memory plan per rank for a model (--shape, or --model's config) and a layout
     given as on the command line of a run, printed without a GPU and without checking the flags against this
     machine. Returns the plan's parts and, when it does not fit, the flags that would make it fit."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="train.py plan", description="The learner's GPU memory per rank (memory_plan.py; docs/memory.md), for "
         "the model and layout of a run; any other flag is train.py's.", allow_abbrev=False)
     parser.add_argument("--shape", choices=sorted(memory_plan.SHAPES), help="a model shape written in memory_plan.py "
                         "(else --model's config)")
-    parser.add_argument("--learner-ranks", type=int, default=1, help="learner ranks (GPUs) in all (default 1)")
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one learner GPU (default 80)")
-    parser.add_argument("--gpus", type=int, help="GPUs of the node, to tell whether vLLM shares the learner's GPUs "
-                        "under --gen-devices (default: it does not)")
+    parser.add_argument("--learner-ranks", type=int_at_least(1), default=1, help="learner ranks (GPUs) in all "
+                        "(default 1)")
+    parser.add_argument("--gpu-memory-gib", type=finite_float, default=80.0, help="memory of one learner GPU (default "
+                        "80)")
+    parser.add_argument("--gpus", type=int_at_least(1), help="GPUs of the node, to tell whether vLLM shares the "
+                        "learner's GPUs under --gen-devices (default: it does not)")
     options, rest = parser.parse_known_args(argv)
     args = Args(**vars(build_parser().parse_args(rest)))
     if options.shape:
-        config = memory_plan.shape_config(options.shape)
         args.model = args.model or options.shape  # a real model: its context is --max-tokens + a prompt
+    problems = range_problems(args) + pipeline_rl.config_problems(generator_values(args), generator_flag)
+    if not options.gpu_memory_gib > 0:
+        problems.append(f"--gpu-memory-gib must be > 0 (got {options.gpu_memory_gib:g})")
+    if args.gen_devices and options.gpus:
+        try:
+            vllm_replica.split_devices(args.gen_devices, options.gpus)
+        except ValueError as e:
+            problems.append(f"--gen-devices {args.gen_devices}: {e}")
+    if problems:  # what holds on any machine: the plan divides by these
+        parser.error("; ".join(problems))
+    if options.shape:
+        config = memory_plan.shape_config(options.shape)
     elif args.model:
         from transformers import AutoConfig  # here, not at the top: see train.py's build_learner
 
@@ -669,8 +769,8 @@ def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_
     """The flags a resumed run continues with: those it was started with (its args.json), where the flags of
     CHANGEABLE_ON_RESUME given now win (e.g. --max-steps 400 to extend it). Any other flag defines the run: giving it
     another value is refused, naming each with the run's value and the new one, and so is a --max-steps below the
-    run's step; a --max-steps equal to it has nothing to do. Its output directory is `run_dir`, whatever
-    --output-dir says. `evaluating` (evaluate --resume) skips these checks: it trains nothing."""
+    run's (upwards only) or below its step; a --max-steps equal to its step has nothing to do. Its output directory
+    is `run_dir`, whatever --output-dir says. `evaluating` (evaluate --resume) skips these checks: it trains nothing."""
     # Parse again into a namespace that already holds every field, so argparse leaves out the defaults; append
     # actions need a list-like start, hence None for them.
     blank = {f.name: None if f.metadata.get("action") == "append" else _Unset for f in dataclasses.fields(Args)}
@@ -702,6 +802,9 @@ def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_
     if step is not None and values["max_steps"] < step:
         parser.error(f"--max-steps {values['max_steps']} is below step {step}, where the run {run_dir} is: a run "
                      f"cannot be shortened (its checkpoint is at step {step})")
+    if "max_steps" in given and values["max_steps"] < run_values["max_steps"]:
+        parser.error(f"--max-steps {values['max_steps']} is below the run's {run_values['max_steps']}: on --resume "
+                     "--max-steps only goes upwards (a shorter run is a new run: another --output-dir)")
     if step is not None and values["max_steps"] == step:
         if os.environ.get("RANK", "0") == "0":
             print(f"[resume] {run_dir} is at step {step}, its --max-steps: nothing to do (give a higher --max-steps "

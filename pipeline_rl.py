@@ -359,8 +359,11 @@ def config_problems(values: Mapping[str, Any], name: Callable[[str], str] = str)
         problems += off_policy_problems(v.get("mode", "pipeline"), v["max_off_policy"], name("max_off_policy"))
     if v.get("buffer_steps") is not None and v["buffer_steps"] < 0:
         problems.append(f"{name('buffer_steps')} must be >= 0 (got {v['buffer_steps']})")
-    problems += [f"{name(key)} must be >= 1 (got {v[key]})" for key in ("group_size", "answer_budget", "max_tokens")
+    problems += [f"{name(key)} must be >= 1 (got {v[key]})"
+                 for key in ("group_size", "answer_budget", "max_tokens", "tensor_parallel_size")
                  if key in v and v[key] < 1]
+    if "join_timeout" in v and not 0 < v["join_timeout"] < float("inf"):
+        problems.append(f"{name('join_timeout')} must be a number of seconds > 0 (got {v['join_timeout']})")
     if "temperature" in v and not v["temperature"] > 0:
         problems.append(f"{name('temperature')} must be > 0 (got {v['temperature']}): RL samples, and greedy "
                         "decoding has no usable logprobs")

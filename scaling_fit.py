@@ -63,7 +63,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -891,31 +891,65 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Example: python scaling_fit.py runs/a runs/b --min-compute 1.5 --fit-until 8 --out fits.png. "
         "Exit status: 0 all fitted, 1 some run is flat (no sigmoid can be identified), 2 bad input.",
     )
-    parser.add_argument("paths", nargs="+", metavar="RUN_DIR_OR_METRICS.jsonl",
+    parser.add_argument("paths", nargs="+", type=_text, metavar="RUN_DIR_OR_METRICS.jsonl",
                         help="run directories holding metrics.jsonl, or metrics .jsonl files; one curve each")
     parser.add_argument("--x", default="compute_hours", choices=X_FIELDS,
                         help="compute axis field of the metrics file (default: compute_hours, i.e. GPU-hours)")
     parser.add_argument("--y", default="val_pass_rate", choices=sorted(Y_FIELD_RANGES),
                         help="performance field (default: val_pass_rate, in [0,1]; val_reward is in [-1,1])")
-    parser.add_argument("--min-compute", type=float, default=0.0,
+    parser.add_argument("--min-compute", type=_number(0.0), default=0.0,
                         help="exclude points with x below this from the fit (ScaleRL drops the first ~epoch)")
-    parser.add_argument("--fit-until", type=float, default=None,
+    parser.add_argument("--fit-until", type=_number(0.0), default=None,
                         help="fit only points with x <= this and report the error on the held-out rest")
     parser.add_argument("--shared-A", action="store_true",
                         help="refit all runs with A fixed to the mean of their fitted A and rank them by B")
-    parser.add_argument("--bootstrap", type=int, default=200,
+    parser.add_argument("--bootstrap", type=_count(0), default=200,
                         help="bootstrap replicates for 95%% confidence intervals (0: none; default 200)")
     parser.add_argument("--paper-grids", action="store_true",
                         help="use ScaleRL's grids (A 0.450..0.800, C_mid 100..40000) instead of data-adaptive ones")
-    parser.add_argument("--record-bins", type=int, default=0,
+    parser.add_argument("--record-bins", type=_count(0), default=0,
                         help="fit only IsoCompute's record-breaking points with this many reward bins (0: all points)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the bootstrap")
-    parser.add_argument("--out", default="scaling_fit.png", help="where to write the figure (default: scaling_fit.png)")
-    parser.add_argument("--dashboard", default=None, metavar="PNG",
+    parser.add_argument("--seed", type=_count(0), default=0, help="random seed of the bootstrap")
+    parser.add_argument("--out", type=_text, default="scaling_fit.png",
+                        help="where to write the figure (default: scaling_fit.png)")
+    parser.add_argument("--dashboard", type=_text, default=None, metavar="PNG",
                         help="also draw the runs' dashboards, overlaid, into PNG: pass rate with its fit, reward, "
                         "entropy, lengths, KL and mismatch, clip and truncation, lag, throughput, gradient norm "
                         "against the step (train.py draws OUTPUT_DIR/dashboard.png for its own run)")
     return parser
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum, so that a bad value is one line naming its flag."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+    return count
+
+
+def _number(minimum: float) -> Callable[[str], float]:
+    """An argparse type: a finite number >= minimum (compute is never negative; nan would pass every comparison)."""
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {minimum:g} (got {text})")
+        return value
+    return number
+
+
+def _text(text: str) -> str:
+    """An argparse type: a path that is not empty (an empty one would mean the current directory)."""
+    if not text.strip() or "\x00" in text:
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -404,7 +404,15 @@ def draw_aggregation(path: Path) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def _directory(text: str) -> Path:
+    """An argparse type: a directory path that is not empty (an empty one would write into the current directory)."""
+    if not text.strip() or "\x00" in text:
+        raise argparse.ArgumentTypeError(f"expected a directory, got {text!r}")
+    return Path(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """teach.py's command line: list, exercise, grade and pictures."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="the exercises in teaching order, with their questions")
@@ -412,11 +420,16 @@ def main(argv: list[str] | None = None) -> int:
     grade_parser = commands.add_parser("grade", help="run tests/test_ALGO.py against DIR/ALGO.py")
     for sub in (exercise_parser, grade_parser):
         sub.add_argument("algo", choices=list(EXERCISE_BY_ALGO), metavar="ALGO", help=", ".join(EXERCISE_BY_ALGO))
-        sub.add_argument("dir", type=Path, metavar="DIR", help="the student's directory")
+        sub.add_argument("dir", type=_directory, metavar="DIR", help="the student's directory")
     exercise_parser.add_argument("--force", action="store_true", help="overwrite an existing DIR/ALGO.py")
     pictures_parser = commands.add_parser("pictures", help="draw gradients.png and aggregation.png")
-    pictures_parser.add_argument("--out", type=Path, default=REPO / "docs", help="output directory (default docs/)")
-    args = parser.parse_args(argv)
+    pictures_parser.add_argument("--out", type=_directory, default=REPO / "docs", help="output directory (default "
+                                 "docs/)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
 
     if args.command == "list":
         print_exercise_list()

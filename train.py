@@ -79,7 +79,7 @@ import tis
 from checkpoints import TrainerState, migrate_checkpoint, read_checkpoint, save_checkpoint
 from flags import LOSSES  # --loss NAME -> its loss file (grpo.py, dapo.py, drgrpo.py, gspo.py, cispo.py)
 from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, parse_literal, flags_markdown, lm_head_gemm,
-                   parse_args, plan, read_args_json, resolve_defaults)
+                   loss_arg_problems, parse_args, plan, read_args_json, resolve_defaults)
 from head_gemm import split_bf16_logprobs
 from packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, current_asymptote, full_state_dict,
@@ -973,7 +973,6 @@ def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
 
 def loss_hyperparameters(args: Args, loss_module: Any) -> dict[str, Any]:
     """Keyword overrides for the loss file; everything not named keeps the file's paper default."""
-    accepted = inspect.signature(loss_module.compute_loss).parameters
     hp: dict[str, Any] = {}
     if args.loss == "drgrpo":
         hp["max_tokens"] = args.max_tokens  # Dr. GRPO's constant normaliser: the generation budget
@@ -981,11 +980,11 @@ def loss_hyperparameters(args: Args, loss_module: Any) -> dict[str, Any]:
         hp["aggregation"] = args.aggregation
     if args.kl_coef:
         hp["kl_coef"] = args.kl_coef  # with ref_logprobs from the reference model, per micro-batch
+    problems = loss_arg_problems(args, loss_module)  # check_args refused these before the start; a caller may not have
+    if problems:
+        raise SystemExit("; ".join(problems))
     for item in args.loss_arg or []:
         key, value = item.split("=", 1)
-        if key not in accepted or key in ("logprobs", "old_logprobs", "advantages", "mask", "group_size"):
-            names = [n for n, p in accepted.items() if p.kind == p.KEYWORD_ONLY and n not in ("is_weights", "denominator")]
-            raise SystemExit(f"--loss-arg {key}: {args.loss}.compute_loss has no such hyper-parameter; it has {names}")
         hp[key] = parse_literal(value)
     return hp
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import ipaddress
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -57,11 +58,40 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float3
 
 
 def parse_address(text: str) -> tuple[str, int]:
-    """'HOST:PORT' (IPv6: '[::1]:PORT') -> (HOST, PORT)."""
+    """'HOST:PORT' (IPv6: '[::1]:PORT') -> (HOST, PORT), PORT in 0..65535."""
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isdigit() or not port.isascii():
         raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if int(port) > 65535:
+        raise ValueError(f"port {port} of {text!r} is out of range (0..65535)")
     return host.strip("[]"), int(port)
+
+
+def listen_address(text: str) -> tuple[str, int, socket.AddressFamily]:
+    """The address a listener binds for 'HOST:PORT': (the numeric address HOST resolves to, PORT, its family).
+    ValueError, in one line, for a malformed text, a host that does not resolve, or any spelling of a wildcard
+    ('0:P', '000.0.0.0:P', '[::0]:P', ':P'): judged by what the host resolves to, not by how it is written, since
+    a wildcard would expose the generator on every interface of the node."""
+    host, port = parse_address(text)
+    wildcard = (f"{text}: name the address the replicas reach this node at, not a wildcard (only that address is "
+                "bound)")
+    if not host:
+        raise ValueError(wildcard)
+    try:  # a numeric host first, so that an address never waits on a name server
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except (socket.gaierror, UnicodeError):
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except (socket.gaierror, UnicodeError) as e:
+            raise ValueError(f"{text}: host {host!r} does not resolve ({getattr(e, 'strerror', None) or e})") \
+                from None
+    for family, _, _, _, sockaddr in infos:
+        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
+        mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:0.0.0.0 is IPv4's wildcard
+        if ip.is_unspecified or (mapped is not None and mapped.is_unspecified):
+            raise ValueError(wildcard)
+    family, _, _, _, sockaddr = infos[0]
+    return sockaddr[0], port, family
 
 
 WEIGHT_TRANSPORTS = ("broadcast", "file")  # GeneratorConfig.weight_transport; train.py's --weight-transport
@@ -95,12 +125,9 @@ def replica_problems(values: Mapping[str, Any], name: Callable[[str], str]) -> l
                         "(their sum must be >= 1)")
     if "listen" in v:
         try:
-            host, _ = parse_address(v["listen"])
-            if host in ("", "0.0.0.0", "::"):
-                problems.append(f"{name('listen')} {v['listen']}: name the address the replicas reach this node at, "
-                                "not a wildcard (only that address is bound)")
+            listen_address(v["listen"])
         except ValueError as e:
-            problems.append(f"{name('listen')}: {e}")
+            problems.append(f"{name('listen')} {e}" if str(e).startswith(v["listen"]) else f"{name('listen')}: {e}")
     if remote and not v.get("secret"):
         problems.append(f"{name('remote_replicas')} needs {name('secret')}: replicas on other nodes must prove a "
                         "shared secret (e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`, copied to "
@@ -846,9 +873,8 @@ class ReplicaListener:
     within HANDSHAKE_S seconds (in a thread of its own, so a silent one blocks nothing) or is refused and logged."""
 
     def __init__(self, address: str, secret: bytes):
-        host, port = parse_address(address)
-        self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                         backlog=64)
+        host, port, family = listen_address(address)  # refuses a wildcard however it is spelled, before binding
+        self.sock = socket.create_server((host, port), family=family, backlog=64)
         bound = self.sock.getsockname()[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         self.secret = secret
@@ -1019,9 +1045,8 @@ def read_secret(path: str | os.PathLike) -> bytes:
     return secret
 
 
-def replica_command(argv: list[str]) -> int:
-    """`python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`: start replicas on this node for
-    a run whose learner listens at HOST:PORT (train.py --gen-listen). Returns the exit status."""
+def replica_parser() -> argparse.ArgumentParser:
+    """The flags of `python pipeline_rl.py replica`."""
     parser = argparse.ArgumentParser(
         prog="pipeline_rl.py replica", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Start vLLM replicas on this node for a train.py run on another node. The run's engine settings "
@@ -1031,31 +1056,77 @@ def replica_command(argv: list[str]) -> int:
                         "--gen-listen)")
     parser.add_argument("--secret-file", required=True, help="file holding the run's shared secret (train.py "
                         "--gen-secret-file), readable by its owner only")
-    parser.add_argument("--replicas", type=int, default=None, help="replicas to start (default: 1 on CPU; on GPU, "
-                        "the number of --gen-devices / --tensor-parallel-size)")
+    parser.add_argument("--replicas", type=_at_least(1), default=None, help="replicas to start (default: 1 on CPU; "
+                        "on GPU, the number of --gen-devices / --tensor-parallel-size)")
     parser.add_argument("--gen-devices", default=None, help="GPU: comma-separated CUDA devices of this node for the "
                         "replicas, taken in runs of --tensor-parallel-size")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM tensor parallelism of each replica")
+    parser.add_argument("--tensor-parallel-size", type=_at_least(1), default=1, help="vLLM tensor parallelism of each "
+                        "replica")
     parser.add_argument("--model", default=None, help="the run's model as a path on this node (default: the "
                         "learner's --model, which must then be a hub name or the same path here)")
-    parser.add_argument("--connect-timeout", type=float, default=600.0, help="seconds to keep trying to reach the "
-                        "learner (a replica may be started before it)")
+    parser.add_argument("--connect-timeout", type=_seconds, default=600.0, help="seconds to keep trying to reach "
+                        "the learner (a replica may be started before it)")
+    return parser
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum."""
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+    return count
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0 (got {text})")
+    return value
+
+
+def replica_args(argv: list[str]) -> tuple[argparse.Namespace, bytes, list[list[int] | None], int]:
+    """`pipeline_rl.py replica`'s flags, checked before anything connects: (the flags, the secret, each replica's
+    devices, the number of replicas). A bad flag exits with status 2 and one line naming it."""
+    parser = replica_parser()
     args = parser.parse_args(argv)
     try:
         secret = read_secret(args.secret_file)
+    except ValueError as e:
+        parser.error(f"--secret-file: {e}")
+    try:
         parse_address(args.connect)
+    except ValueError as e:
+        parser.error(f"--connect: {e}")
+    try:
         ids = [int(x) for x in args.gen_devices.split(",") if x.strip()] if args.gen_devices else []
         devices: list[list[int] | None] = list(replica_devices(ids, args.tensor_parallel_size)) if ids else [None]
     except ValueError as e:
-        parser.error(str(e))
+        parser.error(f"--gen-devices {args.gen_devices}: {e}")
     n = args.replicas or len(devices)
     if ids and n > len(devices):
         parser.error(f"--replicas {n}: --gen-devices {args.gen_devices} makes {len(devices)} replica(s) of "
                      f"{args.tensor_parallel_size} device(s)")
+    return args, secret, devices, n
+
+
+def replica_command(argv: list[str]) -> int:
+    """`python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`: start replicas on this node for
+    a run whose learner listens at HOST:PORT (train.py --gen-listen). Returns the exit status."""
+    args, secret, devices, n = replica_args(argv)
+    on_gpu = devices != [None]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=replica_main, name=f"scalerl-replica-{i}",
-                         args=(args.connect, secret, None, devices[i] if ids else None, os.getpid(), args.model,
-                               args.tensor_parallel_size if ids else None, args.connect_timeout))
+                         args=(args.connect, secret, None, devices[i] if on_gpu else None, os.getpid(), args.model,
+                               args.tensor_parallel_size if on_gpu else None, args.connect_timeout))
              for i in range(n)]
     for p in procs:
         p.start()

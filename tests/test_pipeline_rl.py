@@ -11,6 +11,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -946,7 +947,7 @@ def test_start_failure_is_reported(tmp_path):
 
 
 def test_a_replica_refused_for_a_wrong_secret_says_so_in_one_line(tmp_path):
-    """Issue 39: `pipeline_rl.py replica` with the wrong secret printed a raw traceback on its side. Now: one line
+    """`pipeline_rl.py replica` with the wrong secret printed a raw traceback on its side. Now: one line
     naming the generator and the likely cause, a non-zero exit status, no traceback (a listener, no vLLM)."""
     listener = vllm_replica.ReplicaListener("127.0.0.1:0", b"the-right-secret-of-32-bytes-....")
     secret_file = tmp_path / "secret"
@@ -962,3 +963,49 @@ def test_a_replica_refused_for_a_wrong_secret_says_so_in_one_line(tmp_path):
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
     assert len(lines) == 1 and lines[0].startswith(f"[replica] the generator at {listener.address} refused this "
                                                    "replica: wrong secret?"), run.stderr
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:29655", "0:29655", "000.0.0.0:29655", "[::]:29655", "[::0]:29655",
+                                    ":29655", "[::ffff:0.0.0.0]:29655", "[0:0::0]:0"])
+def test_a_wildcard_listen_address_is_refused_however_it_is_spelled(listen, monkeypatch):
+    """The wildcard check resolves the host (getaddrinfo, numeric first) and asks ipaddress, so that no spelling of
+    0.0.0.0 or :: binds every interface: refused by the flag check, by GeneratorConfig and by the listener itself."""
+    monkeypatch.setattr(socket, "getaddrinfo", _numeric_only(socket.getaddrinfo))
+    message = f"--gen-listen {listen}: name the address the replicas reach this node at, not a wildcard (only that " \
+              "address is bound)"
+    assert vllm_replica.replica_problems({"listen": listen}, lambda n: "--gen-listen") == [message]
+    with pytest.raises(ValueError, match="not a wildcard"):
+        pl.GeneratorConfig(model="m", listen=listen)
+    with pytest.raises(ValueError, match="not a wildcard"):
+        vllm_replica.ReplicaListener(listen, b"s" * 32)
+
+
+def _numeric_only(getaddrinfo):
+    """getaddrinfo that never asks a name server: the tests stay fast and offline."""
+    def lookup(host, port, *args, flags=0, **kwargs):
+        if not flags & socket.AI_NUMERICHOST and host != "localhost":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return getaddrinfo(host, port, *args, flags=flags, **kwargs)
+    return lookup
+
+
+def test_a_listen_address_binds_what_it_resolves_to_and_bad_ones_are_one_line(monkeypatch):
+    monkeypatch.setattr(socket, "getaddrinfo", _numeric_only(socket.getaddrinfo))
+    assert vllm_replica.listen_address("127.0.0.1:0") == ("127.0.0.1", 0, socket.AF_INET)
+    assert vllm_replica.listen_address("0x7f.1:5") == ("127.0.0.1", 5, socket.AF_INET)  # inet_aton's spelling
+    assert vllm_replica.listen_address("[::1]:0")[::2] == ("::1", socket.AF_INET6)
+    for text, message in [("nosuch.invalid:29655", "host 'nosuch.invalid' does not resolve"),
+                          ("10.0.0.1", "expected HOST:PORT"), ("10.0.0.1:65536", "port 65536 .* out of range"),
+                          ("10.0.0.1:-1", "expected HOST:PORT")]:
+        with pytest.raises(ValueError, match=message):
+            vllm_replica.listen_address(text)
+        [problem] = vllm_replica.replica_problems({"listen": text}, lambda n: "--gen-listen")
+        assert problem.startswith("--gen-listen") and "\n" not in problem
+    listener = vllm_replica.ReplicaListener("127.0.0.1:0", b"s" * 32)
+    try:
+        assert listener.address.startswith("127.0.0.1:") and not listener.address.endswith(":0")
+    finally:
+        listener.close()
+    for timeout in (0, -5, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="join_timeout must be a number of seconds > 0"):
+            pl.GeneratorConfig(model="m", join_timeout=timeout)

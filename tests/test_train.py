@@ -126,7 +126,8 @@ def test_mfu_is_six_n_tokens_over_the_ranks_peak_and_absent_without_a_peak(monke
     (["--gen-secret-file", "/nonexistent/secret"], "--gen-secret-file: secret file /nonexistent/secret: no such file"),
     (["--weight-transport", "file", "--gen-remote-replicas", "1", "--gen-listen", "127.0.0.2:29600"],
      "--weight-transport file reaches replicas on this node only"),
-    (["--debug-learner-slowdown", "nan"], "--debug-learner-slowdown must be >= 1"),
+    (["--debug-learner-slowdown", "nan"], "argument --debug-learner-slowdown: expected a finite number"),
+    (["--debug-learner-slowdown", "0.5"], "--debug-learner-slowdown must be >= 1"),
     (["--lm-head-gemm", "split-bf16", "--dtype", "float32"], "--lm-head-gemm split-bf16 multiplies bf16 hidden"),
     (["--max-model-len", "48"], "--max-model-len (48) must exceed --max-tokens (48)"),
     (["--max-tokens", "300", "--think-budget", "200,250"], "--max-model-len (256) must exceed --max-tokens (300)"),
@@ -216,13 +217,20 @@ def test_algorithm_options_reach_the_loss():
     assert train.loss_hyperparameters(args, gspo) == {"token_level": True}
 
 
-def test_loss_arg_overrides_and_rejects_unknown_keys():
+def test_loss_arg_overrides_and_rejects_unknown_keys(capsys):
     import cispo
 
     args = flags.parse_args(["--loss-arg", "eps_max=8", "--loss-arg", "aggregation=token"])
     assert train.loss_hyperparameters(args, cispo) == {"eps_max": 8, "aggregation": "token"}
-    with pytest.raises(SystemExit, match="no such hyper-parameter.*eps_max"):
-        train.loss_hyperparameters(flags.parse_args(["--loss-arg", "clip_eps=0.1"]), cispo)
+    for item, message in (("clip_eps=0.1", "--loss-arg clip_eps: cispo.compute_loss has no such hyper-parameter; it "
+                           "has ['eps_max', 'eps_min', 'aggregation', 'kl_coef']"),
+                          ("eps_max=abc", "--loss-arg eps_max=abc: eps_max is a number"),
+                          ("ref_logprobs=1", "--loss-arg ref_logprobs: cispo.compute_loss has no such")):
+        with pytest.raises(SystemExit):  # refused with the other flags, before anything starts
+            flags.parse_args(["--loss-arg", item])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no such hyper-parameter.*eps_max"):  # and by the learner, for any caller
+        train.loss_hyperparameters(flags.Args(loss_arg=["clip_eps=0.1"]), cispo)
     import drgrpo
 
     args = flags.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
@@ -579,7 +587,7 @@ def test_non_finite_metrics_are_written_as_null_and_named(tmp_path):
 
 def test_a_metrics_row_that_does_not_fit_is_cut_back_and_stops_every_rank_with_a_checkpoint(
         tmp_path, one_rank_group, monkeypatch):
-    """Issue 39: a full disk while metrics.jsonl was written gave raw tracebacks on both ranks, a half-written row,
+    """a full disk while metrics.jsonl was written gave raw tracebacks on both ranks, a half-written row,
     and lost the steps since the last checkpoint. Now (a fake ENOSPC at the fsync, after the row's bytes are in:
     the logic around the write; the tmpfs test below has a real full disk): the file is cut back to its last
     complete row, no later row leaves a gap, and the loop's stop check checkpoints and stops with one line."""
@@ -1024,7 +1032,7 @@ def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path,
 
 def test_a_resumed_run_keeps_its_flags_unless_overridden(tmp_path):
     started = flags.parse_args(["--output-dir", str(tmp_path), "--loss", "grpo", "--max-steps", "8",
-                                "--no-fp32-lm-head", "--loss-arg", "clip_eps_high=0.3"])
+                                "--no-fp32-lm-head", "--loss-arg", "clip_eps=0.3"])
     (tmp_path / "args.json").write_text(json.dumps(dataclasses.asdict(started)))
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "trainer_state.json").write_text("{}")
@@ -1032,7 +1040,7 @@ def test_a_resumed_run_keeps_its_flags_unless_overridden(tmp_path):
     assert resumed == dataclasses.replace(started, resume=str(tmp_path))
     extended = flags.parse_args(["--resume", str(tmp_path), "--max-steps", "200", "--eval-every", "7"])
     assert (extended.max_steps, extended.eval_every, extended.loss) == (200, 7, "grpo")
-    assert extended.loss_arg == ["clip_eps_high=0.3"]
+    assert extended.loss_arg == ["clip_eps=0.3"]
 
 
 def test_one_live_run_per_output_dir(tmp_path):
@@ -1044,7 +1052,7 @@ def test_one_live_run_per_output_dir(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Nothing in a run directory follows a link it did not create (issue 39): people share run directories, so each
+# Nothing in a run directory follows a link it did not create: people share run directories, so each
 # file the run writes is tried with a symbolic link planted in its place, pointing at a file the user can write
 # --------------------------------------------------------------------------------------------------------------
 
@@ -1166,7 +1174,7 @@ def test_the_scaling_plot_replaces_a_planted_link_instead_of_writing_through_it(
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Checkpoints and resume (issue 32): saves that keep the last good copy, a recipe fixed for the run's life,
+# Checkpoints and resume: saves that keep the last good copy, a recipe fixed for the run's life,
 # nothing unpickled from a run directory, --overwrite that deletes last, atomic writes and named gaps
 # --------------------------------------------------------------------------------------------------------------
 
@@ -1321,15 +1329,18 @@ def test_a_resume_refuses_a_changed_recipe_and_keeps_args_json(tmp_path, capsys)
         (["--model", str(tmp_path)], f"--model (the run's None, now {tmp_path})"),
         (["--loss-arg", "eps_max=8"], "--loss-arg (the run's None, now eps_max=8)"),
         (["--max-steps", "5"], f"--max-steps 5 is below step 10, where the run {tmp_path} is"),
+        (["--max-steps", "15"], "--max-steps 15 is below the run's 20: on --resume --max-steps only goes upwards"),
     ]:
         with pytest.raises(SystemExit) as stop:
             flags.parse_args(["--resume", str(tmp_path), *argv])
         err = capsys.readouterr().err
         assert stop.value.code == 2 and message in err and len(err.splitlines()) == 1, err
         assert (tmp_path / "args.json").read_bytes() == saved
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 20}))
     with pytest.raises(SystemExit) as stop:  # at its --max-steps already: nothing to do, and nothing starts
-        flags.parse_args(["--resume", str(tmp_path), "--max-steps", "10"])
-    assert stop.value.code == 0 and "is at step 10, its --max-steps: nothing to do" in capsys.readouterr().err
+        flags.parse_args(["--resume", str(tmp_path), "--max-steps", "20"])
+    assert stop.value.code == 0 and "is at step 20, its --max-steps: nothing to do" in capsys.readouterr().err
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 10}))
     # the same value again, and the flags that may change, are accepted
     args = flags.parse_args(["--resume", str(tmp_path), "--loss", "cispo", "--max-steps", "30", "--eval-every", "2",
                              "--eval-samples", "8", "--checkpoint-every", "3", "--log-every", "1"])
@@ -1394,8 +1405,10 @@ def test_a_planted_pickle_is_never_run(tmp_path, one_rank_group, capsys):
     with pytest.raises(SystemExit, match="weights.pt holds objects other than tensors"):
         train.export(run, tmp_path / "exported")
     (run / "checkpoint" / "rng-0.json").unlink()
-    with pytest.raises(SystemExit, match="rng-0.pt is refused .*nothing in it was run"):
+    with pytest.raises(SystemExit, match="rng-0.pt is refused .*nothing in it was run") as refused:
         train.main(["migrate-checkpoint", str(run)])
+    assert "weights_only" not in str(refused.value) and "Re-running" not in str(refused.value)  # torch's advice
+    assert "holds objects other than tensors" in str(refused.value) and "could run code" in str(refused.value)
     assert not marker.exists()
     assert "weights_only=False" not in capsys.readouterr().err  # torch's advice to load it anyway is not passed on
 
@@ -1638,7 +1651,7 @@ def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, los
 # --------------------------------------------------------------------------------------------------------------
 
 def test_ctrl_c_while_waiting_for_a_remote_replica_stops_at_once(base_model_dir):
-    """Issue 39: during the start a first Ctrl-C or SIGTERM was only noted, and the wait for remote replicas went on
+    """during the start a first Ctrl-C or SIGTERM was only noted, and the wait for remote replicas went on
     for up to --gen-join-timeout (600 s). Now the start's GracefulStop stops at once (a scheduler waiting for a
     remote replica that never comes: no vLLM starts)."""
     import threading
@@ -1670,7 +1683,7 @@ def psutil_alive(pid: int) -> bool:
 
 
 def test_other_ranks_leave_what_rank_0_reports_to_rank_0(monkeypatch, capsys):
-    """Issue 39: a failed start printed its line on every rank, then rank 1's gloo traceback ("Connection closed by
+    """a failed start printed its line on every rank, then rank 1's gloo traceback ("Connection closed by
     peer") once rank 0 had left. Off rank 0 both are a quiet exit with status 1; anything else still surfaces."""
     monkeypatch.setenv("RANK", "1")
     for raised in (SystemExit("out is in use by another train.py"),
@@ -2004,7 +2017,7 @@ def test_evaluate_prints_pass_at_k_of_the_base_model(base_model_dir):
 
 @pytest.mark.slow
 def test_a_remote_replica_that_never_joins_is_one_line_once_under_torchrun(tmp_path, base_model_dir):
-    """Issue 39: a start that fails on rank 0 (here the remote replica it waits for never connects) printed a rank-0
+    """a start that fails on rank 0 (here the remote replica it waits for never connects) printed a rank-0
     traceback, then rank 1's gloo "Connection closed by peer" traceback. Now: rank 0's one line, once, and the
     output directory as it was (no vLLM starts: the generator waits for a remote replica only)."""
     import socket

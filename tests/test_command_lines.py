@@ -1,0 +1,176 @@
+"""The command lines, fuzzed: every flag of train.py, `pipeline_rl.py replica`, scaling_fit.py, bench.py and teach.py,
+given out-of-range, wrong-type and empty values, is either accepted or refused with exit status 2 and one error line
+that names it, never a traceback. Parse and check only, in-process: nothing trains, connects, fits or writes."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench
+import flags
+import scaling_fit
+import teach
+import vllm_replica
+
+REPO = Path(__file__).resolve().parent.parent
+# wrong types, empty and blank values, out-of-range and non-finite numbers, malformed lists, a NUL byte
+FUZZ = ["", " ", "abc", "-1", "0", "-5", "1.5", "nan", "inf", "-inf", "1e309", "99999999999999999999", "1,x", "0,0",
+        "5,1", "\x00"]
+
+
+def value_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The options of `parser` that take a value (not --help, not the switches)."""
+    return [a for a in parser._actions if a.option_strings and a.nargs != 0 and a.dest != "help"]
+
+
+def outcome(parse, argv: list[str], capsys) -> str | None:
+    """None when `parse(argv)` accepts the command line; else its one error line, after checking that the refusal is
+    exit status 2 with exactly one error line and no traceback (argparse's usage lines may come before it)."""
+    try:
+        parse(argv)
+    except SystemExit as stop:
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if "error:" in line]
+        assert stop.code == 2 and len(errors) == 1 and "Traceback" not in err, (argv, stop.code, err)
+        return errors[0]
+    capsys.readouterr()
+    return None
+
+
+def fuzz(parse, parser: argparse.ArgumentParser, capsys, before: list[str] = (), after: list[str] = ()) -> dict:
+    """Every value of FUZZ given to every flag of `parser` (as --flag=VALUE, so that '-5' is a value): each is
+    accepted or refused in one line naming the flag. Returns {(flag, value): error line or None}."""
+    seen = {}
+    for action in value_flags(parser):
+        flag = max(action.option_strings, key=len)
+        for value in FUZZ:
+            values = [value] * action.nargs if isinstance(action.nargs, int) else [value]
+            argv = [*before, f"{flag}={values[0]}", *values[1:], *after] if len(values) == 1 else \
+                [*before, flag, *values, *after]
+            line = outcome(parse, argv, capsys)
+            assert line is None or flag in line, (argv, line)
+            seen[flag, value] = line
+    return seen
+
+
+def test_every_train_flag_is_accepted_or_refused_in_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # --output-dir's default, runs/default, is made here if ever
+    assert outcome(flags.parse_args, [], capsys) is None  # the defaults pass
+    seen = fuzz(flags.parse_args, flags.build_parser(), capsys)
+    refused = {key for key, line in seen.items() if line is not None}
+    # flags with a documented range refuse what lies outside it
+    for flag in ("--max-steps", "--prompts-per-step", "--group-size", "--answer-budget", "--max-tokens",
+                 "--eval-every", "--eval-samples", "--eval-prompts", "--log-every", "--checkpoint-every",
+                 "--micro-batch-tokens", "--max-bad-steps", "--tensor-parallel-size", "--overlong-cache",
+                 "--final-eval-samples", "--logits-chunk-tokens", "--gen-threads"):
+        assert {(flag, v) for v in ("0", "-5", "abc", "1.5", "")} <= refused, flag
+    for flag in ("--temperature", "--lr", "--adam-eps", "--grad-clip", "--gen-join-timeout", "--peak-tflops",
+                 "--gen-memory-fraction"):
+        assert {(flag, v) for v in ("0", "-5", "nan", "inf", "1e309", "abc", "")} <= refused, flag
+    for flag in ("--kl-coef", "--weight-decay", "--retire-pass-rate", "--tis-cap-min", "--buffer-steps",
+                 "--warmup-steps", "--seed", "--max-off-policy", "--gen-remote-replicas"):
+        assert {(flag, v) for v in ("-5", "abc", "")} <= refused, flag
+    for flag in ("--retire-pass-rate", "--gen-memory-fraction"):
+        assert (flag, "1.5") in refused
+    for flag in ("--model", "--dataset", "--test-dataset", "--output-dir", "--resume", "--gen-secret-file",
+                 "--gen-devices", "--think-budget", "--gen-listen", "--loss-arg", "--question-field"):
+        assert {(flag, v) for v in ("", " ", "\x00")} <= refused, flag
+    assert ("--seed", "99999999999999999999") in refused and ("--debug-gen-slowdown", "1e309") in refused
+    assert seen["--group-size", "0"] == "train.py: error: --group-size must be >= 1 (got 0) (see --help)"
+
+
+@pytest.mark.parametrize("listen", ["0:29655", "[::0]:29655", "000.0.0.0:29655", ":29655", "0.0.0.0:29655",
+                                    "[::]:29655"])
+def test_every_spelling_of_a_wildcard_listen_address_is_one_line(listen, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    line = outcome(flags.parse_args, ["--gen-listen", listen], capsys)
+    assert line == f"train.py: error: --gen-listen {listen}: name the address the replicas reach this node at, not " \
+                   "a wildcard (only that address is bound) (see --help)"
+
+
+def test_every_replica_flag_is_checked_before_it_connects(tmp_path, monkeypatch, capsys):
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    monkeypatch.setattr(vllm_replica, "connect_to_generator", lambda *a, **k: pytest.fail("connected"))
+    required = ["--connect", "127.0.0.1:29655", "--secret-file", str(secret)]
+    assert outcome(vllm_replica.replica_args, required, capsys) is None
+    seen = fuzz(vllm_replica.replica_args, vllm_replica.replica_parser(), capsys, after=required)
+    for flag in ("--replicas", "--tensor-parallel-size"):
+        assert {(flag, v) for v in ("0", "-5", "abc", "1.5")} <= {k for k, line in seen.items() if line}
+    for value in ("0", "-5", "nan", "inf", "abc"):
+        assert seen["--connect-timeout", value]
+    for argv, message in ((["--connect", "nohost"], "--connect: expected HOST:PORT"),
+                          (["--connect", "h:70000"], "--connect: port 70000"),
+                          (["--secret-file", str(tmp_path / "none")], "--secret-file: secret file"),
+                          (["--gen-devices", "0,1,2", "--tensor-parallel-size", "2"], "--gen-devices 0,1,2: 3")):
+        line = outcome(vllm_replica.replica_args, [*required, *argv], capsys)
+        assert line and message in line, (argv, line)
+
+
+def test_every_scaling_fit_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):
+    parser = scaling_fit.build_parser()
+    seen = fuzz(parser.parse_args, parser, capsys, before=[str(tmp_path)])
+    for flag, values in (("--bootstrap", ("-5", "abc", "1.5")), ("--record-bins", ("-1", "abc")),
+                         ("--seed", ("-1", "abc")), ("--min-compute", ("-5", "nan", "inf", "abc")),
+                         ("--fit-until", ("-5", "nan", "inf")), ("--out", ("", " ")), ("--x", ("abc",))):
+        assert all(seen[flag, v] for v in values), flag
+
+
+def test_every_bench_flag_is_accepted_or_refused_in_one_line(capsys):
+    parser = bench.build_parser()
+    [subparsers] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, sub in subparsers.choices.items():
+        positional = ["runs/x"] if name == "report" else []
+        seen = fuzz(parser.parse_args, sub, capsys, before=[name, *positional])
+        for flag in ("--repeats", "--steps", "--prompts", "--groups", "--group-size", "--points"):
+            if any(key[0] == flag for key in seen):
+                assert all(seen[flag, v] for v in ("0", "-5", "abc", "1.5")), (name, flag)
+        for flag in ("--seeds", "--ks", "--at-steps", "--completion-tokens"):
+            if any(key[0] == flag for key in seen):
+                assert all(seen[flag, v] for v in ("-5", "abc", "1,x", "")), (name, flag)
+
+
+def test_every_teach_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):
+    parser = teach.build_parser()
+    for argv in (["exercise", "nosuch", str(tmp_path)], ["exercise", "grpo", ""], ["grade", "grpo", " "],
+                 ["pictures", "--out="], ["pictures", "--out", "\x00"], ["nosuch"]):
+        assert outcome(parser.parse_args, argv, capsys), argv
+    assert outcome(parser.parse_args, ["exercise", "grpo", str(tmp_path)], capsys) is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train.py", "--gen-join-timeout", "-5"], "train.py: error: --gen-join-timeout must be a number of seconds > 0"),
+    (["pipeline_rl.py", "replica", "--connect", "h:1", "--secret-file", "x", "--replicas", "0"],
+     "error: argument --replicas: must be >= 1 (got 0)"),
+    (["scaling_fit.py", "x", "--bootstrap", "-1"], "error: argument --bootstrap: must be >= 0 (got -1)"),
+    (["bench.py", "staleness", "--ks", "1,x"], "error: argument --ks: expected comma-separated integers"),
+    (["teach.py", "exercise", "grpo", ""], "error: argument DIR: expected a directory, got ''"),
+])
+def test_the_real_entry_points_refuse_in_one_line(argv, message, tmp_path):
+    """The same refusals through each script's own entry point, as a user meets them: status 2, one error line."""
+    run = subprocess.run([sys.executable, str(REPO / argv[0]), *argv[1:]], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert run.returncode == 2 and len(errors) == 1 and message in errors[0], run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+
+
+def test_train_plan_checks_what_the_plan_divides_by(capsys):
+    """train.py plan checks no machine, but the flags' own ranges hold everywhere: --learner-ranks 0 or --group-size 0
+    divided by zero, --gpu-memory-gib nan failed to convert; each is now one line naming its flag."""
+    import memory_plan
+
+    shape = ["--shape", sorted(memory_plan.SHAPES)[0]]
+    for argv, flag in ((["--learner-ranks", "0"], "--learner-ranks"), (["--gpu-memory-gib=nan"], "--gpu-memory-gib"),
+                       (["--gpu-memory-gib", "-5"], "--gpu-memory-gib"), (["--gpus", "0"], "--gpus"),
+                       (["--group-size", "0"], "--group-size"), (["--micro-batch-tokens", "0"], "--micro-batch-tokens"),
+                       (["--gen-devices", "3", "--gpus", "1"], "--gen-devices"), (["--max-steps", "x"], "--max-steps")):
+        line = outcome(flags.plan, [*shape, *argv], capsys)
+        assert line and flag in line, (argv, line)
+    assert outcome(flags.plan, [*shape, "--max-tokens", "14336", "--think-budget", "10240,12288"], capsys) is None

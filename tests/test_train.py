@@ -587,7 +587,7 @@ def test_non_finite_metrics_are_written_as_null_and_named(tmp_path):
 
 def test_a_metrics_row_that_does_not_fit_is_cut_back_and_stops_every_rank_with_a_checkpoint(
         tmp_path, one_rank_group, monkeypatch):
-    """a full disk while metrics.jsonl was written gave raw tracebacks on both ranks, a half-written row,
+    """A full disk while metrics.jsonl was written gave raw tracebacks on both ranks, a half-written row,
     and lost the steps since the last checkpoint. Now (a fake ENOSPC at the fsync, after the row's bytes are in:
     the logic around the write; the tmpfs test below has a real full disk): the file is cut back to its last
     complete row, no later row leaves a gap, and the loop's stop check checkpoints and stops with one line."""
@@ -1651,7 +1651,7 @@ def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, los
 # --------------------------------------------------------------------------------------------------------------
 
 def test_ctrl_c_while_waiting_for_a_remote_replica_stops_at_once(base_model_dir):
-    """during the start a first Ctrl-C or SIGTERM was only noted, and the wait for remote replicas went on
+    """During the start a first Ctrl-C or SIGTERM was only noted, and the wait for remote replicas went on
     for up to --gen-join-timeout (600 s). Now the start's GracefulStop stops at once (a scheduler waiting for a
     remote replica that never comes: no vLLM starts)."""
     import threading
@@ -1683,7 +1683,7 @@ def psutil_alive(pid: int) -> bool:
 
 
 def test_other_ranks_leave_what_rank_0_reports_to_rank_0(monkeypatch, capsys):
-    """a failed start printed its line on every rank, then rank 1's gloo traceback ("Connection closed by
+    """A failed start printed its line on every rank, then rank 1's gloo traceback ("Connection closed by
     peer") once rank 0 had left. Off rank 0 both are a quiet exit with status 1; anything else still surfaces."""
     monkeypatch.setenv("RANK", "1")
     for raised in (SystemExit("out is in use by another train.py"),
@@ -2017,7 +2017,7 @@ def test_evaluate_prints_pass_at_k_of_the_base_model(base_model_dir):
 
 @pytest.mark.slow
 def test_a_remote_replica_that_never_joins_is_one_line_once_under_torchrun(tmp_path, base_model_dir):
-    """a start that fails on rank 0 (here the remote replica it waits for never connects) printed a rank-0
+    """A start that fails on rank 0 (here the remote replica it waits for never connects) printed a rank-0
     traceback, then rank 1's gloo "Connection closed by peer" traceback. Now: rank 0's one line, once, and the
     output directory as it was (no vLLM starts: the generator waits for a remote replica only)."""
     import socket

@@ -314,7 +314,8 @@ class Args:
     weight_transport: str = _arg(HelpGroup.REPLICAS, generator_default("weight_transport"),
                                  "how new weights reach the replicas: broadcast "
                                  "(torch.distributed, gloo on CPU, NCCL on GPU, in buckets) or file (a safetensors "
-                                 "file in /dev/shm; replicas on this node only)", choices=vllm_replica.WEIGHT_TRANSPORTS)
+                                 "file in /dev/shm; replicas on this node only)",
+                                 choices=vllm_replica.WEIGHT_TRANSPORTS)
 
     # debugging: turn the generator/learner speed ratio on purpose
     debug_gen_slowdown: str = _arg(HelpGroup.DEBUG, f"{generator_default('debug_slowdown'):g}",
@@ -663,19 +664,6 @@ def finite_float(text: str) -> float:
     return value
 
 
-def int_at_least(minimum: int) -> Any:
-    """An integer flag's type with a lower bound, for the flags of `train.py plan`."""
-    def count(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
-        return value
-    return count
-
-
 def text_value(text: str) -> str:
     """A text flag's type (a path, a name, a list): not empty, since an empty value would silently mean the default,
     and no NUL byte, which no path or name may hold."""
@@ -727,12 +715,12 @@ def plan(argv: list[str]) -> str:
         "the model and layout of a run; any other flag is train.py's.", allow_abbrev=False)
     parser.add_argument("--shape", choices=sorted(memory_plan.SHAPES), help="a model shape written in memory_plan.py "
                         "(else --model's config)")
-    parser.add_argument("--learner-ranks", type=int_at_least(1), default=1, help="learner ranks (GPUs) in all "
-                        "(default 1)")
+    parser.add_argument("--learner-ranks", type=vllm_replica.int_at_least(1), default=1,
+                        help="learner ranks (GPUs) in all (default 1)")
     parser.add_argument("--gpu-memory-gib", type=finite_float, default=80.0, help="memory of one learner GPU (default "
                         "80)")
-    parser.add_argument("--gpus", type=int_at_least(1), help="GPUs of the node, to tell whether vLLM shares the "
-                        "learner's GPUs under --gen-devices (default: it does not)")
+    parser.add_argument("--gpus", type=vllm_replica.int_at_least(1), help="GPUs of the node, to tell whether vLLM "
+                        "shares the learner's GPUs under --gen-devices (default: it does not)")
     options, rest = parser.parse_known_args(argv)
     args = Args(**vars(build_parser().parse_args(rest)))
     if options.shape:

@@ -1056,12 +1056,12 @@ def replica_parser() -> argparse.ArgumentParser:
                         "--gen-listen)")
     parser.add_argument("--secret-file", required=True, help="file holding the run's shared secret (train.py "
                         "--gen-secret-file), readable by its owner only")
-    parser.add_argument("--replicas", type=_at_least(1), default=None, help="replicas to start (default: 1 on CPU; "
+    parser.add_argument("--replicas", type=int_at_least(1), default=None, help="replicas to start (default: 1 on CPU; "
                         "on GPU, the number of --gen-devices / --tensor-parallel-size)")
     parser.add_argument("--gen-devices", default=None, help="GPU: comma-separated CUDA devices of this node for the "
                         "replicas, taken in runs of --tensor-parallel-size")
-    parser.add_argument("--tensor-parallel-size", type=_at_least(1), default=1, help="vLLM tensor parallelism of each "
-                        "replica")
+    parser.add_argument("--tensor-parallel-size", type=int_at_least(1), default=1,
+                        help="vLLM tensor parallelism of each replica")
     parser.add_argument("--model", default=None, help="the run's model as a path on this node (default: the "
                         "learner's --model, which must then be a hub name or the same path here)")
     parser.add_argument("--connect-timeout", type=_seconds, default=600.0, help="seconds to keep trying to reach "
@@ -1069,8 +1069,9 @@ def replica_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= minimum."""
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum, so that a bad value is one line naming its flag (the join command's
+    counts, and flags.py's `train.py plan`, which imports it from here: this module imports nothing of flags)."""
     def count(text: str) -> int:
         try:
             value = int(text)

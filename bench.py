@@ -601,6 +601,9 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                              "(default: runtime.py's table of GPUs; none on CPU, and then no MFU)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write the results (the JSON object of the last line printed) to PATH")
+    parser.add_argument("--profile", default=None, metavar="PATH",
+                        help="also profile one packed learner step after the timed ones (torch.profiler) and write "
+                             "its operators, the most time-consuming first, to PATH: where the step's time goes")
 
 
 def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0,
@@ -807,6 +810,8 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
 
     methods = {name: learner_step(c) for name, c in clis.items() if not (args.packed_only and name == "padded")}
     timed = {"padded": {}, **_time_methods(methods, args.repeats, device)}
+    if args.profile and "s" in timed["packed"]:
+        _profile(methods["packed"], args.profile, device)
     host = {} if args.packed_only else _host_times({name: fn for name, fn in methods.items() if "s" in timed[name]},
                                                    args.repeats, device)
     if args.packed_only:
@@ -818,6 +823,23 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
             "slots": {name: sum((r.input_ids if r.packed is None else r.packed.input_ids).numel() for r in layout)
                       or None for name, layout in rows.items()},  # token slots the model computes on, padding too
             "scored_tokens": sum(r.scored.numel() for r in rows["packed"])}  # the positions its LM head scores
+
+
+def _profile(step: Callable[[], None], path: str, device: Any) -> None:
+    """Profile one call of `step` (after its warm-up) with torch.profiler, CPU and GPU, and write its operators'
+    table to `path`, sorted by their own time on the device (on the CPU off a GPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90) + "\n")
+    print(f"[bench] profile of one learner step: {path}", file=sys.stderr, flush=True)
 
 
 def _host_times(methods: dict[str, Callable[[], None]], repeats: int, device: Any) -> dict[str, tuple[float, float]]:
@@ -1291,7 +1313,8 @@ def bench_head(args: argparse.Namespace) -> dict:
     gradients of the hidden states and the weight) in float32 without TF32, (b) the same in bf16, (c) split-bf16's
     GEMMs alone (train.py --lm-head-gemm split-bf16: three bf16 products forward, one per gradient backward), the
     limit of (d) the learner's head as train.py installs it (chunks, log-softmax, what backward keeps), forward and
-    backward; and (e) the learner's float32 head (--lm-head-gemm fp32: chunks recomputed in backward). Each
+    backward; (e) the learner's float32 head (--lm-head-gemm fp32: chunks recomputed in backward); and (f) (d) with
+    the entropy every training step logs, computed inside the same chunks. Each
     variant's max |log pi(target) - float64's|, on a random head whose logits have --logit-std, bf16 hidden states
     (a bf16 trunk's) and targets sampled from the head."""
     import torch
@@ -1332,14 +1355,15 @@ def bench_head(args: argparse.Namespace) -> dict:
     print(f"GEMMs timed: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
 
     learner_logprobs = {}  # the learner's heads: the bf16 hidden states as split-bf16 takes them, cast for fp32
-    for name, gemm, dtype in [("learner_split_bf16", "split-bf16", torch.bfloat16),
-                              ("learner_fp32", "fp32", torch.float32)]:
+    for name, gemm, dtype, entropy in [("learner_split_bf16", "split-bf16", torch.bfloat16, False),
+                                       ("learner_fp32", "fp32", torch.float32, False),
+                                       ("learner_split_bf16_entropy", "split-bf16", torch.bfloat16, True)]:
         head = _learner_head(weight, gemm, args.chunk_tokens)
         leaf = torch.cat([hidden, hidden[-1:]]).to(dtype)[None].requires_grad_()  # [1, M+1, H]: the last predicts none
 
         def step() -> None:
             weight.grad = leaf.grad = None
-            head.scalerl_request = (targets[None], temperature, None, False)
+            head.scalerl_request = (targets[None], temperature, None, entropy)  # entropy: as a learner's step asks
             logprobs = head(leaf)                                                       # [1, M]
             head.scalerl_request = None
             logprobs.backward(grad_logprobs[None])
@@ -1352,7 +1376,7 @@ def bench_head(args: argparse.Namespace) -> dict:
         print(f"{name} timed: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     flop = 2 * tokens * vocab * hidden_size  # one product of the head
     for name, products in [("fp32_gemms", 3), ("bf16_gemms", 3), ("split_bf16_gemms", 5),
-                           ("learner_split_bf16", 5), ("learner_fp32", 3)]:
+                           ("learner_split_bf16", 5), ("learner_fp32", 3), ("learner_split_bf16_entropy", 5)]:
         results[name]["tflops"] = products * flop / (results[name]["ms"] / 1e3) / 1e12
     summary = _head_summary(results, learner_logprobs, device, tokens, vocab, hidden_size, temperature,
                             max_logit, args)
@@ -1422,8 +1446,8 @@ def _head_summary(results: dict, learner_logprobs: dict, device, tokens: int, vo
     labels = {"fp32_gemms": "(a) float32 GEMMs (no TF32), fwd+bwd", "bf16_gemms": "(b) bf16 GEMMs, fwd+bwd",
               "split_bf16_gemms": "(c) split-bf16 GEMMs alone, fwd+bwd: the limit",
               "learner_split_bf16": "(d) learner's head, split-bf16, fwd+bwd", "learner_fp32": "(e) learner's head, "
-              "fp32, fwd+bwd", "one_bf16_product": "    one bf16 product summed in float32", "tf32_gemms":
-              "    TF32 GEMMs"}
+              "fp32, fwd+bwd", "learner_split_bf16_entropy": "(f) (d) with the entropy a training step logs",
+              "one_bf16_product": "    one bf16 product summed in float32", "tf32_gemms": "    TF32 GEMMs"}
     for key, label in labels.items():
         if key not in results:
             continue
@@ -1434,13 +1458,15 @@ def _head_summary(results: dict, learner_logprobs: dict, device, tokens: int, vo
         print(f"{label:<48} {timing}  max |logprob - float64's| {r['max_logprob_error']:.1e}{grads}")
     fused = {"split": head_gemm._split_bf16.fused, "log_softmax": head_gemm._logprobs_and_grad.fused}
     speedup = results["learner_fp32"]["ms"] / results["learner_split_bf16"]["ms"]
+    entropy_cost = results["learner_split_bf16_entropy"]["ms"] / results["learner_split_bf16"]["ms"] - 1
     print(f"learner's split-bf16 head / its GEMMs: {limit_ratio:.2f}x (compiled by torch.compile: {fused}); "
-          f"max |its logprob - the float32 head's| {vs_fp32_head:.1e}; {speedup:.1f}x the float32 head's speed")
+          f"max |its logprob - the float32 head's| {vs_fp32_head:.1e}; {speedup:.1f}x the float32 head's speed; "
+          f"its entropy adds {100 * entropy_cost:.0f}% to the head")
     return {"bench": "head", "device": name, "tokens": tokens, "vocab": vocab, "hidden": hidden,
             "temperature": temperature, "logit_std": args.logit_std, "max_logit": round(max_logit, 2),
             "chunk_tokens": args.chunk_tokens, "fused": fused, "learner_vs_limit": round(limit_ratio, 3),
             "learner_split_vs_fp32_head_max_logprob_diff": vs_fp32_head,
-            "split_vs_fp32_learner_speedup": round(speedup, 2),
+            "split_vs_fp32_learner_speedup": round(speedup, 2), "entropy_cost": round(entropy_cost, 3),
             **{key: {k: round(v, 3) if k == "ms" else float(f"{v:.4g}") for k, v in r.items()}
                for key, r in results.items()}}
 

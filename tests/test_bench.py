@@ -325,9 +325,9 @@ def test_the_run_length_table_is_what_the_committed_records_give():
 def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed_step(tmp_path):
     """`bench.py train` on a small batch of the tiny model (a smoke test; the timings are the README's): its last
     line is JSON with the ratios, the padding fractions and the host time per micro-batch, and packed rows hold less
-    padding than padded ones."""
-    run = subprocess.run([sys.executable, str(REPO / "bench.py"), "train", "--groups", "4", "--repeats", "1"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    padding than padded ones; --profile writes the operators of one learner step, AdamW's among them."""
+    run = subprocess.run([sys.executable, str(REPO / "bench.py"), "train", "--groups", "4", "--repeats", "1",
+                          "--profile", "profile.txt"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["tokens"] > 0 and result["learner_vs_bare_packed"] > 0 and result["packed_vs_padded"] > 0
@@ -336,6 +336,8 @@ def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed
         assert result[f"host_ms_per_micro_batch_{layout}"] > 0 and result[f"micro_batches_{layout}"] > 0
     assert "real tokens/s" in run.stdout
     assert "packed_mfu" not in result and "peak_tflops" not in result  # a CPU's peak is unknown: no MFU
+    profile = (tmp_path / "profile.txt").read_text()
+    assert "Self CPU" in profile and "aten::mm" in profile and "AdamW.step" in profile
 
 
 def _one_rank_env(monkeypatch) -> None:
@@ -447,7 +449,8 @@ def test_a_method_out_of_gpu_memory_is_reported_and_the_methods_after_it_are_not
 
 def test_head_bench_times_each_head_and_measures_its_logprobs_against_float64(tmp_path, capsys):
     """`bench.py head` at a tiny shape on the CPU (a smoke test; the GPU's timings are the point): the float32,
-    bf16 and split-bf16 GEMMs, the learner's heads and their ratio, in the last line and in --json; split-bf16's
+    bf16 and split-bf16 GEMMs, the learner's heads (with and without the entropy) and their ratio, in the last line
+    and in --json; split-bf16's
     logprobs, GEMMs alone or as the learner runs them, within 1e-5 of float64 and of the float32 head, bf16's and
     one bf16 product's off by over 1e-3; the learner's gradients float32's (fp32) or bf16-grade (split-bf16)."""
     path = tmp_path / "head.json"
@@ -456,10 +459,12 @@ def test_head_bench_times_each_head_and_measures_its_logprobs_against_float64(tm
     result = json.loads(path.read_text())
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert (result["tokens"], result["vocab"], result["hidden"]) == (100, 1024, 64)
-    for name in ("fp32_gemms", "bf16_gemms", "split_bf16_gemms", "learner_split_bf16", "learner_fp32"):
+    for name in ("fp32_gemms", "bf16_gemms", "split_bf16_gemms", "learner_split_bf16", "learner_fp32",
+                 "learner_split_bf16_entropy"):
         assert result[name]["ms"] > 0 and result[name]["tflops"] > 0, name
     assert result["learner_vs_limit"] > 0 and result["split_vs_fp32_learner_speedup"] > 0
-    for name in ("fp32_gemms", "split_bf16_gemms", "learner_split_bf16", "learner_fp32"):
+    assert result["entropy_cost"] > -1  # a ratio of two timings less one: measured, whatever its sign on a CPU
+    for name in ("fp32_gemms", "split_bf16_gemms", "learner_split_bf16", "learner_fp32", "learner_split_bf16_entropy"):
         assert result[name]["max_logprob_error"] < 1e-5, (name, result[name])
     assert result["learner_split_vs_fp32_head_max_logprob_diff"] < 1e-5
     assert result["bf16_gemms"]["max_logprob_error"] > 1e-3 and result["one_bf16_product"]["max_logprob_error"] > 1e-3

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 import memory_plan  # SHAPES: model shapes written in code (no hub); the module imports neither torch nor transformers
 
 
@@ -2039,7 +2040,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
 
 def build_parser() -> argparse.ArgumentParser:
     """bench.py's command line: one subcommand per benchmark, each with its own flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n\n")[0])
     subparsers = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, (_, add_args, help_text) in BENCHMARKS.items():
         add_args(subparsers.add_parser(name, help=help_text, description=help_text))

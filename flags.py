@@ -39,6 +39,7 @@ import pipeline_rl  # imports vLLM only inside the generator process, never in a
 import tasks
 import vllm_replica  # the replica runtime: the address and secret checks
 from checkpoints import complete_checkpoints, newest_checkpoint_step, write_atomically
+from cli import OneLineParser  # one error line, printed by rank 0 only
 
 
 LOSSES = {"grpo": grpo, "dapo": dapo, "drgrpo": drgrpo, "gspo": gspo, "cispo": cispo}  # --loss NAME -> its file
@@ -630,7 +631,7 @@ def flags_markdown() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineParser(
         prog="train.py", description="The ScaleRL recipe: vLLM generator + FSDP2 learner. Run under torchrun.",
         epilog="Other commands: `train.py plan --shape NAME | --model DIR [flags]` prints the learner's GPU memory "
         "per rank for a layout, no GPU needed, and what would make it fit (train.py plan --help); on a GPU, a run "
@@ -678,16 +679,6 @@ class _Unset:
     """Marks a flag the command line did not give."""
 
 
-class _Parser(argparse.ArgumentParser):
-    """Argument errors in one line, printed once: every torchrun rank parses the same flags, so only rank 0
-    speaks and the others exit quietly with the same status."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parse_args(argv: list[str] | None = None, evaluating: bool = False) -> Args:
     """The flags of a run, checked (check_args), and on a GPU its learner's memory plan (memory_problems); with
     --resume, its own (resumed_values). `evaluating`: for `train.py evaluate --resume`, which trains nothing, so that
@@ -710,7 +701,7 @@ def plan(argv: list[str]) -> str:
     """`train.py plan`: the learner's memory plan per rank for a model (--shape, or --model's config) and a layout
     given as on the command line of a run, printed without a GPU and without checking the flags against this
     machine. Returns the plan's parts and, when it does not fit, the flags that would make it fit."""
-    parser = _Parser(
+    parser = OneLineParser(
         prog="train.py plan", description="The learner's GPU memory per rank (memory_plan.py; docs/memory.md), for "
         "the model and layout of a run; any other flag is train.py's.", allow_abbrev=False)
     parser.add_argument("--shape", choices=sorted(memory_plan.SHAPES), help="a model shape written in memory_plan.py "

@@ -1457,8 +1457,9 @@ class Generator:
 
 def main(argv: list[str]) -> int:
     if argv[:1] != ["replica"]:
-        print("usage: python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE [--replicas N] "
-              "[--gen-devices 0,1,...] [--tensor-parallel-size T] [--model PATH] (--help for more)", file=sys.stderr)
+        print("pipeline_rl.py: error: its one command is `pipeline_rl.py replica --connect HOST:PORT --secret-file "
+              "FILE [--replicas N] [--gen-devices 0,1,...] [--tensor-parallel-size T] [--model PATH]` (see replica "
+              "--help)", file=sys.stderr)
         return 2
     return vllm_replica.replica_command(argv[1:])
 

@@ -70,6 +70,9 @@ import numpy as np
 from scipy.optimize import curve_fit
 from scipy.special import expit
 
+from cli import OneLineParser  # one error line for a bad flag, no usage block
+
+
 ArrayLike = Sequence[float] | np.ndarray
 
 PASS_RATE_RANGE = (0.0, 1.0)
@@ -886,7 +889,7 @@ def _print_fit_table(label: str, args: argparse.Namespace, C: np.ndarray, R: np.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         description="Fit ScaleRL's sigmoidal compute-performance law (eq. 1) to RL runs, extrapolate, compare.",
         epilog="Example: python scaling_fit.py runs/a runs/b --min-compute 1.5 --fit-until 8 --out fits.png. "
         "Exit status: 0 all fitted, 1 some run is flat (no sigmoid can be identified), 2 bad input.",

@@ -47,7 +47,6 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import json
@@ -61,6 +60,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Any, Iterator, Protocol
+
+from cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 
 REPO_DIR = Path(__file__).resolve().parent
 
@@ -1151,7 +1152,7 @@ def chat_reply(model_dir: Path, prompt: str, max_new_tokens: int = 16) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Tasks and the tiny base model of scalerl.")
+    parser = OneLineParser(description="Tasks and the tiny base model of scalerl.")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build-base", help="build (or reuse) the tiny base model, then measure it with vLLM")
     build.add_argument("--out", type=Path, default=None, help="model directory (default: the cache, see default_model_dir)")

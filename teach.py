@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
+
 REPO = Path(__file__).resolve().parent
 LOSS_FUNCTIONS = ("compute_advantages", "loss_denominator", "compute_loss")
 
@@ -413,7 +415,7 @@ def _directory(text: str) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     """teach.py's command line: list, exercise, grade and pictures."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="the exercises in teaching order, with their questions")
     exercise_parser = commands.add_parser("exercise", help="write a student copy of ALGO.py into DIR")

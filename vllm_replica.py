@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 import tasks
+from cli import OneLineParser  # one error line for a bad flag, no usage block
 
 # --------------------------------------------------------------------------------------------------------------
 # Small helpers that pipeline_rl.py uses too
@@ -1047,7 +1048,7 @@ def read_secret(path: str | os.PathLike) -> bytes:
 
 def replica_parser() -> argparse.ArgumentParser:
     """The flags of `python pipeline_rl.py replica`."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="pipeline_rl.py replica", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Start vLLM replicas on this node for a train.py run on another node. The run's engine settings "
                     "(model, dtype, sampling, lengths) come from the learner; this command says only where and how "

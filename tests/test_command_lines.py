@@ -1,6 +1,7 @@
 """The command lines, fuzzed: every flag of train.py, `pipeline_rl.py replica`, scaling_fit.py, bench.py and teach.py,
 given out-of-range, wrong-type and empty values, is either accepted or refused with exit status 2 and one error line
-that names it, never a traceback. Parse and check only, in-process: nothing trains, connects, fits or writes."""
+that names it: no usage block above it, never a traceback. Parse and check only, in-process: nothing trains,
+connects, fits or writes."""
 
 from __future__ import annotations
 
@@ -30,16 +31,21 @@ def value_flags(parser: argparse.ArgumentParser) -> list[argparse.Action]:
 
 def outcome(parse, argv: list[str], capsys) -> str | None:
     """None when `parse(argv)` accepts the command line; else its one error line, after checking that the refusal is
-    exit status 2 with exactly one error line and no traceback (argparse's usage lines may come before it)."""
+    exit status 2 and that the error line is all it printed: no usage block, no traceback."""
     try:
         parse(argv)
     except SystemExit as stop:
         err = capsys.readouterr().err
-        errors = [line for line in err.splitlines() if "error:" in line]
-        assert stop.code == 2 and len(errors) == 1 and "Traceback" not in err, (argv, stop.code, err)
-        return errors[0]
+        assert stop.code == 2 and one_error_line(err), (argv, stop.code, err)
+        return err.strip()
     capsys.readouterr()
     return None
+
+
+def one_error_line(err: str) -> bool:
+    """`err` is one line, "PROG: error: ...": what cli.OneLineParser prints, without argparse's usage block."""
+    lines = err.strip().splitlines()
+    return len(lines) == 1 and ": error: " in lines[0] and "usage:" not in err and "Traceback" not in err
 
 
 def fuzz(parse, parser: argparse.ArgumentParser, capsys, before: list[str] = (), after: list[str] = ()) -> dict:
@@ -151,14 +157,17 @@ def test_every_teach_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):
     (["scaling_fit.py", "x", "--bootstrap", "-1"], "error: argument --bootstrap: must be >= 0 (got -1)"),
     (["bench.py", "staleness", "--ks", "1,x"], "error: argument --ks: expected comma-separated integers"),
     (["teach.py", "exercise", "grpo", ""], "error: argument DIR: expected a directory, got ''"),
+    (["teach.py", "nosuch"], "teach.py: error: argument command: invalid choice: 'nosuch'"),
+    (["bench.py"], "bench.py: error: the following arguments are required: BENCHMARK"),
+    (["pipeline_rl.py", "nosuch"], "pipeline_rl.py: error: its one command is `pipeline_rl.py replica"),
+    (["tasks.py", "build-base", "--nosuch"], "tasks.py: error: unrecognized arguments: --nosuch"),
 ])
 def test_the_real_entry_points_refuse_in_one_line(argv, message, tmp_path):
-    """The same refusals through each script's own entry point, as a user meets them: status 2, one error line."""
+    """The same refusals through each script's own entry point, as a user meets them: status 2, and the one error line
+    is all it prints (no usage block)."""
     run = subprocess.run([sys.executable, str(REPO / argv[0]), *argv[1:]], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120)
-    errors = [line for line in run.stderr.splitlines() if "error:" in line]
-    assert run.returncode == 2 and len(errors) == 1 and message in errors[0], run.stderr[-2000:]
-    assert "Traceback" not in run.stderr
+    assert run.returncode == 2 and one_error_line(run.stderr) and message in run.stderr, run.stderr[-2000:]
 
 
 def test_train_plan_checks_what_the_plan_divides_by(capsys):

@@ -1,0 +1,23 @@
+"""cli.py: what every command line of the project shares. A runtime module: a reader of the recipe may skip it.
+
+It imports nothing of the project, so that every entry point (train.py through flags.py, `pipeline_rl.py replica`,
+scaling_fit.py, bench.py, teach.py, tasks.py) can use it without pulling in torch or making an import cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Argument errors in one line, printed once: no usage block above it, since the line already names the flag
+    and says what it expected. Under torchrun every rank parses the same flags, so only rank 0 speaks and the others
+    exit quietly with the same status. Subcommands' parsers are of this class too (argparse makes them with the
+    parent's class)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)

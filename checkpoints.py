@@ -11,6 +11,7 @@ directory is opened: never through a symbolic link (people share run directories
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -25,7 +26,7 @@ import sys
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -244,7 +245,7 @@ def newest_checkpoint_step(run_dir: Path) -> int | None:
     """The step of the newest complete checkpoint whose trainer_state.json reads (None if none does)."""
     for ckpt in complete_checkpoints(run_dir):
         try:
-            step = json.loads((ckpt / "trainer_state.json").read_text()).get("step")
+            step = json.loads(read_no_follow(ckpt / "trainer_state.json")).get("step")  # a link: no step
         except (OSError, UnicodeDecodeError, ValueError, AttributeError):
             continue
         if isinstance(step, int):
@@ -255,7 +256,9 @@ def newest_checkpoint_step(run_dir: Path) -> int | None:
 def read_trainer_state(ckpt: Path) -> dict:
     path = ckpt / "trainer_state.json"
     try:
-        state = json.loads(path.read_bytes())
+        state = json.loads(read_no_follow(path))
+    except LinkRefusedError as e:
+        raise CheckpointError(str(e)) from None
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} is unreadable ({_first_line(e)})") from None
     if not (isinstance(state, dict) and isinstance(state.get("step"), int)):
@@ -267,10 +270,15 @@ def read_weights(path: Path, expect: dict | None = None) -> dict:
     """weights.pt ({"model", "optimizer"}) through torch's weights_only loader, memory-mapped (its tensors are
     read when used, so checking a checkpoint costs little). `expect`: what was just saved, to compare names and
     shapes with."""
-    if not zipfile.is_zipfile(path):  # torch.save's archive: a file cut short loses its directory at the end
-        raise CheckpointError(f"{path} is cut short or garbled (not a torch.save archive)")
     try:
-        weights = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with opened_no_follow(path) as opened:
+            if not zipfile.is_zipfile(opened):  # torch.save's archive: a file cut short loses its directory at its end
+                raise CheckpointError(f"{path} is cut short or garbled (not a torch.save archive)")
+            weights = torch.load(opened, map_location="cpu", weights_only=True, mmap=True)
+    except CheckpointError:
+        raise
+    except LinkRefusedError as e:
+        raise CheckpointError(str(e)) from None
     except pickle.UnpicklingError:  # torch's message goes on to suggest weights_only=False: never here
         raise CheckpointError(f"{path} holds objects other than tensors and plain values (a pickle that could run "
                               "code): refused unread") from None
@@ -309,7 +317,7 @@ def read_rng(ckpt: Path, rank: int, world: int | None) -> dict[str, Any] | None:
             return None
         raise CheckpointError(f"{path} is missing")
     try:
-        saved = json.loads(path.read_bytes())
+        saved = json.loads(read_no_follow(path))
         version, internal, gauss = saved["python"]
         python = (version, tuple(internal), gauss)
         random.Random().setstate(python)
@@ -318,6 +326,8 @@ def read_rng(ckpt: Path, rank: int, world: int | None) -> dict[str, Any] | None:
         np.random.RandomState().set_state(numpy_state)
         torch_state = torch.frombuffer(bytearray.fromhex(saved["torch"]), dtype=torch.uint8).clone()
         torch.Generator().set_state(torch_state)
+    except LinkRefusedError as e:
+        raise CheckpointError(str(e)) from None
     except (OSError, ValueError, TypeError, KeyError, OverflowError, RuntimeError) as e:
         raise CheckpointError(f"{path} is unreadable ({_first_line(e)})") from None
     return {"python": python, "numpy": numpy_state, "torch": torch_state}
@@ -328,9 +338,9 @@ def read_checkpoint_files(ckpt: Path, rank: int | None) -> tuple[dict, dict, dic
     rank None (export) skips the RNG. CheckpointError names the first file that does not read; a symbolic link (the
     directory or a file in it) is never read through."""
     try:
-        refuse_unless_regular(ckpt, directory=True)
+        refuse_unless_regular(ckpt, directory=True, reading=True)
         for name in ("trainer_state.json", "weights.pt", *([] if rank is None else [f"rng-{rank}.json"])):
-            refuse_unless_regular(ckpt / name)
+            refuse_unless_regular(ckpt / name, reading=True)
     except LinkRefusedError as e:
         raise CheckpointError(str(e)) from None
     state = read_trainer_state(ckpt)
@@ -433,8 +443,8 @@ def migrate_checkpoint(run_dir: Path) -> dict[str, Any]:
         for pickled in sorted(ckpt.glob("rng-*.pt")):
             target = pickled.with_suffix(".json")
             try:
-                with torch.serialization.safe_globals(allowed):
-                    saved = torch.load(pickled, map_location="cpu", weights_only=True)
+                with torch.serialization.safe_globals(allowed), opened_no_follow(pickled) as opened:
+                    saved = torch.load(opened, map_location="cpu", weights_only=True)
                 version, internal, gauss = saved["python"]
                 name, keys, pos, has_gauss, cached = saved["numpy"]
                 states = {"python": [version, list(internal), gauss],
@@ -460,8 +470,8 @@ class LinkRefusedError(OSError):
     never makes one, so someone else planted it. The message names it."""
 
 
-def refused_path_message(path: Path, what: str) -> str:
-    return (f"{path} is {what}: refused, nothing was written through it (a run never makes one there; remove it if "
+def refused_path_message(path: Path, what: str, done: str = "written") -> str:
+    return (f"{path} is {what}: refused, nothing was {done} through it (a run never makes one there; remove it if "
             "it is not yours)")
 
 
@@ -469,32 +479,54 @@ def open_no_follow(path: Path, flags: int, mode: int = 0o600) -> int:
     """os.open that refuses a symbolic link or anything but a regular file at `path` (LinkRefusedError naming it),
     instead of writing through it into whatever it points at. O_NONBLOCK keeps a planted FIFO from hanging the open;
     it is cleared again for the regular file."""
+    done = "read" if flags & os.O_ACCMODE == os.O_RDONLY else "written"
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise LinkRefusedError(refused_path_message(path, "a symbolic link")) from None
+            raise LinkRefusedError(refused_path_message(path, "a symbolic link", done)) from None
         if e.errno in (errno.EISDIR, errno.ENXIO):
-            raise LinkRefusedError(refused_path_message(path, "not a regular file")) from None
+            raise LinkRefusedError(refused_path_message(path, "not a regular file", done)) from None
         raise
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise LinkRefusedError(refused_path_message(path, "not a regular file"))
+        raise LinkRefusedError(refused_path_message(path, "not a regular file", done))
     os.set_blocking(fd, True)
     return fd
 
 
-def refuse_unless_regular(path: Path, directory: bool = False) -> bool:
+def read_no_follow(path: Path) -> bytes:
+    """The bytes of the regular file at `path`, never read through a link (LinkRefusedError naming it): a run trusts
+    nothing in its directory that it did not create, and a link could make it load another run's file as its own."""
+    with os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as f:
+        return f.read()
+
+
+@contextlib.contextmanager
+def opened_no_follow(path: Path) -> Iterator[str]:
+    """For readers that want a path (torch.load with mmap, zipfile): the regular file at `path`, opened without
+    following a link (LinkRefusedError), as /proc/self/fd/N, which names the file opened, not whatever `path` names
+    by the time the reader opens it."""
+    fd = open_no_follow(path, os.O_RDONLY)
+    try:
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def refuse_unless_regular(path: Path, directory: bool = False, reading: bool = False) -> bool:
     """Whether `path` exists, refusing (LinkRefusedError) a symbolic link there, or anything but a regular file (a
-    real directory, with `directory`)."""
+    real directory, with `directory`). `reading`: the refusal says nothing was read through it."""
+    done = "read" if reading else "written"
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return False
     if stat.S_ISLNK(mode):
-        raise LinkRefusedError(refused_path_message(path, "a symbolic link"))
+        raise LinkRefusedError(refused_path_message(path, "a symbolic link", done))
     if not (stat.S_ISDIR(mode) if directory else stat.S_ISREG(mode)):
-        raise LinkRefusedError(refused_path_message(path, "not a directory" if directory else "not a regular file"))
+        raise LinkRefusedError(refused_path_message(path, "not a directory" if directory else "not a regular file",
+                                                    done))
     return True
 
 

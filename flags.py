@@ -38,7 +38,8 @@ import memory_plan  # the learner's memory per rank, checked before anything sta
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import tasks
 import vllm_replica  # the replica runtime: the address and secret checks
-from checkpoints import complete_checkpoints, newest_checkpoint_step, write_atomically
+from checkpoints import (LinkRefusedError, complete_checkpoints, newest_checkpoint_step, read_no_follow,
+                         write_atomically)
 from cli import OneLineParser  # one error line, printed by rank 0 only
 
 
@@ -756,7 +757,7 @@ def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_
     given = {k: v for k, v in vars(parser.parse_args(argv, namespace=argparse.Namespace(**blank))).items()
              if v is not _Unset and not (v is None and blank[k] is None)}
     saved: dict[str, Any] = {}
-    if (Path(run_dir) / "args.json").exists():
+    if os.path.lexists(Path(run_dir) / "args.json"):  # a dangling link too: refused by name, not taken for none
         try:
             saved = read_args_json(Path(run_dir))
         except ValueError as e:
@@ -802,10 +803,13 @@ _JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (boo
 
 def read_args_json(run_dir: Path) -> dict[str, Any]:
     """A run's args.json: its flags (and "resumes", the history of its resumes). ValueError, in one line, for a file
-    that is not JSON, not an object, or holds a flag of the wrong type (a file edited by hand, or cut short)."""
+    that is not JSON, not an object, or holds a flag of the wrong type (a file edited by hand, or cut short), and for
+    a symbolic link or non-file there, never read through: it could hand the run another run's flags."""
     path = run_dir / "args.json"
     try:
-        saved = json.loads(path.read_text())
+        saved = json.loads(read_no_follow(path).decode())
+    except LinkRefusedError as e:
+        raise ValueError(str(e)) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path} is unreadable ({type(e).__name__}: {str(e)[:120]}): restore it, or start the run "
                          "afresh with --overwrite") from None
@@ -913,7 +917,7 @@ def write_args_json(out: Path, args: Args, step: int, missing_steps: list[int]) 
     current = dataclasses.asdict(args)
     resumes = []
     if args.resume:
-        saved = read_args_json(out) if (out / "args.json").exists() else {}
+        saved = read_args_json(out) if os.path.lexists(out / "args.json") else {}
         defaults = {f.name: f.default for f in dataclasses.fields(Args)}
         before = {k: saved.get(k, defaults[k]) for k in current}
         resumes = list(saved.get("resumes") or [])

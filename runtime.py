@@ -40,7 +40,7 @@ import scaling_fit
 import tasks
 import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, no_space_message,
-                         open_no_follow, refuse_unless_regular, write_atomically)
+                         open_no_follow, read_no_follow, refuse_unless_regular, write_atomically)
 from flags import (Args, generator_memory_fraction, generator_values, local_replicas, resolve_defaults, step_ranges,
                    write_args_json)
 from packing import model_device
@@ -305,7 +305,7 @@ def _record_start(args: Args, out: Path, state: TrainerState, log: MetricsLog) -
         print(f"[resume] {log.path} holds {log.lines} rows but the checkpoint covers {state.metrics_lines}: "
               f"no rows for steps {gaps} (recorded in args.json's resumes)", file=sys.stderr)
     if log.lines:
-        return [r for r in scaling_fit.read_metrics(log.path) if "val_pass_rate" in r]
+        return [r for r in read_run_metrics(log.path) if "val_pass_rate" in r]
     return []
 
 
@@ -626,6 +626,12 @@ def write_failure(path: Path, error: OSError, need: int, what: str) -> str:
         free = shutil.disk_usage(path.parent).free
         return f"could not write {path}: {no_space_message(path.parent, need, free, 0, what=what)}"
     return f"could not write {path}: {error.strerror or error}"
+
+
+def read_run_metrics(path: Path) -> list[dict]:
+    """The rows of a run's own metrics.jsonl (scaling_fit.read_metrics), never read through a link planted there
+    since the run checked it (LinkRefusedError naming it): a link would draw another run's curve as this one's."""
+    return scaling_fit.read_metrics(path, text=read_no_follow(path).decode())
 
 
 class MetricsLog:

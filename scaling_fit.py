@@ -596,9 +596,9 @@ def metrics_path(path: str | Path) -> Path:
     return file
 
 
-def _read_numbered_rows(path: str | Path) -> tuple[Path, list[tuple[int, dict]]]:
-    file = metrics_path(path)
-    text = file.read_text()
+def _read_numbered_rows(path: str | Path, text: str | None = None) -> tuple[Path, list[tuple[int, dict]]]:
+    file = Path(path) if text is not None else metrics_path(path)
+    text = file.read_text() if text is None else text
     lines = text.split("\n")
     complete_last_line = text.endswith("\n")
     if complete_last_line or text == "":
@@ -619,12 +619,13 @@ def _read_numbered_rows(path: str | Path) -> tuple[Path, list[tuple[int, dict]]]
     return file, rows
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """All rows of a metrics file (a run directory holding metrics.jsonl, or the .jsonl file itself).
+def read_metrics(path: str | Path, text: str | None = None) -> list[dict]:
+    """All rows of a metrics file (a run directory holding metrics.jsonl, or the .jsonl file itself); `text`: the
+    file's text, already read (a run reads its own without following links), `path` then only names it.
 
     Strict: an empty or malformed line, a partial last line included, raises ValueError naming the line.
     """
-    return [row for _, row in _read_numbered_rows(path)[1]]
+    return [row for _, row in _read_numbered_rows(path, text)[1]]
 
 
 def value_range_for(y: str) -> tuple[float, float]:

@@ -84,8 +84,8 @@ from head_gemm import split_bf16_logprobs
 from packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, current_asymptote, full_state_dict,
                      generator_config, idle_forward, idle_forwards_needed, load_tasks, model_flops_utilisation,
-                     new_row, peak_flops_per_s, rank0_speaks, reduce_metrics, set_up, sum_over_ranks, summary_line,
-                     this_ranks_share)
+                     new_row, peak_flops_per_s, rank0_speaks, read_run_metrics, reduce_metrics, set_up,
+                     sum_over_ranks, summary_line, this_ranks_share)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -609,7 +609,7 @@ def draw_dashboard(run: Run, label: str) -> None:
     """Rank 0, at every evaluation: OUTPUT_DIR/dashboard.png redrawn from metrics.jsonl, the run at a glance
     (scaling_fit.plot_dashboard: pass rate and its fit, reward, entropy, lengths, KL, clipping, lag, speed)."""
     try:
-        scaling_fit.plot_dashboard([(label, scaling_fit.read_metrics(run.metrics.path))], run.out / "dashboard.png")
+        scaling_fit.plot_dashboard([(label, read_run_metrics(run.metrics.path))], run.out / "dashboard.png")
     except Exception as error:  # a picture is not worth the run: say so, and train on
         tqdm.write(f"[dashboard] not drawn: {type(error).__name__}: {error}")
 
@@ -769,7 +769,7 @@ def pass_rates(generator: Any, problems: list, samples: int, temperature: float)
 
 def fit_and_plot(metrics_file: Path, out_png: Path, label: str) -> Any:
     """The end of a run: ScaleRL's sigmoid fitted to the evaluation rows, drawn with them into `out_png`."""
-    rows = [r for r in scaling_fit.read_metrics(metrics_file) if "val_pass_rate" in r]
+    rows = [r for r in read_run_metrics(metrics_file) if "val_pass_rate" in r]
     compute = [r["compute_hours"] for r in rows]
     reward = [r["val_pass_rate"] for r in rows]
     fit = None

@@ -1109,6 +1109,42 @@ def test_metrics_jsonl_is_never_read_or_written_through_a_planted_link(tmp_path,
     assert victim.read_text() == "precious\n"
 
 
+def test_a_run_directory_is_never_read_through_a_planted_link(tmp_path, one_rank_group, capsys):
+    """Reads too: a link at args.json, a checkpoint's files or metrics.jsonl, pointing at another run's file, would
+    hand this run that run's flags, model or curve. Each read refuses it by name, even one planted after a check."""
+    other, out = tmp_path / "other", tmp_path / "run"
+    for run in (other, out):
+        run.mkdir()
+        flags.write_args_json(run, flags.Args(output_dir=str(run)), 0, [])
+        model = torch.nn.Linear(3, 2)
+        checkpoints.save_checkpoint(run, model, torch.optim.AdamW(model.parameters()), {"step": 4}, rank=0)
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "compute_hours": 0.1, "val_pass_rate": 0.5}) + "\n")
+    ckpt = out / "checkpoint"
+    for path in (out / "args.json", ckpt / "trainer_state.json", ckpt / "weights.pt", ckpt / "rng-0.json",
+                 out / "metrics.jsonl"):
+        path.unlink()
+        path.symlink_to(other / path.relative_to(out))
+    refused = "is a symbolic link: refused, nothing was read through it"
+    with pytest.raises(ValueError, match=f"{out / 'args.json'} {refused}"):
+        flags.read_args_json(out)
+    with pytest.raises(SystemExit) as stop:  # --resume: one line naming it, before anything starts
+        flags.parse_args(["--resume", str(out)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and f"{out / 'args.json'} {refused}" in err, err
+    assert checkpoints.newest_checkpoint_step(out) is None  # its step is not this run's
+    for read in (lambda: checkpoints.read_trainer_state(ckpt), lambda: checkpoints.read_weights(ckpt / "weights.pt"),
+                 lambda: checkpoints.read_rng(ckpt, 0, 1)):
+        with pytest.raises(checkpoints.CheckpointError, match=refused):
+            read()
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{out / 'metrics.jsonl'} {refused}"):
+        runtime.read_run_metrics(out / "metrics.jsonl")
+    (ckpt / "rng-0.json").unlink()
+    (ckpt / "rng-0.pt").symlink_to(other / "checkpoint" / "rng-0.json")  # migrate-checkpoint's input
+    with pytest.raises(SystemExit, match=f"{ckpt / 'rng-0.pt'} is refused .*{refused}"):
+        checkpoints.migrate_checkpoint(out)
+    assert not (ckpt / "rng-0.json").exists() and (other / "checkpoint" / "rng-0.json").is_file()
+
+
 def test_checkpoints_are_never_written_or_read_through_a_planted_link(tmp_path, victim, one_rank_group, capsys):
     """A link in place of checkpoint.tmp/ stops the save before anything is written, naming it; a link in place of
     a checkpoint's file makes that checkpoint unreadable (named), the older one is used, and the next save removes

@@ -213,6 +213,15 @@ def no_space_message(out: Path, need: int, free: int, reclaimed: int, what: str 
             f"{(free + reclaimed) / mb:.1f} MB{freed})")
 
 
+def write_failure(path: Path, error: OSError, need: int, what: str) -> str:
+    """One line for `path` not written (metrics.jsonl, args.json, a weight file): on a full disk (or quota) its file
+    system and the free space for `what` of `need` bytes, else the error."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(path.parent).free
+        return f"could not write {path}: {no_space_message(path.parent, need, free, 0, what=what)}"
+    return f"could not write {path}: {error.strerror or error}"
+
+
 def file_system(path: Path) -> str:
     """The device a path is on, as /proc/mounts names it, with its mount point (the path itself if unknown)."""
     target, best = path.resolve(), None

@@ -1406,8 +1406,11 @@ class Generator:
         if transport == "file":
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             directory = vllm_replica.choose_weight_dir(self.config.weight_dir, nbytes)
-            path = vllm_replica.write_weight_file(
-                tensors, directory / f"scalerl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-v{version}.safetensors")
+            try:
+                path = vllm_replica.write_weight_file(
+                    tensors, directory / f"scalerl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-v{version}.safetensors")
+            except vllm_replica.WeightFileError as e:  # a full disk: the run stops as on any failure of the generator
+                raise GeneratorError(str(e)) from None
             how: dict[str, Any] = {"kind": "file", "path": str(path)}
         else:
             manifest = vllm_replica.weight_manifest(tensors, self.config.weight_bucket_bytes)

@@ -14,7 +14,6 @@ It holds:
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import math
@@ -39,8 +38,8 @@ import pipeline_rl  # imports vLLM only inside the generator process, never in a
 import scaling_fit
 import tasks
 import vllm_replica  # the replica runtime: the secret file, the parent-death signal
-from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, no_space_message,
-                         open_no_follow, read_no_follow, refuse_unless_regular, write_atomically)
+from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, open_no_follow,
+                         read_no_follow, refuse_unless_regular, write_atomically, write_failure)
 from flags import (Args, generator_memory_fraction, generator_values, local_replicas, resolve_defaults, step_ranges,
                    write_args_json)
 from packing import model_device
@@ -227,7 +226,10 @@ def set_up(args: Args,
         if state.step > 0:  # the generator starts from the base weights: give it the resumed ones
             weights = full_state_dict(learner.model)
             if is_main:
-                generator.update_weights(weights, state.step)
+                try:
+                    generator.update_weights(weights, state.step)
+                except pipeline_rl.GeneratorError as e:  # a full disk for the weight file: a failed start, one line
+                    raise SystemExit(f"train.py: error: {e}") from None
         eval_rows: list[dict] = []
         if is_main:  # the run's files appear only once it has started
             if args.overwrite:  # data, model and generator have all started: only now is the old run deleted
@@ -617,15 +619,6 @@ def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:
 class RunFileError(Exception):
     """A file of the run could not be written (a full disk); the message names it and, on a full disk, the free
     space."""
-
-
-def write_failure(path: Path, error: OSError, need: int, what: str) -> str:
-    """One line for `path` not written: on a full disk (or quota) its file system and the free space for `what` of
-    `need` bytes, else the error."""
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = shutil.disk_usage(path.parent).free
-        return f"could not write {path}: {no_space_message(path.parent, need, free, 0, what=what)}"
-    return f"could not write {path}: {error.strerror or error}"
 
 
 def read_run_metrics(path: Path) -> list[dict]:

@@ -30,6 +30,7 @@ import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -948,14 +949,22 @@ def choose_weight_dir(preferred: str | None, nbytes: int) -> Path:
     return Path(tempfile.gettempdir())
 
 
+class WeightFileError(RuntimeError):
+    """A weight file that could not be written (a full /dev/shm or temp dir), in one line naming it and, on a full
+    disk, its file system and the free space. The generator reports it as a GeneratorError, so the run stops the way
+    it does when the generator fails: every rank checkpoints, then stops."""
+
+
 def write_weight_file(tensors: dict[str, torch.Tensor], path: Path) -> Path:
     """Write `tensors` as a safetensors file at `path`, through a temporary beside it renamed into place. The
     directory (/dev/shm, the temp dir) is shared with other users: the temporary is first created O_EXCL|O_NOFOLLOW
     under a random name (checkpoints.create_beside), so nothing planted there is written through; safetensors then
-    writes a file of its own and renames it over ours (the rename replaces a name, never follows it)."""
+    writes a file of its own and renames it over ours (the rename replaces a name, never follows it). A write that
+    fails (a full disk) leaves no file behind and raises WeightFileError."""
     from safetensors.torch import save_file
 
-    from checkpoints import create_beside, refuse_unless_regular  # here: replica processes never write weights
+    # here: replica processes never write weights
+    from checkpoints import create_beside, refuse_unless_regular, write_failure
 
     fd, tmp = create_beside(path)
     os.close(fd)
@@ -963,10 +972,23 @@ def write_weight_file(tensors: dict[str, torch.Tensor], path: Path) -> Path:
         save_file(tensors, str(tmp))
         refuse_unless_regular(tmp)  # still the regular file it was: nothing was swapped in meanwhile
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)  # first: the free space the message gives is then the disk's own
+        error = _os_error(e)
+        if error is None:
+            raise
+        need = sum(t.numel() * t.element_size() for t in tensors.values())
+        raise WeightFileError(write_failure(path, error, need, "a weight file")) from None
     return path
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The operating system's error behind a failed write: an OSError, or safetensors' SafetensorError, which
+    carries it only in its text ("I/O error: No space left on device (os error 28)"). None for anything else."""
+    if isinstance(e, OSError):
+        return e
+    found = re.search(r"\(os error (\d+)\)", str(e))
+    return OSError(int(found[1]), os.strerror(int(found[1]))) if found else None
 
 
 def remove_leaked_segments(since: float, shm: Path = Path("/dev/shm")) -> list[str]:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
+from cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
 import memory_plan  # SHAPES: model shapes written in code (no hub); the module imports neither torch nor transformers
 
 
@@ -39,22 +40,6 @@ def _pin_to_one_core() -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
-
-
-def _count(minimum: int, none: bool = False) -> Callable[[str], int | None]:
-    """An argparse type: an integer >= minimum (`none`: or the word none), so that a bad value is one line naming
-    its flag instead of a traceback in the middle of a benchmark."""
-    def count(text: str) -> int | None:
-        if none and text == "none":
-            return None
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer{' or none' if none else ''}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
-        return value
-    return count
 
 
 def _number(low: float, high: float = math.inf, above: bool = False) -> Callable[[str], float]:

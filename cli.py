@@ -1,4 +1,5 @@
-"""cli.py: what every command line of the project shares. A runtime module: a reader of the recipe may skip it.
+"""cli.py: what every command line of the project shares: a bad flag is one error line (`OneLineParser`), and the
+argparse type of a count (`int_at_least`). A runtime module: a reader of the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through flags.py, `pipeline_rl.py replica`,
 scaling_fit.py, bench.py, teach.py, tasks.py) can use it without pulling in torch or making an import cycle.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Callable
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -21,3 +23,19 @@ class OneLineParser(argparse.ArgumentParser):
         if os.environ.get("RANK", "0") == "0":
             print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def int_at_least(minimum: int, none: bool = False) -> Callable[[str], int | None]:
+    """An argparse type: an integer >= minimum (`none`: or the word none), so that a bad value is one line naming its
+    flag instead of a traceback later."""
+    def count(text: str) -> int | None:
+        if none and text == "none":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer{' or none' if none else ''}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+    return count

@@ -40,7 +40,7 @@ import tasks
 import vllm_replica  # the replica runtime: the address and secret checks
 from checkpoints import (LinkRefusedError, complete_checkpoints, newest_checkpoint_step, read_no_follow,
                          write_atomically)
-from cli import OneLineParser  # one error line, printed by rank 0 only
+from cli import OneLineParser, int_at_least  # one error line (rank 0 only), the argparse type of a count
 
 
 LOSSES = {"grpo": grpo, "dapo": dapo, "drgrpo": drgrpo, "gspo": gspo, "cispo": cispo}  # --loss NAME -> its file
@@ -707,12 +707,12 @@ def plan(argv: list[str]) -> str:
         "the model and layout of a run; any other flag is train.py's.", allow_abbrev=False)
     parser.add_argument("--shape", choices=sorted(memory_plan.SHAPES), help="a model shape written in memory_plan.py "
                         "(else --model's config)")
-    parser.add_argument("--learner-ranks", type=vllm_replica.int_at_least(1), default=1,
+    parser.add_argument("--learner-ranks", type=int_at_least(1), default=1,
                         help="learner ranks (GPUs) in all (default 1)")
     parser.add_argument("--gpu-memory-gib", type=finite_float, default=80.0, help="memory of one learner GPU (default "
                         "80)")
-    parser.add_argument("--gpus", type=vllm_replica.int_at_least(1), help="GPUs of the node, to tell whether vLLM "
-                        "shares the learner's GPUs under --gen-devices (default: it does not)")
+    parser.add_argument("--gpus", type=int_at_least(1), help="GPUs of the node, to tell whether vLLM shares the "
+                        "learner's GPUs under --gen-devices (default: it does not)")
     options, rest = parser.parse_known_args(argv)
     args = Args(**vars(build_parser().parse_args(rest)))
     if options.shape:

@@ -71,6 +71,7 @@ from scipy.optimize import curve_fit
 from scipy.special import expit
 
 from cli import OneLineParser  # one error line for a bad flag, no usage block
+from cli import int_at_least as _count  # the argparse type of a count
 
 
 ArrayLike = Sequence[float] | np.ndarray
@@ -921,19 +922,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "entropy, lengths, KL and mismatch, clip and truncation, lag, throughput, gradient norm "
                         "against the step (train.py draws OUTPUT_DIR/dashboard.png for its own run)")
     return parser
-
-
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= minimum, so that a bad value is one line naming its flag."""
-    def count(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
-        return value
-    return count
 
 
 def _number(minimum: float) -> Callable[[str], float]:

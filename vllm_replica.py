@@ -48,7 +48,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import torch
 
 import tasks
-from cli import OneLineParser  # one error line for a bad flag, no usage block
+from cli import OneLineParser, int_at_least  # one error line for a bad flag; the argparse type of a count
 
 # --------------------------------------------------------------------------------------------------------------
 # Small helpers that pipeline_rl.py uses too
@@ -1090,20 +1090,6 @@ def replica_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connect-timeout", type=_seconds, default=600.0, help="seconds to keep trying to reach "
                         "the learner (a replica may be started before it)")
     return parser
-
-
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= minimum, so that a bad value is one line naming its flag (the join command's
-    counts, and flags.py's `train.py plan`, which imports it from here: this module imports nothing of flags)."""
-    def count(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
-        return value
-    return count
 
 
 def _seconds(text: str) -> float:

@@ -2110,9 +2110,11 @@ def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, ba
     """rng-1.json (rank 1's RNG states) cut short in the newest checkpoint of a 2-rank run. Before, rank 0 resumed
     from that checkpoint and rank 1 alone fell back to checkpoint.old, and the two deadlocked at the next save. Now
     both resume from checkpoint.old, rank 0 names the file and each rank's choice, and the run finishes with every
-    step once; args.json records the resume. A --max-steps the run has reached then has nothing to do."""
+    step once; args.json records the resume. A --max-steps the run has reached then has nothing to do. The run
+    reports to TensorBoard: its event files, read back, hold every step once with metrics.jsonl's values."""
     out = tmp_path / "run"
-    run = _train(out, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4", *SHORT)
+    run = _train(out, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4", "--report-to",
+                 "tensorboard", *SHORT)
     assert run.returncode == 0, run.stderr[-4000:]
     rng1 = out / "checkpoint" / "rng-1.json"
     rng1.write_bytes(rng1.read_bytes()[:100])
@@ -2123,6 +2125,14 @@ def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, ba
            f"{out / 'checkpoint.old'}" in run.stderr
     assert f"[resume] {out / 'checkpoint.old'}: step 2" in run.stderr
     assert [r["step"] for r in _rows(out)] == list(range(7))  # steps 3 and 4 redone, each logged once
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    for tag, field in (("train/reward", "reward"), ("train/entropy", "entropy"),
+                       ("eval/val_pass_rate", "val_pass_rate")):
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [  # steps 3 and 4 once, as redone
+            (r["step"], pytest.approx(r[field], rel=1e-6)) for r in _rows(out) if field in r], tag
     assert [json.loads((c / "trainer_state.json").read_text())["step"]
             for c in checkpoints.complete_checkpoints(out)] == [6, 4]
     assert json.loads((out / "args.json").read_text())["resumes"] == [{"step": 2, "changed": {"max_steps": [4, 6]}}]

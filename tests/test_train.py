@@ -674,7 +674,8 @@ def test_wandb_offline_gets_every_step_once_across_a_resume(tmp_path, monkeypatc
     assert [step for step, _ in history] == list(range(7))  # steps 3 and 4 with their first attempt's values
     assert [items["train/reward"] for _, items in history] == pytest.approx([0, .1, .2, .3, .4, 1.5, 1.6])
     assert history[2][1]["eval/val_pass_rate"] == pytest.approx(0.1) and "eval/val_pass_rate" not in history[1][1]
-    assert len({p.name.rsplit("-", 1)[1] for p in (tmp_path / "wandb").glob("offline-run-*")}) == 1  # one run id
+    run_id = (tmp_path / "wandb" / "run_id").read_text().strip()  # both attempts are one W&B run
+    assert [run_id in p.name for p in (tmp_path / "wandb").glob("offline-run-*")] == [True, True]
 
 
 def test_trackio_local_gets_every_step_once_across_a_resume(tmp_path, monkeypatch):

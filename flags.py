@@ -4,19 +4,20 @@ train.py's flags are the fields of `Args`, one per flag, grouped in --help by th
 configures (docs/flags.md is generated from them: `python train.py --help-markdown`). This file holds:
   - `Args`, its --help groups and `build_parser`/`parse_args`, and `flags_markdown`;
   - the checks run before anything starts (`check_args`, `range_problems`, `loss_arg_problems`, `replica_problems`,
-    `gpu_layout_problems`, `memory_problems` with the learner's memory plan, which `python train.py plan` prints),
-    and the argparse types of the flags' values (`finite_float`, `text_value`);
+    `report_to_problems`, `gpu_layout_problems`, `memory_problems` with the learner's memory plan, which `python
+    train.py plan` prints), and the argparse types of the flags' values (`finite_float`, `text_value`);
   - the resume rules: which flags a --resume may change (CHANGEABLE_ON_RESUME), the run's saved flags
     (`resumed_values`), and OUTPUT_DIR/args.json with its history of resumes (`read_args_json`, `write_args_json`);
   - what the flags resolve to once the machine and the model are known (`resolve_defaults`, `compute_dtype`,
     `model_context`, `lm_head_gemm` with the LM head's chunk sizes, `generator_memory_fraction`), and LOSSES, the
-    table --loss picks a loss file from.
+    table --loss picks a loss file from, and REPORT_TO, the packages --report-to may import.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import inspect
 import json
 import math
@@ -43,6 +44,10 @@ from checkpoints import (LinkRefusedError, complete_checkpoints, newest_checkpoi
 from cli import OneLineParser, int_at_least  # one error line (rank 0 only), the argparse type of a count
 
 
+# --report-to NAME -> (the module the reporter imports, the pip package that provides it); "none" needs nothing.
+# Imported only when asked for, so that a run without them never needs them installed.
+REPORT_TO = {"none": None, "tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
+             "trackio": ("trackio", "trackio")}
 LOSSES = {"grpo": grpo, "dapo": dapo, "drgrpo": drgrpo, "gspo": gspo, "cispo": cispo}  # --loss NAME -> its file
 EMBEDDED_MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings; its prompts are ~10 tokens
 PROMPT_ALLOWANCE = 512  # prompt tokens a real model's context keeps beside --max-tokens: a chat template (with its
@@ -104,6 +109,7 @@ def _arg(group: str, default: Any, help: str, **kw: Any) -> Any:
 # flag added later defines the run until it is named here. Each change is recorded in args.json with its step.
 CHANGEABLE_ON_RESUME = frozenset({
     "max_steps",  # upwards only: below the run's step is refused
+    "report_to",  # where the rows go besides metrics.jsonl, which stays whole either way
     "eval_every", "eval_samples", "final_eval_samples", "log_every", "checkpoint_every", "max_bad_steps",
     "peak_tflops",  # only the mfu metric: a run may move to another kind of GPU
     "micro_batch_tokens", "logits_chunk_tokens", "packing",  # memory and speed only: a step is the same (tested)
@@ -235,6 +241,11 @@ class Args:
                                           "of one evaluation, e.g. 16 when a fit's prediction is checked against it")
     eval_prompts: int = _arg(HelpGroup.EVALUATION, 128, "held-out validation prompts (ScaleRL: 1000)")
     log_every: int = _arg(HelpGroup.EVALUATION, 5, "print a one-line summary every N steps")
+    report_to: str = _arg(HelpGroup.EVALUATION, "none", "also send every metrics row's numbers, as TRL names them "
+                          "(train/reward, eval/val_pass_rate), to tensorboard (OUTPUT_DIR/tensorboard), wandb "
+                          "(WANDB_MODE=offline: no network, OUTPUT_DIR/wandb) or trackio (local: OUTPUT_DIR/trackio); "
+                          "its package must be installed; metrics.jsonl is written either way and stays the record",
+                          choices=tuple(REPORT_TO))
     peak_tflops: float | None = _arg(HelpGroup.EVALUATION, None, "dense peak TFLOP/s of one learner GPU in --dtype, "
                                      "for the metrics' mfu (model FLOPs utilisation); default: from a table of "
                                      "known GPUs by name (H100, H200, A100, L40S, ...); on CPU or an unknown GPU, "
@@ -348,6 +359,7 @@ def check_args(args: Args) -> list[str]:
     if not args.debug_learner_slowdown >= 1:
         problems.append("--debug-learner-slowdown must be >= 1 (1 = full speed)")
     problems += replica_problems(args)
+    problems += report_to_problems(args.report_to)
     problems += pipeline_rl.config_problems(  # the checks of every setting the generator shares, written there
         {**generator_values(args), "replicas": 1 if args.gen_replicas is None else args.gen_replicas,
          "secret": args.gen_secret_file}, generator_flag)
@@ -402,6 +414,20 @@ def check_args(args: Args) -> list[str]:
         problems.append("--dataset-config names a configuration of a hub data set: give --dataset NAME too, not a "
                         "local file or the embedded task")
     return problems
+
+
+def report_to_problems(report_to: str) -> list[str]:
+    """--report-to's package, imported now: a missing one is a line naming what to install, before anything starts,
+    rather than a failure at the first metrics row."""
+    if REPORT_TO.get(report_to) is None:
+        return []
+    module, package = REPORT_TO[report_to]
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        why = " ".join(f"{type(e).__name__}: {e}".split())  # one line, whatever the error says
+        return [f"--report-to {report_to} needs the {package} package: pip install {package} ({why})"]
+    return []
 
 
 SEED_LIMIT = 2**31  # numpy seeds each rank with --seed + rank, in 0..2**32 - 1: room for any number of ranks

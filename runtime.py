@@ -8,7 +8,8 @@ It holds:
   - the collectives that keep the learner ranks in step (`broadcast_from_rank0`, `reduce_metrics`, the idle
     forwards of a rank with no micro-batch left, `full_state_dict`);
   - signals (`GracefulStop`), the output-directory lock, the metrics file (`MetricsLog`) and a metrics row's
-    bookkeeping (`new_row`, `summary_line`, model FLOPs utilisation).
+    bookkeeping (`new_row`, `summary_line`, model FLOPs utilisation);
+  - --report-to: the rows sent to TensorBoard, W&B or trackio as well (`Reporter`, `report_scalars`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import shutil
 import signal
 import sys
 import time
+import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -237,6 +239,8 @@ def set_up(args: Args,
                 old_run_kept = False
             log = MetricsLog(out / "metrics.jsonl", state.metrics_lines if args.resume else 0,
                              covers_step=state.step if args.resume else None)
+            log.reporter = Reporter(args.report_to, out, vars(args), first_step=state.step + 1 if args.resume else 0,
+                                    reported_through=log.cut_through)
             eval_rows = _record_start(args, out, state, log)
         bar = tqdm(total=args.max_steps, initial=state.step, desc=f"{args.loss}/{args.mode}", disable=not is_main,
                    dynamic_ncols=True)
@@ -254,6 +258,8 @@ def set_up(args: Args,
     finally:
         if generator is not None:
             generator.close()
+        if log is not None and log.reporter is not None:
+            log.reporter.close()
 
 
 def _data(args: Args, is_main: bool) -> tuple[tasks.Task, tasks.Task | None]:
@@ -350,12 +356,14 @@ def claim_output_dir(out: Path, is_main: bool) -> Any:
 
 
 def remove_previous_run(out: Path) -> None:
-    """--overwrite, once the new run has passed every check and started: the old run's checkpoints, metrics and
-    plot go (its args.json is rewritten next)."""
+    """--overwrite, once the new run has passed every check and started: the old run's checkpoints, metrics (with
+    --report-to's) and plot go (its args.json is rewritten next)."""
     for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
         shutil.rmtree(out / name, ignore_errors=True)
     for name in ("metrics.jsonl", "scaling.png"):
         (out / name).unlink(missing_ok=True)
+    for name in REPORT_DIRS:  # --report-to's copies of the old rows: a new run must not be drawn over them
+        shutil.rmtree(out / name, ignore_errors=True)
 
 
 def _remove_failed_start(out: Path, fresh_dir: bool) -> None:
@@ -643,6 +651,11 @@ class MetricsLog:
                 lines = f.read().splitlines(keepends=True)
         kept = lines if keep_lines is None else lines[:keep_lines]
         self.lines = len(kept)
+        self.reporter: Reporter | None = None  # --report-to: each row written is sent there too
+        self.cut_through: int | None = None  # the last step of the rows cut off: an earlier attempt reported them
+        for line in lines[len(kept):]:
+            with contextlib.suppress(ValueError, AttributeError, TypeError):
+                self.cut_through = max(self.cut_through or 0, int(json.loads(line).get("step")))
         if kept != lines or not path.exists():
             write_atomically(path, "".join(kept))
         self.missing_steps: list[int] = []
@@ -675,3 +688,121 @@ class MetricsLog:
                 self.failure = write_failure(self.path, e, len(data), "a row")
                 raise RunFileError(self.failure) from None
         self.lines += 1
+        if self.reporter is not None:  # after the row is safe in metrics.jsonl, the record
+            self.reporter.report(row)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --report-to: the rows sent to TensorBoard, W&B or trackio as well; metrics.jsonl stays the record
+# ----------------------------------------------------------------------------------------------------------------
+
+
+REPORT_DIRS = ("tensorboard", "wandb", "trackio")  # under OUTPUT_DIR, one per --report-to that writes locally
+# The fields train.py's evaluate adds to a row: reported under eval/, as TRL reports its evaluation; the rest train/.
+EVAL_FIELDS = frozenset({"val_pass_rate", "val_reward", "val_samples", "eval_s", "test_pass_rate", "test_reward",
+                         "fit_asymptote"})
+
+
+def report_scalars(row: dict) -> dict[str, float]:
+    """A metrics row as --report-to's scalars, keyed as TRL keys its logs: eval/NAME for the evaluation's fields,
+    train/NAME for every other number, train/NAME/KEY for the numbers of a dict field (lag_hist/0, the replicas').
+    `step` is the x axis, not a scalar; strings, lists, booleans and the nulls of non-finite values are left out."""
+    scalars: dict[str, float] = {}
+
+    def add(key: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for sub, item in value.items():
+                add(f"{key}/{sub}", item)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            scalars[key] = float(value)
+
+    for name, value in row.items():
+        if name != "step":
+            add(f"{'eval' if name in EVAL_FIELDS else 'train'}/{name}", value)
+    return scalars
+
+
+class Reporter:
+    """Rank 0, --report-to tensorboard|wandb|trackio: each row metrics.jsonl takes is sent there too, as
+    report_scalars names it, at the row's step. The package is imported at the first row (flags.py checked that it
+    imports). A failure never stops the run, which metrics.jsonl records whole: the first is printed, the rest
+    counted and their number printed at the end.
+
+    On resume the steps after the checkpoint are trained again. TensorBoard drops what the earlier attempt wrote from
+    `first_step` on (SummaryWriter's purge_step), so its curves hold the steps of metrics.jsonl, each once. W&B and
+    trackio only append: rows up to `reported_through` (the last step the resume cut from metrics.jsonl, which the
+    earlier attempt had reported) are not sent again, so no step appears twice, with its first attempt's values."""
+
+    def __init__(self, kind: str, out: Path, config: dict[str, Any], first_step: int = 0,
+                 reported_through: int | None = None):
+        self.kind, self.out, self.config = kind, out, dict(config)
+        self.first_step, self.reported_through = first_step, reported_through
+        self.log: Callable[[dict[str, float], int], None] | None = None
+        self.finish: Callable[[], None] | None = None
+        self.failures = 0  # rows not reported
+        self.broken = False  # its start failed: nothing more is tried
+
+    def report(self, row: dict) -> None:
+        step = row["step"]
+        if self.kind == "none" or (self.kind != "tensorboard" and self.reported_through is not None
+                                   and step <= self.reported_through):
+            return
+        try:
+            if self.broken:
+                raise RuntimeError("not started")
+            if self.log is None:
+                try:
+                    self.log, self.finish = getattr(self, f"_start_{self.kind}")()
+                except BaseException:
+                    self.broken = True
+                    raise
+            self.log(report_scalars(row), step)
+        except Exception as error:  # the run goes on: metrics.jsonl has the row
+            self.failures += 1
+            if self.failures == 1:
+                print(f"[report-to] {self.kind}: step {step} not reported: {type(error).__name__}: {error}; training "
+                      "goes on (metrics.jsonl has every row), later failures are counted", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.finish is not None:
+            with contextlib.suppress(Exception):
+                self.finish()
+            self.finish = None
+        if self.failures:
+            print(f"[report-to] {self.kind}: {self.failures} rows not reported; metrics.jsonl has them all",
+                  file=sys.stderr, flush=True)
+            self.failures = 0
+
+    def _start_tensorboard(self) -> tuple[Callable, Callable]:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.first_step or None)
+
+        def log(scalars: dict[str, float], step: int) -> None:
+            for key, value in scalars.items():
+                writer.add_scalar(key, value, step)
+            writer.flush()  # a row a step: TensorBoard shows it now, and a kill -9 loses none
+
+        return log, writer.close
+
+    def _start_wandb(self) -> tuple[Callable, Callable]:
+        import wandb
+
+        # One W&B run per OUTPUT_DIR, resumed with it: its id is kept beside W&B's own files.
+        id_file = self.out / "wandb" / "run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else ""
+        if not run_id:
+            id_file.parent.mkdir(exist_ok=True)
+            run_id = uuid.uuid4().hex[:8]
+            write_atomically(id_file, run_id + "\n")
+        run = wandb.init(project=os.environ.get("WANDB_PROJECT", "scalerl"), name=self.out.name, id=run_id,
+                         resume="allow", dir=str(self.out), config=self.config)
+        return (lambda scalars, step: run.log(scalars, step=step)), run.finish
+
+    def _start_trackio(self) -> tuple[Callable, Callable]:
+        os.environ.setdefault("TRACKIO_DIR", str(self.out / "trackio"))  # local mode, read as trackio is imported
+        import trackio
+
+        trackio.init(project=os.environ.get("TRACKIO_PROJECT", "scalerl"), name=self.out.name, config=self.config,
+                     resume="allow")
+        return (lambda scalars, step: trackio.log(scalars, step=step)), trackio.finish

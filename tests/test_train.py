@@ -585,6 +585,141 @@ def test_non_finite_metrics_are_written_as_null_and_named(tmp_path):
     assert list(y) == [0.5, 0.6]
 
 
+# --report-to: the rows sent to TensorBoard, W&B or trackio as well (runtime.Reporter)
+
+
+def test_a_row_is_reported_as_trl_keys_its_logs():
+    row = {"step": 5, "reward": 0.5, "entropy": 0.25, "groups": 30, "val_pass_rate": 0.75, "val_samples": 4,
+           "fit_asymptote": 0.9, "lag_hist": {"0": 3, "1": 5}, "replica_deaths": [], "loss": None,
+           "non_finite": ["loss"], "grad_clipped": 0.0, "flag": True, "note": "text"}
+    assert runtime.report_scalars(row) == {
+        "train/reward": 0.5, "train/entropy": 0.25, "train/groups": 30.0, "eval/val_pass_rate": 0.75,
+        "eval/val_samples": 4.0, "eval/fit_asymptote": 0.9, "train/lag_hist/0": 3.0, "train/lag_hist/1": 5.0,
+        "train/grad_clipped": 0.0}  # step is the x axis; lists, nulls, booleans and strings are left out
+
+
+@pytest.mark.parametrize("report_to, module", [(name, entry[0]) for name, entry in flags.REPORT_TO.items() if entry])
+def test_report_to_without_its_package_is_one_line_naming_it_before_anything_starts(report_to, module, monkeypatch,
+                                                                                      capsys):
+    monkeypatch.setitem(sys.modules, module, None)  # what an import of a package that is not installed meets
+    package = flags.REPORT_TO[report_to][1]
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--report-to", report_to])
+    err = capsys.readouterr().err
+    assert f"--report-to {report_to} needs the {package} package: pip install {package}" in err
+    assert "usage:" not in err and len(err.splitlines()) == 1
+    assert flags.report_to_problems("none") == []
+
+
+def _metrics_rows_reported(out: Path, kind: str, steps: range, offset: float = 0.0, **resumed) -> None:
+    """Write rows of `steps` through a MetricsLog whose reporter is `kind`, as a run (or, with `resumed`, the resume
+    of a run: MetricsLog's keep_lines and covers_step) does."""
+    log = runtime.MetricsLog(out / "metrics.jsonl", resumed.get("keep_lines"), resumed.get("covers_step"))
+    log.reporter = runtime.Reporter(kind, out, {"loss": "cispo"}, first_step=steps[0],
+                                    reported_through=log.cut_through)
+    for step in steps:
+        log.write({"step": step, "reward": offset + step / 10, "lag_hist": {"0": step},
+                   **({"val_pass_rate": offset + step / 20} if step % 2 == 0 else {})})
+    log.reporter.close()
+
+
+def test_tensorboard_holds_each_step_once_after_a_resume_redoes_steps(tmp_path):
+    """A crash after step 4 and a resume from the checkpoint of step 2 redo steps 3 and 4: TensorBoard's reader sees
+    every step once, the values metrics.jsonl has."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _metrics_rows_reported(tmp_path, "tensorboard", range(0, 5))
+    _metrics_rows_reported(tmp_path, "tensorboard", range(3, 7), offset=1.0, keep_lines=3, covers_step=2)
+    rows = _rows(tmp_path)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert {"train/reward", "train/lag_hist/0", "eval/val_pass_rate"} <= set(events.Tags()["scalars"])
+    for tag, field in (("train/reward", "reward"), ("eval/val_pass_rate", "val_pass_rate")):
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [
+            (r["step"], pytest.approx(r[field])) for r in rows if field in r]
+
+
+def _wandb_history(out: Path) -> list[tuple[int, dict]]:
+    """(step, {key: value}) of every history record in OUTPUT_DIR's W&B offline runs, read as W&B writes its .wandb
+    files: a 7-byte header, then records of (crc32, length, type) in 32 KiB blocks, each record a protobuf Record."""
+    from wandb.proto import wandb_internal_pb2
+
+    found = []
+    for path in sorted(out.glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, chunks = path.read_bytes(), 7, b""
+        while pos + 7 <= len(data):
+            if pos % 32768 > 32768 - 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+            chunks += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):  # a whole record, or the last part of one
+                record = wandb_internal_pb2.Record.FromString(chunks)
+                chunks = b""
+                if record.HasField("history"):
+                    items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item}
+                    found.append((record.history.step.num, items))
+    return found
+
+
+def test_wandb_offline_gets_every_step_once_across_a_resume(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network: the run stays in OUTPUT_DIR/wandb
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _metrics_rows_reported(tmp_path, "wandb", range(0, 5))
+    _metrics_rows_reported(tmp_path, "wandb", range(3, 7), offset=1.0, keep_lines=3, covers_step=2)
+    history = _wandb_history(tmp_path)
+    assert [step for step, _ in history] == list(range(7))  # steps 3 and 4 with their first attempt's values
+    assert [items["train/reward"] for _, items in history] == pytest.approx([0, .1, .2, .3, .4, 1.5, 1.6])
+    assert history[2][1]["eval/val_pass_rate"] == pytest.approx(0.1) and "eval/val_pass_rate" not in history[1][1]
+    run_id = (tmp_path / "wandb" / "run_id").read_text().strip()  # both attempts are one W&B run
+    assert [run_id in p.name for p in (tmp_path / "wandb").glob("offline-run-*")] == [True, True]
+
+
+def test_trackio_local_gets_every_step_once_across_a_resume(tmp_path, monkeypatch):
+    if importlib.util.find_spec("trackio") is None:  # found, not imported: trackio reads TRACKIO_DIR as it is
+        pytest.skip("trackio is not installed: pip install trackio")
+    if "trackio" in sys.modules:
+        pytest.skip("trackio was imported earlier in this process, with the TRACKIO_DIR of then")
+    monkeypatch.setenv("TRACKIO_DIR", "unset")
+    monkeypatch.delenv("TRACKIO_DIR")  # the reporter's default, OUTPUT_DIR/trackio (restored after the test)
+    _metrics_rows_reported(tmp_path, "trackio", range(0, 5))
+    _metrics_rows_reported(tmp_path, "trackio", range(3, 7), offset=1.0, keep_lines=3, covers_step=2)
+    from trackio.sqlite_storage import SQLiteStorage
+
+    assert (tmp_path / "trackio" / "scalerl.db").is_file()
+    logs = SQLiteStorage.get_logs("scalerl", tmp_path.name)
+    assert [r["step"] for r in logs] == list(range(7))
+    assert [r["train/reward"] for r in logs] == pytest.approx([0, .1, .2, .3, .4, 1.5, 1.6])
+
+
+def test_a_reporter_that_fails_is_said_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def start(self):
+        def log(scalars, step):
+            calls.append(step)
+            if step >= 2:
+                raise OSError(28, "No space left on device")
+        return log, lambda: None
+
+    monkeypatch.setattr(runtime.Reporter, "_start_tensorboard", start)
+    _metrics_rows_reported(tmp_path, "tensorboard", range(0, 5))
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(5)) and calls == list(range(5))
+    err = capsys.readouterr().err
+    assert err.count("[report-to] tensorboard: step 2 not reported: OSError") == 1
+    assert "[report-to] tensorboard: 3 rows not reported; metrics.jsonl has them all" in err
+
+    def broken(self):
+        raise RuntimeError("cannot start")
+    monkeypatch.setattr(runtime.Reporter, "_start_tensorboard", broken)
+    _metrics_rows_reported(tmp_path, "tensorboard", range(5, 7))
+    err = capsys.readouterr().err
+    assert "step 5 not reported: RuntimeError: cannot start" in err and "2 rows not reported" in err
+
+
 def test_a_metrics_row_that_does_not_fit_is_cut_back_and_stops_every_rank_with_a_checkpoint(
         tmp_path, one_rank_group, monkeypatch):
     """A full disk while metrics.jsonl was written gave raw tracebacks on both ranks, a half-written row,
@@ -2053,9 +2188,11 @@ def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, ba
     """rng-1.json (rank 1's RNG states) cut short in the newest checkpoint of a 2-rank run. Before, rank 0 resumed
     from that checkpoint and rank 1 alone fell back to checkpoint.old, and the two deadlocked at the next save. Now
     both resume from checkpoint.old, rank 0 names the file and each rank's choice, and the run finishes with every
-    step once; args.json records the resume. A --max-steps the run has reached then has nothing to do."""
+    step once; args.json records the resume. A --max-steps the run has reached then has nothing to do. The run
+    reports to TensorBoard: its event files, read back, hold every step once with metrics.jsonl's values."""
     out = tmp_path / "run"
-    run = _train(out, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4", *SHORT)
+    run = _train(out, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4", "--report-to",
+                 "tensorboard", *SHORT)
     assert run.returncode == 0, run.stderr[-4000:]
     rng1 = out / "checkpoint" / "rng-1.json"
     rng1.write_bytes(rng1.read_bytes()[:100])
@@ -2066,6 +2203,14 @@ def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, ba
            f"{out / 'checkpoint.old'}" in run.stderr
     assert f"[resume] {out / 'checkpoint.old'}: step 2" in run.stderr
     assert [r["step"] for r in _rows(out)] == list(range(7))  # steps 3 and 4 redone, each logged once
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    for tag, field in (("train/reward", "reward"), ("train/entropy", "entropy"),
+                       ("eval/val_pass_rate", "val_pass_rate")):
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [  # steps 3 and 4 once, as redone
+            (r["step"], pytest.approx(r[field], rel=1e-6)) for r in _rows(out) if field in r], tag
     assert [json.loads((c / "trainer_state.json").read_text())["step"]
             for c in checkpoints.complete_checkpoints(out)] == [6, 4]
     assert json.loads((out / "args.json").read_text())["resumes"] == [{"step": 2, "changed": {"max_steps": [4, 6]}}]

@@ -134,7 +134,8 @@ class Args:
                              "built and cached on first use by tasks.build_base_model)")
     dataset: str | None = _arg(HelpGroup.WHAT, None, "HF data set name or local .json/.jsonl/.parquet (default: the "
                                "embedded 3-digit addition task; arithmetic-verified: the same with its scratchpad "
-                               "verified too, so a tight --think-budget is a hard ceiling, see tasks.py)")
+                               "verified too, so a tight --think-budget is a hard ceiling; small-arithmetic and "
+                               "mixed-arithmetic: tasks for a small real chat model, make run-real's; see tasks.py)")
     dataset_config: str | None = _arg(HelpGroup.WHAT, None, "configuration (subset) of a hub --dataset, passed on as "
                                       "datasets.load_dataset(NAME, CONFIG); e.g. main for openai/gsm8k")
     test_dataset: str | None = _arg(HelpGroup.WHAT, None, "optional test set (local file or HF name), evaluated with "

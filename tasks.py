@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -731,7 +732,7 @@ _INTEGER = re.compile(r"-?\d+")
 @dataclass
 class SmallArithmeticTask:
     """One-digit addition and subtraction asked in plain words, for a small real chat model through its chat
-    template (`--dataset small-arithmetic`; `make run-real` trains SmolLM2-135M-Instruct on it):
+    template (`--dataset small-arithmetic`; the level add-1d of mixed-arithmetic below, which `make run-real` uses):
 
         What is 7 + 5? Answer with a single number.        ->  12
         What is 8 - 3? Answer with a single number.        ->  5      (a >= b: no negative answers)
@@ -754,7 +755,7 @@ class SmallArithmeticTask:
     suffix: str = " Answer with a single number."
 
     def problem(self, a: int, op: str, b: int) -> Problem:
-        answer = a + b if op == "+" else a - b
+        answer = a + b if op == "+" else (a * b if op == "*" else a - b)
         return Problem(id=f"{a}{op}{b}", prompt=f"What is {a} {op} {b}?{self.suffix}", answer=str(answer))
 
     def problems(self, split: str) -> list[Problem]:
@@ -790,15 +791,77 @@ class SmallArithmeticTask:
                 "lenient": int(problem.answer) in numbers}
 
 
+class MixedArithmeticTask(SmallArithmeticTask):
+    """SmallArithmeticTask's prompts and reward at three levels, drawn in equal shares (`--dataset mixed-arithmetic`;
+    `make run-real` trains SmolLM2-135M-Instruct on it):
+
+        What is 7 + 5? Answer with a single number.      add-1d:   sums and differences of one-digit numbers (155)
+        What is 7 * 5? Answer with a single number.      times-1d: products of one-digit numbers, 1-9 (81)
+        What is 47 - 8? Answer with a single number.     add-2d1d: a two-digit and a one-digit number (1,620)
+
+    Why: on small-arithmetic alone the run runs out of problems. After some ten steps most of its 113 training
+    problems are solved by all 8 samples, their groups carry no gradient and are dropped, and the run declines
+    (docs/real-models.md). Measured at temperature 1 with make run-real's interruptions (8 samples of 40 problems
+    of each kind), SmolLM2-135M-Instruct scores 0.25, 0.14 and 0.20 on one-digit sums, differences and products
+    (pass@8 0.63-0.88: it can be taught), but 0.02-0.04 on a two-digit and a one-digit number (pass@8 0.13-0.20).
+    So the one-digit levels rise first, the two-digit level keeps groups with mixed rewards in the batch late in
+    the run, and the pass rate tends to an asymptote clearly below 1.
+
+    Differences keep a >= b. 32 problems of each level (96) are held out for validation, chosen by a hash of the
+    question and never trained on: with 3 samples each, the evaluation's sampling noise is at most +-0.03 (one
+    standard deviation, at a pass rate of 0.5 on every problem). The training stream picks a level uniformly, then
+    one of its training problems."""
+
+    name: str = "mixed-arithmetic"
+    levels: tuple[str, ...] = ("add-1d", "times-1d", "add-2d1d")
+    held_out_per_level: int = 32
+
+    def level_problems(self, level: str) -> list[Problem]:
+        """Every problem of one level, in a fixed order."""
+        one, two = range(10), range(10, 100)
+        if level == "times-1d":
+            return [self.problem(a, "*", b) for a in range(1, 10) for b in range(1, 10)]
+        first, second = {"add-1d": (one, one), "add-2d1d": (two, range(1, 10))}[level]
+        return ([self.problem(a, "+", b) for a in first for b in second]
+                + [self.problem(a, "-", b) for a in first for b in second if a >= b])
+
+    def problems(self, split: str) -> list[Problem]:
+        """The split's problems, the levels interleaved (so that the first n of the validation set mix them)."""
+        per_level = [self._split(level)[split] for level in self.levels]
+        return [p for row in itertools.zip_longest(*per_level) for p in row if p is not None]
+
+    def _split(self, level: str) -> dict[str, list[Problem]]:
+        """The level's held-out problems (the first by a hash of the question) and its training ones."""
+        every = self.level_problems(level)
+        order = sorted(every, key=lambda p: hashlib.blake2b(p.id.encode(), digest_size=8).digest())
+        val_ids = {p.id for p in order[:self.held_out_per_level]}
+        return {"val": order[:self.held_out_per_level], "train": [p for p in every if p.id not in val_ids]}
+
+    def level_of(self, problem: Problem) -> str:
+        """The level a problem belongs to, from its operator and operands."""
+        a, op, _ = re.fullmatch(r"(\d+)([-+*])(\d+)", problem.id).groups()
+        return "times-1d" if op == "*" else ("add-1d" if int(a) < 10 else "add-2d1d")
+
+    def train_stream(self, seed: int, start: int = 0) -> Iterator[tuple[int, Problem]]:
+        """Index i is the i-th draw of Random(seed): a level, then one of its training problems; resumable by index."""
+        train = [self._split(level)["train"] for level in self.levels]
+        rng, index = random.Random(seed), 0
+        while True:
+            problem = rng.choice(rng.choice(train))
+            if index >= start:
+                yield index, problem
+            index += 1
+
+
 # `--dataset` names of the tasks generated here (no data set behind them: --dataset-config and fields do not apply)
 EMBEDDED_TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "arithmetic-verified": VerifiedArithmeticTask,
-                                   "small-arithmetic": SmallArithmeticTask}
+                                   "small-arithmetic": SmallArithmeticTask, "mixed-arithmetic": MixedArithmeticTask}
 
 
 def load_task(dataset: str | None = None, **kwargs: Any) -> Task:
     """The task behind `--dataset`: None or 'arithmetic' is the embedded task, 'arithmetic-verified' the same with
-    its scratchpad verified, 'small-arithmetic' one-digit arithmetic for a small real chat model, anything else a
-    MathDataset."""
+    its scratchpad verified, 'small-arithmetic' one-digit arithmetic for a small real chat model, 'mixed-arithmetic'
+    the same with one-digit products and two-digit operands, anything else a MathDataset."""
     if not dataset:
         return ArithmeticTask()
     if dataset in EMBEDDED_TASKS:

@@ -696,6 +696,31 @@ def test_small_arithmetic_scores_the_last_number_and_keeps_its_validation_apart(
     assert [next(resumed)[1].id for _ in range(3)] == drawn[5:8]  # resumable by index
 
 
+def test_mixed_arithmetic_has_three_levels_a_balanced_validation_set_and_a_stream_that_never_runs_dry():
+    """The real-model task of make run-real (--dataset mixed-arithmetic): hand-counted levels (sums and differences
+    with a >= b of one-digit numbers: 100 + 55; products of 1-9: 81; a two-digit and a one-digit number 1-9: 810
+    sums + 810 differences), 32 of each held out and never drawn, a validation prefix that mixes the levels, a
+    stream that draws each level about a third of the time and resumes by index, and products scored by their
+    last number like the rest."""
+    task = tasks.load_task("mixed-arithmetic")
+    assert [len(task.level_problems(level)) for level in task.levels] == [155, 81, 1620]
+    train, val = task.problems("train"), task.validation()
+    assert len(val) == 96 and len(train) == 155 + 81 + 1620 - 96
+    assert not {p.id for p in train} & {p.id for p in val}
+    assert [task.level_of(p) for p in task.validation(3)] == ["add-1d", "times-1d", "add-2d1d"]
+    assert [sum(task.level_of(p) == level for p in val) for level in task.levels] == [32, 32, 32]
+    product = tasks.Problem("7*5", "What is 7 * 5? Answer with a single number.", "35")
+    assert task.problem(7, "*", 5) == product and task.level_of(product) == "times-1d"
+    assert task.reward(product, "7 * 5 = 35") == 1.0 and task.reward(product, "35 or 36") == -1.0
+    assert task.problem(47, "-", 8).answer == "39" and task.level_of(task.problem(47, "-", 8)) == "add-2d1d"
+    drawn = [p for _, (_, p) in zip(range(3000), task.train_stream(3))]
+    shares = [sum(task.level_of(p) == level for p in drawn) / len(drawn) for level in task.levels]
+    assert all(0.30 < share < 0.37 for share in shares), shares
+    assert not {p.id for p in drawn} & {p.id for p in val}
+    resumed = task.train_stream(3, start=7)
+    assert [next(resumed)[1].id for _ in range(3)] == [p.id for p in drawn[7:10]]
+
+
 def test_a_data_set_found_nowhere_is_named_with_its_flag_in_one_line(monkeypatch, capsys):
     """`--dataset nosuch/dataset`, with no such local file and no reachable hub, is one line that names the flag,
     the data set and why (it was a 15-frame traceback ending in ConnectionError)."""

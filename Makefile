@@ -42,7 +42,7 @@ run: setup
 # lr 3e-5 without warm-up (the paper's 5e-7 after 100 warm-up steps moves nothing in 40 steps); an evaluation every
 # 2 steps, since the pass rate rises within the first ten. ARGS come last, so they override these.
 REAL_ARGS := --dataset mixed-arithmetic --output-dir runs/real --mode sync --max-off-policy 1 --max-steps 48 \
-	--prompts-per-step 8 --group-size 8 --lr 3e-5 --warmup-steps 0 --adam-eps 1e-8 --weight-decay 0 \
+	--prompts-per-step 8 --group-size 8 --lr 1e-5 --warmup-steps 0 --adam-eps 1e-8 --weight-decay 0 \
 	--max-tokens 96 --think-budget 40,48 --answer-budget 16 --eval-every 3 --eval-samples 3 --weight-transport file
 
 run-real: setup

@@ -2412,13 +2412,13 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     assert [r["step"] for r in rows if "val_pass_rate" in r] == [0, 3]
     args = json.loads((out / "args.json").read_text())
     assert args["model"] == str(real_model_dir)  # the directory `tasks.py build-real-model --print-dir` printed
-    assert args["mode"] == "sync" and args["lr"] == 3e-5 and args["max_tokens"] == 48  # the target's, then ARGS
+    assert args["mode"] == "sync" and args["lr"] == 1e-5 and args["max_tokens"] == 48  # the target's, then ARGS
     for r in rows[1:]:
         assert r["groups"] == 2 and r["num_tokens"] > 0 and math.isfinite(r["loss"]) and r["skipped_step"] == 0.0
         assert r["lag_max"] == 0 and r["skipped_long_prompts"] == 0
         # Sampler (vLLM) and learner (FSDP, transformers) on the same float32 weights: sync mode trains on tokens
         # of the current version, so only kernel rounding remains (the full run measures KL ~1e-9). A stale LM
-        # head or unapplied update after step 1 shows the policy's change over a step at lr 3e-5 instead, and a
+        # head or unapplied update after step 1 shows the policy's change over a step at lr 1e-5 instead, and a
         # wrong chat template, token alignment or temperature KL of order 0.01 to 1.
         assert r["mismatch_kl_k3"] < 1e-6 and r["mismatch_max_abs_diff"] < 0.05, r
     assert (out / "scaling.png").stat().st_size > 0

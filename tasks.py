@@ -60,7 +60,7 @@ import sys
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 
@@ -765,13 +765,18 @@ class SmallArithmeticTask:
         return [p for p, val in zip(every, held_out) if val == (split == "val")]
 
     def train_stream(self, seed: int, start: int = 0) -> Iterator[tuple[int, Problem]]:
-        """Index i is the i-th draw of Random(seed) from the training problems: resumable by index."""
-        train, rng, index = self.problems("train"), random.Random(seed), 0
+        """Index i is the i-th draw of Random(seed) (`_drawer`): resumable by index."""
+        draw, rng, index = self._drawer(), random.Random(seed), 0
         while True:
-            problem = rng.choice(train)
+            problem = draw(rng)
             if index >= start:
                 yield index, problem
             index += 1
+
+    def _drawer(self) -> Callable[[random.Random], Problem]:
+        """One draw of the training stream: a training problem, uniformly."""
+        train = self.problems("train")
+        return lambda rng: rng.choice(train)
 
     def validation(self, n: int | None = None) -> list[Problem]:
         val = self.problems("val")
@@ -842,15 +847,10 @@ class MixedArithmeticTask(SmallArithmeticTask):
         a, op, _ = re.fullmatch(r"(\d+)([-+*])(\d+)", problem.id).groups()
         return "times-1d" if op == "*" else ("add-1d" if int(a) < 10 else "add-2d1d")
 
-    def train_stream(self, seed: int, start: int = 0) -> Iterator[tuple[int, Problem]]:
-        """Index i is the i-th draw of Random(seed): a level, then one of its training problems; resumable by index."""
+    def _drawer(self) -> Callable[[random.Random], Problem]:
+        """One draw of the training stream: a level uniformly, then one of its training problems."""
         train = [self._split(level)["train"] for level in self.levels]
-        rng, index = random.Random(seed), 0
-        while True:
-            problem = rng.choice(rng.choice(train))
-            if index >= start:
-                yield index, problem
-            index += 1
+        return lambda rng: rng.choice(rng.choice(train))
 
 
 # `--dataset` names of the tasks generated here (no data set behind them: --dataset-config and fields do not apply)

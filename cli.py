@@ -39,3 +39,13 @@ def int_at_least(minimum: int, none: bool = False) -> Callable[[str], int | None
             raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
         return value
     return count
+
+
+def positionals(prog: str, names: tuple[str, ...], argv: list[str], description: str | None = None) -> list[str]:
+    """A subcommand's positional arguments (`train.py export RUN_DIR OUT_DIR`), checked like flags: one missing, one
+    extra or an unknown option is one line and exit status 2, and `--help` prints `description`."""
+    parser = OneLineParser(prog=prog, description=description)
+    for name in names:
+        parser.add_argument(name)
+    given = vars(parser.parse_args(argv))
+    return [given[name] for name in names]

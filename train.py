@@ -77,6 +77,7 @@ import scaling_fit
 import tasks
 import tis
 from checkpoints import TrainerState, migrate_checkpoint, read_checkpoint, save_checkpoint
+from cli import positionals  # a subcommand's arguments, checked like flags: one error line
 from flags import LOSSES  # --loss NAME -> its loss file (grpo.py, dapo.py, drgrpo.py, gspo.py, cispo.py)
 from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, parse_literal, flags_markdown, lm_head_gemm,
                    loss_arg_problems, parse_args, plan, read_args_json, resolve_defaults)
@@ -105,14 +106,12 @@ def main(argv: list[str] | None = None) -> None:
         print(flags_markdown(), end="")
         return
     if argv[:1] == ["export"]:
-        if len(argv) != 3 or argv[1].startswith("-"):
-            raise SystemExit("usage: train.py export RUN_DIR OUT_DIR")
-        print(json.dumps(export(Path(argv[1]), Path(argv[2]))))
+        run_dir, out_dir = positionals("train.py export", ("RUN_DIR", "OUT_DIR"), argv[1:], export.__doc__)
+        print(json.dumps(export(Path(run_dir), Path(out_dir))))
         return
     if argv[:1] == ["migrate-checkpoint"]:
-        if len(argv) != 2 or argv[1].startswith("-"):
-            raise SystemExit("usage: train.py migrate-checkpoint RUN_DIR")
-        print(json.dumps(migrate_checkpoint(Path(argv[1]))))
+        run_dir, = positionals("train.py migrate-checkpoint", ("RUN_DIR",), argv[1:], migrate_checkpoint.__doc__)
+        print(json.dumps(migrate_checkpoint(Path(run_dir))))
         return
     if argv[:1] == ["plan"]:
         print(plan(argv[1:]))
@@ -777,8 +776,11 @@ def fit_and_plot(metrics_file: Path, out_png: Path, label: str) -> Any:
         fit = scaling_fit.fit_sigmoid(compute, reward)
     except ValueError as err:  # too few points, or a flat curve: plot the points anyway
         print(f"[scaling fit] {err}")
-    scaling_fit.plot_fits([(label, compute, reward, fit, None)], out_png, x_label="compute_hours",
-                          y_label="val_pass_rate")
+    try:
+        scaling_fit.plot_fits([(label, compute, reward, fit, None)], out_png, x_label="compute_hours",
+                              y_label="val_pass_rate")
+    except OSError as err:  # a full disk at the very end: the run, its checkpoint and metrics.jsonl are whole
+        print(f"[scaling fit] {out_png} not written: {err.strerror or err} (python scaling_fit.py draws it again)")
     return fit
 
 

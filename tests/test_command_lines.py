@@ -161,6 +161,10 @@ def test_every_teach_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):
     (["bench.py"], "bench.py: error: the following arguments are required: BENCHMARK"),
     (["pipeline_rl.py", "nosuch"], "pipeline_rl.py: error: its one command is `pipeline_rl.py replica"),
     (["tasks.py", "build-base", "--nosuch"], "tasks.py: error: unrecognized arguments: --nosuch"),
+    (["train.py", "export"], "train.py export: error: the following arguments are required: RUN_DIR, OUT_DIR"),
+    (["train.py", "export", "a", "b", "c"], "train.py export: error: unrecognized arguments: c"),
+    (["train.py", "migrate-checkpoint", "--nosuch"], "train.py migrate-checkpoint: error: the following arguments "
+                                                     "are required: RUN_DIR"),
 ])
 def test_the_real_entry_points_refuse_in_one_line(argv, message, tmp_path):
     """The same refusals through each script's own entry point, as a user meets them: status 2, and the one error line

@@ -60,6 +60,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -894,7 +895,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         description="Fit ScaleRL's sigmoidal compute-performance law (eq. 1) to RL runs, extrapolate, compare.",
         epilog="Example: python scaling_fit.py runs/a runs/b --min-compute 1.5 --fit-until 8 --out fits.png. "
-        "Exit status: 0 all fitted, 1 some run is flat (no sigmoid can be identified), 2 bad input.",
+        "Exit status: 0 all fitted, 1 some run is flat (no sigmoid can be identified), 2 bad input, 3 a figure "
+        "could not be written (a full disk).",
     )
     parser.add_argument("paths", nargs="+", type=_text, metavar="RUN_DIR_OR_METRICS.jsonl",
                         help="run directories holding metrics.jsonl, or metrics .jsonl files; one curve each")
@@ -945,7 +947,8 @@ def _text(text: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point. Returns 0, 1 if some run had no identifiable sigmoid, 2 on bad input."""
+    """CLI entry point. Returns 0, 1 if some run had no identifiable sigmoid, 2 on bad input, 3 if a figure could not
+    be written."""
     args = build_parser().parse_args(argv)
     value_range = value_range_for(args.y)
     grids = dict(a_grid=PAPER_A_GRID, c_mid_grid=PAPER_C_MID_GRID) if args.paper_grids else {}
@@ -962,7 +965,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.dashboard:
         runs = [(label, read_metrics(path)) for label, path in zip(curves, args.paths)]
-        print(f"dashboard: {plot_dashboard(runs, args.dashboard)}")
+        try:
+            print(f"dashboard: {plot_dashboard(runs, args.dashboard)}")
+        except OSError as err:
+            return _not_written(args.dashboard, err)
 
     def fitted_part(C: np.ndarray, R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keep = C <= args.fit_until if args.fit_until is not None else np.ones(len(C), dtype=bool)
@@ -1011,9 +1017,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         fitted = [(p.label, p.fit.B) for p in plotted if p.fit is not None]
         ranking = ", ".join(f"{label} (B={b:.3f})" for label, b in sorted(fitted, key=lambda item: -item[1]))
         print(f"fixed-A comparison at A = {shared_a:.4f}, highest B (steepest) first: {ranking}")
-    out = plot_fits(plotted, args.out, x_label=args.x, y_label=args.y)
+    try:
+        out = plot_fits(plotted, args.out, x_label=args.x, y_label=args.y)
+    except OSError as err:
+        return _not_written(args.out, err)
     print(f"figure: {out}")
     return status
+
+
+def _not_written(path: str | Path, err: OSError) -> int:
+    """A figure that could not be written (a full disk, a directory that cannot be made): one line naming it and the
+    free space where it was to go, instead of a traceback; exit status 3. The fits printed above stand."""
+    try:
+        free = f" ({shutil.disk_usage(Path(path).parent).free / 2**20:.1f} MB free there)"
+    except OSError:
+        free = ""
+    print(f"error: could not write {path}: {err.strerror or err}{free}", file=sys.stderr)
+    return 3
 
 
 if __name__ == "__main__":

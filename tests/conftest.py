@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,3 +48,15 @@ def real_model_dir() -> Path:
     if tasks.real_model_missing():
         pytest.skip(f"not installed: {', '.join(tasks.real_model_missing())} ({tasks.REAL_MODEL_PIP})")
     return tasks.build_real_model()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    """A real 64 KiB tmpfs (root only: skipped, with the reason, where it cannot be mounted)."""
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=True)

@@ -194,7 +194,9 @@ def set_up(args: Args,
         task, test_task = _data(args, is_main)
         embedded = args.model is None
         if embedded and is_main:
-            tasks.build_base_model()
+            note = tasks.base_model_note(tasks.build_base_model())  # another CPU may build another base model
+            if note:
+                print(note, file=sys.stderr, flush=True)
         dist.barrier()
         model_path = str(tasks.build_base_model()) if embedded else args.model
         resolve_defaults(args, embedded, device.type == "cuda")

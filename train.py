@@ -79,8 +79,8 @@ import tis
 from checkpoints import TrainerState, migrate_checkpoint, read_checkpoint, save_checkpoint
 from cli import positionals  # a subcommand's arguments, checked like flags: one error line
 from flags import LOSSES  # --loss NAME -> its loss file (grpo.py, dapo.py, drgrpo.py, gspo.py, cispo.py)
-from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, parse_literal, flags_markdown, lm_head_gemm,
-                   loss_arg_problems, parse_args, plan, read_args_json, resolve_defaults)
+from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, flags_markdown, lm_head_gemm,
+                   loss_arg_problems, parse_args, parse_literal, plan, read_args_json, reshard_layers, resolve_defaults)
 from head_gemm import split_bf16_logprobs
 from packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, current_asymptote, full_state_dict,
@@ -802,7 +802,8 @@ def make_learner(args: Args, model_path: str, device: Any, rank: int) -> Learner
     torch.manual_seed(args.seed)
     model, n_params = build_learner(model_path, args, device)
     ref_model = build_reference(model_path, args, device) if args.kl_coef else None
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay,
+                                  fused=adamw_fused(args, device) or None)  # --adamw; None: PyTorch's default
     warmup = max(args.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     return Learner(model=model, optimizer=optimizer, scheduler=scheduler, loss_module=loss_module, hp=hp,
@@ -847,8 +848,9 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
         head = [model.get_input_embeddings(), model.lm_head] if tied else model.lm_head
         fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=cast),
                     **offload)
+    reshard = reshard_layers(args, dist.get_world_size())  # --fsdp-reshard
     for layer in model.model.layers:
-        fully_shard(layer, **({"mp_policy": mp} if mp else {}), **offload)
+        fully_shard(layer, **({"mp_policy": mp} if mp else {}), **offload, reshard_after_forward=reshard)
     fully_shard(model, **({"mp_policy": mp} if mp else {}), **offload)
     model.to_empty(device="cpu" if args.cpu_offload else device)
     if args.cpu_offload:  # buffers (the rotary frequencies) are not FSDP2's to move: they go where it computes

@@ -94,6 +94,25 @@ def test_hand_checked_parts_of_a_tiny_config():
     assert plan.total == sum(plan.gpu.values()) + plan.margin and plan.fits() and plan.problems() == []
 
 
+def test_fsdp_reshard_never_keeps_every_layer_gathered_and_auto_chooses_it_on_one_rank_only():
+    """--fsdp-reshard never keeps every decoder layer's bf16 copy from forward to backward (all layers count, not
+    two); auto chooses it on a single learner rank without --cpu-offload, and FSDP2's default everywhere else."""
+    root = 32 * 8 + 8  # as in the hand-checked test above
+    four_layers = Qwen3Config(**{**TINY.to_dict(), "num_hidden_layers": 4, "layer_types": None})
+    for reshard, layers in (("always", 2), ("never", 4)):
+        plan = mp.estimate(four_layers, dataclasses.replace(TINY_LAYOUT, fsdp_reshard=reshard))
+        assert plan.gpu["gathered"] == 2 * (root + layers * 600) + (2 + 4) * 600, reshard
+    assert mp.reshard_layers("auto", 1, cpu_offload=False) is False
+    assert mp.reshard_layers("auto", 2, cpu_offload=False) is True
+    assert mp.reshard_layers("auto", 1, cpu_offload=True) is True
+    assert mp.reshard_layers("always", 1, cpu_offload=False) is True
+    assert mp.reshard_layers("never", 8, cpu_offload=True) is False
+    args = flags.Args(group_size=2, prompts_per_step=8, micro_batch_tokens=100)
+    one_rank = flags.learner_memory_plan(args, four_layers, 1, 4 * GIB).layout
+    assert one_rank.fsdp_reshard == "auto" and not one_rank.reshard_layers
+    assert flags.learner_memory_plan(args, four_layers, 2, 4 * GIB).layout.reshard_layers
+
+
 def test_a_tied_head_joins_the_fp32_units_and_float32_gathers_once():
     tied = Qwen3Config(**{**TINY.to_dict(), "tie_word_embeddings": True})
     layout = dataclasses.replace(TINY_LAYOUT, dtype_bytes=4)
@@ -118,6 +137,21 @@ def test_a_layout_that_cannot_fit_is_refused_with_the_flags_that_would_make_it_f
     assert mp.estimate(QWEN3_8B, dataclasses.replace(SCALERL_BATCH, activation_checkpointing=True,
                                                      learner_ranks=3)).fits()
     assert not mp.estimate(QWEN3_8B, dataclasses.replace(SCALERL_BATCH, activation_checkpointing=True)).fits()
+
+
+def test_a_single_rank_that_fits_only_when_each_layer_is_freed_is_told_so_first():
+    """Keeping every layer gathered (auto, one rank) costs 2 bytes a parameter of 34 of Qwen3-8B's 36 layers: on a
+    GPU where only that breaks the fit, the cheapest remedy, --fsdp-reshard always, comes first."""
+    layout = dataclasses.replace(SCALERL_BATCH, learner_ranks=1, fsdp_reshard="auto", activation_checkpointing=True,
+                                 sequence_tokens=1024, micro_batch_tokens=1024)
+    always = dataclasses.replace(layout, fsdp_reshard="always")
+    parts = sum(mp.estimate(QWEN3_8B, always).gpu.values())
+    gap = sum(mp.estimate(QWEN3_8B, layout).gpu.values()) - parts
+    assert gap == 2 * 34 * mp.parameter_counts(QWEN3_8B).layer
+    gpu_memory = int((parts + gap // 2 + mp.MARGIN_BYTES) / (1 - mp.MARGIN_FRACTION))  # between the two
+    assert mp.estimate(QWEN3_8B, dataclasses.replace(always, gpu_memory=gpu_memory)).fits()
+    [message] = mp.estimate(QWEN3_8B, dataclasses.replace(layout, gpu_memory=gpu_memory)).problems()
+    assert message.split("in order of cost: ")[1].startswith("--fsdp-reshard always; or ")
 
 
 def test_a_smaller_micro_batch_or_more_ranks_are_named_when_they_fit():

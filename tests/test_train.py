@@ -973,6 +973,42 @@ def test_activation_checkpointing_and_cpu_offload_give_the_same_step(one_rank_gr
         torch.testing.assert_close(weights_2[name], weights[name], rtol=1e-5, atol=1e-7)
 
 
+def test_fsdp_reshard_and_fused_adamw_change_no_step(one_rank_group, base_model_dir, monkeypatch):
+    """--fsdp-reshard reaches every decoder layer's fully_shard (auto: never on this one rank) and changes nothing:
+    the same loss and gradient bit for bit with each layer freed after its forward or kept. --adamw fused (auto's
+    choice on a GPU; PyTorch has a fused CPU kernel too) gives the weights of PyTorch's default AdamW to float32
+    rounding, through train.make_learner's optimizer."""
+    from bench import synthetic_groups
+
+    reshards: list = []
+    real_fully_shard = train.fully_shard
+    monkeypatch.setattr(train, "fully_shard", lambda module, **kw: (
+        reshards.append(kw.get("reshard_after_forward")), real_fully_shard(module, **kw))[1])
+    results = {}
+    for name, layout in {"auto": {}, "always": {"fsdp_reshard": "always"},
+                         "fused": {"fsdp_reshard": "always", "adamw": "fused"}}.items():
+        reshards.clear()
+        args = flags.Args(dtype="float32", lr=1e-3, adam_eps=1e-8, weight_decay=0.01, warmup_steps=0, **layout)
+        learner = train.make_learner(args, str(base_model_dir), torch.device("cpu"), 0)
+        layers = len(learner.model.model.layers)
+        assert reshards[-layers - 1: -1] == [name == "always" or name == "fused"] * layers, (name, reshards)
+        assert learner.optimizer.defaults["fused"] == (name == "fused" or None), name
+        groups = synthetic_groups(3, 4, learner.model.config.vocab_size)
+        loss, _, grads = _one_step(learner.model, "cispo", {}, groups, micro_batch_tokens=40, **layout)
+        for _ in range(2):  # two steps: the second reads the moments the first wrote
+            learner.optimizer.step()
+        results[name] = loss, grads, {k: v.clone() for k, v in runtime.full_state_dict(learner.model).items()}
+    (loss, grads, weights), (loss_2, grads_2, weights_2) = results["auto"], results["always"]
+    assert loss_2 == loss and all(torch.equal(a, b) for a, b in zip(grads, grads_2))
+    assert all(torch.equal(weights[k], weights_2[k]) for k in weights)
+    _, _, fused = results["fused"]
+    moved = max((weights[k] - w).abs().max().item() for k, w in runtime.full_state_dict(
+        train.build_learner(str(base_model_dir), flags.Args(dtype="float32"), torch.device("cpu"))[0]).items())
+    assert moved > 1e-4  # the steps moved the weights, so the comparison below can fail
+    for k in weights:
+        torch.testing.assert_close(fused[k], weights[k], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("tis", [None, "token"])
 def test_a_round_of_one_batch_takes_its_old_logprobs_from_its_own_forward(one_rank_group, base_model_dir, tis):
     """Sync mode with k = 1 (and --tis) trains on the weights that would compute the learner's old logprobs: the

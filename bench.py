@@ -573,6 +573,12 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                              "in backward too (transformers' gradient checkpointing)")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="the learner's --cpu-offload; the bare step, a plain model, keeps everything on the GPU")
+    parser.add_argument("--adamw", default="auto", choices=("auto", "default", "fused"),
+                        help="the learner's --adamw (auto: fused on a GPU without --cpu-offload); the bare step "
+                             "uses the same implementation, and where it is fused is also timed with PyTorch's "
+                             "default, the limit as it was first measured")
+    parser.add_argument("--fsdp-reshard", default="auto", choices=("auto", "always", "never"),
+                        help="the learner's --fsdp-reshard (auto: never on one rank without --cpu-offload)")
     parser.add_argument("--completion-tokens", type=_int_list(1, pair=True), default="3,20",
                         help="MIN,MAX length of the synthetic completions, uniform (default 3,20)")
     parser.add_argument("--row-widths", type=_int_list(1), default=None,
@@ -674,7 +680,7 @@ def _learner_cli(args: argparse.Namespace) -> Any:
 
     cli = flags.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
                      packing=True, activation_checkpointing=args.activation_checkpointing,
-                     cpu_offload=args.cpu_offload)
+                     cpu_offload=args.cpu_offload, adamw=args.adamw, fsdp_reshard=args.fsdp_reshard)
     if args.micro_batch_tokens is not None:
         cli.micro_batch_tokens = args.micro_batch_tokens
     return cli
@@ -780,7 +786,7 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
     hp = train.loss_hyperparameters(cli, loss_module)
     model, n_params = train.build_learner(model_dir, cli, device)
     weights_bytes = _allocated(device)  # before the first step: no gradients, no AdamW state yet
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=flags.adamw_fused(cli, device) or None)
     rows = {name: [packing.to_rows(packing.micro_batch_groups(groups, idx)[0], None, args.group_size, 0, device,
                                    packing.row_packing(c, model))
                    for idx in packing.micro_batches(groups, c.micro_batch_tokens, c.packing)]
@@ -803,6 +809,8 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
     if args.packed_only:
         rows["padded"] = []  # its micro-batches are counted below, its head not timed
     return {"n_params": n_params, "weights_bytes": weights_bytes, "timed": timed, "host": host, "rows": rows,
+            "adamw": "fused" if flags.adamw_fused(cli, device) else "default",
+            "fsdp_reshard": "always" if flags.reshard_layers(cli, world) else "never",
             "attention": model.config._attn_implementation,
             "n_micro_batches": {name: len(packing.micro_batches(groups, c.micro_batch_tokens, c.packing))
                                 for name, c in clis.items()},
@@ -985,33 +993,43 @@ def _time_bare(model_dir: str, cli: Any, groups: list, advantages: Any, args: ar
     """The bare step: a plain transformers model (_bare_model) fed the whole batch in one forward, packed into the
     rows the learner would build for it; a REINFORCE loss on the completions' tokens; AdamW. With --row-widths also
     on the batch packed into rows of each width and in padded rows. Returns the timings, the memory its weights
-    hold, its rows' shapes, and its LM head's time alone (_bare_logprobs on the same scored positions)."""
+    hold, its rows' shapes, and its LM head's time alone (_bare_logprobs on the same scored positions). Its AdamW
+    is the learner's implementation (--adamw; a plain model's parameters are on the GPU whatever --cpu-offload
+    says); where that is fused, the step is also timed with PyTorch's default ("bare default-adamw")."""
+    import dataclasses
+
     import torch
 
+    import flags
     import packing
 
     model = _bare_model(model_dir, cli, device, args.activation_checkpointing)
     weights_bytes = _allocated(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    fused = flags.adamw_fused(dataclasses.replace(cli, cpu_offload=False), device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
     whole = packing.to_rows(groups, advantages, args.group_size, 0, device, packing.row_packing(cli, model))
     real = whole.attention[:, 1:]                                                         # [N, L-1] a next token
     weight = (whole.advantages[:, None] * whole.loss_mask)[real] / whole.loss_mask.sum()  # [P]
 
-    def bare_step(input_ids: torch.Tensor, where: torch.Tensor, **layout: torch.Tensor) -> Callable[[], None]:
+    def bare_step(input_ids: torch.Tensor, where: torch.Tensor, adamw: Any = optimizer,
+                  **layout: torch.Tensor) -> Callable[[], None]:
         """The bare step on rows `input_ids` [R, W] (position_ids= packed, or attention_mask= padded), the batch's
         P next-token positions at `where` [P] in the flattened [R * (W-1)] positions that predict one."""
         targets = input_ids[:, 1:].reshape(-1)[where]                                    # [P]
 
         def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
+            adamw.zero_grad(set_to_none=True)
             hidden = model.model(input_ids=input_ids, use_cache=False, **layout).last_hidden_state  # [R, W, H]
             hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])[where]                 # [P, H]
             (-(_bare_logprobs(model.lm_head, hidden, targets) * weight).sum()).backward()
-            optimizer.step()
+            adamw.step()
         return step
 
     where = whole.packed.index[real]                                                      # [P]
     methods = {"bare": bare_step(whole.packed.input_ids, where, position_ids=whole.packed.position_ids)}
+    if fused:
+        methods["bare default-adamw"] = bare_step(whole.packed.input_ids, where, torch.optim.AdamW(
+            model.parameters(), lr=1e-5), position_ids=whole.packed.position_ids)
     widths: dict[str, tuple[int, ...]] = {}  # --row-widths: method name -> its rows' shape
     if args.row_widths:
         seqs = [grp.prompt_ids + c.token_ids for grp in groups for c in grp.completions]
@@ -1036,6 +1054,7 @@ def _time_bare(model_dir: str, cli: Any, groups: list, advantages: Any, args: ar
 
     head_s = _seconds(head_step, args.repeats, device) if "s" in timed["bare"] else None
     return {"weights_bytes": weights_bytes, "timed": timed, "head_s": head_s, "scored_tokens": len(targets),
+            "adamw": "fused" if fused else "default",
             "rows": tuple(whole.packed.input_ids.shape), "widths": widths}
 
 
@@ -1078,6 +1097,7 @@ def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dic
     results = {"bench": "train", "model": args.model, "shape": args.shape, "n_params": learner["n_params"],
                "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head, "attention": learner["attention"],
                "activation_checkpointing": args.activation_checkpointing, "cpu_offload": args.cpu_offload,
+               "adamw": learner["adamw"], "fsdp_reshard": learner["fsdp_reshard"], "bare_adamw": bare["adamw"],
                "groups": args.groups, "group_size": args.group_size, "completion_tokens": args.completion_tokens,
                "tokens": tokens, "micro_batch_tokens": cli.micro_batch_tokens,
                "micro_batches_packed": learner["n_micro_batches"]["packed"],
@@ -1106,6 +1126,11 @@ def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dic
         results.update(head_gemms_s=round(learner["head_gemms_s"], 4), limit_s=round(limit, 4),
                        learner_vs_limit=round(step_s["packed"] / limit, 3),
                        head_vs_its_gemms=round(head_s["packed"] / learner["head_gemms_s"], 3))
+        default = bare["timed"].get("bare default-adamw", {}).get("s")
+        if default:  # the limit as first measured: the bare step with PyTorch's default AdamW
+            limit = default - head_s["bare"] + learner["head_gemms_s"]
+            results.update(bare_default_adamw_s=round(default, 4), limit_default_adamw_s=round(limit, 4),
+                           learner_vs_limit_default_adamw=round(step_s["packed"] / limit, 3))
     if learner.get("planned_bytes") and "peak_bytes" in timed["packed"]:
         results["packed_planned_gib"] = round(learner["planned_bytes"] / 2**30, 2)
         results["packed_plan_vs_peak"] = round(learner["planned_bytes"] / timed["packed"]["peak_bytes"], 3)
@@ -1140,7 +1165,8 @@ def _print_train_report(r: dict) -> None:
     print(f"model: {r['shape'] or r['model'] or 'the embedded tiny model'}, {r['n_params']:,} parameters, "
           f"{r['dtype']}{' (FP32 head)' if r['fp32_lm_head'] and r['dtype'] == 'bfloat16' else ''}, "
           f"{r['attention']}; activation checkpointing {r['activation_checkpointing']}, CPU offload "
-          f"{r['cpu_offload']}; peak {fmt(r.get('peak_tflops'), '.1f')} TFLOP/s")
+          f"{r['cpu_offload']}; AdamW {r['adamw']} (bare step: {r['bare_adamw']}), FSDP2 reshards each layer after "
+          f"its forward: {r['fsdp_reshard']}; peak {fmt(r.get('peak_tflops'), '.1f')} TFLOP/s")
     print(f"padding: padded rows {fmt(r['pad_fraction_padded'], '.1%')} ({r['micro_batches_padded']} micro-batches); "
           f"packed rows {r['pad_fraction_packed']:.1%} ({r['micro_batches_packed']}); the bare step's rows "
           f"{tuple(r['bare_rows'])}")
@@ -1163,6 +1189,9 @@ def _print_train_report(r: dict) -> None:
         print(f"limit (bare step - its bf16 head + the chosen head's GEMMs alone, {r['head_gemms_s']:.3f} s): "
               f"{r['limit_s']:.3f} s; learner packed / limit {r['learner_vs_limit']:.3f}; learner's head / its "
               f"GEMMs {r['head_vs_its_gemms']:.3f}")
+    if "limit_default_adamw_s" in r:
+        print(f"with the bare step's AdamW PyTorch's default ({r['bare_default_adamw_s']:.3f} s): limit "
+              f"{r['limit_default_adamw_s']:.3f} s; learner packed / that limit {r['learner_vs_limit_default_adamw']:.3f}")
     if "packed_planned_gib" in r:
         print(f"memory plan (memory_plan.py) of the packed learner's largest micro-batch: {r['packed_planned_gib']} "
               f"GiB, {r['packed_plan_vs_peak']:.2f}x its measured peak of {r['packed_peak_gib']} GiB")

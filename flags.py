@@ -116,7 +116,7 @@ CHANGEABLE_ON_RESUME = frozenset({
     "activation_checkpointing", "cpu_offload",  # likewise
     "gen_devices", "tensor_parallel_size", "gen_memory_fraction",  # placement: a run may move to another machine
     "gen_replicas", "gen_remote_replicas", "gen_listen", "gen_secret_file", "gen_join_timeout",  # replicas: the
-    "weight_transport",  # scheduler restarts from the checkpoint's data position whatever their number (tested)
+    "weight_transport", "weight_dir",  # scheduler restarts from the checkpoint's data position whatever their number (tested)
     "gen_threads",  # speed only
     "lm_head_gemm",  # speed: the logprobs are float32's either way, the gradients the same to bf16 rounding (tested)
     "adamw", "fsdp_reshard",  # speed: the same update to float32 rounding, the same step bit for bit (tested)
@@ -344,6 +344,10 @@ class Args:
                                  "(torch.distributed, gloo on CPU, NCCL on GPU, in buckets) or file (a safetensors "
                                  "file in /dev/shm; replicas on this node only)",
                                  choices=vllm_replica.WEIGHT_TRANSPORTS)
+    weight_dir: str | None = _arg(HelpGroup.REPLICAS, None, "directory of the weight files of --weight-transport "
+                                  "file (default: /dev/shm where it has room for two copies of the weights, else "
+                                  "the temp dir); a container's /dev/shm is often 64 MB. A full one stops the run "
+                                  "with a checkpoint, in one line naming the file and the free space")
 
     # debugging: turn the generator/learner speed ratio on purpose
     debug_gen_slowdown: str = _arg(HelpGroup.DEBUG, f"{generator_default('debug_slowdown'):g}",
@@ -546,7 +550,8 @@ def generator_values(args: Args) -> dict[str, Any]:
               "buffer_steps": args.buffer_steps, "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head,
               "gen_devices": args.gen_devices, "tensor_parallel_size": args.tensor_parallel_size,
               "remote_replicas": args.gen_remote_replicas, "listen": args.gen_listen,
-              "join_timeout": args.gen_join_timeout, "weight_transport": args.weight_transport}
+              "join_timeout": args.gen_join_timeout, "weight_transport": args.weight_transport,
+              "weight_dir": args.weight_dir}
     for key, parse in (("think_budget", lambda: int_range(args.think_budget)),
                        ("debug_slowdown", lambda: gen_slowdowns(args))):
         try:

@@ -137,7 +137,7 @@ class GeneratorConfig:
     # core, or OMP_NUM_THREADS, which torchrun sets to 1 for train.py's ranks and so for their generator); fewer
     # leave cores to a learner that shares the machine (two threads beside a busy learner stall each other)
     num_threads: int | None = None
-    # where weight files go (default: /dev/shm if it has room, else the temp dir)
+    # where weight files go (default: /dev/shm if it has room, else the temp dir); train.py's --weight-dir
     weight_dir: str | None = None
     # VLLM_LOGGING_LEVEL in the generator process
     vllm_log_level: str = "WARNING"

@@ -139,6 +139,8 @@ def replica_problems(values: Mapping[str, Any], name: Callable[[str], str]) -> l
     elif v.get("weight_transport") == "file" and remote:
         problems.append(f"{name('weight_transport')} file reaches replicas on this node only: remote replicas need "
                         "'broadcast'")
+    if v.get("weight_dir") is not None and not (os.path.isdir(v["weight_dir"]) and os.access(v["weight_dir"], os.W_OK)):
+        problems.append(f"{name('weight_dir')} {v['weight_dir']}: not a directory this user can write")
     return problems
 
 
@@ -940,7 +942,8 @@ def kill_processes(processes: Iterable[tuple[int, float, str]]) -> None:
 
 
 def choose_weight_dir(preferred: str | None, nbytes: int) -> Path:
-    """Where the learner writes a weight file for the replicas of its node (weight_transport="file")."""
+    """Where the learner writes a weight file for the replicas of its node (weight_transport="file"): `preferred`
+    (train.py's --weight-dir), else /dev/shm where it has room for two files and 64 MiB, else the temp dir."""
     if preferred:
         return Path(preferred)
     shm = Path("/dev/shm")

@@ -84,7 +84,7 @@ def test_every_train_flag_is_accepted_or_refused_in_one_line_naming_it(tmp_path,
     for flag in ("--retire-pass-rate", "--gen-memory-fraction"):
         assert (flag, "1.5") in refused
     for flag in ("--model", "--dataset", "--test-dataset", "--output-dir", "--resume", "--gen-secret-file",
-                 "--gen-devices", "--think-budget", "--gen-listen", "--loss-arg", "--question-field"):
+                 "--gen-devices", "--think-budget", "--gen-listen", "--loss-arg", "--question-field", "--weight-dir"):
         assert {(flag, v) for v in ("", " ", "\x00")} <= refused, flag
     assert ("--seed", "99999999999999999999") in refused and ("--debug-gen-slowdown", "1e309") in refused
     assert seen["--group-size", "0"] == "train.py: error: --group-size must be >= 1 (got 0) (see --help)"

@@ -807,6 +807,9 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         if devices is None and config.num_threads:  # before vLLM's CPU worker starts: it refuses it afterwards
             torch.set_num_threads(config.num_threads)
+        if engine_process and (problem := shm_problem()):  # a failed start's one line, not the engine's traceback
+            conn.send(("error", problem))
+            return
         replica = _Replica(conn, replica_id, config, version)
         info = replica.init_engine()
         replica.send(("ready", info))
@@ -939,6 +942,21 @@ def kill_processes(processes: Iterable[tuple[int, float, str]]) -> None:
     while survivors and time.monotonic() < deadline:
         survivors = [p for p in survivors if _alive(p)]
         time.sleep(0.05)
+
+
+def shm_problem() -> str | None:
+    """vLLM's engine in processes of its own keeps its queues in /dev/shm: the first alone takes 10 chunks of
+    VLLM_MQ_MAX_CHUNK_BYTES_MB (160 MiB by default), and vLLM refuses less from inside its engine core process, whose
+    message the replica never sees (it learns only that the engine failed). The same check of vLLM's, in its own
+    words, before the engine starts: None where there is room."""
+    import vllm.envs as envs
+    from vllm.distributed.device_communicators.shm_broadcast import check_shm_free_space
+
+    try:
+        check_shm_free_space(10 * envs.VLLM_MQ_MAX_CHUNK_BYTES_MB << 20, allocation_name="vLLM's engine queues")
+    except RuntimeError as e:
+        return str(e)
+    return None
 
 
 def choose_weight_dir(preferred: str | None, nbytes: int) -> Path:

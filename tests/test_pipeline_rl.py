@@ -1009,3 +1009,37 @@ def test_a_listen_address_binds_what_it_resolves_to_and_bad_ones_are_one_line(mo
     for timeout in (0, -5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="join_timeout must be a number of seconds > 0"):
             pl.GeneratorConfig(model="m", join_timeout=timeout)
+
+
+SHM_PROBE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import pipeline_rl as pl, tasks
+if __name__ == "__main__":  # the replica process is spawned: it imports this file again
+    config = pl.GeneratorConfig(model=sys.argv[2], mode="sync", group_size=2, engine_process=True)
+    try:
+        pl.Generator(config, tasks.load_task()).start()
+    except pl.GeneratorError as e:
+        print(f"GeneratorError: {e}")
+"""
+
+
+@pytest.mark.slow
+def test_a_full_dev_shm_refuses_vllm_s_engine_processes_in_one_line(tmp_path, base_model_dir):
+    """vLLM's engine in processes of its own (the GPU default) keeps its queues in /dev/shm. With a full one (a
+    64 KiB tmpfs mounted over /dev/shm in a mount namespace of the test's own) the replica refuses before the
+    engine starts, in vLLM's own words and one line, where vLLM's engine core would have failed with a traceback and
+    told the replica only that it had failed."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(SHM_PROBE)
+    script = ("mount -t tmpfs -o size=64k tmpfs /dev/shm && (dd if=/dev/zero of=/dev/shm/filler bs=4k 2>/dev/null; "
+              f"true) && exec {sys.executable} {probe} {Path(pl.__file__).parent} {base_model_dir}")
+    if subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /dev/shm"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs over /dev/shm in a mount namespace here (not root, or no unshare)")
+    run = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    assert re.fullmatch(r"GeneratorError: generator process failed during start: replica 0 \(local, pid \d+\) failed "
+                        r"to start: Insufficient space in /dev/shm for vLLM's engine queues: 160 MiB required, 0 MiB "
+                        r"free\. Increase /dev/shm \(e\.g\. --shm-size or --ipc=host\)\.( \(exit code \d+\))?",
+                        run.stdout.strip()), run.stdout + run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]

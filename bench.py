@@ -786,7 +786,8 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
     hp = train.loss_hyperparameters(cli, loss_module)
     model, n_params = train.build_learner(model_dir, cli, device)
     weights_bytes = _allocated(device)  # before the first step: no gradients, no AdamW state yet
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=flags.adamw_fused(cli, device) or None)
+    fused = flags.adamw_fused(cli, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
     rows = {name: [packing.to_rows(packing.micro_batch_groups(groups, idx)[0], None, args.group_size, 0, device,
                                    packing.row_packing(c, model))
                    for idx in packing.micro_batches(groups, c.micro_batch_tokens, c.packing)]
@@ -809,7 +810,7 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
     if args.packed_only:
         rows["padded"] = []  # its micro-batches are counted below, its head not timed
     return {"n_params": n_params, "weights_bytes": weights_bytes, "timed": timed, "host": host, "rows": rows,
-            "adamw": "fused" if flags.adamw_fused(cli, device) else "default",
+            "adamw": "fused" if fused else "default",
             "fsdp_reshard": "always" if flags.reshard_layers(cli, world) else "never",
             "attention": model.config._attn_implementation,
             "n_micro_batches": {name: len(packing.micro_batches(groups, c.micro_batch_tokens, c.packing))
@@ -1191,7 +1192,8 @@ def _print_train_report(r: dict) -> None:
               f"GEMMs {r['head_vs_its_gemms']:.3f}")
     if "limit_default_adamw_s" in r:
         print(f"with the bare step's AdamW PyTorch's default ({r['bare_default_adamw_s']:.3f} s): limit "
-              f"{r['limit_default_adamw_s']:.3f} s; learner packed / that limit {r['learner_vs_limit_default_adamw']:.3f}")
+              f"{r['limit_default_adamw_s']:.3f} s; learner packed / that limit "
+              f"{r['learner_vs_limit_default_adamw']:.3f}")
     if "packed_planned_gib" in r:
         print(f"memory plan (memory_plan.py) of the packed learner's largest micro-batch: {r['packed_planned_gib']} "
               f"GiB, {r['packed_plan_vs_peak']:.2f}x its measured peak of {r['packed_peak_gib']} GiB")

@@ -116,7 +116,8 @@ CHANGEABLE_ON_RESUME = frozenset({
     "activation_checkpointing", "cpu_offload",  # likewise
     "gen_devices", "tensor_parallel_size", "gen_memory_fraction",  # placement: a run may move to another machine
     "gen_replicas", "gen_remote_replicas", "gen_listen", "gen_secret_file", "gen_join_timeout",  # replicas: the
-    "weight_transport", "weight_dir",  # scheduler restarts from the checkpoint's data position whatever their number (tested)
+    "weight_transport",  # scheduler restarts from the checkpoint's data position whatever their number (tested)
+    "weight_dir",  # placement
     "gen_threads",  # speed only
     "lm_head_gemm",  # speed: the logprobs are float32's either way, the gradients the same to bf16 rounding (tested)
     "adamw", "fsdp_reshard",  # speed: the same update to float32 rounding, the same step bit for bit (tested)

@@ -139,7 +139,7 @@ def replica_problems(values: Mapping[str, Any], name: Callable[[str], str]) -> l
     elif v.get("weight_transport") == "file" and remote:
         problems.append(f"{name('weight_transport')} file reaches replicas on this node only: remote replicas need "
                         "'broadcast'")
-    if v.get("weight_dir") is not None and not (os.path.isdir(v["weight_dir"]) and os.access(v["weight_dir"], os.W_OK)):
+    if v.get("weight_dir") is not None and not writable_dir(v["weight_dir"]):
         problems.append(f"{name('weight_dir')} {v['weight_dir']}: not a directory this user can write")
     return problems
 
@@ -953,10 +953,15 @@ def shm_problem() -> str | None:
     from vllm.distributed.device_communicators.shm_broadcast import check_shm_free_space
 
     try:
-        check_shm_free_space(10 * envs.VLLM_MQ_MAX_CHUNK_BYTES_MB << 20, allocation_name="vLLM's engine queues")
+        check_shm_free_space((10 * envs.VLLM_MQ_MAX_CHUNK_BYTES_MB) << 20, allocation_name="vLLM's engine queues")
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def writable_dir(path: str | Path) -> bool:
+    """An existing directory this user may create files in (a weight file's, --weight-dir's)."""
+    return os.path.isdir(path) and os.access(path, os.W_OK)
 
 
 def choose_weight_dir(preferred: str | None, nbytes: int) -> Path:
@@ -965,7 +970,7 @@ def choose_weight_dir(preferred: str | None, nbytes: int) -> Path:
     if preferred:
         return Path(preferred)
     shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 2 * nbytes + (64 << 20):
+    if writable_dir(shm) and shutil.disk_usage(shm).free > 2 * nbytes + (64 << 20):
         return shm
     return Path(tempfile.gettempdir())
 

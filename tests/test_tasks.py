@@ -55,6 +55,23 @@ def test_scratchpad_solves_addition_and_slips_break_it():
     assert tasks.scratchpad(347, 289)[0] == "7+9+0=16 4+8+1=13 3+2+1=06"
 
 
+def test_scratchpad_answer_is_what_the_written_columns_spell():
+    """By hand: the last digits of the column sums, most significant first, after the last carry; a slipped sum
+    spells its own answer, and thinking that is not column steps spells none."""
+    assert tasks.scratchpad_answer("<think> 7+6+0=13 3+3+1=07 9+9+0=18 </think> 1873") == "1873"
+    assert tasks.scratchpad_answer("<think> 7+6+0=13 3+3+1=07 9+9+0=17 </think> 1873") == "1773"  # a slip
+    assert tasks.scratchpad_answer("<think> 2+3+0=05 5+9+0=14 2+1+1=04 </think> 445") == "445"  # no last carry
+    assert tasks.scratchpad_answer(" <think>0+0+0=00</think>0 ") == "0"
+    for not_steps in ("<think> 7+6=13 </think> 13", "<think> </think> 5", "<think> 7+6+0=13 x </think> 3", "13",
+                      "<think> 7+6+0=13 </think> 3 4"):
+        assert tasks.scratchpad_answer(not_steps) is None, not_steps
+    rng, task = random.Random(1), ArithmeticTask()
+    for _ in range(100):  # the SFT data's solutions answer what their scratchpad says, slips or not
+        problem = task.problem(rng.randint(100, 999), rng.randint(100, 999))
+        solution = task.solution(problem, slips={c for c in range(3) if rng.random() < 0.5})
+        assert tasks.scratchpad_answer(solution) == tasks.parse_answer(solution)
+
+
 @pytest.mark.parametrize(
     "completion, expected",
     [
@@ -540,7 +557,8 @@ def test_base_model_cache_is_reused(base_model_dir):
 
 @pytest.mark.slow
 def test_build_base_cli_measures_pass_rate_in_band_with_vllm(base_model_dir):
-    """The issue's band: pass@1 in [0.05, 0.5] with real variance inside groups of 8 (RL has signal)."""
+    """The issue's band: pass@1 in [0.05, 0.5] with real variance inside groups of 8 (RL has signal), and answers
+    that follow their scratchpad."""
     import subprocess
     import sys
 
@@ -553,6 +571,9 @@ def test_build_base_cli_measures_pass_rate_in_band_with_vllm(base_model_dir):
     assert result["model_dir"] == str(base_model_dir)
     assert 0.05 <= result["pass_at_1"] <= 0.5
     assert result["frac_mixed_groups"] >= 0.3
+    # Answers are mostly what their scratchpad spells, as in every SFT solution; how often varies with the CPU's
+    # kernels (0.50..0.99 over the four builds in docs/results.md), and with it where RL ends.
+    assert 0.4 <= result["answer_follows_scratchpad"] <= 1
     assert result["params"] == tasks.count_parameters(base_model_dir)
 
 
@@ -770,29 +791,36 @@ from pathlib import Path
 import tasks
 tasks.pin_cpu_kernels(sys.argv[1])
 with tempfile.TemporaryDirectory() as scratch:  # 40 steps of the base model's build
-    tasks._train_base_model(Path(scratch) / "m", tasks.BaseModelConfig(sft_examples=640, sft_batch_size=16,
-                                                                       sft_epochs=1), False)
+    tasks._train_base_model(Path(scratch) / "m", tasks.BaseModelConfig(**SMALL), False)
     print(tasks.weights_checksum(Path(scratch) / "m"))
 """
+SMALL_CONFIG = {"sft_examples": 640, "sft_batch_size": 16, "sft_epochs": 1}
 
 
 @pytest.mark.slow
-def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers():
-    """The base model's bytes follow the CPU's kernels. With --cpu-kernels portable, a build whose MKL is held to
-    AVX2 (as on an AVX2-only machine) gives the same bytes as one free to use all this CPU has; and on an AVX-512 CPU
-    --cpu-kernels avx2 gives other bytes than the native build, which shows that such a difference is seen."""
+def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers(tmp_path):
+    """The base model's bytes follow the CPU's kernels. With the portable ones, a build whose MKL is held to AVX2 (as
+    on an AVX2-only machine) gives the same bytes as one free to use all this CPU has, and so does build_base_model
+    called from a process that has imported torch already (too late to pin its kernels: the build runs in a child).
+    On an AVX-512 CPU, the avx2 kernels give other bytes than the native ones, which shows that such a difference is
+    seen."""
     import subprocess
     import sys
 
     import torch
 
     def build(kernels: str, **env: str) -> str:
-        run = subprocess.run([sys.executable, "-c", SMALL_BUILD, kernels], cwd=tasks.REPO_DIR, capture_output=True,
+        code = f"SMALL = {SMALL_CONFIG!r}\n{SMALL_BUILD}"
+        run = subprocess.run([sys.executable, "-c", code, kernels], cwd=tasks.REPO_DIR, capture_output=True,
                              text=True, timeout=300, env={**os.environ, **env})
         assert run.returncode == 0, run.stderr[-3000:]
         return run.stdout.split()[-1]
 
-    assert build("portable") == build("portable", MKL_ENABLE_INSTRUCTIONS="AVX2")
+    portable = build("portable")
+    assert portable == build("portable", MKL_ENABLE_INSTRUCTIONS="AVX2")
+    built = tasks.build_base_model(tmp_path / "m", tasks.BaseModelConfig(**SMALL_CONFIG), progress=False,
+                                   kernels="portable")
+    assert tasks.weights_checksum(built) == portable
     if torch.cpu._is_avx512_supported():
         assert build("native") != build("avx2")
 

@@ -973,8 +973,10 @@ DOCUMENTED_BASE = ("2272d145", "648377479ff716429b825f73614d4baf197a36feff4e33a5
 # The environment that pins torch's (ATen's) vectorised kernels and MKL's code path (its Conditional Numerical
 # Reproducibility mode) before torch is imported, so that the build's bytes no longer depend on the CPU
 # (`tasks.py build-base --cpu-kernels NAME`, `build_base_model(kernels=NAME)`). Measured on a 50-step build: `portable`
-# gives one checksum whether MKL may use AVX2, AVX-512 or neither, with 1 or 2 threads; `avx2` gives what an
-# AVX2-only machine gives with its native kernels.
+# gives one checksum whether MKL may use AVX2, AVX-512 or neither, with 1, 2 or 8 threads but another with 5 (so a
+# portable build uses PORTABLE_THREADS, whatever the machine); `avx2` gives what an AVX2-only machine gives with its
+# native kernels.
+PORTABLE_THREADS = 2
 CPU_KERNELS = {
     "native": {},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"},
@@ -1024,13 +1026,15 @@ tasks._train_base_model(Path(sys.argv[2]), tasks.BaseModelConfig(**json.loads(sy
 def _train_in_child(out_dir: Path, config: BaseModelConfig, progress: bool, kernels: str) -> None:
     """_train_base_model in a child process whose kernels are pinned before it imports torch: the caller (train.py,
     the tests) has usually imported torch already, and then pinning has no effect. The child uses the caller's
-    torch thread count, as a build in the caller's process would. Its progress bar and errors go to this process's
-    stderr."""
+    torch thread count, as a build in the caller's process would, except for the portable kernels: PORTABLE_THREADS.
+    Its progress bar and errors go to this process's stderr."""
     import subprocess
 
     if kernels not in CPU_KERNELS:
         raise ValueError(f"unknown kernels {kernels!r}: one of {', '.join(CPU_KERNELS)}")
     threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else 0  # 0: torch's default
+    if kernels == "portable":
+        threads = PORTABLE_THREADS
     command = [sys.executable, "-c", _TRAIN_IN_CHILD, kernels, str(out_dir), json.dumps(config.__dict__),
                "1" if progress else "0", str(threads)]
     if subprocess.run(command, cwd=REPO_DIR).returncode != 0:

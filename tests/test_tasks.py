@@ -790,6 +790,8 @@ import sys, tempfile
 from pathlib import Path
 import tasks
 tasks.pin_cpu_kernels(sys.argv[1])
+import torch
+torch.set_num_threads(int(sys.argv[2]))
 with tempfile.TemporaryDirectory() as scratch:  # 40 steps of the base model's build
     tasks._train_base_model(Path(scratch) / "m", tasks.BaseModelConfig(**SMALL), False)
     print(tasks.weights_checksum(Path(scratch) / "m"))
@@ -801,7 +803,8 @@ SMALL_CONFIG = {"sft_examples": 640, "sft_batch_size": 16, "sft_epochs": 1}
 def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers(tmp_path):
     """The base model's bytes follow the CPU's kernels. With the portable ones, a build whose MKL is held to AVX2 (as
     on an AVX2-only machine) gives the same bytes as one free to use all this CPU has, and so does build_base_model
-    called from a process that has imported torch already (too late to pin its kernels: the build runs in a child).
+    called from a process that has imported torch already (too late to pin its kernels: the build runs in a child)
+    and uses another thread count (5, which alone gives other bytes: the portable build pins its threads).
     On an AVX-512 CPU, the avx2 kernels give other bytes than the native ones, which shows that such a difference is
     seen."""
     import subprocess
@@ -809,17 +812,23 @@ def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers(tmp_path)
 
     import torch
 
-    def build(kernels: str, **env: str) -> str:
+    def build(kernels: str, threads: int = tasks.PORTABLE_THREADS, **env: str) -> str:
         code = f"SMALL = {SMALL_CONFIG!r}\n{SMALL_BUILD}"
-        run = subprocess.run([sys.executable, "-c", code, kernels], cwd=tasks.REPO_DIR, capture_output=True,
-                             text=True, timeout=300, env={**os.environ, **env})
+        run = subprocess.run([sys.executable, "-c", code, kernels, str(threads)], cwd=tasks.REPO_DIR,
+                             capture_output=True, text=True, timeout=300, env={**os.environ, **env})
         assert run.returncode == 0, run.stderr[-3000:]
         return run.stdout.split()[-1]
 
     portable = build("portable")
     assert portable == build("portable", MKL_ENABLE_INSTRUCTIONS="AVX2")
-    built = tasks.build_base_model(tmp_path / "m", tasks.BaseModelConfig(**SMALL_CONFIG), progress=False,
-                                   kernels="portable")
+    assert build("portable", threads=5) != portable  # a thread count splits reductions its own way: so it is pinned
+    callers_threads = torch.get_num_threads()
+    torch.set_num_threads(5)  # a caller on a bigger machine; its build must not follow
+    try:
+        built = tasks.build_base_model(tmp_path / "m", tasks.BaseModelConfig(**SMALL_CONFIG), progress=False,
+                                       kernels="portable")
+    finally:
+        torch.set_num_threads(callers_threads)
     assert tasks.weights_checksum(built) == portable
     if torch.cpu._is_avx512_supported():
         assert build("native") != build("avx2")

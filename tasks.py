@@ -1006,6 +1006,8 @@ def build_base_model(out_dir: Path | None = None, config: BaseModelConfig | None
                      progress: bool = True, kernels: str = "native") -> Path:
     """Build (or reuse) the tiny warm-started policy; returns its Hugging Face directory. The build trains with
     CPU_KERNELS[kernels]: this CPU's own by default, the same bytes on every x86-64 CPU with "portable"."""
+    if kernels not in CPU_KERNELS:  # before the cache is looked at: a wrong name is wrong whether or not it is built
+        raise ValueError(f"unknown kernels {kernels!r}: one of {', '.join(CPU_KERNELS)}")
     config = config or BaseModelConfig()
     out_dir = Path(out_dir or default_model_dir(config))
     return _build_cached(out_dir, lambda tmp_dir: _train_in_child(tmp_dir, config, progress, kernels), force)
@@ -1030,11 +1032,10 @@ def _train_in_child(out_dir: Path, config: BaseModelConfig, progress: bool, kern
     Its progress bar and errors go to this process's stderr."""
     import subprocess
 
-    if kernels not in CPU_KERNELS:
-        raise ValueError(f"unknown kernels {kernels!r}: one of {', '.join(CPU_KERNELS)}")
-    threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else 0  # 0: torch's default
     if kernels == "portable":
         threads = PORTABLE_THREADS
+    else:  # 0: torch's default, where the caller has not imported torch
+        threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else 0
     command = [sys.executable, "-c", _TRAIN_IN_CHILD, kernels, str(out_dir), json.dumps(config.__dict__),
                "1" if progress else "0", str(threads)]
     if subprocess.run(command, cwd=REPO_DIR).returncode != 0:

@@ -785,53 +785,37 @@ def test_a_run_from_another_base_model_says_so(tmp_path, monkeypatch):
     assert tasks.base_model_note(tmp_path) is None
 
 
-SMALL_BUILD = """
-import sys, tempfile
-from pathlib import Path
-import tasks
-tasks.pin_cpu_kernels(sys.argv[1])
-import torch
-torch.set_num_threads(int(sys.argv[2]))
-with tempfile.TemporaryDirectory() as scratch:  # 40 steps of the base model's build
-    tasks._train_base_model(Path(scratch) / "m", tasks.BaseModelConfig(**SMALL), False)
-    print(tasks.weights_checksum(Path(scratch) / "m"))
-"""
-SMALL_CONFIG = {"sft_examples": 640, "sft_batch_size": 16, "sft_epochs": 1}
+SMALL_CONFIG = tasks.BaseModelConfig(sft_examples=640, sft_batch_size=16, sft_epochs=1)  # a 40-step build
 
 
 @pytest.mark.slow
-def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers(tmp_path):
+def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers(tmp_path, monkeypatch):
     """The base model's bytes follow the CPU's kernels. With the portable ones, a build whose MKL is held to AVX2 (as
-    on an AVX2-only machine) gives the same bytes as one free to use all this CPU has, and so does build_base_model
-    called from a process that has imported torch already (too late to pin its kernels: the build runs in a child)
-    and uses another thread count (5, which alone gives other bytes: the portable build pins its threads).
-    On an AVX-512 CPU, the avx2 kernels give other bytes than the native ones, which shows that such a difference is
-    seen."""
-    import subprocess
-    import sys
-
+    on an AVX2-only machine) gives the same bytes as one free to use all this CPU has, and so does a build from a
+    caller with another thread count (5 threads alone give other bytes: the portable build pins its threads). This
+    test process has imported torch, too late to pin its kernels: the builds run in a child. On an AVX-512 CPU, the
+    avx2 kernels give other bytes than the native ones, which shows that such a difference is seen."""
     import torch
 
-    def build(kernels: str, threads: int = tasks.PORTABLE_THREADS, **env: str) -> str:
-        code = f"SMALL = {SMALL_CONFIG!r}\n{SMALL_BUILD}"
-        run = subprocess.run([sys.executable, "-c", code, kernels, str(threads)], cwd=tasks.REPO_DIR,
-                             capture_output=True, text=True, timeout=300, env={**os.environ, **env})
-        assert run.returncode == 0, run.stderr[-3000:]
-        return run.stdout.split()[-1]
+    def build(name: str, kernels: str = "portable") -> str:
+        return tasks.weights_checksum(tasks.build_base_model(tmp_path / name, SMALL_CONFIG, progress=False,
+                                                             kernels=kernels))
 
     portable = build("portable")
-    assert portable == build("portable", MKL_ENABLE_INSTRUCTIONS="AVX2")
-    assert build("portable", threads=5) != portable  # a thread count splits reductions its own way: so it is pinned
+    with monkeypatch.context() as patch:
+        patch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+        assert build("mkl-avx2") == portable
+    with monkeypatch.context() as patch:
+        patch.setattr(tasks, "PORTABLE_THREADS", 5)
+        assert build("five-threads") != portable  # a thread count splits reductions its own way: so it is pinned
     callers_threads = torch.get_num_threads()
     torch.set_num_threads(5)  # a caller on a bigger machine; its build must not follow
     try:
-        built = tasks.build_base_model(tmp_path / "m", tasks.BaseModelConfig(**SMALL_CONFIG), progress=False,
-                                       kernels="portable")
+        assert build("caller-five-threads") == portable
     finally:
         torch.set_num_threads(callers_threads)
-    assert tasks.weights_checksum(built) == portable
     if torch.cpu._is_avx512_supported():
-        assert build("native") != build("avx2")
+        assert build("native", "native") != build("avx2", "avx2")
 
 
 def test_weights_checksum_sees_every_bit_of_the_weights_and_nothing_else(tmp_path):

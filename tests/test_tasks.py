@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 import random
 import re
 from fractions import Fraction
@@ -571,9 +572,9 @@ def test_build_base_cli_measures_pass_rate_in_band_with_vllm(base_model_dir):
     assert result["model_dir"] == str(base_model_dir)
     assert 0.05 <= result["pass_at_1"] <= 0.5
     assert result["frac_mixed_groups"] >= 0.3
-    # Answers are mostly what their scratchpad spells, as in every SFT solution; how often varies with the CPU's
-    # kernels (0.50..0.99 over the four builds in docs/results.md), and with it where RL ends.
-    assert 0.4 <= result["answer_follows_scratchpad"] <= 1
+    # Answers are mostly what their scratchpad spells, as in every SFT solution; how often varied with the build
+    # (0.50..0.99 over the four builds in docs/results.md), and with it where RL ends. The default build gives 0.99.
+    assert 0.9 <= result["answer_follows_scratchpad"] <= 1
     assert result["params"] == tasks.count_parameters(base_model_dir)
 
 
@@ -770,9 +771,17 @@ def test_the_documented_base_model_is_the_one_this_code_builds():
     assert tasks.BaseModelConfig().fingerprint() == tasks.DOCUMENTED_BASE[0]
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the portable kernels are x86-64's")
+def test_this_machine_builds_the_documented_base_model(base_model_dir):
+    """The default build pins portable kernels and threads, so every x86-64 machine builds the bytes the docs'
+    numbers were measured with, whatever its instruction set or core count (with native kernels an AVX2 machine
+    built other bytes, and its runs ended lower)."""
+    assert tasks.weights_checksum(base_model_dir) == tasks.DOCUMENTED_BASE[1]
+
+
 def test_a_run_from_another_base_model_says_so(tmp_path, monkeypatch):
-    """An AVX2 machine builds other bytes than the AVX-512 ones the docs were measured on, and its runs went from
-    0.367 to about 0.9 where the docs say 0.389 to 0.965: its run says so at the start, naming both checksums."""
+    """A base built with other kernels has other bytes (an AVX2 machine's native build went from 0.367 to about 0.9
+    where the docs' base went from 0.389 to 0.965): its run says so at the start, naming both checksums."""
     import torch
     from safetensors.torch import save_file
 

@@ -903,6 +903,17 @@ SPLIT_SETTINGS = [(loss, {}) for loss in flags.LOSSES] + [
     ("dapo", {"tis": "token"}), ("gspo", {"tis": "sequence", "kl_coef": 0.04})]
 
 
+def assert_same_gradient(grads: list, reference_grads: list, where: object = None) -> None:
+    """Float32 sums taken in another order (other micro-batches, ranks or head chunks) differ by up to some 5e-5 of
+    the gradient's largest entry (measured on the default base model: GSPO's sequence ratios are the least exact), so
+    the absolute tolerance is 1e-4 of it; an error of normalisation moves the entries it touches by tens of percent.
+    A fixed tolerance would depend on the base model's weights: a base that fits its data better gives larger
+    gradients on the synthetic groups, and larger rounding."""
+    atol = 1e-4 * max(g.abs().max().item() for g in reference_grads)
+    for grad, reference_grad in zip(grads, reference_grads):
+        torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=atol, msg=lambda m: f"{where}: {m}")
+
+
 def _one_step(model, loss_name: str, settings: dict, groups: list, **layout) -> tuple[float, dict, list]:
     """The loss, metrics and gradient of one learner step on `groups` in the given layout (float32, one rank)."""
     loss_module = flags.LOSSES[loss_name]
@@ -940,8 +951,7 @@ def test_micro_batches_that_split_groups_give_the_whole_batch_s_step(one_rank_gr
         for key in ("is_weight_mean", "kl_k3", "entropy"):
             if key in reference:
                 assert metrics[key] == pytest.approx(reference[key], rel=1e-4, abs=1e-7), (layout, key)
-        for grad, reference_grad in zip(grads, reference_grads):
-            torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-6)
+        assert_same_gradient(grads, reference_grads, layout)
 
 
 @pytest.mark.parametrize("memory_flags", [{"activation_checkpointing": True}, {"cpu_offload": True},
@@ -1888,7 +1898,7 @@ def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, los
             value, grad, metrics = probe_results[world][(loss, settings + layout)]
             where = (world, settings, layout)
             assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), where
-            torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{where}: {m}")
+            assert_same_gradient([grad], [reference_grad], where)
             assert metrics["num_tokens"] == reference["num_tokens"], where
             for key in ("kl_ref", "is_weight_mean"):
                 if key in reference:

@@ -47,6 +47,7 @@ class TrainerState:
     step: int = 0  # optimizer steps done, which is also the version of the policy's weights
     metrics_lines: int = 0  # rows of metrics.jsonl this state covers (a resume cuts the file back to them)
     elapsed_hours: float = 0.0  # wall-clock hours of the run so far, across resumes
+    eval_hours: float = 0.0  # of those, the hours spent evaluating (rank 0): rl_compute_hours leaves them out
     flops: float = 0.0
     gen_tokens: int = 0
     train_tokens: int = 0

@@ -115,6 +115,7 @@ class Run:
     started: float  # time.time() the run would have started at, had it never stopped (elapsed_hours earlier)
     val_problems: list
     test_problems: list
+    eval_hours: float = 0.0  # wall-clock hours spent evaluating so far, across resumes (train.evaluate adds)
     generator: Any = None  # pipeline_rl.Generator
     metrics: MetricsLog | None = None  # metrics.jsonl
     bar: Any = None  # tqdm progress bar (disabled off rank 0)
@@ -144,8 +145,12 @@ def current_asymptote(rows: list[dict]) -> float | None:
 
 
 def new_row(run: Run, state: TrainerState) -> dict[str, Any]:
-    """The start of a metrics.jsonl row: where the run stands in steps and compute."""
-    return {"step": state.step, "compute_hours": run.hours() * run.devices_in_use, "flops": state.flops,
+    """The start of a metrics.jsonl row: where the run stands in steps and compute. rl_compute_hours is
+    compute_hours without the evaluations' time: the RL run's own compute, which ScaleRL's x axis counts, and which
+    does not grow with --eval-every (on CPU evaluations can take a third of the wall time)."""
+    hours = run.hours()
+    return {"step": state.step, "compute_hours": hours * run.devices_in_use,
+            "rl_compute_hours": (hours - run.eval_hours) * run.devices_in_use, "flops": state.flops,
             "tokens": state.gen_tokens}
 
 
@@ -247,7 +252,8 @@ def set_up(args: Args,
         bar = tqdm(total=args.max_steps, initial=state.step, desc=f"{args.loss}/{args.mode}", disable=not is_main,
                    dynamic_ncols=True)
         run = Run(rank=rank, world=world, out=out, stopper=stopper, devices_in_use=devices_in_use,
-                  started=time.time() - state.elapsed_hours * 3600.0, val_problems=val_problems,
+                  started=time.time() - state.elapsed_hours * 3600.0, eval_hours=state.eval_hours,
+                  val_problems=val_problems,
                   test_problems=test_problems, generator=generator, metrics=log, bar=bar,
                   recent=deque(maxlen=args.log_every), eval_rows=eval_rows, data_skipped=data_skipped, lock=lock)
         stopper.at_once = False  # from the first step on, a signal stops at a step boundary, with a checkpoint

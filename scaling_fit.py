@@ -81,7 +81,7 @@ PASS_RATE_RANGE = (0.0, 1.0)
 REWARD_RANGE = (-1.0, 1.0)
 # The y fields a metrics file carries, and the range their values must lie in.
 Y_FIELD_RANGES = {"val_pass_rate": PASS_RATE_RANGE, "val_reward": REWARD_RANGE}
-X_FIELDS = ("compute_hours", "flops", "step", "tokens")
+X_FIELDS = ("compute_hours", "rl_compute_hours", "flops", "step", "tokens")
 METRICS_FILENAME = "metrics.jsonl"
 
 # ScaleRL's grids (app. A): A in 0.450, 0.455, ..., 0.800; C_mid at 100 values linearly spaced in [100, 40000].
@@ -901,7 +901,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("paths", nargs="+", type=_text, metavar="RUN_DIR_OR_METRICS.jsonl",
                         help="run directories holding metrics.jsonl, or metrics .jsonl files; one curve each")
     parser.add_argument("--x", default="compute_hours", choices=X_FIELDS,
-                        help="compute axis field of the metrics file (default: compute_hours, i.e. GPU-hours)")
+                        help="compute axis field of the metrics file (default: compute_hours, i.e. GPU-hours; "
+                        "rl_compute_hours: the same without the hours spent evaluating)")
     parser.add_argument("--y", default="val_pass_rate", choices=sorted(Y_FIELD_RANGES),
                         help="performance field (default: val_pass_rate, in [0,1]; val_reward is in [-1,1])")
     parser.add_argument("--min-compute", type=_number(0.0), default=0.0,

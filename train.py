@@ -566,10 +566,12 @@ def evaluate(args: Args, run: Run, row: dict) -> None:
     t0 = time.time()
     k = args.final_eval_samples if args.final_eval_samples and row["step"] == args.max_steps else args.eval_samples
     val = pass_rates(run.generator, run.val_problems, k, args.temperature)
-    row.update(val_pass_rate=val["pass_rate"], val_reward=val["reward"], val_samples=k, eval_s=time.time() - t0)
+    row.update(val_pass_rate=val["pass_rate"], val_reward=val["reward"], val_samples=k)
     if run.test_problems:
         test = pass_rates(run.generator, run.test_problems, k, args.temperature)
         row.update(test_pass_rate=test["pass_rate"], test_reward=test["reward"])
+    row["eval_s"] = time.time() - t0  # both sets; later rows' rl_compute_hours leave it out
+    run.eval_hours += row["eval_s"] / 3600.0
     run.eval_rows.append(row)
     asymptote = current_asymptote(run.eval_rows)
     if asymptote is not None:
@@ -616,7 +618,7 @@ def draw_dashboard(run: Run, label: str) -> None:
 def checkpoint(learner: Learner, run: Run, state: TrainerState) -> None:
     """Save the model, the optimizer, every rank's RNG and the trainer state (checkpoint files: checkpoints.py).
     Rank 0's state is the one written: it alone keeps the metrics log and the prompts' pass-rate history."""
-    state.elapsed_hours = run.hours()
+    state.elapsed_hours, state.eval_hours = run.hours(), run.eval_hours
     state.metrics_lines = run.metrics.lines if run.is_main else 0
     save_checkpoint(run.out, learner.model, learner.optimizer, state.to_json(), run.rank)
 

@@ -2099,6 +2099,7 @@ def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
             assert r["mfu"] > 0 and r["mfu"] / r["train_tokens_per_s"] == pytest.approx(
                 rows[-1]["mfu"] / rows[-1]["train_tokens_per_s"], rel=1e-6)
     assert all(a["compute_hours"] < b["compute_hours"] for a, b in zip(rows, rows[1:]))
+    _assert_rl_compute_leaves_out_the_evaluations(rows)
     assert rows[-1]["flops"] > 0 and rows[-1]["tokens"] > 0
     if "--tis" in flags:
         assert "is_weight_mean" in rows[-1] and "mismatch_kl_k3" in rows[-1]
@@ -2121,6 +2122,17 @@ def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
         exported, result = _export_and_evaluate(out, tmp_path / "exported", eval_prompts=8)
         assert exported["step"] == 3
         assert result["resume"] == str(out) and result["problems"] == 8 and 0 <= result["pass@1"] <= result["pass@2"]
+
+
+def _assert_rl_compute_leaves_out_the_evaluations(rows: list[dict], devices: int = 3) -> None:
+    """Each row's rl_compute_hours is its compute_hours less every evaluation before it (eval_s), on every device
+    (2 ranks and the generator), and it grows from row to row."""
+    evaluated = 0.0
+    for r in rows:
+        assert r["compute_hours"] - r["rl_compute_hours"] == pytest.approx(devices * evaluated / 3600, rel=1e-6,
+                                                                           abs=1e-12), (r["step"], evaluated)
+        evaluated += r.get("eval_s", 0.0)
+    assert evaluated > 0 and all(a["rl_compute_hours"] < b["rl_compute_hours"] for a, b in zip(rows, rows[1:]))
 
 
 def _export_and_evaluate(out: Path, exported: Path, eval_prompts: int) -> tuple[dict, dict]:
@@ -2200,6 +2212,7 @@ def test_kill_dash_nine_and_resume_loses_and_duplicates_no_step(tmp_path, base_m
     steps = [r["step"] for r in _rows(out)]
     assert steps == list(range(9)), steps  # every step exactly once
     assert not (tmp_path / "ignored").exists()
+    _assert_rl_compute_leaves_out_the_evaluations(_rows(out))  # the evaluations' hours come back with the checkpoint
 
 
 @pytest.mark.slow

@@ -147,7 +147,8 @@ def current_asymptote(rows: list[dict]) -> float | None:
 def new_row(run: Run, state: TrainerState) -> dict[str, Any]:
     """The start of a metrics.jsonl row: where the run stands in steps and compute. rl_compute_hours is
     compute_hours without the evaluations' time: the RL run's own compute, which ScaleRL's x axis counts, and which
-    does not grow with --eval-every (on CPU evaluations can take a third of the wall time)."""
+    does not grow with --eval-every (on CPU evaluations can take a third of the wall time). In pipeline mode the
+    generator goes on sampling training groups during an evaluation: that share is left out with it."""
     hours = run.hours()
     return {"step": state.step, "compute_hours": hours * run.devices_in_use,
             "rl_compute_hours": (hours - run.eval_hours) * run.devices_in_use, "flops": state.flops,

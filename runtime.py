@@ -254,8 +254,7 @@ def set_up(args: Args,
                    dynamic_ncols=True)
         run = Run(rank=rank, world=world, out=out, stopper=stopper, devices_in_use=devices_in_use,
                   started=time.time() - state.elapsed_hours * 3600.0, eval_hours=state.eval_hours,
-                  val_problems=val_problems,
-                  test_problems=test_problems, generator=generator, metrics=log, bar=bar,
+                  val_problems=val_problems, test_problems=test_problems, generator=generator, metrics=log, bar=bar,
                   recent=deque(maxlen=args.log_every), eval_rows=eval_rows, data_skipped=data_skipped, lock=lock)
         stopper.at_once = False  # from the first step on, a signal stops at a step boundary, with a checkpoint
         yield learner, run, state

@@ -315,8 +315,8 @@ def pull_groups(generator: Any, n: int, version: int, stats: dict[str, Any]) -> 
     for key, value in extra.items():
         if key in ("gen_tokens", "wait_s"):
             stats[key] = stats.get(key, 0) + value
-        elif key.endswith("_by_replica"):  # {replica: amount}
-            stats[key] = dict(collections.Counter(stats.get(key, {})) + collections.Counter(value))
+        elif key.endswith("_by_replica"):  # {replica: amount}, summed; a replica's 0 stays (Counter's + drops it)
+            stats[key] = {r: stats.get(key, {}).get(r, 0) + value.get(r, 0) for r in {**stats.get(key, {}), **value}}
         elif key == "replica_deaths":  # a line for each replica that died
             stats[key] = stats.get(key, []) + value
         else:

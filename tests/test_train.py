@@ -553,6 +553,24 @@ def test_sync_round_feeds_k_steps():
     assert [[g.data_index for g in b] for b in out.batches] == [[0, 1], [2, 3], [4, 5]]
 
 
+def test_pulled_statistics_add_up_and_keep_a_replica_that_produced_nothing():
+    """A replica that generated no token between two batches still has its entry (0) in the row: a learner faster
+    than its generator pulls batches in which one replica produced nothing, which is not the replica missing."""
+    class TwoReplicaGenerator:
+        def __init__(self):
+            self.extras = [{"gen_tokens": 5, "gen_tokens_by_replica": {0: 5, 1: 0}, "wait_s": 0.5, "lag_max": 1},
+                           {"gen_tokens": 3, "gen_tokens_by_replica": {0: 0, 1: 0}, "wait_s": 0.25, "lag_max": 2}]
+
+        def get_batch(self, n, version):
+            return [], self.extras.pop(0)
+
+    generator, stats = TwoReplicaGenerator(), {}
+    train.pull_groups(generator, 1, 0, stats)
+    assert stats["gen_tokens_by_replica"] == {0: 5, 1: 0}
+    train.pull_groups(generator, 1, 0, stats)
+    assert stats == {"gen_tokens": 8, "gen_tokens_by_replica": {0: 5, 1: 0}, "wait_s": 0.75, "lag_max": 2}
+
+
 def test_trainer_state_round_trips_through_its_json():
     """What a checkpoint's trainer_state.json holds comes back whole on --resume (sets included)."""
     state = checkpoints.TrainerState(step=7, metrics_lines=9, flops=1.5, consumed={3, 1}, retired={"p2"},
@@ -2473,7 +2491,10 @@ def test_two_replicas_produce_learn_and_a_resume_may_change_their_number(tmp_pat
     assert all(r["gen_replicas_alive"] == 2 and r["replica_deaths_total"] == 0 for r in rows)
     assert max(r["lag_max"] for r in rows) <= 8 and rows[-1]["stale_dropped"] == 0
     assert all(0 < r["weight_broadcast_s"] <= r["weight_sync_s"] for r in rows)
+    # Every row names both replicas, with a 0 where one produced nothing since the last batch (at full learner
+    # speed that happens); over the run both produced tokens.
     assert all(set(r["gen_tokens_by_replica"]) == {"0", "1"} for r in rows)
+    assert all(sum(r["gen_tokens_by_replica"][replica] for r in rows) > 0 for replica in ("0", "1"))
     run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "32", "--gen-replicas", "1")
     assert run.returncode == 0, run.stderr[-4000:]
     resumed = _rows(out)

@@ -44,7 +44,6 @@ How this departs from the paper, deliberately:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import faulthandler

@@ -788,17 +788,20 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
     weights_bytes = _allocated(device)  # before the first step: no gradients, no AdamW state yet
     fused = flags.adamw_fused(cli, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
+    learner = train.Learner(model=model, optimizer=optimizer, loss_module=loss_module, hp=hp, adv_kwargs={},
+                            scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), pad_id=0,
+                            n_params=n_params)
     rows = {name: [packing.to_rows(packing.micro_batch_groups(groups, idx)[0], None, args.group_size, 0, device,
                                    packing.row_packing(c, model))
                    for idx in packing.micro_batches(groups, c.micro_batch_tokens, c.packing)]
             for name, c in clis.items()}
 
     def learner_step(c: flags.Args) -> Callable[[], None]:
-        def step() -> None:
+        def step() -> None:  # the loop's learner step: backward, clipping and AdamW, then the metrics gathered
             optimizer.zero_grad(set_to_none=True)
-            train.loss_and_backward(model, loss_module, hp, groups, advantages, c, 0, world, 0)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), c.grad_clip)
-            optimizer.step()
+            totals = train.loss_and_backward(model, loss_module, hp, groups, advantages, c, 0, world, 0)
+            train.optimizer_step(c, learner, totals.get("loss", 0.0), has_groups=True)
+            train.reduce_metrics(totals, world)
         return step
 
     methods = {name: learner_step(c) for name, c in clis.items() if not (args.packed_only and name == "padded")}
@@ -838,13 +841,14 @@ def _profile(step: Callable[[], None], path: str, device: Any) -> None:
 
 
 def _host_times(methods: dict[str, Callable[[], None]], repeats: int, device: Any) -> dict[str, tuple[float, float]]:
-    """Host time per micro-batch: the wall time of each train.micro_batch_loss call (forward, loss file, backward,
-    metrics), in extra learner steps after the timed ones, with the GPU synchronised between steps only. The host
-    issues a micro-batch's kernels without waiting for them, then its loss's .item() waits for the GPU to finish:
-    so this is the host's time plus the GPU's tail behind the last kernel issued, which is host time where the step
-    is host-bound (the tiny and SmolLM2-sized models on a GPU), and simply the micro-batch's time on CPU. The rest
-    of the step (building the rows, clipping, AdamW, the wait for the GPU at its end) is the step's time minus
-    its micro-batches'. Returns {method: (ms per micro-batch, ms of the rest of a step)}."""
+    """Host time per micro-batch: the wall time of each train.micro_batch_loss call (forward, loss file, metrics,
+    backward), in extra learner steps after the timed ones, with the GPU synchronised between steps only. The host
+    issues the forward's kernels, its metrics' reads wait for the GPU to finish them, then it issues the backward's
+    without waiting: so this is the host's time plus the forward's tail behind the last kernel issued, host time
+    where the step is host-bound (the tiny and SmolLM2-sized models on a GPU), and simply the micro-batch's time on
+    CPU. The rest of the step (building the rows, clipping, AdamW, the wait for the GPU at its end, so on a GPU the
+    backward's tail too) is the step's time minus its micro-batches'. Returns {method: (ms per micro-batch, ms of
+    the rest of a step)}."""
     import torch
 
     import train
@@ -1203,7 +1207,8 @@ def _print_train_report(r: dict) -> None:
         print(f"host time per micro-batch (its wall time, the GPU synchronised between steps only): packed "
               f"{r['host_ms_per_micro_batch_packed']:.1f} ms x {r['micro_batches_packed']}, padded "
               f"{r['host_ms_per_micro_batch_padded']:.1f} ms x {r['micro_batches_padded']}; the rest of the step "
-              f"(rows, clipping, AdamW, the wait at its end): packed {r['host_ms_rest_of_step_packed']:.1f} ms, "
+              f"(rows, clipping, AdamW, the metrics' gather, the wait at its end): packed "
+              f"{r['host_ms_rest_of_step_packed']:.1f} ms, "
               f"padded {r['host_ms_rest_of_step_padded']:.1f} ms")
     for width, entry in r.get("row_widths", {}).items():
         rows = entry["rows"]

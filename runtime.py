@@ -144,6 +144,23 @@ def current_asymptote(rows: list[dict]) -> float | None:
         return None
 
 
+def completion_lengths(groups: list) -> dict[str, float]:
+    """The lengths of a batch's completions in generated tokens, the second thing RL practitioners watch after the
+    reward: their mean, 90th percentile and longest; the mean of the correct and of the incorrect ones (a length
+    that grows on wrong answers only is rambling, not reasoning); and the fractions interrupted and cut off."""
+    completions = [c for grp in groups for c in grp.completions]
+    if not completions:
+        return {}
+    lengths = sorted(len(c.token_ids) for c in completions)
+    mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731 (None: no such completion)
+    return {"length_mean": mean(lengths), "length_p90": float(lengths[math.ceil(0.9 * len(lengths)) - 1]),
+            "length_max": float(lengths[-1]),
+            "length_mean_correct": mean([len(c.token_ids) for c in completions if c.reward > 0]),
+            "length_mean_incorrect": mean([len(c.token_ids) for c in completions if not c.reward > 0]),
+            "frac_interrupted": mean([float(c.interrupted) for c in completions]),
+            "frac_truncated": mean([float(c.truncated) for c in completions])}
+
+
 def new_row(run: Run, state: TrainerState) -> dict[str, Any]:
     """The start of a metrics.jsonl row: where the run stands in steps and compute. rl_compute_hours is
     compute_hours without the evaluations' time: the RL run's own compute, which ScaleRL's x axis counts, and which

@@ -32,9 +32,9 @@ How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (tasks.py), so it runs on 2 CPU cores
     in minutes. Its generator is held to one batch ahead of the learner (--buffer-steps 1): with k = 8 alone, a
     fast generator made every batch 8 steps stale, and at lr 1e-4 that made runs swing (docs/results.md: the
-    staleness experiment). Its optimiser settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 100 steps) are tuned for that
-    model and marked as such in --help; the paper's (lr 5e-7, AdamW eps 1e-15, weight decay 0.01, 100 warm-up steps,
-    48 x 16) apply to real models (--model).
+    staleness experiment). Its settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 200 steps) are tuned for that
+    model, as --help says; the paper's (lr 5e-7, AdamW eps 1e-15, weight decay 0.01, 100 warm-up steps, 48 x 16)
+    apply to real models (--model).
   - compute_hours counts wall-clock hours x devices in use, where on CPU a "device" is a learner rank or the
     generator process. flops = 2N per generated token + 6N per trained token (N = parameters).
   - Old logprobs: pipeline mode uses the sampler's (ScaleRL: the denominator of rho is the generator's logprob).
@@ -82,10 +82,11 @@ from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, fla
                    loss_arg_problems, parse_args, parse_literal, plan, read_args_json, reshard_layers, resolve_defaults)
 from head_gemm import split_bf16_logprobs
 from packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
-from runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, current_asymptote, full_state_dict,
-                     generator_config, idle_forward, idle_forwards_needed, load_tasks, model_flops_utilisation,
-                     new_row, peak_flops_per_s, rank0_speaks, read_run_metrics, reduce_metrics, set_up,
-                     sum_over_ranks, summary_line, this_ranks_share)
+from runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
+                     completion_lengths, current_asymptote, full_state_dict, generator_config, idle_forward,
+                     idle_forwards_needed, load_tasks, model_flops_utilisation, new_row, peak_flops_per_s,
+                     rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks, summary_line,
+                     this_ranks_share)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -172,8 +173,8 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
             learner.optimizer.zero_grad(set_to_none=True)
             totals = loss_and_backward(learner.model, learner.loss_module, learner.hp, my_groups, my_advantages, args,
                                        learner.pad_id, run.world, version, learner.ref_model, old_is_current)
-            metrics = reduce_metrics(totals, run.world)
-            grad_norm, finite = optimizer_step(args, learner, metrics["loss"], has_groups=bool(batch))
+            grad_norm, finite = optimizer_step(args, learner, totals.get("loss", 0.0), has_groups=bool(batch))
+            metrics = reduce_metrics(totals, run.world)  # after the update is queued: it waits for the GPU
             if not finite:
                 consecutive_bad += 1
                 state.bad_steps_total += 1
@@ -287,23 +288,6 @@ def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
     per_step = math.ceil(len(kept) / steps) if kept else 0
     batches = [kept[i * per_step: (i + 1) * per_step] for i in range(steps)] if per_step else [[] for _ in range(steps)]
     return Round(batches, stats)
-
-
-def completion_lengths(groups: list) -> dict[str, float]:
-    """The lengths of a batch's completions in generated tokens, the second thing RL practitioners watch after the
-    reward: their mean, 90th percentile and longest; the mean of the correct and of the incorrect ones (a length
-    that grows on wrong answers only is rambling, not reasoning); and the fractions interrupted and cut off."""
-    completions = [c for grp in groups for c in grp.completions]
-    if not completions:
-        return {}
-    lengths = sorted(len(c.token_ids) for c in completions)
-    mean = lambda values: sum(values) / len(values) if values else None  # noqa: E731 (None: no such completion)
-    return {"length_mean": mean(lengths), "length_p90": float(lengths[math.ceil(0.9 * len(lengths)) - 1]),
-            "length_max": float(lengths[-1]),
-            "length_mean_correct": mean([len(c.token_ids) for c in completions if c.reward > 0]),
-            "length_mean_incorrect": mean([len(c.token_ids) for c in completions if not c.reward > 0]),
-            "frac_interrupted": mean([float(c.interrupted) for c in completions]),
-            "frac_truncated": mean([float(c.truncated) for c in completions])}
 
 
 def pull_groups(generator: Any, n: int, version: int, stats: dict[str, Any]) -> list:
@@ -483,8 +467,6 @@ def micro_batch_loss(model: Any, loss_module: Any, hp: dict, rows: Rows, args: A
     loss, metrics = loss_module.compute_loss(logprobs, old, rows.advantages, rows.loss_mask,
                                              group_size or args.group_size, is_weights=loss_weights,
                                              denominator=denominator, **hp, **extra)
-    # FSDP averages gradients over ranks; the loss is already normalised by the global denominator.
-    (loss * world).backward()
     weight = metrics.get("num_tokens", 0.0)
     totals = {"loss": loss.item(), **{k: v * weight for k, v in metrics.items() if k != "num_tokens"},
               "num_tokens": weight, "entropy": float(entropy[rows.loss_mask].sum())}  # its token mean, reduced
@@ -509,21 +491,35 @@ def micro_batch_loss(model: Any, loss_module: Any, hp: dict, rows: Rows, args: A
     if is_weights is not None:
         totals["is_weight_mean"] = float(is_weights[rows.loss_mask].sum())
         totals["is_weight_zero_frac"] = float((is_weights[rows.loss_mask] == 0).sum())  # masked (MIS)
+    # Backward after the metrics: each read waits for the GPU, so reads after it would leave the GPU idle while the
+    # host queues what follows (the next micro-batch, clipping, AdamW). FSDP averages gradients over ranks; the loss
+    # is already normalised by the global denominator.
+    (loss * world).backward()
     return totals
 
 
 def optimizer_step(args: Args, learner: Learner, loss: float, has_groups: bool) -> tuple[float, bool]:
-    """Clip the global gradient norm (--grad-clip) and step AdamW and the warm-up schedule. A non-finite loss or
-    gradient skips the step (its gradients are dropped), and so does an empty batch. Returns (grad norm, finite)."""
+    """Clip the global gradient norm (--grad-clip) and step AdamW and the warm-up schedule. A non-finite gradient,
+    or loss on any rank (`loss`: this rank's), skips the step on every rank (its gradients are dropped), and so does
+    an empty batch. Returns (grad norm, finite). A fused AdamW (--adamw) is told of a skip on the device (found_inf,
+    as torch.amp's GradScaler tells it), so the host queues the update while the GPU still runs the backward."""
     grad_norm = torch.nn.utils.clip_grad_norm_(learner.model.parameters(), args.grad_clip)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    finite = math.isfinite(grad_norm) and math.isfinite(loss)
-    if finite and has_groups:
+    skip = torch.full((), float(not math.isfinite(loss)), device=collective_device())  # filled there: no host copy
+    dist.all_reduce(skip, op=dist.ReduceOp.MAX)
+    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).to(skip.device)
+    skip = torch.maximum(skip, (~torch.isfinite(grad_norm)).float())
+    fused = bool(learner.optimizer.defaults.get("fused")) and has_groups
+    if fused:  # its kernel leaves the weights, moments and step count as they were where found_inf is 1
+        learner.optimizer.found_inf = skip
         learner.optimizer.step()
-    else:
+        del learner.optimizer.found_inf
+    grad_norm_value, finite = float(grad_norm), not skip.item()  # the step's one wait for the GPU
+    if finite and has_groups and not fused:
+        learner.optimizer.step()
+    elif not (finite and has_groups):
         learner.optimizer.zero_grad(set_to_none=True)
     learner.scheduler.step()
-    return grad_norm, finite
+    return grad_norm_value, finite
 
 
 def push_weights(learner: Learner, run: Run, version: int) -> tuple[float, float]:

@@ -347,12 +347,12 @@ def test_completion_lengths_of_a_batch_by_hand():
     groups = [_group(0, [1, 2, 3, 4, 5], [0, 1, 0, 1, 0]), _group(1, [6, 7, 8, 9, 10], [1, 0, 1, 0, 1])]
     groups[0].completions[4].interrupted = True
     groups[1].completions[3].truncated = groups[1].completions[4].truncated = True
-    assert train.completion_lengths(groups) == {
+    assert runtime.completion_lengths(groups) == {
         "length_mean": 5.5, "length_p90": 9.0, "length_max": 10.0, "length_mean_correct": 6.0,
         "length_mean_incorrect": 5.0, "frac_interrupted": 0.1, "frac_truncated": 0.2}
     solved = [_group(0, [4, 6], [1, 1])]
-    assert train.completion_lengths(solved)["length_mean_incorrect"] is None  # none wrong: no mean, not 0
-    assert train.completion_lengths([]) == {}
+    assert runtime.completion_lengths(solved)["length_mean_incorrect"] is None  # none wrong: no mean, not 0
+    assert runtime.completion_lengths([]) == {}
 
 
 def test_micro_batches_hold_completions_within_the_budget_and_may_split_groups():
@@ -1035,6 +1035,47 @@ def test_fsdp_reshard_and_fused_adamw_change_no_step(one_rank_group, base_model_
     assert moved > 1e-4  # the steps moved the weights, so the comparison below can fail
     for k in weights:
         torch.testing.assert_close(fused[k], weights[k], rtol=1e-5, atol=1e-6)
+
+
+def test_a_non_finite_step_changes_nothing_with_either_adamw_and_the_next_one_trains(one_rank_group,
+                                                                                      base_model_dir):
+    """optimizer_step skips a step whose loss or gradient is not finite. With PyTorch's default AdamW the host
+    decides; with the fused one the kernel is told on the device (found_inf), so the host never waits for the GPU
+    before queueing the update. Either way the weights, AdamW's moments and its step count stay as they were, the
+    gradients are dropped, the next finite step trains, and both AdamWs end on the same weights."""
+    from bench import synthetic_groups
+
+    def snapshot(learner) -> dict:
+        state = {f"{i}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+                 for i, per_param in enumerate(learner.optimizer.state.values()) for k, v in per_param.items()}
+        return {**{k: v.clone() for k, v in runtime.full_state_dict(learner.model).items()}, **state}
+
+    ends = {}
+    for adamw in ("default", "fused"):
+        args = flags.Args(dtype="float32", lr=1e-3, adam_eps=1e-8, weight_decay=0.01, warmup_steps=0, adamw=adamw)
+        learner = train.make_learner(args, str(base_model_dir), torch.device("cpu"), 0)
+        assert learner.optimizer.defaults["fused"] == (adamw == "fused" or None)
+        groups = synthetic_groups(3, 4, learner.model.config.vocab_size)
+        seen = []
+        for bad in (None, "loss", "gradient", None):
+            loss, _, _ = _one_step(learner.model, "cispo", {}, groups, micro_batch_tokens=40)
+            if bad == "gradient":
+                next(p for p in learner.model.parameters() if p.grad is not None).grad.to_local()[0] = float("inf")
+            before = snapshot(learner)
+            grad_norm, finite = train.optimizer_step(args, learner, float("nan") if bad == "loss" else loss, True)
+            seen.append((finite, math.isfinite(grad_norm)))
+            after = snapshot(learner)
+            changed = [k for k in after if k not in before or not torch.equal(before[k], after[k])]
+            if bad:
+                assert not changed and before.keys() == after.keys(), (adamw, bad, changed[:3])
+                assert all(p.grad is None for p in learner.model.parameters()), (adamw, bad)
+            else:
+                assert len(changed) > len(after) / 2, (adamw, len(changed))  # the weights and both moments moved
+        assert seen == [(True, True), (False, True), (False, False), (True, True)], (adamw, seen)
+        assert not hasattr(learner.optimizer, "found_inf")  # no skip left behind for a later step
+        ends[adamw] = runtime.full_state_dict(learner.model)
+    for k in ends["default"]:
+        torch.testing.assert_close(ends["fused"][k], ends["default"][k], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("tis", [None, "token"])

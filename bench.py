@@ -846,9 +846,9 @@ def _host_times(methods: dict[str, Callable[[], None]], repeats: int, device: An
     issues the forward's kernels, its metrics' reads wait for the GPU to finish them, then it issues the backward's
     without waiting: so this is the host's time plus the forward's tail behind the last kernel issued, host time
     where the step is host-bound (the tiny and SmolLM2-sized models on a GPU), and simply the micro-batch's time on
-    CPU. The rest of the step (building the rows, clipping, AdamW, the wait for the GPU at its end, so on a GPU the
-    backward's tail too) is the step's time minus its micro-batches'. Returns {method: (ms per micro-batch, ms of
-    the rest of a step)}."""
+    CPU. The rest of the step (building the rows, clipping, AdamW, the metrics' gather, the wait for the GPU at its
+    end, so on a GPU the backward's tail too) is the step's time minus its micro-batches'. Returns {method: (ms per
+    micro-batch, ms of the rest of a step)}."""
     import torch
 
     import train

@@ -508,16 +508,16 @@ def optimizer_step(args: Args, learner: Learner, loss: float, has_groups: bool) 
     dist.all_reduce(skip, op=dist.ReduceOp.MAX)
     grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).to(skip.device)
     skip = torch.maximum(skip, (~torch.isfinite(grad_norm)).float())
-    fused = bool(learner.optimizer.defaults.get("fused")) and has_groups
-    if fused:  # its kernel leaves the weights, moments and step count as they were where found_inf is 1
+    fused = bool(learner.optimizer.defaults.get("fused"))
+    if fused and has_groups:  # its kernel leaves the weights, moments and step count as they were where found_inf is 1
         learner.optimizer.found_inf = skip
         learner.optimizer.step()
         del learner.optimizer.found_inf
     grad_norm_value, finite = float(grad_norm), not skip.item()  # the step's one wait for the GPU
-    if finite and has_groups and not fused:
-        learner.optimizer.step()
-    elif not (finite and has_groups):
+    if not (finite and has_groups):
         learner.optimizer.zero_grad(set_to_none=True)
+    elif not fused:
+        learner.optimizer.step()
     learner.scheduler.step()
     return grad_norm_value, finite
 

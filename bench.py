@@ -257,7 +257,7 @@ def bench_weights(args: argparse.Namespace) -> dict:
 
     import pipeline_rl as pl
 
-    model_dir = args.model or str(tasks.build_base_model(progress=False))
+    model_dir = args.model or str(tasks.embedded_base_model())
     state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     config = pl.GeneratorConfig(model=model_dir, replicas=args.gen_replicas, seed=args.seed, max_model_len=1024,
                                 max_tokens=64, interruptions=False, num_threads=args.gen_threads)
@@ -334,7 +334,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
 
     import pipeline_rl as pl
 
-    model_dir = str(tasks.build_base_model(progress=False))
+    model_dir = str(tasks.embedded_base_model())
     task = tasks.ArithmeticTask()
     G, N = args.group_size, args.prompts
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -697,7 +697,7 @@ def _bench_model_dir(args: argparse.Namespace, scratch: Path, device: Any) -> st
         return write_random_model(args.shape, scratch / args.shape, device)
     import tasks
 
-    return str(tasks.build_base_model())
+    return str(tasks.embedded_base_model())
 
 
 def write_random_model(shape: str, out_dir: Path, device: Any) -> str:

@@ -132,8 +132,8 @@ class Args:
                      choices=LOSSES)
     loss_arg: list[str] = _arg(HelpGroup.WHAT, None, "override a hyper-parameter of the loss, KEY=VALUE (repeatable), "
                                "e.g. --loss-arg eps_max=8; defaults are the loss file's paper values", action="append")
-    model: str | None = _arg(HelpGroup.WHAT, None, "HF model name or directory (default: the embedded tiny model, "
-                             "built and cached on first use by tasks.build_base_model)")
+    model: str | None = _arg(HelpGroup.WHAT, None, "HF model name or directory (default: the embedded tiny model "
+                             "shipped in models/tiny-arith, checked by its sha256 before use)")
     dataset: str | None = _arg(HelpGroup.WHAT, None, "HF data set name or local .json/.jsonl/.parquet (default: the "
                                "embedded 3-digit addition task; arithmetic-verified: the same with its scratchpad "
                                "verified too, so a tight --think-budget is a hard ceiling; small-arithmetic and "

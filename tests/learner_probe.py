@@ -48,7 +48,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
     rank, world, device = runtime.init_distributed(cpu_offload=True)  # gloo beside NCCL for the offloaded layout
-    model_dir = sys.argv[3] if len(sys.argv) > 3 else tasks.build_base_model(progress=False)
+    model_dir = sys.argv[3] if len(sys.argv) > 3 else tasks.embedded_base_model()
     results = {}
     for loss_name in flags.LOSSES:
         loss_module = importlib.import_module(loss_name)

@@ -78,7 +78,7 @@ def test_learner_step_on_gpu_matches_cpu(tmp_path, model):
     0.07%), gradient cosines above 0.997 (tied: 0.99998), the lowest with the KL. Seen again on one H100 (torch
     2.11, 2026-11-27), the embedded model with the learner in its present modules: float32 gradients within 4e-6
     relative, bf16 gradient cosines above 0.998 (the lowest with --aggregation sample)."""
-    model_dir = tasks.build_base_model(progress=False) if model == "embedded" else _tied_model(tmp_path / "tied")
+    model_dir = tasks.embedded_base_model() if model == "embedded" else _tied_model(tmp_path / "tied")
     cpu = _learner_probe(tmp_path / "cpu.pt", "float32", on_gpu=False, model_dir=model_dir)
     gpu = _learner_probe(tmp_path / "gpu.pt", "float32", on_gpu=True, model_dir=model_dir)
     bf16 = _learner_probe(tmp_path / "bf16.pt", "bfloat16", on_gpu=True, model_dir=model_dir)
@@ -131,7 +131,7 @@ def setup():
     n = torch.cuda.device_count()
     gen_devices = os.environ.get("SCALERL_GEN_DEVICES", str(n - 1))
     learner_ids, gen_ids = vllm_replica.split_devices(gen_devices, n)
-    model = os.environ.get("SCALERL_GPU_MODEL") or str(tasks.build_base_model(progress=False))
+    model = os.environ.get("SCALERL_GPU_MODEL") or str(tasks.embedded_base_model())
     shared = bool(set(learner_ids) & set(gen_ids)) or n == 1
     config = pl.GeneratorConfig(model=model, group_size=4, temperature=0.7, dtype="bfloat16", fp32_lm_head=True,
                                 gen_devices=gen_devices, tensor_parallel_size=len(gen_ids),

@@ -37,12 +37,6 @@ REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-@pytest.fixture(autouse=True)
-def _away_from_the_checkout(tmp_path, monkeypatch):
-    """Run in an empty directory, so the default --output-dir runs/default never meets a run made by hand."""
-    monkeypatch.chdir(tmp_path)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Flags
 # --------------------------------------------------------------------------------------------------------------
@@ -2102,7 +2096,7 @@ def logprobs(model):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-base_dir = json.loads((run_dir / "args.json").read_text())["model"] or str(tasks.build_base_model(progress=False))
+base_dir = json.loads((run_dir / "args.json").read_text())["model"] or str(tasks.embedded_base_model())
 learner = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
 learner.load_state_dict(torch.load(run_dir / "checkpoint" / "weights.pt", weights_only=True)["model"])
 ours = logprobs(learner)

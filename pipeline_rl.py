@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import hashlib
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mpc
@@ -85,7 +86,8 @@ class GeneratorConfig:
     buffer_steps: int | None = 1
     # pipeline: stream continuously with in-flight weight updates (PipelineRL-k); sync: generate a batch, train, sync
     mode: str = "pipeline"
-    # seed of vLLM's sampler and the think budgets (and of the data stream unless data_seed is set)
+    # seed of the samplers (one per completion, `sampling_seed`), the think budgets and the data stream (unless
+    # data_seed is set)
     seed: int = 0
     # generator weights dtype (bfloat16 on GPU)
     dtype: str = "float32"
@@ -382,6 +384,15 @@ def config_problems(values: Mapping[str, Any], name: Callable[[str], str] = str)
         problems.append(f"{name('debug_slowdown')} {shown}: X or X,Y,... (one per replica), each must be >= 1 "
                         "(1 = full speed)")
     return problems + vllm_replica.replica_problems(v, name)
+
+
+def sampling_seed(run_seed: int, kind: str, key: str, version: int, sample: int) -> int:
+    """The seed of one completion's sampler: a hash of the run's seed, what the group is (`kind` "t" for training,
+    "e" for evaluation; `key` its data index or problem id), the weights it is admitted with and the sample's index.
+    vLLM gives a seeded request a random generator of its own, so a completion no longer depends on which requests
+    happened to share its engine steps: sync mode repeats run for run, and a resume draws what the run would have."""
+    digest = hashlib.blake2b(f"{run_seed}|{kind}|{key}|{version}|{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # below 2**63: torch.Generator.manual_seed takes it
 
 
 def pick_replica(loads: Mapping[int, int]) -> int | None:
@@ -736,8 +747,10 @@ class _Admission:
             if state.budgets[i] is None and self.cfg.interruptions:
                 state.budgets[i] = self.rng.randint(*self.cfg.think_budget)
             state.assigned[i] = replica.id
-            requests.append((f"{prefix}{state.gid}.{i}", state.prompt_ids, f"v{replica.version}",
-                             self.request_spec(state.temperature, state.budgets[i])))
+            key = state.problem.id if prefix == "e" else str(state.data_index)
+            spec = self.request_spec(state.temperature, state.budgets[i])
+            spec["seed"] = sampling_seed(self.cfg.seed, prefix, key, state.admitted_version, i)
+            requests.append((f"{prefix}{state.gid}.{i}", state.prompt_ids, f"v{replica.version}", spec))
         if requests:
             self.send_to(replica, ("add", requests))
 

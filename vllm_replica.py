@@ -711,7 +711,8 @@ class _Replica:
 
         extra = {_INTERRUPT_KEY: spec["interrupt"]} if spec.get("interrupt") else None
         return SamplingParams(temperature=spec["temperature"], top_p=1.0, top_k=0, max_tokens=spec["max_tokens"],
-                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra)
+                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra,
+                              seed=spec.get("seed"))
 
     def apply_update(self, version: int, transport: dict) -> float:
         if self.join_error:

@@ -377,6 +377,10 @@ def test_the_scheduler_routes_to_the_least_loaded_and_moves_a_dead_replicas_work
     sent = {r: [rid for msg in slot.conn.sent for rid, *_ in msg[1]] for r, slot in scheduler.replicas.items()}
     assert sent == {0: ["t0.0", "t0.1", "t3.0", "t3.1"], 1: ["t1.0", "t1.1", "t4.0", "t4.1"],
                     2: ["t2.0", "t2.1", "t5.0", "t5.1"]}  # least loaded first, up to each one's capacity
+    seeds = {rid: spec["seed"] for slot in scheduler.replicas.values() for msg in slot.conn.sent
+             for rid, _, _, spec in msg[1]}
+    # each completion's sampler seed: the run's seed, its data index (group g holds index g here), version, sample
+    assert seeds == {f"t{g}.{i}": pl.sampling_seed(config.seed, "t", str(g), 0, i) for g in range(6) for i in (0, 1)}
     done = {"token_ids": [5, 6], "logprobs": [-0.1, -0.2], "versions": [0, 0], "text": "x", "finish_reason": "stop"}
     scheduler.on_output(scheduler.replicas[0], {**done, "rid": "t0.0"})
     scheduler.on_output(scheduler.replicas[1], {**done, "rid": "t1.0"})  # replica 1 has one completion less to do
@@ -388,11 +392,28 @@ def test_the_scheduler_routes_to_the_least_loaded_and_moves_a_dead_replicas_work
     scheduler.place_orphans()
     moved = [rid for msg in scheduler.replicas[1].conn.sent + scheduler.replicas[2].conn.sent for rid, *_ in msg[1]]
     assert sorted(moved) == ["t0.1", "t3.0", "t3.1"]  # t0.0 was finished: it stays
+    moved_seeds = {rid: spec["seed"] for msg in scheduler.replicas[1].conn.sent + scheduler.replicas[2].conn.sent
+                   for rid, _, _, spec in msg[1]}
+    assert moved_seeds == {rid: seeds[rid] for rid in moved}  # a moved completion samples as it would have
     assert scheduler.groups[0].completions[0].replica == 0 and scheduler.groups[0].assigned[1] in (1, 2)
     scheduler.on_death(scheduler.replicas[1], "killed")
     with pytest.raises(pl._Fatal, match=r"no replica left: replica 0 \(local\): its connection closed; "
                                         r"replica 1 \(local\): killed; replica 2 \(local\): it closed"):
         scheduler.on_death(scheduler.replicas[2], "it closed")
+
+
+def test_a_completion_s_sampling_seed_follows_what_it_is_and_nothing_else():
+    """Each completion's vLLM seed is a function of the run's seed, training or evaluation, the group's data index
+    (or problem id), the weights it is admitted with and the sample's index: the same inputs give the same seed (so
+    sync mode repeats, whatever vLLM batches together), a change in any one gives another, all below 2**63."""
+    base = ("t", "17", 3, 2)
+    seed = pl.sampling_seed(0, *base)
+    assert seed == pl.sampling_seed(0, *base) and 0 <= seed < 2**63
+    variants = [pl.sampling_seed(1, *base), pl.sampling_seed(0, "e", "17", 3, 2), pl.sampling_seed(0, "t", "18", 3, 2),
+                pl.sampling_seed(0, "t", "17", 4, 2), pl.sampling_seed(0, "t", "17", 3, 3)]
+    assert len({seed, *variants}) == 6
+    many = {pl.sampling_seed(0, "t", str(i), 0, j) for i in range(200) for j in range(16)}
+    assert len(many) == 3200  # no two completions of a run share a sampler
 
 
 def test_weight_buckets_round_trip_every_dtype_and_shape():

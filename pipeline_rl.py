@@ -390,7 +390,8 @@ def sampling_seed(run_seed: int, kind: str, key: str, version: int, sample: int)
     """The seed of one completion's sampler: a hash of the run's seed, what the group is (`kind` "t" for training,
     "e" for evaluation; `key` its data index or problem id), the weights it is admitted with and the sample's index.
     vLLM gives a seeded request a random generator of its own, so a completion no longer depends on which requests
-    happened to share its engine steps: sync mode repeats run for run, and a resume draws what the run would have."""
+    happened to share its engine steps, and its think budget is drawn from the same seed: sync mode repeats run for
+    run, and a resume draws what the run would have."""
     digest = hashlib.blake2b(f"{run_seed}|{kind}|{key}|{version}|{sample}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # below 2**63: torch.Generator.manual_seed takes it
 
@@ -744,12 +745,13 @@ class _Admission:
         prefix-cache entry; after a replica's death, the missing ones of a group go to another)."""
         requests = []
         for i in indices:
-            if state.budgets[i] is None and self.cfg.interruptions:
-                state.budgets[i] = self.rng.randint(*self.cfg.think_budget)
-            state.assigned[i] = replica.id
             key = state.problem.id if prefix == "e" else str(state.data_index)
+            seed = sampling_seed(self.cfg.seed, prefix, key, state.admitted_version, i)
+            if state.budgets[i] is None and self.cfg.interruptions:  # drawn from the seed too: a resume repeats it
+                state.budgets[i] = random.Random(seed).randint(*self.cfg.think_budget)
+            state.assigned[i] = replica.id
             spec = self.request_spec(state.temperature, state.budgets[i])
-            spec["seed"] = sampling_seed(self.cfg.seed, prefix, key, state.admitted_version, i)
+            spec["seed"] = seed
             requests.append((f"{prefix}{state.gid}.{i}", state.prompt_ids, f"v{replica.version}", spec))
         if requests:
             self.send_to(replica, ("add", requests))
@@ -990,7 +992,6 @@ class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoic
         data_seed = config.seed if config.data_seed is None else config.data_seed
         self.data = _DataStream(self.task, data_seed, data_start, skip_indices, retired_ids)
         self.version = version
-        self.rng = random.Random(config.seed * 7919 + 17)
         self.groups: dict[int, _GroupState] = {}  # unconsumed training groups (in flight or ready)
         self.eval_groups: dict[int, _GroupState] = {}
         self.next_gid = 0

@@ -228,7 +228,7 @@ def set_up(args: Args,
         # The generator (rank 0 owns it; its process is vLLM's).
         val_problems = task.validation(args.eval_prompts)
         test_problems = test_task.validation(None) if test_task else []
-        gen_config = generator_config(args, model_path, state.step)
+        gen_config = generator_config(args, model_path)
         devices_in_use = _devices_in_use(args, world, gen_config)
         if is_main:
             consumed = state.consumed
@@ -429,10 +429,12 @@ def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
     return task, test_task
 
 
-def generator_config(args: Args, model_path: str, step: int) -> pipeline_rl.GeneratorConfig:
-    """The vLLM generator's settings for this run; it restarts from `step` after a resume."""
+def generator_config(args: Args, model_path: str) -> pipeline_rl.GeneratorConfig:
+    """The vLLM generator's settings for this run. Its seed is the run's own, resumed or not: each completion's
+    sampler seed holds the weights' version as well (sampling_seed), so a resume draws what the run would have
+    drawn."""
     return pipeline_rl.GeneratorConfig(
-        model=model_path, **generator_values(args), seed=args.seed + step, data_seed=args.seed,
+        model=model_path, **generator_values(args), seed=args.seed, data_seed=args.seed,
         groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
         gpu_memory_utilization=generator_memory_fraction(args, generator_shares_a_gpu(args)),
         replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),

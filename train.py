@@ -948,7 +948,7 @@ def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
     resolve_defaults(args, embedded=args.model is None and not args.resume, on_gpu=args.gen_devices is not None)
     task, test_task = load_tasks(args)
     problems = (test_task or task).validation(args.eval_prompts)
-    config = dataclasses.replace(generator_config(args, model_path=model_dir, step=0), mode="sync")
+    config = dataclasses.replace(generator_config(args, model_path=model_dir), mode="sync")
     with pipeline_rl.Generator(config, task) as generator:
         groups = generator.evaluate(problems, args.eval_samples, args.temperature)
     n = args.eval_samples

@@ -45,6 +45,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 import tasks
@@ -222,10 +223,8 @@ def _interruption_processor_class() -> type:
             return False
 
         def new_req_logits_processor(self, params: Any) -> Any:
-            spec = (params.extra_args or {}).get(_INTERRUPT_KEY)
-            if not spec:
-                return None
-            return _ForcePhrase(int(spec["budget"]), list(spec["phrase"]), list(spec["close"]))
+            spec = interruption_spec(params.extra_args)
+            return None if spec is None else _ForcePhrase(*spec)
 
     InterruptionLogitsProcessor.__module__ = __name__
     InterruptionLogitsProcessor.__qualname__ = "InterruptionLogitsProcessor"
@@ -235,16 +234,30 @@ def _interruption_processor_class() -> type:
 _SLOWDOWN_ENV = "SCALERL_DEBUG_GEN_SLOWDOWN"  # GeneratorConfig.debug_slowdown, read inside vLLM's worker
 
 
+class _Pace:
+    """Sleeps (x - 1) times the duration of each engine step (x: SCALERL_DEBUG_GEN_SLOWDOWN), so that the engine
+    itself (not just our reading of its outputs: vLLM's EngineCore runs in its own process) runs x times slower."""
+
+    def __init__(self) -> None:
+        self.factor = float(os.environ.get(_SLOWDOWN_ENV, "1"))
+        self.last_step_end: float | None = None
+
+    def step(self) -> None:
+        now = time.perf_counter()
+        # the time since the previous step ended is this step's work; a longer gap is an idle engine
+        if self.last_step_end is not None and now - self.last_step_end < 1.0 and self.factor > 1:
+            time.sleep((self.factor - 1) * (now - self.last_step_end))
+        self.last_step_end = time.perf_counter()
+
+
 def _slowdown_processor_class() -> type:
-    """A vLLM logits processor that changes no logit and sleeps (x - 1) times the duration of each engine step,
-    so that the engine itself (not just our reading of its outputs: vLLM's EngineCore runs in its own process)
-    runs x times slower. The debug knob behind GeneratorConfig.debug_slowdown."""
+    """A vLLM (V1) logits processor that changes no logit and paces the engine (_Pace): the debug knob behind
+    GeneratorConfig.debug_slowdown."""
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
     class SlowdownLogitsProcessor(LogitsProcessor):
         def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool):
-            self.factor = float(os.environ.get(_SLOWDOWN_ENV, "1"))
-            self.last_step_end: float | None = None
+            self.pace = _Pace()
 
         def is_argmax_invariant(self) -> bool:
             return False  # keep vLLM from skipping it
@@ -253,11 +266,7 @@ def _slowdown_processor_class() -> type:
             pass
 
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            now = time.perf_counter()
-            # the time since the previous step ended is this step's work; a longer gap is an idle engine
-            if self.last_step_end is not None and now - self.last_step_end < 1.0 and self.factor > 1:
-                time.sleep((self.factor - 1) * (now - self.last_step_end))
-            self.last_step_end = time.perf_counter()
+            self.pace.step()
             return logits
 
     SlowdownLogitsProcessor.__module__ = __name__
@@ -265,8 +274,150 @@ def _slowdown_processor_class() -> type:
     return SlowdownLogitsProcessor
 
 
+# vLLM 0.32 runs a GPU engine with its V2 model runner wherever Triton is installed, and V2 loads only logits
+# processors of its own interface (vllm.v1.worker.gpu.sample.logits_processor.LogitsProcessor); the CPU build has no
+# Triton and runs V1, whose interface is the one above. `model_runner_v2` picks one, replica_main pins vLLM to it
+# (VLLM_USE_V2_MODEL_RUNNER), and vllm_engine_kwargs names the classes of that interface.
+
+def model_runner_v2(on_gpu: bool) -> bool:
+    """Whether a replica's vLLM runs its V2 model runner: VLLM_USE_V2_MODEL_RUNNER where the user set it (parsed as
+    vLLM parses it), else V2 on a GPU with Triton (vLLM 0.32's own default for this project's settings) and V1 on
+    CPU, the runner the CPU tests cover."""
+    import vllm.envs as envs
+
+    setting = envs.VLLM_USE_V2_MODEL_RUNNER
+    if setting is not None:
+        return bool(setting)
+    if not on_gpu:
+        return False
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
+def interruption_spec(extra_args: Mapping[str, Any] | None) -> tuple[int, list[int], list[int]] | None:
+    """(budget, phrase, close) of a request's SamplingParams.extra_args, None without an interruption; a malformed
+    one is refused in one line (V2 checks it when the request is admitted)."""
+    spec = (extra_args or {}).get(_INTERRUPT_KEY)
+    if not spec:
+        return None
+    try:
+        budget, phrase, close = int(spec["budget"]), [int(t) for t in spec["phrase"]], [int(t) for t in spec["close"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{_INTERRUPT_KEY} must be {{'budget': int, 'phrase': [ids], 'close': [ids]}}: {e}") from None
+    if budget < 0 or not phrase:
+        raise ValueError(f"{_INTERRUPT_KEY}: budget must be >= 0 and the phrase not empty, got {spec!r}")
+    return budget, phrase, close
+
+
+def forced_rows(slots: np.ndarray, seq_lens: np.ndarray, prompt_lens: np.ndarray, budget: np.ndarray,
+                phrase_len: np.ndarray) -> np.ndarray:
+    """The batch rows whose next token may be forced, from the host's arrays alone (no GPU sync): row b (request
+    slot slots[b]) has n = seq_lens[b] - prompt_lens[slot] output tokens, and position n is in the phrase's span
+    when 0 <= n - budget < len(phrase) (budget -1: no interruption). Exact without speculative decoding."""
+    b = budget[slots]
+    i = seq_lens[: len(slots)] - prompt_lens[slots] - b
+    return np.flatnonzero((b >= 0) & (i >= 0) & (i < phrase_len[slots]))
+
+
+def _on(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int64 host list on `device` without waiting for the GPU (pinned, non-blocking)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def force_unless_closed(logits: torch.Tensor, rows: list[int], forced: list[int], slots: list[int], starts: list[int],
+                        budgets: list[int], history: torch.Tensor, close: list[int]) -> torch.Tensor:
+    """V2's forcing, decided on the device: each row in `rows` gets logit 0 for its token in `forced` and -inf for
+    every other, unless `close` lies within its first `budget` output tokens (history[slot, start:start+budget],
+    history being vLLM's committed token ids per request slot). The rows share one `close`."""
+    device, k, width, c = logits.device, len(rows), max(budgets), len(close)
+    closed = torch.zeros(k, dtype=torch.bool, device=device)
+    if 0 < c <= width:
+        pos = (_on(starts, device)[:, None] + torch.arange(width, device=device)).clamp(max=history.shape[1] - 1)
+        tokens = history[_on(slots, device)[:, None], pos]  # [k, width]
+        match = torch.arange(width - c + 1, device=device)[None] <= _on(budgets, device)[:, None] - c
+        for j, token in enumerate(close):
+            match = match & (tokens[:, j: j + width - c + 1] == token)
+        closed = match.any(dim=1)
+    row_ids = _on(rows, device)
+    phrase_logits = torch.full((k, logits.shape[1]), float("-inf"), dtype=logits.dtype, device=device)
+    phrase_logits[torch.arange(k, device=device), _on(forced, device)] = 0.0
+    logits[row_ids] = torch.where(closed[:, None], logits[row_ids], phrase_logits)
+    return logits
+
+
+def _interruption_processor_v2_class() -> type:
+    """The interruption logits processor for vLLM's V2 model runner (GPU): the rule of _ForcePhrase, which rows it
+    applies to read from the host's lengths (`forced_rows`), whether the model closed its thinking decided on the
+    device (`force_unless_closed`), so that no step waits for the GPU."""
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+
+    class InterruptionLogitsProcessorV2(LogitsProcessor):
+        def __init__(self, vllm_config: Any, req_states: Any):
+            if getattr(vllm_config, "speculative_config", None) is not None:
+                raise ValueError("InterruptionLogitsProcessorV2: speculative decoding is not supported (its rows "
+                                 "are per draft token, and the forcing reads one row per request)")
+            self.req_states = req_states
+            self.budget = np.full(req_states.max_num_reqs, -1, dtype=np.int64)
+            self.phrase_len = np.zeros(req_states.max_num_reqs, dtype=np.int64)
+            self.specs: dict[int, tuple[list[int], list[int]]] = {}  # slot -> (phrase, close)
+
+        @classmethod
+        def validate_params(cls, sampling_params: Any) -> None:
+            interruption_spec(sampling_params.extra_args)
+
+        def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+            spec = interruption_spec(sampling_params.extra_args)  # a slot is reused: overwrite all of its state
+            self.budget[req_idx], self.phrase_len[req_idx] = (spec[0], len(spec[1])) if spec else (-1, 0)
+            self.specs[req_idx] = (spec[1], spec[2]) if spec else ([], [])
+            return spec is not None
+
+        def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
+            slots = ctx.idx_mapping_np
+            rows = forced_rows(slots, ctx.seq_lens_upper_bound_np, self.req_states.prompt_len.np, self.budget,
+                               self.phrase_len)
+            by_close: dict[tuple[int, ...], list[tuple]] = {}
+            for b in rows.tolist():
+                s = int(slots[b])
+                phrase, close = self.specs[s]
+                start = int(self.req_states.prompt_len.np[s])
+                i = int(ctx.seq_lens_upper_bound_np[b]) - start - int(self.budget[s])
+                by_close.setdefault(tuple(close), []).append((b, phrase[i], s, start, int(self.budget[s])))
+            history = self.req_states.all_token_ids.gpu
+            for close, group in by_close.items():
+                logits = force_unless_closed(logits, *map(list, zip(*group)), history=history, close=list(close))
+            return logits
+
+    InterruptionLogitsProcessorV2.__module__ = __name__
+    InterruptionLogitsProcessorV2.__qualname__ = "InterruptionLogitsProcessorV2"
+    return InterruptionLogitsProcessorV2
+
+
+def _slowdown_processor_v2_class() -> type:
+    """SlowdownLogitsProcessor for vLLM's V2 model runner (the debug knob on a GPU)."""
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+
+    class SlowdownLogitsProcessorV2(LogitsProcessor):
+        def __init__(self, vllm_config: Any, req_states: Any):
+            self.pace = _Pace()
+
+        def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+            return True  # V2 calls apply only for a batch where some request asks for it: all do
+
+        def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
+            self.pace.step()
+            return logits
+
+    SlowdownLogitsProcessorV2.__module__ = __name__
+    SlowdownLogitsProcessorV2.__qualname__ = "SlowdownLogitsProcessorV2"
+    return SlowdownLogitsProcessorV2
+
+
 _LAZY_CLASSES = {"InterruptionLogitsProcessor": _interruption_processor_class,
-                 "SlowdownLogitsProcessor": _slowdown_processor_class}
+                 "SlowdownLogitsProcessor": _slowdown_processor_class,
+                 "InterruptionLogitsProcessorV2": _interruption_processor_v2_class,
+                 "SlowdownLogitsProcessorV2": _slowdown_processor_v2_class}
 
 
 def __getattr__(name: str) -> Any:
@@ -560,10 +711,11 @@ def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
         worker_extension_cls=f"{__name__}.WeightSyncExtension",
         tensor_parallel_size=cfg.tensor_parallel_size, disable_log_stats=True, enable_prefix_caching=True,
     )
+    v2 = "V2" if model_runner_v2(on_gpu) else ""  # the classes of the runner's interface (replica_main pins it)
     if cfg.interruptions:
-        kwargs["logits_processors"] = [f"{__name__}:InterruptionLogitsProcessor"]
+        kwargs["logits_processors"] = [f"{__name__}:InterruptionLogitsProcessor{v2}"]
     if cfg.slowdown_of(replica) > 1:  # the factor reaches vLLM's worker through the environment (replica_main)
-        kwargs["logits_processors"] = kwargs.get("logits_processors", []) + [f"{__name__}:SlowdownLogitsProcessor"]
+        kwargs["logits_processors"] = kwargs.get("logits_processors", []) + [f"{__name__}:SlowdownLogitsProcessor{v2}"]
     if cfg.fp32_lm_head and DTYPES.get(cfg.dtype, torch.float32) != torch.float32:
         kwargs["hf_overrides"] = {"head_dtype": "float32"}  # lm_head matmul and logits in float32
     if on_gpu:
@@ -803,6 +955,8 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
         config = dataclasses.replace(config, **overrides)  # a GeneratorConfig, checked again with this node's values
         os.environ.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
         os.environ[_SLOWDOWN_ENV] = str(config.slowdown_of(replica_id))
+        # vLLM's engine and workers read the runner choice from here: the one vllm_engine_kwargs names classes for
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if model_runner_v2(config.gen_devices is not None) else "0"
         engine_process = config.gen_devices is not None if config.engine_process is None else config.engine_process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         if devices is None and config.num_threads:  # before vLLM's CPU worker starts: it refuses it afterwards

@@ -43,7 +43,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -107,8 +107,9 @@ class GeneratorConfig:
     # seconds to wait for every replica to connect and start its engine (a missing one is named, then start fails)
     join_timeout: float = 600.0
     # broadcast: torch.distributed (gloo on CPU, NCCL on GPU), in buckets, to every replica; file: a safetensors
-    # file in /dev/shm that every replica reads (replicas on the learner's node only)
-    weight_transport: str = "broadcast"
+    # file in /dev/shm that every replica reads (replicas on the learner's node only); auto: broadcast, or file where
+    # a replica shares the learner's GPU (vllm_replica.choose_weight_transport; start() settles it)
+    weight_transport: str = "auto"
     # bytes per broadcast bucket: the learner holds one packed bucket at a time, each replica one received bucket
     weight_bucket_bytes: int = 256 << 20
     # seconds a weight group may take to form or to carry an update before its replica is given up
@@ -1235,6 +1236,11 @@ class Generator:
         if self._closed:
             raise GeneratorError("generator is closed")
         self._started_at = time.time()  # vLLM's shared-memory segments are younger than this (close())
+        try:  # the transport train.py printed at its start (the same chooser); a ValueError names a wrong one
+            kind, self.transport_line = vllm_replica.config_weight_transport(self.config)
+        except ValueError as e:
+            raise GeneratorError(f"weight_transport {e}") from None
+        self.config = replace(self.config, weight_transport=kind)
         if self.config.weight_transport == "broadcast":  # before the replicas: they rendezvous at its store
             host, _ = parse_address(self.config.listen)
             self._sender = vllm_replica.WeightSender(host, "nccl" if self.config.gen_devices is not None else "gloo",

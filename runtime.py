@@ -42,8 +42,8 @@ import tasks
 import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, open_no_follow,
                          read_no_follow, refuse_unless_regular, write_atomically, write_failure)
-from flags import (Args, generator_memory_fraction, generator_values, local_replicas, resolve_defaults, step_ranges,
-                   write_args_json)
+from flags import (Args, generator_memory_fraction, generator_values, layout_lines, local_replicas, resolve_defaults,
+                   step_ranges, write_args_json)
 from packing import model_device
 
 
@@ -236,6 +236,9 @@ def set_up(args: Args,
         gen_config = generator_config(args, model_path, state.step)
         devices_in_use = _devices_in_use(args, world, gen_config)
         if is_main:
+            if device.type == "cuda":  # where everything goes and how weights travel: `train.py plan --gpus N` says it
+                print("\n".join(layout_lines(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                                            "1")))), flush=True)
             consumed = state.consumed
             data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
             if args.gen_remote_replicas:

@@ -97,7 +97,42 @@ def listen_address(text: str) -> tuple[str, int, socket.AddressFamily]:
     return sockaddr[0], port, family
 
 
-WEIGHT_TRANSPORTS = ("broadcast", "file")  # GeneratorConfig.weight_transport; train.py's --weight-transport
+WEIGHT_TRANSPORTS = ("auto", "broadcast", "file")  # GeneratorConfig.weight_transport; train.py's --weight-transport
+
+
+def choose_weight_transport(requested: str, learner_gpu: int | None, replica_gpus: list[list[int]], replicas: int,
+                            remote: int) -> tuple[str, str]:
+    """("broadcast" or "file", the line that names it) for `requested` ("auto", "broadcast" or "file"): learner rank
+    0 sends from `learner_gpu` (None: CPU) to `replicas` local replicas (on `replica_gpus`, empty on CPU) and `remote`
+    others. auto broadcasts (NCCL on GPU, gloo on CPU) unless a local replica shares rank 0's GPU: NCCL refuses two
+    ranks on one GPU ("Duplicate GPU detected"), so the weights then go by file. ValueError: a choice that cannot
+    work, in one line that starts with `requested` (the caller names the setting)."""
+    shared = [i for i, gpus in enumerate(replica_gpus) if learner_gpu is not None and learner_gpu in gpus]
+    if shared:
+        where = f"replica {shared[0]} shares GPU {learner_gpu} with learner rank 0"
+        if requested == "broadcast":
+            raise ValueError(f"broadcast: {where}, and NCCL refuses two ranks on one GPU (use auto or file)")
+        if remote:
+            raise ValueError(f"{requested}: {where}, so weights go by file, which reaches this node's replicas only; "
+                             "remote replicas need a learner on GPUs of its own")
+        return "file", f"weight transport: file, a safetensors file each replica reads ({where}: NCCL refuses two " \
+                       "ranks on one GPU)"
+    if requested == "file":
+        return "file", f"weight transport: file, a safetensors file each of the {replicas} replica(s) of this node reads"
+    backend = "NCCL" if learner_gpu is not None else "gloo"
+    return "broadcast", f"weight transport: {backend} broadcast from learner rank 0 to {replicas + remote} replica(s)"
+
+
+def config_weight_transport(cfg: Any, learner_gpu: int | None = None) -> tuple[str, str]:
+    """choose_weight_transport for a GeneratorConfig `cfg`, its learner rank 0 on `learner_gpu` (default: this
+    process's GPU when the config is a GPU one)."""
+    on_gpu = cfg.gen_devices is not None and torch.cuda.is_available()
+    if learner_gpu is None and on_gpu:
+        learner_gpu = torch.cuda.current_device()
+    gen_ids = [int(x) for x in cfg.gen_devices.split(",") if x.strip()] if on_gpu else []
+    replica_gpus = replica_devices(gen_ids, cfg.tensor_parallel_size) if gen_ids else []
+    return choose_weight_transport(cfg.weight_transport, learner_gpu, replica_gpus,
+                                   len(replica_gpus) or cfg.replicas, cfg.remote_replicas)
 
 
 def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int], list[int]]:
@@ -136,7 +171,8 @@ def replica_problems(values: Mapping[str, Any], name: Callable[[str], str]) -> l
                         "shared secret (e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`, copied to "
                         "each node)")
     if "weight_transport" in v and v["weight_transport"] not in WEIGHT_TRANSPORTS:
-        problems.append(f"{name('weight_transport')} must be 'broadcast' or 'file', got {v['weight_transport']!r}")
+        problems.append(f"{name('weight_transport')} must be 'auto', 'broadcast' or 'file', got "
+                        f"{v['weight_transport']!r}")
     elif v.get("weight_transport") == "file" and remote:
         problems.append(f"{name('weight_transport')} file reaches replicas on this node only: remote replicas need "
                         "'broadcast'")

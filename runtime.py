@@ -28,6 +28,7 @@ import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -203,7 +204,7 @@ def set_up(args: Args,
         # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
         # training on, and a --resume would then race them for OUTPUT_DIR: die with the launcher instead.
         vllm_replica.set_parent_death_signal(signal.SIGKILL)
-    rank, world, device = init_distributed(args.gen_devices, args.cpu_offload)
+    rank, world, device = init_distributed(args.gen_devices, args.cpu_offload, process_group_timeout(args))
     is_main = rank == 0
     stopper = GracefulStop(announce=is_main, at_once=True)  # until the first step: nothing to checkpoint
     out = Path(args.output_dir)
@@ -345,10 +346,24 @@ def _record_start(args: Args, out: Path, state: TrainerState, log: MetricsLog) -
     return []
 
 
-def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False) -> tuple[int, int, Any]:
+SLOWEST_DECODE_TOKENS_PER_S = 10  # one completion's decoding speed process_group_timeout allows for (a GPU: 30-100+)
+
+
+def process_group_timeout(args: Args) -> timedelta:
+    """How long a learner rank may wait in a collective while rank 0 works alone: starting vLLM (--gen-join-timeout
+    and the minute Generator.start adds to it), then the step-0 evaluation and a batch, each allowed at least
+    torch's gloo default of 30 minutes, or one --max-tokens completion decoded at SLOWEST_DECODE_TOKENS_PER_S. Later
+    steps wait for less (an evaluation and a batch, vLLM already up). NCCL's own default, 10 minutes, would have its
+    watchdog kill the waiting ranks during a long vLLM start."""
+    each = max(1800.0, args.max_tokens / SLOWEST_DECODE_TOKENS_PER_S)
+    return timedelta(seconds=args.gen_join_timeout + 60 + 2 * each)
+
+
+def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False,
+                     timeout: timedelta | None = None) -> tuple[int, int, Any]:
     """(rank, world size, this rank's device). On GPU the learner keeps off the generator's `gen_devices`;
     `cpu_offload` (--cpu-offload) adds gloo for the collectives over the parameters and gradients FSDP2 keeps on
-    the host (the gradient norm's)."""
+    the host (the gradient norm's). `timeout`: of every collective (process_group_timeout; None: torch's default)."""
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -357,10 +372,10 @@ def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False) 
         learner_ids, _ = vllm_replica.split_devices(gen_devices, torch.cuda.device_count())
         device = torch.device("cuda", learner_ids[int(os.environ["LOCAL_RANK"]) % len(learner_ids)])
         torch.cuda.set_device(device)
-        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
         # Two cores are shared by the learner ranks and the generator: oversubscribing threads only slows all down.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)))
     return rank, world, device

@@ -1094,7 +1094,7 @@ class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoic
 
     def begin_update(self, version: int, transport: dict) -> None:
         """Tell every ready replica to take weights `version` (first forming the weight group of any that has
-        none), and tell the learner whom to send them to: ("plan", [(replica, name, group, join)])."""
+        none), and tell the learner whom to send them to: ("plan", [(replica, name, group, join, processes)])."""
         targets = [s for s in self.replicas.values() if s.state == "ready"]
         plan = []
         for s in targets:
@@ -1107,8 +1107,9 @@ class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoic
                            "bind_host": s.bind_host}
                 if not self.send_to(s, ("join", s.group)):
                     continue
-            if self.send_to(s, ("update", version, transport)):
-                plan.append((s.id, s.name, s.group, join))
+            if self.send_to(s, ("update", version, transport)):  # with what the learner watches while it sends
+                watch = vllm_replica.local_processes(s.pid, s.info.get("vllm_processes", [])) if s.local else []
+                plan.append((s.id, s.name, s.group, join, watch))
         self.update = {"version": version, "waiting": {p[0] for p in plan}, "seconds": {}, "sent": False}
         self.conn.send(("plan", plan))
 
@@ -1427,13 +1428,15 @@ class Generator:
             t_broadcast = time.perf_counter()
             failed: dict[int, str] = {}
             if how["kind"] == "broadcast":
-                for replica, name, group, join in plan:
+                for replica, name, group, join, _ in plan:
                     if join:
                         try:
                             self._sender.join(replica, group)
                         except Exception as e:
                             failed[replica] = f"forming its weight group failed: {type(e).__name__}: {e}"
-                failed |= self._sender.send(tensors, manifest, [p[0] for p in plan if p[0] not in failed])
+                watch = {p[0]: p[4] for p in plan}  # a replica that dies mid-broadcast is named and left behind
+                failed |= self._sender.send(tensors, manifest, [p[0] for p in plan if p[0] not in failed],
+                                            gone=lambda r: vllm_replica.dead_processes(watch[r]))
             self.last_broadcast_s = time.perf_counter() - t_broadcast
             self._send(("sent", failed))
             _, applied, self.last_update_info = self._recv("updated", timeout, what="update_weights")

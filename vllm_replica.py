@@ -181,6 +181,19 @@ def replica_problems(values: Mapping[str, Any], name: Callable[[str], str]) -> l
     return problems
 
 
+def visible_devices(indices: list[int], visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a replica given devices `indices`: those count the GPUs this process sees
+    (torch.cuda.device_count()), so under a CUDA_VISIBLE_DEVICES of `visible` ("4,6", or GPU UUIDs) index i is its
+    i-th entry, kept as written; without one the indices are the GPUs' own numbers."""
+    if visible is None:
+        return ",".join(str(i) for i in indices)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    bad = [i for i in indices if not 0 <= i < len(entries)]
+    if bad:
+        raise ValueError(f"devices {bad}: CUDA_VISIBLE_DEVICES={visible} shows {len(entries)} GPU(s)")
+    return ",".join(entries[i] for i in indices)
+
+
 def replica_devices(gen_ids: list[int], tensor_parallel_size: int) -> list[list[int]]:
     """The devices of each local replica: gen_ids in consecutive runs of tensor_parallel_size ('0,1,2,3' with TP 2:
     [[0, 1], [2, 3]]); refused when they do not split evenly."""
@@ -699,10 +712,12 @@ class WeightSender:
     def drop(self, replica: int) -> None:
         self.groups.pop(replica, None)
 
-    def send(self, tensors: Mapping[str, torch.Tensor], manifest: list[list[tuple]], replicas: list[int]
-             ) -> dict[int, str]:
+    def send(self, tensors: Mapping[str, torch.Tensor], manifest: list[list[tuple]], replicas: list[int],
+             gone: Callable[[int], str | None] | None = None) -> dict[int, str]:
         """Broadcast every bucket to the groups of `replicas`, to all groups at once, one bucket at a time.
-        Returns {replica: error} for the groups that failed (dropped; the others carry on)."""
+        Returns {replica: error} for the groups that failed (dropped; the others carry on). `gone(replica)` names
+        a replica's dead processes (None while they live): a replica that dies mid-broadcast would leave its NCCL
+        broadcast waiting until weight_timeout, so its group is aborted as soon as `gone` names it."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         failed: dict[int, str] = {r: "no weight group" for r in replicas if r not in self.groups}
         live = [r for r in replicas if r in self.groups]
@@ -714,17 +729,43 @@ class WeightSender:
                     works[r] = self.groups[r].broadcast(buffer)
                 except Exception as e:
                     failed[r] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            for r, work in works.items():
-                try:
-                    work.wait()
-                except Exception as e:
-                    failed[r] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            self._wait(works, failed, gone)  # no device-wide synchronize: a completed work is done on the GPU too
             for r in failed:
                 self.drop(r)
             live = [r for r in live if r not in failed]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
         return failed
+
+    def _wait(self, works: dict[int, Any], failed: dict[int, str], gone: Callable[[int], str | None] | None) -> None:
+        """Until every work completes, fails (into `failed`), or its replica is gone or past weight_timeout (its
+        group aborted). Polling the works, not waiting on one, is what lets a dead replica be named within a poll."""
+        deadline = time.monotonic() + self.timeout_s
+        pending = dict(works)
+        while pending:
+            for r, work in list(pending.items()):
+                try:
+                    done = work.is_completed()
+                    if done:
+                        work.wait()  # raises the work's error, if it failed
+                except Exception as e:
+                    failed[r], done = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", True
+                why = None if done else (gone(r) if gone else None)
+                if why or (not done and time.monotonic() > deadline):
+                    failed[r] = f"{why} died during the weight broadcast" if why else \
+                        f"the weight broadcast took over weight_timeout ({self.timeout_s:.0f} s)"
+                    self._abort(r)
+                if done or r in failed:
+                    del pending[r]
+            if pending:
+                time.sleep(0.002)
+
+    def _abort(self, replica: int) -> None:
+        """Abort a replica's group, so that its unfinished broadcast stops holding this process's GPU stream."""
+        group = self.groups.get(replica)
+        try:
+            if group is not None and hasattr(group.pg, "abort"):
+                group.pg.abort()
+        except Exception:
+            pass  # the group is dropped either way
 
 # --------------------------------------------------------------------------------------------------------------
 # A replica: one vLLM engine in a process of its own, on this node or another
@@ -818,9 +859,8 @@ class _Replica:
 
     def dead_vllm_processes(self) -> str | None:
         """'vLLM process NAME (pid P)' for each of this replica's vLLM processes that has died, or None."""
-        dead = [f"vLLM process {name} (pid {pid})" for pid, created, name in getattr(self, "vllm_processes", [])
-                if (p := _same_process(pid, created)) is None or not _alive(p)]
-        return ", ".join(dead) or None
+        return dead_processes((pid, created, f"vLLM process {name}")
+                              for pid, created, name in getattr(self, "vllm_processes", []))
 
     def failure(self, error: BaseException) -> str:
         """What to report of an error: a dead vLLM process first, since vLLM's own error (EngineDeadError) may
@@ -969,7 +1009,7 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
     for var in TORCHRUN_VARS:  # a vLLM started under torchrun must not see the learner's process group
         os.environ.pop(var, None)
     if devices is not None:  # before anything touches CUDA
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     else:
         tasks.set_vllm_cpu_env()
     try:
@@ -1242,6 +1282,25 @@ def remove_leaked_segments(since: float, shm: Path = Path("/dev/shm")) -> list[s
         except OSError:
             pass
     return removed
+
+
+def dead_processes(processes: Iterable[tuple[int, float, str]]) -> str | None:
+    """'LABEL (pid P)' for each of `processes` (pid, creation time, label) that has died, joined by commas; or None."""
+    dead = [f"{label} (pid {pid})" for pid, created, label in processes
+            if (p := _same_process(pid, created)) is None or not _alive(p)]
+    return ", ".join(dead) or None
+
+
+def local_processes(pid: int | None, vllm_processes: Iterable[tuple[int, float, str]]) -> list[tuple[int, float, str]]:
+    """A local replica's process `pid` and its vLLM processes as (pid, creation time, label): what the learner
+    watches while it broadcasts to the replica (WeightSender.send's `gone`)."""
+    import psutil
+
+    try:
+        own = [(pid, psutil.Process(pid).create_time(), "replica process")] if pid else []
+    except psutil.Error:
+        own = []
+    return own + [(p, t, f"vLLM process {name}") for p, t, name in vllm_processes]
 
 
 def _same_process(pid: int, created: float) -> Any:

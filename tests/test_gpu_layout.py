@@ -3,6 +3,8 @@ the lines `train.py plan --gpus N` prints (and a GPU run at its start), and the 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -56,3 +58,85 @@ def test_the_generator_applies_the_same_chooser(monkeypatch):
         generator.start()  # refused before any process starts
     monkeypatch.undo()
     assert vllm_replica.config_weight_transport(pl.GeneratorConfig(model="m"))[0] == "broadcast"  # CPU: gloo
+
+
+class _Work:
+    """A broadcast's work: done at once, or never (its replica died mid-broadcast and NCCL would wait it out)."""
+
+    def __init__(self, finishes: bool):
+        self.finishes = finishes
+
+    def is_completed(self) -> bool:
+        return self.finishes
+
+    def wait(self) -> None:
+        assert self.finishes
+
+
+class _Group:
+    def __init__(self, finishes: bool):
+        self.finishes, self.aborted, self.pg = finishes, False, self
+
+    def broadcast(self, buffer: torch.Tensor) -> _Work:
+        return _Work(self.finishes)
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_a_replica_dying_mid_broadcast_is_named_and_left_behind_within_seconds():
+    sender = vllm_replica.WeightSender.__new__(vllm_replica.WeightSender)  # its sending part, no store
+    sender.backend, sender.timeout_s = "gloo", 300.0
+    sender.groups = {0: _Group(True), 1: _Group(False), 2: _Group(True)}
+    hung = sender.groups[1]
+    tensors = {"a": torch.ones(1000), "b": torch.ones(1000)}
+    manifest = vllm_replica.weight_manifest(tensors, 4000)
+    started = time.monotonic()
+    deaths = {1: "vLLM process VllmWorker (pid 4321)"}
+    failed = sender.send(tensors, manifest, [0, 1, 2], gone=lambda r: deaths.get(r) if time.monotonic() - started
+                         > 0.2 else None)
+    assert time.monotonic() - started < 5  # not weight_timeout's 300 s
+    assert failed == {1: "vLLM process VllmWorker (pid 4321) died during the weight broadcast"}
+    assert hung.aborted and set(sender.groups) == {0, 2} and len(manifest) == 2  # the others got every bucket
+
+
+def test_the_learner_watches_a_replicas_own_processes():
+    import os
+    import subprocess
+    import sys
+
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        engine = (os.getpid(), psutil.Process().create_time(), "EngineCore")
+        watch = vllm_replica.local_processes(child.pid, [engine])
+        assert [label for _, _, label in watch] == ["replica process", "vLLM process EngineCore"]
+        assert vllm_replica.dead_processes(watch) is None
+        child.kill()
+        child.wait()
+        assert vllm_replica.dead_processes(watch) == f"replica process (pid {child.pid})"
+    finally:
+        child.kill()
+
+
+def test_replica_devices_under_a_restricted_cuda_visible_devices(tmp_path):
+    """--gen-devices counts the GPUs the learner sees: under CUDA_VISIBLE_DEVICES=4,6 index 1 is GPU 6, which the
+    replica's own CUDA_VISIBLE_DEVICES must name (not GPU 1, someone else's)."""
+    import os
+    import subprocess
+    import sys
+
+    assert vllm_replica.visible_devices([1], "4,6") == "6"
+    assert vllm_replica.visible_devices([0, 1], "GPU-aa, GPU-bb") == "GPU-aa,GPU-bb"
+    assert vllm_replica.visible_devices([0, 2], None) == "0,2"
+    with pytest.raises(ValueError, match="shows 2 GPU"):
+        vllm_replica.visible_devices([2], "4,6")
+    # the replica process sets it from its parent's: run its entry point up to the connection, which reports it
+    script = ("import os, vllm_replica\n"
+              "def connect(*a):\n    print(os.environ['CUDA_VISIBLE_DEVICES']); raise ConnectionError('stop')\n"
+              "vllm_replica.connect_to_generator = connect\n"
+              "vllm_replica.replica_main('127.0.0.1:1', b's', 0, [1], None)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,6"}, cwd=os.path.dirname(vllm_replica.__file__))
+    assert out.stdout.strip() == "6" and out.returncode == 1, out.stderr[-500:]

@@ -94,6 +94,25 @@ def test_hand_checked_parts_of_a_tiny_config():
     assert plan.total == sum(plan.gpu.values()) + plan.margin and plan.fits() and plan.problems() == []
 
 
+def test_a_shared_gpu_counts_vllm_outside_its_share_and_a_push_counts_rank_0s_host_memory():
+    """vLLM's gpu_memory_utilization budget leaves out its worker's CUDA context and the layer a weight reload
+    builds before copying it in; a push gathers float32 weights to rank 0's host and casts a copy (and by file,
+    writes one more to /dev/shm)."""
+    alone = mp.estimate(TINY, TINY_LAYOUT)
+    assert "vllm" not in alone.gpu and "vllm_outside" not in alone.gpu
+    assert alone.push_host == 1720 * (4 + 2)
+    shared = mp.estimate(TINY, dataclasses.replace(TINY_LAYOUT, generator_share=0.3, push_file=True))
+    assert shared.gpu["vllm"] == int(0.3 * 4 * GIB)
+    assert shared.gpu["vllm_outside"] == mp.VLLM_CONTEXT_BYTES + 2 * 600  # a decoder layer, the largest unit here
+    assert shared.total == alone.total + shared.gpu["vllm"] + shared.gpu["vllm_outside"]
+    assert shared.learner_bytes == alone.learner_bytes and shared.push_host == 1720 * (4 + 2 + 2)
+    text = shared.describe()
+    assert "vLLM outside its share" in text and "and the weight file in /dev/shm" in text
+    lines = flags.plan(["--gpus", "1", "--gen-devices", "0", "--shape", "qwen3-8b", "--dtype", "bfloat16"])
+    # Qwen3-8B's embedding (151,936 x 4,096 in bf16) is the largest tensor a reload materialises
+    assert "2.2 GiB  vLLM outside its share" in lines and "61.0 GiB  rank 0's host memory during a weight push" in lines
+
+
 def test_fsdp_reshard_never_keeps_every_layer_gathered_and_auto_chooses_it_on_one_rank_only():
     """--fsdp-reshard never keeps every decoder layer's bf16 copy from forward to backward (all layers count, not
     two); auto chooses it on a single learner rank without --cpu-offload, and FSDP2's default everywhere else."""

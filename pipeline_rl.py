@@ -1217,6 +1217,7 @@ class Generator:
         self._sender: vllm_replica.WeightSender | None = None
         self.last_update_s = 0.0  # the last update_weights, in all
         self.last_broadcast_s = 0.0  # of which the broadcast itself (forming new weight groups included)
+        self.last_cast_s = 0.0  # of which the cast to the generator's dtype (vllm_replica.weight_tensors)
         self.last_update_info: dict = {}  # the last update's seconds per replica and replicas left
 
     @staticmethod
@@ -1405,6 +1406,7 @@ class Generator:
         weight_transport for this update ("file": local replicas only; bench.py compares the two this way)."""
         t0 = time.perf_counter()
         tensors = vllm_replica.weight_tensors(state_dict, DTYPES.get(self.config.dtype, torch.float32), self._tied)
+        self.last_cast_s = time.perf_counter() - t0  # the cast to the generator's dtype, on the host
         self._check_usable()
         transport = transport or self.config.weight_transport
         if transport == "broadcast" and self._sender is None:

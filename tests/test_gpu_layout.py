@@ -140,3 +140,13 @@ def test_replica_devices_under_a_restricted_cuda_visible_devices(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,6"}, cwd=os.path.dirname(vllm_replica.__file__))
     assert out.stdout.strip() == "6" and out.returncode == 1, out.stderr[-500:]
+
+
+def test_a_receiver_killed_mid_broadcast_over_gloo_fails_only_its_own_group(tmp_path):
+    """The same over real groups (gloo; `make gpu-smoke` runs it over NCCL): a receiver dies after its first bucket
+    and is named within seconds, while the other gets every byte (weight_probe checks them)."""
+    import weight_probe
+
+    failures, got, seconds = weight_probe.run_weight_broadcast(tmp_path, "gloo", "cpu", ["cpu", "cpu"], die=1,
+                                                               mb=8, bucket_mb=1, die_after=1)
+    assert set(failures) == {1} and got[0] is not None and seconds < 20, failures

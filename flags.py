@@ -675,7 +675,8 @@ def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory:
         config, args, learner_ranks, gpu_memory, dtype=dtype, sequence_tokens=model_context(args),
         logits_chunk_bytes=SPLIT_CHUNK_BYTES if split else LOGITS_CHUNK_BYTES, split_bf16_head=split,
         generator_share=generator_memory_fraction(args, shares_gpu) if shares_gpu else 0.0,
-        push_file=shares_gpu or args.weight_transport == "file")  # a shared GPU: by file (choose_weight_transport)
+        push_file=shares_gpu or args.weight_transport == "file",  # a shared GPU: by file (choose_weight_transport)
+        push_gpu=bool(args.gen_devices) and not shares_gpu and args.weight_transport != "file")
 
 
 def learner_gpu_memory(device_id: int) -> int:

@@ -6,7 +6,7 @@ It holds:
     learner that train.py's make_learner builds, resume, the generator's start, the metrics log), and `Run`, the
     run around the learner that the loop works with;
   - the collectives that keep the learner ranks in step (`broadcast_from_rank0`, `reduce_metrics`, the idle
-    forwards of a rank with no micro-batch left, `full_state_dict`);
+    forwards of a rank with no micro-batch left, `full_state_dict`, `push_state_dict`);
   - signals (`GracefulStop`), the output-directory lock, the metrics file (`MetricsLog`) and a metrics row's
     bookkeeping (`new_row`, `summary_line`, model FLOPs utilisation);
   - --report-to: the rows sent to TensorBoard, W&B or trackio as well (`Reporter`, `report_scalars`).
@@ -255,7 +255,7 @@ def set_up(args: Args,
             except pipeline_rl.GeneratorError as e:  # e.g. a remote replica that never joined: its line, no traceback
                 raise SystemExit(f"train.py: error: {e}") from None
         if state.step > 0:  # the generator starts from the base weights: give it the resumed ones
-            weights = full_state_dict(learner.model)
+            weights = push_state_dict(learner.model, generator)
             if is_main:
                 try:
                     generator.update_weights(weights, state.step)
@@ -487,6 +487,31 @@ def broadcast_from_rank0(value: Any) -> Any:
 def full_state_dict(model: Any) -> dict:
     """HF-named full weights gathered on rank 0 (empty elsewhere); a collective: every rank calls it."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def push_state_dict(model: Any, generator: Any) -> dict:
+    """The full weights of a push, gathered one tensor at a time (a collective: every rank calls it; `generator` is
+    rank 0's, None on the others, which keep nothing) and on rank 0 cast to the generator's dtype as each arrives,
+    on the device it arrives on. Rank 0 keeps them on its GPU where they go by NCCL broadcast, so the buckets are
+    packed from GPU memory with no host round trip; for a weight file, or gloo, they go to host memory (in the
+    generator's dtype: half the bytes of float32 where it is bf16)."""
+    cfg = getattr(generator, "config", None)
+    on_gpu = cfg is not None and cfg.weight_transport == "broadcast" and cfg.gen_devices is not None
+    dtype = vllm_replica.DTYPES.get(cfg.dtype, torch.float32) if cfg is not None else None
+    weights: dict[str, torch.Tensor] = {}
+    gathered: dict[int, torch.Tensor | None] = {}  # a tied weight appears under two names: gather it once
+    with torch.no_grad():
+        for name, value in model.state_dict(keep_vars=True).items():  # the parameters themselves: ties share one
+            if not isinstance(value, torch.Tensor):
+                continue
+            if id(value) not in gathered:
+                full = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach()  # FSDP2: all-gather
+                if cfg is not None and full.is_floating_point():
+                    full = full.to(dtype)
+                gathered[id(value)] = None if cfg is None else full if on_gpu else full.to("cpu")
+            if cfg is not None:
+                weights[name] = gathered[id(value)]
+    return weights
 
 
 def this_ranks_share(items: list, run: Run) -> list:

@@ -487,8 +487,9 @@ class _RotaryCacheFilter:
 
 
 def weight_tensors(state_dict: Mapping[str, Any], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
-    """The tensors of a full HF-named state dict as the generator loads them: CPU, contiguous, floats in `dtype`,
-    wrapper prefixes stripped. An untied model must include lm_head.weight (else vLLM keeps a stale head); a tied
+    """The tensors of a full HF-named state dict as the generator loads them: contiguous, floats in `dtype`, on
+    the device they come on (rank 0's GPU for an NCCL broadcast: runtime.push_state_dict), wrapper prefixes
+    stripped; a tensor already in `dtype` is not copied. An untied model must include lm_head.weight (else vLLM keeps a stale head); a tied
     one leaves it out: it is the embedding itself, which vLLM loads (skipping the alias), and safetensors refuses
     two names for one storage, as a tied learner's state dict has them."""
     tensors: dict[str, torch.Tensor] = {}
@@ -504,7 +505,7 @@ def weight_tensors(state_dict: Mapping[str, Any], dtype: torch.dtype, tied: bool
         t = value.detach()
         if t.dtype.is_floating_point and t.dtype != dtype:
             t = t.to(dtype)
-        tensors[name] = t.to("cpu").contiguous()
+        tensors[name] = t.contiguous()
     if tied:
         tensors.pop("lm_head.weight", None)
     elif "lm_head.weight" not in tensors:

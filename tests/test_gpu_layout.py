@@ -150,3 +150,57 @@ def test_a_receiver_killed_mid_broadcast_over_gloo_fails_only_its_own_group(tmp_
     failures, got, seconds = weight_probe.run_weight_broadcast(tmp_path, "gloo", "cpu", ["cpu", "cpu"], die=1,
                                                                mb=8, bucket_mb=1, die_after=1)
     assert set(failures) == {1} and got[0] is not None and seconds < 20, failures
+
+
+def test_a_push_is_gathered_once_per_weight_and_cast_before_any_copy():
+    """What a CPU can measure of the push: rank 0 gets the weights in the generator's dtype (bf16: half the bytes of
+    float32 in every bucket), a tied weight gathered once, no copy of a tensor already in that dtype, and nothing on
+    the other ranks."""
+    from types import SimpleNamespace
+
+    import runtime
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(64, 8)
+    model.lm_head = torch.nn.Linear(8, 64, bias=False)
+    model.lm_head.weight = model.embed.weight  # tied, as SmolLM2's
+    generator = SimpleNamespace(config=SimpleNamespace(weight_transport="file", gen_devices=None, dtype="bfloat16"))
+    weights = runtime.push_state_dict(model, generator)
+    assert set(weights) == {"embed.weight", "lm_head.weight"}
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in weights.values())
+    assert weights["embed.weight"].data_ptr() == weights["lm_head.weight"].data_ptr()  # one gather, one cast
+    assert runtime.push_state_dict(model, None) == {}  # another rank: it took part in the gathers, keeps nothing
+    tensors = vllm_replica.weight_tensors(weights, torch.bfloat16, tied=True)
+    assert tensors["embed.weight"].data_ptr() == weights["embed.weight"].data_ptr()  # already bf16: no copy
+    manifest = vllm_replica.weight_manifest(tensors, 256)
+    assert sum(nbytes for bucket in manifest for *_, nbytes in bucket) == 64 * 8 * 2  # bf16, the tie sent once
+
+
+def test_a_push_of_an_fsdp2_model_holds_the_same_weights_as_its_full_state_dict():
+    """push_state_dict's one-tensor-at-a-time gathers of FSDP2's DTensors give what get_model_state_dict gave (one
+    gloo rank: the learner's CPU layout), cast to the generator's dtype."""
+    import socket
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    import runtime
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        fully_shard(model[0])
+        fully_shard(model)
+        assert hasattr(model.state_dict(keep_vars=True)["0.weight"], "full_tensor")  # a DTensor: gathered
+        full = runtime.full_state_dict(model)
+        config = SimpleNamespace(weight_transport="broadcast", gen_devices=None, dtype="bfloat16")
+        pushed = runtime.push_state_dict(model, SimpleNamespace(config=config))
+        assert set(pushed) == set(full)
+        assert all(torch.equal(pushed[k], full[k].to(torch.bfloat16)) for k in full)
+    finally:
+        dist.destroy_process_group()

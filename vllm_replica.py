@@ -268,6 +268,10 @@ def _interruption_processor_class() -> type:
         """vLLM v1 logits processor for ScaleRL's interruptions; active on requests whose SamplingParams.extra_args
         carry {"scalerl_interrupt": {"budget": b, "phrase": [...], "close": [...]}}."""
 
+        @classmethod
+        def validate_params(cls, params: Any) -> None:  # at admission: a malformed spec fails its request only
+            interruption_spec(params.extra_args)
+
         def is_argmax_invariant(self) -> bool:
             return False
 

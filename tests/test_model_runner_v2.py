@@ -76,6 +76,15 @@ def test_v1_loader_accepts_the_cpu_configuration(monkeypatch):
     names = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=2))["logits_processors"]
     assert names == ["vllm_replica:InterruptionLogitsProcessor", "vllm_replica:SlowdownLogitsProcessor"]
     assert all(issubclass(c, LogitsProcessor) for c in _load_custom_logitsprocs(names))
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.sample.logits_processor import validate_logits_processors_parameters
+
+    validate_logits_processors_parameters(names, SamplingParams(extra_args={"scalerl_interrupt": INTERRUPT}))
+    with pytest.raises(VLLMValidationError, match="scalerl_interrupt"):
+        validate_logits_processors_parameters(names, SamplingParams(extra_args={"scalerl_interrupt": {"budget": -1,
+                                                                                                      "phrase": [],
+                                                                                                      "close": []}}))
 
 
 def test_v2_forcing_follows_the_v1_rule():

@@ -4,12 +4,14 @@ pipeline_rl.py is the generator's recipe: the staleness rule, the scheduler, the
 what makes it run on real machines, and it imports nothing of pipeline_rl (nor of train):
 
 - what runs inside vLLM's processes: the interruption and slowdown logits processors (vLLM loads them by the
-  names "vllm_replica:InterruptionLogitsProcessor" and "vllm_replica:SlowdownLogitsProcessor") and the
-  worker extension "vllm_replica.WeightSyncExtension" that receives and reloads weights;
+  names "vllm_replica:InterruptionLogitsProcessor" and "vllm_replica:SlowdownLogitsProcessor", with a "V2" suffix
+  for vLLM's V2 model runner, which `model_runner_v2` chooses) and the worker extension
+  "vllm_replica.WeightSyncExtension" that receives and reloads weights;
 - placement and the replicas' own settings: which GPUs the replicas and the learner take (`split_devices`,
-  `replica_devices`), and the checks of their number, address, secret and transport (`replica_problems`, called by
+  `replica_devices`, `visible_devices`), and the checks of their number, address, secret and transport (`replica_problems`, called by
   pipeline_rl.config_problems);
-- the weight transport: buckets over a torch.distributed group per replica (gloo on CPU, NCCL on GPU);
+- the weight transport: buckets over a torch.distributed group per replica (gloo on CPU, NCCL on GPU), or a file
+  where a replica shares the learner's GPU (`choose_weight_transport`);
 - the replica process: one vLLM engine, serving the scheduler over one connection;
 - the handshake: who may connect (an HMAC challenge on the shared secret, both ways);
 - the join command, `python pipeline_rl.py replica ...` (pipeline_rl.main hands it to `replica_command`);

@@ -32,6 +32,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 def check_generator(model: str, gen_devices: str, learner_gpu: int) -> str:
     """Checks 1 and 2 on one generator: interruptions, a push, per-replica logprobs against the learner's."""
     import pipeline_rl as pl
+    import runtime
     import tasks
     import vllm_replica
     from transformers import AutoModelForCausalLM
@@ -39,7 +40,7 @@ def check_generator(model: str, gen_devices: str, learner_gpu: int) -> str:
     shared = str(learner_gpu) in gen_devices.split(",")
     config = pl.GeneratorConfig(model=model, group_size=4, temperature=0.7, dtype="bfloat16", fp32_lm_head=True,
                                 gen_devices=gen_devices, gpu_memory_utilization=0.3 if shared else 0.6,
-                                max_model_len=512, max_tokens=64, think_budget=(8, 12), answer_budget=16,
+                                max_model_len=512, max_tokens=64, think_budget=(2, 4), answer_budget=16,
                                 groups_per_batch=2)
     torch.cuda.set_device(learner_gpu)
     learner = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(f"cuda:{learner_gpu}").eval()
@@ -48,15 +49,15 @@ def check_generator(model: str, gen_devices: str, learner_gpu: int) -> str:
         forced = [lp for g in groups for c in g.completions for lp, m in zip(c.sampler_logprobs, c.loss_mask) if not m]
         assert forced and max(abs(lp) for lp in forced) == 0.0, f"forced tokens' logprobs {forced[:8]}"
         t0 = time.perf_counter()
-        state = {k: v.detach().to("cpu") for k, v in learner.state_dict().items()}  # one rank's gather: to host
+        state = runtime.push_state_dict(learner, gen)  # as train.py pushes: one rank, no all-gather to wait for
         gather = time.perf_counter() - t0
         total = gen.update_weights(state, 1)
         groups, _ = gen.get_batch(2, 1)
         worst = _logprob_gap(groups, learner.to(torch.bfloat16), learner_gpu)
     runner = "V2" if vllm_replica.model_runner_v2(True) else "V1"
     return (f"{len(forced)} forced tokens at logprob 0 (model runner {runner}); {gen.transport_line}; push: gather "
-            f"{gather:.2f} s, cast {gen.last_cast_s:.2f} s, send {total - gen.last_cast_s:.2f} s; replica "
-            f"|sampler - learner| mean {worst:.3f}")
+            f"and cast {gather:.2f} s, cast left to update_weights {gen.last_cast_s:.3f} s, send "
+            f"{total - gen.last_cast_s:.2f} s; replica |sampler - learner| mean {worst:.3f}")
 
 
 def _logprob_gap(groups: list, model: torch.nn.Module, gpu: int) -> float:
@@ -92,9 +93,9 @@ def check_readme_command(model: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "train.py",
                "--loss", "cispo", "--model", model, "--dataset", "tests/data/gsm8k_small.jsonl", "--gen-devices", "0",
-               "--max-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "128",
-               "--think-budget", "64,96", "--answer-budget", "32", "--eval-prompts", "8", "--eval-samples", "1",
-               "--output-dir", f"{tmp}/run"]
+               "--max-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "256",
+               "--think-budget", "160,192", "--answer-budget", "48", "--zero-variance", "keep", "--eval-prompts", "8",
+               "--eval-samples", "1", "--output-dir", f"{tmp}/run"]
         first_gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # one GPU, as the README's machine
         run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420,
                              env={**os.environ, "CUDA_VISIBLE_DEVICES": first_gpu})

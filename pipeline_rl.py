@@ -1406,7 +1406,7 @@ class Generator:
         weight_transport for this update ("file": local replicas only; bench.py compares the two this way)."""
         t0 = time.perf_counter()
         tensors = vllm_replica.weight_tensors(state_dict, DTYPES.get(self.config.dtype, torch.float32), self._tied)
-        self.last_cast_s = time.perf_counter() - t0  # the cast to the generator's dtype, on the host
+        self.last_cast_s = time.perf_counter() - t0  # what cast was left (none for runtime.push_state_dict's weights)
         self._check_usable()
         transport = transport or self.config.weight_transport
         if transport == "broadcast" and self._sender is None:

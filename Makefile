@@ -9,6 +9,10 @@
 #   make grade ALGO=dapo DIR=path      grade DIR/dapo.py with tests/test_dapo.py (exit status 0: all tests pass)
 #   make pictures                      redraw docs/gradients.png, aggregation.png and staleness.png (the last from
 #                                      the runs of `bench.py staleness`, made first if missing: 20-35 minutes)
+# and one for GPUs:
+#   make gpu-smoke  the GPU path on 1 or 2 GPUs in under 10 minutes (tests/gpu_smoke.py, SmolLM2-135M-Instruct):
+#                   installs the CUDA build (DEVICE=gpu) first; without an NVIDIA GPU it says so in one line and exits
+#                   2, since nothing was checked
 # Set DEVICE=gpu to install requirements.txt (CUDA vLLM) instead of the CPU build.
 
 PYTHON ?= python3
@@ -19,7 +23,7 @@ ARGS   ?=
 REQS   := $(if $(filter gpu,$(DEVICE)),requirements.txt,requirements-cpu.txt)
 STAMP  := $(VENV)/.installed-$(DEVICE)
 
-.PHONY: setup run run-real test exercise grade pictures clean
+.PHONY: setup run run-real test exercise grade pictures clean gpu-smoke
 setup: $(STAMP)
 
 $(STAMP): $(REQS)
@@ -54,6 +58,11 @@ run-real: setup
 
 test: setup
 	$(VENV)/bin/python -m pytest $(ARGS)
+
+gpu-smoke:
+	@nvidia-smi -L >/dev/null 2>&1 || { echo "make gpu-smoke: no NVIDIA GPU here (nvidia-smi finds none); it checks the GPU path on one or two GPUs"; exit 2; }
+	$(MAKE) setup DEVICE=gpu
+	$(VENV)/bin/python tests/gpu_smoke.py
 
 exercise: setup
 	$(VENV)/bin/python teach.py exercise $(ALGO) $(DIR)

@@ -342,8 +342,9 @@ class Args:
                                    "start its engine; then the start fails naming the missing ones")
     weight_transport: str = _arg(HelpGroup.REPLICAS, generator_default("weight_transport"),
                                  "how new weights reach the replicas: broadcast "
-                                 "(torch.distributed, gloo on CPU, NCCL on GPU, in buckets) or file (a safetensors "
-                                 "file in /dev/shm; replicas on this node only)",
+                                 "(torch.distributed, gloo on CPU, NCCL on GPU, in buckets), file (a safetensors "
+                                 "file in /dev/shm; replicas on this node only) or auto (broadcast, or file where a "
+                                 "replica shares learner rank 0's GPU: NCCL refuses two ranks on one GPU)",
                                  choices=vllm_replica.WEIGHT_TRANSPORTS)
     weight_dir: str | None = _arg(HelpGroup.REPLICAS, None, "directory of the weight files of --weight-transport "
                                   "file (default: /dev/shm where it has room for two copies of the weights, else "
@@ -610,7 +611,36 @@ def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[s
         problems.append(f"--gen-replicas {args.gen_replicas}: --gen-devices {args.gen_devices} with "
                         f"--tensor-parallel-size {args.tensor_parallel_size} makes "
                         f"{len(gen_ids) // args.tensor_parallel_size} replica(s); drop --gen-replicas or change them")
+    else:
+        try:
+            layout_lines(args, num_gpus, learner_ranks)
+        except ValueError as e:  # a --weight-transport that cannot work on this layout
+            problems.append(f"--weight-transport {e}")
     return problems
+
+
+def layout_lines(args: Args, num_gpus: int, learner_ranks: int) -> list[str]:
+    """Where this node's learner ranks and replicas go and how weights travel between them: what `train.py plan
+    --gpus N` prints and a GPU run prints at its start. The transport is vllm_replica.choose_weight_transport's, the
+    chooser the generator applies when it starts (learner rank 0 is on learner_ids[0] in both). ValueError: a
+    --weight-transport that cannot work here."""
+    learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, num_gpus)
+    replica_gpus = vllm_replica.replica_devices(gen_ids, args.tensor_parallel_size)
+    here = min(learner_ranks, len(learner_ids))
+    shared = {g: i for i, gpus in enumerate(replica_gpus) for g in gpus}
+    lines = [f"learner rank {r}: GPU {learner_ids[r]}"
+             + (f" (shared with replica {shared[learner_ids[r]]})" if learner_ids[r] in shared else "")
+             for r in range(here)]
+    if learner_ranks > here:
+        lines.append(f"learner ranks {here}..{learner_ranks - 1}: on other nodes, one GPU each")
+    lines += [f"replica {i}: GPU{'s' * (len(gpus) > 1)} {','.join(map(str, gpus))}"
+              for i, gpus in enumerate(replica_gpus)]
+    if args.gen_remote_replicas:
+        lines.append(f"replicas {len(replica_gpus)}..{len(replica_gpus) + args.gen_remote_replicas - 1}: on other "
+                     "nodes (python pipeline_rl.py replica)")
+    _, transport = vllm_replica.choose_weight_transport(args.weight_transport, learner_ids[0], replica_gpus,
+                                                        len(replica_gpus), args.gen_remote_replicas)
+    return lines + [transport]
 
 
 def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -> list[str]:
@@ -644,7 +674,9 @@ def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory:
     return memory_plan.plan_memory(
         config, args, learner_ranks, gpu_memory, dtype=dtype, sequence_tokens=model_context(args),
         logits_chunk_bytes=SPLIT_CHUNK_BYTES if split else LOGITS_CHUNK_BYTES, split_bf16_head=split,
-        generator_share=generator_memory_fraction(args, shares_gpu) if shares_gpu else 0.0)
+        generator_share=generator_memory_fraction(args, shares_gpu) if shares_gpu else 0.0,
+        push_file=shares_gpu or args.weight_transport == "file",  # a shared GPU: by file (choose_weight_transport)
+        push_gpu=bool(args.gen_devices) and not shares_gpu and args.weight_transport != "file")
 
 
 def learner_gpu_memory(device_id: int) -> int:
@@ -758,8 +790,9 @@ def plan(argv: list[str]) -> str:
                         help="learner ranks (GPUs) in all (default 1)")
     parser.add_argument("--gpu-memory-gib", type=finite_float, default=80.0, help="memory of one learner GPU (default "
                         "80)")
-    parser.add_argument("--gpus", type=int_at_least(1), help="GPUs of the node, to tell whether vLLM shares the "
-                        "learner's GPUs under --gen-devices (default: it does not)")
+    parser.add_argument("--gpus", type=int_at_least(1), help="GPUs of the node: with --gen-devices, prints where the "
+                        "learner ranks and replicas go and how weights travel (the lines a GPU run prints at its start), "
+                        "and tells whether vLLM shares the learner's GPUs (default: it does not)")
     options, rest = parser.parse_known_args(argv)
     args = Args(**vars(build_parser().parse_args(rest)))
     if options.shape:
@@ -774,21 +807,27 @@ def plan(argv: list[str]) -> str:
             problems.append(f"--gen-devices {args.gen_devices}: {e}")
     if problems:  # what holds on any machine: the plan divides by these
         parser.error("; ".join(problems))
+    layout, shares = [], False
+    if args.gen_devices and options.gpus:
+        try:
+            layout = layout_lines(args, options.gpus, options.learner_ranks)
+        except ValueError as e:
+            parser.error(f"--weight-transport {e}")
+        learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, options.gpus)
+        shares = bool(set(learner_ids) & set(gen_ids))
     if options.shape:
         config = memory_plan.shape_config(options.shape)
     elif args.model:
         from transformers import AutoConfig  # here, not at the top: see train.py's build_learner
 
         config = AutoConfig.from_pretrained(args.model)
+    elif layout:  # the layout needs no model; the memory does
+        return "\n".join([*layout, "memory: give --shape NAME or --model DIR for the learner's memory per rank"])
     else:
         raise SystemExit("train.py plan: give --shape NAME or --model DIR (a config.json is enough)")
-    shares = False
-    if args.gen_devices and options.gpus:
-        learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, options.gpus)
-        shares = bool(set(learner_ids) & set(gen_ids))
     memory = learner_memory_plan(args, config, options.learner_ranks, int(options.gpu_memory_gib * memory_plan.GIB),
                                  shares_gpu=shares)
-    return "\n".join([memory.describe(), *memory.problems()])
+    return "\n".join([*layout, memory.describe(), *memory.problems()])
 
 
 def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_dir: str,

@@ -29,6 +29,7 @@ from typing import Any
 GIB = 1 << 30
 MARGIN_BYTES = 2 * GIB  # a rank's CUDA context, NCCL's communicators and cuBLAS's workspaces: about 1-2 GiB
 MARGIN_FRACTION = 0.05  # the caching allocator's fragmentation under tensors of changing sizes (micro-batches vary)
+VLLM_CONTEXT_BYTES = GIB  # the CUDA context of vLLM's worker on a GPU it shares, outside gpu_memory_utilization
 
 # Dense decoders whose configs the plan and the benchmarks use without a download (values from each model's
 # config.json on the Hugging Face hub). Qwen3-8B alone keeps its LM head apart from the input embedding.
@@ -155,6 +156,8 @@ class Layout:
     fsdp_reshard: str = "always"  # --fsdp-reshard: auto, always or never (reshard_layers resolves it)
     reference_model: bool = False  # --kl-coef's frozen copy of the policy
     generator_share: float = 0.0  # vLLM's fraction of the learner's GPU, where the two share it
+    push_file: bool = False  # the weights reach the replicas by file (a copy in /dev/shm, host memory)
+    push_gpu: bool = False  # by NCCL broadcast: rank 0 holds the gathered weights on its GPU during a push
 
     @property
     def rank_batch_tokens(self) -> int:
@@ -191,6 +194,9 @@ PART_NAMES = {
     "lm_head": "LM head: float32 weight, its gradient, logits chunks",
     "activations": "activations of the largest micro-batch",
     "vllm": "vLLM's share of the GPU (--gen-memory-fraction)",
+    "vllm_outside": "vLLM outside its share: its CUDA context, the largest layer a weight reload materialises",
+    "push": "rank 0's weight push: the gathered weights in the generator's dtype on the GPU, beyond the activations "
+            "and gathered units, freed by then",
 }
 
 
@@ -204,6 +210,7 @@ class MemoryPlan:
     gpu: dict[str, int]
     host: dict[str, int]
     margin: int
+    push_host: int = 0  # rank 0's host memory during a weight push (not on the GPU, not in `total`)
 
     @property
     def gpu_memory(self) -> int:
@@ -213,7 +220,7 @@ class MemoryPlan:
     def learner_bytes(self) -> int:
         """What the learner itself allocates on its GPU (no vLLM, no margin): compare with a measured
         torch.cuda.max_memory_allocated()."""
-        return sum(v for k, v in self.gpu.items() if k != "vllm")
+        return sum(v for k, v in self.gpu.items() if k not in ("vllm", "vllm_outside"))
 
     @property
     def total(self) -> int:
@@ -236,6 +243,10 @@ class MemoryPlan:
         lines += [f"  {gib(v):>7} GiB  {PART_NAMES[k]}" for k, v in self.gpu.items()]
         lines.append(f"  {gib(self.margin):>7} GiB  margin: CUDA context, communication buffers, fragmentation")
         lines += [f"  {gib(v):>7} GiB  {PART_NAMES[k]} (host memory, --cpu-offload)" for k, v in self.host.items()]
+        file = ", and their file in /dev/shm" if self.layout.push_file else ""
+        if self.push_host:
+            lines.append(f"  {gib(self.push_host):>7} GiB  rank 0's host memory during a weight push: the weights in "
+                         f"the generator's dtype{file}")
         return "\n".join(lines)
 
     def problems(self) -> list[str]:
@@ -283,8 +294,16 @@ def estimate(config: Any, layout: Layout, tokens: int | None = None, micro_batch
     gpu["activations"] = activation_bytes(config, layout, tokens)
     if layout.generator_share:
         gpu["vllm"] = int(layout.generator_share * layout.gpu_memory)
+        # beside gpu_memory_utilization's budget: a second process's CUDA context, and the new tensors of the layer
+        # (or embedding) a layerwise reload builds before it copies them in
+        gpu["vllm_outside"] = VLLM_CONTEXT_BYTES + layout.dtype_bytes * max(counts.layer, counts.embedding, counts.head)
+    # a push gathers the weights one tensor at a time and casts each on the GPU (runtime.push_state_dict): rank 0
+    # keeps them there for an NCCL broadcast, or copies them to the host, where a file is one copy more
+    if layout.push_gpu:  # after the step: in the place of its activations and gathered units
+        gpu["push"] = max(0, counts.total * layout.dtype_bytes - gpu["activations"] - gpu["gathered"])
+    push_host = 0 if layout.push_gpu else counts.total * layout.dtype_bytes * (2 if layout.push_file else 1)
     return MemoryPlan(config=config, layout=layout, gpu=gpu, host=dict(sharded) if layout.cpu_offload else {},
-                      margin=MARGIN_BYTES + int(MARGIN_FRACTION * layout.gpu_memory))
+                      margin=MARGIN_BYTES + int(MARGIN_FRACTION * layout.gpu_memory), push_host=push_host)
 
 
 def gathered_unit_bytes(counts: ParameterCounts, layout: Layout) -> int:
@@ -408,11 +427,12 @@ def more_learner_ranks(config: Any, layout: Layout) -> int | None:
 
 
 def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, dtype: str, sequence_tokens: int,
-                generator_share: float, logits_chunk_bytes: int, split_bf16_head: bool = False) -> MemoryPlan:
+                generator_share: float, logits_chunk_bytes: int, split_bf16_head: bool = False,
+                push_file: bool = False, push_gpu: bool = False) -> MemoryPlan:
     """The plan of a run of train.py with these flags (its Args) on `learner_ranks` GPUs of `gpu_memory` bytes each.
     The values train.py resolves itself, where its defaults live, come as keywords: the compute `dtype`, the longest
     sequence (vLLM's context), vLLM's share of a learner GPU (0 where they do not share one) and the LM head's
-    default chunk in bytes."""
+    default chunk in bytes; `push_file`, `push_gpu`: the weights reach the replicas by file, by NCCL broadcast."""
     from_chunk_bytes = max(1, logits_chunk_bytes // (4 * config.vocab_size))  # as install_target_logprob_head
     layout = Layout(
         learner_ranks=learner_ranks, gpu_memory=gpu_memory, micro_batch_tokens=args.micro_batch_tokens,
@@ -421,5 +441,6 @@ def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, 
         logits_chunk_tokens=args.logits_chunk_tokens or from_chunk_bytes,
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
         reference_model=bool(args.kl_coef),
-        generator_share=generator_share, split_bf16_head=split_bf16_head, fsdp_reshard=args.fsdp_reshard)
+        generator_share=generator_share, split_bf16_head=split_bf16_head, fsdp_reshard=args.fsdp_reshard,
+        push_file=push_file, push_gpu=push_gpu)
     return estimate(config, layout)

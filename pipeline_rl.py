@@ -44,7 +44,7 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -109,8 +109,9 @@ class GeneratorConfig:
     # seconds to wait for every replica to connect and start its engine (a missing one is named, then start fails)
     join_timeout: float = 600.0
     # broadcast: torch.distributed (gloo on CPU, NCCL on GPU), in buckets, to every replica; file: a safetensors
-    # file in /dev/shm that every replica reads (replicas on the learner's node only)
-    weight_transport: str = "broadcast"
+    # file in /dev/shm that every replica reads (replicas on the learner's node only); auto: broadcast, or file where
+    # a replica shares the learner's GPU (vllm_replica.choose_weight_transport; start() settles it)
+    weight_transport: str = "auto"
     # bytes per broadcast bucket: the learner holds one packed bucket at a time, each replica one received bucket
     weight_bucket_bytes: int = 256 << 20
     # seconds a weight group may take to form or to carry an update before its replica is given up
@@ -1107,7 +1108,7 @@ class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoic
 
     def begin_update(self, version: int, transport: dict) -> None:
         """Tell every ready replica to take weights `version` (first forming the weight group of any that has
-        none), and tell the learner whom to send them to: ("plan", [(replica, name, group, join)])."""
+        none), and tell the learner whom to send them to: ("plan", [(replica, name, group, join, processes)])."""
         targets = [s for s in self.replicas.values() if s.state == "ready"]
         plan = []
         for s in targets:
@@ -1120,8 +1121,9 @@ class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoic
                            "bind_host": s.bind_host}
                 if not self.send_to(s, ("join", s.group)):
                     continue
-            if self.send_to(s, ("update", version, transport)):
-                plan.append((s.id, s.name, s.group, join))
+            if self.send_to(s, ("update", version, transport)):  # with what the learner watches while it sends
+                watch = vllm_replica.local_processes(s.pid, s.info.get("vllm_processes", [])) if s.local else []
+                plan.append((s.id, s.name, s.group, join, watch))
         self.update = {"version": version, "waiting": {p[0] for p in plan}, "seconds": {}, "sent": False}
         self.conn.send(("plan", plan))
 
@@ -1229,6 +1231,7 @@ class Generator:
         self._sender: vllm_replica.WeightSender | None = None
         self.last_update_s = 0.0  # the last update_weights, in all
         self.last_broadcast_s = 0.0  # of which the broadcast itself (forming new weight groups included)
+        self.last_cast_s = 0.0  # of which the cast to the generator's dtype (vllm_replica.weight_tensors)
         self.last_update_info: dict = {}  # the last update's seconds per replica and replicas left
 
     @staticmethod
@@ -1249,6 +1252,11 @@ class Generator:
         if self._closed:
             raise GeneratorError("generator is closed")
         self._started_at = time.time()  # vLLM's shared-memory segments are younger than this (close())
+        try:  # the transport train.py printed at its start (the same chooser); a ValueError names a wrong one
+            kind, self.transport_line = vllm_replica.config_weight_transport(self.config)
+        except ValueError as e:
+            raise GeneratorError(f"weight_transport {e}") from None
+        self.config = replace(self.config, weight_transport=kind)
         if self.config.weight_transport == "broadcast":  # before the replicas: they rendezvous at its store
             host, _ = parse_address(self.config.listen)
             self._sender = vllm_replica.WeightSender(host, "nccl" if self.config.gen_devices is not None else "gloo",
@@ -1412,6 +1420,7 @@ class Generator:
         weight_transport for this update ("file": local replicas only; bench.py compares the two this way)."""
         t0 = time.perf_counter()
         tensors = vllm_replica.weight_tensors(state_dict, DTYPES.get(self.config.dtype, torch.float32), self._tied)
+        self.last_cast_s = time.perf_counter() - t0  # what cast was left (none for runtime.push_state_dict's weights)
         self._check_usable()
         transport = transport or self.config.weight_transport
         if transport == "broadcast" and self._sender is None:
@@ -1435,13 +1444,15 @@ class Generator:
             t_broadcast = time.perf_counter()
             failed: dict[int, str] = {}
             if how["kind"] == "broadcast":
-                for replica, name, group, join in plan:
+                for replica, name, group, join, _ in plan:
                     if join:
                         try:
                             self._sender.join(replica, group)
                         except Exception as e:
                             failed[replica] = f"forming its weight group failed: {type(e).__name__}: {e}"
-                failed |= self._sender.send(tensors, manifest, [p[0] for p in plan if p[0] not in failed])
+                watch = {p[0]: p[4] for p in plan}  # a replica that dies mid-broadcast is named and left behind
+                failed |= self._sender.send(tensors, manifest, [p[0] for p in plan if p[0] not in failed],
+                                            gone=lambda r: vllm_replica.dead_processes(watch[r]))
             self.last_broadcast_s = time.perf_counter() - t_broadcast
             self._send(("sent", failed))
             _, applied, self.last_update_info = self._recv("updated", timeout, what="update_weights")

@@ -6,7 +6,7 @@ It holds:
     learner that train.py's make_learner builds, resume, the generator's start, the metrics log), and `Run`, the
     run around the learner that the loop works with;
   - the collectives that keep the learner ranks in step (`broadcast_from_rank0`, `reduce_metrics`, the idle
-    forwards of a rank with no micro-batch left, `full_state_dict`);
+    forwards of a rank with no micro-batch left, `full_state_dict`, `push_state_dict`);
   - signals (`GracefulStop`), the output-directory lock, the metrics file (`MetricsLog`) and a metrics row's
     bookkeeping (`new_row`, `summary_line`, model FLOPs utilisation);
   - --report-to: the rows sent to TensorBoard, W&B or trackio as well (`Reporter`, `report_scalars`).
@@ -28,6 +28,7 @@ import uuid
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,8 @@ import tasks
 import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, open_no_follow,
                          read_no_follow, refuse_unless_regular, write_atomically, write_failure)
-from flags import (Args, generator_memory_fraction, generator_values, local_replicas, resolve_defaults, step_ranges,
-                   write_args_json)
+from flags import (Args, generator_memory_fraction, generator_values, layout_lines, local_replicas, resolve_defaults,
+                   step_ranges, write_args_json)
 from packing import model_device
 
 
@@ -203,7 +204,7 @@ def set_up(args: Args,
         # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
         # training on, and a --resume would then race them for OUTPUT_DIR: die with the launcher instead.
         vllm_replica.set_parent_death_signal(signal.SIGKILL)
-    rank, world, device = init_distributed(args.gen_devices, args.cpu_offload)
+    rank, world, device = init_distributed(args.gen_devices, args.cpu_offload, process_group_timeout(args))
     is_main = rank == 0
     stopper = GracefulStop(announce=is_main, at_once=True)  # until the first step: nothing to checkpoint
     out = Path(args.output_dir)
@@ -231,6 +232,9 @@ def set_up(args: Args,
         gen_config = generator_config(args, model_path)
         devices_in_use = _devices_in_use(args, world, gen_config)
         if is_main:
+            if device.type == "cuda":  # where everything goes and how weights travel: `train.py plan --gpus N` says it
+                print("\n".join(layout_lines(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                                            "1")))), flush=True)
             consumed = state.consumed
             data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
             if args.gen_remote_replicas:
@@ -246,7 +250,7 @@ def set_up(args: Args,
             except pipeline_rl.GeneratorError as e:  # e.g. a remote replica that never joined: its line, no traceback
                 raise SystemExit(f"train.py: error: {e}") from None
         if state.step > 0:  # the generator starts from the base weights: give it the resumed ones
-            weights = full_state_dict(learner.model)
+            weights = push_state_dict(learner.model, generator)
             if is_main:
                 try:
                     generator.update_weights(weights, state.step)
@@ -350,10 +354,24 @@ def _record_start(args: Args, out: Path, state: TrainerState, log: MetricsLog) -
     return []
 
 
-def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False) -> tuple[int, int, Any]:
+SLOWEST_DECODE_TOKENS_PER_S = 10  # one completion's decoding speed process_group_timeout allows for (a GPU: 30-100+)
+
+
+def process_group_timeout(args: Args) -> timedelta:
+    """How long a learner rank may wait in a collective while rank 0 works alone: starting vLLM (--gen-join-timeout
+    and the minute Generator.start adds to it), then the step-0 evaluation and a batch, each allowed at least
+    torch's gloo default of 30 minutes, or one --max-tokens completion decoded at SLOWEST_DECODE_TOKENS_PER_S. Later
+    steps wait for less (an evaluation and a batch, vLLM already up). NCCL's own default, 10 minutes, would have its
+    watchdog kill the waiting ranks during a long vLLM start."""
+    each = max(1800.0, args.max_tokens / SLOWEST_DECODE_TOKENS_PER_S)
+    return timedelta(seconds=args.gen_join_timeout + 60 + 2 * each)
+
+
+def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False,
+                     timeout: timedelta | None = None) -> tuple[int, int, Any]:
     """(rank, world size, this rank's device). On GPU the learner keeps off the generator's `gen_devices`;
     `cpu_offload` (--cpu-offload) adds gloo for the collectives over the parameters and gradients FSDP2 keeps on
-    the host (the gradient norm's)."""
+    the host (the gradient norm's). `timeout`: of every collective (process_group_timeout; None: torch's default)."""
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -362,10 +380,10 @@ def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False) 
         learner_ids, _ = vllm_replica.split_devices(gen_devices, torch.cuda.device_count())
         device = torch.device("cuda", learner_ids[int(os.environ["LOCAL_RANK"]) % len(learner_ids)])
         torch.cuda.set_device(device)
-        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
         # Two cores are shared by the learner ranks and the generator: oversubscribing threads only slows all down.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)))
     return rank, world, device
@@ -479,6 +497,31 @@ def broadcast_from_rank0(value: Any) -> Any:
 def full_state_dict(model: Any) -> dict:
     """HF-named full weights gathered on rank 0 (empty elsewhere); a collective: every rank calls it."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def push_state_dict(model: Any, generator: Any) -> dict:
+    """The full weights of a push, gathered one tensor at a time (a collective: every rank calls it; `generator` is
+    rank 0's, None on the others, which keep nothing) and on rank 0 cast to the generator's dtype as each arrives,
+    on the device it arrives on. Rank 0 keeps them on its GPU where they go by NCCL broadcast, so the buckets are
+    packed from GPU memory with no host round trip; for a weight file, or gloo, they go to host memory (in the
+    generator's dtype: half the bytes of float32 where it is bf16)."""
+    cfg = getattr(generator, "config", None)
+    on_gpu = cfg is not None and cfg.weight_transport == "broadcast" and cfg.gen_devices is not None
+    dtype = vllm_replica.DTYPES.get(cfg.dtype, torch.float32) if cfg is not None else None
+    weights: dict[str, torch.Tensor] = {}
+    gathered: dict[int, torch.Tensor | None] = {}  # a tied weight appears under two names: gather it once
+    with torch.no_grad():
+        for name, value in model.state_dict(keep_vars=True).items():  # the parameters themselves: ties share one
+            if not isinstance(value, torch.Tensor):
+                continue
+            if id(value) not in gathered:
+                full = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach()  # FSDP2: all-gather
+                if cfg is not None and full.is_floating_point():
+                    full = full.to(dtype)
+                gathered[id(value)] = None if cfg is None else full if on_gpu else full.to("cpu")
+            if cfg is not None:
+                weights[name] = gathered[id(value)]
+    return weights
 
 
 def this_ranks_share(items: list, run: Run) -> list:

@@ -83,9 +83,9 @@ from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, fla
 from head_gemm import split_bf16_logprobs
 from packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
-                     completion_lengths, current_asymptote, full_state_dict, generator_config, idle_forward,
+                     completion_lengths, current_asymptote, generator_config, idle_forward,
                      idle_forwards_needed, load_tasks, model_flops_utilisation, new_row, peak_flops_per_s,
-                     rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks, summary_line,
+                     push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks, summary_line,
                      this_ranks_share)
 
 
@@ -526,7 +526,7 @@ def push_weights(learner: Learner, run: Run, version: int) -> tuple[float, float
     """Push the new weights to every generator replica as `version` (in pipeline mode applied between two decoding
     steps, in flight). Gathering them is a collective; rank 0 sends them. Returns the seconds rank 0 spent in all
     and, of those, in the broadcast itself (vllm_replica's WeightSender)."""
-    weights = full_state_dict(learner.model)
+    weights = push_state_dict(learner.model, run.generator)  # rank 0's, in the generator's dtype
     if not run.is_main or run.stop_reason:
         return 0.0, 0.0
     with generator_errors_noted(run):

@@ -4,12 +4,14 @@ pipeline_rl.py is the generator's recipe: the staleness rule, the scheduler, the
 what makes it run on real machines, and it imports nothing of pipeline_rl (nor of train):
 
 - what runs inside vLLM's processes: the interruption and slowdown logits processors (vLLM loads them by the
-  names "vllm_replica:InterruptionLogitsProcessor" and "vllm_replica:SlowdownLogitsProcessor") and the
-  worker extension "vllm_replica.WeightSyncExtension" that receives and reloads weights;
+  names "vllm_replica:InterruptionLogitsProcessor" and "vllm_replica:SlowdownLogitsProcessor", with a "V2" suffix
+  for vLLM's V2 model runner, which `model_runner_v2` chooses) and the worker extension
+  "vllm_replica.WeightSyncExtension" that receives and reloads weights;
 - placement and the replicas' own settings: which GPUs the replicas and the learner take (`split_devices`,
-  `replica_devices`), and the checks of their number, address, secret and transport (`replica_problems`, called by
+  `replica_devices`, `visible_devices`), and the checks of their number, address, secret and transport (`replica_problems`, called by
   pipeline_rl.config_problems);
-- the weight transport: buckets over a torch.distributed group per replica (gloo on CPU, NCCL on GPU);
+- the weight transport: buckets over a torch.distributed group per replica (gloo on CPU, NCCL on GPU), or a file
+  where a replica shares the learner's GPU (`choose_weight_transport`);
 - the replica process: one vLLM engine, serving the scheduler over one connection;
 - the handshake: who may connect (an HMAC challenge on the shared secret, both ways);
 - the join command, `python pipeline_rl.py replica ...` (pipeline_rl.main hands it to `replica_command`);
@@ -45,6 +47,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+import numpy as np
 import torch
 
 import tasks
@@ -96,7 +99,42 @@ def listen_address(text: str) -> tuple[str, int, socket.AddressFamily]:
     return sockaddr[0], port, family
 
 
-WEIGHT_TRANSPORTS = ("broadcast", "file")  # GeneratorConfig.weight_transport; train.py's --weight-transport
+WEIGHT_TRANSPORTS = ("auto", "broadcast", "file")  # GeneratorConfig.weight_transport; train.py's --weight-transport
+
+
+def choose_weight_transport(requested: str, learner_gpu: int | None, replica_gpus: list[list[int]], replicas: int,
+                            remote: int) -> tuple[str, str]:
+    """("broadcast" or "file", the line that names it) for `requested` ("auto", "broadcast" or "file"): learner rank
+    0 sends from `learner_gpu` (None: CPU) to `replicas` local replicas (on `replica_gpus`, empty on CPU) and `remote`
+    others. auto broadcasts (NCCL on GPU, gloo on CPU) unless a local replica shares rank 0's GPU: NCCL refuses two
+    ranks on one GPU ("Duplicate GPU detected"), so the weights then go by file. ValueError: a choice that cannot
+    work, in one line that starts with `requested` (the caller names the setting)."""
+    shared = [i for i, gpus in enumerate(replica_gpus) if learner_gpu is not None and learner_gpu in gpus]
+    if shared:
+        where = f"replica {shared[0]} shares GPU {learner_gpu} with learner rank 0"
+        if requested == "broadcast":
+            raise ValueError(f"broadcast: {where}, and NCCL refuses two ranks on one GPU (use auto or file)")
+        if remote:
+            raise ValueError(f"{requested}: {where}, so weights go by file, which reaches this node's replicas only; "
+                             "remote replicas need a learner on GPUs of its own")
+        return "file", f"weight transport: file, a safetensors file each replica reads ({where}: NCCL refuses two " \
+                       "ranks on one GPU)"
+    if requested == "file":
+        return "file", f"weight transport: file, a safetensors file each of the {replicas} replica(s) of this node reads"
+    backend = "NCCL" if learner_gpu is not None else "gloo"
+    return "broadcast", f"weight transport: {backend} broadcast from learner rank 0 to {replicas + remote} replica(s)"
+
+
+def config_weight_transport(cfg: Any, learner_gpu: int | None = None) -> tuple[str, str]:
+    """choose_weight_transport for a GeneratorConfig `cfg`, its learner rank 0 on `learner_gpu` (default: this
+    process's GPU when the config is a GPU one)."""
+    on_gpu = cfg.gen_devices is not None and torch.cuda.is_available()
+    if learner_gpu is None and on_gpu:
+        learner_gpu = torch.cuda.current_device()
+    gen_ids = [int(x) for x in cfg.gen_devices.split(",") if x.strip()] if on_gpu else []
+    replica_gpus = replica_devices(gen_ids, cfg.tensor_parallel_size) if gen_ids else []
+    return choose_weight_transport(cfg.weight_transport, learner_gpu, replica_gpus,
+                                   len(replica_gpus) or cfg.replicas, cfg.remote_replicas)
 
 
 def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int], list[int]]:
@@ -135,13 +173,27 @@ def replica_problems(values: Mapping[str, Any], name: Callable[[str], str]) -> l
                         "shared secret (e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`, copied to "
                         "each node)")
     if "weight_transport" in v and v["weight_transport"] not in WEIGHT_TRANSPORTS:
-        problems.append(f"{name('weight_transport')} must be 'broadcast' or 'file', got {v['weight_transport']!r}")
+        problems.append(f"{name('weight_transport')} must be 'auto', 'broadcast' or 'file', got "
+                        f"{v['weight_transport']!r}")
     elif v.get("weight_transport") == "file" and remote:
         problems.append(f"{name('weight_transport')} file reaches replicas on this node only: remote replicas need "
                         "'broadcast'")
     if v.get("weight_dir") is not None and not writable_dir(v["weight_dir"]):
         problems.append(f"{name('weight_dir')} {v['weight_dir']}: not a directory this user can write")
     return problems
+
+
+def visible_devices(indices: list[int], visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for a replica given devices `indices`: those count the GPUs this process sees
+    (torch.cuda.device_count()), so under a CUDA_VISIBLE_DEVICES of `visible` ("4,6", or GPU UUIDs) index i is its
+    i-th entry, kept as written; without one the indices are the GPUs' own numbers."""
+    if visible is None:
+        return ",".join(str(i) for i in indices)
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    bad = [i for i in indices if not 0 <= i < len(entries)]
+    if bad:
+        raise ValueError(f"devices {bad}: CUDA_VISIBLE_DEVICES={visible} shows {len(entries)} GPU(s)")
+    return ",".join(entries[i] for i in indices)
 
 
 def replica_devices(gen_ids: list[int], tensor_parallel_size: int) -> list[list[int]]:
@@ -218,14 +270,16 @@ def _interruption_processor_class() -> type:
         """vLLM v1 logits processor for ScaleRL's interruptions; active on requests whose SamplingParams.extra_args
         carry {"scalerl_interrupt": {"budget": b, "phrase": [...], "close": [...]}}."""
 
+        @classmethod
+        def validate_params(cls, params: Any) -> None:  # at admission: a malformed spec fails its request only
+            interruption_spec(params.extra_args)
+
         def is_argmax_invariant(self) -> bool:
             return False
 
         def new_req_logits_processor(self, params: Any) -> Any:
-            spec = (params.extra_args or {}).get(_INTERRUPT_KEY)
-            if not spec:
-                return None
-            return _ForcePhrase(int(spec["budget"]), list(spec["phrase"]), list(spec["close"]))
+            spec = interruption_spec(params.extra_args)
+            return None if spec is None else _ForcePhrase(*spec)
 
     InterruptionLogitsProcessor.__module__ = __name__
     InterruptionLogitsProcessor.__qualname__ = "InterruptionLogitsProcessor"
@@ -235,16 +289,30 @@ def _interruption_processor_class() -> type:
 _SLOWDOWN_ENV = "SCALERL_DEBUG_GEN_SLOWDOWN"  # GeneratorConfig.debug_slowdown, read inside vLLM's worker
 
 
+class _Pace:
+    """Sleeps (x - 1) times the duration of each engine step (x: SCALERL_DEBUG_GEN_SLOWDOWN), so that the engine
+    itself (not just our reading of its outputs: vLLM's EngineCore runs in its own process) runs x times slower."""
+
+    def __init__(self) -> None:
+        self.factor = float(os.environ.get(_SLOWDOWN_ENV, "1"))
+        self.last_step_end: float | None = None
+
+    def step(self) -> None:
+        now = time.perf_counter()
+        # the time since the previous step ended is this step's work; a longer gap is an idle engine
+        if self.last_step_end is not None and now - self.last_step_end < 1.0 and self.factor > 1:
+            time.sleep((self.factor - 1) * (now - self.last_step_end))
+        self.last_step_end = time.perf_counter()
+
+
 def _slowdown_processor_class() -> type:
-    """A vLLM logits processor that changes no logit and sleeps (x - 1) times the duration of each engine step,
-    so that the engine itself (not just our reading of its outputs: vLLM's EngineCore runs in its own process)
-    runs x times slower. The debug knob behind GeneratorConfig.debug_slowdown."""
+    """A vLLM (V1) logits processor that changes no logit and paces the engine (_Pace): the debug knob behind
+    GeneratorConfig.debug_slowdown."""
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
     class SlowdownLogitsProcessor(LogitsProcessor):
         def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool):
-            self.factor = float(os.environ.get(_SLOWDOWN_ENV, "1"))
-            self.last_step_end: float | None = None
+            self.pace = _Pace()
 
         def is_argmax_invariant(self) -> bool:
             return False  # keep vLLM from skipping it
@@ -253,11 +321,7 @@ def _slowdown_processor_class() -> type:
             pass
 
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            now = time.perf_counter()
-            # the time since the previous step ended is this step's work; a longer gap is an idle engine
-            if self.last_step_end is not None and now - self.last_step_end < 1.0 and self.factor > 1:
-                time.sleep((self.factor - 1) * (now - self.last_step_end))
-            self.last_step_end = time.perf_counter()
+            self.pace.step()
             return logits
 
     SlowdownLogitsProcessor.__module__ = __name__
@@ -265,8 +329,150 @@ def _slowdown_processor_class() -> type:
     return SlowdownLogitsProcessor
 
 
+# vLLM 0.32 runs a GPU engine with its V2 model runner wherever Triton is installed, and V2 loads only logits
+# processors of its own interface (vllm.v1.worker.gpu.sample.logits_processor.LogitsProcessor); the CPU build has no
+# Triton and runs V1, whose interface is the one above. `model_runner_v2` picks one, replica_main pins vLLM to it
+# (VLLM_USE_V2_MODEL_RUNNER), and vllm_engine_kwargs names the classes of that interface.
+
+def model_runner_v2(on_gpu: bool) -> bool:
+    """Whether a replica's vLLM runs its V2 model runner: VLLM_USE_V2_MODEL_RUNNER where the user set it (parsed as
+    vLLM parses it), else V2 on a GPU with Triton (vLLM 0.32's own default for this project's settings) and V1 on
+    CPU, the runner the CPU tests cover."""
+    import vllm.envs as envs
+
+    setting = envs.VLLM_USE_V2_MODEL_RUNNER
+    if setting is not None:
+        return bool(setting)
+    if not on_gpu:
+        return False
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
+def interruption_spec(extra_args: Mapping[str, Any] | None) -> tuple[int, list[int], list[int]] | None:
+    """(budget, phrase, close) of a request's SamplingParams.extra_args, None without an interruption; a malformed
+    one is refused in one line (V2 checks it when the request is admitted)."""
+    spec = (extra_args or {}).get(_INTERRUPT_KEY)
+    if not spec:
+        return None
+    try:
+        budget, phrase, close = int(spec["budget"]), [int(t) for t in spec["phrase"]], [int(t) for t in spec["close"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{_INTERRUPT_KEY} must be {{'budget': int, 'phrase': [ids], 'close': [ids]}}: {e}") from None
+    if budget < 0 or not phrase:
+        raise ValueError(f"{_INTERRUPT_KEY}: budget must be >= 0 and the phrase not empty, got {spec!r}")
+    return budget, phrase, close
+
+
+def forced_rows(slots: np.ndarray, seq_lens: np.ndarray, prompt_lens: np.ndarray, budget: np.ndarray,
+                phrase_len: np.ndarray) -> np.ndarray:
+    """The batch rows whose next token may be forced, from the host's arrays alone (no GPU sync): row b (request
+    slot slots[b]) has n = seq_lens[b] - prompt_lens[slot] output tokens, and position n is in the phrase's span
+    when 0 <= n - budget < len(phrase) (budget -1: no interruption). Exact without speculative decoding."""
+    b = budget[slots]
+    i = seq_lens[: len(slots)] - prompt_lens[slots] - b
+    return np.flatnonzero((b >= 0) & (i >= 0) & (i < phrase_len[slots]))
+
+
+def _on(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int64 host list on `device` without waiting for the GPU (pinned, non-blocking)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+def force_unless_closed(logits: torch.Tensor, rows: list[int], forced: list[int], slots: list[int], starts: list[int],
+                        budgets: list[int], history: torch.Tensor, close: list[int]) -> torch.Tensor:
+    """V2's forcing, decided on the device: each row in `rows` gets logit 0 for its token in `forced` and -inf for
+    every other, unless `close` lies within its first `budget` output tokens (history[slot, start:start+budget],
+    history being vLLM's committed token ids per request slot). The rows share one `close`."""
+    device, k, width, c = logits.device, len(rows), max(budgets), len(close)
+    closed = torch.zeros(k, dtype=torch.bool, device=device)
+    if 0 < c <= width:
+        pos = (_on(starts, device)[:, None] + torch.arange(width, device=device)).clamp(max=history.shape[1] - 1)
+        tokens = history[_on(slots, device)[:, None], pos]  # [k, width]
+        match = torch.arange(width - c + 1, device=device)[None] <= _on(budgets, device)[:, None] - c
+        for j, token in enumerate(close):
+            match = match & (tokens[:, j: j + width - c + 1] == token)
+        closed = match.any(dim=1)
+    row_ids = _on(rows, device)
+    phrase_logits = torch.full((k, logits.shape[1]), float("-inf"), dtype=logits.dtype, device=device)
+    phrase_logits[torch.arange(k, device=device), _on(forced, device)] = 0.0
+    logits[row_ids] = torch.where(closed[:, None], logits[row_ids], phrase_logits)
+    return logits
+
+
+def _interruption_processor_v2_class() -> type:
+    """The interruption logits processor for vLLM's V2 model runner (GPU): the rule of _ForcePhrase, which rows it
+    applies to read from the host's lengths (`forced_rows`), whether the model closed its thinking decided on the
+    device (`force_unless_closed`), so that no step waits for the GPU."""
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+
+    class InterruptionLogitsProcessorV2(LogitsProcessor):
+        def __init__(self, vllm_config: Any, req_states: Any):
+            if getattr(vllm_config, "speculative_config", None) is not None:
+                raise ValueError("InterruptionLogitsProcessorV2: speculative decoding is not supported (its rows "
+                                 "are per draft token, and the forcing reads one row per request)")
+            self.req_states = req_states
+            self.budget = np.full(req_states.max_num_reqs, -1, dtype=np.int64)
+            self.phrase_len = np.zeros(req_states.max_num_reqs, dtype=np.int64)
+            self.specs: dict[int, tuple[list[int], list[int]]] = {}  # slot -> (phrase, close)
+
+        @classmethod
+        def validate_params(cls, sampling_params: Any) -> None:
+            interruption_spec(sampling_params.extra_args)
+
+        def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+            spec = interruption_spec(sampling_params.extra_args)  # a slot is reused: overwrite all of its state
+            self.budget[req_idx], self.phrase_len[req_idx] = (spec[0], len(spec[1])) if spec else (-1, 0)
+            self.specs[req_idx] = (spec[1], spec[2]) if spec else ([], [])
+            return spec is not None
+
+        def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
+            slots = ctx.idx_mapping_np
+            rows = forced_rows(slots, ctx.seq_lens_upper_bound_np, self.req_states.prompt_len.np, self.budget,
+                               self.phrase_len)
+            by_close: dict[tuple[int, ...], list[tuple]] = {}
+            for b in rows.tolist():
+                s = int(slots[b])
+                phrase, close = self.specs[s]
+                start = int(self.req_states.prompt_len.np[s])
+                i = int(ctx.seq_lens_upper_bound_np[b]) - start - int(self.budget[s])
+                by_close.setdefault(tuple(close), []).append((b, phrase[i], s, start, int(self.budget[s])))
+            history = self.req_states.all_token_ids.gpu
+            for close, group in by_close.items():
+                logits = force_unless_closed(logits, *map(list, zip(*group)), history=history, close=list(close))
+            return logits
+
+    InterruptionLogitsProcessorV2.__module__ = __name__
+    InterruptionLogitsProcessorV2.__qualname__ = "InterruptionLogitsProcessorV2"
+    return InterruptionLogitsProcessorV2
+
+
+def _slowdown_processor_v2_class() -> type:
+    """SlowdownLogitsProcessor for vLLM's V2 model runner (the debug knob on a GPU)."""
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor
+
+    class SlowdownLogitsProcessorV2(LogitsProcessor):
+        def __init__(self, vllm_config: Any, req_states: Any):
+            self.pace = _Pace()
+
+        def add_request(self, req_idx: int, sampling_params: Any) -> bool:
+            return True  # V2 calls apply only for a batch where some request asks for it: all do
+
+        def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
+            self.pace.step()
+            return logits
+
+    SlowdownLogitsProcessorV2.__module__ = __name__
+    SlowdownLogitsProcessorV2.__qualname__ = "SlowdownLogitsProcessorV2"
+    return SlowdownLogitsProcessorV2
+
+
 _LAZY_CLASSES = {"InterruptionLogitsProcessor": _interruption_processor_class,
-                 "SlowdownLogitsProcessor": _slowdown_processor_class}
+                 "SlowdownLogitsProcessor": _slowdown_processor_class,
+                 "InterruptionLogitsProcessorV2": _interruption_processor_v2_class,
+                 "SlowdownLogitsProcessorV2": _slowdown_processor_v2_class}
 
 
 def __getattr__(name: str) -> Any:
@@ -287,8 +493,9 @@ class _RotaryCacheFilter:
 
 
 def weight_tensors(state_dict: Mapping[str, Any], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
-    """The tensors of a full HF-named state dict as the generator loads them: CPU, contiguous, floats in `dtype`,
-    wrapper prefixes stripped. An untied model must include lm_head.weight (else vLLM keeps a stale head); a tied
+    """The tensors of a full HF-named state dict as the generator loads them: contiguous, floats in `dtype`, on
+    the device they come on (rank 0's GPU for an NCCL broadcast: runtime.push_state_dict), wrapper prefixes
+    stripped; a tensor already in `dtype` is not copied. An untied model must include lm_head.weight (else vLLM keeps a stale head); a tied
     one leaves it out: it is the embedding itself, which vLLM loads (skipping the alias), and safetensors refuses
     two names for one storage, as a tied learner's state dict has them."""
     tensors: dict[str, torch.Tensor] = {}
@@ -304,7 +511,7 @@ def weight_tensors(state_dict: Mapping[str, Any], dtype: torch.dtype, tied: bool
         t = value.detach()
         if t.dtype.is_floating_point and t.dtype != dtype:
             t = t.to(dtype)
-        tensors[name] = t.to("cpu").contiguous()
+        tensors[name] = t.contiguous()
     if tied:
         tensors.pop("lm_head.weight", None)
     elif "lm_head.weight" not in tensors:
@@ -512,10 +719,12 @@ class WeightSender:
     def drop(self, replica: int) -> None:
         self.groups.pop(replica, None)
 
-    def send(self, tensors: Mapping[str, torch.Tensor], manifest: list[list[tuple]], replicas: list[int]
-             ) -> dict[int, str]:
+    def send(self, tensors: Mapping[str, torch.Tensor], manifest: list[list[tuple]], replicas: list[int],
+             gone: Callable[[int], str | None] | None = None) -> dict[int, str]:
         """Broadcast every bucket to the groups of `replicas`, to all groups at once, one bucket at a time.
-        Returns {replica: error} for the groups that failed (dropped; the others carry on)."""
+        Returns {replica: error} for the groups that failed (dropped; the others carry on). `gone(replica)` names
+        a replica's dead processes (None while they live): a replica that dies mid-broadcast would leave its NCCL
+        broadcast waiting until weight_timeout, so its group is aborted as soon as `gone` names it."""
         device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         failed: dict[int, str] = {r: "no weight group" for r in replicas if r not in self.groups}
         live = [r for r in replicas if r in self.groups]
@@ -527,17 +736,43 @@ class WeightSender:
                     works[r] = self.groups[r].broadcast(buffer)
                 except Exception as e:
                     failed[r] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            for r, work in works.items():
-                try:
-                    work.wait()
-                except Exception as e:
-                    failed[r] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            self._wait(works, failed, gone)  # no device-wide synchronize: a completed work is done on the GPU too
             for r in failed:
                 self.drop(r)
             live = [r for r in live if r not in failed]
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
         return failed
+
+    def _wait(self, works: dict[int, Any], failed: dict[int, str], gone: Callable[[int], str | None] | None) -> None:
+        """Until every work completes, fails (into `failed`), or its replica is gone or past weight_timeout (its
+        group aborted). Polling the works, not waiting on one, is what lets a dead replica be named within a poll."""
+        deadline = time.monotonic() + self.timeout_s
+        pending = dict(works)
+        while pending:
+            for r, work in list(pending.items()):
+                try:
+                    done = work.is_completed()
+                    if done:
+                        work.wait()  # raises the work's error, if it failed
+                except Exception as e:
+                    failed[r], done = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", True
+                why = None if done else (gone(r) if gone else None)
+                if why or (not done and time.monotonic() > deadline):
+                    failed[r] = f"{why} died during the weight broadcast" if why else \
+                        f"the weight broadcast took over weight_timeout ({self.timeout_s:.0f} s)"
+                    self._abort(r)
+                if done or r in failed:
+                    del pending[r]
+            if pending:
+                time.sleep(0.002)
+
+    def _abort(self, replica: int) -> None:
+        """Abort a replica's group, so that its unfinished broadcast stops holding this process's GPU stream."""
+        group = self.groups.get(replica)
+        try:
+            if group is not None and hasattr(group.pg, "abort"):
+                group.pg.abort()
+        except Exception:
+            pass  # the group is dropped either way
 
 # --------------------------------------------------------------------------------------------------------------
 # A replica: one vLLM engine in a process of its own, on this node or another
@@ -560,10 +795,11 @@ def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
         worker_extension_cls=f"{__name__}.WeightSyncExtension",
         tensor_parallel_size=cfg.tensor_parallel_size, disable_log_stats=True, enable_prefix_caching=True,
     )
+    v2 = "V2" if model_runner_v2(on_gpu) else ""  # the classes of the runner's interface (replica_main pins it)
     if cfg.interruptions:
-        kwargs["logits_processors"] = [f"{__name__}:InterruptionLogitsProcessor"]
+        kwargs["logits_processors"] = [f"{__name__}:InterruptionLogitsProcessor{v2}"]
     if cfg.slowdown_of(replica) > 1:  # the factor reaches vLLM's worker through the environment (replica_main)
-        kwargs["logits_processors"] = kwargs.get("logits_processors", []) + [f"{__name__}:SlowdownLogitsProcessor"]
+        kwargs["logits_processors"] = kwargs.get("logits_processors", []) + [f"{__name__}:SlowdownLogitsProcessor{v2}"]
     if cfg.fp32_lm_head and DTYPES.get(cfg.dtype, torch.float32) != torch.float32:
         kwargs["hf_overrides"] = {"head_dtype": "float32"}  # lm_head matmul and logits in float32
     if on_gpu:
@@ -630,9 +866,8 @@ class _Replica:
 
     def dead_vllm_processes(self) -> str | None:
         """'vLLM process NAME (pid P)' for each of this replica's vLLM processes that has died, or None."""
-        dead = [f"vLLM process {name} (pid {pid})" for pid, created, name in getattr(self, "vllm_processes", [])
-                if (p := _same_process(pid, created)) is None or not _alive(p)]
-        return ", ".join(dead) or None
+        return dead_processes((pid, created, f"vLLM process {name}")
+                              for pid, created, name in getattr(self, "vllm_processes", []))
 
     def failure(self, error: BaseException) -> str:
         """What to report of an error: a dead vLLM process first, since vLLM's own error (EngineDeadError) may
@@ -782,7 +1017,7 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
     for var in TORCHRUN_VARS:  # a vLLM started under torchrun must not see the learner's process group
         os.environ.pop(var, None)
     if devices is not None:  # before anything touches CUDA
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_devices(devices, os.environ.get("CUDA_VISIBLE_DEVICES"))
     else:
         tasks.set_vllm_cpu_env()
     try:
@@ -804,6 +1039,8 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
         config = dataclasses.replace(config, **overrides)  # a GeneratorConfig, checked again with this node's values
         os.environ.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
         os.environ[_SLOWDOWN_ENV] = str(config.slowdown_of(replica_id))
+        # vLLM's engine and workers read the runner choice from here: the one vllm_engine_kwargs names classes for
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if model_runner_v2(config.gen_devices is not None) else "0"
         engine_process = config.gen_devices is not None if config.engine_process is None else config.engine_process
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if engine_process else "0"
         if devices is None and config.num_threads:  # before vLLM's CPU worker starts: it refuses it afterwards
@@ -1053,6 +1290,25 @@ def remove_leaked_segments(since: float, shm: Path = Path("/dev/shm")) -> list[s
         except OSError:
             pass
     return removed
+
+
+def dead_processes(processes: Iterable[tuple[int, float, str]]) -> str | None:
+    """'LABEL (pid P)' for each of `processes` (pid, creation time, label) that has died, joined by commas; or None."""
+    dead = [f"{label} (pid {pid})" for pid, created, label in processes
+            if (p := _same_process(pid, created)) is None or not _alive(p)]
+    return ", ".join(dead) or None
+
+
+def local_processes(pid: int | None, vllm_processes: Iterable[tuple[int, float, str]]) -> list[tuple[int, float, str]]:
+    """A local replica's process `pid` and its vLLM processes as (pid, creation time, label): what the learner
+    watches while it broadcasts to the replica (WeightSender.send's `gone`)."""
+    import psutil
+
+    try:
+        own = [(pid, psutil.Process(pid).create_time(), "replica process")] if pid else []
+    except psutil.Error:
+        own = []
+    return own + [(p, t, f"vLLM process {name}") for p, t, name in vllm_processes]
 
 
 def _same_process(pid: int, created: float) -> Any:

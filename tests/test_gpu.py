@@ -180,7 +180,7 @@ def test_gpu_weight_update_in_flight(setup):
         assert stats["lag_max"] <= 2 and stats["stale_dropped"] == 0
         V += 1
         times.append(gen.update_weights(state, V))
-    print(f"weight update (bf16, file in /dev/shm): median {sorted(times)[len(times) // 2] * 1000:.1f} ms")
+    print(f"weight update (bf16; {gen.transport_line}): median {sorted(times)[len(times) // 2] * 1000:.1f} ms")
     t0 = time.perf_counter()
     groups = gen.evaluate(tasks.ArithmeticTask().validation(4), samples=2)
     assert {v for g in groups for c in g.completions for v in c.versions} == {V}
@@ -199,6 +199,7 @@ def _train_on_gpu(out, *flags: str) -> list[dict]:
     t0 = time.perf_counter()
     run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0, run.stderr[-4000:]
+    assert any(line.startswith("weight transport: ") for line in run.stdout.splitlines())  # the layout, at its start
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     print(f"train.py on GPU ({' '.join(flags)}): {time.perf_counter() - t0:.0f} s in all; per step "

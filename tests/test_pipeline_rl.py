@@ -275,7 +275,7 @@ def test_slowdown_processor_stretches_each_engine_step_and_changes_no_logit(monk
     t0 = time.perf_counter()
     assert torch.equal(processor.apply(logits.clone()), logits)
     assert 0.09 <= time.perf_counter() - t0 < 0.3  # slept about (3 - 1) x 0.05 s
-    processor.last_step_end -= 2.0  # an idle engine for 2 s: no sleep
+    processor.pace.last_step_end -= 2.0  # an idle engine for 2 s: no sleep
     t0 = time.perf_counter()
     processor.apply(logits)
     assert time.perf_counter() - t0 < 0.05

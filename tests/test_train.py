@@ -832,7 +832,7 @@ def test_a_full_disk_for_a_weight_file_stops_every_rank_like_a_generator_failure
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     run = SimpleNamespace(is_main=True, stop_reason=None, generator=generator, out=tiny_tmpfs,
                           stopper=runtime.GracefulStop(announce=False))
-    monkeypatch.setattr(train, "full_state_dict", lambda model: weights)
+    monkeypatch.setattr(train, "push_state_dict", lambda model, generator: weights)
     try:
         assert train.push_weights(SimpleNamespace(model=None), run, 1) == (0.0, 0.0)
         assert re.fullmatch(line, run.stop_reason)

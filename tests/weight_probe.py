@@ -22,15 +22,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import vllm_replica  # noqa: E402
 
 
-def _receiver(group: dict, device: str, manifest: list, out: str, die: bool) -> None:
-    """A replica's worker without vLLM: join the weight group (rank 1), receive every bucket, save what arrived."""
+def _receiver(group: dict, device: str, manifest: list, out: str, die: bool, die_after: int) -> None:
+    """A replica's worker without vLLM: join the weight group (rank 1), receive every bucket, save what arrived.
+    `die`: it dies after `die_after` buckets (0: after joining, before the update)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     member = vllm_replica.open_weight_group(group, 1)
-    if die:  # a replica that dies after joining, before the update
+    if die and not die_after:  # a replica that dies after joining, before the update
         os._exit(3)
     received = {}
-    for bucket in manifest:
+    for i, bucket in enumerate(manifest):
+        if die and i == die_after:  # mid-broadcast: the learner's next bucket has no receiver
+            os._exit(3)
         buffer = torch.empty(vllm_replica.bucket_nbytes(bucket), dtype=torch.uint8, device=member.device)
         member.broadcast(buffer).wait()
         received.update({k: v.cpu().clone() for k, v in vllm_replica.unpack_bucket(buffer, bucket)})
@@ -38,11 +41,12 @@ def _receiver(group: dict, device: str, manifest: list, out: str, die: bool) -> 
 
 
 def run_weight_broadcast(tmp_path: Path, backend: str, learner_device: str, receiver_devices: list[str],
-                         die: int | None = None, mb: int = 8, bucket_mb: int | None = None
+                         die: int | None = None, mb: int = 8, bucket_mb: int | None = None, die_after: int = 0
                          ) -> tuple[dict, list[dict | None], float]:
     """The learner's WeightSender (on `learner_device`) and one fake replica per entry of `receiver_devices`, each
-    in its own group; replica `die` dies after joining. Every live receiver's tensors are checked against the
-    learner's. Returns (the send's failures, what each receiver got, seconds of the send)."""
+    in its own group; replica `die` dies after joining (or after `die_after` buckets, mid-broadcast), and the sender
+    watches the receivers' processes as it watches a replica's. Every live receiver's tensors are checked against
+    the learner's. Returns (the send's failures, what each receiver got, seconds of the send)."""
     if learner_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(learner_device))
     torch.manual_seed(0)
@@ -55,14 +59,17 @@ def run_weight_broadcast(tmp_path: Path, backend: str, learner_device: str, rece
         host, port = sender.address
         group = {"store_host": host, "store_port": port, "prefix": f"probe/{r}", "world": 2, "backend": backend,
                  "timeout_s": 60, "bind_host": "127.0.0.1"}
-        proc = ctx.Process(target=_receiver, args=(group, device, manifest, str(tmp_path / f"r{r}.pt"), r == die))
+        proc = ctx.Process(target=_receiver, args=(group, device, manifest, str(tmp_path / f"r{r}.pt"), r == die,
+                                                   die_after))
         proc.start()
         sender.join(r, group)
         procs.append(proc)
-    if die is not None:
+    if die is not None and not die_after:
         procs[die].join(30)
+    watch = {r: vllm_replica.local_processes(proc.pid, []) for r, proc in enumerate(procs)}
     t0 = time.perf_counter()
-    failures = sender.send(tensors, manifest, list(range(len(receiver_devices))))
+    failures = sender.send(tensors, manifest, list(range(len(receiver_devices))),
+                           gone=lambda r: vllm_replica.dead_processes(watch[r]))
     seconds = time.perf_counter() - t0
     for proc in procs:
         proc.join(120)

@@ -1,0 +1,137 @@
+"""`make gpu-smoke`: the GPU path a practitioner runs first, checked in one command on a machine with 1 or 2 GPUs and
+the CUDA build of vLLM, in under 10 minutes, with SmolLM2-135M-Instruct (tasks.py build-real-model):
+
+1. vLLM starts with interruptions (its V2 model runner where Triton is installed), and every forced token of the
+   interruption phrase has sampler logprob 0;
+2. weights pushed from a learner reach the replica (by file on one shared GPU; NCCL broadcast from GPU 0 with two),
+   and each replica's sampler logprobs then match the learner's (bf16 body, FP32 head); the push's time split into
+   gather, cast and send;
+3. a receiver killed mid-broadcast over NCCL is named within seconds and the other gets every byte (two GPUs);
+4. the README's one-GPU command, for 2 steps.
+
+Without CUDA it says so in one line and exits 2 (nothing was checked). Each check prints one line, `ok` or `FAIL`;
+the exit status is 1 if any failed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+
+def check_generator(model: str, gen_devices: str, learner_gpu: int) -> str:
+    """Checks 1 and 2 on one generator: interruptions, a push, per-replica logprobs against the learner's."""
+    import pipeline_rl as pl
+    import runtime
+    import tasks
+    import vllm_replica
+    from transformers import AutoModelForCausalLM
+
+    shared = str(learner_gpu) in gen_devices.split(",")
+    config = pl.GeneratorConfig(model=model, group_size=4, temperature=0.7, dtype="bfloat16", fp32_lm_head=True,
+                                gen_devices=gen_devices, gpu_memory_utilization=0.3 if shared else 0.6,
+                                max_model_len=512, max_tokens=64, think_budget=(2, 4), answer_budget=16,
+                                groups_per_batch=2)
+    torch.cuda.set_device(learner_gpu)
+    learner = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(f"cuda:{learner_gpu}").eval()
+    with pl.Generator(config, tasks.ArithmeticTask()) as gen:
+        groups, _ = gen.get_batch(2, 0)
+        forced = [lp for g in groups for c in g.completions for lp, m in zip(c.sampler_logprobs, c.loss_mask) if not m]
+        assert forced and max(abs(lp) for lp in forced) == 0.0, f"forced tokens' logprobs {forced[:8]}"
+        t0 = time.perf_counter()
+        state = runtime.push_state_dict(learner, gen)  # as train.py pushes: one rank, no all-gather to wait for
+        gather = time.perf_counter() - t0
+        total = gen.update_weights(state, 1)
+        groups, _ = gen.get_batch(2, 1)
+        worst = _logprob_gap(groups, learner.to(torch.bfloat16), learner_gpu)
+    runner = "V2" if vllm_replica.model_runner_v2(True) else "V1"
+    return (f"{len(forced)} forced tokens at logprob 0 (model runner {runner}); {gen.transport_line}; push: gather "
+            f"and cast {gather:.2f} s, cast left to update_weights {gen.last_cast_s:.3f} s, send "
+            f"{total - gen.last_cast_s:.2f} s; replica |sampler - learner| mean {worst:.3f}")
+
+
+def _logprob_gap(groups: list, model: torch.nn.Module, gpu: int) -> float:
+    """The largest over replicas of the mean |sampler - learner| logprob of the loss-masked tokens (< 0.05)."""
+    by_replica: dict[int, list[torch.Tensor]] = {}
+    for g in groups:
+        for c in g.completions:
+            ids = torch.tensor([g.prompt_ids + c.token_ids], device=f"cuda:{gpu}")
+            with torch.no_grad():
+                hidden = model.model(input_ids=ids).last_hidden_state[0, len(g.prompt_ids) - 1: -1]
+                logits = torch.nn.functional.linear(hidden.float(), model.lm_head.weight.float()) / 0.7
+            ours = torch.log_softmax(logits, -1).gather(-1, ids[0, len(g.prompt_ids):, None])[:, 0].cpu()
+            mask = torch.tensor(c.loss_mask)
+            by_replica.setdefault(c.replica, []).append((ours - torch.tensor(c.sampler_logprobs))[mask].abs())
+    gaps = {r: float(torch.cat(d).mean()) for r, d in by_replica.items()}
+    assert gaps and max(gaps.values()) < 0.05, f"per replica {gaps}"
+    return max(gaps.values())
+
+
+def check_killed_mid_broadcast() -> str:
+    """Check 3: NCCL from GPU 0 to two receivers on GPU 1 (a group each); one dies after its first bucket."""
+    import weight_probe
+
+    with tempfile.TemporaryDirectory() as tmp:
+        failures, got, seconds = weight_probe.run_weight_broadcast(
+            Path(tmp), "nccl", "cuda:0", ["cuda:1", "cuda:1"], die=1, mb=256, bucket_mb=32, die_after=1)
+    assert set(failures) == {1} and got[0] is not None and seconds < 30, failures
+    return f"receiver 1 named in {seconds:.1f} s: {failures[1][:120]}"
+
+
+def check_readme_command(model: str) -> str:
+    """Check 4: the README's one-GPU command, 2 steps (torchrun, one learner rank sharing GPU 0 with vLLM)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "train.py",
+               "--loss", "cispo", "--model", model, "--dataset", "tests/data/gsm8k_small.jsonl", "--gen-devices", "0",
+               "--max-steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "256",
+               "--think-budget", "160,192", "--answer-budget", "48", "--zero-variance", "keep", "--eval-prompts", "8",
+               "--eval-samples", "1", "--output-dir", f"{tmp}/run"]
+        first_gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]  # one GPU, as the README's machine
+        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=420,
+                             env={**os.environ, "CUDA_VISIBLE_DEVICES": first_gpu})
+    assert run.returncode == 0, run.stderr[-1500:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("weight transport:")]
+    assert lines, "no 'weight transport:' line at the start"
+    return lines[0]
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu-smoke: no CUDA GPU here: it checks the GPU path and needs one (or two) with the CUDA build of vLLM")
+        return 2
+    import tasks
+
+    model = str(tasks.build_real_model())
+    gpus = torch.cuda.device_count()
+    checks: list[tuple[str, Callable[[], str]]] = [
+        ("vLLM with interruptions, a push, logprobs (one shared GPU)", lambda: check_generator(model, "0", 0))]
+    if gpus >= 2:
+        checks += [("NCCL broadcast GPU 0 -> GPU 1, per-replica logprobs", lambda: check_generator(model, "1", 0)),
+                   ("a receiver killed mid-broadcast", check_killed_mid_broadcast)]
+    checks.append(("the README's one-GPU command, 2 steps", lambda: check_readme_command(model)))
+    failed = 0
+    for name, check in checks:
+        t0 = time.perf_counter()
+        try:
+            said = check()
+            print(f"ok    {name} ({time.perf_counter() - t0:.0f} s): {said}", flush=True)
+        except Exception as e:  # every check runs; the status counts the failures
+            failed += 1
+            print(f"FAIL  {name} ({time.perf_counter() - t0:.0f} s): {type(e).__name__}: {e}", flush=True)
+    if gpus < 2:
+        print("skipped: the NCCL broadcast and the receiver killed mid-broadcast need two GPUs (this machine has one)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

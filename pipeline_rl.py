@@ -86,8 +86,7 @@ class GeneratorConfig:
     buffer_steps: int | None = 1
     # pipeline: stream continuously with in-flight weight updates (PipelineRL-k); sync: generate a batch, train, sync
     mode: str = "pipeline"
-    # seed of the samplers (one per completion, `sampling_seed`), the think budgets and the data stream (unless
-    # data_seed is set)
+    # seed of the samplers and think budgets (one per completion: sampling_seed) and of the data (unless data_seed)
     seed: int = 0
     # generator weights dtype (bfloat16 on GPU)
     dtype: str = "float32"
@@ -388,11 +387,9 @@ def config_problems(values: Mapping[str, Any], name: Callable[[str], str] = str)
 
 
 def sampling_seed(run_seed: int, kind: str, key: str, version: int, sample: int) -> int:
-    """The seed of one completion's sampler: a hash of the run's seed, what the group is (`kind` "t" for training,
-    "e" for evaluation; `key` its data index or problem id), the weights it is admitted with and the sample's index.
-    vLLM gives a seeded request a random generator of its own, so a completion no longer depends on which requests
-    happened to share its engine steps, and its think budget is drawn from the same seed: sync mode repeats run for
-    run, and a resume draws what the run would have."""
+    """One completion's sampler seed, hashed from the run's seed, `kind` ("t" train, "e" eval), `key` (data index or
+    problem id), the weights' version and the sample's index. vLLM gives a seeded request a generator of its own, and
+    its think budget is drawn from it: sync mode repeats run for run, and a resume draws what the run would have."""
     digest = hashlib.blake2b(f"{run_seed}|{kind}|{key}|{version}|{sample}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1  # below 2**63: torch.Generator.manual_seed takes it
 

@@ -371,7 +371,8 @@ def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False,
                      timeout: timedelta | None = None) -> tuple[int, int, Any]:
     """(rank, world size, this rank's device). On GPU the learner keeps off the generator's `gen_devices`;
     `cpu_offload` (--cpu-offload) adds gloo for the collectives over the parameters and gradients FSDP2 keeps on
-    the host (the gradient norm's). `timeout`: of every collective (process_group_timeout; None: torch's default)."""
+    the host (the gradient norm's). `timeout`: of every NCCL collective (process_group_timeout; None: torch's
+    default)."""
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -383,7 +384,7 @@ def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False,
         dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo")  # gloo's own 30 minutes: a CPU run's dead peer is not waited for longer
         # Two cores are shared by the learner ranks and the generator: oversubscribing threads only slows all down.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)))
     return rank, world, device

@@ -34,10 +34,16 @@ def test_the_timeout_that_reaches_init_process_group(monkeypatch, tmp_path):
         with pytest.raises(_Stop):
             with runtime.set_up(args, lambda *a: None):
                 pass
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run keeps gloo's own 30 minutes
+        with pytest.raises(_Stop):
+            with runtime.set_up(flags.Args(**vars(flags.build_parser().parse_args(
+                    ["--output-dir", str(tmp_path / "cpu")]))), lambda *a: None):
+                pass
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-    [(backend, kwargs)] = calls
+    (backend, kwargs), cpu = calls
+    assert cpu == ("gloo", {})
     assert backend == "nccl" and kwargs["device_id"] == torch.device("cuda", 0)
     # vLLM's start (900 s + the minute Generator.start adds), then an evaluation and a batch of 40,000-token
     # completions at 10 tokens/s each

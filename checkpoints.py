@@ -505,11 +505,12 @@ def open_no_follow(path: Path, flags: int, mode: int = 0o600) -> int:
     return fd
 
 
-def read_no_follow(path: Path) -> bytes:
-    """The bytes of the regular file at `path`, never read through a link (LinkRefusedError naming it): a run trusts
-    nothing in its directory that it did not create, and a link could make it load another run's file as its own."""
+def read_no_follow(path: Path, limit: int = -1) -> bytes:
+    """The bytes of the regular file at `path` (its first `limit`, if given), never read through a link
+    (LinkRefusedError naming it): a run trusts nothing in its directory that it did not create, and a link could
+    make it load another run's file as its own."""
     with os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as f:
-        return f.read()
+        return f.read(limit)
 
 
 @contextlib.contextmanager
@@ -538,6 +539,15 @@ def refuse_unless_regular(path: Path, directory: bool = False, reading: bool = F
         raise LinkRefusedError(refused_path_message(path, "not a directory" if directory else "not a regular file",
                                                     done))
     return True
+
+
+def make_run_dir(path: Path) -> Path:
+    """`path` as a directory of the run's own: made (0700) if missing, else refused (LinkRefusedError naming it) if
+    it is a symbolic link or not a directory, so nothing is ever written through a link planted there."""
+    with contextlib.suppress(FileExistsError):  # mkdir never follows a link at `path`: it fails with EEXIST
+        path.mkdir(mode=0o700)
+    refuse_unless_regular(path, directory=True)
+    return path
 
 
 def create_beside(path: Path, mode: int = 0o600) -> tuple[int, Path]:

@@ -708,7 +708,7 @@ def test_trackio_local_gets_every_step_once_across_a_resume(tmp_path, monkeypatc
     from trackio.sqlite_storage import SQLiteStorage
 
     assert (tmp_path / "trackio" / "scalerl.db").is_file()
-    logs = SQLiteStorage.get_logs("scalerl", tmp_path.name)
+    logs = SQLiteStorage.get_logs("scalerl", str(tmp_path.absolute()))  # the run is named for the whole path
     assert [r["step"] for r in logs] == list(range(7))
     assert [r["train/reward"] for r in logs] == pytest.approx([0, .1, .2, .3, .4, 1.5, 1.6])
 

@@ -488,6 +488,20 @@ class WeightGroup:
         return self.pg.broadcast([buffer], options)
 
 
+def store_listener(host: str) -> socket.socket:
+    """A listening TCP socket on `host` alone (its numeric address, listen_address's rules: no wildcard) and a free
+    port, for the weight groups' TCPStore."""
+    address, _, family = listen_address(f"[{host}]:0" if ":" in host else f"{host}:0")
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((address, 0))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
 class WeightSender:
     """The learner's side of the weight groups: it hosts their TCPStore and is rank 0 of each replica's group."""
 
@@ -495,9 +509,16 @@ class WeightSender:
         import torch.distributed as dist
 
         self.host, self.backend, self.timeout_s = host, backend, timeout_s
-        # PyTorch's TCPStore listens on every interface (no choice is offered); see docs/pipeline.md, who may connect
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s))
+        # TCPStore binds every interface when it opens its own socket: it gets one bound to `host` alone (the
+        # --gen-listen address; 127.0.0.1 on one node), so no other interface reaches the store.
+        listener = store_listener(host)
+        try:  # the store owns the descriptor once it has it (it closes it as it goes): Python lets go of it
+            self.store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()
         self.groups: dict[int, WeightGroup] = {}  # replica id -> its group
 
     @property

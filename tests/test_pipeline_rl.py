@@ -7,6 +7,7 @@ own)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import random
 import re
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -421,6 +423,50 @@ def test_weight_broadcast_reaches_every_group_and_a_dead_replica_fails_only_its_
     assert set(failures) == {1} and "Connection closed by peer" in failures[1], failures
     assert got[0] is not None and got[2] is not None
     assert seconds < 30
+
+
+def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on, from /proc/PID/fd and /proc/net/tcp{,6}."""
+    import ipaddress
+
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                hex_address, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_address)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word little-endian
+                found.append((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return found
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"])
+def test_the_weight_group_store_listens_on_the_named_address_alone(host):
+    """The TCPStore the weight groups rendezvous at binds only the --gen-listen host (127.0.0.1 on one node), not
+    every interface as TCPStore does when it opens its own socket: the process listens on no other address."""
+    before = set(listening_sockets())
+    sender = vllm_replica.WeightSender(host, "gloo", timeout_s=10)
+    try:
+        store_host, port = sender.address
+        new = set(listening_sockets()) - before
+        assert new == {(host, port)}, new
+        if host != "127.0.0.1":
+            with pytest.raises(OSError):  # not reachable at any other address
+                socket.create_connection(("127.0.0.1", port), timeout=2)
+        import torch.distributed as dist
+
+        client = dist.TCPStore(store_host, port, is_master=False, timeout=timedelta(seconds=10))
+        client.set("k", "v")  # a member still reaches it at the named address
+        assert sender.store.get("k") == b"v"
+    finally:
+        del sender
 
 
 def test_the_listener_refuses_a_wrong_secret_and_a_silent_client_and_accepts_the_right_one(monkeypatch, capfd):

@@ -716,6 +716,9 @@ class _ReplicaFaults:
                     loads[r] += 1
 
 
+MAX_UNUSABLE_PROMPTS = 100_000  # too long in a row, for a task with no list of prompts (a generated stream)
+
+
 class _Admission:
     """Admission, part of _Scheduler: new groups from the data stream, admitted under the staleness rule
     (`should_admit`) to the least-loaded replica, each completion with its think budget."""
@@ -743,10 +746,9 @@ class _Admission:
 
     def new_group(self, problem: Problem, data_index: int, samples: int, version: int,
                   temperature: float) -> _GroupState:
+        if why := tasks.prompt_overflow(self.tokenizer, problem, self.cfg.max_tokens, self.cfg.max_model_len):
+            raise _RequestError(why)
         prompt_ids = tasks.chat_prompt_ids(self.tokenizer, problem.prompt)
-        if len(prompt_ids) + self.cfg.max_tokens > self.cfg.max_model_len:
-            raise _RequestError(f"prompt of {problem.id} has {len(prompt_ids)} tokens: with max_tokens "
-                                f"{self.cfg.max_tokens} it exceeds max_model_len {self.cfg.max_model_len}")
         state = _GroupState(self.next_gid, problem, data_index, prompt_ids, version,
                             version + self.cfg.max_off_policy, [None] * samples, [None] * samples,
                             self.admit_counter, [None] * samples, temperature)
@@ -755,6 +757,9 @@ class _Admission:
         return state
 
     def admit_one(self, replica: _ReplicaSlot | None) -> None:
+        too_long: set[str] = set()  # this call's: once it holds every admissible prompt, none is usable
+        problems = len(getattr(self.task, "problems", ())) - len(self.data.retired)  # 0: a task without a list
+        limit = problems if problems > 0 else MAX_UNUSABLE_PROMPTS
         while True:
             fresh = not self.data.requeue
             index, problem = self.data.next()
@@ -762,8 +767,12 @@ class _Admission:
                 state = self.new_group(problem, index, self.cfg.group_size,
                                        self.version if replica is None else replica.version, self.cfg.temperature)
                 break
-            except _RequestError:  # a training prompt too long for max_model_len: skip it, count it
+            except _RequestError as e:  # a training prompt too long for max_model_len: skip it, count it
+                too_long.add(problem.id)
                 self.skipped_long_prompts += 1
+                if len(too_long) >= limit:
+                    raise _Fatal(f"no training prompt fits the context: {len(too_long)} in a row are too long (e.g. "
+                                 f"{e}); raise --max-model-len or lower --max-tokens") from None
         self.data.admitted += fresh  # prompts of the stream admitted (a requeued one was counted already)
         self.groups[state.gid] = state
         if replica is not None:

@@ -237,6 +237,7 @@ def set_up(args: Args,
         gen_config = generator_config(args, model_path, state.step)
         devices_in_use = _devices_in_use(args, world, gen_config)
         if is_main:
+            eval_prompts_fit(model_path, gen_config, val_problems + test_problems)
             consumed = state.consumed
             data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
             if args.gen_remote_replicas:
@@ -300,6 +301,19 @@ def _data(args: Args, is_main: bool) -> tuple[tasks.Task, tasks.Task | None]:
         if is_main and getattr(t, "skipped_summary", ""):
             print(f"[data] {t.name_or_path}: {t.skipped_summary}", file=sys.stderr)
     return task, test_task
+
+
+def eval_prompts_fit(model_path: str, config: pipeline_rl.GeneratorConfig, problems: list[tasks.Problem]) -> None:
+    """Rank 0, before the generator starts: a validation or test prompt too long for the context is one line naming
+    it and the limit (the first evaluation would fail on it); a training prompt that is too long is skipped."""
+    if not problems:
+        return
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    for problem in problems:
+        if why := tasks.prompt_overflow(tokenizer, problem, config.max_tokens, config.max_model_len):
+            raise SystemExit(f"train.py: error: evaluation {why}; raise --max-model-len or lower --max-tokens")
 
 
 def _resumed_state(args: Args, out: Path, learner: Any, rank: int) -> TrainerState:

@@ -359,10 +359,11 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         raise DataFileError(problem)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import datasets
-
-        return _dataset_rows(datasets.load_dataset("parquet", data_files=str(path), split="train"), source)
-    data = path.read_bytes()
+        return _parquet_rows(path, source)
+    try:
+        data = path.read_bytes()
+    except OSError as e:  # unreadable (permissions, a directory, an I/O error): one line naming the file
+        raise DataFileError(f"{source}: cannot be read ({e.strerror or type(e).__name__})") from None
     if suffix == ".csv":
         return _csv_rows(data, source)
     if suffix == ".json" and data.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"[":  # past a byte order mark
@@ -372,6 +373,33 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         # Most likely one pretty-printed object: say so rather than list each of its lines as "not JSON".
         raise DataFileError(f"{source}: neither a list of row objects nor one JSON object per line")
     return rows
+
+
+def _parquet_rows(path: Path, source: str) -> DataRows:
+    """A Parquet file's rows through `datasets`; a file it cannot read (corrupt, cut short, not Parquet, not
+    readable) is DataFileError naming it, with the first line of pyarrow's reason rather than its traceback."""
+    import datasets
+
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its reader logs the failure too: one line is ours
+    try:
+        return _dataset_rows(datasets.load_dataset("parquet", data_files=str(path), split="train"), source)
+    except Exception as e:  # pyarrow's ArrowInvalid/OSError, datasets' DatasetGenerationError wrapping them
+        cause = e.__cause__ or e
+        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+        raise DataFileError(f"{source}: not a readable Parquet file ({type(cause).__name__}: {why})") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def prompt_overflow(tokenizer: Any, problem: Problem, max_tokens: int, max_model_len: int) -> str | None:
+    """Why `problem`'s prompt cannot be generated from (its chat-templated tokens and max_tokens exceed the
+    context max_model_len), naming its id (the file and row of a data set's prompt), or None when it fits."""
+    n = len(chat_prompt_ids(tokenizer, problem.prompt))
+    if n + max_tokens <= max_model_len:
+        return None
+    return (f"prompt {problem.id} has {n} tokens: with max_tokens {max_tokens} it exceeds the context, "
+            f"max_model_len {max_model_len}")
 
 
 def _dataset_rows(rows: Any, source: str) -> DataRows:

@@ -397,6 +397,40 @@ def test_the_scheduler_routes_to_the_least_loaded_and_moves_a_dead_replicas_work
         scheduler.on_death(scheduler.replicas[2], "it closed")
 
 
+class _CharTokenizer:
+    """One token per character of the prompt: a prompt's length in tokens is its length in characters."""
+
+    def apply_chat_template(self, messages, **kwargs):
+        return list(range(len(messages[0]["content"])))
+
+
+@pytest.mark.parametrize("usable", [0, 1])
+def test_admission_skips_prompts_too_long_and_refuses_a_data_set_with_none_usable(tmp_path, usable):
+    """A training prompt too long for the context is skipped and counted; when every one is, admission stops with
+    a line saying so instead of looping forever."""
+    import json
+
+    rows = [{"question": "x" * 100, "answer": "1"}] * 9 + [{"question": "short?", "answer": "2"}] * 3 * usable
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    task = tasks.MathDataset(str(path))
+    config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=100, interruptions=False)
+    scheduler = pl._Scheduler(_FakeConn(), config, task, 0, [], [], 0, b"x" * 32, None)
+    scheduler.tokenizer = _CharTokenizer()
+    fits = [len(p.prompt) + 8 <= 100 for p in task.problems]  # the instruction adds 71 characters to a question
+    assert any(fits) == bool(usable)
+    if usable:
+        for _ in range(3):
+            scheduler.admit_one(None)
+        assert len(scheduler.groups) == 3 and 0 < scheduler.skipped_long_prompts <= 2 * fits.count(False)
+    else:
+        with pytest.raises(pl._Fatal, match=r"^no training prompt fits the context: \d+ in a row are too long \(e.g. "
+                                            r"prompt .*train.jsonl-\d+ has 171 tokens: with max_tokens 8 it exceeds "
+                                            r"the context, max_model_len 100\)"):
+            scheduler.admit_one(None)
+        assert scheduler.skipped_long_prompts == len(task.problems)  # each once: the data set went by once
+
+
 def test_weight_buckets_round_trip_every_dtype_and_shape():
     """What the learner packs is what a replica unpacks: names, dtypes, shapes and bytes, across bucket boundaries,
     with a tensor larger than a bucket in a bucket of its own and every slice aligned for its dtype."""

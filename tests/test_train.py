@@ -270,6 +270,33 @@ def test_dataset_config_reaches_load_dataset(monkeypatch, argv, config):
     assert test_task is None and len(task.problems) + len(task.validation()) == 10
 
 
+def test_a_corrupt_parquet_data_set_stops_the_run_in_one_line_without_a_traceback(tmp_path, capsys):
+    path = tmp_path / "data.parquet"
+    path.write_bytes(b"PAR1 garbage PAR1")
+    with pytest.raises(SystemExit) as stop:
+        runtime._data(flags.parse_args(["--dataset", str(path), "--output-dir", str(tmp_path / "run")]), True)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"train.py: error: {path}: not a readable Parquet file (") and len(err.splitlines()) == 1
+    assert "Traceback" not in err
+
+
+def test_an_evaluation_prompt_longer_than_the_context_is_one_line_before_the_generator_starts(monkeypatch):
+    import transformers
+
+    class Chars:  # one token per character of the prompt
+        def apply_chat_template(self, messages, **kwargs):
+            return list(range(len(messages[0]["content"])))
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: Chars())
+    config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=32)
+    fits, too_long = Problem("val.jsonl-0", "x" * 24, "1"), Problem("val.jsonl-1", "x" * 25, "1")
+    runtime.eval_prompts_fit("m", config, [fits])
+    with pytest.raises(SystemExit, match=r"^train.py: error: evaluation prompt val.jsonl-1 has 25 tokens: with "
+                                         r"max_tokens 8 it exceeds the context, max_model_len 32; raise"):
+        runtime.eval_prompts_fit("m", config, [fits, too_long])
+
+
 @pytest.mark.parametrize("gen_devices, gpus, ranks, tp, message", [
     (None, 0, 2, 1, None),  # CPU: vLLM beside the learner
     ("0", 0, 1, 1, "--gen-devices 0: no CUDA GPU here"),

@@ -122,6 +122,7 @@ CHANGEABLE_ON_RESUME = frozenset({
     "lm_head_gemm",  # speed: the logprobs are float32's either way, the gradients the same to bf16 rounding (tested)
     "adamw", "fsdp_reshard",  # speed: the same update to float32 rounding, the same step bit for bit (tested)
     "debug_gen_slowdown", "debug_learner_slowdown",
+    "batch_timeout",  # how long the learner waits, not what it trains
     "output_dir", "resume", "overwrite",  # bookkeeping: a resumed run stays in its directory
 })
 
@@ -176,6 +177,12 @@ class Args:
                                      f"context length; --max-tokens + {PROMPT_ALLOWANCE} with --model, room for a "
                                      "chat-templated prompt); a training prompt that does not fit is skipped and "
                                      "counted in skipped_long_prompts")
+    reward_timeout: float = _arg(HelpGroup.GENERATION, generator_default("reward_timeout"),
+                                 "seconds one completion's reward may take; past it the completion scores as wrong "
+                                 "(-1), is counted in reward_timeouts, and the run goes on")
+    batch_timeout: float = _arg(HelpGroup.GENERATION, generator_default("batch_timeout"),
+                                "seconds the learner waits for a batch of groups; past it the run stops with a "
+                                "checkpoint and a line naming the request")
 
     zero_variance: str = _arg(HelpGroup.ZERO_VARIANCE, "drop", "groups whose rewards are all equal: drop (ScaleRL), "
                               "resample (DAPO dynamic sampling: pull more groups until the batch is full) or keep",
@@ -573,7 +580,8 @@ def generator_values(args: Args) -> dict[str, Any]:
               "gen_devices": args.gen_devices, "tensor_parallel_size": args.tensor_parallel_size,
               "remote_replicas": args.gen_remote_replicas, "listen": args.gen_listen,
               "join_timeout": args.gen_join_timeout, "weight_transport": args.weight_transport,
-              "weight_dir": args.weight_dir}
+              "weight_dir": args.weight_dir, "reward_timeout": args.reward_timeout,
+              "batch_timeout": args.batch_timeout}
     for key, parse in (("think_budget", lambda: int_range(args.think_budget)),
                        ("debug_slowdown", lambda: gen_slowdowns(args))):
         try:

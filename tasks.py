@@ -56,6 +56,7 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import itertools
@@ -65,7 +66,9 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -715,6 +718,32 @@ class MathDataset:
         return 1.0 if math_answers_match(extract_final_answer(answer), problem.answer) else -1.0
 
 
+class RewardTimeout(BaseException):
+    """A reward past its deadline (`reward_deadline`). A BaseException, as KeyboardInterrupt is, so that a verifier's
+    own `except Exception` does not swallow it and carry on."""
+
+
+@contextlib.contextmanager
+def reward_deadline(seconds: float | None) -> Iterator[None]:
+    """RewardTimeout raised in the code inside once `seconds` have passed (a SIGALRM timer, so in the main thread
+    only, where the generator's loop scores; elsewhere, or with None, no deadline). Python code stops at once; one
+    long C call (a regular expression) only as it returns, hence the linear patterns of the reward path."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise RewardTimeout(f"reward took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def extract_final_answer(text: str) -> str | None:
     """The last \\boxed{...} (balanced braces), else the text after 'answer is'/'####', else the last number."""
     start = text.rfind("\\boxed")
@@ -736,9 +765,22 @@ def extract_final_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def _strip_text_commands(s: str) -> str:
+    r"""Each \text{X} as X (its leading spaces dropped; X ends at the first closing brace), as replacing the
+    pattern \\text\{\s*([^}]*)\} by its group does, but linear in len(s): that pattern rescans the rest of the text
+    from every unclosed \text{ (quadratic: a 160k-character answer took minutes)."""
+    out, i = [], 0
+    while (j := s.find("\\text{", i)) >= 0:
+        k = s.find("}", j)
+        if k < 0:  # no closing brace after this one, nor after any later one
+            break
+        out += [s[i:j], s[j + 6:k].lstrip()]
+        i = k + 1
+    return "".join(out) + s[i:]
+
+
 def normalize_expression(text: str) -> str:
-    s = text.strip().strip("$").strip()
-    s = re.sub(r"\\text\{\s*([^}]*)\}", r"\1", s)
+    s = _strip_text_commands(text.strip().strip("$").strip())
     for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\dfrac", "\\frac"),
                      ("\\tfrac", "\\frac"), ("^\\circ", ""), ("^{\\circ}", ""), ("\\%", ""), ("%", ""), ("$", "")):
         s = s.replace(old, new)

@@ -431,6 +431,40 @@ def test_admission_skips_prompts_too_long_and_refuses_a_data_set_with_none_usabl
         assert scheduler.skipped_long_prompts == len(task.problems)  # each once: the data set went by once
 
 
+class _HangingTask(tasks.ArithmeticTask):
+    """A verifier that never returns for a completion holding 'hang', and swallows exceptions as careless ones do."""
+
+    def reward(self, problem, completion):
+        while "hang" in completion:
+            try:
+                time.sleep(0.01)
+            except Exception:  # must not swallow the deadline
+                pass
+        return super().reward(problem, completion)
+
+
+def test_a_reward_that_never_returns_costs_its_deadline_scores_wrong_and_shows_in_the_metrics():
+    config = pl.GeneratorConfig(model="m", reward_timeout=0.3, interruptions=False)
+    scheduler = pl._Scheduler(_FakeConn(), config, _HangingTask(), 0, [], [], 0, b"x" * 32, None)
+    problem = scheduler.task.problem(2, 3)
+    t0 = time.monotonic()
+    reward, error = scheduler.score(problem, "hang")
+    assert time.monotonic() - t0 < 2.0 and reward == -1.0
+    assert error == "RewardTimeout: reward took longer than 0.3 s"
+    assert scheduler.score(problem, "<think>x</think> 5") == (1.0, None)  # the next reward runs as before
+    assert scheduler.reward_timeouts_total == 1 and scheduler.reward_errors_total == 1
+
+    def completion(reward, error):
+        return pl.Completion([1], [0.0], [0], [True], "x", "stop", reward, error)
+
+    group = pl.Group(problem, 0, [1], [completion(reward, error), completion(1.0, None)])
+    stats = scheduler.batch_stats([group], 0)
+    assert stats["reward_timeouts"] == 1 and stats["reward_timeouts_total"] == 1 and stats["reward_errors"] == 1
+    assert pl.GeneratorConfig(model="m").reward_timeout > 0  # on by default
+    with pytest.raises(ValueError, match="reward_timeout must be a number of seconds > 0"):
+        pl.GeneratorConfig(model="m", reward_timeout=0)
+
+
 def test_weight_buckets_round_trip_every_dtype_and_shape():
     """What the learner packs is what a replica unpacks: names, dtypes, shapes and bytes, across bucket boundaries,
     with a tensor larger than a bucket in a bucket of its own and every slice aligned for its dtype."""

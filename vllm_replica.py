@@ -22,8 +22,11 @@ this module does not import pipeline_rl); docs/pipeline.md explains the design.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import ctypes
 import dataclasses
+import errno
 import ipaddress
 import logging
 import multiprocessing as mp
@@ -857,6 +860,9 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
 # --------------------------------------------------------------------------------------------------------------
 
 HANDSHAKE_S = 10  # a connection that has not proved the secret by then is refused
+MAX_HANDSHAKES = 16  # connections proving the secret at once; one more is closed at once (a replica tries again)
+# accept() errors that pass (descriptors or buffers short for a moment, a peer gone before it was accepted)
+ACCEPT_TRANSIENT = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO)
 
 
 def _set_recv_timeout(owner: Any, seconds: float) -> None:
@@ -870,18 +876,26 @@ def _set_recv_timeout(owner: Any, seconds: float) -> None:
 
 def connect_to_generator(address: str, secret: bytes, timeout: float) -> tuple[Any, str]:
     """An authenticated connection to the generator process at HOST:PORT, retried until `timeout` (a replica may
-    be started before the learner), and the local address it leaves from (where this node's workers are reached)."""
+    be started before the learner, or meet a listener busy with other connections), and the local address it leaves
+    from (where this node's workers are reached). A wrong secret is refused at once (ConnectionRefusedError)."""
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
-            break
-        except OSError as e:
+            return _handshake_with_generator(host, port, secret)
+        except mpc.AuthenticationError as e:
+            raise ConnectionRefusedError(f"the generator at {address} refused this replica: wrong secret? ({e})") \
+                from None
+        except (OSError, EOFError) as e:  # not listening yet, or the connection closed before the challenge ended
             if time.monotonic() >= deadline:
                 raise ConnectionError(f"could not connect to the generator at {address} within {timeout:.0f} s ({e}): "
                                       "is the learner running and listening there (train.py --gen-listen)?") from None
             time.sleep(1.0)
+
+
+def _handshake_with_generator(host: str, port: int, secret: bytes) -> tuple[Any, str]:
+    """One try of connect_to_generator: connect, then the challenge both ways."""
+    sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
     sock.settimeout(None)
     bind_host = sock.getsockname()[0]
     _set_recv_timeout(sock, HANDSHAKE_S)
@@ -889,16 +903,44 @@ def connect_to_generator(address: str, secret: bytes, timeout: float) -> tuple[A
     try:
         mpc.answer_challenge(conn, secret)
         mpc.deliver_challenge(conn, secret)
-    except (mpc.AuthenticationError, OSError, EOFError) as e:
+    except BaseException:
         conn.close()
-        raise ConnectionRefusedError(f"the generator at {address} refused this replica: wrong secret? ({e})") from None
+        raise
     _set_recv_timeout(conn, 0)
     return conn, bind_host
 
 
+class RefusedLog:
+    """The lines of refused connections: each counted (len), the last KEEP kept (iteration, indexing), so that a
+    flood fills neither memory nor the log (the listener prints the first PRINT_FIRST, then one in PRINT_EVERY)."""
+
+    KEEP, PRINT_FIRST, PRINT_EVERY = 100, 20, 100
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.lines: collections.deque[str] = collections.deque(maxlen=self.KEEP)
+        self._lock = threading.Lock()
+
+    def append(self, line: str) -> None:
+        with self._lock:
+            self.total += 1
+            self.lines.append(line)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.lines))
+
+    def __getitem__(self, index: int) -> str:
+        return list(self.lines)[index]
+
+
 class ReplicaListener:
     """The generator process's listening socket: binds exactly `address`; each connection must prove the secret
-    within HANDSHAKE_S seconds (in a thread of its own, so a silent one blocks nothing) or is refused and logged."""
+    within HANDSHAKE_S seconds in all (in a thread of its own, so a silent one blocks nothing) or is refused and
+    logged. At most MAX_HANDSHAKES wait at once: a flood of connections holds no more threads or descriptors than
+    that, and once it stops a replica joins again within HANDSHAKE_S."""
 
     def __init__(self, address: str, secret: bytes):
         host, port, family = listen_address(address)  # refuses a wildcard however it is spelled, before binding
@@ -907,35 +949,82 @@ class ReplicaListener:
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         self.secret = secret
         self.accepted: queue.Queue = queue.Queue()  # (connection, (host, port)) that proved the secret
-        self.refused: list[str] = []
+        self.refused = RefusedLog()
+        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._closed = False
         threading.Thread(target=self._accept_loop, daemon=True, name="scalerl-listener").start()
 
     def _accept_loop(self) -> None:
+        short = False  # said once: accept() failing for a moment (out of descriptors)
         while True:
             try:
                 sock, peer = self.sock.accept()
-            except OSError:  # closed
-                return
+            except OSError as e:
+                if self._closed:
+                    return
+                if e.errno not in ACCEPT_TRANSIENT:
+                    print(f"[generator] stopped accepting replica connections on {self.address} ({e}): no replica "
+                          "can join or rejoin this run", file=sys.stderr, flush=True)
+                    return
+                if not short:
+                    print(f"[generator] cannot accept a replica connection for now ({e}); trying again",
+                          file=sys.stderr, flush=True)
+                short = True
+                time.sleep(0.2)
+                continue
+            short = False
+            if not self._slots.acquire(blocking=False):
+                sock.close()
+                self._refuse(peer, f"{MAX_HANDSHAKES} other connections are proving the secret")
+                continue
             threading.Thread(target=self._handshake, args=(sock, peer), daemon=True).start()
 
+    def _refuse(self, peer: tuple, reason: str) -> None:
+        line = f"refused a connection from {peer[0]}:{peer[1]}: {reason}"
+        self.refused.append(line)
+        n = len(self.refused)
+        if n <= RefusedLog.PRINT_FIRST or n % RefusedLog.PRINT_EVERY == 0:
+            more = f" ({n} refused so far; from now on one in {RefusedLog.PRINT_EVERY} is printed)" \
+                if n >= RefusedLog.PRINT_FIRST else ""
+            print(f"[generator] {line}{more}", file=sys.stderr, flush=True)
+
     def _handshake(self, sock: socket.socket, peer: tuple) -> None:
-        _set_recv_timeout(sock, HANDSHAKE_S)
-        conn = mpc.Connection(sock.detach())
+        # SO_RCVTIMEO bounds each read, the timer the whole handshake: a byte every few seconds cannot hold a slot.
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns; the handshake fails
+
+        timer = threading.Timer(HANDSHAKE_S, expire)
+        timer.daemon = True
+        conn = None
         try:
+            timer.start()
+            _set_recv_timeout(sock, HANDSHAKE_S)
+            conn = mpc.Connection(os.dup(sock.fileno()))
             mpc.deliver_challenge(conn, self.secret)
             mpc.answer_challenge(conn, self.secret)
+            timer.cancel()
+            if expired.is_set():
+                raise TimeoutError("the deadline passed as it ended")
         except Exception as e:
+            timer.cancel()
             reason = "wrong secret" if isinstance(e, mpc.AuthenticationError) else \
                 f"no valid handshake within {HANDSHAKE_S} s"
-            line = f"refused a connection from {peer[0]}:{peer[1]}: {reason} ({type(e).__name__}: {e})"
-            self.refused.append(line)
-            print(f"[generator] {line}", file=sys.stderr, flush=True)
-            conn.close()
+            self._refuse(peer, f"{reason} ({type(e).__name__}: {e})")
+            if conn is not None:
+                conn.close()
             return
+        finally:
+            sock.close()  # the connection has a descriptor of its own
+            self._slots.release()
         _set_recv_timeout(conn, 0)
         self.accepted.put((conn, peer))
 
     def close(self) -> None:
+        self._closed = True
         try:
             self.sock.close()
         except OSError:

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import os
 import random
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -568,6 +571,68 @@ def test_the_listener_refuses_a_wrong_secret_and_a_silent_client_and_accepts_the
         accepted.close()
     finally:
         listener.close()
+
+
+def test_a_flood_of_connections_holds_a_bounded_number_and_a_replica_still_joins(monkeypatch, capfd):
+    """40 silent connections and one that sends a byte every 0.2 s, all on 127.0.0.1: at most MAX_HANDSHAKES wait at
+    once (the rest are closed at once), the dripping one is cut at the handshake's whole deadline (not per read),
+    the log says only so much, and a replica with the secret joins once the flood has stopped."""
+    monkeypatch.setattr(vllm_replica, "HANDSHAKE_S", 1)
+    monkeypatch.setattr(vllm_replica, "MAX_HANDSHAKES", 4)
+    secret = b"the-right-secret-of-32-bytes-...."
+    listener = vllm_replica.ReplicaListener("127.0.0.1:0", secret)
+    flood = []
+    try:
+        host, port = vllm_replica.parse_address(listener.address)
+        drip = socket.create_connection((host, port), timeout=5)
+        drip.sendall(struct.pack("!i", 200))  # a well-formed answer's length: its 200 bytes come one at a time
+        t0 = time.monotonic()
+        flood = [socket.create_connection((host, port), timeout=5) for _ in range(40)]
+        time.sleep(0.2)  # all accepted by now
+        handshakes = [t for t in threading.enumerate() if "_handshake" in t.name]
+        assert 1 <= len(handshakes) <= 4, handshakes  # a thread per slot, never one per connection
+        with contextlib.suppress(OSError):  # a byte every 0.2 s: each read is quick, the whole never ends
+            while time.monotonic() - t0 < 5:
+                drip.sendall(b"x")
+                time.sleep(0.2)
+        assert time.monotonic() - t0 < 3  # cut after about 1 s (HANDSHAKE_S), not 5
+        for sock in flood:
+            sock.close()
+        conn, _ = vllm_replica.connect_to_generator(listener.address, secret, timeout=15)
+        accepted, _ = listener.accepted.get(timeout=5)
+        conn.send("hello")
+        assert accepted.recv() == "hello"
+        conn.close()
+        accepted.close()
+        assert len(listener.refused) >= 37  # 41 in all, 4 slots
+        assert len(list(listener.refused)) <= vllm_replica.RefusedLog.KEEP
+        err = capfd.readouterr().err
+        assert "other connections are proving the secret" in err
+        assert err.count("[generator] refused") <= vllm_replica.RefusedLog.PRINT_FIRST + 1
+    finally:
+        for sock in flood:
+            sock.close()
+        listener.close()
+
+
+def test_the_listener_says_in_one_line_when_it_stops_accepting(capfd):
+    """accept() failing for a moment (out of descriptors) is said once and tried again; any other failure is one line
+    saying that no replica can join any more, never a silent end."""
+    listener = vllm_replica.ReplicaListener("127.0.0.1:0", b"s" * 32)
+    listener.close()
+    errors = iter([OSError(errno.EMFILE, "Too many open files"), OSError(errno.EMFILE, "Too many open files"),
+                   OSError(errno.EINVAL, "Invalid argument")])
+
+    class Failing:
+        def accept(self):
+            raise next(errors)
+
+    listener.sock, listener._closed = Failing(), False
+    listener._accept_loop()  # returns after the third error
+    err = capfd.readouterr().err
+    assert err.count("cannot accept a replica connection for now") == 1
+    assert f"[generator] stopped accepting replica connections on {listener.address} ([Errno 22] Invalid argument): " \
+           "no replica can join or rejoin this run" in err
 
 
 def test_a_replica_that_never_comes_is_named_with_the_command_that_starts_it(base_model_dir):

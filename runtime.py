@@ -644,7 +644,9 @@ def refuse_planted_links(out: Path) -> None:
     file is opened without following links as well (a link planted later is refused there)."""
     for name in ("args.json", "metrics.jsonl", "scaling.png", "dashboard.png"):
         refuse_unless_regular(out / name)
-    for name in (*CHECKPOINT_DIRS, "checkpoint.tmp", *REPORT_DIRS):
+    for name in (*CHECKPOINT_DIRS, "checkpoint.tmp"):  # another user's is refused too: a save would remove it
+        refuse_unless_regular(out / name, directory=True, own=True)
+    for name in REPORT_DIRS:
         refuse_unless_regular(out / name, directory=True)
 
 

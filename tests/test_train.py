@@ -15,6 +15,7 @@ import sys
 import time
 import warnings
 import collections
+import contextlib
 import dataclasses
 from collections import deque
 from pathlib import Path
@@ -2191,6 +2192,34 @@ print("export ok", float((vllm_lp - ours).abs().max()), flush=True)
 llm.llm_engine.engine_core.shutdown()
 os._exit(0)
 """
+
+
+@pytest.mark.slow
+def test_a_two_step_run_listens_on_loopback_alone_apart_from_torchruns_own(tmp_path, base_model_dir):
+    """Every TCP socket the run's processes listen on (learner ranks, generator, replica; sampled twice a second)
+    is on a loopback address, but torchrun's own rendezvous: the weight groups' store listened on every interface."""
+    import ipaddress
+
+    import psutil
+
+    cmd = TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(tmp_path / "run"), "--max-steps", "2",
+                      *SHORT]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    listening: dict[tuple, str] = {}
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(psutil.Error):
+            for p in [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    for c in p.net_connections(kind="inet"):
+                        if c.status == psutil.CONN_LISTEN:
+                            listening[(c.laddr.ip, c.laddr.port)] = "torchrun" if p.pid == proc.pid else p.name()
+        time.sleep(0.5)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    ours = {address: who for address, who in listening.items() if who != "torchrun"}
+    assert ours, "no socket of the run was seen listening"  # the sampling saw the run
+    assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in ours), ours
 
 
 @pytest.mark.slow

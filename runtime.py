@@ -563,6 +563,7 @@ class GracefulStop:
         self.signal: str | None = None
         self.announce = announce
         self.at_once = at_once
+        self.waiting = False  # inside `interrupting`: rank 0's wait for a batch
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -577,9 +578,22 @@ class GracefulStop:
         self.signal = name
         if self.at_once:
             raise SystemExit(f"{name} during the start: stopped before the first step, nothing was trained")
+        if self.waiting:  # the wait may last long: it ends now, and the run stops as after a generator failure
+            raise pipeline_rl.GeneratorError(f"{name} while waiting for the generator's groups: stopping with a "
+                                             "checkpoint of the steps done")
         if self.announce:
             print(f"\n[{self.signal}] stopping after this step, with a checkpoint (again to stop at once)",
                   file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """Inside (rank 0 waiting for a batch, which lasts as long as generation does), a first signal ends the wait
+        at once with GeneratorError: the run then stops with a checkpoint of the steps done, on every rank."""
+        self.waiting = True
+        try:
+            yield
+        finally:
+            self.waiting = False
 
     def agreed(self, also: bool = False) -> bool:
         """True on every rank if any rank was signalled, or has `also` (rank 0: a noted failure). A collective:

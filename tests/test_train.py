@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 import collections
@@ -1901,6 +1902,36 @@ def test_a_second_ctrl_c_under_torchrun_is_named_as_such():
             stopper._handle(first, None)
             with pytest.raises(SystemExit, match=f"^{label}: stopping at once"):
                 stopper._handle(second, None)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def test_ctrl_c_while_rank_0_waits_for_a_batch_ends_the_wait_at_once_and_stops_with_a_checkpoint(capsys):
+    """A first Ctrl-C was only noted while rank 0 waited for the generator's groups, however long generation took.
+    Now the wait ends at once, as a generator failure: the round carries the reason, and every rank checkpoints and
+    stops. Outside the wait a first signal is only noted, as before."""
+    from types import SimpleNamespace
+
+    class SlowGenerator:
+        def get_batch(self, n, version):
+            time.sleep(30)  # a generation that lasts
+            raise AssertionError("the wait was not interrupted")
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        run = SimpleNamespace(stop_reason=None, generator=SlowGenerator(),
+                              stopper=runtime.GracefulStop(announce=False))
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        round_ = train.pull_round_or_error(flags.parse_args([]), run, checkpoints.TrainerState())
+        assert time.monotonic() - t0 < 5
+        assert round_.stop_reason == "SIGINT while waiting for the generator's groups: stopping with a checkpoint " \
+                                     "of the steps done" and round_.batches == []
+        assert not run.stopper.waiting
+        stopper = runtime.GracefulStop(announce=False)
+        stopper._handle(signal.SIGINT, None)  # outside the wait: noted, the step ends first
+        assert stopper.signal == "SIGINT"
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

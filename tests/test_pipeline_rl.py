@@ -590,7 +590,7 @@ def test_a_flood_of_connections_holds_a_bounded_number_and_a_replica_still_joins
         flood = [socket.create_connection((host, port), timeout=5) for _ in range(40)]
         time.sleep(0.2)  # all accepted by now
         handshakes = [t for t in threading.enumerate() if "_handshake" in t.name]
-        assert 1 <= len(handshakes) <= 4, handshakes  # a thread per slot, never one per connection
+        assert len(handshakes) <= 4, handshakes  # a thread per slot, never one per connection
         with contextlib.suppress(OSError):  # a byte every 0.2 s: each read is quick, the whole never ends
             while time.monotonic() - t0 < 5:
                 drip.sendall(b"x")

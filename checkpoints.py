@@ -554,11 +554,12 @@ def refuse_unless_regular(path: Path, directory: bool = False, reading: bool = F
 
 
 def make_run_dir(path: Path) -> Path:
-    """`path` as a directory of the run's own: made (0700) if missing, else refused (LinkRefusedError naming it) if
-    it is a symbolic link or not a directory, so nothing is ever written through a link planted there."""
+    """`path` as a directory of the run's own: made 0700 if missing (no one else can plant a link inside), else
+    refused (LinkRefusedError naming it) if it is a symbolic link, not a directory, or another user's, so nothing is
+    ever written through a link planted there or into a directory someone else prepared."""
     with contextlib.suppress(FileExistsError):  # mkdir never follows a link at `path`: it fails with EEXIST
         path.mkdir(mode=0o700)
-    refuse_unless_regular(path, directory=True)
+    refuse_unless_regular(path, directory=True, own=True)
     return path
 
 

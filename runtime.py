@@ -658,10 +658,8 @@ def refuse_planted_links(out: Path) -> None:
     file is opened without following links as well (a link planted later is refused there)."""
     for name in ("args.json", "metrics.jsonl", "scaling.png", "dashboard.png"):
         refuse_unless_regular(out / name)
-    for name in (*CHECKPOINT_DIRS, "checkpoint.tmp"):  # another user's is refused too: a save would remove it
-        refuse_unless_regular(out / name, directory=True, own=True)
-    for name in REPORT_DIRS:
-        refuse_unless_regular(out / name, directory=True)
+    for name in (*CHECKPOINT_DIRS, "checkpoint.tmp", *REPORT_DIRS):  # another user's too: the run would remove
+        refuse_unless_regular(out / name, directory=True, own=True)  # it, or write where links wait inside
 
 
 def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:

@@ -138,3 +138,21 @@ def test_trackio_files_land_in_the_run_directory_named_for_the_whole_path(tmp_pa
     assert (out / "trackio" / "scalerl.db").is_file()
     assert str(out.absolute()) in done.stdout
     assert not any(home.rglob("*.db"))  # nothing in ~/.cache/huggingface/trackio
+
+
+@pytest.mark.parametrize("name", ["tensorboard", "wandb", "trackio"])
+def test_a_reporter_directory_another_user_prepared_is_refused(name, tmp_path):
+    """A real directory someone else made at OUTPUT_DIR/NAME could hold links under the names the reporter will
+    write: refused as the run claims its directory and again as the reporter starts; one the run makes is 0700."""
+    if os.geteuid() != 0:
+        pytest.skip("making a directory another user owns needs root")
+    out = tmp_path / "run"
+    (out / name).mkdir(parents=True)
+    os.chown(out / name, 12345, 12345)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"^{out / name} belongs to uid 12345"):
+        runtime.refuse_planted_links(out)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"^{out / name} belongs to uid 12345"):
+        checkpoints.make_run_dir(out / name)
+    assert list((out / name).iterdir()) == []
+    made = checkpoints.make_run_dir(tmp_path / "fresh")
+    assert made.stat().st_mode & 0o777 == 0o700

@@ -27,6 +27,8 @@ import contextlib
 import ctypes
 import dataclasses
 import errno
+import hashlib
+import hmac
 import ipaddress
 import logging
 import multiprocessing as mp
@@ -34,6 +36,7 @@ import multiprocessing.connection as mpc
 import os
 import queue
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -435,9 +438,83 @@ def unpack_bucket(buffer: torch.Tensor, bucket: list[tuple]) -> Iterator[tuple[s
         yield name, buffer[offset: offset + nbytes].view(getattr(torch, dtype)).view(shape)
 
 
+class SealedStore(torch.distributed.Store):
+    """A weight group's view of the learner's TCPStore, which has no authentication and lists its keys to anyone
+    who reaches it: each key is stored under an HMAC of its name, and each value encrypted (an HMAC-SHA256 stream,
+    a fresh nonce per value) and authenticated, all keyed by the group's secret (its random prefix, sent only over
+    the authenticated connection). A stranger who lists the keys learns neither the names nor the values (gloo's
+    addresses, NCCL's unique id), and a value it writes is refused, not used."""
+
+    def __init__(self, store: Any, secret: str):
+        super().__init__()
+        self._store, self._secret = store, secret
+        self._key = hashlib.sha256(b"scalerl weight group\0" + secret.encode()).digest()
+
+    def clone(self) -> "SealedStore":  # a connection of its own to the same store (NCCL may ask for one)
+        return SealedStore(self._store.clone(), self._secret)
+
+    def _mac(self, *parts: bytes) -> bytes:
+        return hmac.new(self._key, b"\0".join(parts), hashlib.sha256).digest()
+
+    def _name(self, key: str) -> str:
+        return self._mac(b"name", key.encode()).hex()
+
+    def _xor(self, nonce: bytes, data: bytes) -> bytes:
+        stream = b"".join(self._mac(b"stream", nonce, i.to_bytes(8, "big")) for i in range(len(data) // 32 + 1))
+        return (int.from_bytes(data, "big") ^ int.from_bytes(stream[:len(data)], "big")).to_bytes(len(data), "big")
+
+    def _seal(self, key: str, value: Any) -> bytes:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        nonce = secrets.token_bytes(16)
+        body = self._xor(nonce, data)
+        return nonce + body + self._mac(b"value", key.encode(), nonce, body)
+
+    def _open(self, key: str, sealed: Any) -> bytes:
+        sealed = bytes(sealed)
+        nonce, body, mac = sealed[:16], sealed[16:-32], sealed[-32:]
+        if len(sealed) < 48 or not hmac.compare_digest(mac, self._mac(b"value", key.encode(), nonce, body)):
+            raise ValueError(f"the weight group's store holds a value for {key!r} that no member wrote: refused")
+        return self._xor(nonce, body)
+
+    def set(self, key: str, value: Any) -> None:
+        self._store.set(self._name(key), self._seal(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self._store.get(self._name(key)))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(self._name(key), amount)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        names = [self._name(k) for k in keys]
+        self._store.wait(names) if timeout is None else self._store.wait(names, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check([self._name(k) for k in keys])
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        """Set `desired` if the value is `expected` (b"": if there is none); returns the value now held. Compared
+        once opened, then swapped atomically on the sealed bytes read."""
+        name, expected = self._name(key), expected.encode() if isinstance(expected, str) else bytes(expected)
+        held = self.get(key) if self._store.check([name]) else b""
+        if held != expected:
+            return held
+        current = bytes(self._store.get(name)) if held else b""
+        return self._open(key, self._store.compare_set(name, current, self._seal(key, desired)))
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(self._name(key))
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._store.set_timeout(timeout)
+
+
 def open_weight_group(group: dict, rank: int, store: Any = None) -> Any:
     """Rank `rank` of a weight group: the learner is rank 0 and a replica's workers the others. The group
-    rendezvouses through the learner's TCPStore under its random prefix; gloo (CPU) binds group["bind_host"], the
+    rendezvouses through the learner's TCPStore, sealed by its random prefix (SealedStore); gloo (CPU) binds group["bind_host"], the
     address this member is reached at; NCCL (GPU) uses the current CUDA device. One function for both sides and
     both backends: the process group object is all a broadcast needs, no default group is involved."""
     import torch.distributed as dist
@@ -445,7 +522,7 @@ def open_weight_group(group: dict, rank: int, store: Any = None) -> Any:
     timeout = timedelta(seconds=group["timeout_s"])
     if store is None:
         store = dist.TCPStore(group["store_host"], group["store_port"], is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(group["prefix"], store)
+    prefixed = SealedStore(store, group["prefix"])  # keys and values unreadable to whoever else reaches the store
     if group["backend"] == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout

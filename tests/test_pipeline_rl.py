@@ -540,6 +540,31 @@ def test_the_weight_group_store_listens_on_the_named_address_alone(host):
         del sender
 
 
+def test_a_stranger_who_reaches_the_weight_store_reads_no_key_or_value_and_cannot_plant_one():
+    """TCPStore lists its keys to anyone who connects: a group's keys and values are sealed by its secret prefix, so
+    the listing shows neither the prefix nor the names nor the addresses, and a value a stranger writes is refused
+    (the group's broadcast over the sealed store is test_weight_broadcast_reaches_every_group...)."""
+    import torch.distributed as dist
+
+    sender = vllm_replica.WeightSender("127.0.0.1", "gloo", timeout_s=10)
+    host, port = sender.address
+    member = vllm_replica.SealedStore(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10)),
+                                      "scalerl/0123456789abcdef0123456789abcdef")
+    member.set("rank_1", b"127.0.0.1:41234 address")
+    member.set("nccl_id", "text is bytes too")
+    stranger = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+    keys = stranger.list_keys()  # the listing TCPStore gives anyone
+    assert len(keys) == 2 and not any("rank" in k or "nccl" in k or "0123456789" in k for k in keys), keys
+    assert all(b"127.0.0.1" not in stranger.get(k) and b"text" not in stranger.get(k) for k in keys)
+    assert member.get("rank_1") == b"127.0.0.1:41234 address" and member.get("nccl_id") == b"text is bytes too"
+    assert vllm_replica.SealedStore(stranger, "scalerl/another-prefix").check(["rank_1"]) is False
+    assert member.compare_set("count", b"", b"1") == b"1" and member.compare_set("count", b"2", b"3") == b"1"
+    assert member.compare_set("count", b"1", "2") == b"2" and member.clone().get("count") == b"2"
+    stranger.set(keys[0], b"x" * 64)  # a stranger's value under a name it listed
+    with pytest.raises(ValueError, match="that no member wrote: refused"):
+        [member.get(k) for k in ("rank_1", "nccl_id")]
+
+
 def test_the_listener_refuses_a_wrong_secret_and_a_silent_client_and_accepts_the_right_one(monkeypatch, capfd):
     """Who may connect: the HMAC handshake of multiprocessing.connection, both ways, on exactly the named address
     (here 127.0.0.2, another loopback address); a refusal is logged and blocks nothing else."""

@@ -579,8 +579,7 @@ class GracefulStop:
         if self.at_once:
             raise SystemExit(f"{name} during the start: stopped before the first step, nothing was trained")
         if self.waiting:  # the wait may last long: it ends now, and the run stops as after a generator failure
-            raise pipeline_rl.GeneratorError(f"{name} while waiting for the generator's groups: stopping with a "
-                                             "checkpoint of the steps done")
+            raise pipeline_rl.GeneratorError(f"stopped by {name} while waiting for the generator's groups")
         if self.announce:
             print(f"\n[{self.signal}] stopping after this step, with a checkpoint (again to stop at once)",
                   file=sys.stderr, flush=True)

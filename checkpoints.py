@@ -159,11 +159,18 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: in
             shutil.rmtree(tmp, ignore_errors=True)
         raise SystemExit(f"checkpoint at step {state.get('step')} failed: {'; '.join(e for e in errors if e)}; "
                          f"{_kept(keep)}")
+    rotated = [None]
     if rank == 0:
-        if final.exists():  # the kept one (anything else there went before writing)
-            final.rename(old)
-        tmp.rename(final)
-    dist.barrier()  # no rank reads the directory again before it is in place
+        try:  # a link planted at checkpoint.old since the check above makes a rename fail: one line, not a traceback
+            if final.exists():  # the kept one (anything else there went before writing)
+                final.rename(old)
+            tmp.rename(final)
+        except OSError as e:
+            rotated = [f"checkpoint at step {state.get('step')}: could not rotate {tmp} in ({e}); it is complete, "
+                       f"and {_kept(keep)}"]
+    dist.broadcast_object_list(rotated, src=0)  # every rank stops together, or goes on with it in place
+    if rotated[0]:
+        raise SystemExit(rotated[0])
 
 
 def _planted(*directories: Path) -> str | None:
@@ -171,7 +178,7 @@ def _planted(*directories: Path) -> str | None:
     makes neither, and removing or renaming through one would reach whatever it points at), or None."""
     for d in directories:
         try:
-            refuse_unless_regular(d, directory=True)
+            refuse_unless_regular(d, directory=True, own=True)
         except LinkRefusedError as e:
             return str(e)
     return None
@@ -505,11 +512,12 @@ def open_no_follow(path: Path, flags: int, mode: int = 0o600) -> int:
     return fd
 
 
-def read_no_follow(path: Path) -> bytes:
-    """The bytes of the regular file at `path`, never read through a link (LinkRefusedError naming it): a run trusts
-    nothing in its directory that it did not create, and a link could make it load another run's file as its own."""
+def read_no_follow(path: Path, limit: int = -1) -> bytes:
+    """The bytes of the regular file at `path` (its first `limit`, if given), never read through a link
+    (LinkRefusedError naming it): a run trusts nothing in its directory that it did not create, and a link could
+    make it load another run's file as its own."""
     with os.fdopen(open_no_follow(path, os.O_RDONLY), "rb") as f:
-        return f.read()
+        return f.read(limit)
 
 
 @contextlib.contextmanager
@@ -524,20 +532,35 @@ def opened_no_follow(path: Path) -> Iterator[str]:
         os.close(fd)
 
 
-def refuse_unless_regular(path: Path, directory: bool = False, reading: bool = False) -> bool:
+def refuse_unless_regular(path: Path, directory: bool = False, reading: bool = False, own: bool = False) -> bool:
     """Whether `path` exists, refusing (LinkRefusedError) a symbolic link there, or anything but a regular file (a
-    real directory, with `directory`). `reading`: the refusal says nothing was read through it."""
+    real directory, with `directory`), or with `own` one that another user owns (the run would remove it).
+    `reading`: the refusal says nothing was read through it."""
     done = "read" if reading else "written"
     try:
-        mode = os.lstat(path).st_mode
+        info = os.lstat(path)
     except FileNotFoundError:
         return False
-    if stat.S_ISLNK(mode):
+    if stat.S_ISLNK(info.st_mode):
         raise LinkRefusedError(refused_path_message(path, "a symbolic link", done))
-    if not (stat.S_ISDIR(mode) if directory else stat.S_ISREG(mode)):
+    if not (stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)):
         raise LinkRefusedError(refused_path_message(path, "not a directory" if directory else "not a regular file",
                                                     done))
+    if own and info.st_uid != os.geteuid():
+        raise LinkRefusedError(f"{path} belongs to uid {info.st_uid}, not to this run's user (uid {os.geteuid()}): "
+                               "refused, nothing was removed or written there (a run never makes one so; remove it "
+                               "if it is not wanted)")
     return True
+
+
+def make_run_dir(path: Path) -> Path:
+    """`path` as a directory of the run's own: made 0700 if missing (no one else can plant a link inside), else
+    refused (LinkRefusedError naming it) if it is a symbolic link, not a directory, or another user's, so nothing is
+    ever written through a link planted there or into a directory someone else prepared."""
+    with contextlib.suppress(FileExistsError):  # mkdir never follows a link at `path`: it fails with EEXIST
+        path.mkdir(mode=0o700)
+    refuse_unless_regular(path, directory=True, own=True)
+    return path
 
 
 def create_beside(path: Path, mode: int = 0o600) -> tuple[int, Path]:

@@ -122,6 +122,7 @@ CHANGEABLE_ON_RESUME = frozenset({
     "lm_head_gemm",  # speed: the logprobs are float32's either way, the gradients the same to bf16 rounding (tested)
     "adamw", "fsdp_reshard",  # speed: the same update to float32 rounding, the same step bit for bit (tested)
     "debug_gen_slowdown", "debug_learner_slowdown",
+    "batch_timeout",  # how long the learner waits, not what it trains
     "output_dir", "resume", "overwrite",  # bookkeeping: a resumed run stays in its directory
 })
 
@@ -176,6 +177,12 @@ class Args:
                                      f"context length; --max-tokens + {PROMPT_ALLOWANCE} with --model, room for a "
                                      "chat-templated prompt); a training prompt that does not fit is skipped and "
                                      "counted in skipped_long_prompts")
+    reward_timeout: float = _arg(HelpGroup.GENERATION, generator_default("reward_timeout"),
+                                 "seconds one completion's reward may take; past it the completion scores as wrong "
+                                 "(-1), is counted in reward_timeouts, and the run goes on")
+    batch_timeout: float = _arg(HelpGroup.GENERATION, generator_default("batch_timeout"),
+                                "seconds the learner waits for a batch of groups; past it the run stops with a "
+                                "checkpoint and a line naming the request")
 
     zero_variance: str = _arg(HelpGroup.ZERO_VARIANCE, "drop", "groups whose rewards are all equal: drop (ScaleRL), "
                               "resample (DAPO dynamic sampling: pull more groups until the batch is full) or keep",
@@ -252,7 +259,8 @@ class Args:
     log_every: int = _arg(HelpGroup.EVALUATION, 5, "print a one-line summary every N steps")
     report_to: str = _arg(HelpGroup.EVALUATION, "none", "also send every metrics row's numbers, as TRL names them "
                           "(train/reward, eval/val_pass_rate), to tensorboard (OUTPUT_DIR/tensorboard), wandb "
-                          "(WANDB_MODE=offline: no network, OUTPUT_DIR/wandb) or trackio (local: OUTPUT_DIR/trackio); "
+                          "(OUTPUT_DIR/wandb, offline unless WANDB_MODE=online, which needs a saved key: W&B never "
+                          "prompts) or trackio (local: OUTPUT_DIR/trackio); "
                           "its package must be installed; metrics.jsonl is written either way and stays the record",
                           choices=tuple(REPORT_TO))
     peak_tflops: float | None = _arg(HelpGroup.EVALUATION, None, "dense peak TFLOP/s of one learner GPU in --dtype, "
@@ -380,7 +388,7 @@ def check_args(args: Args) -> list[str]:
     if not args.debug_learner_slowdown >= 1:
         problems.append("--debug-learner-slowdown must be >= 1 (1 = full speed)")
     problems += replica_problems(args)
-    problems += report_to_problems(args.report_to)
+    problems += report_to_problems(args.report_to, args.output_dir)
     problems += pipeline_rl.config_problems(  # the checks of every setting the generator shares, written there
         {**generator_values(args), "replicas": 1 if args.gen_replicas is None else args.gen_replicas,
          "secret": args.gen_secret_file}, generator_flag)
@@ -437,18 +445,38 @@ def check_args(args: Args) -> list[str]:
     return problems
 
 
-def report_to_problems(report_to: str) -> list[str]:
+def report_to_problems(report_to: str, output_dir: str | None = None) -> list[str]:
     """--report-to's package, imported now: a missing one is a line naming what to install, before anything starts,
-    rather than a failure at the first metrics row."""
+    rather than a failure at the first metrics row. trackio fixes its directory as it is imported, so TRACKIO_DIR is
+    set to OUTPUT_DIR/trackio first (trackio_dir); a trackio imported earlier elsewhere is a line too."""
     if REPORT_TO.get(report_to) is None:
         return []
     module, package = REPORT_TO[report_to]
+    if report_to == "trackio" and output_dir:
+        os.environ["TRACKIO_DIR"] = str(trackio_dir(output_dir))
     try:
         importlib.import_module(module)
     except ImportError as e:
         why = " ".join(f"{type(e).__name__}: {e}".split())  # one line, whatever the error says
         return [f"--report-to {report_to} needs the {package} package: pip install {package} ({why})"]
+    if report_to == "trackio" and output_dir and trackio_dir_problem(output_dir):
+        return [f"--report-to trackio: {trackio_dir_problem(output_dir)}"]
     return []
+
+
+def trackio_dir(output_dir: str | Path) -> Path:
+    """Where --report-to trackio keeps its files: OUTPUT_DIR/trackio, the run's own (TRACKIO_DIR)."""
+    return Path(output_dir).absolute() / "trackio"
+
+
+def trackio_dir_problem(output_dir: str | Path) -> str | None:
+    """Why trackio, as imported, would write outside OUTPUT_DIR/trackio (it read TRACKIO_DIR before the run set it),
+    or None."""
+    utils = sys.modules.get("trackio.utils")
+    if utils is None or Path(utils.TRACKIO_DIR).absolute() == trackio_dir(output_dir):
+        return None
+    return (f"trackio was imported with its directory at {utils.TRACKIO_DIR}, not {trackio_dir(output_dir)}: its "
+            "files would land outside the run directory")
 
 
 SEED_LIMIT = 2**31  # numpy seeds each rank with --seed + rank, in 0..2**32 - 1: room for any number of ranks
@@ -553,7 +581,8 @@ def generator_values(args: Args) -> dict[str, Any]:
               "gen_devices": args.gen_devices, "tensor_parallel_size": args.tensor_parallel_size,
               "remote_replicas": args.gen_remote_replicas, "listen": args.gen_listen,
               "join_timeout": args.gen_join_timeout, "weight_transport": args.weight_transport,
-              "weight_dir": args.weight_dir}
+              "weight_dir": args.weight_dir, "reward_timeout": args.reward_timeout,
+              "batch_timeout": args.batch_timeout}
     for key, parse in (("think_budget", lambda: int_range(args.think_budget)),
                        ("debug_slowdown", lambda: gen_slowdowns(args))):
         try:

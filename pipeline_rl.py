@@ -115,6 +115,10 @@ class GeneratorConfig:
     weight_bucket_bytes: int = 256 << 20
     # seconds a weight group may take to form or to carry an update before its replica is given up
     weight_timeout: float = 300.0
+    # seconds one reward may take (past it the completion scores -1 and counts in reward_timeouts); seconds the
+    # learner's get_batch waits for its groups before the generator is given up, naming the request
+    reward_timeout: float = 10.0
+    batch_timeout: float = 3600.0
     # prompt + completion tokens the engine reserves per sequence
     max_model_len: int = 256
     # cap on groups in flight in the generator (default: vLLM's max_num_seqs / group_size); the staleness rule adds
@@ -364,8 +368,9 @@ def config_problems(values: Mapping[str, Any], name: Callable[[str], str] = str)
     problems += [f"{name(key)} must be >= 1 (got {v[key]})"
                  for key in ("group_size", "answer_budget", "max_tokens", "tensor_parallel_size")
                  if key in v and v[key] < 1]
-    if "join_timeout" in v and not 0 < v["join_timeout"] < float("inf"):
-        problems.append(f"{name('join_timeout')} must be a number of seconds > 0 (got {v['join_timeout']})")
+    problems += [f"{name(key)} must be a number of seconds > 0 (got {v[key]})"
+                 for key in ("join_timeout", "reward_timeout", "batch_timeout")
+                 if key in v and not 0 < v[key] < float("inf")]
     if "temperature" in v and not v["temperature"] > 0:
         problems.append(f"{name('temperature')} must be > 0 (got {v['temperature']}): RL samples, and greedy "
                         "decoding has no usable logprobs")
@@ -726,6 +731,9 @@ class _ReplicaFaults:
                     loads[r] += 1
 
 
+MAX_UNUSABLE_PROMPTS = 100_000  # too long in a row, for a task with no list of prompts (a generated stream)
+
+
 class _Admission:
     """Admission, part of _Scheduler: new groups from the data stream, admitted under the staleness rule
     (`should_admit`) to the least-loaded replica, each completion with its think budget."""
@@ -756,10 +764,9 @@ class _Admission:
 
     def new_group(self, problem: Problem, data_index: int, samples: int, version: int,
                   temperature: float) -> _GroupState:
+        if why := tasks.prompt_overflow(self.tokenizer, problem, self.cfg.max_tokens, self.cfg.max_model_len):
+            raise _RequestError(why)
         prompt_ids = tasks.chat_prompt_ids(self.tokenizer, problem.prompt)
-        if len(prompt_ids) + self.cfg.max_tokens > self.cfg.max_model_len:
-            raise _RequestError(f"prompt of {problem.id} has {len(prompt_ids)} tokens: with max_tokens "
-                                f"{self.cfg.max_tokens} it exceeds max_model_len {self.cfg.max_model_len}")
         state = _GroupState(self.next_gid, problem, data_index, prompt_ids, version,
                             version + self.cfg.max_off_policy, [None] * samples, [None] * samples,
                             self.admit_counter, [None] * samples, temperature)
@@ -768,6 +775,8 @@ class _Admission:
         return state
 
     def admit_one(self, replica: _ReplicaSlot | None) -> None:
+        too_long: set[str] = set()  # this call's: once it holds every admissible prompt, none is usable
+        limit = max(0, len(getattr(self.task, "problems", ())) - len(self.data.retired)) or MAX_UNUSABLE_PROMPTS
         while True:
             fresh = not self.data.requeue
             index, problem = self.data.next()
@@ -775,8 +784,12 @@ class _Admission:
                 state = self.new_group(problem, index, self.cfg.group_size,
                                        self.version if replica is None else replica.version, self.cfg.temperature)
                 break
-            except _RequestError:  # a training prompt too long for max_model_len: skip it, count it
+            except _RequestError as e:  # a training prompt too long for max_model_len: skip it, count it
+                too_long.add(problem.id)
                 self.skipped_long_prompts += 1
+                if len(too_long) >= limit:
+                    raise _Fatal(f"no training prompt fits the context: {len(too_long)} in a row are too long (e.g. "
+                                 f"{e}); raise --max-model-len or lower --max-tokens") from None
         self.data.admitted += fresh  # prompts of the stream admitted (a requeued one was counted already)
         self.groups[state.gid] = state
         if replica is not None:
@@ -832,10 +845,15 @@ class _Rewards:
 
     def score(self, problem: Problem, text: str) -> tuple[float, str | None]:
         try:
-            reward = float(self.task.reward(problem, text))
+            with tasks.reward_deadline(self.cfg.reward_timeout):
+                reward = float(self.task.reward(problem, text))
             if not math.isfinite(reward):
                 raise ValueError(f"reward is {reward}")
             return reward, None
+        except tasks.RewardTimeout as e:  # a verifier that hangs costs its deadline; the run goes on
+            self.reward_timeouts_total += 1
+            self.reward_errors_total += 1
+            return -1.0, f"RewardTimeout: {e}"
         except Exception as e:  # a broken verifier must not kill the run: count it, score the sample as failed
             self.reward_errors_total += 1
             return -1.0, f"{type(e).__name__}: {e}"
@@ -953,6 +971,9 @@ class _BatchChoice:
             "truncated": sum(c.truncated for g in groups for c in g.completions),
             "stale_dropped": self.stale_dropped,
             "reward_errors_total": self.reward_errors_total,
+            "reward_timeouts": sum(str(c.reward_error).startswith("RewardTimeout")
+                                   for g in groups for c in g.completions),
+            "reward_timeouts_total": self.reward_timeouts_total,
             "skipped_long_prompts": self.skipped_long_prompts,
             "groups_in_flight": self.in_flight(),
             "groups_ready": sum(g.ready for g in self.groups.values()),
@@ -1002,7 +1023,7 @@ class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoic
         self.groups_per_step = config.groups_per_batch or 0
         self.stale_dropped = 0
         self.skipped_long_prompts = 0
-        self.reward_errors_total = 0
+        self.reward_errors_total = self.reward_timeouts_total = 0  # a timeout counts in both
         self.tokens_by_replica: collections.Counter[int] = collections.Counter()  # since the last reply
         self.busy_s_by_replica: collections.Counter[int] = collections.Counter()
         self.last_reply_time = time.perf_counter()
@@ -1392,19 +1413,20 @@ class Generator:
         (pipeline), or exactly `num_groups` fresh groups generated with the current weights (sync).
 
         learner_version: optimizer steps done (push those weights with update_weights first). Blocks until the
-        groups are there (`stats["wait_s"]`); `timeout` (None: forever, while the generator lives) is fatal:
-        GeneratorTimeout, and the generator is closed. Stats of the returned groups: gen_tokens, lag_hist
-        {lag: loss-masked tokens}, frac_tokens_by_lag, lag_mean, lag_max, reward_errors, interrupted, truncated,
-        multi_version_completions, gen_groups_by_replica; of the generator since the last call: gen_tokens_per_s,
-        gen_busy_frac, gen_tokens_by_replica, replica_deaths (a line per replica that died); run totals:
-        stale_dropped, reward_errors_total, skipped_long_prompts, replica_deaths_total, replica_connections_refused;
-        and its state: groups_in_flight, groups_ready, buffer_depth_steps, generator_version, groups_per_step,
-        gen_replicas_alive."""
+        groups are there (`stats["wait_s"]`); `timeout` (None: the config's batch_timeout) is fatal: GeneratorTimeout
+        naming the request, and the generator is closed. Stats of the returned groups: gen_tokens, lag_hist {lag:
+        loss-masked tokens}, frac_tokens_by_lag, lag_mean, lag_max, reward_errors, reward_timeouts, interrupted,
+        truncated, multi_version_completions, gen_groups_by_replica; of the generator since the last call:
+        gen_tokens_per_s, gen_busy_frac, gen_tokens_by_replica, replica_deaths (a line per replica that died); run
+        totals: stale_dropped, reward_errors_total, reward_timeouts_total, skipped_long_prompts, replica_deaths_total,
+        replica_connections_refused; and its state: groups_in_flight, groups_ready, buffer_depth_steps,
+        generator_version, groups_per_step, gen_replicas_alive."""
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         t0 = time.perf_counter()
         self._send(("get_batch", int(num_groups), int(learner_version), t0))
-        _, groups, stats = self._recv("batch", timeout, what="get_batch")
+        _, groups, stats = self._recv("batch", timeout or self.config.batch_timeout,
+                                      what=f"get_batch of {num_groups} groups for weights {learner_version}")
         stats["wait_s"] = time.perf_counter() - t0
         return groups, stats
 

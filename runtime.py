@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 import signal
 import sys
@@ -41,10 +42,10 @@ import pipeline_rl  # imports vLLM only inside the generator process, never in a
 import scaling_fit
 import tasks
 import vllm_replica  # the replica runtime: the secret file, the parent-death signal
-from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, open_no_follow,
-                         read_no_follow, refuse_unless_regular, write_atomically, write_failure)
+from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
+                         open_no_follow, read_no_follow, refuse_unless_regular, write_atomically, write_failure)
 from flags import (Args, generator_memory_fraction, generator_values, layout_lines, local_replicas, resolve_defaults,
-                   step_ranges, write_args_json)
+                   step_ranges, trackio_dir, trackio_dir_problem, write_args_json)
 from packing import model_device
 
 
@@ -235,6 +236,7 @@ def set_up(args: Args,
             if device.type == "cuda":  # where everything goes and how weights travel: `train.py plan --gpus N` says it
                 print("\n".join(layout_lines(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE",
                                                                                             "1")))), flush=True)
+            eval_prompts_fit(model_path, gen_config, val_problems + test_problems)
             consumed = state.consumed
             data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
             if args.gen_remote_replicas:
@@ -311,6 +313,19 @@ def _model_path(args: Args, is_main: bool) -> str:
         if is_main:
             print(f"train.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def eval_prompts_fit(model_path: str, config: pipeline_rl.GeneratorConfig, problems: list[tasks.Problem]) -> None:
+    """Rank 0, before the generator starts: a validation or test prompt too long for the context is one line naming
+    it and the limit (the first evaluation would fail on it); a training prompt that is too long is skipped."""
+    if not problems:
+        return
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    for problem in problems:
+        if why := tasks.prompt_overflow(tokenizer, problem, config.max_tokens, config.max_model_len):
+            raise SystemExit(f"train.py: error: evaluation {why}; raise --max-model-len or lower --max-tokens")
 
 
 def _resumed_state(args: Args, out: Path, learner: Any, rank: int) -> TrainerState:
@@ -602,6 +617,7 @@ class GracefulStop:
         self.signal: str | None = None
         self.announce = announce
         self.at_once = at_once
+        self.waiting = False  # inside `interrupting`: rank 0's wait for a batch
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
@@ -616,9 +632,21 @@ class GracefulStop:
         self.signal = name
         if self.at_once:
             raise SystemExit(f"{name} during the start: stopped before the first step, nothing was trained")
+        if self.waiting:  # the wait may last long: it ends now, and the run stops as after a generator failure
+            raise pipeline_rl.GeneratorError(f"stopped by {name} while waiting for the generator's groups")
         if self.announce:
             print(f"\n[{self.signal}] stopping after this step, with a checkpoint (again to stop at once)",
                   file=sys.stderr, flush=True)
+
+    @contextlib.contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """Inside (rank 0 waiting for a batch, which lasts as long as generation does), a first signal ends the wait
+        at once with GeneratorError: the run then stops with a checkpoint of the steps done, on every rank."""
+        self.waiting = True
+        try:
+            yield
+        finally:
+            self.waiting = False
 
     def agreed(self, also: bool = False) -> bool:
         """True on every rank if any rank was signalled, or has `also` (rank 0: a noted failure). A collective:
@@ -683,8 +711,8 @@ def refuse_planted_links(out: Path) -> None:
     file is opened without following links as well (a link planted later is refused there)."""
     for name in ("args.json", "metrics.jsonl", "scaling.png", "dashboard.png"):
         refuse_unless_regular(out / name)
-    for name in (*CHECKPOINT_DIRS, "checkpoint.tmp"):
-        refuse_unless_regular(out / name, directory=True)
+    for name in (*CHECKPOINT_DIRS, "checkpoint.tmp", *REPORT_DIRS):  # another user's too: the run would remove
+        refuse_unless_regular(out / name, directory=True, own=True)  # it, or write where links wait inside
 
 
 def _json_safe(value: Any, name: str = "") -> tuple[Any, list[str]]:
@@ -776,7 +804,9 @@ class MetricsLog:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-REPORT_DIRS = ("tensorboard", "wandb", "trackio")  # under OUTPUT_DIR, one per --report-to that writes locally
+# Under OUTPUT_DIR, one per --report-to that writes locally (.wandb: where W&B would move its files if it found one).
+REPORT_DIRS = ("tensorboard", "wandb", ".wandb", "trackio")
+WANDB_ONLINE_MODES = ("online", "run", "shared")  # WANDB_MODE values that send to a server: asked for, never default
 # The fields train.py's evaluate adds to a row: reported under eval/, as TRL reports its evaluation; the rest train/.
 EVAL_FIELDS = frozenset({"val_pass_rate", "val_reward", "val_samples", "eval_s", "test_pass_rate", "test_reward",
                          "fit_asymptote"})
@@ -855,7 +885,10 @@ class Reporter:
     def _start_tensorboard(self) -> tuple[Callable, Callable]:
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(str(self.out / "tensorboard"), purge_step=self.first_step or None)
+        # The events file gets a random suffix: its name (time, host, pid) is guessable, and the writer opens it
+        # following links, so a link planted under the name it will take could be written through.
+        writer = SummaryWriter(str(make_run_dir(self.out / "tensorboard")), purge_step=self.first_step or None,
+                               filename_suffix=f".{secrets.token_hex(8)}")
 
         def log(scalars: dict[str, float], step: int) -> None:
             for key, value in scalars.items():
@@ -867,21 +900,33 @@ class Reporter:
     def _start_wandb(self) -> tuple[Callable, Callable]:
         import wandb
 
-        # One W&B run per OUTPUT_DIR, resumed with it: its id is kept beside W&B's own files.
-        id_file = self.out / "wandb" / "run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else ""
+        # One W&B run per OUTPUT_DIR, resumed with it: its id is kept beside W&B's own files, read without links.
+        id_file = make_run_dir(self.out / "wandb") / "run_id"
+        run_id = ""
+        if refuse_unless_regular(id_file, reading=True):
+            run_id = read_no_follow(id_file, limit=64).decode(errors="replace").strip()
+            if not re.fullmatch(r"[0-9a-f]{8}", run_id):
+                raise RuntimeError(f"{id_file} does not hold a run id this run wrote: not used")
         if not run_id:
-            id_file.parent.mkdir(exist_ok=True)
             run_id = uuid.uuid4().hex[:8]
             write_atomically(id_file, run_id + "\n")
+        mode = os.environ.get("WANDB_MODE") or "offline"  # no network unless asked for
+        if mode in WANDB_ONLINE_MODES and not wandb.login(prompt=False, verify=False):
+            raise RuntimeError(f"WANDB_MODE={mode} needs a W&B key (WANDB_API_KEY or `wandb login`); W&B is "
+                               "never left waiting at a login prompt")
         run = wandb.init(project=os.environ.get("WANDB_PROJECT", "scalerl"), name=self.out.name, id=run_id,
-                         resume="allow", dir=str(self.out), config=self.config)
+                         resume="allow", dir=str(self.out), config=self.config, mode=mode,
+                         settings=wandb.Settings(use_dot_wandb=False))  # OUTPUT_DIR/wandb, whatever else is there
         return (lambda scalars, step: run.log(scalars, step=step)), run.finish
 
     def _start_trackio(self) -> tuple[Callable, Callable]:
-        os.environ.setdefault("TRACKIO_DIR", str(self.out / "trackio"))  # local mode, read as trackio is imported
+        directory = make_run_dir(trackio_dir(self.out))
+        os.environ["TRACKIO_DIR"] = str(directory)  # read as trackio is imported (flags.py set it before its import)
         import trackio
 
-        trackio.init(project=os.environ.get("TRACKIO_PROJECT", "scalerl"), name=self.out.name, config=self.config,
-                     resume="allow")
+        if trackio_dir_problem(self.out):
+            raise RuntimeError(trackio_dir_problem(self.out))
+        # Named for the whole output directory: two runs whose directories share a last name stay two runs.
+        trackio.init(project=os.environ.get("TRACKIO_PROJECT", "scalerl"), name=str(self.out.absolute()),
+                     config=self.config, resume="allow")
         return (lambda scalars, step: trackio.log(scalars, step=step)), trackio.finish

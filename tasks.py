@@ -59,6 +59,7 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import itertools
@@ -68,7 +69,9 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -362,10 +365,11 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         raise DataFileError(problem)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import datasets
-
-        return _dataset_rows(datasets.load_dataset("parquet", data_files=str(path), split="train"), source)
-    data = path.read_bytes()
+        return _parquet_rows(path, source)
+    try:
+        data = path.read_bytes()
+    except OSError as e:  # unreadable (permissions, a directory, an I/O error): one line naming the file
+        raise DataFileError(f"{source}: cannot be read ({e.strerror or type(e).__name__})") from None
     if suffix == ".csv":
         return _csv_rows(data, source)
     if suffix == ".json" and data.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"[":  # past a byte order mark
@@ -375,6 +379,33 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         # Most likely one pretty-printed object: say so rather than list each of its lines as "not JSON".
         raise DataFileError(f"{source}: neither a list of row objects nor one JSON object per line")
     return rows
+
+
+def _parquet_rows(path: Path, source: str) -> DataRows:
+    """A Parquet file's rows through `datasets`; a file it cannot read (corrupt, cut short, not Parquet, not
+    readable) is DataFileError naming it, with the first line of pyarrow's reason rather than its traceback."""
+    import datasets
+
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its reader logs the failure too: one line is ours
+    try:
+        return _dataset_rows(datasets.load_dataset("parquet", data_files=str(path), split="train"), source)
+    except Exception as e:  # pyarrow's ArrowInvalid/OSError, datasets' DatasetGenerationError wrapping them
+        cause = e.__cause__ or e
+        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+        raise DataFileError(f"{source}: not a readable Parquet file ({type(cause).__name__}: {why})") from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
+def prompt_overflow(tokenizer: Any, problem: Problem, max_tokens: int, max_model_len: int) -> str | None:
+    """Why `problem`'s prompt cannot be generated from (its chat-templated tokens and max_tokens exceed the
+    context max_model_len), naming its id (the file and row of a data set's prompt), or None when it fits."""
+    n = len(chat_prompt_ids(tokenizer, problem.prompt))
+    if n + max_tokens <= max_model_len:
+        return None
+    return (f"prompt {problem.id} has {n} tokens: with max_tokens {max_tokens} it exceeds the context, "
+            f"max_model_len {max_model_len}")
 
 
 def _dataset_rows(rows: Any, source: str) -> DataRows:
@@ -690,6 +721,32 @@ class MathDataset:
         return 1.0 if math_answers_match(extract_final_answer(answer), problem.answer) else -1.0
 
 
+class RewardTimeout(BaseException):
+    """A reward past its deadline (`reward_deadline`). A BaseException, as KeyboardInterrupt is, so that a verifier's
+    own `except Exception` does not swallow it and carry on."""
+
+
+@contextlib.contextmanager
+def reward_deadline(seconds: float | None) -> Iterator[None]:
+    """RewardTimeout raised in the code inside once `seconds` have passed (a SIGALRM timer, so in the main thread
+    only, where the generator's loop scores; elsewhere, or with None, no deadline). Python code stops at once; one
+    long C call (a regular expression) only as it returns, hence the linear patterns of the reward path."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise RewardTimeout(f"reward took longer than {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def extract_final_answer(text: str) -> str | None:
     """The last \\boxed{...} (balanced braces), else the text after 'answer is'/'####', else the last number."""
     start = text.rfind("\\boxed")
@@ -711,9 +768,22 @@ def extract_final_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def _strip_text_commands(s: str) -> str:
+    r"""Each \text{X} as X (its leading spaces dropped; X ends at the first closing brace), as replacing the
+    pattern \\text\{\s*([^}]*)\} by its group does, but linear in len(s): that pattern rescans the rest of the text
+    from every unclosed \text{ (quadratic: a 160k-character answer took minutes)."""
+    out, i = [], 0
+    while (j := s.find("\\text{", i)) >= 0:
+        k = s.find("}", j)
+        if k < 0:  # no closing brace after this one, nor after any later one
+            break
+        out += [s[i:j], s[j + 6:k].lstrip()]
+        i = k + 1
+    return "".join(out) + s[i:]
+
+
 def normalize_expression(text: str) -> str:
-    s = text.strip().strip("$").strip()
-    s = re.sub(r"\\text\{\s*([^}]*)\}", r"\1", s)
+    s = _strip_text_commands(text.strip().strip("$").strip())
     for old, new in (("\\left", ""), ("\\right", ""), ("\\!", ""), ("\\,", ""), ("\\;", ""), ("\\dfrac", "\\frac"),
                      ("\\tfrac", "\\frac"), ("^\\circ", ""), ("^{\\circ}", ""), ("\\%", ""), ("%", ""), ("$", "")):
         s = s.replace(old, new)

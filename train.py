@@ -549,7 +549,7 @@ def generator_errors_noted(run: Run) -> Iterator[None]:
 def pull_round_or_error(args: Args, run: Run, state: TrainerState) -> Round:
     """Rank 0: `pull_round`, or a Round that carries the generator's failure to every rank."""
     if not run.stop_reason:
-        with generator_errors_noted(run):
+        with generator_errors_noted(run), run.stopper.interrupting():  # a Ctrl-C ends the wait at once
             return pull_round(args, run.generator, state)
     return Round([], {}, stop_reason=run.stop_reason)
 

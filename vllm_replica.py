@@ -24,8 +24,13 @@ this module does not import pipeline_rl); docs/pipeline.md explains the design.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import ctypes
 import dataclasses
+import errno
+import hashlib
+import hmac
 import ipaddress
 import logging
 import multiprocessing as mp
@@ -33,6 +38,7 @@ import multiprocessing.connection as mpc
 import os
 import queue
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -639,9 +645,83 @@ def unpack_bucket(buffer: torch.Tensor, bucket: list[tuple]) -> Iterator[tuple[s
         yield name, buffer[offset: offset + nbytes].view(getattr(torch, dtype)).view(shape)
 
 
+class SealedStore(torch.distributed.Store):
+    """A weight group's view of the learner's TCPStore, which has no authentication and lists its keys to anyone
+    who reaches it: each key is stored under an HMAC of its name, and each value encrypted (an HMAC-SHA256 stream,
+    a fresh nonce per value) and authenticated, all keyed by the group's secret (its random prefix, sent only over
+    the authenticated connection). A stranger who lists the keys learns neither the names nor the values (gloo's
+    addresses, NCCL's unique id), and a value it writes is refused, not used."""
+
+    def __init__(self, store: Any, secret: str):
+        super().__init__()
+        self._store, self._secret = store, secret
+        self._key = hashlib.sha256(b"scalerl weight group\0" + secret.encode()).digest()
+
+    def clone(self) -> "SealedStore":  # a connection of its own to the same store (NCCL may ask for one)
+        return SealedStore(self._store.clone(), self._secret)
+
+    def _mac(self, *parts: bytes) -> bytes:
+        return hmac.new(self._key, b"\0".join(parts), hashlib.sha256).digest()
+
+    def _name(self, key: str) -> str:
+        return self._mac(b"name", key.encode()).hex()
+
+    def _xor(self, nonce: bytes, data: bytes) -> bytes:
+        stream = b"".join(self._mac(b"stream", nonce, i.to_bytes(8, "big")) for i in range(len(data) // 32 + 1))
+        return (int.from_bytes(data, "big") ^ int.from_bytes(stream[:len(data)], "big")).to_bytes(len(data), "big")
+
+    def _seal(self, key: str, value: Any) -> bytes:
+        data = value.encode() if isinstance(value, str) else bytes(value)
+        nonce = secrets.token_bytes(16)
+        body = self._xor(nonce, data)
+        return nonce + body + self._mac(b"value", key.encode(), nonce, body)
+
+    def _open(self, key: str, sealed: Any) -> bytes:
+        sealed = bytes(sealed)
+        nonce, body, mac = sealed[:16], sealed[16:-32], sealed[-32:]
+        if len(sealed) < 48 or not hmac.compare_digest(mac, self._mac(b"value", key.encode(), nonce, body)):
+            raise ValueError(f"the weight group's store holds a value for {key!r} that no member wrote: refused")
+        return self._xor(nonce, body)
+
+    def set(self, key: str, value: Any) -> None:
+        self._store.set(self._name(key), self._seal(key, value))
+
+    def get(self, key: str) -> bytes:
+        return self._open(key, self._store.get(self._name(key)))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(self._name(key), amount)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        names = [self._name(k) for k in keys]
+        self._store.wait(names) if timeout is None else self._store.wait(names, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check([self._name(k) for k in keys])
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        """Set `desired` if the value is `expected` (b"": if there is none); returns the value now held. Compared
+        once opened, then swapped atomically on the sealed bytes read."""
+        name, expected = self._name(key), expected.encode() if isinstance(expected, str) else bytes(expected)
+        held = self.get(key) if self._store.check([name]) else b""
+        if held != expected:
+            return held
+        current = bytes(self._store.get(name)) if held else b""
+        return self._open(key, self._store.compare_set(name, current, self._seal(key, desired)))
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(self._name(key))
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout: Any) -> None:
+        self._store.set_timeout(timeout)
+
+
 def open_weight_group(group: dict, rank: int, store: Any = None) -> Any:
     """Rank `rank` of a weight group: the learner is rank 0 and a replica's workers the others. The group
-    rendezvouses through the learner's TCPStore under its random prefix; gloo (CPU) binds group["bind_host"], the
+    rendezvouses through the learner's TCPStore, sealed by its random prefix (SealedStore); gloo (CPU) binds group["bind_host"], the
     address this member is reached at; NCCL (GPU) uses the current CUDA device. One function for both sides and
     both backends: the process group object is all a broadcast needs, no default group is involved."""
     import torch.distributed as dist
@@ -649,7 +729,7 @@ def open_weight_group(group: dict, rank: int, store: Any = None) -> Any:
     timeout = timedelta(seconds=group["timeout_s"])
     if store is None:
         store = dist.TCPStore(group["store_host"], group["store_port"], is_master=False, timeout=timeout)
-    prefixed = dist.PrefixStore(group["prefix"], store)
+    prefixed = SealedStore(store, group["prefix"])  # keys and values unreadable to whoever else reaches the store
     if group["backend"] == "gloo":
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
@@ -695,6 +775,20 @@ class WeightGroup:
         return self.pg.broadcast([buffer], options)
 
 
+def store_listener(host: str) -> socket.socket:
+    """A listening TCP socket on `host` alone (its numeric address, listen_address's rules: no wildcard) and a free
+    port, for the weight groups' TCPStore."""
+    address, _, family = listen_address(f"[{host}]:0" if ":" in host else f"{host}:0")
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((address, 0))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    return listener
+
+
 class WeightSender:
     """The learner's side of the weight groups: it hosts their TCPStore and is rank 0 of each replica's group."""
 
@@ -702,9 +796,16 @@ class WeightSender:
         import torch.distributed as dist
 
         self.host, self.backend, self.timeout_s = host, backend, timeout_s
-        # PyTorch's TCPStore listens on every interface (no choice is offered); see docs/pipeline.md, who may connect
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=timeout_s))
+        # TCPStore binds every interface when it opens its own socket: it gets one bound to `host` alone (the
+        # --gen-listen address; 127.0.0.1 on one node), so no other interface reaches the store.
+        listener = store_listener(host)
+        try:  # the store owns the descriptor once it has it (it closes it as it goes): Python lets go of it
+            self.store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()
         self.groups: dict[int, WeightGroup] = {}  # replica id -> its group
 
     @property
@@ -1074,6 +1175,9 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
 # --------------------------------------------------------------------------------------------------------------
 
 HANDSHAKE_S = 10  # a connection that has not proved the secret by then is refused
+MAX_HANDSHAKES = 16  # connections proving the secret at once; one more is closed at once (a replica tries again)
+# accept() errors that pass (descriptors or buffers short for a moment, a peer gone before it was accepted)
+ACCEPT_TRANSIENT = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED, errno.EPROTO)
 
 
 def _set_recv_timeout(owner: Any, seconds: float) -> None:
@@ -1087,18 +1191,26 @@ def _set_recv_timeout(owner: Any, seconds: float) -> None:
 
 def connect_to_generator(address: str, secret: bytes, timeout: float) -> tuple[Any, str]:
     """An authenticated connection to the generator process at HOST:PORT, retried until `timeout` (a replica may
-    be started before the learner), and the local address it leaves from (where this node's workers are reached)."""
+    be started before the learner, or meet a listener busy with other connections), and the local address it leaves
+    from (where this node's workers are reached). A wrong secret is refused at once (ConnectionRefusedError)."""
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout
     while True:
         try:
-            sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
-            break
-        except OSError as e:
+            return _handshake_with_generator(host, port, secret)
+        except mpc.AuthenticationError as e:
+            raise ConnectionRefusedError(f"the generator at {address} refused this replica: wrong secret? ({e})") \
+                from None
+        except (OSError, EOFError) as e:  # not listening yet, or the connection closed before the challenge ended
             if time.monotonic() >= deadline:
                 raise ConnectionError(f"could not connect to the generator at {address} within {timeout:.0f} s ({e}): "
                                       "is the learner running and listening there (train.py --gen-listen)?") from None
             time.sleep(1.0)
+
+
+def _handshake_with_generator(host: str, port: int, secret: bytes) -> tuple[Any, str]:
+    """One try of connect_to_generator: connect, then the challenge both ways."""
+    sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
     sock.settimeout(None)
     bind_host = sock.getsockname()[0]
     _set_recv_timeout(sock, HANDSHAKE_S)
@@ -1106,16 +1218,44 @@ def connect_to_generator(address: str, secret: bytes, timeout: float) -> tuple[A
     try:
         mpc.answer_challenge(conn, secret)
         mpc.deliver_challenge(conn, secret)
-    except (mpc.AuthenticationError, OSError, EOFError) as e:
+    except BaseException:
         conn.close()
-        raise ConnectionRefusedError(f"the generator at {address} refused this replica: wrong secret? ({e})") from None
+        raise
     _set_recv_timeout(conn, 0)
     return conn, bind_host
 
 
+class RefusedLog:
+    """The lines of refused connections: each counted (len), the last KEEP kept (iteration, indexing), so that a
+    flood fills neither memory nor the log (the listener prints the first PRINT_FIRST, then one in PRINT_EVERY)."""
+
+    KEEP, PRINT_FIRST, PRINT_EVERY = 100, 20, 100
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.lines: collections.deque[str] = collections.deque(maxlen=self.KEEP)
+        self._lock = threading.Lock()
+
+    def append(self, line: str) -> None:
+        with self._lock:
+            self.total += 1
+            self.lines.append(line)
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.lines))
+
+    def __getitem__(self, index: int) -> str:
+        return list(self.lines)[index]
+
+
 class ReplicaListener:
     """The generator process's listening socket: binds exactly `address`; each connection must prove the secret
-    within HANDSHAKE_S seconds (in a thread of its own, so a silent one blocks nothing) or is refused and logged."""
+    within HANDSHAKE_S seconds in all (in a thread of its own, so a silent one blocks nothing) or is refused and
+    logged. At most MAX_HANDSHAKES wait at once: a flood of connections holds no more threads or descriptors than
+    that, and once it stops a replica joins again within HANDSHAKE_S."""
 
     def __init__(self, address: str, secret: bytes):
         host, port, family = listen_address(address)  # refuses a wildcard however it is spelled, before binding
@@ -1124,35 +1264,82 @@ class ReplicaListener:
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         self.secret = secret
         self.accepted: queue.Queue = queue.Queue()  # (connection, (host, port)) that proved the secret
-        self.refused: list[str] = []
+        self.refused = RefusedLog()
+        self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
+        self._closed = False
         threading.Thread(target=self._accept_loop, daemon=True, name="scalerl-listener").start()
 
     def _accept_loop(self) -> None:
+        short = False  # said once: accept() failing for a moment (out of descriptors)
         while True:
             try:
                 sock, peer = self.sock.accept()
-            except OSError:  # closed
-                return
+            except OSError as e:
+                if self._closed:
+                    return
+                if e.errno not in ACCEPT_TRANSIENT:
+                    print(f"[generator] stopped accepting replica connections on {self.address} ({e}): no replica "
+                          "can join or rejoin this run", file=sys.stderr, flush=True)
+                    return
+                if not short:
+                    print(f"[generator] cannot accept a replica connection for now ({e}); trying again",
+                          file=sys.stderr, flush=True)
+                short = True
+                time.sleep(0.2)
+                continue
+            short = False
+            if not self._slots.acquire(blocking=False):
+                sock.close()
+                self._refuse(peer, f"{MAX_HANDSHAKES} other connections are proving the secret")
+                continue
             threading.Thread(target=self._handshake, args=(sock, peer), daemon=True).start()
 
+    def _refuse(self, peer: tuple, reason: str) -> None:
+        line = f"refused a connection from {peer[0]}:{peer[1]}: {reason}"
+        self.refused.append(line)
+        n = len(self.refused)
+        if n <= RefusedLog.PRINT_FIRST or n % RefusedLog.PRINT_EVERY == 0:
+            more = f" ({n} refused so far; from now on one in {RefusedLog.PRINT_EVERY} is printed)" \
+                if n >= RefusedLog.PRINT_FIRST else ""
+            print(f"[generator] {line}{more}", file=sys.stderr, flush=True)
+
     def _handshake(self, sock: socket.socket, peer: tuple) -> None:
-        _set_recv_timeout(sock, HANDSHAKE_S)
-        conn = mpc.Connection(sock.detach())
+        # SO_RCVTIMEO bounds each read, the timer the whole handshake: a byte every few seconds cannot hold a slot.
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # the blocked read returns; the handshake fails
+
+        timer = threading.Timer(HANDSHAKE_S, expire)
+        timer.daemon = True
+        conn = None
         try:
+            timer.start()
+            _set_recv_timeout(sock, HANDSHAKE_S)
+            conn = mpc.Connection(os.dup(sock.fileno()))
             mpc.deliver_challenge(conn, self.secret)
             mpc.answer_challenge(conn, self.secret)
+            timer.cancel()
+            if expired.is_set():
+                raise TimeoutError("the deadline passed as it ended")
         except Exception as e:
+            timer.cancel()
             reason = "wrong secret" if isinstance(e, mpc.AuthenticationError) else \
                 f"no valid handshake within {HANDSHAKE_S} s"
-            line = f"refused a connection from {peer[0]}:{peer[1]}: {reason} ({type(e).__name__}: {e})"
-            self.refused.append(line)
-            print(f"[generator] {line}", file=sys.stderr, flush=True)
-            conn.close()
+            self._refuse(peer, f"{reason} ({type(e).__name__}: {e})")
+            if conn is not None:
+                conn.close()
             return
+        finally:
+            sock.close()  # the connection has a descriptor of its own
+            self._slots.release()
         _set_recv_timeout(conn, 0)
         self.accepted.put((conn, peer))
 
     def close(self) -> None:
+        self._closed = True
         try:
             self.sock.close()
         except OSError:

@@ -7,15 +7,20 @@ own)."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import errno
 import os
 import random
 import re
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -416,6 +421,74 @@ def test_a_completion_s_sampling_seed_follows_what_it_is_and_nothing_else():
     assert len(many) == 3200  # no two completions of a run share a sampler
 
 
+class _CharTokenizer:
+    """One token per character of the prompt: a prompt's length in tokens is its length in characters."""
+
+    def apply_chat_template(self, messages, **kwargs):
+        return list(range(len(messages[0]["content"])))
+
+
+@pytest.mark.parametrize("usable", [0, 1])
+def test_admission_skips_prompts_too_long_and_refuses_a_data_set_with_none_usable(tmp_path, usable):
+    """A training prompt too long for the context is skipped and counted; when every one is, admission stops with
+    a line saying so instead of looping forever."""
+    import json
+
+    rows = [{"question": "x" * 100, "answer": "1"}] * 9 + [{"question": "short?", "answer": "2"}] * 3 * usable
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    task = tasks.MathDataset(str(path))
+    config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=100, interruptions=False)
+    scheduler = pl._Scheduler(_FakeConn(), config, task, 0, [], [], 0, b"x" * 32, None)
+    scheduler.tokenizer = _CharTokenizer()
+    fits = [len(p.prompt) + 8 <= 100 for p in task.problems]  # the instruction adds 71 characters to a question
+    assert any(fits) == bool(usable)
+    if usable:
+        for _ in range(3):
+            scheduler.admit_one(None)
+        assert len(scheduler.groups) == 3 and 0 < scheduler.skipped_long_prompts <= 2 * fits.count(False)
+    else:
+        with pytest.raises(pl._Fatal, match=r"^no training prompt fits the context: \d+ in a row are too long \(e.g. "
+                                            r"prompt .*train.jsonl-\d+ has 171 tokens: with max_tokens 8 it exceeds "
+                                            r"the context, max_model_len 100\)"):
+            scheduler.admit_one(None)
+        assert scheduler.skipped_long_prompts == len(task.problems)  # each once: the data set went by once
+
+
+class _HangingTask(tasks.ArithmeticTask):
+    """A verifier that never returns for a completion holding 'hang', and swallows exceptions as careless ones do."""
+
+    def reward(self, problem, completion):
+        while "hang" in completion:
+            try:
+                time.sleep(0.01)
+            except Exception:  # must not swallow the deadline
+                pass
+        return super().reward(problem, completion)
+
+
+def test_a_reward_that_never_returns_costs_its_deadline_scores_wrong_and_shows_in_the_metrics():
+    config = pl.GeneratorConfig(model="m", reward_timeout=0.3, interruptions=False)
+    scheduler = pl._Scheduler(_FakeConn(), config, _HangingTask(), 0, [], [], 0, b"x" * 32, None)
+    problem = scheduler.task.problem(2, 3)
+    t0 = time.monotonic()
+    reward, error = scheduler.score(problem, "hang")
+    assert time.monotonic() - t0 < 2.0 and reward == -1.0
+    assert error == "RewardTimeout: reward took longer than 0.3 s"
+    assert scheduler.score(problem, "<think>x</think> 5") == (1.0, None)  # the next reward runs as before
+    assert scheduler.reward_timeouts_total == 1 and scheduler.reward_errors_total == 1
+
+    def completion(reward, error):
+        return pl.Completion([1], [0.0], [0], [True], "x", "stop", reward, error)
+
+    group = pl.Group(problem, 0, [1], [completion(reward, error), completion(1.0, None)])
+    stats = scheduler.batch_stats([group], 0)
+    assert stats["reward_timeouts"] == 1 and stats["reward_timeouts_total"] == 1 and stats["reward_errors"] == 1
+    assert pl.GeneratorConfig(model="m").reward_timeout > 0  # on by default
+    with pytest.raises(ValueError, match="reward_timeout must be a number of seconds > 0"):
+        pl.GeneratorConfig(model="m", reward_timeout=0)
+
+
 def test_weight_buckets_round_trip_every_dtype_and_shape():
     """What the learner packs is what a replica unpacks: names, dtypes, shapes and bytes, across bucket boundaries,
     with a tensor larger than a bucket in a bucket of its own and every slice aligned for its dtype."""
@@ -442,6 +515,75 @@ def test_weight_broadcast_reaches_every_group_and_a_dead_replica_fails_only_its_
     assert set(failures) == {1} and "Connection closed by peer" in failures[1], failures
     assert got[0] is not None and got[2] is not None
     assert seconds < 30
+
+
+def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket process `pid` listens on, from /proc/PID/fd and /proc/net/tcp{,6}."""
+    import ipaddress
+
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                hex_address, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_address)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word little-endian
+                found.append((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return found
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"])
+def test_the_weight_group_store_listens_on_the_named_address_alone(host):
+    """The TCPStore the weight groups rendezvous at binds only the --gen-listen host (127.0.0.1 on one node), not
+    every interface as TCPStore does when it opens its own socket: the process listens on no other address."""
+    before = set(listening_sockets())
+    sender = vllm_replica.WeightSender(host, "gloo", timeout_s=10)
+    try:
+        store_host, port = sender.address
+        new = set(listening_sockets()) - before
+        assert new == {(host, port)}, new
+        if host != "127.0.0.1":
+            with pytest.raises(OSError):  # not reachable at any other address
+                socket.create_connection(("127.0.0.1", port), timeout=2)
+        import torch.distributed as dist
+
+        client = dist.TCPStore(store_host, port, is_master=False, timeout=timedelta(seconds=10))
+        client.set("k", "v")  # a member still reaches it at the named address
+        assert sender.store.get("k") == b"v"
+    finally:
+        del sender
+
+
+def test_a_stranger_who_reaches_the_weight_store_reads_no_key_or_value_and_cannot_plant_one():
+    """TCPStore lists its keys to anyone who connects: a group's keys and values are sealed by its secret prefix, so
+    the listing shows neither the prefix nor the names nor the addresses, and a value a stranger writes is refused
+    (the group's broadcast over the sealed store is test_weight_broadcast_reaches_every_group...)."""
+    import torch.distributed as dist
+
+    sender = vllm_replica.WeightSender("127.0.0.1", "gloo", timeout_s=10)
+    host, port = sender.address
+    member = vllm_replica.SealedStore(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10)),
+                                      "scalerl/0123456789abcdef0123456789abcdef")
+    member.set("rank_1", b"127.0.0.1:41234 address")
+    member.set("nccl_id", "text is bytes too")
+    stranger = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+    keys = stranger.list_keys()  # the listing TCPStore gives anyone
+    assert len(keys) == 2 and not any("rank" in k or "nccl" in k or "0123456789" in k for k in keys), keys
+    assert all(b"127.0.0.1" not in stranger.get(k) and b"text" not in stranger.get(k) for k in keys)
+    assert member.get("rank_1") == b"127.0.0.1:41234 address" and member.get("nccl_id") == b"text is bytes too"
+    assert vllm_replica.SealedStore(stranger, "scalerl/another-prefix").check(["rank_1"]) is False
+    assert member.compare_set("count", b"", b"1") == b"1" and member.compare_set("count", b"2", b"3") == b"1"
+    assert member.compare_set("count", b"1", "2") == b"2" and member.clone().get("count") == b"2"
+    stranger.set(keys[0], b"x" * 64)  # a stranger's value under a name it listed
+    with pytest.raises(ValueError, match="that no member wrote: refused"):
+        [member.get(k) for k in ("rank_1", "nccl_id")]
 
 
 def test_the_listener_refuses_a_wrong_secret_and_a_silent_client_and_accepts_the_right_one(monkeypatch, capfd):
@@ -475,6 +617,68 @@ def test_the_listener_refuses_a_wrong_secret_and_a_silent_client_and_accepts_the
         accepted.close()
     finally:
         listener.close()
+
+
+def test_a_flood_of_connections_holds_a_bounded_number_and_a_replica_still_joins(monkeypatch, capfd):
+    """40 silent connections and one that sends a byte every 0.2 s, all on 127.0.0.1: at most MAX_HANDSHAKES wait at
+    once (the rest are closed at once), the dripping one is cut at the handshake's whole deadline (not per read),
+    the log says only so much, and a replica with the secret joins once the flood has stopped."""
+    monkeypatch.setattr(vllm_replica, "HANDSHAKE_S", 1)
+    monkeypatch.setattr(vllm_replica, "MAX_HANDSHAKES", 4)
+    secret = b"the-right-secret-of-32-bytes-...."
+    listener = vllm_replica.ReplicaListener("127.0.0.1:0", secret)
+    flood = []
+    try:
+        host, port = vllm_replica.parse_address(listener.address)
+        drip = socket.create_connection((host, port), timeout=5)
+        drip.sendall(struct.pack("!i", 200))  # a well-formed answer's length: its 200 bytes come one at a time
+        t0 = time.monotonic()
+        flood = [socket.create_connection((host, port), timeout=5) for _ in range(40)]
+        time.sleep(0.2)  # all accepted by now
+        handshakes = [t for t in threading.enumerate() if "_handshake" in t.name]
+        assert len(handshakes) <= 4, handshakes  # a thread per slot, never one per connection
+        with contextlib.suppress(OSError):  # a byte every 0.2 s: each read is quick, the whole never ends
+            while time.monotonic() - t0 < 5:
+                drip.sendall(b"x")
+                time.sleep(0.2)
+        assert time.monotonic() - t0 < 3  # cut after about 1 s (HANDSHAKE_S), not 5
+        for sock in flood:
+            sock.close()
+        conn, _ = vllm_replica.connect_to_generator(listener.address, secret, timeout=15)
+        accepted, _ = listener.accepted.get(timeout=5)
+        conn.send("hello")
+        assert accepted.recv() == "hello"
+        conn.close()
+        accepted.close()
+        assert len(listener.refused) >= 37  # 41 in all, 4 slots
+        assert len(list(listener.refused)) <= vllm_replica.RefusedLog.KEEP
+        err = capfd.readouterr().err
+        assert "other connections are proving the secret" in err
+        assert err.count("[generator] refused") <= vllm_replica.RefusedLog.PRINT_FIRST + 1
+    finally:
+        for sock in flood:
+            sock.close()
+        listener.close()
+
+
+def test_the_listener_says_in_one_line_when_it_stops_accepting(capfd):
+    """accept() failing for a moment (out of descriptors) is said once and tried again; any other failure is one line
+    saying that no replica can join any more, never a silent end."""
+    listener = vllm_replica.ReplicaListener("127.0.0.1:0", b"s" * 32)
+    listener.close()
+    errors = iter([OSError(errno.EMFILE, "Too many open files"), OSError(errno.EMFILE, "Too many open files"),
+                   OSError(errno.EINVAL, "Invalid argument")])
+
+    class Failing:
+        def accept(self):
+            raise next(errors)
+
+    listener.sock, listener._closed = Failing(), False
+    listener._accept_loop()  # returns after the third error
+    err = capfd.readouterr().err
+    assert err.count("cannot accept a replica connection for now") == 1
+    assert f"[generator] stopped accepting replica connections on {listener.address} ([Errno 22] Invalid argument): " \
+           "no replica can join or rejoin this run" in err
 
 
 def test_a_replica_that_never_comes_is_named_with_the_command_that_starts_it(base_model_dir):

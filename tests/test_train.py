@@ -12,9 +12,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 import collections
+import contextlib
 import dataclasses
 from collections import deque
 from pathlib import Path
@@ -262,6 +264,33 @@ def test_dataset_config_reaches_load_dataset(monkeypatch, argv, config):
     task, test_task = runtime.load_tasks(flags.parse_args(["--dataset", "openai/gsm8k", *argv]))
     assert calls == [("openai/gsm8k", config, "train")]
     assert test_task is None and len(task.problems) + len(task.validation()) == 10
+
+
+def test_a_corrupt_parquet_data_set_stops_the_run_in_one_line_without_a_traceback(tmp_path, capsys):
+    path = tmp_path / "data.parquet"
+    path.write_bytes(b"PAR1 garbage PAR1")
+    with pytest.raises(SystemExit) as stop:
+        runtime._data(flags.parse_args(["--dataset", str(path), "--output-dir", str(tmp_path / "run")]), True)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"train.py: error: {path}: not a readable Parquet file (") and len(err.splitlines()) == 1
+    assert "Traceback" not in err
+
+
+def test_an_evaluation_prompt_longer_than_the_context_is_one_line_before_the_generator_starts(monkeypatch):
+    import transformers
+
+    class Chars:  # one token per character of the prompt
+        def apply_chat_template(self, messages, **kwargs):
+            return list(range(len(messages[0]["content"])))
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: Chars())
+    config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=32)
+    fits, too_long = Problem("val.jsonl-0", "x" * 24, "1"), Problem("val.jsonl-1", "x" * 25, "1")
+    runtime.eval_prompts_fit("m", config, [fits])
+    with pytest.raises(SystemExit, match=r"^train.py: error: evaluation prompt val.jsonl-1 has 25 tokens: with "
+                                         r"max_tokens 8 it exceeds the context, max_model_len 32; raise"):
+        runtime.eval_prompts_fit("m", config, [fits, too_long])
 
 
 @pytest.mark.parametrize("gen_devices, gpus, ranks, tp, message", [
@@ -702,7 +731,7 @@ def test_trackio_local_gets_every_step_once_across_a_resume(tmp_path, monkeypatc
     from trackio.sqlite_storage import SQLiteStorage
 
     assert (tmp_path / "trackio" / "scalerl.db").is_file()
-    logs = SQLiteStorage.get_logs("scalerl", tmp_path.name)
+    logs = SQLiteStorage.get_logs("scalerl", str(tmp_path.absolute()))  # the run is named for the whole path
     assert [r["step"] for r in logs] == list(range(7))
     assert [r["train/reward"] for r in logs] == pytest.approx([0, .1, .2, .3, .4, 1.5, 1.6])
 
@@ -1449,6 +1478,49 @@ def test_checkpoints_are_never_written_or_read_through_a_planted_link(tmp_path, 
     assert victim.read_text() == "precious\n" and not any(p.is_symlink() for p in out.rglob("*"))
 
 
+@pytest.mark.parametrize("name", ["checkpoint.tmp", "checkpoint.old"])
+def test_a_checkpoint_directory_of_another_user_is_refused_in_one_line_not_removed(tmp_path, one_rank_group, name):
+    """A real checkpoint.tmp/ or checkpoint.old/ that another user owns was removed with rmtree (a PermissionError
+    traceback at every checkpoint where it could not be): the run did not make it, so it is refused, as the run
+    claims its directory and at a save, and left as it is."""
+    if os.geteuid() != 0:
+        pytest.skip("making a directory another user owns needs root")
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    out = tmp_path / "run"
+    (out / name).mkdir(parents=True)
+    (out / name / "theirs").write_text("precious\n")
+    os.chown(out / name, 12345, 12345)
+    with pytest.raises(checkpoints.LinkRefusedError, match=rf"^{re.escape(str(out / name))} belongs to uid 12345"):
+        runtime.refuse_planted_links(out)
+    with pytest.raises(SystemExit) as stop:
+        checkpoints.save_checkpoint(out, model, optimizer, {"step": 1}, rank=0)
+    assert f"{out / name} belongs to uid 12345, not to this run's user" in str(stop.value.code)
+    assert len(str(stop.value.code).splitlines()) == 1
+    assert (out / name / "theirs").read_text() == "precious\n" and sorted(os.listdir(out)) == [name]
+
+
+def test_a_link_planted_at_checkpoint_old_during_a_save_is_one_line(tmp_path, victim, one_rank_group, monkeypatch):
+    """Planted after the save's check, before its rotation: the rename fails (ENOTDIR); one line, nothing followed."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    out = tmp_path / "run"
+    out.mkdir()
+    checkpoints.save_checkpoint(out, model, optimizer, {"step": 1}, rank=0)
+    read_back = checkpoints.read_trainer_state
+
+    def plant_then_read(ckpt):  # the save reads its new checkpoint back just before rotating it in
+        if ckpt.name == "checkpoint.tmp":
+            (out / "checkpoint.old").symlink_to(victim)
+        return read_back(ckpt)
+
+    monkeypatch.setattr(checkpoints, "read_trainer_state", plant_then_read)
+    with pytest.raises(SystemExit, match=r"^checkpoint at step 2: could not rotate .*checkpoint.tmp in \(.*\); it is "
+                                         r"complete, and the previous checkpoint .* is intact$"):
+        checkpoints.save_checkpoint(out, model, optimizer, {"step": 2}, rank=0)
+    assert victim.read_text() == "precious\n"
+
+
 def test_a_weight_file_is_never_written_through_a_planted_link(tmp_path, victim, monkeypatch):
     """The generator's weight files go to /dev/shm or the temp dir, shared by every user of the machine."""
     names = iter(["planted", "fresh"])
@@ -1525,7 +1597,7 @@ def test_a_save_after_a_fallback_keeps_the_good_checkpoint_until_the_new_one_is_
         raise OSError("simulated crash")
 
     monkeypatch.setattr(Path, "rename", crash_on_rename)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(SystemExit, match=r"could not rotate .* in \(simulated crash\)"):  # one line, no traceback
         checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
     monkeypatch.undo()
     assert renames == [("checkpoint.tmp", "checkpoint")]  # the good checkpoint.old is never renamed over
@@ -1829,6 +1901,36 @@ def test_a_second_ctrl_c_under_torchrun_is_named_as_such():
             signal.signal(sig, handler)
 
 
+def test_ctrl_c_while_rank_0_waits_for_a_batch_ends_the_wait_at_once_and_stops_with_a_checkpoint(capsys):
+    """A first Ctrl-C was only noted while rank 0 waited for the generator's groups, however long generation took.
+    Now the wait ends at once, as a generator failure: the round carries the reason, and every rank checkpoints and
+    stops. Outside the wait a first signal is only noted, as before."""
+    from types import SimpleNamespace
+
+    class SlowGenerator:
+        def get_batch(self, n, version):
+            time.sleep(30)  # a generation that lasts
+            raise AssertionError("the wait was not interrupted")
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        run = SimpleNamespace(stop_reason=None, generator=SlowGenerator(),
+                              stopper=runtime.GracefulStop(announce=False))
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        round_ = train.pull_round_or_error(flags.parse_args([]), run, checkpoints.TrainerState())
+        assert time.monotonic() - t0 < 5
+        assert round_.stop_reason == "stopped by SIGINT while waiting for the generator's groups"
+        assert round_.batches == []
+        assert not run.stopper.waiting
+        stopper = runtime.GracefulStop(announce=False)
+        stopper._handle(signal.SIGINT, None)  # outside the wait: noted, the step ends first
+        assert stopper.signal == "SIGINT"
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 TIED_LEARNER = """
 import sys, torch
 import flags, packing, runtime, train
@@ -2115,6 +2217,34 @@ print("export ok", float((vllm_lp - ours).abs().max()), flush=True)
 llm.llm_engine.engine_core.shutdown()
 os._exit(0)
 """
+
+
+@pytest.mark.slow
+def test_a_two_step_run_listens_on_loopback_alone_apart_from_torchruns_own(tmp_path, base_model_dir):
+    """Every TCP socket the run's processes listen on (learner ranks, generator, replica; sampled twice a second)
+    is on a loopback address, but torchrun's own rendezvous: the weight groups' store listened on every interface."""
+    import ipaddress
+
+    import psutil
+
+    cmd = TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(tmp_path / "run"), "--max-steps", "2",
+                      *SHORT]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    listening: dict[tuple, str] = {}
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(psutil.Error):
+            for p in [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    for c in p.net_connections(kind="inet"):
+                        if c.status == psutil.CONN_LISTEN:
+                            listening[(c.laddr.ip, c.laddr.port)] = "torchrun" if p.pid == proc.pid else p.name()
+        time.sleep(0.5)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    ours = {address: who for address, who in listening.items() if who != "torchrun"}
+    assert ours, "no socket of the run was seen listening"  # the sampling saw the run
+    assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in ours), ours
 
 
 @pytest.mark.slow

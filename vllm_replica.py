@@ -905,6 +905,10 @@ def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
         kwargs["hf_overrides"] = {"head_dtype": "float32"}  # lm_head matmul and logits in float32
     if on_gpu:
         kwargs["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    else:  # every request is seeded (pipeline_rl.sampling_seed); vLLM rewinds a seeded request's generator after a
+        # chunk of its prefill (Generator.set_offset), which a CPU generator cannot do: "CPU Generator does not use
+        # offset". Whole prefills only, then, in steps of at least one full sequence.
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, cfg.max_model_len))
     if cfg.max_num_seqs:
         kwargs["max_num_seqs"] = cfg.max_num_seqs
     return kwargs

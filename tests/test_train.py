@@ -2616,24 +2616,19 @@ def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_mode
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
-RECIPE_30 = ["--max-steps", "30", "--eval-every", "15", "--debug-learner-slowdown", "3"]
+RECIPE_12 = ["--max-steps", "12", "--eval-every", "6", "--debug-learner-slowdown", "3"]
 
 
 @pytest.fixture(scope="module")
-def recipe_30_steps(tmp_path_factory, base_model_dir) -> Path:
-    """The default recipe (cispo, pipeline, k = 8, buffer 1, one replica) on the tiny task, shortened to 30 steps,
+def recipe_12_steps(tmp_path_factory, base_model_dir) -> Path:
+    """The default recipe (cispo, pipeline, k = 8, buffer 1, one replica) on the tiny task, shortened to 12 steps,
     with the learner slowed 3x so that the generator is far ahead of it (as on a machine with a relatively faster
-    generator). Run once for the tests that read it."""
+    generator). Run once for the tests that read it. How far the recipe learns is measured by runs of 200 steps on
+    several seeds (docs/results.md, `bench.py report`), not here: a short run's rise is a coin flip of noise."""
     out = tmp_path_factory.mktemp("recipe") / "one-replica"
-    run = _train(out, *RECIPE_30, timeout=1200)
+    run = _train(out, *RECIPE_12, timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
     return out
-
-
-# Learning above a floor, not against another run: a 30-step run of the tiny recipe rose 0.37-0.45 on the machines it
-# was tried on, and which run of two rises more is a coin flip (comparisons of learning between variants belong to
-# bench.py, on several seeds with their spread).
-RISE_FLOOR_30_STEPS = 0.25
 
 
 def _assert_each_data_index_trained_once(run_dir: Path) -> None:
@@ -2644,34 +2639,30 @@ def _assert_each_data_index_trained_once(run_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_recipe_with_a_fast_generator_stays_fresh_and_learns(recipe_30_steps):
-    """The buffer keeps the lag near 1 instead of k, and the pass rate rises above the floor."""
-    rows = _rows(recipe_30_steps)
+def test_default_recipe_with_a_fast_generator_stays_fresh(recipe_12_steps):
+    """The buffer keeps the lag near 1 instead of k, nothing is dropped, and every data index is trained once."""
+    rows = _rows(recipe_12_steps)
     evals = [r for r in rows if "val_pass_rate" in r]
-    assert [r["step"] for r in evals] == [0, 15, 30]
-    assert evals[0]["val_pass_rate"] <= 0.5
-    assert evals[-1]["val_pass_rate"] - evals[0]["val_pass_rate"] >= RISE_FLOOR_30_STEPS, evals
+    assert [r["step"] for r in evals] == [0, 6, 12]
+    assert all(0 <= r["val_pass_rate"] <= 1 for r in evals)
     trained = [r for r in rows[1:]]
     tokens = sum(sum(r["lag_hist"].values()) for r in trained)
     mean_lag = sum(int(lag) * n for r in trained for lag, n in r["lag_hist"].items()) / tokens
     assert mean_lag <= 1.5, mean_lag  # k alone would let it reach 8 here
     assert max(r["lag_max"] for r in trained) <= 8 and rows[-1]["stale_dropped"] == 0
     assert all("buffer_depth_steps" in r for r in trained)
-    _assert_each_data_index_trained_once(recipe_30_steps)
+    _assert_each_data_index_trained_once(recipe_12_steps)
 
 
 @pytest.mark.slow
-def test_two_replicas_produce_learn_and_a_resume_may_change_their_number(tmp_path):
-    """The recipe's first 30 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast
+def test_two_replicas_produce_and_a_resume_may_change_their_number(tmp_path):
+    """The recipe's first 10 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast
     over gloo): both replicas produce groups, the lag stays <= k with nothing dropped, no data index is trained
-    twice, and the pass rate rises above the floor; then --resume continues the run with one replica."""
+    twice; then --resume continues the run with one replica."""
     out = tmp_path / "two-replicas"
-    # At full learner speed, unlike RECIPE_30: these invariants need no generator far ahead, and the 3x slowdown's
-    # sleep was about 95 s of the run's 216 s.
-    run = _train(out, "--max-steps", "30", "--eval-every", "15", "--gen-replicas", "2", timeout=1200)
+    # At full learner speed: these invariants need no generator far ahead.
+    run = _train(out, "--max-steps", "10", "--eval-every", "5", "--gen-replicas", "2", timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
-    evals = [r for r in _rows(out) if "val_pass_rate" in r]
-    assert evals[-1]["val_pass_rate"] - evals[0]["val_pass_rate"] >= RISE_FLOOR_30_STEPS, evals
     _assert_each_data_index_trained_once(out)
     rows = _rows(out)[1:]
     groups = collections.Counter()
@@ -2685,11 +2676,11 @@ def test_two_replicas_produce_learn_and_a_resume_may_change_their_number(tmp_pat
     # speed that happens); over the run both produced tokens.
     assert all(set(r["gen_tokens_by_replica"]) == {"0", "1"} for r in rows)
     assert all(sum(r["gen_tokens_by_replica"][replica] for r in rows) > 0 for replica in ("0", "1"))
-    run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "32", "--gen-replicas", "1")
+    run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "12", "--gen-replicas", "1")
     assert run.returncode == 0, run.stderr[-4000:]
     resumed = _rows(out)
-    assert [r["step"] for r in resumed] == list(range(33))
-    assert all(r["gen_replicas_alive"] == 1 and set(r["gen_tokens_by_replica"]) == {"0"} for r in resumed[31:])
+    assert [r["step"] for r in resumed] == list(range(13))
+    assert all(r["gen_replicas_alive"] == 1 and set(r["gen_tokens_by_replica"]) == {"0"} for r in resumed[11:])
 
 
 @pytest.mark.slow

@@ -776,7 +776,9 @@ class _Admission:
 
     def admit_one(self, replica: _ReplicaSlot | None) -> None:
         too_long: set[str] = set()  # this call's: once it holds every admissible prompt, none is usable
-        limit = max(0, len(getattr(self.task, "problems", ())) - len(self.data.retired)) or MAX_UNUSABLE_PROMPTS
+        listed = getattr(self.task, "problems", None)  # a data set's list (a generated task may have a method)
+        known = len(listed) if isinstance(listed, (list, tuple)) else 0
+        limit = max(0, known - len(self.data.retired)) or MAX_UNUSABLE_PROMPTS
         while True:
             fresh = not self.data.requeue
             index, problem = self.data.next()

@@ -464,6 +464,18 @@ def test_admission_skips_prompts_too_long_and_refuses_a_data_set_with_none_usabl
         assert scheduler.skipped_long_prompts == len(task.problems)  # each once: the data set went by once
 
 
+@pytest.mark.parametrize("task", [tasks.MixedArithmeticTask(), tasks.SmallArithmeticTask(), tasks.ArithmeticTask()])
+def test_admission_works_for_tasks_whose_problems_are_a_method_or_a_stream(task):
+    """make run-real's task has a `problems(split)` method, not a list: admission must not take it for a data set's
+    list of prompts (it did: 'object of type method has no len()', the generator's death at step 1)."""
+    config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=1000, interruptions=False)
+    scheduler = pl._Scheduler(_FakeConn(), config, task, 0, [], [], 0, b"x" * 32, None)
+    scheduler.tokenizer = _CharTokenizer()
+    for _ in range(3):
+        scheduler.admit_one(None)
+    assert len(scheduler.groups) == 3 and scheduler.skipped_long_prompts == 0
+
+
 class _HangingTask(tasks.ArithmeticTask):
     """A verifier that never returns for a completion holding 'hang', and swallows exceptions as careless ones do."""
 
@@ -1137,7 +1149,7 @@ def test_killing_vllms_engine_core_raises_generator_error_quickly(sync_gen):
     segments = [p for p in shm.glob("psm_*") if p.stat().st_mtime >= started - 1] if shm.is_dir() else []
     os.kill(core[0], signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(pl.GeneratorError, match=f"during get_batch: no replica left: replica 0 .local, pid "
+    with pytest.raises(pl.GeneratorError, match=f"during get_batch of 2 groups for weights 1: no replica left: replica 0 .local, pid "
                                                  f"\\d+.: vLLM process \\S*EngineCore\\S* .pid {core[0]}. died"):
         sync_gen.get_batch(2, 1)
     assert time.monotonic() - t0 < 10

@@ -764,9 +764,9 @@ class _Admission:
 
     def new_group(self, problem: Problem, data_index: int, samples: int, version: int,
                   temperature: float) -> _GroupState:
-        if why := tasks.prompt_overflow(self.tokenizer, problem, self.cfg.max_tokens, self.cfg.max_model_len):
+        prompt_ids = tasks.chat_prompt_ids(self.tokenizer, problem.prompt)  # tokenized once: checked, then kept
+        if why := tasks.prompt_overflow(problem, len(prompt_ids), self.cfg.max_tokens, self.cfg.max_model_len):
             raise _RequestError(why)
-        prompt_ids = tasks.chat_prompt_ids(self.tokenizer, problem.prompt)
         state = _GroupState(self.next_gid, problem, data_index, prompt_ids, version,
                             version + self.cfg.max_off_policy, [None] * samples, [None] * samples,
                             self.admit_counter, [None] * samples, temperature)

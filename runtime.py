@@ -324,7 +324,8 @@ def eval_prompts_fit(model_path: str, config: pipeline_rl.GeneratorConfig, probl
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     for problem in problems:
-        if why := tasks.prompt_overflow(tokenizer, problem, config.max_tokens, config.max_model_len):
+        n = len(tasks.chat_prompt_ids(tokenizer, problem.prompt))
+        if why := tasks.prompt_overflow(problem, n, config.max_tokens, config.max_model_len):
             raise SystemExit(f"train.py: error: evaluation {why}; raise --max-model-len or lower --max-tokens")
 
 

@@ -33,7 +33,7 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
    scratchpad). The model learns the right procedure *and* to slip now and then, so its pass@1 starts low with
    real variance inside a group, and RL can push it close to 1 by removing the slips.
 
-   The documented base ships with the repository (`BASE_MODEL_DIR`, models/tiny-arith, 3.5 MB), and runs without
+   The documented base ships with the repository (`BASE_MODEL_DIR`, models/tiny-arith, 3.4 MB), and runs without
    --model start from it (`embedded_base_model`, which checks its weights against `DOCUMENTED_BASE` first), so
    every clone starts RL from the same bytes whatever its CPU. `python tasks.py build-base` is how it was made: it
    builds one into the cache (or reuses it), then measures it with vLLM on the validation split and prints one JSON
@@ -398,10 +398,10 @@ def _parquet_rows(path: Path, source: str) -> DataRows:
         datasets.logging.set_verbosity(verbosity)
 
 
-def prompt_overflow(tokenizer: Any, problem: Problem, max_tokens: int, max_model_len: int) -> str | None:
-    """Why `problem`'s prompt cannot be generated from (its chat-templated tokens and max_tokens exceed the
-    context max_model_len), naming its id (the file and row of a data set's prompt), or None when it fits."""
-    n = len(chat_prompt_ids(tokenizer, problem.prompt))
+def prompt_overflow(problem: Problem, n: int, max_tokens: int, max_model_len: int) -> str | None:
+    """Why `problem`'s prompt, `n` tokens once chat-templated (`chat_prompt_ids`), cannot be generated from (with
+    max_tokens it exceeds the context max_model_len), naming its id (the file and row of a data set's prompt), or
+    None when it fits."""
     if n + max_tokens <= max_model_len:
         return None
     return (f"prompt {problem.id} has {n} tokens: with max_tokens {max_tokens} it exceeds the context, "

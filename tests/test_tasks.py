@@ -914,8 +914,9 @@ class _CharTokenizer:
 
 def test_a_prompt_longer_than_the_context_is_named_with_the_limit():
     problem = Problem("data.jsonl-7", "x" * 20, "1")
-    assert tasks.prompt_overflow(_CharTokenizer(), problem, max_tokens=10, max_model_len=33) is None  # 23 + 10
-    assert tasks.prompt_overflow(_CharTokenizer(), problem, max_tokens=10, max_model_len=32) == (
+    n = len(tasks.chat_prompt_ids(_CharTokenizer(), problem.prompt))
+    assert tasks.prompt_overflow(problem, n, max_tokens=10, max_model_len=33) is None  # 23 + 10
+    assert tasks.prompt_overflow(problem, n, max_tokens=10, max_model_len=32) == (
         "prompt data.jsonl-7 has 23 tokens: with max_tokens 10 it exceeds the context, max_model_len 32")
 
 

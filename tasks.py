@@ -843,14 +843,14 @@ def math_answers_match(predicted: str | None, reference: str) -> bool:
 # prime-rl) parses each side's final answer from LaTeX into sympy and compares them by value: \sqrt2 and \sqrt{2},
 # x = 3 and 3, \{2, 1\} and \{1, 2\}, 2^{10} and 1024 are each one answer. Its own timeouts use signal.alarm, which
 # works only in a process's main thread (and whose alarm(0) would cancel the run's reward deadline), and a tower of
-# powers hangs in one C call that no signal interrupts: so it runs with its timeouts off, in a worker process of
-# its own: a server that imports it once and forks a comparer, killed once an answer overruns
+# powers hangs in one C call that no signal interrupts. So it runs with its timeouts off, in processes of its own:
+# a server that imports it once and forks a comparer, which is killed once an answer overruns
 # `MathVerifier.timeout_s` and forked again in milliseconds.
 
 MATH_VERIFY_PIP = "pip install math-verify==0.9.0 (pinned in both requirements files)"
 MATH_VERIFY_TIMEOUT_S = 1.0  # one answer's comparison; real answers take 1-200 ms on one core
 MAX_ANSWER_CHARS = 2000  # longer extracted answers are no answer (the longest MATH answers are a few hundred)
-_WORKER_MEMORY_BYTES = 4 << 30  # address space of the worker: a memory bomb fails there, not in the run
+_WORKER_MEMORY_BYTES = 4 << 30  # address space of a comparer: a memory bomb fails there, not in the run
 _SCI_NUMBER = re.compile(r"(-?\d+(?:\.\d+)?)[eE]([+-]?\d{1,3})")
 _PERCENT = re.compile(r"\\?%\s*$")
 _NUMBER_THEN_WORDS = re.compile(r"(-?\\?\$?\d[\d,]*(?:\.\d+)?)(?:\s+[A-Za-z]{2,}\.?)+")
@@ -888,7 +888,7 @@ def prepare_answer(answer: str | None) -> str | None:
 class AnswerCheck:
     """One comparison, as `check-answer` prints it: the answer extracted from each side, what math-verify parsed
     each into (its sympy forms, then the text it parsed), and whether they match. `error` says why a comparison
-    did not happen ("timeout", "no answer", the worker's exception); `reference_parsed` is false when math-verify
+    did not happen ("timeout", "no answer", the comparer's exception); `reference_parsed` is false when math-verify
     found no math in the reference (then only equal text matches)."""
 
     match: bool
@@ -904,8 +904,8 @@ class AnswerCheck:
         return self.error is not None and self.error.startswith("timeout")
 
 
-def _worker_compare(predicted: str, reference: str) -> dict[str, Any]:
-    """Inside the worker: parse both sides (each wrapped in \\boxed{}) and compare, math-verify's timeouts off."""
+def _compare_answers(predicted: str, reference: str) -> dict[str, Any]:
+    """Inside a comparer: parse both sides (each wrapped in \\boxed{}) and compare, math-verify's timeouts off."""
     from math_verify import parse, verify
     from sympy import Basic, MatrixBase
 
@@ -916,9 +916,9 @@ def _worker_compare(predicted: str, reference: str) -> dict[str, Any]:
     if not match and (_PERCENT.search(predicted) is None) != (_PERCENT.search(reference) is None):
         # A percentage may drop its sign (MATH's convention, which math-verify applies to whole numbers only):
         # 12.5\\% and 12.5 are one answer, as 50\\% and 50 are.
-        match = verify(parse(f"\\boxed{{{_PERCENT.sub('', reference)}}}", parsing_timeout=None),
-                       parse(f"\\boxed{{{_PERCENT.sub('', predicted)}}}", parsing_timeout=None),
-                       timeout_seconds=None)
+        match = bool(verify(parse(f"\\boxed{{{_PERCENT.sub('', reference)}}}", parsing_timeout=None),
+                            parse(f"\\boxed{{{_PERCENT.sub('', predicted)}}}", parsing_timeout=None),
+                            timeout_seconds=None))
     return {"match": match, "reference_parsed": any(isinstance(g, (Basic, MatrixBase)) for g in gold),
             "compared": {"predicted": [str(x)[:200] for x in pred], "reference": [str(x)[:200] for x in gold]}}
 
@@ -976,7 +976,7 @@ def _fork_comparer(server: int) -> tuple[int, int, int]:
         while True:
             request = json.loads(_read_line(from_parent, buffer, None))
             try:
-                reply = _worker_compare(request["p"], request["r"])
+                reply = _compare_answers(request["p"], request["r"])
             except (Exception, RecursionError, MemoryError) as e:  # sympy and antlr raise anything: no match
                 reply = {"match": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             os.write(to_parent, (json.dumps(reply) + "\n").encode())
@@ -1001,7 +1001,7 @@ def math_verify_server(parent: int) -> None:
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a stray print in a library must not corrupt the replies
     for predicted, reference in _WARM_UP:  # sympy imports much on first use: done once here, every fork has it
         with contextlib.suppress(Exception):
-            _worker_compare(predicted, reference)
+            _compare_answers(predicted, reference)
     comparer, buffer = _fork_comparer(os.getpid()), bytearray()
     replies.write('{"ready": true}\n')
     replies.flush()
@@ -1106,7 +1106,7 @@ _VERIFIER: tuple[int, MathVerifier] | None = None
 
 
 def math_verifier() -> MathVerifier:
-    """This process's MathVerifier (a forked child makes its own: its parent's workers are not its children)."""
+    """This process's MathVerifier (a forked child makes its own: its parent's server is not its child)."""
     global _VERIFIER
     if _VERIFIER is None or _VERIFIER[0] != os.getpid():
         _VERIFIER = (os.getpid(), MathVerifier())

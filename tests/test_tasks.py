@@ -4,6 +4,9 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
+import threading
 from fractions import Fraction
 from itertools import islice
 from pathlib import Path
@@ -931,3 +934,190 @@ def test_normalize_expression_is_linear_in_the_answer_length():
     for text, want in (("\\text{ cm}", "cm"), ("5\\text{ apples} and \\text{x", "5applesand\\text{x"),
                        ("\\text{a \\text{b}}", "a\\text{b}"), ("\\text{}", "")):
         assert tasks.normalize_expression(text) == want, text
+
+
+# --------------------------------------------------------------------------------------------------------------
+# math-verify: the reward of math data sets, its bound, check-answer
+# --------------------------------------------------------------------------------------------------------------
+
+PAIRS = DATA / "answer_pairs.jsonl"  # labelled by mathematical truth, not by what a verifier says
+HELD_OUT = DATA / "answer_pairs_heldout.jsonl"  # written after the verifier was tuned on PAIRS, never tuned on
+HOSTILE = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2^{2^{2^{2^{2^{2}}}}}}", "\\boxed{" + "(" * 600 + "1" + ")" * 600 + "}",
+           "\\boxed{" + "1+" * 900 + "1}", "1" * 100_000]
+
+
+def _agreement(path: Path, verifier: str) -> tuple[float, float | None, int]:
+    records = list(tasks.check_answer_rows(tasks.read_answer_pairs(str(path)), verifier))
+    new = sum(r["match"] == r["equivalent"] for r in records) / len(records)
+    old = sum(r["text_match"] == r["equivalent"] for r in records) / len(records) if verifier == "both" else None
+    return new, old, len(records)
+
+
+def test_math_verify_agrees_with_the_labelled_pairs_as_the_docs_say():
+    """docs/real-models.md gives both verifiers' agreement with the 235 labelled pairs; the numbers are measured here."""
+    labels = [json.loads(line) for line in PAIRS.read_text().splitlines()]
+    assert len(labels) >= 200 and {r["equivalent"] for r in labels} == {True, False}
+    new, old, n = _agreement(PAIRS, "both")
+    assert new >= 0.95 and old < new
+    row = re.search(r"\| labelled pairs \(`tests/data/answer_pairs.jsonl`\), (\d+) \| ([\d.]+) \| ([\d.]+) \|",
+                    (tasks.REPO_DIR / "docs" / "real-models.md").read_text())
+    assert row, "docs/real-models.md lost its agreement table"
+    assert (int(row.group(1)), float(row.group(2)), float(row.group(3))) == (n, round(old, 3), round(new, 3))
+
+
+def test_math_verify_agrees_with_the_held_out_pairs():
+    new, _, n = _agreement(HELD_OUT, "math-verify")
+    assert n >= 40 and new >= 0.95
+
+
+@pytest.mark.parametrize("predicted, reference", [
+    ("\\boxed{\\sqrt2}", "\\sqrt{2}"), ("\\frac{\\sqrt3}2", "\\frac{\\sqrt{3}}{2}"), ("\\left(1,2\\right]", "(1,2]"),
+    ("\\boxed{x = 3}", "3"), ("\\{2, 1\\}", "\\{1, 2\\}"), ("2^{10}", "1024"), ("The answer is 1,234.", "#### 1234"),
+])
+def test_the_issues_answers_written_another_way_now_score(predicted, reference):
+    check = tasks.check_answer(predicted, reference)
+    assert check.match and check.error is None, check
+    assert not tasks.text_answers_match(predicted, reference) or "1,234" in predicted  # the old reward missed them
+
+
+def test_math_dataset_rewards_with_math_verify_and_bad_answers_score_wrong(capsys):
+    ds = MathDataset(str(DATA / "polaris_small.jsonl"), val_size=0)
+    problem = Problem("p", "q", "\\frac{\\sqrt{3}}{2}")
+    assert ds.reward(problem, "<think> hmm </think> \\boxed{\\frac{\\sqrt3}2}") == 1.0
+    for bad in ("", "   ", "\\boxed{", "\\boxed{\\frac{\\sqrt3}2", "\\boxed{}", "\udcff\udcfe", "\x00\\boxed{1}x"):
+        assert ds.reward(problem, bad) == -1.0, bad
+    assert capsys.readouterr().err == ""
+    broken = Problem("tests/data/x.jsonl-7", "q", "[1,2")  # math-verify parses no math in it: said once
+    assert ds.reward(broken, "\\boxed{[1,2}") == 1.0 and ds.reward(broken, "\\boxed{1}") == -1.0  # equal text only
+    other = Problem("tests/data/x.jsonl-9", "q", "\\frac{1}{")
+    assert ds.reward(other, "\\boxed{2}") == -1.0
+    err = capsys.readouterr().err
+    assert err.count("[math-verify]") == 1 and "row tests/data/x.jsonl-7" in err
+    assert ds.unparsed_references == {"tests/data/x.jsonl-7", "tests/data/x.jsonl-9"}
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_a_hostile_answer_is_no_match_within_the_bound_in_any_thread(where):
+    """math-verify hangs on these for minutes (a tower of powers is one C call); the comparer is killed after
+    MATH_VERIFY_TIMEOUT_S, a fresh one forked, and the next answer is checked as before."""
+    verifier = tasks.MathVerifier()
+    results: list = []
+
+    def run() -> None:
+        results.append(tasks.check_answer("\\boxed{2}", "2", verifier))  # starts the worker: not timed
+        for completion in HOSTILE:
+            results.append(tasks.check_answer(completion, "1", verifier))
+        results.append(tasks.check_answer("\\boxed{\\frac{1}{2}}", "0.5", verifier))
+
+    try:
+        if where == "thread":
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join(60)
+        else:
+            run()
+    finally:
+        verifier.close()
+    first, *hostile, last = results
+    assert first.match and last.match and len(hostile) == len(HOSTILE)
+    for check in hostile:
+        assert not check.match and check.seconds < 1.5, check
+    assert verifier.timeouts == sum(c.timed_out for c in hostile) >= 2
+
+
+def test_math_dataset_reward_raises_reward_timeout_on_a_hostile_answer():
+    """The generator counts a RewardTimeout in reward_timeouts and scores -1 (tests/test_pipeline_rl.py)."""
+    ds = MathDataset(str(DATA / "polaris_small.jsonl"), val_size=0)
+    problem = ds.problems[0]
+    ds.reward(problem, "\\boxed{1}")
+    with pytest.raises(tasks.RewardTimeout, match="math-verify: timeout after 1 s"):
+        ds.reward(problem, HOSTILE[0])
+    assert ds.reward(problem, f"\\boxed{{{problem.answer}}}") == 1.0
+
+
+def test_a_worker_that_dies_is_replaced_and_the_run_deadline_interrupts_a_comparison():
+    verifier = tasks.MathVerifier()
+    try:
+        assert tasks.check_answer("\\boxed{3}", "3", verifier).match
+        verifier._proc.kill()  # from outside, between two answers: a new server takes the next one
+        verifier._proc.wait()
+        assert tasks.check_answer("\\boxed{3}", "3", verifier).match
+        with pytest.raises(tasks.RewardTimeout):  # the run's own deadline, shorter than the verifier's bound
+            with tasks.reward_deadline(0.2):
+                tasks.check_answer(HOSTILE[0], "1", verifier)
+        assert tasks.check_answer("\\boxed{4}", "4", verifier).match  # no stale reply answers this one
+    finally:
+        verifier.close()
+
+
+def test_math_dataset_without_math_verify_fails_before_the_run(monkeypatch):
+    monkeypatch.setattr(tasks, "math_verify_missing", lambda: True)
+    with pytest.raises(tasks.MathVerifyUnavailableError, match="pip install math-verify==0.9.0"):
+        MathDataset(str(DATA / "gsm8k_small.jsonl"))
+
+
+@pytest.mark.parametrize("answer, prepared", [
+    ("$\\frac{1}{2}$.", "\\frac{1}{2}"), ("1.5e3", "1.5\\times 10^{3}"), ("18 dollars", "18"), ("**42**", "42"),
+    ("45°", "45^\\circ"), ("", None), ("  ", None), ("1" * 3000, None), (None, None),
+])
+def test_prepare_answer(answer, prepared):
+    assert tasks.prepare_answer(answer) == prepared
+
+
+@pytest.mark.parametrize("completion, answer", [
+    ("so \\boxed{7}.", "7"), ("\\frac{\\sqrt3}2", "\\frac{\\sqrt3}2"), ("x = 3", "x = 3"), ("Monday", "Monday"),
+    ("we get 3 and then 5", "5"), ("#### 1,234", "1,234"), ("\\boxed{12", None),
+    ("\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),
+    ("<think> 2 + 2 </think> 4", "4"),
+])
+def test_math_final_answer(completion, answer):
+    assert tasks.math_final_answer(completion) == answer
+
+
+def _check_answer_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tasks.py", "check-answer", *args], cwd=tasks.REPO_DIR,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_check_answer_command_prints_one_json_object_per_pair(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"predicted": "\\boxed{\\sqrt2}", "reference": "\\sqrt{2}", "equivalent": True},
+        {"predicted": "The answer is 35.", "reference": "5 * 7 = 35\n#### 36", "equivalent": False},
+        {"predicted": 7, "reference": 7.0}]))
+    out = _check_answer_cli("--pairs", str(pairs), "--verifier", "both")
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["match"] for r in rows] == [True, False, True] and [r["text_match"] for r in rows] == [False, False, True]
+    assert rows[0]["extracted"] == {"predicted": "\\sqrt2", "reference": "\\sqrt{2}"}
+    assert rows[0]["compared"]["predicted"][0] == "sqrt(2)" and rows[1]["extracted"]["reference"] == "36"
+    assert rows[0]["row"].endswith("pairs.jsonl line 1")
+    assert "3 pairs: 2 match; this verifier agrees with 2 of 2 labels (1.000)" in out.stderr
+    one = _check_answer_cli("--predicted", "x = 3", "--reference", "3")
+    assert one.returncode == 0 and json.loads(one.stdout)["match"] is True
+
+
+def test_check_answer_command_names_bad_rows_before_checking_any(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"predicted": "1", "reference": "1"}\nnot json\n{"predicted": "1"}\n'
+                    b'{"predicted": "\xff", "reference": "1"}\n{"predicted": "1", "reference": "\\\\boxed{"}\n')
+    out = _check_answer_cli("--pairs", str(bad))
+    assert out.returncode == 2 and out.stdout == ""
+    for line, reason in ((2, "not JSON"), (3, "missing field 'reference'"), (4, "not UTF-8"),
+                         (5, "field 'reference' has no final answer")):
+        assert f"bad.jsonl line {line}: {reason}" in out.stderr, out.stderr
+    assert _check_answer_cli("--predicted", "1").returncode == 2
+    help_text = _check_answer_cli("--help").stdout
+    for flag in ("--pairs", "--predicted", "--reference", "--verifier", "--show", "--timeout"):
+        assert flag in help_text
+
+
+def test_the_smollm2_gsm8k_completions_score_as_the_docs_say():
+    """docs/real-models.md: SmolLM2-135M-Instruct's completions of gsm8k_small.jsonl, rewarded before and after."""
+    found = {}
+    for name in ("gsm8k_small_smollm2_t1.jsonl", "gsm8k_small_smollm2_greedy.jsonl"):
+        records = list(tasks.check_answer_rows(tasks.read_answer_pairs(str(DATA / name)), "both"))
+        found[name] = (len(records), sum(r["text_match"] for r in records), sum(r["match"] for r in records),
+                       [r["id"] for r in records if r["match"] != r["text_match"]])
+    assert found["gsm8k_small_smollm2_t1.jsonl"] == (144, 7, 7, [])
+    assert found["gsm8k_small_smollm2_greedy.jsonl"] == (36, 0, 1, ["tests/data/gsm8k_small.jsonl-20"])

@@ -15,7 +15,8 @@ RECIPE_FILES = ("train.py", "pipeline_rl.py")
 RUNTIME_FILES = ("flags.py", "checkpoints.py", "runtime.py", "packing.py", "head_gemm.py", "vllm_replica.py",
                  "cli.py")
 ENTRY_POINTS = ("bench.py", "teach.py")  # beside tests/, the only modules that may import train.py
-MAX_LINES = {"train.py": 1000, "pipeline_rl.py": 1550}  # pipeline_rl.py: + per-completion seeds, reward deadlines
+MAX_LINES = {"train.py": 1000, "pipeline_rl.py": 1900}  # pipeline_rl.py: + per-completion seeds, reward deadlines;
+# + the scheduler's parts as objects, each with its interface of methods (issue 54: a part reads no state another sets)
 MAX_FIRST_LINE = {("train.py", "train"): 200, ("pipeline_rl.py", "admission_allowed"): 300}
 MAX_FUNCTION_LINES = 100
 MAX_CLASS_LINES = 300

@@ -375,45 +375,41 @@ def test_the_scheduler_routes_to_the_least_loaded_and_moves_a_dead_replicas_work
     """The scheduler's side of replicas, with fake connections and no engine: groups go to the least-loaded replica,
     a dead replica's unfinished completions (and only those) go to the least-loaded live one under the same request
     ids, a line names it, and the last death is fatal."""
-    from transformers import AutoTokenizer
-
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=2, replicas=3, groups_per_batch=3,
                                 interruptions=False, buffer_steps=None)
     learner = _FakeConn()
     scheduler = pl._Scheduler(learner, config, tasks.ArithmeticTask(), 0, [], [], 0, b"x" * 32, None)
-    scheduler.tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
-    scheduler.phrase_ids, scheduler.close_ids = [], []
-    for slot in scheduler.replicas.values():
+    for slot in scheduler.pool.slots():
         slot.conn, slot.state, slot.version, slot.capacity = _FakeConn(), "ready", 0, 2
-    scheduler.started = True
-    scheduler.start_batch(3, 0)
+    scheduler.handle_learner(("get_batch", 3, 0))
     scheduler.admit()
-    sent = {r: [rid for msg in slot.conn.sent for rid, *_ in msg[1]] for r, slot in scheduler.replicas.items()}
+    sent = {slot.id: [rid for msg in slot.conn.sent for rid, *_ in msg[1]] for slot in scheduler.pool.slots()}
     assert sent == {0: ["t0.0", "t0.1", "t3.0", "t3.1"], 1: ["t1.0", "t1.1", "t4.0", "t4.1"],
                     2: ["t2.0", "t2.1", "t5.0", "t5.1"]}  # least loaded first, up to each one's capacity
-    seeds = {rid: spec["seed"] for slot in scheduler.replicas.values() for msg in slot.conn.sent
+    seeds = {rid: spec["seed"] for slot in scheduler.pool.slots() for msg in slot.conn.sent
              for rid, _, _, spec in msg[1]}
     # each completion's sampler seed: the run's seed, its data index (group g holds index g here), version, sample
     assert seeds == {f"t{g}.{i}": pl.sampling_seed(config.seed, "t", str(g), 0, i) for g in range(6) for i in (0, 1)}
     done = {"token_ids": [5, 6], "logprobs": [-0.1, -0.2], "versions": [0, 0], "text": "x", "finish_reason": "stop"}
-    scheduler.on_output(scheduler.replicas[0], {**done, "rid": "t0.0"})
-    scheduler.on_output(scheduler.replicas[1], {**done, "rid": "t1.0"})  # replica 1 has one completion less to do
+    scheduler.on_output(scheduler.pool.slot(0), {**done, "rid": "t0.0"})
+    scheduler.on_output(scheduler.pool.slot(1), {**done, "rid": "t1.0"})  # replica 1 has one completion less to do
     for r in (1, 2):
-        scheduler.replicas[r].conn.sent.clear()
-    scheduler.on_death(scheduler.replicas[0], "its connection closed")
+        scheduler.pool.slot(r).conn.sent.clear()
+    scheduler.on_death(scheduler.pool.slot(0), "its connection closed")
     assert "replica 0 (local) died: its connection closed; 3 unfinished completion(s) go to the other replicas; 2 " \
            "replica(s) left" in capsys.readouterr().err
-    scheduler.place_orphans()
-    moved = [rid for msg in scheduler.replicas[1].conn.sent + scheduler.replicas[2].conn.sent for rid, *_ in msg[1]]
+    scheduler.admission.place_orphans()
+    moved = [rid for msg in scheduler.pool.slot(1).conn.sent + scheduler.pool.slot(2).conn.sent for rid, *_ in msg[1]]
     assert sorted(moved) == ["t0.1", "t3.0", "t3.1"]  # t0.0 was finished: it stays
-    moved_seeds = {rid: spec["seed"] for msg in scheduler.replicas[1].conn.sent + scheduler.replicas[2].conn.sent
+    moved_seeds = {rid: spec["seed"] for msg in scheduler.pool.slot(1).conn.sent + scheduler.pool.slot(2).conn.sent
                    for rid, _, _, spec in msg[1]}
     assert moved_seeds == {rid: seeds[rid] for rid in moved}  # a moved completion samples as it would have
-    assert scheduler.groups[0].completions[0].replica == 0 and scheduler.groups[0].assigned[1] in (1, 2)
-    scheduler.on_death(scheduler.replicas[1], "killed")
+    group, _ = next(found for r in (1, 2) if (found := scheduler.groups.awaiting("t0.1", r)))
+    assert group.completions[0].replica == 0  # the finished completion keeps its replica
+    scheduler.on_death(scheduler.pool.slot(1), "killed")
     with pytest.raises(pl._Fatal, match=r"no replica left: replica 0 \(local\): its connection closed; "
                                         r"replica 1 \(local\): killed; replica 2 \(local\): it closed"):
-        scheduler.on_death(scheduler.replicas[2], "it closed")
+        scheduler.on_death(scheduler.pool.slot(2), "it closed")
 
 
 def test_a_completion_s_sampling_seed_follows_what_it_is_and_nothing_else():
@@ -437,6 +433,15 @@ class _CharTokenizer:
         return list(range(len(messages[0]["content"])))
 
 
+def _admission_alone(config, task, pool=None):
+    """Admission with its own data stream and group table, a character tokenizer, and `pool` (default: replicas that
+    never connected), no vLLM."""
+    groups = pl._GroupTable()
+    pool = pool or pl._ReplicaPool(config, b"x" * 32, on_death=lambda slot, reason: None)
+    data = pl._DataStream(task, config.seed, 0, [], [])
+    return pl._Admission(config, task, data, groups, pool, _CharTokenizer(), [], []), groups
+
+
 @pytest.mark.parametrize("usable", [0, 1])
 def test_admission_skips_prompts_too_long_and_refuses_a_data_set_with_none_usable(tmp_path, usable):
     """A training prompt too long for the context is skipped and counted; when every one is, admission stops with
@@ -448,20 +453,19 @@ def test_admission_skips_prompts_too_long_and_refuses_a_data_set_with_none_usabl
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     task = tasks.MathDataset(str(path))
     config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=100, interruptions=False)
-    scheduler = pl._Scheduler(_FakeConn(), config, task, 0, [], [], 0, b"x" * 32, None)
-    scheduler.tokenizer = _CharTokenizer()
+    admission, groups = _admission_alone(config, task)
     fits = [len(p.prompt) + 8 <= 100 for p in task.problems]  # the instruction adds 71 characters to a question
     assert any(fits) == bool(usable)
     if usable:
         for _ in range(3):
-            scheduler.admit_one(None)
-        assert len(scheduler.groups) == 3 and 0 < scheduler.skipped_long_prompts <= 2 * fits.count(False)
+            admission.admit_one(0, None)
+        assert groups.unconsumed() == 3 and 0 < admission.skipped_long_prompts() <= 2 * fits.count(False)
     else:
         with pytest.raises(pl._Fatal, match=r"^no training prompt fits the context: \d+ in a row are too long \(e.g. "
                                             r"prompt .*train.jsonl-\d+ has 171 tokens: with max_tokens 8 it exceeds "
                                             r"the context, max_model_len 100\)"):
-            scheduler.admit_one(None)
-        assert scheduler.skipped_long_prompts == len(task.problems)  # each once: the data set went by once
+            admission.admit_one(0, None)
+        assert admission.skipped_long_prompts() == len(task.problems)  # each once: the data set went by once
 
 
 @pytest.mark.parametrize("task", [tasks.MixedArithmeticTask(), tasks.SmallArithmeticTask(), tasks.ArithmeticTask()])
@@ -469,11 +473,10 @@ def test_admission_works_for_tasks_whose_problems_are_a_method_or_a_stream(task)
     """make run-real's task has a `problems(split)` method, not a list: admission must not take it for a data set's
     list of prompts (it did: 'object of type method has no len()', the generator's death at step 1)."""
     config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=1000, interruptions=False)
-    scheduler = pl._Scheduler(_FakeConn(), config, task, 0, [], [], 0, b"x" * 32, None)
-    scheduler.tokenizer = _CharTokenizer()
+    admission, groups = _admission_alone(config, task)
     for _ in range(3):
-        scheduler.admit_one(None)
-    assert len(scheduler.groups) == 3 and scheduler.skipped_long_prompts == 0
+        admission.admit_one(0, None)
+    assert groups.unconsumed() == 3 and admission.skipped_long_prompts() == 0
 
 
 class _HangingTask(tasks.ArithmeticTask):
@@ -488,16 +491,16 @@ class _HangingTask(tasks.ArithmeticTask):
         return super().reward(problem, completion)
 
 
-def test_a_reward_that_never_returns_costs_its_deadline_scores_wrong_and_shows_in_the_metrics():
-    config = pl.GeneratorConfig(model="m", reward_timeout=0.3, interruptions=False)
+def test_a_reward_that_never_returns_costs_its_deadline_scores_wrong_and_shows_in_the_metrics(base_model_dir):
+    config = pl.GeneratorConfig(model=str(base_model_dir), reward_timeout=0.3, interruptions=False)
     scheduler = pl._Scheduler(_FakeConn(), config, _HangingTask(), 0, [], [], 0, b"x" * 32, None)
-    problem = scheduler.task.problem(2, 3)
+    problem = _HangingTask().problem(2, 3)
     t0 = time.monotonic()
-    reward, error = scheduler.score(problem, "hang")
+    reward, error = scheduler.rewards.score(problem, "hang")
     assert time.monotonic() - t0 < 2.0 and reward == -1.0
     assert error == "RewardTimeout: reward took longer than 0.3 s"
-    assert scheduler.score(problem, "<think>x</think> 5") == (1.0, None)  # the next reward runs as before
-    assert scheduler.reward_timeouts_total == 1 and scheduler.reward_errors_total == 1
+    assert scheduler.rewards.score(problem, "<think>x</think> 5") == (1.0, None)  # the next reward runs as before
+    assert scheduler.rewards.totals() == (1, 1)  # (errors, timeouts): a timeout counts in both
 
     def completion(reward, error):
         return pl.Completion([1], [0.0], [0], [True], "x", "stop", reward, error)

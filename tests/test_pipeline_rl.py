@@ -358,6 +358,11 @@ def test_secret_file_must_be_private_and_long_enough(tmp_path):
         vllm_replica.read_secret(path)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Fast: the scheduler, with fake connections and no engine; then each of its parts alone
+# --------------------------------------------------------------------------------------------------------------
+
+
 class _FakeConn:
     """Records what the scheduler sends: a stand-in for a replica's (or the learner's) connection."""
 
@@ -511,6 +516,143 @@ def test_a_reward_that_never_returns_costs_its_deadline_scores_wrong_and_shows_i
     assert pl.GeneratorConfig(model="m").reward_timeout > 0  # on by default
     with pytest.raises(ValueError, match="reward_timeout must be a number of seconds > 0"):
         pl.GeneratorConfig(model="m", reward_timeout=0)
+
+
+# ---- the scheduler's parts, each built alone (no vLLM, no replica process) --------------------------------------
+
+
+def _ready_pool(config, conns):
+    """A replica pool whose replicas have said hello on fake connections, started their engines and hold weights 0."""
+    pool = pl._ReplicaPool(config, b"x" * 32, on_death=lambda slot, reason: None)
+    for slot, conn in zip(pool.slots(), conns):
+        slot.connect(conn, "127.0.0.1", 1000 + slot.id, "127.0.0.1", 1)
+        slot.engine_up({"max_num_seqs": 4}, config.group_size)
+        slot.holds(0)
+    return pool
+
+
+def _filled_group(groups, data_index, version, replica=0):
+    """A training group of one completion sampled with weights `version` on `replica`, ready."""
+    state = groups.new_state(tasks.ArithmeticTask().problem(1, 2), data_index, [1], version, version + 8, 1, 1.0)
+    groups.add(state)
+    state.assign(0, replica, None)
+    groups.fill(state, 0, pl.Completion([5], [-0.1], [version], [True], "x", "stop", 1.0, replica=replica))
+    return state
+
+
+def test_the_data_stream_gives_a_dropped_prompt_first_and_counts_it_once():
+    data = pl._DataStream(tasks.ArithmeticTask(), 0, 0, skip=[1], retired=[])
+    first = data.next()
+    data.count_admitted()
+    second = data.next()
+    data.count_admitted()
+    assert (first[0], second[0]) == (0, 2)  # index 1 was consumed before a resume
+    data.put_back(*first)
+    assert data.queued_indices() == [0] and data.next() == first
+    data.count_admitted()
+    assert data.admitted_total() == 2
+    again = pl._DataStream(tasks.ArithmeticTask(), 0, 0, skip=[], retired=[])
+    again.retire([first[1].id])  # No-Positive-Resampling: a retired prompt is not given again
+    assert again.next()[1].id != first[1].id and again.retired_count() == 1
+
+
+def test_the_group_table_counts_loads_frees_a_dead_replicas_completions_and_orders_ready_groups():
+    groups = pl._GroupTable()
+    state = groups.new_state(tasks.ArithmeticTask().problem(1, 2), 7, [1], 0, 8, 3, 1.0)
+    groups.add(state)
+    for i, replica in enumerate((0, 1, 1)):
+        state.assign(i, replica, None)
+    assert groups.loads([0, 1, 2]) == {0: 1, 1: 1, 2: 0} and groups.in_flight() == 1
+    assert groups.free(1) == 2 and [lost for _, lost, _ in groups.unplaced()] == [[1, 2]]
+    assert groups.awaiting("t0.1", 1) is None and groups.awaiting("t0.0", 0) == (state, 0)
+    ready = _filled_group(groups, 8, 0)
+    assert groups.ready_count() == 1 and groups.in_done_order() == [state.gid, ready.gid] and ready.done_order == 0
+
+
+def test_the_replica_pool_starts_a_replica_that_says_hello_and_reports_one_it_cannot_reach():
+    config = pl.GeneratorConfig(model="m", replicas=2, group_size=2)
+    deaths = []
+    pool = pl._ReplicaPool(config, b"x" * 32, on_death=lambda slot, reason: deaths.append((slot.id, reason)))
+    conn = _FakeConn()
+    pool.on_hello(conn, ("127.0.0.1", 5), ("hello", {"local_id": 1, "pid": 42}), 3, running=False)
+    (kind, engine_config, replica, version), = conn.sent
+    assert (kind, replica, version) == ("start", 1, 3) and engine_config.replicas == 1 and engine_config.secret is None
+    assert pool.slot(1).state == "starting" and pool.usable_ids() == [] and pool.max_in_flight() == 1
+    pool.slot(1).engine_up({"max_num_seqs": 8}, config.group_size)
+    pool.hand_version(3)
+    assert pool.usable_ids() == [1] and pool.capacities() == {0: 1, 1: 4} and pool.max_in_flight() == 4
+    assert not pool.send_to(pool.slot(0), ("add", []))  # never connected
+    assert deaths == [(0, "sending to it failed (AttributeError)")]
+
+
+def test_replica_faults_free_a_dead_replicas_work_name_it_and_stop_at_the_last(capsys):
+    config = pl.GeneratorConfig(model="m", replicas=2)
+    groups = pl._GroupTable()
+    pool = _ready_pool(config, [_FakeConn(), _FakeConn()])
+    faults = pl._ReplicaFaults(pool, groups)
+    state = groups.new_state(tasks.ArithmeticTask().problem(1, 2), 0, [1], 0, 8, 2, 1.0)
+    groups.add(state)
+    state.assign(0, 0, None)
+    state.assign(1, 1, None)
+    assert faults.bury(pool.slot(0), "killed") == (False, 1) and faults.bury(pool.slot(0), "again") is None
+    faults.report(pool.slot(0), "killed", 1)
+    assert faults.take_deaths() == ["replica 0 (local, pid 1000) died: killed; 1 unfinished completion(s) go to the "
+                                    "other replicas; 1 replica(s) left"] and faults.take_deaths() == []
+    faults.bury(pool.slot(1), "closed")
+    with pytest.raises(pl._Fatal, match=r"no replica left: replica 0 \(local, pid 1000\): killed; replica 1"):
+        faults.report(pool.slot(1), "closed", 1)
+    assert faults.total() == 2 and "no replica left" in capsys.readouterr().err
+
+
+def test_admission_admits_under_the_buffer_limit_to_the_least_loaded_replica():
+    config = pl.GeneratorConfig(model="m", replicas=2, group_size=2, max_tokens=8, max_model_len=1000,
+                                interruptions=False, buffer_steps=1)
+    conns = [_FakeConn(), _FakeConn()]
+    admission, groups = _admission_alone(config, tasks.ArithmeticTask(), pool=_ready_pool(config, conns))
+    admission.admit(pl._Demand(waiting_for=0, next_learner_version=0, groups_per_step=2))
+    assert groups.unconsumed() == 2  # one learner step ahead: two groups, one on each replica
+    assert [[rid for msg in c.sent for rid, *_ in msg[1]] for c in conns] == [["t0.0", "t0.1"], ["t1.0", "t1.1"]]
+    admission.admit(pl._Demand(waiting_for=3, next_learner_version=0, groups_per_step=2))
+    assert groups.unconsumed() == 4  # a learner that waits with nothing ready: up to the replicas' capacity
+
+
+def test_rewards_mask_the_forced_phrase_and_score_a_broken_verifier_minus_one():
+    class Broken(tasks.ArithmeticTask):
+        def reward(self, problem, completion):
+            raise ValueError("no")
+
+    config = pl.GeneratorConfig(model="m", interruptions=True)
+    rewards = pl._Rewards(config, Broken(), phrase_ids=[7, 8], close_ids=[9])
+    groups = pl._GroupTable()
+    state = groups.new_state(Broken().problem(1, 2), 0, [1], 0, 8, 1, 1.0)
+    state.assign(0, 0, 2)  # think budget 2: the phrase was forced after two tokens
+    out = {"token_ids": [3, 4, 7, 8, 5], "logprobs": [-0.1, -0.2, -0.3, -0.4, -0.5], "versions": [0] * 5,
+           "text": "x", "finish_reason": "stop"}
+    completion = rewards.make_completion(state, 0, out, replica=0)
+    assert completion.loss_mask == [True, True, False, False, True] and completion.sampler_logprobs[2:4] == [0, 0]
+    assert completion.finish_reason == "interrupted" and completion.interrupted
+    assert (completion.reward, completion.reward_error) == (-1.0, "ValueError: no") and rewards.totals() == (1, 0)
+
+
+def test_batch_choice_refuses_a_learner_too_far_ahead_and_drops_only_a_stale_group():
+    config = pl.GeneratorConfig(model="m", max_off_policy=1)
+    groups = pl._GroupTable()
+    data = pl._DataStream(tasks.ArithmeticTask(), 0, 0, [], [])
+    batches = pl._BatchChoice(config, groups, data, 0)
+    with pytest.raises(pl._RequestError, match="more than k=1 steps ahead"):
+        batches.request_batch(1, 2, generator_version=0)
+    stale, fresh = _filled_group(groups, 5, 0), _filled_group(groups, 6, 2)
+    batches.request_batch(1, 2, generator_version=2)
+    assert batches.demand() == pl._Demand(waiting_for=1, next_learner_version=2, groups_per_step=1)
+    kind, chosen, version = batches.reply()
+    assert (kind, [g.data_index for g in chosen], version) == ("batch", [fresh.data_index], 2)
+    assert batches.dropped() == 1 and data.queued_indices() == [stale.data_index] and groups.unconsumed() == 0
+    assert batches.reply() is None and batches.demand().next_learner_version == 3
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fast: weights and the rendezvous
+# --------------------------------------------------------------------------------------------------------------
 
 
 def test_weight_buckets_round_trip_every_dtype_and_shape():

@@ -15,9 +15,10 @@ learner waits instead of dropping. Sync mode: get_batch generates n fresh groups
 The file, in order:
   the data types       GeneratorConfig, Completion, Group, the errors
   the staleness rule   admission_allowed, off_policy_problems, should_admit, mandatory_count, plan_batch, lag_stats
-  the scheduler        _Scheduler, in the generator process, made of parts named for what they hold: _DataStream
-                       (prompts in), _ReplicaPool (replica bookkeeping), _ReplicaFaults (a replica's death),
-                       _Admission, _Rewards (completions out), _BatchChoice
+  the scheduler        in the generator process, objects that own their state, in pipeline order: _DataStream
+                       (prompts in), _GroupTable (the groups), _ReplicaPool (the replicas), _ReplicaFaults (a
+                       replica's death), _Admission, _Rewards (completions out), _BatchChoice; _Scheduler routes the
+                       messages to them
   the handle           Generator, the learner's side
   the join command     main: `python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`
 Behind it, vllm_replica.py, the replica runtime (a reader of the recipe may skip it): what runs inside vLLM's
@@ -45,7 +46,7 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -412,6 +413,9 @@ def _make_task(task_factory: Any) -> Task:
 
 @dataclass
 class _GroupState:
+    """One group while it is generated: a record the group table holds; its completions change only through its
+    methods (assigned to a replica, freed by a replica's death, filled)."""
+
     gid: int
     problem: Problem
     data_index: int
@@ -434,10 +438,40 @@ class _GroupState:
         return Group(self.problem, self.data_index, self.prompt_ids, list(self.completions),  # type: ignore[arg-type]
                      self.admitted_version)
 
+    def assign(self, index: int, replica: int, budget: int | None) -> None:
+        """Completion `index` runs on `replica`, with think budget `budget` (None: no interruption)."""
+        self.assigned[index], self.budgets[index] = replica, budget
+
+    def running_on(self) -> set[int]:
+        """The replicas with a completion of this group in flight."""
+        return {r for c, r in zip(self.completions, self.assigned) if c is None and r is not None}
+
+    def free(self, replica: int) -> int:
+        """The unfinished completions on `replica` (it died) wait for another; how many there were."""
+        lost = [i for i, (c, r) in enumerate(zip(self.completions, self.assigned)) if c is None and r == replica]
+        for i in lost:
+            self.assigned[i] = None
+        return len(lost)
+
+    def unplaced(self) -> list[int]:
+        """The unfinished completions on no replica (theirs died, or none held the run's weights)."""
+        return [i for i, (c, r) in enumerate(zip(self.completions, self.assigned)) if c is None and r is None]
+
+    def expects(self, index: int, replica: int) -> bool:
+        """Is completion `index` still awaited from `replica` (not finished, not moved to another)?"""
+        return self.completions[index] is None and self.assigned[index] == replica
+
+    def fill(self, index: int, completion: Completion) -> None:
+        self.completions[index] = completion
+
+    def mark_ready(self, done_order: int) -> None:
+        self.done_order, self.min_version = done_order, self.to_group().min_version
+
 
 @dataclass
 class _ReplicaSlot:
-    """The scheduler's view of one replica: expected -> starting (connected) -> ready (engine up) -> dead."""
+    """The scheduler's view of one replica: expected -> starting (connected) -> ready (engine up) -> dead, each step
+    one of its methods."""
 
     id: int
     local: bool
@@ -464,9 +498,51 @@ class _ReplicaSlot:
     def usable(self) -> bool:
         return self.state == "ready" and self.version is not None
 
+    def spawned(self, proc: Any) -> None:
+        self.proc, self.pid = proc, proc.pid
+
+    def connect(self, conn: Any, host: str, pid: int | None, bind_host: str, tensor_parallel_size: int) -> None:
+        """Its hello came: it starts its engine, and holds none of the run's weights until it is told which."""
+        self.conn, self.host, self.pid, self.state = conn, host, pid, "starting"
+        self.bind_host, self.tensor_parallel_size = bind_host, tensor_parallel_size
+        self.version, self.group, self.reason = None, None, ""
+
+    def engine_up(self, info: dict, group_size: int) -> None:
+        self.info, self.state = info, "ready"
+        self.capacity = max(1, info["max_num_seqs"] // group_size)
+
+    def holds(self, version: int) -> None:
+        self.version = version
+
+    def join(self, group: dict) -> None:
+        self.group = group
+
+    def die(self, reason: str) -> str:
+        """Close its connection and kill its processes; the state it was in ("dead": it was already, and nothing is
+        done)."""
+        previous = self.state
+        if previous == "dead":
+            return previous
+        self.state, self.reason, self.version, self.group = "dead", reason, None, None
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+            self.conn = None
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.kill()
+        if self.local:  # a remote replica's processes are on its own node
+            vllm_replica.kill_processes(self.info.get("vllm_processes", []))
+        return previous
+
 
 class _Fatal(RuntimeError):
     """The generator cannot go on, for a reason its message says in full (no traceback needed)."""
+
+
+# The scheduler's parts, in pipeline order. Each is an object that owns its state (set in its own __init__) and is
+# called through its methods; what one needs of another it is handed, as an argument or as the other object.
 
 
 class _DataStream:
@@ -478,8 +554,10 @@ class _DataStream:
         self.skip, self.retired = set(skip), set(retired)
         self.requeue: collections.deque[tuple[int, Problem]] = collections.deque()  # generated again, first
         self.admitted = 0  # prompts of the stream admitted (a requeued one counts once)
+        self.last_fresh = False  # the prompt `next` gave last came from the stream, not the requeue
 
     def next(self) -> tuple[int, Problem]:
+        self.last_fresh = not self.requeue
         if self.requeue:
             return self.requeue.popleft()
         for _ in range(1_000_000):
@@ -489,13 +567,136 @@ class _DataStream:
             return index, problem
         raise RuntimeError("no admissible prompt in the last 1,000,000 of the stream (all retired?)")
 
+    def count_admitted(self) -> None:
+        """The prompt `next` gave last is admitted: count it, unless it was requeued (counted when first admitted)."""
+        self.admitted += self.last_fresh
+
+    def admitted_total(self) -> int:
+        return self.admitted
+
+    def put_back(self, data_index: int, problem: Problem) -> None:
+        """A dropped group's prompt: generated again, before the stream's next."""
+        self.requeue.append((data_index, problem))
+
+    def queued_indices(self) -> list[int]:
+        return [i for i, _ in self.requeue]
+
+    def retire(self, problem_ids: Iterable[str]) -> None:
+        self.retired.update(problem_ids)
+
+    def retired_count(self) -> int:
+        return len(self.retired)
+
+
+class _GroupTable:
+    """The groups in the generator, the one owner of their records: training groups until the learner consumes
+    them, evaluation groups until their request is answered; it numbers them and counts admission and completion
+    order."""
+
+    def __init__(self) -> None:
+        self.train: dict[int, _GroupState] = {}  # unconsumed training groups (in flight or ready)
+        self.eval: dict[int, _GroupState] = {}
+        self.next_gid = 0
+        self.admit_counter = 0
+        self.done_counter = 0
+
+    def new_state(self, problem: Problem, data_index: int, prompt_ids: list[int], version: int, deadline: int,
+                  samples: int, temperature: float) -> _GroupState:
+        """A new group's record, numbered (not yet in the table: `add` puts it there)."""
+        state = _GroupState(self.next_gid, problem, data_index, prompt_ids, version, deadline, [None] * samples,
+                            [None] * samples, self.admit_counter, [None] * samples, temperature)
+        self.next_gid += 1
+        self.admit_counter += 1
+        return state
+
+    def add(self, state: _GroupState, *, evaluation: bool = False) -> None:
+        (self.eval if evaluation else self.train)[state.gid] = state
+
+    def unconsumed(self) -> int:
+        return len(self.train)
+
+    def in_flight(self) -> int:
+        return sum(not g.ready for g in self.train.values())
+
+    def ready_count(self) -> int:
+        return sum(g.ready for g in self.train.values())
+
+    def eval_count(self) -> int:
+        return len(self.eval)
+
+    def data_indices(self) -> list[int]:
+        return [g.data_index for g in self.train.values()]
+
+    def loads(self, replica_ids: Iterable[int]) -> dict[int, int]:
+        """Groups with a completion in flight on each of `replica_ids` (training and evaluation groups)."""
+        loads = {r: 0 for r in replica_ids}
+        for table in (self.train, self.eval):
+            for state in table.values():
+                for r in state.running_on():
+                    if r in loads:
+                        loads[r] += 1
+        return loads
+
+    def free(self, replica: int) -> int:
+        """A replica died: its unfinished completions wait for another (`unplaced`); how many there were."""
+        return sum(state.free(replica) for table in (self.train, self.eval) for state in table.values())
+
+    def unplaced(self) -> Iterator[tuple[_GroupState, list[int], str]]:
+        """(group, its completions on no replica, request prefix) of every group, training ones first; each group's
+        are looked at as it comes, so what a death frees while they are placed is found in the same pass."""
+        for table, prefix in ((self.train, "t"), (self.eval, "e")):
+            for state in table.values():
+                yield state, state.unplaced(), prefix
+
+    def awaiting(self, rid: str, replica: int) -> tuple[_GroupState, int] | None:
+        """The group and completion index of request `rid` if it is still awaited from `replica`, else None (its
+        group is gone, or it was finished or moved to another replica)."""
+        kind, rest = rid[0], rid[1:]
+        gid_s, idx_s = rest.split(".")
+        gid, idx = int(gid_s), int(idx_s)
+        state = (self.train if kind == "t" else self.eval).get(gid)
+        if state is None or not state.expects(idx, replica):
+            return None
+        return state, idx
+
+    def fill(self, state: _GroupState, index: int, completion: Completion) -> bool:
+        """Store a finished completion; True if its group is now ready (it takes the next place in completion
+        order)."""
+        state.fill(index, completion)
+        if not state.ready:
+            return False
+        state.mark_ready(self.done_counter)
+        self.done_counter += 1
+        return True
+
+    def planner_entries(self) -> list[_Entry]:
+        return [_Entry(g.gid, g.deadline, g.ready, g.min_version, g.done_order if g.ready else 10**12 + g.admit_order)
+                for g in self.train.values()]
+
+    def all_ready(self) -> bool:
+        return all(g.ready for g in self.train.values())
+
+    def in_done_order(self) -> list[int]:
+        return sorted(self.train, key=lambda gid: self.train[gid].done_order)
+
+    def pop(self, gid: int) -> _GroupState:
+        return self.train.pop(gid)
+
+    def pop_eval(self, gids: list[int]) -> list[Group] | None:
+        """The evaluation groups `gids`, taken out of the table once all are ready (else None, and they stay)."""
+        if not all(self.eval[g].ready for g in gids):
+            return None
+        return [self.eval.pop(g).to_group() for g in gids]
+
 
 class _ReplicaPool:
-    """Replica bookkeeping, part of _Scheduler: a slot per replica (`self.replicas`), the listener that replicas
-    connect to, their hello and their messages, the loads and capacities admission reads, and their shutdown."""
+    """Replica bookkeeping, the one owner of the replica slots: the listener that replicas connect to, their hello and
+    start, the loads' replicas and the capacities admission reads, their weight groups, and their shutdown. A replica
+    that fails while the pool sends to it is handed to `on_death` (the scheduler's)."""
 
-    def init_replicas(self, config: GeneratorConfig) -> None:
+    def __init__(self, config: GeneratorConfig, secret: bytes, on_death: Callable[[_ReplicaSlot, str], None]):
         """A slot per replica: the local ones (with their devices) first, then the remote places."""
+        self.cfg, self.secret, self.on_death = config, secret, on_death
         self.listener: vllm_replica.ReplicaListener | None = None
         self.new_conns: list[tuple[Any, tuple]] = []  # authenticated, no hello yet
         gen_ids = [int(x) for x in config.gen_devices.split(",") if x.strip()] if config.gen_devices else []
@@ -508,29 +709,33 @@ class _ReplicaPool:
             i = config.replicas + j
             self.replicas[i] = _ReplicaSlot(i, local=False)
 
-    def start_replicas(self) -> None:
-        """Listen, spawn the local replicas and wait until every replica (local and remote) has its engine up."""
-        cfg = self.cfg
-        self.listener = vllm_replica.ReplicaListener(cfg.listen, self.secret)
+    # ---- start and connections ------------------------------------------------------------------------------------
+    def spawn(self) -> None:
+        """Listen, and spawn the local replicas (the scheduler then polls until `all_ready`)."""
+        self.listener = vllm_replica.ReplicaListener(self.cfg.listen, self.secret)
         ctx = mp.get_context("spawn")
         for slot in self.replicas.values():
             if slot.local:
-                slot.proc = ctx.Process(target=vllm_replica.replica_main, name=f"scalerl-replica-{slot.id}",
-                                        args=(self.listener.address, self.secret, slot.id, slot.devices, os.getpid()))
-                slot.proc.start()
-                slot.pid = slot.proc.pid
-        deadline = time.monotonic() + cfg.join_timeout
-        while not all(s.state == "ready" for s in self.replicas.values()):
-            self.poll(0.2)
-            if self.closing:
-                raise _Fatal("closed by the learner while starting")
-            dead = [s for s in self.replicas.values() if s.state == "dead"]
-            if dead:
-                raise _Fatal("; ".join(f"{s.name} failed to start: {s.reason}" for s in dead))
-            if time.monotonic() >= deadline:
-                raise _Fatal(self.missing_message())
+                proc = ctx.Process(target=vllm_replica.replica_main, name=f"scalerl-replica-{slot.id}",
+                                   args=(self.listener.address, self.secret, slot.id, slot.devices, os.getpid()))
+                proc.start()
+                slot.spawned(proc)
+
+    def all_ready(self) -> bool:
+        return all(s.state == "ready" for s in self.replicas.values())
+
+    def check_start(self, deadline: float) -> None:
+        """_Fatal if a replica died while starting, or `deadline` (time.monotonic) passed with some not ready."""
+        dead = [s for s in self.replicas.values() if s.state == "dead"]
+        if dead:
+            raise _Fatal("; ".join(f"{s.name} failed to start: {s.reason}" for s in dead))
+        if time.monotonic() >= deadline:
+            raise _Fatal(self.missing_message())
+
+    def hand_version(self, version: int) -> None:
+        """Every replica started holds the run's weights `version`."""
         for slot in self.replicas.values():
-            slot.version = self.version
+            slot.holds(version)
 
     def missing_message(self) -> str:
         lines = []
@@ -548,10 +753,18 @@ class _ReplicaPool:
                              f"{self.cfg.join_timeout:.0f} s")
         return "; ".join(lines)
 
-    def describe(self, s: _ReplicaSlot) -> dict:
-        return {"id": s.id, "name": s.name, "local": s.local, "pid": s.pid, "host": s.host, "state": s.state,
-                "version": s.version, "devices": s.devices, "vllm_processes": s.info.get("vllm_processes", []),
-                "capacity": s.capacity, "reason": s.reason}
+    def connections(self) -> dict[Any, Any]:
+        """{connection: its slot, or ("new", peer) for one not yet said hello}, after taking what the listener
+        accepted."""
+        if self.listener is not None:
+            while not self.listener.accepted.empty():
+                self.new_conns.append(self.listener.accepted.get())
+        owners: dict[Any, Any] = {s.conn: s for s in self.replicas.values() if s.conn is not None}
+        owners.update({c: ("new", peer) for c, peer in self.new_conns})
+        return owners
+
+    def forget_new(self, conn: Any) -> None:
+        self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
 
     def engine_config(self) -> GeneratorConfig:
         """The settings a replica's engine needs, without the secret or the run's replica layout."""
@@ -559,7 +772,9 @@ class _ReplicaPool:
 
         return dataclasses.replace(self.cfg, secret=None, replicas=1, remote_replicas=0, listen="127.0.0.1:0")
 
-    def on_hello(self, conn: Any, peer: tuple, msg: tuple) -> None:
+    def on_hello(self, conn: Any, peer: tuple, msg: tuple, version: int, running: bool) -> None:
+        """A new connection's first message: a replica takes its place and is told to start its engine with weights
+        `version` (unless the run is `running`: a late joiner's base weights are labelled only by its first update)."""
         if msg[0] != "hello":
             conn.close()
             return
@@ -582,45 +797,13 @@ class _ReplicaPool:
                 conn.close()
             return
         rejoin = slot.state == "dead"
-        slot.conn, slot.host, slot.pid, slot.state = conn, peer[0], hello.get("pid"), "starting"
-        slot.bind_host = hello.get("bind_host") or peer[0]
-        slot.tensor_parallel_size = hello.get("tensor_parallel_size") or self.cfg.tensor_parallel_size
-        slot.version, slot.group, slot.reason = None, None, ""
+        slot.connect(conn, peer[0], hello.get("pid"), hello.get("bind_host") or peer[0],
+                     hello.get("tensor_parallel_size") or self.cfg.tensor_parallel_size)
         # a replica that joins a running run holds the base weights: label them -1 until its first update
-        conn.send(("start", self.engine_config(), slot.id, None if (rejoin or self.started) else self.version))
-        if rejoin or self.started:
+        conn.send(("start", self.engine_config(), slot.id, None if (rejoin or running) else version))
+        if rejoin or running:
             print(f"[generator] {slot.name} joined; it gets prompts once the next weight update reaches it",
                   file=sys.stderr, flush=True)
-
-    def handle_replica(self, slot: _ReplicaSlot, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "outputs":
-            _, outputs, busy_s = msg
-            self.busy_s_by_replica[slot.id] += busy_s
-            for out in outputs:
-                self.on_output(slot, out)
-        elif kind == "ready":
-            slot.info = msg[1]
-            slot.state = "ready"
-            slot.capacity = max(1, slot.info["max_num_seqs"] // self.cfg.group_size)
-        elif kind == "updated":
-            _, version, seconds = msg
-            slot.version = version
-            if self.update is not None:
-                self.update["seconds"][slot.id] = seconds
-                self.update["waiting"].discard(slot.id)
-                self.finish_update()
-        elif kind == "update_failed":
-            self.on_death(slot, f"its weight update {msg[1]} failed: {msg[2]}")
-        elif kind == "debug":
-            if self.debug_wait is not None and slot.id in self.debug_wait["waiting"]:
-                self.debug_wait["waiting"].discard(slot.id)
-                self.debug_wait["values"][slot.id] = msg[1]
-                self.finish_debug()
-        elif kind == "error":  # its first line says what happened (a traceback follows it)
-            self.on_death(slot, msg[1].strip().splitlines()[0])
-        elif kind == "closed":
-            self.on_death(slot, "it closed")
 
     def send_to(self, slot: _ReplicaSlot, msg: tuple) -> bool:
         try:
@@ -630,18 +813,89 @@ class _ReplicaPool:
             self.on_death(slot, f"sending to it failed ({type(e).__name__})")
             return False
 
-    def loads(self) -> dict[int, int]:
-        """Groups with a completion in flight on each usable replica."""
-        loads = {s.id: 0 for s in self.replicas.values() if s.usable}
-        for table in (self.groups, self.eval_groups):
-            for state in table.values():
-                for r in {r for c, r in zip(state.completions, state.assigned) if c is None and r is not None}:
-                    if r in loads:
-                        loads[r] += 1
-        return loads
+    # ---- what the others read -------------------------------------------------------------------------------------
+    def slot(self, replica: int) -> _ReplicaSlot:
+        return self.replicas[replica]
+
+    def slots(self) -> list[_ReplicaSlot]:
+        return list(self.replicas.values())
+
+    def ready_slots(self) -> list[_ReplicaSlot]:
+        return [s for s in self.replicas.values() if s.state == "ready"]
+
+    def usable_ids(self) -> list[int]:
+        """The replicas admission may send to: engine up, holding the run's weights."""
+        return [s.id for s in self.replicas.values() if s.usable]
+
+    def capacities(self) -> dict[int, int]:
+        return {s.id: s.capacity for s in self.replicas.values()}
 
     def max_in_flight(self) -> int:
         return self.cfg.max_concurrent_groups or max(1, sum(s.capacity for s in self.replicas.values() if s.usable))
+
+    def describe(self, s: _ReplicaSlot) -> dict:
+        return {"id": s.id, "name": s.name, "local": s.local, "pid": s.pid, "host": s.host, "state": s.state,
+                "version": s.version, "devices": s.devices, "vllm_processes": s.info.get("vllm_processes", []),
+                "capacity": s.capacity, "reason": s.reason}
+
+    def describe_all(self) -> list[dict]:
+        return [self.describe(s) for s in self.replicas.values()]
+
+    def address(self) -> str:
+        return self.listener.address
+
+    def refused_lines(self) -> list[str]:
+        return list(self.listener.refused) if self.listener else []
+
+    def refused_count(self) -> int:
+        return len(self.listener.refused) if self.listener else 0
+
+    def head(self) -> Any:
+        """What the first replica's engine says of its LM head."""
+        return next(iter(self.replicas.values())).info.get("head")
+
+    def descendants(self) -> list[tuple]:
+        """(pid, create time, name) of the local replicas' processes and their vLLM processes, for the learner."""
+        import psutil
+
+        descendants = []
+        for slot in self.replicas.values():
+            if slot.local:
+                descendants.append((slot.pid, psutil.Process(slot.pid).create_time(), slot.proc.name))
+                descendants += slot.info.get("vllm_processes", [])
+        return descendants
+
+    # ---- weights, faults, shutdown ----------------------------------------------------------------------------------
+    def send_update(self, version: int, transport: dict, store_address: tuple[str, int] | None) -> list[tuple]:
+        """Tell every ready replica to take weights `version`, first forming the weight group of any that has none;
+        the plan for the learner: [(replica, name, group, join, processes to watch while it sends)]."""
+        plan = []
+        for s in self.ready_slots():
+            join = transport["kind"] == "broadcast" and s.group is None
+            if join:
+                host, port = store_address
+                s.join({"store_host": host, "store_port": port, "prefix": f"scalerl/{secrets.token_hex(16)}",
+                        "world": 1 + s.tensor_parallel_size, "timeout_s": self.cfg.weight_timeout,
+                        "backend": "nccl" if self.cfg.gen_devices is not None else "gloo", "bind_host": s.bind_host})
+                if not self.send_to(s, ("join", s.group)):
+                    continue
+            if self.send_to(s, ("update", version, transport)):  # with what the learner watches while it sends
+                watch = vllm_replica.local_processes(s.pid, s.info.get("vllm_processes", [])) if s.local else []
+                plan.append((s.id, s.name, s.group, join, watch))
+        return plan
+
+    def silent_exits(self) -> list[tuple[_ReplicaSlot, str]]:
+        """(slot, why) of each local replica whose process exited without a word (its connection may linger)."""
+        exits = []
+        for s in self.replicas.values():
+            if s.local and s.proc is not None and s.state != "dead" and not s.proc.is_alive():
+                if s.conn is not None and s.conn.poll(0):
+                    continue  # its last message first
+                exits.append((s, f"its process exited with code {s.proc.exitcode}"))
+        return exits
+
+    def dead_summary(self) -> str:
+        return "; ".join(f"{s.name}: {s.reason}" for s in self.replicas.values() if s.state == "dead")
 
     def shutdown(self) -> None:
         """Close every replica: ask, wait a little, then kill what is left (and its vLLM processes)."""
@@ -665,78 +919,72 @@ class _ReplicaPool:
 
 
 class _ReplicaFaults:
-    """Faults, part of _Scheduler: a replica that dies hands its unfinished completions to the others (or they wait
-    for one), is named in a line and in the next batch's stats; the last one gone stops the generator."""
+    """A replica's death: it is marked dead and its processes killed, the group table frees its unfinished
+    completions (admission places them on the others, or they wait for one), a line names it and the next batch's
+    stats count it; the last one gone stops the generator."""
 
-    def notice_silent_exits(self) -> None:
-        """A local replica whose process exited without a word (its connection may linger) is dead."""
-        for s in self.replicas.values():
-            if s.local and s.proc is not None and s.state != "dead" and not s.proc.is_alive():
-                if s.conn is not None and s.conn.poll(0):
-                    continue  # its last message first
-                self.on_death(s, f"its process exited with code {s.proc.exitcode}")
+    def __init__(self, pool: _ReplicaPool, groups: _GroupTable):
+        self.pool, self.groups = pool, groups
+        self.deaths: list[str] = []  # since the last batch
+        self.deaths_total = 0
 
-    def on_death(self, slot: _ReplicaSlot, reason: str) -> None:
-        """A replica is gone: its unfinished completions go to the others (or wait for one), its weight group is
-        dropped, the next batch's stats and a line on stderr name it. The last replica gone stops the generator."""
-        if slot.state == "dead":
-            return
-        was_starting = slot.state != "ready"
-        slot.state, slot.reason, slot.version, slot.group = "dead", reason, None, None
-        if slot.conn is not None:
-            try:
-                slot.conn.close()
-            except OSError:
-                pass
-            slot.conn = None
-        if slot.proc is not None and slot.proc.is_alive():
-            slot.proc.kill()
-        if slot.local:  # a remote replica's processes are on its own node
-            vllm_replica.kill_processes(slot.info.get("vllm_processes", []))
-        moved = 0
-        for table in (self.groups, self.eval_groups):
-            for state in table.values():
-                for i, (c, r) in enumerate(zip(state.completions, state.assigned)):
-                    if c is None and r == slot.id:
-                        state.assigned[i] = None  # placed again by place_orphans
-                        moved += 1
-        if self.update is not None:
-            self.update["waiting"].discard(slot.id)
-        if self.debug_wait is not None:
-            self.debug_wait["waiting"].discard(slot.id)
-        if not self.started and was_starting:
-            return  # start() reports it
-        left = [s for s in self.replicas.values() if s.state == "ready"]
+    def bury(self, slot: _ReplicaSlot, reason: str) -> tuple[bool, int] | None:
+        """Mark `slot` dead and free its unfinished completions: (was it still starting, how many were freed), or
+        None if it was dead already."""
+        previous = slot.die(reason)
+        if previous == "dead":
+            return None
+        return previous != "ready", self.groups.free(slot.id)
+
+    def report(self, slot: _ReplicaSlot, reason: str, moved: int) -> None:
+        """Name the death on stderr and in the next batch's stats; _Fatal once no replica is left."""
+        left = len(self.pool.ready_slots())
         line = (f"{slot.name} died: {reason}; " + (f"{moved} unfinished completion(s) go to the other replicas; "
-                                                    f"{len(left)} replica(s) left" if left else "no replica left"))
+                                                    f"{left} replica(s) left" if left else "no replica left"))
         self.deaths.append(line)
         self.deaths_total += 1
         print(f"[generator] {line}", file=sys.stderr, flush=True)
         if not left:
-            dead = "; ".join(f"{s.name}: {s.reason}" for s in self.replicas.values() if s.state == "dead")
-            raise _Fatal(f"no replica left: {dead}")
-        self.finish_update()
-        self.finish_debug()
-        self.dirty = True
+            raise _Fatal(f"no replica left: {self.pool.dead_summary()}")
 
-    def place_orphans(self) -> None:
-        """Completions of a dead replica go to the least-loaded usable one, as soon as there is one."""
-        loads = self.loads()
-        for table, prefix in ((self.groups, "t"), (self.eval_groups, "e")):
-            for state in table.values():
-                lost = [i for i, (c, r) in enumerate(zip(state.completions, state.assigned)) if c is None and r is None]
-                r = pick_replica(loads)
-                if lost and r is not None:
-                    self.submit(state, self.replicas[r], lost, prefix)
-                    loads[r] += 1
+    def take_deaths(self) -> list[str]:
+        """The deaths since the last call (one batch's)."""
+        deaths, self.deaths = self.deaths, []
+        return deaths
+
+    def total(self) -> int:
+        return self.deaths_total
 
 
 MAX_UNUSABLE_PROMPTS = 100_000  # too long in a row, for a task with no list of prompts (a generated stream)
 
 
+@dataclass(frozen=True)
+class _Demand:
+    """What admission needs to know of the learner (batch choice keeps it): the groups a blocked get_batch waits for
+    (0: none waits), the learner version of its next request and the groups it consumes per step."""
+
+    waiting_for: int
+    next_learner_version: int
+    groups_per_step: int
+
+
 class _Admission:
-    """Admission, part of _Scheduler: new groups from the data stream, admitted under the staleness rule
-    (`should_admit`) to the least-loaded replica, each completion with its think budget."""
+    """Admission: new groups from the data stream, admitted under the staleness rule (`should_admit`) to the
+    least-loaded replica, each completion with its seed and think budget; a dead replica's completions placed again."""
+
+    def __init__(self, config: GeneratorConfig, task: Task, data: _DataStream, groups: _GroupTable,
+                 pool: _ReplicaPool, tokenizer: Any, phrase_ids: list[int], close_ids: list[int]):
+        self.cfg, self.task, self.data, self.groups, self.pool = config, task, data, groups, pool
+        self.tokenizer, self.phrase_ids, self.close_ids = tokenizer, phrase_ids, close_ids
+        self.skipped_long = 0  # training prompts too long for the context
+
+    def skipped_long_prompts(self) -> int:
+        return self.skipped_long
+
+    def loads(self) -> dict[int, int]:
+        """Groups with a completion in flight on each usable replica."""
+        return self.groups.loads(self.pool.usable_ids())
 
     def request_spec(self, temperature: float, budget: int | None) -> dict:
         cfg = self.cfg
@@ -753,76 +1001,115 @@ class _Admission:
         for i in indices:
             key = state.problem.id if prefix == "e" else str(state.data_index)
             seed = sampling_seed(self.cfg.seed, prefix, key, state.admitted_version, i)
-            if state.budgets[i] is None and self.cfg.interruptions:  # drawn from the seed too: a resume repeats it
-                state.budgets[i] = random.Random(seed).randint(*self.cfg.think_budget)
-            state.assigned[i] = replica.id
-            spec = self.request_spec(state.temperature, state.budgets[i])
+            budget = state.budgets[i]
+            if budget is None and self.cfg.interruptions:  # drawn from the seed too: a resume repeats it
+                budget = random.Random(seed).randint(*self.cfg.think_budget)
+            state.assign(i, replica.id, budget)
+            spec = self.request_spec(state.temperature, budget)
             spec["seed"] = seed
             requests.append((f"{prefix}{state.gid}.{i}", state.prompt_ids, f"v{replica.version}", spec))
         if requests:
-            self.send_to(replica, ("add", requests))
+            self.pool.send_to(replica, ("add", requests))
 
     def new_group(self, problem: Problem, data_index: int, samples: int, version: int,
                   temperature: float) -> _GroupState:
         prompt_ids = tasks.chat_prompt_ids(self.tokenizer, problem.prompt)  # tokenized once: checked, then kept
         if why := tasks.prompt_overflow(problem, len(prompt_ids), self.cfg.max_tokens, self.cfg.max_model_len):
             raise _RequestError(why)
-        state = _GroupState(self.next_gid, problem, data_index, prompt_ids, version,
-                            version + self.cfg.max_off_policy, [None] * samples, [None] * samples,
-                            self.admit_counter, [None] * samples, temperature)
-        self.next_gid += 1
-        self.admit_counter += 1
-        return state
+        return self.groups.new_state(problem, data_index, prompt_ids, version, version + self.cfg.max_off_policy,
+                                     samples, temperature)
 
-    def admit_one(self, replica: _ReplicaSlot | None) -> None:
+    def admit_one(self, version: int, replica: _ReplicaSlot | None) -> None:
+        """Admit the stream's next usable prompt as a group with weights `version`, sent to `replica` (None: placed
+        once a replica holds the run's weights)."""
         too_long: set[str] = set()  # this call's: once it holds every admissible prompt, none is usable
         listed = getattr(self.task, "problems", None)  # a data set's list (a generated task may have a method)
         known = len(listed) if isinstance(listed, (list, tuple)) else 0
-        limit = max(0, known - len(self.data.retired)) or MAX_UNUSABLE_PROMPTS
+        limit = max(0, known - self.data.retired_count()) or MAX_UNUSABLE_PROMPTS
         while True:
-            fresh = not self.data.requeue
             index, problem = self.data.next()
             try:
-                state = self.new_group(problem, index, self.cfg.group_size,
-                                       self.version if replica is None else replica.version, self.cfg.temperature)
+                state = self.new_group(problem, index, self.cfg.group_size, version, self.cfg.temperature)
                 break
             except _RequestError as e:  # a training prompt too long for max_model_len: skip it, count it
                 too_long.add(problem.id)
-                self.skipped_long_prompts += 1
+                self.skipped_long += 1
                 if len(too_long) >= limit:
                     raise _Fatal(f"no training prompt fits the context: {len(too_long)} in a row are too long (e.g. "
                                  f"{e}); raise --max-model-len or lower --max-tokens") from None
-        self.data.admitted += fresh  # prompts of the stream admitted (a requeued one was counted already)
-        self.groups[state.gid] = state
+        self.data.count_admitted()
+        self.groups.add(state)
         if replica is not None:
             self.submit(state, replica, range(len(state.completions)), "t")
 
-    def in_flight(self) -> int:
-        return sum(not g.ready for g in self.groups.values())
-
-    def admit(self) -> None:
-        if self.cfg.mode != "pipeline" or not self.started:
-            return
-        need = self.pending[1] if self.pending and self.pending[0] == "batch" else 0
-        starved = need > 0 and sum(g.ready for g in self.groups.values()) < need  # the learner waits on us
+    def admit(self, demand: _Demand) -> None:
+        """Pipeline mode: admit groups to the least-loaded replicas while the staleness rule and the buffer allow."""
+        need = demand.waiting_for
+        starved = need > 0 and self.groups.ready_count() < need  # the learner waits on us
         loads = self.loads()
-        capacity = {s.id: s.capacity for s in self.replicas.values()}
-        max_in_flight = self.max_in_flight()
+        capacity = self.pool.capacities()
+        max_in_flight = self.pool.max_in_flight()
         while True:
             r = pick_replica({i: n for i, n in loads.items() if n < capacity[i]})
             if r is None or not should_admit(
-                    unconsumed=len(self.groups), in_flight=self.in_flight(), max_in_flight=max_in_flight,
-                    gen_version=self.replicas[r].version, next_learner_version=self.next_learner_version,
-                    k=self.cfg.max_off_policy, groups_per_step=self.groups_per_step or 1, waiting_for=need,
-                    buffer_steps=self.cfg.buffer_steps, learner_starved=starved):
+                    unconsumed=self.groups.unconsumed(), in_flight=self.groups.in_flight(),
+                    max_in_flight=max_in_flight, gen_version=self.pool.slot(r).version,
+                    next_learner_version=demand.next_learner_version, k=self.cfg.max_off_policy,
+                    groups_per_step=demand.groups_per_step, waiting_for=need, buffer_steps=self.cfg.buffer_steps,
+                    learner_starved=starved):
                 return
-            self.admit_one(self.replicas[r])
+            replica = self.pool.slot(r)
+            self.admit_one(replica.version, replica)
             loads[r] += 1
+
+    def admit_batch(self, num_groups: int, version: int) -> None:
+        """Sync mode: the `num_groups` groups of one batch, all with the generator's weights `version`."""
+        if self.groups.unconsumed():
+            raise RuntimeError("sync mode: groups left over from a previous batch")
+        loads = self.loads()
+        for _ in range(num_groups):
+            r = pick_replica(loads)  # None: only replicas that wait for their weights; place_orphans places it
+            replica = self.pool.slot(r) if r is not None else None
+            self.admit_one(version if replica is None else replica.version, replica)
+            if r is not None:
+                loads[r] += 1
+
+    def admit_eval(self, problems: list[Problem], samples: int, temperature: float | None, version: int) -> list[int]:
+        """Evaluation groups of `problems` with weights `version`; their gids. A prompt too long refuses them all."""
+        temp = self.cfg.temperature if temperature is None else temperature
+        states = [self.new_group(problem, -1, samples, version, temp) for problem in problems]  # may refuse
+        loads = self.loads()
+        gids = []
+        for state in states:
+            self.groups.add(state, evaluation=True)
+            r = pick_replica(loads)
+            if r is not None:  # else placed by place_orphans once a replica holds the run's weights
+                self.submit(state, self.pool.slot(r), range(samples), "e")
+                loads[r] += 1
+            gids.append(state.gid)
+        return gids
+
+    def place_orphans(self) -> None:
+        """Completions on no replica (a dead replica's) go to the least-loaded usable one, as soon as there is one."""
+        loads = self.loads()
+        for state, lost, prefix in self.groups.unplaced():
+            r = pick_replica(loads)
+            if lost and r is not None:
+                self.submit(state, self.pool.slot(r), lost, prefix)
+                loads[r] += 1
 
 
 class _Rewards:
-    """Completions out, part of _Scheduler: a finished vLLM request becomes a `Completion`, its interruption phrase
-    masked, its reward scored by the task (a verifier that raises scores -1 and is counted, never fatal)."""
+    """Completions out: a finished vLLM request becomes a `Completion`, its interruption phrase masked, its reward
+    scored by the task (a verifier that raises scores -1 and is counted, never fatal)."""
+
+    def __init__(self, config: GeneratorConfig, task: Task, phrase_ids: list[int], close_ids: list[int]):
+        self.cfg, self.task, self.phrase_ids, self.close_ids = config, task, phrase_ids, close_ids
+        self.errors_total = self.timeouts_total = 0  # a timeout counts in both
+
+    def totals(self) -> tuple[int, int]:
+        """(reward errors, reward timeouts) since the start."""
+        return self.errors_total, self.timeouts_total
 
     def make_completion(self, state: _GroupState, index: int, out: dict, replica: int) -> Completion:
         token_ids, logprobs, versions = out["token_ids"], out["logprobs"], out["versions"]
@@ -853,227 +1140,169 @@ class _Rewards:
                 raise ValueError(f"reward is {reward}")
             return reward, None
         except tasks.RewardTimeout as e:  # a verifier that hangs costs its deadline; the run goes on
-            self.reward_timeouts_total += 1
-            self.reward_errors_total += 1
+            self.timeouts_total += 1
+            self.errors_total += 1
             return -1.0, f"RewardTimeout: {e}"
         except Exception as e:  # a broken verifier must not kill the run: count it, score the sample as failed
-            self.reward_errors_total += 1
+            self.errors_total += 1
             return -1.0, f"{type(e).__name__}: {e}"
-
-    def on_output(self, slot: _ReplicaSlot, out: dict) -> None:
-        rid = out["rid"]
-        kind, rest = rid[0], rid[1:]
-        gid_s, idx_s = rest.split(".")
-        gid, idx = int(gid_s), int(idx_s)
-        table = self.groups if kind == "t" else self.eval_groups
-        state = table.get(gid)
-        if state is None or state.completions[idx] is not None or state.assigned[idx] != slot.id:
-            return
-        state.completions[idx] = self.make_completion(state, idx, out, slot.id)
-        self.tokens_by_replica[slot.id] += len(out["token_ids"])
-        if state.ready:
-            state.done_order = self.done_counter
-            self.done_counter += 1
-            state.min_version = state.to_group().min_version
-            self.dirty = True
 
 
 class _BatchChoice:
-    """Batch choice, part of _Scheduler: the learner's get_batch and evaluate requests, answered once their groups
-    are ready (`plan_batch`: earliest deadline first; sync mode: exactly the groups generated for the request)."""
+    """Batch choice: the learner's get_batch and evaluate requests, answered once their groups are ready
+    (`plan_batch`: earliest deadline first; sync mode: exactly the groups generated for the request). It keeps what
+    the learner asked: its outstanding request, its version, the groups it consumes per step."""
 
-    def start_batch(self, num_groups: int, learner_version: int) -> None:
-        if self.cfg.mode == "pipeline" and learner_version - self.version > self.cfg.max_off_policy:
-            raise _RequestError(
-                f"learner version {learner_version} is more than k={self.cfg.max_off_policy} steps ahead of the "
-                f"generator's weights (version {self.version}): call update_weights after every optimizer step")
-        if learner_version != self.step_version:
-            if self.step_version is not None and self.consumed_this_step > 0:
-                self.groups_per_step = max(self.consumed_this_step, self.cfg.groups_per_batch or 0)
-            self.step_version, self.consumed_this_step = learner_version, 0
-        if not self.groups_per_step:
-            self.groups_per_step = num_groups
-        self.next_learner_version = learner_version
-        self.pending = ("batch", num_groups, learner_version, time.perf_counter())
-        self.dirty = True
-        if self.cfg.mode == "sync":
-            if self.groups:
-                raise RuntimeError("sync mode: groups left over from a previous batch")
-            loads = self.loads()
-            for _ in range(num_groups):
-                r = pick_replica(loads)  # None: only replicas that wait for their weights; place_orphans places it
-                self.admit_one(self.replicas.get(r))
-                if r is not None:
-                    loads[r] += 1
-
-    def start_eval(self, problems: list[Problem], samples: int, temperature: float | None) -> None:
-        temp = self.cfg.temperature if temperature is None else temperature
-        states = [self.new_group(problem, -1, samples, self.version, temp) for problem in problems]  # may refuse
-        loads = self.loads()
-        gids = []
-        for state in states:
-            self.eval_groups[state.gid] = state
-            r = pick_replica(loads)
-            if r is not None:  # else placed by place_orphans once a replica holds the run's weights
-                self.submit(state, self.replicas[r], range(samples), "e")
-                loads[r] += 1
-            gids.append(state.gid)
-        self.pending = ("eval", gids)
-        self.dirty = True
-
-    def try_reply(self) -> None:
-        if self.pending is None or not self.dirty:
-            return
-        self.dirty = False
-        if self.pending[0] == "eval":
-            gids = self.pending[1]
-            if all(self.eval_groups[g].ready for g in gids):
-                groups = [self.eval_groups.pop(g).to_group() for g in gids]
-                self.pending = None
-                self.conn.send(("evaluated", groups))
-            return
-        _, num_groups, V, t0 = self.pending
-        k = self.cfg.max_off_policy
-        if self.cfg.mode == "sync":
-            if not all(g.ready for g in self.groups.values()):
-                return
-            chosen = sorted(self.groups, key=lambda gid: self.groups[gid].done_order)
-            stale: list[int] = []
-        else:
-            entries = [_Entry(g.gid, g.deadline, g.ready, g.min_version,
-                              g.done_order if g.ready else 10**12 + g.admit_order)
-                       for g in self.groups.values()]
-            chosen, stale = plan_batch(entries, num_groups, V, k, self.groups_per_step or num_groups)
-            for gid in stale:  # last resort: drop, count, and generate the prompt again with fresh weights
-                state = self.groups.pop(gid)
-                self.stale_dropped += 1
-                self.data.requeue.append((state.data_index, state.problem))
-            if chosen is None:
-                return
-        groups = [self.groups.pop(gid).to_group() for gid in chosen]
-        self.consumed_this_step += len(groups)
-        self.pending = None
-        self.next_learner_version = V + 1
-        stats = self.batch_stats(groups, V)
-        self.conn.send(("batch", groups, stats))
-
-    def batch_stats(self, groups: list[Group], learner_version: int) -> dict[str, Any]:
-        """The stats sent with a batch (Generator.get_batch lists them); resets the counters kept since the last."""
-        now = time.perf_counter()
-        interval = max(now - self.last_reply_time, 1e-9)
-        alive = [s for s in self.replicas.values() if s.state == "ready"]
-        stats: dict[str, Any] = {
-            "gen_tokens": sum(c.num_tokens for g in groups for c in g.completions),
-            "gen_tokens_per_s": sum(self.tokens_by_replica.values()) / interval,
-            # the engines' busy share of the interval, averaged over the replicas alive
-            "gen_busy_frac": min(1.0, sum(self.busy_s_by_replica.values()) / interval / max(1, len(alive))),
-            "reward_errors": sum(c.reward_error is not None for g in groups for c in g.completions),
-            "reward_error_examples": [c.reward_error for g in groups for c in g.completions if c.reward_error][:3],
-            "interrupted": sum(c.interrupted for g in groups for c in g.completions),
-            "truncated": sum(c.truncated for g in groups for c in g.completions),
-            "stale_dropped": self.stale_dropped,
-            "reward_errors_total": self.reward_errors_total,
-            "reward_timeouts": sum(str(c.reward_error).startswith("RewardTimeout")
-                                   for g in groups for c in g.completions),
-            "reward_timeouts_total": self.reward_timeouts_total,
-            "skipped_long_prompts": self.skipped_long_prompts,
-            "groups_in_flight": self.in_flight(),
-            "groups_ready": sum(g.ready for g in self.groups.values()),
-            # buffer depth: learner steps' worth of groups already finished and waiting for the next requests
-            "buffer_depth_steps": sum(g.ready for g in self.groups.values()) / max(1, self.groups_per_step),
-            "generator_version": self.version,
-            "groups_per_step": self.groups_per_step,
-            "multi_version_completions": sum(len(set(c.versions)) > 1 for g in groups for c in g.completions),
-            "gen_replicas_alive": len(alive),
-            # this batch's groups by the replica of their first completion; tokens generated since the last batch
-            "gen_groups_by_replica": dict(sorted(collections.Counter(g.completions[0].replica
-                                                                     for g in groups).items())),
-            "gen_tokens_by_replica": {s.id: self.tokens_by_replica[s.id] for s in self.replicas.values()},
-            "replica_deaths": self.deaths,
-            "replica_deaths_total": self.deaths_total,
-            "replica_connections_refused": len(self.listener.refused) if self.listener else 0,
-        }
-        stats |= lag_stats(groups, learner_version)
-        self.tokens_by_replica, self.busy_s_by_replica = collections.Counter(), collections.Counter()
-        self.deaths, self.last_reply_time = [], now
-        return stats
-
-
-class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoice):
-    """Runs in the generator process: the loop over the learner's and the replicas' messages, the weight updates and
-    the debug requests. Its parts, each a class named for what it holds: _DataStream (`self.data`), _ReplicaPool,
-    _ReplicaFaults, _Admission, _Rewards, _BatchChoice; the state they share is set up in __init__."""
-
-    def __init__(self, conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,
-                 skip_indices: list[int], retired_ids: list[str], version: int, secret: bytes,
-                 store_address: tuple[str, int] | None):
-        self.conn, self.cfg = conn, config
-        self.secret, self.store_address = secret, store_address
-        self.task = _make_task(task_factory)
-        data_seed = config.seed if config.data_seed is None else config.data_seed
-        self.data = _DataStream(self.task, data_seed, data_start, skip_indices, retired_ids)
-        self.version = version
-        self.groups: dict[int, _GroupState] = {}  # unconsumed training groups (in flight or ready)
-        self.eval_groups: dict[int, _GroupState] = {}
-        self.next_gid = 0
-        self.admit_counter = 0
-        self.done_counter = 0
+    def __init__(self, config: GeneratorConfig, groups: _GroupTable, data: _DataStream, version: int):
+        self.cfg, self.groups, self.data = config, groups, data
         self.pending: tuple | None = None  # the learner's outstanding request
         self.next_learner_version = version
         self.step_version: int | None = None  # learner version of the current step's get_batch calls
         self.consumed_this_step = 0
-        self.groups_per_step = config.groups_per_batch or 0
+        self.per_step = config.groups_per_batch or 0  # groups the learner consumes per step (0: not yet known)
         self.stale_dropped = 0
-        self.skipped_long_prompts = 0
-        self.reward_errors_total = self.reward_timeouts_total = 0  # a timeout counts in both
+        self.dirty = False  # something changed since the last batch plan
+
+    def groups_per_step(self) -> int:
+        return self.per_step
+
+    def dropped(self) -> int:
+        """Groups dropped as too stale (lag > k) since the start."""
+        return self.stale_dropped
+
+    def changed(self) -> None:
+        """Something the plan depends on changed (a group got ready or was lost, the weights moved)."""
+        self.dirty = True
+
+    def demand(self) -> _Demand:
+        need = self.pending[1] if self.pending and self.pending[0] == "batch" else 0
+        return _Demand(need, self.next_learner_version, self.per_step or 1)
+
+    def request_batch(self, num_groups: int, learner_version: int, generator_version: int) -> None:
+        """The learner's get_batch(num_groups, learner_version); refused if its version has outrun the weights."""
+        if self.cfg.mode == "pipeline" and learner_version - generator_version > self.cfg.max_off_policy:
+            raise _RequestError(
+                f"learner version {learner_version} is more than k={self.cfg.max_off_policy} steps ahead of the "
+                f"generator's weights (version {generator_version}): call update_weights after every optimizer step")
+        if learner_version != self.step_version:
+            if self.step_version is not None and self.consumed_this_step > 0:
+                self.per_step = max(self.consumed_this_step, self.cfg.groups_per_batch or 0)
+            self.step_version, self.consumed_this_step = learner_version, 0
+        if not self.per_step:
+            self.per_step = num_groups
+        self.next_learner_version = learner_version
+        self.pending = ("batch", num_groups, learner_version, time.perf_counter())
+        self.dirty = True
+
+    def request_eval(self, gids: list[int]) -> None:
+        self.pending = ("eval", gids)
+        self.dirty = True
+
+    def reply(self) -> tuple | None:
+        """The answer to the outstanding request once it can be given: ("evaluated", groups) or ("batch", groups,
+        learner version); None while it waits."""
+        if self.pending is None or not self.dirty:
+            return None
+        self.dirty = False
+        if self.pending[0] == "eval":
+            groups = self.groups.pop_eval(self.pending[1])
+            if groups is None:
+                return None
+            self.pending = None
+            return ("evaluated", groups)
+        _, num_groups, V, t0 = self.pending
+        chosen = self.choose(num_groups, V)
+        if chosen is None:
+            return None
+        groups = [self.groups.pop(gid).to_group() for gid in chosen]
+        self.consumed_this_step += len(groups)
+        self.pending = None
+        self.next_learner_version = V + 1
+        return ("batch", groups, V)
+
+    def choose(self, num_groups: int, V: int) -> list[int] | None:
+        """The gids for get_batch(num_groups, V), or None while the learner must wait; groups too stale to use are
+        dropped (counted) and their prompts generated again with fresh weights."""
+        if self.cfg.mode == "sync":
+            return self.groups.in_done_order() if self.groups.all_ready() else None
+        chosen, stale = plan_batch(self.groups.planner_entries(), num_groups, V, self.cfg.max_off_policy,
+                                   self.per_step or num_groups)
+        for gid in stale:  # last resort: drop, count, and generate the prompt again with fresh weights
+            state = self.groups.pop(gid)
+            self.stale_dropped += 1
+            self.data.put_back(state.data_index, state.problem)
+        return chosen
+
+
+class _Scheduler:
+    """Runs in the generator process: the loop over the learner's and the replicas' messages, which it routes to its
+    parts, the weight updates and the debug requests. Its parts, each an object that owns its state: `data`
+    (_DataStream), `groups` (_GroupTable), `pool` (_ReplicaPool), `faults` (_ReplicaFaults), `admission`
+    (_Admission), `rewards` (_Rewards), `batches` (_BatchChoice). It keeps the weights' version, the update and
+    debug requests in progress, and the throughput since the last batch."""
+
+    def __init__(self, conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,
+                 skip_indices: list[int], retired_ids: list[str], version: int, secret: bytes,
+                 store_address: tuple[str, int] | None):
+        from transformers import AutoTokenizer
+
+        self.conn, self.cfg, self.store_address = conn, config, store_address
+        task = _make_task(task_factory)
+        tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.phrase_ids = list(tokenizer(task.interruption_phrase, add_special_tokens=False)["input_ids"])
+        self.close_ids = list(tokenizer(tasks.THINK_CLOSE, add_special_tokens=False)["input_ids"])
+        self.version = version  # the weights every usable replica holds
+        data_seed = config.seed if config.data_seed is None else config.data_seed
+        self.data = _DataStream(task, data_seed, data_start, skip_indices, retired_ids)
+        self.groups = _GroupTable()
+        self.pool = _ReplicaPool(config, secret, self.on_death)
+        self.faults = _ReplicaFaults(self.pool, self.groups)
+        self.admission = _Admission(config, task, self.data, self.groups, self.pool, tokenizer, self.phrase_ids,
+                                    self.close_ids)
+        self.rewards = _Rewards(config, task, self.phrase_ids, self.close_ids)
+        self.batches = _BatchChoice(config, self.groups, self.data, version)
+        self.update: dict | None = None  # the weight update in progress
+        self.debug_wait: dict | None = None
         self.tokens_by_replica: collections.Counter[int] = collections.Counter()  # since the last reply
         self.busy_s_by_replica: collections.Counter[int] = collections.Counter()
         self.last_reply_time = time.perf_counter()
-        self.deaths: list[str] = []  # since the last reply
-        self.deaths_total = 0
-        self.update: dict | None = None  # the weight update in progress
-        self.debug_wait: dict | None = None
         self.closing = False
-        self.dirty = False  # something changed since the last batch plan
         self.started = False  # admission starts with the learner's first get_batch or update_weights
-        self.init_replicas(config)
 
     def start(self) -> dict:
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.cfg.model)
-        self.phrase_ids = list(self.tokenizer(self.task.interruption_phrase, add_special_tokens=False)["input_ids"])
-        self.close_ids = list(self.tokenizer(tasks.THINK_CLOSE, add_special_tokens=False)["input_ids"])
-        self.start_replicas()
-        import psutil
-
-        descendants = []
-        for slot in self.replicas.values():
-            if slot.local:
-                descendants.append((slot.pid, psutil.Process(slot.pid).create_time(), slot.proc.name))
-                descendants += slot.info.get("vllm_processes", [])
-        return {"pid": os.getpid(), "address": self.listener.address, "descendants": descendants,
-                "replicas": [self.describe(s) for s in self.replicas.values()],
-                "max_concurrent_groups": self.max_in_flight(), "phrase_ids": self.phrase_ids,
-                "close_ids": self.close_ids, "head": next(iter(self.replicas.values())).info.get("head")}
+        """Listen, spawn the local replicas and wait until every replica (local and remote) has its engine up."""
+        self.pool.spawn()
+        deadline = time.monotonic() + self.cfg.join_timeout
+        while not self.pool.all_ready():
+            self.poll(0.2)
+            if self.closing:
+                raise _Fatal("closed by the learner while starting")
+            self.pool.check_start(deadline)
+        self.pool.hand_version(self.version)
+        return {"pid": os.getpid(), "address": self.pool.address(), "descendants": self.pool.descendants(),
+                "replicas": self.pool.describe_all(), "max_concurrent_groups": self.pool.max_in_flight(),
+                "phrase_ids": self.phrase_ids, "close_ids": self.close_ids, "head": self.pool.head()}
 
     def run(self) -> None:
         while not self.closing:
             self.poll(0.2)
             if self.closing:
                 break
-            self.place_orphans()
+            self.admission.place_orphans()
             self.admit()
             self.try_reply()
 
+    def admit(self) -> None:
+        if self.cfg.mode == "pipeline" and self.started:
+            self.admission.admit(self.batches.demand())
+
+    def shutdown(self) -> None:
+        self.pool.shutdown()
+
     def poll(self, timeout: float) -> None:
         """Wait up to `timeout` for a message from the learner or any replica, and handle every one that came."""
-        if self.listener is not None:
-            while not self.listener.accepted.empty():
-                self.new_conns.append(self.listener.accepted.get())
         owners: dict[Any, Any] = {self.conn: "learner"}
-        owners.update({s.conn: s for s in self.replicas.values() if s.conn is not None})
-        owners.update({c: ("new", peer) for c, peer in self.new_conns})
+        owners.update(self.pool.connections())
         try:
             ready = mpc.wait(list(owners), timeout)
         except OSError:
@@ -1088,16 +1317,17 @@ class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoic
                 elif isinstance(owner, _ReplicaSlot):
                     self.on_death(owner, "its connection closed (process killed, or the network broke)")
                 else:
-                    self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
+                    self.pool.forget_new(conn)
                 continue
             if owner == "learner":
                 self.handle_learner(msg)
             elif isinstance(owner, _ReplicaSlot):
                 self.handle_replica(owner, msg)
             else:
-                self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
-                self.on_hello(conn, owner[1], msg)
-        self.notice_silent_exits()
+                self.pool.forget_new(conn)
+                self.pool.on_hello(conn, owner[1], msg, self.version, running=self.started)
+        for slot, reason in self.pool.silent_exits():
+            self.on_death(slot, reason)
 
     def handle_learner(self, msg: tuple) -> None:
         kind = msg[0]
@@ -1105,18 +1335,20 @@ class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoic
             self.started = True
         try:
             if kind == "get_batch":
-                self.start_batch(msg[1], msg[2])
+                self.batches.request_batch(msg[1], msg[2], self.version)
+                if self.cfg.mode == "sync":
+                    self.admission.admit_batch(msg[1], self.version)
             elif kind == "update":
                 self.begin_update(msg[1], msg[2])
             elif kind == "sent":
                 self.update["sent"] = True
                 for rid, error in msg[1].items():
-                    self.on_death(self.replicas[rid], f"its weight broadcast failed: {error}")
+                    self.on_death(self.pool.slot(rid), f"its weight broadcast failed: {error}")
                 self.finish_update()
             elif kind == "evaluate":
-                self.start_eval(msg[1], msg[2], msg[3])
+                self.batches.request_eval(self.admission.admit_eval(msg[1], msg[2], msg[3], self.version))
             elif kind == "retire":
-                self.data.retired.update(msg[1])
+                self.data.retire(msg[1])
             elif kind == "debug":
                 self.debug(msg[1])
             elif kind == "close":
@@ -1126,24 +1358,119 @@ class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoic
         except _RequestError as e:  # the learner's mistake: tell it, keep running
             self.conn.send(("fail", str(e)))
 
+    def handle_replica(self, slot: _ReplicaSlot, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "outputs":
+            _, outputs, busy_s = msg
+            self.busy_s_by_replica[slot.id] += busy_s
+            for out in outputs:
+                self.on_output(slot, out)
+        elif kind == "ready":
+            slot.engine_up(msg[1], self.cfg.group_size)
+        elif kind == "updated":
+            _, version, seconds = msg
+            slot.holds(version)
+            if self.update is not None:
+                self.update["seconds"][slot.id] = seconds
+                self.update["waiting"].discard(slot.id)
+                self.finish_update()
+        elif kind == "update_failed":
+            self.on_death(slot, f"its weight update {msg[1]} failed: {msg[2]}")
+        elif kind == "debug":
+            if self.debug_wait is not None and slot.id in self.debug_wait["waiting"]:
+                self.debug_wait["waiting"].discard(slot.id)
+                self.debug_wait["values"][slot.id] = msg[1]
+                self.finish_debug()
+        elif kind == "error":  # its first line says what happened (a traceback follows it)
+            self.on_death(slot, msg[1].strip().splitlines()[0])
+        elif kind == "closed":
+            self.on_death(slot, "it closed")
+
+    def on_output(self, slot: _ReplicaSlot, out: dict) -> None:
+        """A finished request: scored into its group, unless that no longer awaits it from this replica."""
+        awaited = self.groups.awaiting(out["rid"], slot.id)
+        if awaited is None:
+            return
+        state, index = awaited
+        completion = self.rewards.make_completion(state, index, out, slot.id)
+        self.tokens_by_replica[slot.id] += len(out["token_ids"])
+        if self.groups.fill(state, index, completion):
+            self.batches.changed()
+
+    def on_death(self, slot: _ReplicaSlot, reason: str) -> None:
+        """A replica is gone (_ReplicaFaults): nothing waits for it any longer, and the plans are made again. The
+        last replica gone stops the generator."""
+        buried = self.faults.bury(slot, reason)
+        if buried is None:
+            return
+        was_starting, moved = buried
+        for wait in (self.update, self.debug_wait):
+            if wait is not None:
+                wait["waiting"].discard(slot.id)
+        if not self.started and was_starting:
+            return  # start() reports it
+        self.faults.report(slot, reason, moved)
+        self.finish_update()
+        self.finish_debug()
+        self.batches.changed()
+
+    def try_reply(self) -> None:
+        reply = self.batches.reply()
+        if reply is None:
+            return
+        if reply[0] == "evaluated":
+            self.conn.send(reply)
+            return
+        _, groups, learner_version = reply
+        self.conn.send(("batch", groups, self.batch_stats(groups, learner_version)))
+
+    def batch_stats(self, groups: list[Group], learner_version: int) -> dict[str, Any]:
+        """The stats sent with a batch (Generator.get_batch lists them); resets the counters kept since the last."""
+        now = time.perf_counter()
+        interval = max(now - self.last_reply_time, 1e-9)
+        alive = len(self.pool.ready_slots())
+        completions = [c for g in groups for c in g.completions]
+        reward_errors_total, reward_timeouts_total = self.rewards.totals()
+        groups_ready, groups_per_step = self.groups.ready_count(), self.batches.groups_per_step()
+        stats: dict[str, Any] = {
+            "gen_tokens": sum(c.num_tokens for c in completions),
+            "gen_tokens_per_s": sum(self.tokens_by_replica.values()) / interval,
+            # the engines' busy share of the interval, averaged over the replicas alive
+            "gen_busy_frac": min(1.0, sum(self.busy_s_by_replica.values()) / interval / max(1, alive)),
+            "reward_errors": sum(c.reward_error is not None for c in completions),
+            "reward_error_examples": [c.reward_error for c in completions if c.reward_error][:3],
+            "interrupted": sum(c.interrupted for c in completions),
+            "truncated": sum(c.truncated for c in completions),
+            "stale_dropped": self.batches.dropped(),
+            "reward_errors_total": reward_errors_total,
+            "reward_timeouts": sum(str(c.reward_error).startswith("RewardTimeout") for c in completions),
+            "reward_timeouts_total": reward_timeouts_total,
+            "skipped_long_prompts": self.admission.skipped_long_prompts(),
+            "groups_in_flight": self.groups.in_flight(),
+            "groups_ready": groups_ready,
+            # buffer depth: learner steps' worth of groups already finished and waiting for the next requests
+            "buffer_depth_steps": groups_ready / max(1, groups_per_step),
+            "generator_version": self.version,
+            "groups_per_step": groups_per_step,
+            "multi_version_completions": sum(len(set(c.versions)) > 1 for c in completions),
+            "gen_replicas_alive": alive,
+            # this batch's groups by the replica of their first completion; tokens generated since the last batch
+            "gen_groups_by_replica": dict(sorted(collections.Counter(g.completions[0].replica
+                                                                     for g in groups).items())),
+            "gen_tokens_by_replica": {s.id: self.tokens_by_replica[s.id] for s in self.pool.slots()},
+            "replica_deaths": self.faults.take_deaths(),
+            "replica_deaths_total": self.faults.total(),
+            "replica_connections_refused": self.pool.refused_count(),
+        }
+        stats |= lag_stats(groups, learner_version)
+        self.tokens_by_replica, self.busy_s_by_replica = collections.Counter(), collections.Counter()
+        self.last_reply_time = now
+        return stats
+
     def begin_update(self, version: int, transport: dict) -> None:
         """Tell every ready replica to take weights `version` (first forming the weight group of any that has
         none), and tell the learner whom to send them to: ("plan", [(replica, name, group, join, processes)])."""
-        targets = [s for s in self.replicas.values() if s.state == "ready"]
-        plan = []
-        for s in targets:
-            join = transport["kind"] == "broadcast" and s.group is None
-            if join:
-                host, port = self.store_address
-                s.group = {"store_host": host, "store_port": port, "prefix": f"scalerl/{secrets.token_hex(16)}",
-                           "world": 1 + s.tensor_parallel_size, "timeout_s": self.cfg.weight_timeout,
-                           "backend": "nccl" if self.cfg.gen_devices is not None else "gloo",
-                           "bind_host": s.bind_host}
-                if not self.send_to(s, ("join", s.group)):
-                    continue
-            if self.send_to(s, ("update", version, transport)):  # with what the learner watches while it sends
-                watch = vllm_replica.local_processes(s.pid, s.info.get("vllm_processes", [])) if s.local else []
-                plan.append((s.id, s.name, s.group, join, watch))
+        plan = self.pool.send_update(version, transport, self.store_address)
         self.update = {"version": version, "waiting": {p[0] for p in plan}, "seconds": {}, "sent": False}
         self.conn.send(("plan", plan))
 
@@ -1153,25 +1480,23 @@ class _Scheduler(_ReplicaPool, _ReplicaFaults, _Admission, _Rewards, _BatchChoic
             return
         self.update = None
         self.version = u["version"]
-        self.dirty = True
-        self.conn.send(("updated", u["version"], {"seconds": u["seconds"],
-                                                  "replicas": sum(s.usable for s in self.replicas.values())}))
+        self.batches.changed()
+        self.conn.send(("updated", u["version"], {"seconds": u["seconds"], "replicas": len(self.pool.usable_ids())}))
 
     def debug(self, what: str) -> None:
         if what == "state":
             self.conn.send(("debug", {
-                "version": self.version, "groups": len(self.groups), "in_flight": self.in_flight(),
-                "eval_groups": len(self.eval_groups), "groups_per_step": self.groups_per_step,
-                "max_groups": self.max_in_flight(), "stale_dropped": self.stale_dropped,
-                "unconsumed_indices": sorted([g.data_index for g in self.groups.values()]
-                                             + [i for i, _ in self.data.requeue]),
-                "admitted": self.data.admitted, "replicas": [self.describe(s) for s in self.replicas.values()],
-                "refused": list(self.listener.refused) if self.listener else []}))
+                "version": self.version, "groups": self.groups.unconsumed(), "in_flight": self.groups.in_flight(),
+                "eval_groups": self.groups.eval_count(), "groups_per_step": self.batches.groups_per_step(),
+                "max_groups": self.pool.max_in_flight(), "stale_dropped": self.batches.dropped(),
+                "unconsumed_indices": sorted(self.groups.data_indices() + self.data.queued_indices()),
+                "admitted": self.data.admitted_total(), "replicas": self.pool.describe_all(),
+                "refused": self.pool.refused_lines()}))
         elif what.startswith("checksum:"):  # every ready replica's checksum of one parameter
-            targets = [s for s in self.replicas.values() if s.state == "ready"]
+            targets = self.pool.ready_slots()
             self.debug_wait = {"waiting": {s.id for s in targets}, "values": {}}
             for s in targets:
-                self.send_to(s, ("debug", what))
+                self.pool.send_to(s, ("debug", what))
             self.finish_debug()
         else:
             raise _RequestError(f"unknown debug request {what!r}")

@@ -358,6 +358,11 @@ def test_secret_file_must_be_private_and_long_enough(tmp_path):
         vllm_replica.read_secret(path)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Fast: the scheduler, with fake connections and no engine; then each of its parts alone
+# --------------------------------------------------------------------------------------------------------------
+
+
 class _FakeConn:
     """Records what the scheduler sends: a stand-in for a replica's (or the learner's) connection."""
 
@@ -375,45 +380,41 @@ def test_the_scheduler_routes_to_the_least_loaded_and_moves_a_dead_replicas_work
     """The scheduler's side of replicas, with fake connections and no engine: groups go to the least-loaded replica,
     a dead replica's unfinished completions (and only those) go to the least-loaded live one under the same request
     ids, a line names it, and the last death is fatal."""
-    from transformers import AutoTokenizer
-
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=2, replicas=3, groups_per_batch=3,
                                 interruptions=False, buffer_steps=None)
     learner = _FakeConn()
     scheduler = pl._Scheduler(learner, config, tasks.ArithmeticTask(), 0, [], [], 0, b"x" * 32, None)
-    scheduler.tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
-    scheduler.phrase_ids, scheduler.close_ids = [], []
-    for slot in scheduler.replicas.values():
+    for slot in scheduler.pool.slots():
         slot.conn, slot.state, slot.version, slot.capacity = _FakeConn(), "ready", 0, 2
-    scheduler.started = True
-    scheduler.start_batch(3, 0)
+    scheduler.handle_learner(("get_batch", 3, 0))
     scheduler.admit()
-    sent = {r: [rid for msg in slot.conn.sent for rid, *_ in msg[1]] for r, slot in scheduler.replicas.items()}
+    sent = {slot.id: [rid for msg in slot.conn.sent for rid, *_ in msg[1]] for slot in scheduler.pool.slots()}
     assert sent == {0: ["t0.0", "t0.1", "t3.0", "t3.1"], 1: ["t1.0", "t1.1", "t4.0", "t4.1"],
                     2: ["t2.0", "t2.1", "t5.0", "t5.1"]}  # least loaded first, up to each one's capacity
-    seeds = {rid: spec["seed"] for slot in scheduler.replicas.values() for msg in slot.conn.sent
+    seeds = {rid: spec["seed"] for slot in scheduler.pool.slots() for msg in slot.conn.sent
              for rid, _, _, spec in msg[1]}
     # each completion's sampler seed: the run's seed, its data index (group g holds index g here), version, sample
     assert seeds == {f"t{g}.{i}": pl.sampling_seed(config.seed, "t", str(g), 0, i) for g in range(6) for i in (0, 1)}
     done = {"token_ids": [5, 6], "logprobs": [-0.1, -0.2], "versions": [0, 0], "text": "x", "finish_reason": "stop"}
-    scheduler.on_output(scheduler.replicas[0], {**done, "rid": "t0.0"})
-    scheduler.on_output(scheduler.replicas[1], {**done, "rid": "t1.0"})  # replica 1 has one completion less to do
+    scheduler.on_output(scheduler.pool.slot(0), {**done, "rid": "t0.0"})
+    scheduler.on_output(scheduler.pool.slot(1), {**done, "rid": "t1.0"})  # replica 1 has one completion less to do
     for r in (1, 2):
-        scheduler.replicas[r].conn.sent.clear()
-    scheduler.on_death(scheduler.replicas[0], "its connection closed")
+        scheduler.pool.slot(r).conn.sent.clear()
+    scheduler.on_death(scheduler.pool.slot(0), "its connection closed")
     assert "replica 0 (local) died: its connection closed; 3 unfinished completion(s) go to the other replicas; 2 " \
            "replica(s) left" in capsys.readouterr().err
-    scheduler.place_orphans()
-    moved = [rid for msg in scheduler.replicas[1].conn.sent + scheduler.replicas[2].conn.sent for rid, *_ in msg[1]]
+    scheduler.admission.place_orphans()
+    moved = [rid for msg in scheduler.pool.slot(1).conn.sent + scheduler.pool.slot(2).conn.sent for rid, *_ in msg[1]]
     assert sorted(moved) == ["t0.1", "t3.0", "t3.1"]  # t0.0 was finished: it stays
-    moved_seeds = {rid: spec["seed"] for msg in scheduler.replicas[1].conn.sent + scheduler.replicas[2].conn.sent
+    moved_seeds = {rid: spec["seed"] for msg in scheduler.pool.slot(1).conn.sent + scheduler.pool.slot(2).conn.sent
                    for rid, _, _, spec in msg[1]}
     assert moved_seeds == {rid: seeds[rid] for rid in moved}  # a moved completion samples as it would have
-    assert scheduler.groups[0].completions[0].replica == 0 and scheduler.groups[0].assigned[1] in (1, 2)
-    scheduler.on_death(scheduler.replicas[1], "killed")
+    group, _ = next(found for r in (1, 2) if (found := scheduler.groups.awaiting("t0.1", r)))
+    assert group.completions[0].replica == 0  # the finished completion keeps its replica
+    scheduler.on_death(scheduler.pool.slot(1), "killed")
     with pytest.raises(pl._Fatal, match=r"no replica left: replica 0 \(local\): its connection closed; "
                                         r"replica 1 \(local\): killed; replica 2 \(local\): it closed"):
-        scheduler.on_death(scheduler.replicas[2], "it closed")
+        scheduler.on_death(scheduler.pool.slot(2), "it closed")
 
 
 def test_a_completion_s_sampling_seed_follows_what_it_is_and_nothing_else():
@@ -437,6 +438,15 @@ class _CharTokenizer:
         return list(range(len(messages[0]["content"])))
 
 
+def _admission_alone(config, task, pool=None):
+    """Admission with its own data stream and group table, a character tokenizer, and `pool` (default: replicas that
+    never connected), no vLLM."""
+    groups = pl._GroupTable()
+    pool = pool or pl._ReplicaPool(config, b"x" * 32, on_death=lambda slot, reason: None)
+    data = pl._DataStream(task, config.seed, 0, [], [])
+    return pl._Admission(config, task, data, groups, pool, _CharTokenizer(), [], []), groups
+
+
 @pytest.mark.parametrize("usable", [0, 1])
 def test_admission_skips_prompts_too_long_and_refuses_a_data_set_with_none_usable(tmp_path, usable):
     """A training prompt too long for the context is skipped and counted; when every one is, admission stops with
@@ -448,20 +458,19 @@ def test_admission_skips_prompts_too_long_and_refuses_a_data_set_with_none_usabl
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     task = tasks.MathDataset(str(path))
     config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=100, interruptions=False)
-    scheduler = pl._Scheduler(_FakeConn(), config, task, 0, [], [], 0, b"x" * 32, None)
-    scheduler.tokenizer = _CharTokenizer()
+    admission, groups = _admission_alone(config, task)
     fits = [len(p.prompt) + 8 <= 100 for p in task.problems]  # the instruction adds 71 characters to a question
     assert any(fits) == bool(usable)
     if usable:
         for _ in range(3):
-            scheduler.admit_one(None)
-        assert len(scheduler.groups) == 3 and 0 < scheduler.skipped_long_prompts <= 2 * fits.count(False)
+            admission.admit_one(0, None)
+        assert groups.unconsumed() == 3 and 0 < admission.skipped_long_prompts() <= 2 * fits.count(False)
     else:
         with pytest.raises(pl._Fatal, match=r"^no training prompt fits the context: \d+ in a row are too long \(e.g. "
                                             r"prompt .*train.jsonl-\d+ has 171 tokens: with max_tokens 8 it exceeds "
                                             r"the context, max_model_len 100\)"):
-            scheduler.admit_one(None)
-        assert scheduler.skipped_long_prompts == len(task.problems)  # each once: the data set went by once
+            admission.admit_one(0, None)
+        assert admission.skipped_long_prompts() == len(task.problems)  # each once: the data set went by once
 
 
 @pytest.mark.parametrize("where", ["main", "thread"])
@@ -500,11 +509,10 @@ def test_admission_works_for_tasks_whose_problems_are_a_method_or_a_stream(task)
     """make run-real's task has a `problems(split)` method, not a list: admission must not take it for a data set's
     list of prompts (it did: 'object of type method has no len()', the generator's death at step 1)."""
     config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=1000, interruptions=False)
-    scheduler = pl._Scheduler(_FakeConn(), config, task, 0, [], [], 0, b"x" * 32, None)
-    scheduler.tokenizer = _CharTokenizer()
+    admission, groups = _admission_alone(config, task)
     for _ in range(3):
-        scheduler.admit_one(None)
-    assert len(scheduler.groups) == 3 and scheduler.skipped_long_prompts == 0
+        admission.admit_one(0, None)
+    assert groups.unconsumed() == 3 and admission.skipped_long_prompts() == 0
 
 
 class _HangingTask(tasks.ArithmeticTask):
@@ -519,16 +527,16 @@ class _HangingTask(tasks.ArithmeticTask):
         return super().reward(problem, completion)
 
 
-def test_a_reward_that_never_returns_costs_its_deadline_scores_wrong_and_shows_in_the_metrics():
-    config = pl.GeneratorConfig(model="m", reward_timeout=0.3, interruptions=False)
+def test_a_reward_that_never_returns_costs_its_deadline_scores_wrong_and_shows_in_the_metrics(base_model_dir):
+    config = pl.GeneratorConfig(model=str(base_model_dir), reward_timeout=0.3, interruptions=False)
     scheduler = pl._Scheduler(_FakeConn(), config, _HangingTask(), 0, [], [], 0, b"x" * 32, None)
-    problem = scheduler.task.problem(2, 3)
+    problem = _HangingTask().problem(2, 3)
     t0 = time.monotonic()
-    reward, error = scheduler.score(problem, "hang")
+    reward, error = scheduler.rewards.score(problem, "hang")
     assert time.monotonic() - t0 < 2.0 and reward == -1.0
     assert error == "RewardTimeout: reward took longer than 0.3 s"
-    assert scheduler.score(problem, "<think>x</think> 5") == (1.0, None)  # the next reward runs as before
-    assert scheduler.reward_timeouts_total == 1 and scheduler.reward_errors_total == 1
+    assert scheduler.rewards.score(problem, "<think>x</think> 5") == (1.0, None)  # the next reward runs as before
+    assert scheduler.rewards.totals() == (1, 1)  # (errors, timeouts): a timeout counts in both
 
     def completion(reward, error):
         return pl.Completion([1], [0.0], [0], [True], "x", "stop", reward, error)
@@ -539,6 +547,143 @@ def test_a_reward_that_never_returns_costs_its_deadline_scores_wrong_and_shows_i
     assert pl.GeneratorConfig(model="m").reward_timeout > 0  # on by default
     with pytest.raises(ValueError, match="reward_timeout must be a number of seconds > 0"):
         pl.GeneratorConfig(model="m", reward_timeout=0)
+
+
+# ---- the scheduler's parts, each built alone (no vLLM, no replica process) --------------------------------------
+
+
+def _ready_pool(config, conns):
+    """A replica pool whose replicas have said hello on fake connections, started their engines and hold weights 0."""
+    pool = pl._ReplicaPool(config, b"x" * 32, on_death=lambda slot, reason: None)
+    for slot, conn in zip(pool.slots(), conns):
+        slot.connect(conn, "127.0.0.1", 1000 + slot.id, "127.0.0.1", 1)
+        slot.engine_up({"max_num_seqs": 4}, config.group_size)
+        slot.holds(0)
+    return pool
+
+
+def _filled_group(groups, data_index, version, replica=0):
+    """A training group of one completion sampled with weights `version` on `replica`, ready."""
+    state = groups.new_state(tasks.ArithmeticTask().problem(1, 2), data_index, [1], version, version + 8, 1, 1.0)
+    groups.add(state)
+    state.assign(0, replica, None)
+    groups.fill(state, 0, pl.Completion([5], [-0.1], [version], [True], "x", "stop", 1.0, replica=replica))
+    return state
+
+
+def test_the_data_stream_gives_a_dropped_prompt_first_and_counts_it_once():
+    data = pl._DataStream(tasks.ArithmeticTask(), 0, 0, skip=[1], retired=[])
+    first = data.next()
+    data.count_admitted()
+    second = data.next()
+    data.count_admitted()
+    assert (first[0], second[0]) == (0, 2)  # index 1 was consumed before a resume
+    data.put_back(*first)
+    assert data.queued_indices() == [0] and data.next() == first
+    data.count_admitted()
+    assert data.admitted_total() == 2
+    again = pl._DataStream(tasks.ArithmeticTask(), 0, 0, skip=[], retired=[])
+    again.retire([first[1].id])  # No-Positive-Resampling: a retired prompt is not given again
+    assert again.next()[1].id != first[1].id and again.retired_count() == 1
+
+
+def test_the_group_table_counts_loads_frees_a_dead_replicas_completions_and_orders_ready_groups():
+    groups = pl._GroupTable()
+    state = groups.new_state(tasks.ArithmeticTask().problem(1, 2), 7, [1], 0, 8, 3, 1.0)
+    groups.add(state)
+    for i, replica in enumerate((0, 1, 1)):
+        state.assign(i, replica, None)
+    assert groups.loads([0, 1, 2]) == {0: 1, 1: 1, 2: 0} and groups.in_flight() == 1
+    assert groups.free(1) == 2 and [lost for _, lost, _ in groups.unplaced()] == [[1, 2]]
+    assert groups.awaiting("t0.1", 1) is None and groups.awaiting("t0.0", 0) == (state, 0)
+    ready = _filled_group(groups, 8, 0)
+    assert groups.ready_count() == 1 and groups.in_done_order() == [state.gid, ready.gid] and ready.done_order == 0
+
+
+def test_the_replica_pool_starts_a_replica_that_says_hello_and_reports_one_it_cannot_reach():
+    config = pl.GeneratorConfig(model="m", replicas=2, group_size=2)
+    deaths = []
+    pool = pl._ReplicaPool(config, b"x" * 32, on_death=lambda slot, reason: deaths.append((slot.id, reason)))
+    conn = _FakeConn()
+    pool.on_hello(conn, ("127.0.0.1", 5), ("hello", {"local_id": 1, "pid": 42}), 3, running=False)
+    (kind, engine_config, replica, version), = conn.sent
+    assert (kind, replica, version) == ("start", 1, 3) and engine_config.replicas == 1 and engine_config.secret is None
+    assert pool.slot(1).state == "starting" and pool.usable_ids() == [] and pool.max_in_flight() == 1
+    pool.slot(1).engine_up({"max_num_seqs": 8}, config.group_size)
+    pool.hand_version(3)
+    assert pool.usable_ids() == [1] and pool.capacities() == {0: 1, 1: 4} and pool.max_in_flight() == 4
+    assert not pool.send_to(pool.slot(0), ("add", []))  # never connected
+    assert deaths == [(0, "sending to it failed (AttributeError)")]
+
+
+def test_replica_faults_free_a_dead_replicas_work_name_it_and_stop_at_the_last(capsys):
+    config = pl.GeneratorConfig(model="m", replicas=2)
+    groups = pl._GroupTable()
+    pool = _ready_pool(config, [_FakeConn(), _FakeConn()])
+    faults = pl._ReplicaFaults(pool, groups)
+    state = groups.new_state(tasks.ArithmeticTask().problem(1, 2), 0, [1], 0, 8, 2, 1.0)
+    groups.add(state)
+    state.assign(0, 0, None)
+    state.assign(1, 1, None)
+    assert faults.bury(pool.slot(0), "killed") == (False, 1) and faults.bury(pool.slot(0), "again") is None
+    faults.report(pool.slot(0), "killed", 1)
+    assert faults.take_deaths() == ["replica 0 (local, pid 1000) died: killed; 1 unfinished completion(s) go to the "
+                                    "other replicas; 1 replica(s) left"] and faults.take_deaths() == []
+    faults.bury(pool.slot(1), "closed")
+    with pytest.raises(pl._Fatal, match=r"no replica left: replica 0 \(local, pid 1000\): killed; replica 1"):
+        faults.report(pool.slot(1), "closed", 1)
+    assert faults.total() == 2 and "no replica left" in capsys.readouterr().err
+
+
+def test_admission_admits_under_the_buffer_limit_to_the_least_loaded_replica():
+    config = pl.GeneratorConfig(model="m", replicas=2, group_size=2, max_tokens=8, max_model_len=1000,
+                                interruptions=False, buffer_steps=1)
+    conns = [_FakeConn(), _FakeConn()]
+    admission, groups = _admission_alone(config, tasks.ArithmeticTask(), pool=_ready_pool(config, conns))
+    admission.admit(pl._Demand(waiting_for=0, next_learner_version=0, groups_per_step=2))
+    assert groups.unconsumed() == 2  # one learner step ahead: two groups, one on each replica
+    assert [[rid for msg in c.sent for rid, *_ in msg[1]] for c in conns] == [["t0.0", "t0.1"], ["t1.0", "t1.1"]]
+    admission.admit(pl._Demand(waiting_for=3, next_learner_version=0, groups_per_step=2))
+    assert groups.unconsumed() == 4  # a learner that waits with nothing ready: up to the replicas' capacity
+
+
+def test_rewards_mask_the_forced_phrase_and_score_a_broken_verifier_minus_one():
+    class Broken(tasks.ArithmeticTask):
+        def reward(self, problem, completion):
+            raise ValueError("no")
+
+    config = pl.GeneratorConfig(model="m", interruptions=True)
+    rewards = pl._Rewards(config, Broken(), phrase_ids=[7, 8], close_ids=[9])
+    groups = pl._GroupTable()
+    state = groups.new_state(Broken().problem(1, 2), 0, [1], 0, 8, 1, 1.0)
+    state.assign(0, 0, 2)  # think budget 2: the phrase was forced after two tokens
+    out = {"token_ids": [3, 4, 7, 8, 5], "logprobs": [-0.1, -0.2, -0.3, -0.4, -0.5], "versions": [0] * 5,
+           "text": "x", "finish_reason": "stop"}
+    completion = rewards.make_completion(state, 0, out, replica=0)
+    assert completion.loss_mask == [True, True, False, False, True] and completion.sampler_logprobs[2:4] == [0, 0]
+    assert completion.finish_reason == "interrupted" and completion.interrupted
+    assert (completion.reward, completion.reward_error) == (-1.0, "ValueError: no") and rewards.totals() == (1, 0)
+
+
+def test_batch_choice_refuses_a_learner_too_far_ahead_and_drops_only_a_stale_group():
+    config = pl.GeneratorConfig(model="m", max_off_policy=1)
+    groups = pl._GroupTable()
+    data = pl._DataStream(tasks.ArithmeticTask(), 0, 0, [], [])
+    batches = pl._BatchChoice(config, groups, data, 0)
+    with pytest.raises(pl._RequestError, match="more than k=1 steps ahead"):
+        batches.request_batch(1, 2, generator_version=0)
+    stale, fresh = _filled_group(groups, 5, 0), _filled_group(groups, 6, 2)
+    batches.request_batch(1, 2, generator_version=2)
+    assert batches.demand() == pl._Demand(waiting_for=1, next_learner_version=2, groups_per_step=1)
+    kind, chosen, version = batches.reply()
+    assert (kind, [g.data_index for g in chosen], version) == ("batch", [fresh.data_index], 2)
+    assert batches.dropped() == 1 and data.queued_indices() == [stale.data_index] and groups.unconsumed() == 0
+    assert batches.reply() is None and batches.demand().next_learner_version == 3
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Fast: weights and the rendezvous
+# --------------------------------------------------------------------------------------------------------------
 
 
 def test_weight_buckets_round_trip_every_dtype_and_shape():

@@ -479,17 +479,16 @@ def test_a_hostile_math_answer_scores_wrong_within_1_5_s_where_rewards_run_and_s
     scores (its main thread, under the run's deadline; or any other thread, where that deadline cannot fire), the
     answer scores -1 within 1.5 s, is counted as a reward timeout, and the next answer scores as before."""
     task = tasks.MathDataset(str(Path(__file__).parent / "data" / "gsm8k_small.jsonl"))
-    scheduler = pl._Scheduler(_FakeConn(), pl.GeneratorConfig(model="m", interruptions=False), task, 0, [], [], 0,
-                              b"x" * 32, None)
+    rewards = pl._Rewards(pl.GeneratorConfig(model="m", interruptions=False), task, phrase_ids=[], close_ids=[])
     problem = task.problems[0]
     results = []
 
     def score() -> None:
-        results.append(scheduler.score(problem, f"\\boxed{{{problem.answer}}}"))  # starts math-verify: not timed
+        results.append(rewards.score(problem, f"\\boxed{{{problem.answer}}}"))  # starts math-verify: not timed
         for hostile in ("\\boxed{9^{9^{9^{9}}}}", "\\boxed{2^{2^{2^{2^{2^{2}}}}}}"):
             t0 = time.monotonic()
-            results.append((*scheduler.score(problem, hostile), time.monotonic() - t0))
-        results.append(scheduler.score(problem, f"The answer is {problem.answer}."))
+            results.append((*rewards.score(problem, hostile), time.monotonic() - t0))
+        results.append(rewards.score(problem, f"The answer is {problem.answer}."))
 
     if where == "thread":
         thread = threading.Thread(target=score)
@@ -501,7 +500,7 @@ def test_a_hostile_math_answer_scores_wrong_within_1_5_s_where_rewards_run_and_s
     assert first == (1.0, None) and last == (1.0, None) and len(hostile) == 2
     for reward, error, seconds in hostile:
         assert reward == -1.0 and seconds < 1.5 and error.startswith("RewardTimeout: math-verify: timeout"), error
-    assert scheduler.reward_timeouts_total == 2 and scheduler.reward_errors_total == 2
+    assert rewards.totals() == (2, 2)  # (errors, timeouts): a timeout counts in both
 
 
 @pytest.mark.parametrize("task", [tasks.MixedArithmeticTask(), tasks.SmallArithmeticTask(), tasks.ArithmeticTask()])

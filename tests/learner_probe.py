@@ -3,7 +3,8 @@ token budgets and LM-head chunk sizes, with and without --kl-coef, --tis and CIS
 padded rows and packed ones (--packing), on synthetic groups. Rank 0 saves {(loss, config): (loss value, flat full
 gradient, metrics)} to argv[1], `config` a tuple of (Args field, value) pairs (CONFIGS). argv[2], if given, is the
 learner's --dtype (default float32), and argv[3] a model directory (default: the embedded base model); on a CUDA
-machine the ranks run on the GPU under NCCL (tests/test_gpu.py compares that with CPU)."""
+machine the ranks run on the GPU under NCCL (tests/test_gpu.py compares that with CPU). With --reference-only it
+runs the reference layout alone (LAYOUTS[0])."""
 
 import sys
 from pathlib import Path
@@ -45,14 +46,20 @@ def configs(loss_name: str) -> list[tuple[tuple, tuple]]:
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
-    dtype = sys.argv[2] if len(sys.argv) > 2 else "float32"
+    # --reference-only: the reference layout alone (one padded micro-batch), which the other world size's layouts
+    # are compared with; CI runs every layout on 2 ranks and this on 1.
+    reference_only = "--reference-only" in sys.argv
+    argv = [a for a in sys.argv if a != "--reference-only"]
+    out = Path(argv[1])
+    dtype = argv[2] if len(argv) > 2 else "float32"
     rank, world, device = runtime.init_distributed(cpu_offload=True)  # gloo beside NCCL for the offloaded layout
-    model_dir = sys.argv[3] if len(sys.argv) > 3 else tasks.embedded_base_model()
+    model_dir = argv[3] if len(argv) > 3 else tasks.embedded_base_model()
     results = {}
     for loss_name in flags.LOSSES:
         loss_module = importlib.import_module(loss_name)
         for settings, layout in configs(loss_name):
+            if reference_only and layout != tuple(sorted(LAYOUTS[0].items())):
+                continue
             args = flags.Args(loss=loss_name, group_size=4, dtype=dtype, **dict(settings), **dict(layout))
             torch.manual_seed(0)
             model, _ = train.build_learner(str(model_dir), args, device)

@@ -2022,10 +2022,11 @@ def test_fsdp_learner_keeps_a_tied_lm_head_tied(tmp_path):
 
 @pytest.fixture(scope="module")
 def probe_results(tmp_path_factory, base_model_dir):
+    """The probe's results on one rank (the reference layout alone) and on two (every layout)."""
     out = {}
-    for world in (1, 2):
+    for world, only in ((1, ["--reference-only"]), (2, [])):
         path = tmp_path_factory.mktemp("probe") / f"w{world}.pt"
-        run = subprocess.run(TORCHRUN + ["--nproc_per_node", str(world), "tests/learner_probe.py", str(path)],
+        run = subprocess.run(TORCHRUN + ["--nproc_per_node", str(world), "tests/learner_probe.py", str(path), *only],
                              cwd=REPO, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         out[world] = torch.load(path, weights_only=False)
@@ -2036,9 +2037,10 @@ def probe_results(tmp_path_factory, base_model_dir):
 @pytest.mark.parametrize("loss", flags.LOSSES)
 def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, loss):
     """Every layout of the step (learner_probe.LAYOUTS: micro-batch budgets, the LM head in chunks, padded or packed
-    rows), on 1 and 2 ranks, gives the loss and gradient of one padded micro-batch on one rank, for every setting
-    that changes the loss (the reference-policy KL, the reference model packed as the policy is; --tis, its old
-    logprobs recomputed in the same layout; CISPO's three aggregation units)."""
+    rows), on 2 ranks, gives the loss and gradient of one padded micro-batch on one rank, for every setting that
+    changes the loss (the reference-policy KL, the reference model packed as the policy is; --tis, its old logprobs
+    recomputed in the same layout; CISPO's three aggregation units). On 2 ranks every layout also splits the batch
+    across ranks, so one rank runs the reference alone (the GPU test runs every layout on one rank)."""
     import learner_probe
 
     one_padded_micro_batch = tuple(sorted(learner_probe.LAYOUTS[0].items()))
@@ -2049,7 +2051,7 @@ def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, los
         assert (reference["kl_ref"] > 1e-4) if kl_coef else ("kl_ref" not in reference)
         if dict(settings).get("tis"):  # the learner's old logprobs are not the sampler's: the weights are not all 1
             assert reference["is_weight_mean"] != pytest.approx(1.0)
-        for world in (1, 2):
+        for world in (1, 2) if layout == one_padded_micro_batch else (2,):
             value, grad, metrics = probe_results[world][(loss, settings + layout)]
             where = (world, settings, layout)
             assert value == pytest.approx(reference_loss, rel=1e-5, abs=1e-7), where
@@ -2167,15 +2169,17 @@ def _rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _start_run(out: Path, flags: list[str], rows: int, what: str, **popen: object) -> subprocess.Popen:
+def _start_run(out: Path, flags: list[str], rows: int, what: str, on_poll=None, **popen: object) -> subprocess.Popen:
     """torchrun train.py in a session of its own, returned once metrics.jsonl holds `rows` rows (the run must not
-    end before: `what` it is waiting to do says why)."""
+    end before: `what` it is waiting to do says why). `on_poll(proc)`, if given, is called while it waits."""
     cmd = TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(out), *flags]
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True, **popen)
     try:
         deadline = time.time() + 400
         while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(_rows(out)) >= rows):
             assert proc.poll() is None, f"the run ended before {what}"
+            if on_poll is not None:
+                on_poll(proc)
             time.sleep(0.2)
     except BaseException:
         if proc.poll() is None:
@@ -2206,6 +2210,9 @@ hf = logprobs(AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32
 assert torch.equal(ours, hf), (ours - hf).abs().max()
 base = logprobs(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32))
 assert not torch.equal(ours, base)  # the export is the trained policy, not the base model
+if sys.argv[3] == "False":
+    print("export ok (transformers)", flush=True)
+    sys.exit(0)
 from vllm import LLM, SamplingParams
 llm = LLM(model=exported, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
 out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
@@ -2219,40 +2226,30 @@ os._exit(0)
 """
 
 
-@pytest.mark.slow
-def test_a_two_step_run_listens_on_loopback_alone_apart_from_torchruns_own(tmp_path, base_model_dir):
-    """Every TCP socket the run's processes listen on (learner ranks, generator, replica; sampled twice a second)
-    is on a loopback address, but torchrun's own rendezvous: the weight groups' store listened on every interface."""
-    import ipaddress
+# On-policy RL with DeepSeekMath's KL to the reference model and IcePop's masked importance sampling, in sync mode
+# with a seed: a case of test_every_loss_runs_end_to_end and the first run the sync repeat test compares.
+SYNC_GRPO = ["--mode", "sync", "--max-off-policy", "1", "--kl-coef", "0.04", "--tis", "token", "--tis-mode", "mask",
+             "--tis-cap-min", "0.5", "--tis-cap", "5", "--seed", "4245"]
 
-    import psutil
 
-    cmd = TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(tmp_path / "run"), "--max-steps", "2",
-                      *SHORT]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    listening: dict[tuple, str] = {}
-    deadline = time.monotonic() + 600
-    while proc.poll() is None and time.monotonic() < deadline:
-        with contextlib.suppress(psutil.Error):
-            for p in [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    for c in p.net_connections(kind="inet"):
-                        if c.status == psutil.CONN_LISTEN:
-                            listening[(c.laddr.ip, c.laddr.port)] = "torchrun" if p.pid == proc.pid else p.name()
-        time.sleep(0.5)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err[-3000:]
-    ours = {address: who for address, who in listening.items() if who != "torchrun"}
-    assert ours, "no socket of the run was seen listening"  # the sampling saw the run
-    assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in ours), ours
+def _short_run(out: Path, loss: str, flags: list[str], *more: str) -> subprocess.CompletedProcess:
+    """A 3-step run of `loss` on the tiny task (evaluations at steps 0, 2 and 3); `more` overrides."""
+    return _train(out, "--loss", loss, "--max-steps", "3", "--eval-every", "2", *SHORT, *flags, *more)
+
+
+@pytest.fixture(scope="module")
+def sync_grpo_run(tmp_path_factory, base_model_dir) -> Path:
+    """grpo in sync mode (SYNC_GRPO), 3 steps, run once for the two tests that read it."""
+    out = tmp_path_factory.mktemp("sync") / "grpo"
+    run = _short_run(out, "grpo", SYNC_GRPO)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss, flags", [
-    ("cispo", []),  # the ScaleRL recipe: pipeline mode, k = 8
-    # on-policy RL with DeepSeekMath's KL to the reference model, and IcePop's masked importance sampling
-    ("grpo", ["--mode", "sync", "--max-off-policy", "1", "--kl-coef", "0.04",
-              "--tis", "token", "--tis-mode", "mask", "--tis-cap-min", "0.5", "--tis-cap", "5"]),
+    ("cispo", []),  # the ScaleRL recipe (pipeline mode, k = 8): the 12-step run of recipe_12_steps
+    ("grpo", SYNC_GRPO),  # the run of sync_grpo_run
     # ... and an mfu in every step's row from a given peak (a CPU has none of its own)
     ("dapo", ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter",
               "--peak-tflops", "0.5"]),
@@ -2261,17 +2258,27 @@ def test_a_two_step_run_listens_on_loopback_alone_apart_from_torchruns_own(tmp_p
     ("gspo", ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "--loss-arg", "token_level=true",
               "--kl-coef", "0.04"]),
 ])
-def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
-    out = tmp_path / loss
-    run = _train(out, "--loss", loss, "--max-steps", "3", "--eval-every", "2", *SHORT, *flags)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, flags):
+    """Each loss's run: every step's row and evaluation, its metrics, the figures and a checkpoint. Two runs are
+    shared with other tests (a start of torchrun and vLLM costs about 25 s here): cispo's is the 12-step recipe,
+    grpo's the sync run that the repeat test runs again."""
+    shared = {"cispo": "recipe_12_steps", "grpo": "sync_grpo_run"}
+    if loss in shared:
+        out = request.getfixturevalue(shared[loss])
+    else:
+        out = tmp_path / loss
+        run = _short_run(out, loss, flags)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    args = json.loads((out / "args.json").read_text())
+    last, every, prompts, samples = args["max_steps"], args["eval_every"], args["eval_prompts"], args["eval_samples"]
     rows = _rows(out)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == list(range(last + 1))
     evals = [r for r in rows if "val_pass_rate" in r]
-    assert [r["step"] for r in evals] == [0, 2, 3]
-    # mean@2 on 8 prompts; with --final-eval-samples 3 the last evaluation is mean@3 (a multiple of 1/24)
-    assert [r["val_samples"] for r in evals] == [2, 2, 3 if "--final-eval-samples" in flags else 2]
-    assert all(round(r["val_pass_rate"] * 8 * r["val_samples"], 6).is_integer() for r in evals)
+    assert [r["step"] for r in evals] == sorted({*range(0, last + 1, every), last})
+    # mean@samples on the evaluation prompts; with --final-eval-samples 3 the last evaluation is mean@3
+    assert [r["val_samples"] for r in evals] == [samples] * (len(evals) - 1) + [
+        3 if "--final-eval-samples" in flags else samples]
+    assert all(round(r["val_pass_rate"] * prompts * r["val_samples"], 6).is_integer() for r in evals)
     for r in rows[1:]:
         for key in ("loss", "clip_frac", "ratio_mean", "kl_k3", "grad_norm", "reward", "frac_zero_variance",
                     "lag_mean", "wait_s", "compute_hours", "flops", "tokens", "train_tokens_per_s"):
@@ -2295,35 +2302,34 @@ def test_every_loss_runs_end_to_end(tmp_path, base_model_dir, loss, flags):
         assert all(r["overlong_filtered"] >= 0 for r in rows[1:])
     if "sync" in flags:  # a round of k steps trains on tokens of lag 0, 1, ..., k - 1
         k = int(flags[flags.index("--max-off-policy") + 1])
-        assert [r["lag_max"] for r in rows[1:]] == [i % k for i in range(3)]
+        assert [r["lag_max"] for r in rows[1:]] == [i % k for i in range(last)]
     assert (out / "scaling.png").stat().st_size > 0
     assert (out / "dashboard.png").read_bytes()[:4] == b"\x89PNG"  # drawn at the evaluations
     trained = [r for r in rows[1:] if r["groups"]]  # (a step whose groups were all dropped trains nothing)
     assert trained and all(r["entropy"] > 0 and 0 < r["length_mean"] <= r["length_max"] <= 48 for r in trained)
     assert (out / "checkpoint" / "trainer_state.json").exists()
-    if loss == "cispo":  # the trained policy, exported, loads in transformers and vLLM with the learner's logprobs
-        exported, result = _export_and_evaluate(out, tmp_path / "exported", eval_prompts=8)
-        assert exported["step"] == 3
-        assert result["resume"] == str(out) and result["problems"] == 8 and 0 <= result["pass@1"] <= result["pass@2"]
+    if loss == "cispo":  # the trained policy, exported, loads in transformers with the learner's logprobs (its
+        # untied LM head; vLLM's load and `evaluate --resume` are checked on SmolLM2's tied one, in the run-real test)
+        assert _export(out, tmp_path / "exported", in_vllm=False)["step"] == last
 
 
 @pytest.mark.slow
-def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(tmp_path, base_model_dir):
+def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(tmp_path, sync_grpo_run):
     """Two sync-mode runs with one seed give the same completions, and so the same loss and gradient norm at every
     step, the second stopped after step 2 and resumed: each completion samples with a seed of its own, and draws
     its think budget from it (pipeline_rl.sampling_seed), so neither which requests vLLM happened to batch together
     nor a restart changes what it draws (with vLLM's one generator per engine, two runs parted at step 2: loss
-    -0.03427 against -0.03637, and trained other completions). The evaluations at steps 0 and 3 repeat too."""
-    flags = ["--mode", "sync", "--max-off-policy", "1", "--max-steps", "3", "--seed", "4245", *SHORT]
+    -0.03427 against -0.03637, and trained other completions). The evaluations at steps 0, 2 and 3 repeat too. The
+    runs are grpo's (SYNC_GRPO: the reference model's KL and masked importance weights in the loss as well); the
+    first is sync_grpo_run's."""
     drawn = ("reward", "groups", "length_mean", "length_max", "frac_interrupted", "val_pass_rate")
-    trained = ("loss", "grad_norm", "entropy")
-    whole, split = tmp_path / "whole", tmp_path / "split"
-    for run in (_train(whole, *flags), _train(split, *flags, "--max-steps", "2"),
+    trained = ("loss", "grad_norm", "entropy", "kl_ref", "is_weight_mean")
+    split = tmp_path / "split"
+    for run in (_short_run(split, "grpo", SYNC_GRPO, "--max-steps", "2"),
                 _train(split, "--resume", str(split), "--max-steps", "3")):
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    first, second = ({r["step"]: r for r in _rows(out)} for out in (whole, split))
+    first, second = ({r["step"]: r for r in _rows(out)} for out in (sync_grpo_run, split))
     assert sorted(first) == sorted(second) == [0, 1, 2, 3]
-    second[2].pop("val_pass_rate")  # the split run evaluated at its first end as well
     for step in (0, 1, 2, 3):
         assert {k: first[step].get(k) for k in drawn} == {k: second[step].get(k) for k in drawn}, step
     for step in (1, 2, 3):  # the same completions; their sampler logprobs may differ in float32's last bits with
@@ -2343,16 +2349,23 @@ def _assert_rl_compute_leaves_out_the_evaluations(rows: list[dict], devices: int
     assert evaluated > 0 and all(a["rl_compute_hours"] < b["rl_compute_hours"] for a, b in zip(rows, rows[1:]))
 
 
-def _export_and_evaluate(out: Path, exported: Path, eval_prompts: int) -> tuple[dict, dict]:
-    """`train.py export` of a finished run, EXPORT_CHECK on the export, then `train.py evaluate --resume` with 2
-    samples of `eval_prompts` problems. Returns the two commands' JSON lines."""
+def _export(out: Path, exported: Path, in_vllm: bool = True) -> dict:
+    """`train.py export` of a finished run, then EXPORT_CHECK on the export (in transformers, and in vLLM unless
+    `in_vllm` is false). Returns export's JSON line."""
     run = subprocess.run([sys.executable, "train.py", "export", str(out), str(exported)], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     written = json.loads(run.stdout.splitlines()[-1])
-    check = subprocess.run([sys.executable, "-c", EXPORT_CHECK, str(out), str(exported)], cwd=REPO,
+    check = subprocess.run([sys.executable, "-c", EXPORT_CHECK, str(out), str(exported), str(in_vllm)], cwd=REPO,
                            capture_output=True, text=True, timeout=600)
     assert check.returncode == 0 and "export ok" in check.stdout, check.stdout[-2000:] + check.stderr[-3000:]
+    return written
+
+
+def _export_and_evaluate(out: Path, exported: Path, eval_prompts: int) -> tuple[dict, dict]:
+    """`_export`, then `train.py evaluate --resume` with 2 samples of `eval_prompts` problems. Returns the two
+    commands' JSON lines."""
+    written = _export(out, exported)
     run = subprocess.run([sys.executable, "train.py", "evaluate", "--resume", str(out), "--eval-prompts",
                           str(eval_prompts), "--eval-samples", "2"], cwd=REPO, capture_output=True, text=True,
                          timeout=600)
@@ -2389,14 +2402,100 @@ def _processes_of(out: Path) -> list:
     return found
 
 
+def _listening(proc: subprocess.Popen, seen: dict) -> None:
+    """Adds the TCP sockets that torchrun (`proc`) and its descendants listen on to `seen`: (ip, port) -> who."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for p in [psutil.Process(proc.pid)] + psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                for c in p.net_connections(kind="inet"):
+                    if c.status == psutil.CONN_LISTEN:
+                        seen[(c.laddr.ip, c.laddr.port)] = "torchrun" if p.pid == proc.pid else p.name()
+
+
+def _generator_of(proc: subprocess.Popen):
+    """The generator process of a run (the scheduler: a spawned child of rank 0 whose own child is its replica)."""
+    import psutil
+
+    spawned = [p for p in psutil.Process(proc.pid).children(recursive=True)
+               if any("spawn_main" in part for part in p.cmdline())
+               and not any("resource_tracker" in part for part in p.cmdline())]
+    generators = [p for p in spawned if p.ppid() not in {q.pid for q in spawned}]  # not its replica
+    assert len(generators) == 1 and len(spawned) == 2, [p.cmdline() for p in spawned]
+    return generators[0]
+
+
+def _stopped_state(out: Path) -> dict:
+    """The checkpoint's trainer state of a run that stopped, which must hold every row metrics.jsonl holds."""
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["metrics_lines"] == len(_rows(out)) == state["step"] + 1, (state, len(_rows(out)))
+    return state
+
+
 @pytest.mark.slow
-def test_kill_dash_nine_and_resume_loses_and_duplicates_no_step(tmp_path, base_model_dir):
-    """`kill -9` of torchrun alone (its ranks run in sessions of their own) between two checkpoints, then --resume:
-    the ranks and the generator die with it, and metrics.jsonl ends with every step exactly once."""
-    out = tmp_path / "run"
-    flags = ["--max-steps", "8", "--eval-every", "3", "--checkpoint-every", "2", *SHORT]
-    # Kill between checkpoints: after step 5 is logged, the last checkpoint is step 4.
-    proc = _start_run(out, flags, 6, "it could be killed", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_path, base_model_dir):
+    """One run (so that torchrun and vLLM start 4 times, not 7), stopped three ways and resumed each time:
+    1. `kill -9` of the generator process (the scheduler; its replica goes with it) mid-run: rank 0 learns of it
+       within seconds, every rank saves a checkpoint of the steps done and the run stops with a message. Meanwhile
+       every TCP socket the run's processes listen on (learner ranks, generator, replica) is on a loopback address,
+       but torchrun's own rendezvous (the weight groups' store listened on every interface).
+    2. SIGINT to torchrun (what Ctrl-C sends) between two checkpoints: the ranks finish the step they are in, save a
+       checkpoint and exit; the resume names the step it starts from, and redoes nothing.
+    3. `kill -9` of torchrun alone (its ranks run in sessions of their own) between two checkpoints: the ranks and
+       the generator die with it, and the resume redoes the steps after the last checkpoint.
+    In the end metrics.jsonl holds every step exactly once, and the evaluations' hours come back with each
+    checkpoint."""
+    import ipaddress
+
+    out, logs = tmp_path / "run", [tmp_path / f"log{i}" for i in range(3)]
+    resume = ["--resume", str(out)]
+
+    def start(flags: list[str], rows: int, what: str, log: Path, on_poll=None) -> subprocess.Popen:
+        with log.open("w") as f:  # a file, not a pipe that nobody reads while the run goes on
+            return _start_run(out, flags, rows, what, on_poll, stdout=f, stderr=subprocess.STDOUT)
+
+    def kill(proc: subprocess.Popen) -> None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    # 1. The generator killed once the run has logged step 3.
+    listening: dict[tuple, str] = {}
+    flags = ["--max-steps", "16", "--eval-every", "3", "--checkpoint-every", "4", *SHORT]
+    proc = start(flags, 4, "its generator could be killed", logs[0], lambda p: _listening(p, listening))
+    try:
+        _generator_of(proc).kill()
+        proc.wait(120)
+    finally:
+        kill(proc)
+    output = logs[0].read_text()
+    assert proc.returncode != 0
+    assert "stopping after step" in output and "generator process died" in output, output[-3000:]
+    first_stop = _stopped_state(out)["step"]
+    assert first_stop >= 3
+    ours = {address: who for address, who in listening.items() if who != "torchrun"}
+    assert ours, "no socket of the run was seen listening"  # the sampling saw the run
+    assert all(ipaddress.ip_address(ip).is_loopback for ip, _ in ours), ours
+
+    # 2. Ctrl-C two steps after the resume.
+    proc = start(resume, first_stop + 3, "it could be stopped", logs[1])
+    try:
+        proc.send_signal(signal.SIGINT)
+        t0 = time.time()
+        proc.wait(60)
+        stop_s = time.time() - t0
+    finally:
+        kill(proc)
+    output = logs[1].read_text()
+    assert f"[resume] {out / 'checkpoint'}: step {first_stop}" in output, output[-3000:]
+    assert re.search(r"stopping after step \d+: stopped by SIGINT", output), output[-3000:]
+    assert stop_s < 30  # a step of the tiny model and a checkpoint, well inside torchrun's 30 s grace
+    second_stop = _stopped_state(out)["step"]
+    assert first_stop + 2 <= second_stop < 16
+
+    # 3. kill -9 of torchrun the step after a checkpoint (--checkpoint-every 4): the steps since are redone.
+    after_checkpoint = next(step for step in range(second_stop + 2, 16) if step % 4 == 1)
+    proc = start(resume, after_checkpoint + 1, "it could be killed", logs[2])
     try:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
@@ -2407,61 +2506,42 @@ def test_kill_dash_nine_and_resume_loses_and_duplicates_no_step(tmp_path, base_m
     finally:
         for p in _processes_of(out):
             p.kill()
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill(proc)
+    assert f"[resume] {out / 'checkpoint'}: step {second_stop}" in logs[2].read_text()
     killed_rows = len(_rows(out))
-    assert 6 <= killed_rows < 9
+    assert after_checkpoint + 1 <= killed_rows < 17
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
-    assert state["step"] in (4, 6) and state["metrics_lines"] == state["step"] + 1
+    assert state["step"] < killed_rows - 1 and state["metrics_lines"] == state["step"] + 1, (state, killed_rows)
     time.sleep(2)
     assert len(_rows(out)) == killed_rows  # nothing is still writing
-    run = _train(tmp_path / "ignored", "--resume", str(out))
+
+    run = _train(tmp_path / "ignored", *resume)
     assert run.returncode == 0, run.stderr[-4000:]
-    steps = [r["step"] for r in _rows(out)]
-    assert steps == list(range(9)), steps  # every step exactly once
+    assert [r["step"] for r in _rows(out)] == list(range(17))  # every step exactly once
     assert not (tmp_path / "ignored").exists()
-    _assert_rl_compute_leaves_out_the_evaluations(_rows(out))  # the evaluations' hours come back with the checkpoint
+    _assert_rl_compute_leaves_out_the_evaluations(_rows(out))
 
 
-@pytest.mark.slow
-def test_ctrl_c_stops_at_a_step_boundary_with_a_checkpoint_and_resumes_without_redoing_a_step(tmp_path,
-                                                                                              base_model_dir):
-    """SIGINT to torchrun (what Ctrl-C sends) between two checkpoints: the ranks finish the step they are in, save a
-    checkpoint and exit; --resume then redoes nothing and loses nothing."""
-    out = tmp_path / "run"
-    flags = ["--max-steps", "8", "--eval-every", "3", "--checkpoint-every", "100", *SHORT]
-    proc = _start_run(out, flags, 3, "it could be stopped", stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                      text=True)
-    try:
-        proc.send_signal(signal.SIGINT)
-        t0 = time.time()
-        output, _ = proc.communicate(timeout=60)
-        stop_s = time.time() - t0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert re.search(r"stopping after step \d+: stopped by SIGINT", output), output[-3000:]
-    assert stop_s < 30  # a step of the tiny model and a checkpoint, well inside torchrun's 30 s grace
-    rows = _rows(out)
-    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
-    assert 2 <= state["step"] < 8 and state["metrics_lines"] == len(rows) == state["step"] + 1
-    run = _train(tmp_path / "ignored", "--resume", str(out))
+@pytest.fixture(scope="module")
+def four_step_run(tmp_path_factory, base_model_dir) -> Path:
+    """A finished run of 4 steps with checkpoints at steps 2 and 4, reporting to TensorBoard: the tests that resume
+    it copy it first."""
+    out = tmp_path_factory.mktemp("four") / "run"
+    run = _train(out, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4", "--report-to",
+                 "tensorboard", *SHORT)
     assert run.returncode == 0, run.stderr[-4000:]
-    assert f"[resume] {out / 'checkpoint'}: step {state['step']}" in run.stderr
-    assert [r["step"] for r in _rows(out)] == list(range(9))  # nothing redone, nothing lost
+    return out
 
 
 @pytest.mark.slow
-def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, base_model_dir):
+def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, four_step_run):
     """rng-1.json (rank 1's RNG states) cut short in the newest checkpoint of a 2-rank run. Before, rank 0 resumed
     from that checkpoint and rank 1 alone fell back to checkpoint.old, and the two deadlocked at the next save. Now
     both resume from checkpoint.old, rank 0 names the file and each rank's choice, and the run finishes with every
     step once; args.json records the resume. A --max-steps the run has reached then has nothing to do. The run
     reports to TensorBoard: its event files, read back, hold every step once with metrics.jsonl's values."""
     out = tmp_path / "run"
-    run = _train(out, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4", "--report-to",
-                 "tensorboard", *SHORT)
-    assert run.returncode == 0, run.stderr[-4000:]
+    shutil.copytree(four_step_run, out, symlinks=True)
     rng1 = out / "checkpoint" / "rng-1.json"
     rng1.write_bytes(rng1.read_bytes()[:100])
     run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "6")
@@ -2542,53 +2622,21 @@ def test_bad_data_rows_are_named_once_without_a_traceback(tmp_path, base_model_d
 
 
 @pytest.mark.slow
-def test_a_dead_generator_stops_the_run_with_a_checkpoint_it_resumes_from(tmp_path, base_model_dir):
-    """`kill -9` of the generator process (the scheduler; its replica goes with it) mid-run: rank 0 learns of it within
-    seconds, every rank saves a checkpoint of the steps done and the run stops with a message; --resume then
-    starts a new generator and finishes with every step once."""
-    import psutil
-
-    out = tmp_path / "run"
-    flags = ["--max-steps", "8", "--eval-every", "3", "--checkpoint-every", "100", *SHORT]
-    proc = _start_run(out, flags, 3, "its generator could be killed", stdout=subprocess.PIPE,
-                      stderr=subprocess.STDOUT, text=True)
-    try:
-        spawned = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if any("spawn_main" in part for part in p.cmdline())
-                   and not any("resource_tracker" in part for part in p.cmdline())]
-        generators = [p for p in spawned if p.ppid() not in {q.pid for q in spawned}]  # not its replica
-        assert len(generators) == 1 and len(spawned) == 2, [p.cmdline() for p in spawned]
-        generators[0].kill()
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode != 0
-    assert "stopping after step" in output and "generator process died" in output, output[-3000:]
-    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
-    assert state["step"] >= 2 and state["metrics_lines"] == len(_rows(out)) == state["step"] + 1
-    run = _train(tmp_path / "ignored", "--resume", str(out))
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert [r["step"] for r in _rows(out)] == list(range(9))
-
-
-@pytest.mark.slow
 def test_a_full_weight_dir_at_a_resume_s_first_push_is_one_line_and_changes_nothing(tmp_path, full_tmpfs,
-                                                                                     base_model_dir):
+                                                                                     four_step_run):
     """A resume first pushes the checkpoint's weights to the generator, which starts from the base model's. With
     --weight-transport file into a full --weight-dir (a real tmpfs), that push fails: one line naming the weight
     file, its file system and the free space, no traceback of train.py nor gloo's, no weight file left, and the run
     directory byte for byte as it was (its lock aside), so that a resume with room continues from the same
     checkpoint."""
     out = tmp_path / "run"
-    run = _train(out, "--max-steps", "1", "--checkpoint-every", "1", "--eval-every", "10", *SHORT, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    shutil.copytree(four_step_run, out, symlinks=True)
 
     def files() -> dict:  # all but .lock, which holds the pid of the last run that took it
         return {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".lock"}
 
     before = files()
-    run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "2", "--weight-transport", "file",
+    run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "5", "--weight-transport", "file",
                  "--weight-dir", str(full_tmpfs), timeout=300)
     assert run.returncode != 0
     [line] = [x for x in run.stderr.splitlines() if "train.py: error:" in x]
@@ -2623,8 +2671,9 @@ RECIPE_12 = ["--max-steps", "12", "--eval-every", "6", "--debug-learner-slowdown
 def recipe_12_steps(tmp_path_factory, base_model_dir) -> Path:
     """The default recipe (cispo, pipeline, k = 8, buffer 1, one replica) on the tiny task, shortened to 12 steps,
     with the learner slowed 3x so that the generator is far ahead of it (as on a machine with a relatively faster
-    generator). Run once for the tests that read it. How far the recipe learns is measured by runs of 200 steps on
-    several seeds (docs/results.md, `bench.py report`), not here: a short run's rise is a coin flip of noise."""
+    generator). Run once for the tests that read it (this one and cispo's case of test_every_loss_runs_end_to_end).
+    How far the recipe learns is measured by runs of 200 steps on several seeds (docs/results.md, `bench.py
+    report`), not here: a short run's rise is a coin flip of noise."""
     out = tmp_path_factory.mktemp("recipe") / "one-replica"
     run = _train(out, *RECIPE_12, timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -2717,7 +2766,7 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     assert (out / "scaling.png").stat().st_size > 0
     exported, result = _export_and_evaluate(out, tmp_path / "exported", eval_prompts=4)
     assert exported["step"] == 3 and exported["base_model"] == str(real_model_dir)
-    assert result["dataset"] == "mixed-arithmetic" and result["problems"] == 4, result
+    assert result["resume"] == str(out) and result["dataset"] == "mixed-arithmetic" and result["problems"] == 4, result
     assert 0 <= result["pass@1"] <= result["pass@2"] <= 1 and result["max_tokens"] == 48, result
     assert 0 <= result["check_strict"] <= result["check_lenient"] <= 1, result
     assert len(result["examples"]) == 3 and all(e["prompt"].startswith("What is ") for e in result["examples"])

@@ -783,7 +783,7 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
     import train
 
     clis = {"packed": cli, "padded": dataclasses.replace(cli, packing=False)}
-    hp = train.loss_hyperparameters(cli, loss_module)
+    hp = train.loss_hyperparameters(cli)
     model, n_params = train.build_learner(model_dir, cli, device)
     weights_bytes = _allocated(device)  # before the first step: no gradients, no AdamW state yet
     fused = flags.adamw_fused(cli, device)

@@ -45,7 +45,7 @@ import vllm_replica  # the replica runtime: the secret file, the parent-death si
 from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
                          open_no_follow, read_no_follow, refuse_unless_regular, write_atomically, write_failure)
 from flags import (Args, generator_memory_fraction, generator_values, layout_lines, local_replicas, resolve_defaults,
-                   step_ranges, trackio_dir, trackio_dir_problem, write_args_json)
+                   step_ranges, steps_per_round, trackio_dir, trackio_dir_problem, write_args_json)
 from packing import model_device
 
 
@@ -470,7 +470,7 @@ def generator_config(args: Args, model_path: str) -> pipeline_rl.GeneratorConfig
     drawn."""
     return pipeline_rl.GeneratorConfig(
         model=model_path, **generator_values(args), seed=args.seed, data_seed=args.seed,
-        groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
+        groups_per_batch=args.prompts_per_step * steps_per_round(args),  # a round's groups, in one request
         gpu_memory_utilization=generator_memory_fraction(args, generator_shares_a_gpu(args)),
         replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
         secret=vllm_replica.read_secret(args.gen_secret_file) if args.gen_secret_file else None,

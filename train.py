@@ -48,7 +48,7 @@ import contextlib
 import dataclasses
 import faulthandler
 import functools
-import inspect
+import importlib
 import json
 import math
 import random
@@ -77,9 +77,10 @@ import tasks
 import tis
 from checkpoints import TrainerState, migrate_checkpoint, read_checkpoint, save_checkpoint
 from cli import positionals  # a subcommand's arguments, checked like flags: one error line
-from flags import LOSSES  # --loss NAME -> its loss file (grpo.py, dapo.py, drgrpo.py, gspo.py, cispo.py)
+from flags import LOSSES  # --loss NAME -> the module name of its loss file; make_learner imports it
 from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, flags_markdown, lm_head_gemm,
-                   loss_arg_problems, parse_args, parse_literal, plan, read_args_json, reshard_layers, resolve_defaults)
+                   loss_arg_problems, parse_args, parse_literal, plan, read_args_json, reshard_layers, resolve_defaults,
+                   steps_per_round)
 from head_gemm import split_bf16_logprobs
 from packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
@@ -262,7 +263,7 @@ class Round:
 def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
     """Rank 0: pull groups for one round (--prompts-per-step per optimizer step; k steps' worth in sync mode) and
     take them through the data-side steps of the recipe."""
-    steps = args.max_off_policy if args.mode == "sync" else 1
+    steps = steps_per_round(args)  # k in sync mode (PPO-off-policy-k), 1 in pipeline mode
     want = args.prompts_per_step * steps
     stats: dict[str, Any] = {"overlong_filtered": 0} if args.overlong_filter else {}
     kept: list = []
@@ -788,11 +789,11 @@ def fit_and_plot(metrics_file: Path, out_png: Path, label: str) -> Any:
 
 
 def make_learner(args: Args, model_path: str, device: Any, rank: int) -> Learner:
-    """The loss file --loss names, with its hyper-parameters (flags over the file's paper defaults); the seeds (data
-    order and sampling per rank, initialisation shared); the policy (build_learner) and, with --kl-coef, the frozen
-    reference; AdamW and its linear warm-up over --warmup-steps."""
-    loss_module = LOSSES[args.loss]
-    hp = loss_hyperparameters(args, loss_module)
+    """The loss file --loss names, imported here by its module name (flags.LOSSES), with its hyper-parameters (flags
+    over the file's paper defaults); the seeds (data order and sampling per rank, initialisation shared); the policy
+    (build_learner) and, with --kl-coef, the frozen reference; AdamW and its linear warm-up over --warmup-steps."""
+    loss_module = importlib.import_module(LOSSES[args.loss])
+    hp = loss_hyperparameters(args)
     adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
@@ -972,7 +973,7 @@ def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
     }
 
 
-def loss_hyperparameters(args: Args, loss_module: Any) -> dict[str, Any]:
+def loss_hyperparameters(args: Args) -> dict[str, Any]:
     """Keyword overrides for the loss file; everything not named keeps the file's paper default."""
     hp: dict[str, Any] = {}
     if args.loss == "drgrpo":
@@ -981,7 +982,7 @@ def loss_hyperparameters(args: Args, loss_module: Any) -> dict[str, Any]:
         hp["aggregation"] = args.aggregation
     if args.kl_coef:
         hp["kl_coef"] = args.kl_coef  # with ref_logprobs from the reference model, per micro-batch
-    problems = loss_arg_problems(args, loss_module)  # check_args refused these before the start; a caller may not have
+    problems = loss_arg_problems(args)  # check_args refused these before the start; a caller may not have
     if problems:
         raise SystemExit("; ".join(problems))
     for item in args.loss_arg or []:

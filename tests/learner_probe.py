@@ -63,7 +63,7 @@ def main() -> None:
                     for p in ref_model.parameters():
                         p.mul_(1.01)  # on the float32 parameters FSDP2 keeps, also under bf16 compute
             groups = synthetic_groups(6, 4, model.config.vocab_size)
-            hp = train.loss_hyperparameters(args, loss_module)
+            hp = train.loss_hyperparameters(args)
             rewards = torch.tensor([r for grp in groups for r in grp.rewards])
             advantages = loss_module.compute_advantages(rewards, 4)
             mine = [i for i in range(len(groups)) if i % world == rank]

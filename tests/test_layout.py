@@ -1,5 +1,6 @@
-"""The house plan, measured: train.py and pipeline_rl.py stay readable in one sitting (the recipe in front, the runtime
-in modules a reader may skip), no function or class outgrows a screen-read, and imports flow one way.
+"""The house plan, measured: the recipe in front (train.py's loop near its top), the runtime in modules a reader may
+skip, no function or class outgrows a screen-read, and imports flow one way: the algorithm files are leaves and the
+flags know the loss files by name only.
 
     python tests/test_layout.py     prints the counts these tests check
 """
@@ -15,6 +16,7 @@ RECIPE_FILES = ("train.py", "pipeline_rl.py")
 RUNTIME_FILES = ("flags.py", "checkpoints.py", "runtime.py", "packing.py", "head_gemm.py", "vllm_replica.py",
                  "cli.py")
 ENTRY_POINTS = ("bench.py", "teach.py")  # beside tests/, the only modules that may import train.py
+ALGORITHM_FILES = ("grpo", "dapo", "drgrpo", "gspo", "cispo", "tis")  # one algorithm each: torch only
 MAX_LINES = {"train.py": 1000, "pipeline_rl.py": 1550}  # pipeline_rl.py: + per-completion seeds, reward deadlines
 MAX_FIRST_LINE = {("train.py", "train"): 200, ("pipeline_rl.py", "admission_allowed"): 300}
 MAX_FUNCTION_LINES = 100
@@ -118,6 +120,18 @@ def test_imports_flow_one_way() -> None:
 
     for module in graph:
         visit(module, [])
+
+
+def test_the_algorithm_files_are_leaves() -> None:
+    """grpo.py ... tis.py import torch and nothing of the project, not even each other."""
+    for name in ALGORITHM_FILES:
+        assert not imported_project_modules(name + ".py"), f"{name}.py imports {imported_project_modules(name + '.py')}"
+
+
+def test_the_flags_import_no_algorithm_file() -> None:
+    """--loss goes from train.py to the loss file: flags.py names the loss files (LOSSES) and reads their
+    hyper-parameters from source, but imports none of them."""
+    assert not imported_project_modules("flags.py") & set(ALGORITHM_FILES), imported_project_modules("flags.py")
 
 
 def test_the_checks_here_catch_what_they_look_for() -> None:

@@ -202,22 +202,17 @@ def test_algorithm_options_are_checked(argv, message, capsys):
 
 
 def test_algorithm_options_reach_the_loss():
-    import gspo
-    import grpo
-
     args = flags.parse_args(["--loss", "grpo", "--kl-coef", "0.04"])
-    assert train.loss_hyperparameters(args, grpo) == {"kl_coef": 0.04}
+    assert train.loss_hyperparameters(args) == {"kl_coef": 0.04}
     for loss in flags.LOSSES:  # every loss file takes GRPO's KL option
         assert "ref_logprobs" in inspect.signature(importlib.import_module(loss).compute_loss).parameters, loss
     args = flags.parse_args(["--loss", "gspo", "--loss-arg", "token_level=true"])  # GSPO-token
-    assert train.loss_hyperparameters(args, gspo) == {"token_level": True}
+    assert train.loss_hyperparameters(args) == {"token_level": True}
 
 
 def test_loss_arg_overrides_and_rejects_unknown_keys(capsys):
-    import cispo
-
     args = flags.parse_args(["--loss-arg", "eps_max=8", "--loss-arg", "aggregation=token"])
-    assert train.loss_hyperparameters(args, cispo) == {"eps_max": 8, "aggregation": "token"}
+    assert train.loss_hyperparameters(args) == {"eps_max": 8, "aggregation": "token"}
     for item, message in (("clip_eps=0.1", "--loss-arg clip_eps: cispo.compute_loss has no such hyper-parameter; it "
                            "has ['eps_max', 'eps_min', 'aggregation', 'kl_coef']"),
                           ("eps_max=abc", "--loss-arg eps_max=abc: eps_max is a number"),
@@ -226,11 +221,22 @@ def test_loss_arg_overrides_and_rejects_unknown_keys(capsys):
             flags.parse_args(["--loss-arg", item])
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no such hyper-parameter.*eps_max"):  # and by the learner, for any caller
-        train.loss_hyperparameters(flags.Args(loss_arg=["clip_eps=0.1"]), cispo)
-    import drgrpo
-
+        train.loss_hyperparameters(flags.Args(loss_arg=["clip_eps=0.1"]))
     args = flags.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
-    assert train.loss_hyperparameters(args, drgrpo) == {"max_tokens": 40}  # Dr. GRPO's constant: the budget
+    assert train.loss_hyperparameters(args) == {"max_tokens": 40}  # Dr. GRPO's constant: the budget
+
+
+def test_the_flags_read_each_loss_file_s_hyper_parameters_without_importing_it():
+    """flags.py knows the loss files by name (LOSSES) and reads compute_loss's hyper-parameters and their defaults
+    from each file's source: the same names and defaults as the imported function's signature, in its order
+    (cispo.py's aggregation default is its AGGREGATION constant, read as such)."""
+    for loss, module in flags.LOSSES.items():
+        parameters = inspect.signature(importlib.import_module(module).compute_loss).parameters
+        expected = {name: p.default for name, p in parameters.items()
+                    if p.kind == p.KEYWORD_ONLY and name not in flags.LOSS_INPUTS}
+        assert flags.loss_hyperparameter_defaults(loss) == expected, loss
+        assert list(flags.loss_hyperparameter_defaults(loss)) == list(expected), loss
+    assert flags.loss_hyperparameter_defaults("cispo")["aggregation"] == "prompt"
 
 
 @pytest.mark.parametrize("argv, max_model_len", [
@@ -401,12 +407,12 @@ def test_micro_batch_groups_cut_each_group_to_the_completions_it_holds():
 
 def test_prompt_token_shares_follow_the_loss_files_unit():
     masks = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)  # G = 2
-    shares = train.prompt_token_shares(flags.LOSSES["cispo"], {"aggregation": "prompt"}, masks, 2)
+    shares = train.prompt_token_shares(importlib.import_module("cispo"), {"aggregation": "prompt"}, masks, 2)
     assert shares.tolist() == [0.75, 0.25, 0.0, 1.0]
-    assert train.prompt_token_shares(flags.LOSSES["dapo"], {}, masks, 2).tolist() == [0.75, 0.25, 0.0, 1.0]
+    assert train.prompt_token_shares(importlib.import_module("dapo"), {}, masks, 2).tolist() == [0.75, 0.25, 0.0, 1.0]
     for loss, hp in (("grpo", {}), ("drgrpo", {}), ("gspo", {}), ("cispo", {"aggregation": "sample"}),
                      ("cispo", {"aggregation": "token"})):
-        assert train.prompt_token_shares(flags.LOSSES[loss], hp, masks, 2) is None, loss
+        assert train.prompt_token_shares(importlib.import_module(loss), hp, masks, 2) is None, loss
     assert train.loss_masks([_group(0, [2, 3], [1.0, -1.0])]).tolist() == [[True, False, False], [True, True, False]]
 
 
@@ -957,9 +963,9 @@ def assert_same_gradient(grads: list, reference_grads: list, where: object = Non
 
 def _one_step(model, loss_name: str, settings: dict, groups: list, **layout) -> tuple[float, dict, list]:
     """The loss, metrics and gradient of one learner step on `groups` in the given layout (float32, one rank)."""
-    loss_module = flags.LOSSES[loss_name]
+    loss_module = importlib.import_module(loss_name)
     args = flags.Args(loss=loss_name, group_size=4, dtype="float32", **settings, **layout)
-    hp = train.loss_hyperparameters(args, loss_module)
+    hp = train.loss_hyperparameters(args)
     advantages = loss_module.compute_advantages(torch.tensor([r for g in groups for r in g.rewards]), 4)
     model.zero_grad(set_to_none=True)
     if args.tis:

@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
     faulthandler.enable(all_threads=True)
-    with rank0_speaks(), set_up(args, make_learner) as (learner, run, state):
+    with rank0_speaks(), set_up(args) as setup:  # process groups, the output directory, data, the model's path
+        learner = make_learner(args, setup.model_path, setup.device, setup.rank)
+        run, state = setup.begin(learner)  # resume into the learner, start the generator and the metrics log
         train(args, learner, run, state)
     if run.is_main:  # the generator is closed by now: the fit has the CPU to itself
         fit = fit_and_plot(run.out / "metrics.jsonl", run.out / "scaling.png", f"{args.loss} ({args.mode})")
@@ -784,14 +786,15 @@ def fit_and_plot(metrics_file: Path, out_png: Path, label: str) -> Any:
 
 # ----------------------------------------------------------------------------------------------------------------
 # The learner a rank trains: its loss file, its seeds, the policy as FSDP2 with ScaleRL's FP32 LM head, AdamW and
-# its warm-up (set_up calls make_learner once the data and the model directory are known)
+# its warm-up (main builds it once set_up knows the data and the model directory, and hands it to Setup.begin)
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def make_learner(args: Args, model_path: str, device: Any, rank: int) -> Learner:
     """The loss file --loss names, imported here by its module name (flags.LOSSES), with its hyper-parameters (flags
     over the file's paper defaults); the seeds (data order and sampling per rank, initialisation shared); the policy
-    (build_learner) and, with --kl-coef, the frozen reference; AdamW and its linear warm-up over --warmup-steps."""
+    (build_learner) and, with --kl-coef, the frozen reference; AdamW and its linear warm-up over --warmup-steps.
+    train.py builds it and hands it to the runtime (runtime.Setup.begin)."""
     loss_module = importlib.import_module(LOSSES[args.loss])
     hp = loss_hyperparameters(args)
     adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}

@@ -1,6 +1,6 @@
 """The house plan, measured: the recipe in front (train.py's loop near its top), the runtime in modules a reader may
-skip, no function or class outgrows a screen-read, and imports flow one way: the algorithm files are leaves and the
-flags know the loss files by name only.
+skip, no function or class outgrows a screen-read, and imports flow one way: the algorithm files are leaves, the
+flags know the loss files by name only, and nothing calls back into train.py.
 
     python tests/test_layout.py     prints the counts these tests check
 """
@@ -128,10 +128,15 @@ def test_the_algorithm_files_are_leaves() -> None:
         assert not imported_project_modules(name + ".py"), f"{name}.py imports {imported_project_modules(name + '.py')}"
 
 
-def test_the_flags_import_no_algorithm_file() -> None:
+def test_a_flag_passes_each_file_once() -> None:
     """--loss goes from train.py to the loss file: flags.py names the loss files (LOSSES) and reads their
-    hyper-parameters from source, but imports none of them."""
+    hyper-parameters from source, but imports none of them, and runtime.py never calls back into train.py: set_up
+    takes the flags only, and train.py builds its learner and hands it to Setup.begin."""
     assert not imported_project_modules("flags.py") & set(ALGORITHM_FILES), imported_project_modules("flags.py")
+    assert "train" not in imported_project_modules("runtime.py")
+    set_up = next(node for node in parsed("runtime.py").body if isinstance(node, ast.FunctionDef)
+                  and node.name == "set_up")
+    assert [a.arg for a in set_up.args.args] == ["args"], "runtime.set_up takes a callback again"
 
 
 def test_the_checks_here_catch_what_they_look_for() -> None:

@@ -1836,7 +1836,7 @@ def test_overwrite_with_bad_data_leaves_the_old_run_intact(tmp_path, one_rank_gr
     monkeypatch.setattr(runtime, "init_distributed", lambda *_: (0, 1, torch.device("cpu")))
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with pytest.raises(SystemExit), runtime.set_up(args, train.make_learner):
+        with pytest.raises(SystemExit), runtime.set_up(args):
             pass
     finally:
         for sig, handler in handlers.items():

@@ -783,12 +783,12 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
     import train
 
     clis = {"packed": cli, "padded": dataclasses.replace(cli, packing=False)}
-    hp = train.loss_hyperparameters(cli)
+    loss = train.Loss(file=loss_module, hyperparameters=train.loss_hyperparameters(cli), advantage_options={})
     model, n_params = train.build_learner(model_dir, cli, device)
     weights_bytes = _allocated(device)  # before the first step: no gradients, no AdamW state yet
     fused = flags.adamw_fused(cli, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
-    learner = train.Learner(model=model, optimizer=optimizer, loss_module=loss_module, hp=hp, adv_kwargs={},
+    learner = train.Learner(model=model, optimizer=optimizer, loss=loss,
                             scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), pad_id=0,
                             n_params=n_params)
     rows = {name: [packing.to_rows(packing.micro_batch_groups(groups, idx)[0], None, args.group_size, 0, device,
@@ -799,7 +799,7 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
     def learner_step(c: flags.Args) -> Callable[[], None]:
         def step() -> None:  # the loop's learner step: backward, clipping and AdamW, then the metrics gathered
             optimizer.zero_grad(set_to_none=True)
-            totals = train.loss_and_backward(model, loss_module, hp, groups, advantages, c, 0, world, 0)
+            totals = train.loss_and_backward(c, learner, groups, advantages, train.Step(version=0, world=world))
             train.optimizer_step(c, learner, totals.get("loss", 0.0), has_groups=True)
             train.reduce_metrics(totals, world)
         return step

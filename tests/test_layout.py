@@ -17,7 +17,8 @@ RUNTIME_FILES = ("flags.py", "checkpoints.py", "runtime.py", "packing.py", "head
                  "cli.py")
 ENTRY_POINTS = ("bench.py", "teach.py")  # beside tests/, the only modules that may import train.py
 ALGORITHM_FILES = ("grpo", "dapo", "drgrpo", "gspo", "cispo", "tis")  # one algorithm each: torch only
-MAX_LINES = {"train.py": 1000, "pipeline_rl.py": 1550}  # pipeline_rl.py: + per-completion seeds, reward deadlines
+# train.py has no line budget: it is as long as the recipe's steps and the records the loss sees need (issue 54)
+MAX_LINES = {"pipeline_rl.py": 1550}  # pipeline_rl.py: + per-completion seeds, reward deadlines
 MAX_FIRST_LINE = {("train.py", "train"): 200, ("pipeline_rl.py", "admission_allowed"): 300}
 MAX_FUNCTION_LINES = 100
 MAX_CLASS_LINES = 300
@@ -137,6 +138,19 @@ def test_a_flag_passes_each_file_once() -> None:
     set_up = next(node for node in parsed("runtime.py").body if isinstance(node, ast.FunctionDef)
                   and node.name == "set_up")
     assert [a.arg for a in set_up.args.args] == ["args"], "runtime.set_up takes a callback again"
+
+
+def test_no_function_in_train_py_takes_more_than_six_parameters() -> None:
+    """The loop's steps pass records (Learner, Step, LossInputs, Aggregation), not long argument lists."""
+    too_many = []
+    for node in ast.walk(parsed("train.py")):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            is_method = bool(a.args) and a.args[0].arg in ("self", "cls")
+            count = len(a.posonlyargs + a.args + a.kwonlyargs) - is_method
+            if count > 6:
+                too_many.append(f"{node.name} ({count})")
+    assert not too_many, "train.py: " + ", ".join(too_many)
 
 
 def test_the_checks_here_catch_what_they_look_for() -> None:

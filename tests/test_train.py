@@ -202,12 +202,15 @@ def test_algorithm_options_are_checked(argv, message, capsys):
 
 
 def test_algorithm_options_reach_the_loss():
+    import gspo
+    import grpo
+
     args = flags.parse_args(["--loss", "grpo", "--kl-coef", "0.04"])
-    assert train.loss_hyperparameters(args) == {"kl_coef": 0.04}
+    assert train.loss_hyperparameters(args) == {"kl_coef": 0.04} and train.loss_file(args).file is grpo
     for loss in flags.LOSSES:  # every loss file takes GRPO's KL option
         assert "ref_logprobs" in inspect.signature(importlib.import_module(loss).compute_loss).parameters, loss
     args = flags.parse_args(["--loss", "gspo", "--loss-arg", "token_level=true"])  # GSPO-token
-    assert train.loss_hyperparameters(args) == {"token_level": True}
+    assert train.loss_hyperparameters(args) == {"token_level": True} and train.loss_file(args).file is gspo
 
 
 def test_loss_arg_overrides_and_rejects_unknown_keys(capsys):
@@ -224,6 +227,7 @@ def test_loss_arg_overrides_and_rejects_unknown_keys(capsys):
         train.loss_hyperparameters(flags.Args(loss_arg=["clip_eps=0.1"]))
     args = flags.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
     assert train.loss_hyperparameters(args) == {"max_tokens": 40}  # Dr. GRPO's constant: the budget
+    assert train.loss_file(args).file is importlib.import_module("drgrpo")
 
 
 def test_the_flags_read_each_loss_file_s_hyper_parameters_without_importing_it():
@@ -405,14 +409,16 @@ def test_micro_batch_groups_cut_each_group_to_the_completions_it_holds():
     assert whole and [p.data_index for p in parts] == [1]
 
 
-def test_prompt_token_shares_follow_the_loss_files_unit():
+def test_prompt_token_shares_and_the_loss_files_unit():
+    """A completion's share of its prompt's loss tokens, and the unit the loss averages over as each loss file names
+    it (AGGREGATION), or CISPO's --aggregation: stated, where a made-up mask once probed loss_denominator for it."""
     masks = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)  # G = 2
-    shares = train.prompt_token_shares(importlib.import_module("cispo"), {"aggregation": "prompt"}, masks, 2)
-    assert shares.tolist() == [0.75, 0.25, 0.0, 1.0]
-    assert train.prompt_token_shares(importlib.import_module("dapo"), {}, masks, 2).tolist() == [0.75, 0.25, 0.0, 1.0]
-    for loss, hp in (("grpo", {}), ("drgrpo", {}), ("gspo", {}), ("cispo", {"aggregation": "sample"}),
-                     ("cispo", {"aggregation": "token"})):
-        assert train.prompt_token_shares(importlib.import_module(loss), hp, masks, 2) is None, loss
+    assert train.prompt_token_shares(masks, 2).tolist() == [0.75, 0.25, 0.0, 1.0]
+    units = {"grpo": "sample", "dapo": "prompt", "drgrpo": "sample", "gspo": "sample", "cispo": "prompt"}
+    for loss, unit in units.items():
+        assert train.loss_file(flags.Args(loss=loss)).aggregation == unit, loss
+    for unit in ("prompt", "sample", "token"):
+        assert train.loss_file(flags.Args(loss="cispo", aggregation=unit)).aggregation == unit
     assert train.loss_masks([_group(0, [2, 3], [1.0, -1.0])]).tolist() == [[True, False, False], [True, True, False]]
 
 
@@ -938,7 +944,7 @@ def test_tis_mode_and_cap_min_reach_the_weights(one_rank_group, base_model_dir, 
             c.old_logprobs = [-0.5] * len(c.token_ids)
             c.sampler_logprobs = [-0.5 + (3.0 if t % 2 else -3.0) for t in range(len(c.token_ids))]
     advantages = cispo.compute_advantages(torch.tensor([1.0, -1.0, 1.0, -1.0]), 2)
-    totals = train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 0)
+    totals = train.loss_and_backward(args, _learner(model, args), groups, advantages, train.Step(version=0, world=1))
     zero_frac = runtime.reduce_metrics(totals, 1)["is_weight_zero_frac"]
     assert (zero_frac == 1.0) if zeroed else (zero_frac == 0.0)
 
@@ -961,18 +967,23 @@ def assert_same_gradient(grads: list, reference_grads: list, where: object = Non
         torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=atol, msg=lambda m: f"{where}: {m}")
 
 
+def _learner(model, args: flags.Args, ref_model=None) -> train.Learner:
+    """A Learner around a built `model` for loss_and_backward: the loss file --loss names and its keywords; no
+    optimizer (the tests step their own, or none)."""
+    return train.Learner(model=model, optimizer=None, scheduler=None, loss=train.loss_file(args), pad_id=0,
+                         n_params=0, ref_model=ref_model)
+
+
 def _one_step(model, loss_name: str, settings: dict, groups: list, **layout) -> tuple[float, dict, list]:
     """The loss, metrics and gradient of one learner step on `groups` in the given layout (float32, one rank)."""
-    loss_module = importlib.import_module(loss_name)
     args = flags.Args(loss=loss_name, group_size=4, dtype="float32", **settings, **layout)
-    hp = train.loss_hyperparameters(args)
-    advantages = loss_module.compute_advantages(torch.tensor([r for g in groups for r in g.rewards]), 4)
+    learner = _learner(model, args, ref_model=model if args.kl_coef else None)
+    advantages = learner.loss.file.compute_advantages(torch.tensor([r for g in groups for r in g.rewards]), 4)
     model.zero_grad(set_to_none=True)
     if args.tis:
         with torch.no_grad():
             train.attach_learner_logprobs(model, groups, args, 0)
-    totals = train.loss_and_backward(model, loss_module, hp, groups, advantages, args, 0, 1, 0,
-                                     ref_model=model if args.kl_coef else None)
+    totals = train.loss_and_backward(args, learner, groups, advantages, train.Step(version=0, world=1))
     metrics = runtime.reduce_metrics(totals, 1)
     return metrics["loss"], metrics, [p.grad.clone() for p in model.parameters()]
 
@@ -1124,8 +1135,8 @@ def test_a_round_of_one_batch_takes_its_old_logprobs_from_its_own_forward(one_ra
             with torch.no_grad():
                 train.attach_learner_logprobs(model, groups, args, 0)
         model.zero_grad()
-        totals = train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 0,
-                                         old_is_current=old_is_current)
+        totals = train.loss_and_backward(args, _learner(model, args), groups, advantages,
+                                         train.Step(version=0, world=1, old_is_current=old_is_current))
         results.append((runtime.reduce_metrics(totals, 1), [p.grad.clone() for p in model.parameters()]))
     (attached, attached_grads), (own, own_grads) = results
     assert attached.keys() == own.keys() and attached["num_tokens"] == own["num_tokens"] > 0
@@ -1158,7 +1169,8 @@ def test_mismatch_is_reported_per_replica_on_completions_sampled_wholly_by_the_t
     groups[2].completions[0].versions[0] = 2  # straddles the update to 3
     groups[2].completions[0].sampler_logprobs = [x - 5.0 for x in groups[2].completions[0].sampler_logprobs]
     advantages = cispo.compute_advantages(torch.tensor([1.0, -1.0] * 3), 2)
-    metrics = runtime.reduce_metrics(train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 3), 1)
+    totals = train.loss_and_backward(args, _learner(model, args), groups, advantages, train.Step(version=3, world=1))
+    metrics = runtime.reduce_metrics(totals, 1)
     diff = metrics["mismatch_max_abs_diff_by_replica"]
     assert set(diff) == {0, 1} and diff[0] < 1e-5 and abs(diff[1] - 0.3) < 1e-5, diff  # the -5 straddler is out
     assert metrics["mismatch_kl_k3_by_replica"][0] < 1e-9 < metrics["mismatch_kl_k3_by_replica"][1]

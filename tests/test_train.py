@@ -1270,13 +1270,64 @@ def test_split_bf16_head_gives_float32_logprobs_where_one_bf16_product_does_not(
     logits = hidden.double() @ weight.double().T                                      # [M, V]
     assert logits.max() > 15
     float64 = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
-    float32 = train._target_logprobs(hidden.float() @ weight.T, targets, 1.0).double()
+    float32 = head_gemm.logits_logprobs(hidden.float() @ weight.T, targets, 1.0).double()
     split = head_gemm.split_bf16_logprobs(hidden, targets, weight, None, 1.0, chunk=40).double()  # three chunks
     assert (split - float32).abs().max() < 1e-5 and (split - float64).abs().max() < 1e-5
     assert (split - float64).abs().max() < (float32 - float64).abs().max()
-    one_product = train._target_logprobs(hidden.float() @ weight.to(torch.bfloat16).float().T, targets, 1.0)
-    bf16 = train._target_logprobs(hidden @ weight.to(torch.bfloat16).T, targets, 1.0)
+    one_product = head_gemm.logits_logprobs(hidden.float() @ weight.to(torch.bfloat16).float().T, targets, 1.0)
+    bf16 = head_gemm.logits_logprobs(hidden @ weight.to(torch.bfloat16).T, targets, 1.0)
     assert (one_product.double() - float64).abs().max() > 1e-3 and (bf16.double() - float64).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("gemm", ["fp32", "split-bf16"])
+def test_target_logprobs_are_the_full_logits_log_softmax_at_the_targets(gemm):
+    """head_gemm.target_logprobs, the named function the learner's head runs, against log_softmax of the whole
+    [M, V] logits gathered at the targets (temperature 0.7, a bias): the same logprobs, entropy and gradients, in
+    chunks of 1, 7 or all rows, to float32 rounding (within 1e-5 of a logprob near -10, where a GEMM of one row
+    and one of all rows already differ by 4e-6; split-bf16, on the bf16 hidden states it takes, its gradients
+    bf16-grade by design: within 1% in relative norm). Rows added around them (padding, other sequences) change
+    none of their values beyond that rounding."""
+    weight, hidden, targets = _head_weights(512, 64, 40, logit_std=2.5)
+    bias = torch.randn(512, generator=torch.Generator().manual_seed(3)) * 0.5
+    hidden = hidden if gemm == "split-bf16" else hidden.float()
+    reference_hidden = hidden.detach().float().requires_grad_()
+    reference_weight = weight.clone().requires_grad_()
+    logits = torch.nn.functional.linear(reference_hidden, reference_weight, bias)               # [M, V]
+    expected = head_gemm.logits_logprobs(logits, targets, 0.7)
+    expected_entropy = head_gemm.logits_entropy(logits / 0.7)
+    expected.sum().backward()
+    for chunk in (1, 7, 40):
+        leaf, w = hidden.detach().clone().requires_grad_(), weight.clone().requires_grad_()
+        logprobs, entropy = head_gemm.target_logprobs(leaf, targets, w, bias, 0.7, chunk, gemm, entropy=True)
+        assert (logprobs - expected).abs().max() < 1e-5, (chunk, (logprobs - expected).abs().max())
+        assert (entropy - expected_entropy).abs().max() < 1e-4 and not entropy.requires_grad
+        logprobs.sum().backward()
+        for grad, ref in ((leaf.grad.float(), reference_hidden.grad), (w.grad, reference_weight.grad)):
+            assert (grad - ref).norm() < (1e-2 if gemm == "split-bf16" else 1e-5) * ref.norm(), chunk
+    assert head_gemm.target_logprobs(hidden, targets, weight, bias, 0.7, 7, gemm)[1] is None  # no entropy asked
+    padded = torch.cat([torch.zeros_like(hidden[:5]), hidden, torch.ones_like(hidden[:3])])   # [5 + M + 3, H]
+    padded_targets = torch.cat([torch.zeros_like(targets[:5]), targets, torch.ones_like(targets[:3])])
+    logprobs, _ = head_gemm.target_logprobs(padded, padded_targets, weight, bias, 0.7, 7, gemm)
+    unpadded, _ = head_gemm.target_logprobs(hidden, targets, weight, bias, 0.7, 7, gemm)
+    torch.testing.assert_close(logprobs[5:-3], unpadded, rtol=0, atol=1e-5)
+
+
+def test_the_learner_s_head_is_a_plain_linear_layer_without_a_request():
+    """install_head_logprobs leaves the head's plain call its linear layer, so that any other forward of the model
+    (generation, the idle forward of a rank with no micro-batch left) gets logits; with a LogprobRequest it gives
+    (log pi(target), entropy) at the scored positions, 0 at the others, never logits."""
+    head = torch.nn.Linear(16, 32)
+    expected_logits = head(torch.ones(2, 5, 16)).detach()
+    train.install_head_logprobs(head, chunk_tokens=3)
+    hidden = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(head(torch.ones(2, 5, 16)), expected_logits)
+    targets = torch.randint(0, 32, (2, 4), generator=torch.Generator().manual_seed(1))
+    scored = torch.tensor([1, 2, 6])
+    logprobs, entropy = head(hidden, train.LogprobRequest(targets, 1.0, scored))
+    full = head_gemm.logits_logprobs(head(hidden)[:, :-1], targets, 1.0).reshape(-1)
+    expected = torch.zeros(8).index_copy(0, scored, full[scored]).view(2, 4)
+    torch.testing.assert_close(logprobs, expected)
+    assert entropy is None
 
 
 def test_the_split_bf16_parts_sum_to_the_weight_over_t_exactly():
@@ -1288,29 +1339,25 @@ def test_the_split_bf16_parts_sum_to_the_weight_over_t_exactly():
 
 
 def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():
-    """The installed head under split-bf16, as token_logprobs drives it (a scored subset, temperature 0.7, chunks
+    """The learner's head under split-bf16, as token_logprobs drives it (a scored subset, temperature 0.7, chunks
     of 17 of its 70 positions, a bias): log pi(target) within 1e-5 of autograd through a float32 log_softmax, 0
     where nothing is scored, and the gradients of the hidden states, the weight and the bias within 1% in relative
     norm (bf16-grade by design: D = softmax - onehot and the other factor of each product are rounded to bf16,
     2^-9 = 0.2% each; measured 0.18-0.24%). Without grad it keeps nothing for backward and gives the same values."""
-    from types import SimpleNamespace
-
     n, length, temperature = 3, 40, 0.7
     weight, _, _ = _head_weights(4096, 256, 1, logit_std=2.5)  # over T = 0.7: ~3.6, random targets at -10
     head = torch.nn.Linear(256, 4096)
     with torch.no_grad():
         head.weight.copy_(weight)
         head.bias.normal_(0, 0.5)
-    train.install_target_logprob_head(SimpleNamespace(config=SimpleNamespace(), get_output_embeddings=lambda: head),
-                                      chunk_tokens=17, gemm="split-bf16")
+    train.install_head_logprobs(head, chunk_tokens=17, gemm="split-bf16")
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(n, length, 256, generator=gen).to(torch.bfloat16).requires_grad_()
     targets = torch.randint(0, 4096, (n, length - 1), generator=gen)
     scored = torch.randperm(n * (length - 1), generator=gen)[:70].sort().values
     loss_weights = torch.randn(n, length - 1, generator=gen)
-    head.scalerl_request = (targets, temperature, scored, True)
-    logprobs = head(hidden)
-    entropy = head.scalerl_entropy
+    request = train.LogprobRequest(targets, temperature, scored, entropy=True)
+    logprobs, entropy = head(hidden, request)
     (logprobs * loss_weights).sum().backward()
 
     reference = dict(hidden=hidden.detach().float().requires_grad_(), weight=weight.clone().requires_grad_(),
@@ -1331,7 +1378,7 @@ def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():
         ref = reference[name].grad
         assert (grad - ref).norm() < 1e-2 * ref.norm(), (name, ((grad - ref).norm() / ref.norm()).item())
     with torch.no_grad():
-        assert torch.equal(head(hidden), logprobs)
+        assert torch.equal(head(hidden, request)[0], logprobs)
 
 
 def test_the_lm_head_gemm_is_split_bf16_only_for_a_bf16_learner_on_a_gpu():

@@ -816,11 +816,11 @@ def head_forward(head: Any, chunk: int, gemm: str, hidden: Any, request: Logprob
     get 0 and cost nothing. Only completion tokens enter a loss, and a chat template's prompt can be most of a short
     completion's row: SmolLM2's system prompt and question (44 tokens) are about 60% of the small-arithmetic task's
     tokens, and its head (49k-token vocabulary, 576 hidden) a fifth of its FLOPs per token."""
+    if request is None:  # logits, on hidden states of the weight's dtype (a bf16 trunk's, under split-bf16, too)
+        return torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
     # split-bf16 takes bf16 hidden states as they are (its products are exact on them); the rest is float32
     split = gemm == "split-bf16" and hidden.dtype == torch.bfloat16
     hidden = hidden if split else hidden.to(head.weight.dtype)
-    if request is None:
-        return torch.nn.functional.linear(hidden, head.weight, head.bias)
     n, length = request.targets.shape
     flat_hidden = hidden[:, :-1].reshape(n * length, -1)                     # [R*(W-1), H]: the last predicts nothing
     flat_targets = request.targets.reshape(-1)                               # [R*(W-1)]

@@ -1330,6 +1330,20 @@ def test_the_learner_s_head_is_a_plain_linear_layer_without_a_request():
     assert entropy is None
 
 
+def test_an_idle_forward_runs_under_split_bf16(one_rank_group, base_model_dir):
+    """A rank with no micro-batch left joins the others' collectives with a plain forward of a dummy row
+    (runtime.idle_forward). Under --lm-head-gemm split-bf16 the head multiplied that forward's bf16 hidden states
+    by its float32 weight as they were, and 'expected m1 and m2 to have the same dtype' killed the rank (found on
+    two gloo ranks with uneven micro-batches). Its logits are float32's now, and its backward adds nothing."""
+    args = flags.Args(dtype="bfloat16", lm_head_gemm="split-bf16")
+    model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
+    logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert logits.dtype == torch.float32 and logits.shape[-1] == model.config.vocab_size
+    model.zero_grad(set_to_none=True)
+    runtime.idle_forward(model, 0, backward=True)
+    assert all(not p.grad.full_tensor().any() for p in model.parameters() if p.grad is not None)
+
+
 def test_the_split_bf16_parts_sum_to_the_weight_over_t_exactly():
     weight = torch.randn(64, 48) * torch.logspace(-6, 2, 48)                         # [V, H], magnitudes 1e-6..1e2
     for temperature in (1.0, 0.7):

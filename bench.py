@@ -783,12 +783,12 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
     import train
 
     clis = {"packed": cli, "padded": dataclasses.replace(cli, packing=False)}
-    hp = train.loss_hyperparameters(cli, loss_module)
+    loss = train.Loss(file=loss_module, hyperparameters=train.loss_hyperparameters(cli), advantage_options={})
     model, n_params = train.build_learner(model_dir, cli, device)
     weights_bytes = _allocated(device)  # before the first step: no gradients, no AdamW state yet
     fused = flags.adamw_fused(cli, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=fused or None)
-    learner = train.Learner(model=model, optimizer=optimizer, loss_module=loss_module, hp=hp, adv_kwargs={},
+    learner = train.Learner(model=model, optimizer=optimizer, loss=loss,
                             scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), pad_id=0,
                             n_params=n_params)
     rows = {name: [packing.to_rows(packing.micro_batch_groups(groups, idx)[0], None, args.group_size, 0, device,
@@ -799,7 +799,7 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
     def learner_step(c: flags.Args) -> Callable[[], None]:
         def step() -> None:  # the loop's learner step: backward, clipping and AdamW, then the metrics gathered
             optimizer.zero_grad(set_to_none=True)
-            totals = train.loss_and_backward(model, loss_module, hp, groups, advantages, c, 0, world, 0)
+            totals = train.loss_and_backward(c, learner, groups, advantages, train.Step(version=0, world=world))
             train.optimizer_step(c, learner, totals.get("loss", 0.0), has_groups=True)
             train.reduce_metrics(totals, world)
         return step
@@ -897,12 +897,10 @@ def _seconds(fn: Callable[[], None], repeats: int, device: Any) -> float:
 
 def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats: int, device: Any) -> dict[str, float]:
     """The learner's LM head alone, forward and backward, per layout over its micro-batches: train.py's own head
-    (install_target_logprob_head: logits in chunks, each recomputed in backward, only at the scored positions) on a
+    (install_head_logprobs: logits in chunks, each recomputed in backward, only at the scored positions) on a
     stand-in weight of the learner's head's shape and compute dtype, fed random hidden states of each micro-batch's
     rows' shape. A stand-in, because the learner's head is an FSDP2 unit whose weight is a shard outside the model's
     forward; the math and the kernels are the head's."""
-    import types
-
     import torch
 
     import flags
@@ -911,8 +909,7 @@ def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats:
     dtype = torch.float32 if cli.dtype == "float32" or cli.fp32_lm_head else torch.bfloat16
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
     gemm = flags.lm_head_gemm(cli, device)  # --lm-head-gemm as the learner runs it
-    train.install_target_logprob_head(types.SimpleNamespace(config=config, get_output_embeddings=lambda: head),
-                                      cli.logits_chunk_tokens, gemm)
+    train.install_head_logprobs(head, cli.logits_chunk_tokens, gemm)
     if gemm == "split-bf16":  # its hidden states are the bf16 trunk's, as they are
         dtype = torch.bfloat16
     seconds = {}
@@ -930,9 +927,8 @@ def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats:
             head.weight.grad = None
             for hidden, targets, scored in inputs:
                 hidden.grad = None
-                head.scalerl_request = (targets, 1.0, scored, True)  # as a learner's step: with its entropy
-                head(hidden).sum().backward()                                             # [R, W-1] -> scalar
-            head.scalerl_request = None
+                request = train.LogprobRequest(targets, 1.0, scored, entropy=True)  # as a learner's step asks
+                head(hidden, request)[0].sum().backward()                                 # [R, W-1] -> scalar
 
         seconds[name] = _seconds(step, repeats, device)
         del inputs, step
@@ -1316,17 +1312,14 @@ def _head_reference(weight, hidden, grad_logprobs, temperature: float, seed: int
 
 
 def _learner_head(weight, gemm: str, chunk_tokens: int | None):
-    """A head as train.py's learner runs it: an nn.Linear on `weight` with install_target_logprob_head."""
-    from types import SimpleNamespace
-
+    """A head as train.py's learner runs it: an nn.Linear on `weight` with install_head_logprobs."""
     import torch
 
     import train
 
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
     head.weight = weight
-    train.install_target_logprob_head(SimpleNamespace(config=SimpleNamespace(), get_output_embeddings=lambda: head),
-                                      chunk_tokens, gemm)
+    train.install_head_logprobs(head, chunk_tokens, gemm)
     return head
 
 
@@ -1341,6 +1334,7 @@ def bench_head(args: argparse.Namespace) -> dict:
     (a bf16 trunk's) and targets sampled from the head."""
     import torch
 
+    import head_gemm
     import train
 
     cuda = torch.cuda.is_available()
@@ -1371,7 +1365,7 @@ def bench_head(args: argparse.Namespace) -> dict:
         gemms = _head_gemm_variants(weight, hidden, temperature)
         results = {name: {"ms": 1e3 * _median_seconds(fn, args.repeats, cuda)} for name, fn in gemms.items()}
         for name, logits_fn in _head_logits_variants(weight, hidden, temperature).items():
-            logprobs = torch.cat([train._target_logprobs(logits_fn(rows), targets[rows], 1.0)
+            logprobs = torch.cat([head_gemm.logits_logprobs(logits_fn(rows), targets[rows], 1.0)
                                   for rows in torch.arange(tokens, device=device).split(1024)])
             results.setdefault(name, {})["max_logprob_error"] = max_error(logprobs)
     print(f"GEMMs timed: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
@@ -1385,9 +1379,8 @@ def bench_head(args: argparse.Namespace) -> dict:
 
         def step() -> None:
             weight.grad = leaf.grad = None
-            head.scalerl_request = (targets[None], temperature, None, entropy)  # entropy: as a learner's step asks
-            logprobs = head(leaf)                                                       # [1, M]
-            head.scalerl_request = None
+            request = train.LogprobRequest(targets[None], temperature, None, entropy)  # as a learner's step asks
+            logprobs, _ = head(leaf, request)                                           # [1, M]
             logprobs.backward(grad_logprobs[None])
             learner_logprobs[name] = logprobs.detach()[0]
 

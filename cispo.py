@@ -19,6 +19,7 @@ Aggregation unit
     tokens, then the mean over prompts; loss_denominator counts prompts: N / G. "token": one mean over every masked
     token of the batch; it counts masked tokens. "sample" (GRPO's): the token mean within each completion, then the
     mean over completions; it counts completions: N.
+    AGGREGATION names the unit, for a trainer that splits a group across micro-batches.
 
 Defaults and their source
     eps_max       = 5.0       ScaleRL: an absolute cap, not 1 + eps (4, 5 and 8 performed the same)
@@ -48,6 +49,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+AGGREGATION = "prompt"  # what loss_denominator counts (docstring: Aggregation unit)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -85,7 +88,7 @@ def compute_advantages(rewards: Tensor, group_size: int, *, normalization: str =
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def loss_denominator(mask: Tensor, group_size: int, *, aggregation: str = "prompt", **hyperparameters: object) -> float:
+def loss_denominator(mask: Tensor, group_size: int, *, aggregation: str = AGGREGATION, **hyperparameters: object) -> float:
     """Number of aggregation units in `mask` [N, T]; here prompts N / G, completions N or masked tokens (at least 1).
 
     compute_loss returns (sum over units of a per-unit term) / denominator. A trainer that splits a batch into
@@ -114,7 +117,7 @@ def compute_loss(
     denominator: float | None = None,
     eps_max: float = 5.0,
     eps_min: float | None = None,
-    aggregation: str = "prompt",
+    aggregation: str = AGGREGATION,
     kl_coef: float = 0.0,
     ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:

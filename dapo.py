@@ -19,6 +19,7 @@ Aggregation unit
     The prompt: per prompt, the token sum over its G completions over their total number of tokens (equation 8), then
     the mean over prompts. verl (loss_agg_mode="token-mean") and TRL (loss_type="dapo") divide by the whole batch's
     tokens instead (cispo.py's aggregation="token"); with one prompt they agree. loss_denominator counts prompts: N / G.
+    AGGREGATION names the unit, for a trainer that splits a group across micro-batches.
 
 Defaults and their source
     clip_eps_low  = 0.2    paper, clip-higher (section 3.1)
@@ -42,6 +43,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+AGGREGATION = "prompt"  # what loss_denominator counts (docstring: Aggregation unit)
 
 
 # ----------------------------------------------------------------------------------------------------------------

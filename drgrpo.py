@@ -17,6 +17,7 @@ Aggregation unit
     The completion: its token SUM divided by the constant MAX_TOKENS, then the mean over completions. Every
     token of the batch therefore weighs 1 / (N * MAX_TOKENS), whatever the length of its completion.
     loss_denominator counts completions: N.
+    AGGREGATION names the unit, for a trainer that splits a group across micro-batches.
 
 Defaults and their source
     clip_eps   = 0.2    PPO's convention, as in GRPO.
@@ -42,6 +43,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+AGGREGATION = "sample"  # what loss_denominator counts (docstring: Aggregation unit)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -9,16 +9,18 @@ configures (docs/flags.md is generated from them: `python train.py --help-markdo
   - the resume rules: which flags a --resume may change (CHANGEABLE_ON_RESUME), the run's saved flags
     (`resumed_values`), and OUTPUT_DIR/args.json with its history of resumes (`read_args_json`, `write_args_json`);
   - what the flags resolve to once the machine and the model are known (`resolve_defaults`, `compute_dtype`,
-    `model_context`, `lm_head_gemm` with the LM head's chunk sizes, `generator_memory_fraction`), and LOSSES, the
-    table --loss picks a loss file from, and REPORT_TO, the packages --report-to may import.
+    `model_context`, `lm_head_gemm` with the LM head's chunk sizes, `generator_memory_fraction`, `steps_per_round`),
+    and LOSSES, the loss files' names (--loss picks one; train.py imports it, this file never does), and REPORT_TO,
+    the packages --report-to may import.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
-import inspect
+import importlib.util
 import json
 import math
 import os
@@ -30,11 +32,6 @@ from typing import Any
 
 import torch
 
-import cispo  # the loss files, each one algorithm: --loss NAME picks one from LOSSES
-import dapo
-import drgrpo
-import grpo
-import gspo
 import memory_plan  # the learner's memory per rank, checked before anything starts on a GPU (train.py plan)
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import tasks
@@ -48,7 +45,9 @@ from cli import OneLineParser, int_at_least  # one error line (rank 0 only), the
 # Imported only when asked for, so that a run without them never needs them installed.
 REPORT_TO = {"none": None, "tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
              "trackio": ("trackio", "trackio")}
-LOSSES = {"grpo": grpo, "dapo": dapo, "drgrpo": drgrpo, "gspo": gspo, "cispo": cispo}  # --loss NAME -> its file
+# --loss NAME -> the module name of its loss file, which train.py imports; flags.py reads its compute_loss's
+# hyper-parameters from its source (loss_hyperparameter_defaults), so that their defaults stay written once, in the file
+LOSSES = {"grpo": "grpo", "dapo": "dapo", "drgrpo": "drgrpo", "gspo": "gspo", "cispo": "cispo"}
 EMBEDDED_MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings; its prompts are ~10 tokens
 PROMPT_ALLOWANCE = 512  # prompt tokens a real model's context keeps beside --max-tokens: a chat template (with its
                         # system prompt) around a GSM8K or Polaris problem fits with room to spare
@@ -511,11 +510,11 @@ def range_problems(args: Args) -> list[str]:
     return problems + loss_arg_problems(args)
 
 
-def loss_arg_problems(args: Args, loss_module: Any = None) -> list[str]:
-    """--loss-arg KEY=VALUE: KEY must be a hyper-parameter of the loss file's compute_loss (`loss_module`, default
-    --loss's), and VALUE a number where its default is one; refused before anything starts, not at the first step."""
-    accepted = inspect.signature((loss_module or LOSSES[args.loss]).compute_loss).parameters
-    names = [n for n, p in accepted.items() if p.kind == p.KEYWORD_ONLY and n not in LOSS_INPUTS]
+def loss_arg_problems(args: Args) -> list[str]:
+    """--loss-arg KEY=VALUE: KEY must be a hyper-parameter of --loss's compute_loss (loss_hyperparameter_defaults), and
+    VALUE a number where its default is one; refused before anything starts, not at the first step."""
+    defaults = loss_hyperparameter_defaults(args.loss)
+    names = list(defaults)
     problems = []
     for item in args.loss_arg or []:
         key, sep, value = item.partition("=")
@@ -523,10 +522,27 @@ def loss_arg_problems(args: Args, loss_module: Any = None) -> list[str]:
             problems.append(f"--loss-arg {item!r}: expected KEY=VALUE")
         elif key not in names:
             problems.append(f"--loss-arg {key}: {args.loss}.compute_loss has no such hyper-parameter; it has {names}")
-        elif isinstance(accepted[key].default, (int, float)) and not isinstance(accepted[key].default, bool) and \
+        elif isinstance(defaults[key], (int, float)) and not isinstance(defaults[key], bool) and \
                 not isinstance(parse_literal(value), (int, float)):
-            problems.append(f"--loss-arg {item}: {key} is a number (default {accepted[key].default})")
+            problems.append(f"--loss-arg {item}: {key} is a number (default {defaults[key]})")
     return problems
+
+
+def loss_hyperparameter_defaults(loss: str) -> dict[str, Any]:
+    """The hyper-parameters of the loss file --loss `loss` names, {name: default} in its compute_loss's order: the
+    keyword-only parameters the recipe does not pass (LOSS_INPUTS). Read from the file's source, never imported: the
+    flags know the loss files by name only, and each default stays written once, in its file. A default is a literal
+    or a module constant of the file (cispo.py's aggregation defaults to AGGREGATION)."""
+    tree = ast.parse(Path(importlib.util.find_spec(LOSSES[loss]).origin).read_text())
+    constants = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+                 for target in node.targets if isinstance(target, ast.Name)}
+    compute_loss = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "compute_loss")
+    defaults = {}
+    for arg, default in zip(compute_loss.args.kwonlyargs, compute_loss.args.kw_defaults):
+        if arg.arg not in LOSS_INPUTS:
+            value = constants.get(default.id, default) if isinstance(default, ast.Name) else default
+            defaults[arg.arg] = ast.literal_eval(value)
+    return defaults
 
 
 # compute_loss's arguments that the recipe passes, not hyper-parameters a --loss-arg may set
@@ -962,6 +978,14 @@ def model_context(args: Args) -> int:
     if args.max_model_len is not None:
         return args.max_model_len
     return EMBEDDED_MAX_MODEL_LEN if args.model is None else args.max_tokens + PROMPT_ALLOWANCE
+
+
+def steps_per_round(args: Args) -> int:
+    """The optimizer steps one generation round feeds: in sync mode --max-off-policy k (PPO-off-policy-k: one round
+    of fresh groups split into k steps), in pipeline mode 1 (there k bounds a token's lag instead). What k means in
+    each mode is stated and checked in pipeline_rl.off_policy_problems; the learner's side reads it here only, for
+    the round it pulls (train.py's pull_round) and the groups it asks the generator for at once (generator_config)."""
+    return args.max_off_policy if args.mode == "sync" else 1
 
 
 def int_range(text: str) -> tuple[int, int]:

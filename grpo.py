@@ -13,6 +13,7 @@ Equation (J is maximised; compute_loss returns -J)
 Aggregation unit
     The completion ("sample-level"): the token mean within each completion, then the mean over completions.
     loss_denominator counts completions: N.
+    AGGREGATION names the unit, for a trainer that splits a group across micro-batches.
 
 Defaults and their source
     clip_eps = 0.2   the paper does not state eps; 0.2 is PPO's convention (TRL and verl use it too).
@@ -34,6 +35,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+AGGREGATION = "sample"  # what loss_denominator counts (docstring: Aggregation unit)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ Aggregation unit
     The completion ("sample-level"): the token mean within each completion, then the mean over completions.
     GSPO has one clipped term per sequence; written on every token, its token mean is that very term (GRPO's code).
     loss_denominator counts completions: N.
+    AGGREGATION names the unit, for a trainer that splits a group across micro-batches.
 
 Defaults and their source
     clip_eps_low  = 3e-4   paper; the ranges are tiny because s_i is a per-token geometric mean
@@ -47,6 +48,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+AGGREGATION = "sample"  # what loss_denominator counts (docstring: Aggregation unit)
 
 
 # ----------------------------------------------------------------------------------------------------------------

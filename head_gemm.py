@@ -1,10 +1,13 @@
-"""head_gemm.py: the split-bf16 GEMM of the FP32 LM head (--lm-head-gemm split-bf16). A runtime module: a reader
-of the recipe may skip it.
+"""head_gemm.py: the learner's LM head as log-probabilities, and the split-bf16 GEMM of the FP32 head
+(--lm-head-gemm split-bf16). A runtime module: a reader of the recipe may skip it.
 
-train.py's FP32 head (install_target_logprob_head) computes log pi(target) from float32 logits. On a GPU with bf16
-hidden states, `split_bf16_logprobs` computes the same logprobs, at float32's accuracy, from bf16 tensor-core
-products (the float32 weight split into bf16 parts), a chunk of rows at a time, with its own backward
-(_SplitBf16Head): a faster way to the same head, not a different one.
+`target_logprobs` turns hidden states into log pi(target) (and the policy's entropy, a metric) a chunk of rows at a
+time, so that a micro-batch's [tokens, vocab] logits never exist at once: under --lm-head-gemm fp32 each chunk's
+float32 logits are recomputed in backward; under split-bf16, `split_bf16_logprobs` computes the same logprobs, at
+float32's accuracy, from bf16 tensor-core products (the float32 weight split into bf16 parts), with its own backward
+(_SplitBf16Head): a faster way to the same head, not a different one. train.py runs it inside the head's own FSDP2
+unit, where its weight is gathered (install_target_logprobs). `logits_logprobs` and `logits_entropy` are the same
+two quantities from full logits, for a model whose logits must exist whole (soft-capping) and for the tests.
 """
 
 from __future__ import annotations
@@ -13,6 +16,49 @@ import sys
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
+
+
+def target_logprobs(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int,
+                    gemm: str = "fp32", entropy: bool = False) -> tuple[Any, Any]:
+    """(log pi(targets) [M], with `entropy` the policy's entropy at each row [M], a metric without gradient, else
+    None) of the LM head `weight` [V, H] (`bias` [V] or None) on hidden states [M, H], after dividing the logits by
+    `temperature`, `chunk` rows of logits at a time. `gemm`: fp32, the head's linear layer on hidden states of its
+    weight's dtype, each chunk's logits taken to float32 and recomputed in backward (activation checkpointing);
+    split-bf16, bf16 hidden states as they are, float32's logprobs from bf16 products (split_bf16_logprobs)."""
+    if gemm == "split-bf16":
+        out = split_bf16_logprobs(hidden, targets, weight, bias, temperature, chunk, entropy=entropy)
+        return out if entropy else (out, None)
+    if targets.numel() <= chunk:  # one chunk: nothing to save by recomputing it
+        logprobs, entropies = _head_chunk(hidden, targets, weight, bias, temperature, entropy)
+    else:
+        outputs = [torch.utils.checkpoint.checkpoint(
+            _head_chunk, hidden[i: i + chunk], targets[i: i + chunk], weight, bias, temperature, entropy,
+            use_reentrant=False) for i in range(0, targets.numel(), chunk)]
+        logprobs, entropies = (torch.cat(parts) for parts in zip(*outputs))
+    return logprobs, entropies if entropy else None
+
+
+def _head_chunk(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float,
+                entropy: bool = False) -> tuple[Any, Any]:
+    """One chunk of the fp32 head: hidden [n, H] -> (log pi(targets) [n], with `entropy` the entropy at each row [n],
+    without gradient, else 0s), both from the chunk's one [n, V] of logits."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logprobs, logits_entropy(logits) if entropy else logprobs.detach().new_zeros(logprobs.shape)
+
+
+def logits_logprobs(logits: Any, targets: Any, temperature: float) -> Any:
+    """log_softmax(logits / T) at the targets: logits [..., V], targets [...] -> [...] float32."""
+    logits = logits.float() / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def logits_entropy(logits: Any) -> Any:
+    """The entropy of softmax(logits) over the last axis, without gradient: logits [..., V] -> [...] float32."""
+    with torch.no_grad():
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        return -(logp.exp() * logp).sum(-1)
 
 
 def split_bf16_logprobs(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int,

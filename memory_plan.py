@@ -324,8 +324,8 @@ def gathered_unit_bytes(counts: ParameterCounts, layout: Layout) -> int:
 
 
 def lm_head_bytes(config: Any, counts: ParameterCounts, layout: Layout, tokens: int) -> int:
-    """The LM head's chunks (train.install_target_logprob_head): three [chunk, vocab] float32 buffers, the logits,
-    their log-softmax and, in backward, its gradient; with --fp32-lm-head its own unit's gathered float32 weight and
+    """The LM head's chunks (head_gemm.target_logprobs): three [chunk, vocab] float32 buffers, the logits, their
+    log-softmax and, in backward, its gradient; with --fp32-lm-head its own unit's gathered float32 weight and
     unsharded float32 gradient (without it, the weight is in the root unit). Under split-bf16 the head keeps, from
     forward to backward, the logits' gradient of every position of the micro-batch in bf16 ([tokens, vocab] x 2
     bytes: it scores at most the micro-batch's tokens), and in forward its weight's three bf16 parts (6 bytes a
@@ -433,7 +433,7 @@ def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, 
     The values train.py resolves itself, where its defaults live, come as keywords: the compute `dtype`, the longest
     sequence (vLLM's context), vLLM's share of a learner GPU (0 where they do not share one) and the LM head's
     default chunk in bytes; `push_file`, `push_gpu`: the weights reach the replicas by file, by NCCL broadcast."""
-    from_chunk_bytes = max(1, logits_chunk_bytes // (4 * config.vocab_size))  # as install_target_logprob_head
+    from_chunk_bytes = max(1, logits_chunk_bytes // (4 * config.vocab_size))  # as train.install_head_logprobs
     layout = Layout(
         learner_ranks=learner_ranks, gpu_memory=gpu_memory, micro_batch_tokens=args.micro_batch_tokens,
         sequence_tokens=sequence_tokens, group_size=args.group_size, prompts_per_step=args.prompts_per_step,

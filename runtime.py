@@ -1,9 +1,9 @@
 """runtime.py: the learner's runtime, what makes the recipe survive real machines. A reader of the recipe may
-skip it.
+skip it. It never calls back into train.py: train.py builds its learner and hands it in (Setup.begin).
 
 It holds:
-  - `set_up`: everything before the first step, on every rank (process groups, the OUTPUT_DIR lock, data, the
-    learner that train.py's make_learner builds, resume, the generator's start, the metrics log), and `Run`, the
+  - `set_up`: everything before the first step, on every rank, around the learner train.py builds (process groups,
+    the OUTPUT_DIR lock, data; then `Setup.begin`: resume, the generator's start, the metrics log), and `Run`, the
     run around the learner that the loop works with;
   - the collectives that keep the learner ranks in step (`broadcast_from_rank0`, `reduce_metrics`, the idle
     forwards of a rank with no micro-batch left, `full_state_dict`, `push_state_dict`);
@@ -45,7 +45,7 @@ import vllm_replica  # the replica runtime: the secret file, the parent-death si
 from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
                          open_no_follow, read_no_follow, refuse_unless_regular, write_atomically, write_failure)
 from flags import (Args, generator_memory_fraction, generator_values, layout_lines, local_replicas, resolve_defaults,
-                   step_ranges, trackio_dir, trackio_dir_problem, write_args_json)
+                   step_ranges, steps_per_round, trackio_dir, trackio_dir_problem, write_args_json)
 from packing import model_device
 
 
@@ -194,12 +194,12 @@ def summary_line(row: dict, recent: deque) -> str:
 
 
 @contextlib.contextmanager
-def set_up(args: Args,
-           make_learner: Callable[[Args, str, Any, int], Any]) -> Iterator[tuple[Any, Run, TrainerState]]:
-    """Everything before the first step, on every rank: process group, OUTPUT_DIR lock, data, model, optimizer,
-    resume, generator, metrics log. `make_learner(args, model_path, device, rank)` builds the learner (train.py's).
-    On exit the generator is closed; a run that fails before its first metrics row leaves OUTPUT_DIR as it found it
-    (with --overwrite, the old run is deleted only once all of that has started)."""
+def set_up(args: Args) -> Iterator[Setup]:
+    """Everything before the first step, on every rank, in two halves around the learner that train.py builds: here
+    the process group, the OUTPUT_DIR lock, the data and the model's path, with the defaults they decide (a Setup);
+    then Setup.begin(learner): resume, generator, metrics log. On exit the generator is closed; a run that fails
+    before its first metrics row leaves OUTPUT_DIR as it found it (with --overwrite, the old run is deleted only
+    once all of that has started)."""
     tasks.set_vllm_cpu_env()  # vLLM's CPU settings (offline hub, no dynamo); nothing on a machine with CUDA
     if "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun starts each rank in a session of its own, so a `kill -9` of torchrun would leave the ranks
@@ -211,17 +211,50 @@ def set_up(args: Args,
     out = Path(args.output_dir)
     fresh_dir = not out.exists()  # a start that fails removes what it made
     lock = claim_output_dir(out, is_main)
-    generator = None
-    log: MetricsLog | None = None
-    old_run_kept = args.overwrite and not fresh_dir  # --overwrite deletes the old run last, once all checks pass
+    # --overwrite deletes the old run last, once all checks pass
+    setup = Setup(args, rank, world, device, stopper, out, lock, old_run_kept=args.overwrite and not fresh_dir)
     try:  # until the first metrics row, a failure leaves the output directory as it was found
         # Data and model (without --model: the base model shipped with the repository).
-        task, test_task = _data(args, is_main)
-        embedded = args.model is None
-        model_path = _model_path(args, is_main)
-        resolve_defaults(args, embedded, device.type == "cuda")
-        learner = make_learner(args, model_path, device, rank)
-        state = _resumed_state(args, out, learner, rank)
+        setup.task, setup.test_task = _data(args, is_main)
+        setup.model_path = _model_path(args, is_main)
+        resolve_defaults(args, args.model is None, device.type == "cuda")
+        yield setup
+    except BaseException:
+        stopper.at_once = False  # the cleanup below runs to its end unless signalled twice
+        if is_main and not args.resume and not setup.old_run_kept and (setup.log is None or setup.log.lines == 0):
+            _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
+        raise
+    finally:
+        if setup.generator is not None:
+            setup.generator.close()
+        if setup.log is not None and setup.log.reporter is not None:
+            setup.log.reporter.close()
+
+
+@dataclass
+class Setup:
+    """A run between set_up's two halves: what train.py builds its learner with (this rank, its device, the model's
+    path, the data), then `begin`, which takes that learner and starts the rest. set_up closes what begin opens."""
+
+    args: Args
+    rank: int
+    world: int
+    device: Any
+    stopper: GracefulStop
+    out: Path  # --output-dir
+    lock: Any  # the open OUTPUT_DIR/.lock (rank 0)
+    old_run_kept: bool  # --overwrite: the old run stays until everything has started
+    model_path: str = ""  # --model, or the embedded base model
+    task: Any = None
+    test_task: Any = None
+    generator: Any = None  # rank 0, once begin has started it
+    log: MetricsLog | None = None  # rank 0, once begin has opened metrics.jsonl
+
+    def begin(self, learner: Any) -> tuple[Run, TrainerState]:
+        """Resume into `learner` (its model, optimizer and warm-up schedule), start the generator (rank 0) and give
+        it the resumed weights, open the metrics log: the Run and the TrainerState the loop starts from."""
+        args, is_main, out, task = self.args, self.rank == 0, self.out, self.task
+        state = _resumed_state(args, out, learner, self.rank)
         data_skipped = {}
         if not args.resume and is_main:
             data_skipped = {"data_skipped_rows": getattr(task, "skipped_rows", 0),
@@ -229,63 +262,60 @@ def set_up(args: Args,
 
         # The generator (rank 0 owns it; its process is vLLM's).
         val_problems = task.validation(args.eval_prompts)
-        test_problems = test_task.validation(None) if test_task else []
-        gen_config = generator_config(args, model_path)
-        devices_in_use = _devices_in_use(args, world, gen_config)
+        test_problems = self.test_task.validation(None) if self.test_task else []
+        gen_config = generator_config(args, self.model_path)
+        devices_in_use = _devices_in_use(args, self.world, gen_config)
         if is_main:
-            if device.type == "cuda":  # where everything goes and how weights travel: `train.py plan --gpus N` says it
+            if self.device.type == "cuda":  # where everything goes and how weights travel: `train.py plan --gpus N`
                 print("\n".join(layout_lines(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE",
                                                                                             "1")))), flush=True)
-            eval_prompts_fit(model_path, gen_config, val_problems + test_problems)
-            consumed = state.consumed
-            data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
-            if args.gen_remote_replicas:
-                print(f"[generator] waiting up to {args.gen_join_timeout:.0f} s for {args.gen_remote_replicas} "
-                      f"remote replica(s): on each generator node run `python pipeline_rl.py replica --connect "
-                      f"{args.gen_listen} --secret-file FILE`", file=sys.stderr, flush=True)
-            generator = pipeline_rl.Generator(gen_config, task,
-                                              data_start=data_start,
-                                              skip_indices={i for i in consumed if i >= data_start},
-                                              retired_ids=state.retired)
+            eval_prompts_fit(self.model_path, gen_config, val_problems + test_problems)
+            self.generator = _generator(args, gen_config, task, state)  # set_up closes it, however begin ends
             try:
-                generator.start()
+                self.generator.start()
             except pipeline_rl.GeneratorError as e:  # e.g. a remote replica that never joined: its line, no traceback
                 raise SystemExit(f"train.py: error: {e}") from None
         if state.step > 0:  # the generator starts from the base weights: give it the resumed ones
-            weights = push_state_dict(learner.model, generator)
+            weights = push_state_dict(learner.model, self.generator)
             if is_main:
                 try:
-                    generator.update_weights(weights, state.step)
+                    self.generator.update_weights(weights, state.step)
                 except pipeline_rl.GeneratorError as e:  # a full disk for the weight file: a failed start, one line
                     raise SystemExit(f"train.py: error: {e}") from None
         eval_rows: list[dict] = []
         if is_main:  # the run's files appear only once it has started
             if args.overwrite:  # data, model and generator have all started: only now is the old run deleted
                 remove_previous_run(out)
-                old_run_kept = False
-            log = MetricsLog(out / "metrics.jsonl", state.metrics_lines if args.resume else 0,
-                             covers_step=state.step if args.resume else None)
-            log.reporter = Reporter(args.report_to, out, vars(args), first_step=state.step + 1 if args.resume else 0,
-                                    reported_through=log.cut_through)
-            eval_rows = _record_start(args, out, state, log)
+                self.old_run_kept = False
+            self.log = MetricsLog(out / "metrics.jsonl", state.metrics_lines if args.resume else 0,
+                                  covers_step=state.step if args.resume else None)
+            self.log.reporter = Reporter(args.report_to, out, vars(args),
+                                         first_step=state.step + 1 if args.resume else 0,
+                                         reported_through=self.log.cut_through)
+            eval_rows = _record_start(args, out, state, self.log)
         bar = tqdm(total=args.max_steps, initial=state.step, desc=f"{args.loss}/{args.mode}", disable=not is_main,
                    dynamic_ncols=True)
-        run = Run(rank=rank, world=world, out=out, stopper=stopper, devices_in_use=devices_in_use,
+        run = Run(rank=self.rank, world=self.world, out=out, stopper=self.stopper, devices_in_use=devices_in_use,
                   started=time.time() - state.elapsed_hours * 3600.0, eval_hours=state.eval_hours,
-                  val_problems=val_problems, test_problems=test_problems, generator=generator, metrics=log, bar=bar,
-                  recent=deque(maxlen=args.log_every), eval_rows=eval_rows, data_skipped=data_skipped, lock=lock)
-        stopper.at_once = False  # from the first step on, a signal stops at a step boundary, with a checkpoint
-        yield learner, run, state
-    except BaseException:
-        stopper.at_once = False  # the cleanup below runs to its end unless signalled twice
-        if is_main and not args.resume and not old_run_kept and (log is None or log.lines == 0):
-            _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
-        raise
-    finally:
-        if generator is not None:
-            generator.close()
-        if log is not None and log.reporter is not None:
-            log.reporter.close()
+                  val_problems=val_problems, test_problems=test_problems, generator=self.generator,
+                  metrics=self.log, bar=bar, recent=deque(maxlen=args.log_every), eval_rows=eval_rows,
+                  data_skipped=data_skipped, lock=self.lock)
+        self.stopper.at_once = False  # from the first step on, a signal stops at a step boundary, with a checkpoint
+        return run, state
+
+
+def _generator(args: Args, gen_config: pipeline_rl.GeneratorConfig, task: tasks.Task,
+               state: TrainerState) -> pipeline_rl.Generator:
+    """Rank 0: the generator, not started yet, where the data stream left off (the prompts the run has consumed
+    skipped, its retired prompts never sampled)."""
+    consumed = state.consumed
+    data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
+    if args.gen_remote_replicas:
+        print(f"[generator] waiting up to {args.gen_join_timeout:.0f} s for {args.gen_remote_replicas} "
+              f"remote replica(s): on each generator node run `python pipeline_rl.py replica --connect "
+              f"{args.gen_listen} --secret-file FILE`", file=sys.stderr, flush=True)
+    return pipeline_rl.Generator(gen_config, task, data_start=data_start,
+                                 skip_indices={i for i in consumed if i >= data_start}, retired_ids=state.retired)
 
 
 def _data(args: Args, is_main: bool) -> tuple[tasks.Task, tasks.Task | None]:
@@ -470,7 +500,7 @@ def generator_config(args: Args, model_path: str) -> pipeline_rl.GeneratorConfig
     drawn."""
     return pipeline_rl.GeneratorConfig(
         model=model_path, **generator_values(args), seed=args.seed, data_seed=args.seed,
-        groups_per_batch=args.prompts_per_step * (args.max_off_policy if args.mode == "sync" else 1),
+        groups_per_batch=args.prompts_per_step * steps_per_round(args),  # a round's groups, in one request
         gpu_memory_utilization=generator_memory_fraction(args, generator_shares_a_gpu(args)),
         replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
         secret=vllm_replica.read_secret(args.gen_secret_file) if args.gen_secret_file else None,

@@ -23,10 +23,11 @@ How to read this file: `main` and the loop (`train`), then one function per step
 calls them (pull groups -> retire solved prompts -> filter zero-variance groups -> overlong penalty and filter -> old
 logprobs -> advantages -> loss and backward -> optimizer step -> push weights -> evaluate -> log -> checkpoint), then
 the learner itself (make_learner: the loss file, seeds, the FSDP2 policy with its FP32 head, AdamW and its warm-up),
-and `export` and `evaluate`. The runtime behind the recipe is in modules a reader of the recipe may skip: flags.py
-(the flags, their checks, the resume rules, args.json), runtime.py (set-up: process groups, the output-directory
-lock, the generator's start, signals, the collectives, the metrics log), checkpoints.py (save, resume),
-packing.py (rows and micro-batches) and head_gemm.py (the FP32 head's split-bf16 GEMM on a GPU).
+and `export` and `evaluate`. What the loss sees and gives back are records with named fields (LossInputs,
+LossOutputs). The runtime behind the recipe is in modules a reader of the recipe may skip: flags.py (the flags,
+their checks, the resume rules, args.json), runtime.py (set-up: process groups, the output-directory lock, the
+generator's start, signals, the collectives, the metrics log), checkpoints.py (save, resume), packing.py (rows and
+micro-batches) and head_gemm.py (the LM head's log-probabilities in chunks, and its split-bf16 GEMM on a GPU).
 
 How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (tasks.py), so it runs on 2 CPU cores
@@ -48,13 +49,14 @@ import contextlib
 import dataclasses
 import faulthandler
 import functools
-import inspect
+import importlib
 import json
 import math
 import random
 import sys
 import tempfile
 import time
+import types
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from tqdm import tqdm
 
 import dapo  # whatever --loss is, the recipe's data side: filter_groups (zero-variance filtering, DAPO's dynamic
@@ -77,10 +79,11 @@ import tasks
 import tis
 from checkpoints import TrainerState, migrate_checkpoint, read_checkpoint, save_checkpoint
 from cli import positionals  # a subcommand's arguments, checked like flags: one error line
-from flags import LOSSES  # --loss NAME -> its loss file (grpo.py, dapo.py, drgrpo.py, gspo.py, cispo.py)
+from flags import LOSSES  # --loss NAME -> the module name of its loss file; make_learner imports it
 from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, flags_markdown, lm_head_gemm,
-                   loss_arg_problems, parse_args, parse_literal, plan, read_args_json, reshard_layers, resolve_defaults)
-from head_gemm import split_bf16_logprobs
+                   loss_arg_problems, parse_args, parse_literal, plan, read_args_json, reshard_layers, resolve_defaults,
+                   steps_per_round)
+from head_gemm import logits_entropy, logits_logprobs, target_logprobs
 from packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
                      completion_lengths, current_asymptote, generator_config, idle_forward,
@@ -124,7 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
     faulthandler.enable(all_threads=True)
-    with rank0_speaks(), set_up(args, make_learner) as (learner, run, state):
+    with rank0_speaks(), set_up(args) as setup:  # process groups, the output directory, data, the model's path
+        learner = make_learner(args, setup.model_path, setup.device, setup.rank)
+        run, state = setup.begin(learner)  # resume into the learner, start the generator and the metrics log
         train(args, learner, run, state)
     if run.is_main:  # the generator is closed by now: the fit has the CPU to itself
         fit = fit_and_plot(run.out / "metrics.jsonl", run.out / "scaling.png", f"{args.loss} ({args.mode})")
@@ -171,8 +176,8 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
             step_start, version = time.time(), state.step
             rewards, my_advantages = compute_advantages(args, learner, batch, run)
             learner.optimizer.zero_grad(set_to_none=True)
-            totals = loss_and_backward(learner.model, learner.loss_module, learner.hp, my_groups, my_advantages, args,
-                                       learner.pad_id, run.world, version, learner.ref_model, old_is_current)
+            totals = loss_and_backward(args, learner, my_groups, my_advantages,
+                                       Step(version, run.world, old_is_current))
             grad_norm, finite = optimizer_step(args, learner, totals.get("loss", 0.0), has_groups=bool(batch))
             metrics = reduce_metrics(totals, run.world)  # after the update is queued: it waits for the GPU
             if not finite:
@@ -230,18 +235,41 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
 
 
 @dataclass
+class Loss:
+    """The loss file --loss names, and what the run passes it beside the batch."""
+
+    file: types.ModuleType  # grpo, dapo, drgrpo, gspo or cispo
+    hyperparameters: dict[str, Any]  # compute_loss's keywords: flags over the file's paper defaults
+    advantage_options: dict[str, Any]  # compute_advantages' keywords (--adv-norm)
+
+    @property
+    def aggregation(self) -> str:
+        """The unit the loss averages over, "prompt", "sample" or "token": the file's AGGREGATION, or the one its
+        `aggregation` keyword picks (cispo.py's, --aggregation)."""
+        return self.hyperparameters.get("aggregation", self.file.AGGREGATION)
+
+
+@dataclass
 class Learner:
     """This rank's share of the policy and what trains it."""
 
     model: Any  # the policy, FSDP2-sharded (build_learner)
     optimizer: torch.optim.Optimizer  # AdamW
     scheduler: Any  # linear warm-up over --warmup-steps, then constant
-    loss_module: Any  # the loss file: grpo, dapo, drgrpo, gspo or cispo
-    hp: dict[str, Any]  # its compute_loss keywords: flags over the file's paper defaults (loss_hyperparameters)
-    adv_kwargs: dict[str, Any]  # its compute_advantages keywords (--adv-norm)
+    loss: Loss  # the loss file and its keywords
     pad_id: int
     n_params: int
     ref_model: Any = None  # --kl-coef: the frozen initial policy, sharded like the policy
+
+
+@dataclass(frozen=True)
+class Step:
+    """What an optimizer step's loss is taken with, beside its groups and their advantages."""
+
+    version: int  # the weights being trained (optimizer steps done): the sampler mismatch is measured against them
+    world: int  # learner ranks; FSDP2 averages their gradients
+    old_is_current: bool = False  # pi_old is the learner as it is now (a round of one batch in sync mode or with
+                                  # --tis): the micro-batch's own logprobs, detached, not the completions' old_logprobs
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -262,7 +290,7 @@ class Round:
 def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
     """Rank 0: pull groups for one round (--prompts-per-step per optimizer step; k steps' worth in sync mode) and
     take them through the data-side steps of the recipe."""
-    steps = args.max_off_policy if args.mode == "sync" else 1
+    steps = steps_per_round(args)  # k in sync mode (PPO-off-policy-k), 1 in pipeline mode
     want = args.prompts_per_step * steps
     stats: dict[str, Any] = {"overlong_filtered": 0} if args.overlong_filter else {}
     kept: list = []
@@ -379,46 +407,82 @@ def compute_advantages(args: Args, learner: Learner, batch: list, run: Run) -> t
     needs every group), then this rank's rows of them. Returns (the batch's rewards, this rank's advantages)."""
     g = args.group_size
     rewards = torch.tensor([r for grp in batch for r in grp.rewards], dtype=torch.float32)
-    advantages = learner.loss_module.compute_advantages(rewards, g, **learner.adv_kwargs) if batch else torch.zeros(0)
+    advantages = (learner.loss.file.compute_advantages(rewards, g, **learner.loss.advantage_options) if batch
+                  else torch.zeros(0))
     mine = this_ranks_share(list(range(len(batch))), run)
     return rewards, (torch.cat([advantages[i * g: (i + 1) * g] for i in mine]) if mine else torch.zeros(0))
 
 
-def loss_and_backward(model: Any, loss_module: Any, hp: dict, groups: list, advantages: Any, args: Args,
-                      pad_id: int, world: int, version: int, ref_model: Any = None,
-                      old_is_current: bool = False) -> dict[str, float]:
+# What the loss file sees of one micro-batch, and what it gives back. N completions, one row each; T next-token
+# positions, position t holding what concerns token t + 1 of the row (packing.Rows' layout, packed or not).
+
+
+@dataclass
+class LossInputs:
+    """What the loss file sees for one micro-batch."""
+
+    tokens: torch.Tensor  # [N, T] the token each position predicts
+    mask: torch.Tensor  # [N, T] bool: the completion tokens that count (not prompt, padding or an injected phrase)
+    logprobs: torch.Tensor  # [N, T] the learner's log pi_theta(token), after temperature, with gradient
+    old_logprobs: torch.Tensor  # [N, T] pi_old's: the sampler's (pipeline mode), else the learner's before the round
+    sampler_logprobs: torch.Tensor  # [N, T] the sampler's (vLLM's): --tis and the mismatch metrics
+    advantages: torch.Tensor  # [N]
+    group_size: int  # completions per group in these rows: --group-size, or 1 where the micro-batch splits a group
+    denominator: float  # the whole batch's aggregation units (loss_denominator), summed over ranks
+    is_weights: torch.Tensor | None = None  # [N, T] detached: --tis weights, times each token's share of its prompt
+                                            # where the micro-batch splits a prompt's group (Aggregation)
+    ref_logprobs: torch.Tensor | None = None  # [N, T] the reference policy's (--kl-coef)
+
+
+@dataclass
+class LossOutputs:
+    """What the loss file gives back for one micro-batch."""
+
+    loss: torch.Tensor  # scalar: the micro-batch's share of the batch's loss (the whole batch's denominator)
+    metrics: dict[str, float]  # the file's own: clip_frac, ratio_mean, kl_k3, num_tokens (masked tokens), ...
+
+
+@dataclass
+class Aggregation:
+    """How a micro-batch's loss adds up to the whole batch's (loss_and_backward): every micro-batch divides by the
+    whole batch's denominator; one that splits a group gives the loss file its completions as groups of one, and,
+    where the unit is a prompt, weights each completion's tokens by its share of its prompt's tokens."""
+
+    denominator: float  # the whole batch's aggregation units, summed over ranks
+    group_size: int  # completions per group as the loss file sees the rows
+    token_weights: torch.Tensor | None = None  # [N] each completion's share of its prompt's tokens, or None
+
+
+def loss_and_backward(args: Args, learner: Learner, groups: list, advantages: Any, step: Step) -> dict[str, float]:
     """Loss and backward over this rank's groups, in micro-batches of completions within --micro-batch-tokens
     (micro_batches; a group may span several), packed (--packing) or padded: the loss file sees one row per
     completion either way (Rows); returns this rank's metric totals (reduce_metrics averages them over ranks).
 
     The micro-batch losses and gradients add up to the whole batch's, for any micro-batch size and world size:
     whatever normalises the loss is computed from the whole batch before it is split. Every micro-batch loss is
-    divided by the WHOLE batch's denominator (prompts, completions or tokens, per the loss's aggregation), summed
+    divided by the WHOLE batch's denominator (prompts, completions or tokens: the loss's aggregation unit), summed
     over ranks. A micro-batch that holds part of a group goes to the loss file as groups of one completion each,
-    which makes every completion a unit of its own; for a loss whose unit is a prompt (DAPO's and CISPO's
-    prompt-level aggregation: a prompt's token sum over its group's tokens), its tokens are weighted by their share
-    of their prompt's tokens (prompt_token_shares), so that each completion adds what it adds in its whole group.
-
-    `ref_model`: the frozen reference policy of --kl-coef, whose logprobs go to the loss as ref_logprobs.
-    `old_is_current`: the behaviour policy is the learner as it is now (a round of one batch in sync mode or with
-    --tis): its old logprobs are the micro-batch's own, detached, instead of the completions' old_logprobs."""
-    g = args.group_size
+    which makes every completion a unit of its own; where the unit is a prompt (DAPO's and CISPO's prompt-level
+    aggregation: a prompt's token sum over its group's tokens), its tokens are weighted by their share of their
+    prompt's tokens (prompt_token_shares), so that each completion adds what it adds in its whole group."""
+    g, model = args.group_size, learner.model
     device, pack = model_device(model), row_packing(args, model)
     masks = loss_masks(groups)                                                            # [N, T]
-    denominator = sum_over_ranks(loss_module.loss_denominator(masks, g, **hp) if groups else 0.0)
-    shares = prompt_token_shares(loss_module, hp, masks, g)                               # [N] or None
+    hp = learner.loss.hyperparameters
+    denominator = sum_over_ranks(learner.loss.file.loss_denominator(masks, g, **hp) if groups else 0.0)
+    shares = prompt_token_shares(masks, g) if learner.loss.aggregation == "prompt" else None  # [N] or None
     batches = micro_batches(groups, args.micro_batch_tokens, args.packing)
     idle = idle_forwards_needed(len(batches))
     totals: dict[str, float] = defaultdict(float)
     for idx in batches:
         chosen, whole = micro_batch_groups(groups, idx)
-        rows = to_rows(chosen, advantages[idx], g, pad_id, device, pack)
-        group_size, token_weights = (g, None) if whole else (1, None if shares is None else shares[idx].to(device))
-        for key, value in micro_batch_loss(model, loss_module, hp, rows, args, denominator, world, version,
-                                           ref_model, old_is_current, group_size, token_weights).items():
+        rows = to_rows(chosen, advantages[idx], g, learner.pad_id, device, pack)
+        split_shares = None if whole or shares is None else shares[idx].to(device)
+        aggregation = Aggregation(denominator, g if whole else 1, split_shares)
+        for key, value in micro_batch_loss(args, learner, rows, step, aggregation).items():
             totals[key] += value
     for _ in range(idle):
-        idle_forward(model, pad_id, backward=True, ref_model=ref_model)
+        idle_forward(model, learner.pad_id, backward=True, ref_model=learner.ref_model)
     return dict(totals)
 
 
@@ -432,69 +496,95 @@ def loss_masks(groups: list) -> Any:
     return out
 
 
-def prompt_token_shares(loss_module: Any, hp: dict, masks: Any, group_size: int) -> Any:
-    """For a loss whose aggregation unit is a prompt, each completion's share of its prompt's loss tokens, t_i /
-    sum_{j in its group} t_j [N] (a micro-batch that splits a group weights each completion's tokens by it, see
-    loss_and_backward); None for every other unit. The loss file says which unit it counts: its loss_denominator
-    of two one-token completions in one group is 1 for prompts (2 for completions or tokens)."""
-    if loss_module.loss_denominator(torch.ones(2, 1, dtype=torch.bool), 2, **hp) != 1.0:
-        return None
+def prompt_token_shares(masks: Any, group_size: int) -> Any:
+    """Each completion's share of its prompt's loss tokens, t_i / sum_{j in its group} t_j [N], for a loss whose
+    aggregation unit is a prompt: a micro-batch that splits a group weights each completion's tokens by it (see
+    loss_and_backward)."""
     tokens = masks.sum(dim=1).float().reshape(-1, group_size)                             # [P, G]
     return (tokens / tokens.sum(dim=1, keepdim=True).clamp(min=1)).flatten()              # [N]
 
 
-def micro_batch_loss(model: Any, loss_module: Any, hp: dict, rows: Rows, args: Args, denominator: float,
-                     world: int, version: int, ref_model: Any, old_is_current: bool = False,
-                     group_size: int | None = None, token_weights: Any = None) -> dict[str, float]:
-    """One micro-batch: the policy's logprobs, the importance weights (--tis) and reference logprobs (--kl-coef)
-    if asked for, the loss file's loss, backward. Returns its metric totals: sums, token-weighted.
-    `group_size`: the rows' completions per group (default --group-size; 1 where the micro-batch splits a group),
-    `token_weights` [N]: each completion's weight in the loss (loss_and_backward), multiplied into the importance
-    weights."""
-    logprobs, entropy = token_logprobs_and_entropy(model, rows, args.temperature)
-    old = logprobs.detach() if old_is_current else rows.old_logprobs
-    is_weights = None
-    if args.tis:
-        is_weights = tis.tis_weights(old, rows.sampler_logprobs, rows.loss_mask, cap=args.tis_cap, level=args.tis,
-                                     mode=args.tis_mode, cap_min=args.tis_cap_min)
-    loss_weights = is_weights
-    if token_weights is not None:
-        loss_weights = token_weights[:, None].expand_as(rows.loss_mask) * (1.0 if is_weights is None else is_weights)
-    extra = {}
-    if ref_model is not None:
-        with torch.no_grad():
-            extra["ref_logprobs"] = token_logprobs(ref_model, rows, args.temperature)
-    loss, metrics = loss_module.compute_loss(logprobs, old, rows.advantages, rows.loss_mask,
-                                             group_size or args.group_size, is_weights=loss_weights,
-                                             denominator=denominator, **hp, **extra)
-    weight = metrics.get("num_tokens", 0.0)
-    totals = {"loss": loss.item(), **{k: v * weight for k, v in metrics.items() if k != "num_tokens"},
+def micro_batch_loss(args: Args, learner: Learner, rows: Rows, step: Step,
+                     aggregation: Aggregation) -> dict[str, float]:
+    """One micro-batch: what the loss sees (the policy's logprobs, --tis's importance weights, --kl-coef's reference
+    logprobs), the loss file's loss, the metric totals (sums, token-weighted), backward."""
+    logprobs, entropy = token_logprobs_and_entropy(learner.model, rows, args.temperature)  # [N, T] each
+    old = logprobs.detach() if step.old_is_current else rows.old_logprobs                 # [N, T]
+    tis_weights = importance_weights(args, rows, old)                                     # [N, T] or None
+    inputs = LossInputs(
+        tokens=rows.input_ids[:, 1:], mask=rows.loss_mask, logprobs=logprobs, old_logprobs=old,
+        sampler_logprobs=rows.sampler_logprobs, advantages=rows.advantages, group_size=aggregation.group_size,
+        denominator=aggregation.denominator,
+        is_weights=weighted(tis_weights, aggregation.token_weights, rows.loss_mask),
+        ref_logprobs=reference_logprobs(learner.ref_model, rows, args.temperature))
+    outputs = compute_loss(learner.loss, inputs)
+    weight = outputs.metrics.get("num_tokens", 0.0)
+    totals = {"loss": outputs.loss.item(), **{k: v * weight for k, v in outputs.metrics.items() if k != "num_tokens"},
               "num_tokens": weight, "entropy": float(entropy[rows.loss_mask].sum())}  # its token mean, reduced
-    # Sampler/learner mismatch on completions sampled wholly by the weights being trained now (lag 0), in all and
-    # per replica: a replica still serving old weights (an update that silently did nothing) shows here. A
-    # completion that straddles an update is left out: its later tokens were sampled over a KV cache computed by
-    # the older weights (PipelineRL's stale KV), which the learner does not reproduce, so it would show a mismatch
-    # (up to 0.6 in log-probability on the tiny model) that no engine causes.
-    whole = ((rows.versions == version) | (rows.versions < 0)).all(dim=1, keepdim=True)  # [N, 1]
-    same_weights = rows.loss_mask & (rows.versions == version) & whole
-    if same_weights.any():
-        n_same = float(same_weights.sum())
-        totals.update({k: v * n_same for k, v in tis.mismatch_metrics(logprobs.detach(), rows.sampler_logprobs,
-                                                                     same_weights).items()})
-        totals["mismatch_tokens"] = n_same
-        for r in rows.replicas[same_weights.any(dim=1)].unique().tolist():
-            mine = same_weights & (rows.replicas == r)[:, None]
-            n_mine = float(mine.sum())
-            m = tis.mismatch_metrics(logprobs.detach(), rows.sampler_logprobs, mine)
-            totals.update({f"mismatch_r{r}_{key}": m[f"mismatch_{key}"] * n_mine for key in PER_REPLICA_MISMATCH})
-            totals[f"mismatch_r{r}_tokens"] = n_mine
-    if is_weights is not None:
-        totals["is_weight_mean"] = float(is_weights[rows.loss_mask].sum())
-        totals["is_weight_zero_frac"] = float((is_weights[rows.loss_mask] == 0).sum())  # masked (MIS)
+    totals.update(mismatch_totals(rows, logprobs.detach(), step.version))
+    if tis_weights is not None:
+        totals["is_weight_mean"] = float(tis_weights[rows.loss_mask].sum())
+        totals["is_weight_zero_frac"] = float((tis_weights[rows.loss_mask] == 0).sum())  # masked (MIS)
     # Backward after the metrics: each read waits for the GPU, so reads after it would leave the GPU idle while the
     # host queues what follows (the next micro-batch, clipping, AdamW). FSDP averages gradients over ranks; the loss
     # is already normalised by the global denominator.
-    (loss * world).backward()
+    (outputs.loss * step.world).backward()
+    return totals
+
+
+def importance_weights(args: Args, rows: Rows, old_logprobs: Any) -> Any:
+    """--tis: the truncated (or masked) importance weights of pi_old over the sampler, [N, T], detached; else None."""
+    if not args.tis:
+        return None
+    return tis.tis_weights(old_logprobs, rows.sampler_logprobs, rows.loss_mask, cap=args.tis_cap, level=args.tis,
+                           mode=args.tis_mode, cap_min=args.tis_cap_min)
+
+
+def weighted(is_weights: Any, token_weights: Any, mask: Any) -> Any:
+    """The per-token weights the loss multiplies in: the importance weights [N, T] (or None), times each
+    completion's token weight [N] where a micro-batch splits a prompt's group (Aggregation)."""
+    if token_weights is None:
+        return is_weights
+    return token_weights[:, None].expand_as(mask) * (1.0 if is_weights is None else is_weights)
+
+
+def reference_logprobs(ref_model: Any, rows: Rows, temperature: float) -> Any:
+    """--kl-coef: the frozen reference policy's logprobs of the rows' tokens [N, T], without gradient; else None."""
+    if ref_model is None:
+        return None
+    with torch.no_grad():
+        return token_logprobs(ref_model, rows, temperature)
+
+
+def compute_loss(loss: Loss, inputs: LossInputs) -> LossOutputs:
+    """The loss file's compute_loss on what it sees, with the run's keywords."""
+    value, metrics = loss.file.compute_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask,
+                                            inputs.group_size, is_weights=inputs.is_weights,
+                                            denominator=inputs.denominator, ref_logprobs=inputs.ref_logprobs,
+                                            **loss.hyperparameters)
+    return LossOutputs(value, metrics)
+
+
+def mismatch_totals(rows: Rows, logprobs: Any, version: int) -> dict[str, float]:
+    """The sampler/learner mismatch (tis.mismatch_metrics, token-weighted sums) on the completions sampled wholly by
+    the weights being trained, `version` (lag 0), in all and per replica: a replica still serving old weights (an
+    update that silently did nothing) shows here. A completion that straddles an update is left out: its later tokens
+    were sampled over a KV cache computed by the older weights (PipelineRL's stale KV), which the learner does not
+    reproduce, so it would show a mismatch (up to 0.6 in log-probability on the tiny model) that no engine causes.
+    `logprobs` [N, T]: the learner's, detached."""
+    whole = ((rows.versions == version) | (rows.versions < 0)).all(dim=1, keepdim=True)  # [N, 1]
+    same_weights = rows.loss_mask & (rows.versions == version) & whole                   # [N, T]
+    if not same_weights.any():
+        return {}
+    n_same = float(same_weights.sum())
+    totals = {k: v * n_same for k, v in tis.mismatch_metrics(logprobs, rows.sampler_logprobs, same_weights).items()}
+    totals["mismatch_tokens"] = n_same
+    for r in rows.replicas[same_weights.any(dim=1)].unique().tolist():
+        mine = same_weights & (rows.replicas == r)[:, None]
+        n_mine = float(mine.sum())
+        m = tis.mismatch_metrics(logprobs, rows.sampler_logprobs, mine)
+        totals.update({f"mismatch_r{r}_{key}": m[f"mismatch_{key}"] * n_mine for key in PER_REPLICA_MISMATCH})
+        totals[f"mismatch_r{r}_tokens"] = n_mine
     return totals
 
 
@@ -638,121 +728,112 @@ def token_logprobs(model: Any, rows: Rows, temperature: float) -> Any:
     return token_logprobs_and_entropy(model, rows, temperature, entropy=False)[0]
 
 
+@dataclass(frozen=True)
+class LogprobRequest:
+    """What a learner's LM head scores for token_logprobs_and_entropy, instead of returning logits."""
+
+    targets: torch.Tensor  # [R, W-1] the token each position of the model's rows predicts
+    temperature: float  # the sampler's: the logits are divided by it
+    scored: torch.Tensor | None = None  # [M] positions of the flattened [R * (W-1)] to score (0 elsewhere); None: all
+    entropy: bool = False  # the policy's entropy at each scored position too (a metric: no gradient)
+
+
 def token_logprobs_and_entropy(model: Any, rows: Rows, temperature: float, entropy: bool = True) -> tuple[Any, Any]:
     """log pi(token) for every next-token position [N, L-1], after dividing the logits by the sampling temperature,
     and with `entropy` the policy's entropy at each position [N, L-1] (a metric, without gradient; else None).
     Packed rows go through the model as they are, and their logprobs are gathered back into Rows' layout (0 beyond
     each sequence's end, where the loss files mask anyway).
 
-    A learner's LM head (build_learner: install_target_logprob_head) returns only these, chunk by chunk, so the
-    micro-batch's [N, L-1, V] float32 logits never exist at once (for a 150k-token vocabulary and long completions
-    they would be tens of GB), and only at the positions that predict a completion token (Rows.scored; 0 at the
-    prompt's); any other model goes through its full logits."""
+    A learner (build_learner) scores the tokens with `model.target_logprobs` (install_target_logprobs): its body's
+    hidden states go through head_gemm.target_logprobs in chunks, so the micro-batch's [N, L-1, V] float32 logits
+    never exist at once (for a 150k-token vocabulary and long completions they would be tens of GB), and only at the
+    positions that predict a completion token (Rows.scored; 0 at the prompt's); any other model goes through its
+    full logits."""
     if rows.packed is None:
         input_ids, layout = rows.input_ids, {"attention_mask": rows.attention.long()}          # [N, L]
         scored = rows.scored
     else:  # no attention mask: transformers then reads the sequences' boundaries from the position ids
         input_ids, layout = rows.packed.input_ids, {"position_ids": rows.packed.position_ids}  # [R, W]
         scored = rows.packed.scored
-    head = model.get_output_embeddings()
     targets = input_ids[:, 1:]
-    if getattr(head, "scalerl_request", False) is None:  # an installed head, idle
-        head.scalerl_request = (targets, temperature, scored, entropy)
-        try:
-            logprobs = model(input_ids=input_ids, use_cache=False, **layout).logits
-            entropies = head.scalerl_entropy
-        finally:
-            head.scalerl_request = head.scalerl_entropy = None
+    if hasattr(model, "target_logprobs"):
+        request = LogprobRequest(targets, temperature, scored, entropy)
+        logprobs, entropies = model.target_logprobs(input_ids, request, **layout)
     else:
         logits = model(input_ids=input_ids, use_cache=False, **layout).logits[:, :-1]
-        logprobs = _target_logprobs(logits, targets, temperature)
-        entropies = _entropy(logits.detach().float() / temperature) if entropy else None
+        logprobs = logits_logprobs(logits, targets, temperature)
+        entropies = logits_entropy(logits.detach().float() / temperature) if entropy else None
     if rows.packed is None:
         return logprobs, entropies                                                            # [N, L-1] each
     unpack = lambda x: torch.where(rows.attention[:, 1:], x.reshape(-1)[rows.packed.index], 0.0)  # noqa: E731
     return unpack(logprobs), None if entropies is None else unpack(entropies)                # [R, W-1] -> [N, L-1]
 
 
-def _entropy(logits: Any) -> Any:
-    """The entropy of softmax(logits) over the last axis, without gradient: logits [..., V] -> [...] float32."""
-    with torch.no_grad():
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        return -(logp.exp() * logp).sum(-1)
-
-
-def _target_logprobs(logits: Any, targets: Any, temperature: float) -> Any:
-    """log_softmax(logits / T) at the targets: logits [..., V], targets [...] -> [...] float32."""
-    logits = logits.float() / temperature
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def install_target_logprob_head(model: Any, chunk_tokens: int | None = None, gemm: str = "fp32") -> None:
-    """Make the model's LM head compute token_logprobs' answer itself. While token_logprobs has set
-    `head.scalerl_request = (targets [N, L-1], temperature, scored, entropy)`, the head's forward takes the hidden
-    states [N, L, H] and returns log pi(target) [N, L-1] instead of logits, over chunks of `chunk_tokens` positions,
-    so that only one chunk's logits exist at a time; with `entropy`, it leaves the policy's entropy at each position
-    [N, L-1] (a metric: no gradient) in `head.scalerl_entropy`, from the same chunks. `gemm` (--lm-head-gemm) says
-    how: fp32, the head's own linear layer, each chunk recomputed in backward (activation checkpointing; default
-    chunk: as many positions as fit in LOGITS_CHUNK_BYTES of float32 logits); split-bf16, for bf16 hidden states,
-    float32's logprobs from bf16 tensor-core products (head_gemm.py; default chunk: SPLIT_CHUNK_BYTES). Otherwise
-    (an idle forward, or any other caller) it is the plain linear layer. The head's own forward hooks (FSDP2's
-    gathers, the FP32 head's cast) run as before: only its forward body changes. Not for models that transform the
-    logits after the head (Gemma's soft-capping): those keep the full logits.
-
-    The request's third element, `scored` [M] (or None: all), names the positions of the flattened [N * (L-1)] to
-    score; the others get 0 and cost nothing. Only completion tokens enter a loss, and a chat template's prompt can
-    be most of a short completion's row: SmolLM2's system prompt and question (44 tokens) are about 60% of the
-    small-arithmetic task's tokens, and its head (49k-token vocabulary, 576 hidden) a fifth of its FLOPs per token."""
+def install_target_logprobs(model: Any, chunk_tokens: int | None = None, gemm: str = "fp32") -> None:
+    """Give a learner's model `model.target_logprobs(input_ids, request, **layout)`: its body's hidden states
+    [R, W, H], then its LM head on them with the LogprobRequest, which returns (log pi(target) [R, W-1], the entropy
+    [R, W-1] or None) from head_gemm.target_logprobs rather than logits. Both run inside FSDP2's hooks: the model's
+    method is registered as a forward of its root unit (register_fsdp_forward_method), and the head is called as a
+    module, so its unit (the FP32 head's own, or the embedding's it is tied to) is gathered, cast and reduced as in
+    any forward, and an idle rank's plain forward (runtime.idle_forward) makes the same collectives. Without a
+    request the head is its plain linear layer. `chunk_tokens` (--logits-chunk-tokens) and `gemm` (--lm-head-gemm):
+    see head_forward. Not for models that transform the logits after the head (Gemma's soft-capping): those keep
+    the full logits."""
     if getattr(model.config, "final_logit_softcapping", None):
         return
-    head = model.get_output_embeddings()
-    head.scalerl_request = head.scalerl_entropy = None
-
-    def forward(hidden: Any) -> Any:
-        request = head.scalerl_request
-        # split-bf16 takes bf16 hidden states as they are (its products are exact on them); the rest is float32
-        split = gemm == "split-bf16" and hidden.dtype == torch.bfloat16
-        hidden = hidden if split else hidden.to(head.weight.dtype)
-        if request is None:
-            return torch.nn.functional.linear(hidden, head.weight, head.bias)
-        targets, temperature, scored, want_entropy = request
-        n, length = targets.shape
-        flat_hidden = hidden[:, :-1].reshape(n * length, -1)                 # [N*(L-1), H]: the last predicts nothing
-        flat_targets = targets.reshape(-1)                                   # [N*(L-1)]
-        if scored is not None:
-            flat_hidden, flat_targets = flat_hidden[scored], flat_targets[scored]    # [M, H], [M]
-        if split:
-            chunk = chunk_tokens or max(128, SPLIT_CHUNK_BYTES // (4 * head.weight.shape[0]) // 128 * 128)
-            logprobs = split_bf16_logprobs(flat_hidden, flat_targets, head.weight, head.bias, temperature, chunk,
-                                           entropy=want_entropy)
-            logprobs, entropies = logprobs if want_entropy else (logprobs, torch.zeros_like(logprobs.detach()))
-        else:
-            chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * head.weight.shape[0]))  # positions per chunk
-            if flat_targets.numel() <= chunk:  # one chunk: nothing to save by recomputing it
-                logprobs, entropies = _head_chunk(flat_hidden, flat_targets, head.weight, head.bias, temperature,
-                                                  want_entropy)
-            else:
-                outputs = [torch.utils.checkpoint.checkpoint(
-                    _head_chunk, flat_hidden[i: i + chunk], flat_targets[i: i + chunk], head.weight, head.bias,
-                    temperature, want_entropy, use_reentrant=False) for i in range(0, flat_targets.numel(), chunk)]
-                logprobs, entropies = (torch.cat(parts) for parts in zip(*outputs))
-        if scored is not None:  # back to every position, 0 where nothing was scored
-            logprobs = logprobs.new_zeros(n * length).index_copy(0, scored, logprobs)
-            entropies = entropies.new_zeros(n * length).index_copy(0, scored, entropies)
-        head.scalerl_entropy = entropies.view(n, length) if want_entropy else None
-        # [N, L-1], a tensor of its own rather than a view: FSDP2 hooks its backward onto the module's output
-        return logprobs.view(n, length).clone()
-
-    head.forward = forward
+    install_head_logprobs(model.get_output_embeddings(), chunk_tokens, gemm)
+    model.target_logprobs = types.MethodType(policy_target_logprobs, model)
+    register_fsdp_forward_method(model, "target_logprobs")  # a no-op on a model that is not FSDP2's
 
 
-def _head_chunk(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float,
-                entropy: bool = False) -> tuple[Any, Any]:
-    """One chunk of the LM head: hidden [n, H] -> (log pi(targets) [n], with `entropy` the entropy at each position
-    [n], without gradient, else 0s), both from the chunk's one [n, V] of logits."""
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return logprobs, _entropy(logits) if entropy else logprobs.detach().new_zeros(logprobs.shape)
+def policy_target_logprobs(model: Any, input_ids: Any, request: LogprobRequest, **layout: Any) -> tuple[Any, Any]:
+    """A learner's model.target_logprobs: its body on input_ids [R, W] (with the attention mask or the packed
+    position ids), then its LM head on the hidden states with `request`."""
+    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False, **layout).last_hidden_state  # [R, W, H]
+    return model.get_output_embeddings()(hidden, request)
+
+
+def install_head_logprobs(head: Any, chunk_tokens: int | None = None, gemm: str = "fp32") -> None:
+    """Make the LM head `head` (a linear layer) take an optional LogprobRequest: head_forward, with these settings.
+    Its own forward hooks (FSDP2's gathers, the FP32 head's cast) run as before: only its forward body changes."""
+    vocab = head.weight.shape[0]
+    if gemm == "split-bf16":
+        chunk = chunk_tokens or max(128, SPLIT_CHUNK_BYTES // (4 * vocab) // 128 * 128)
+    else:
+        chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * vocab))  # positions per chunk
+    head.forward = functools.partial(head_forward, head, chunk, gemm)
+
+
+def head_forward(head: Any, chunk: int, gemm: str, hidden: Any, request: LogprobRequest | None = None) -> Any:
+    """The learner's LM head on hidden states [R, W, H]: without a request, its linear layer (logits); with one,
+    (log pi(target) [R, W-1], the entropy [R, W-1] or None) at the request's positions, from
+    head_gemm.target_logprobs over chunks of `chunk` positions, so that only one chunk's logits exist at a time.
+    `gemm` (--lm-head-gemm): fp32, the head's own linear layer, each chunk recomputed in backward (default chunk:
+    as many positions as fit in LOGITS_CHUNK_BYTES of float32 logits); split-bf16, for bf16 hidden states,
+    float32's logprobs from bf16 tensor-core products (default chunk: SPLIT_CHUNK_BYTES).
+
+    The request's `scored` [M] (or None: all) names the positions of the flattened [R * (W-1)] to score; the others
+    get 0 and cost nothing. Only completion tokens enter a loss, and a chat template's prompt can be most of a short
+    completion's row: SmolLM2's system prompt and question (44 tokens) are about 60% of the small-arithmetic task's
+    tokens, and its head (49k-token vocabulary, 576 hidden) a fifth of its FLOPs per token."""
+    if request is None:  # logits, on hidden states of the weight's dtype (a bf16 trunk's, under split-bf16, too)
+        return torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
+    # split-bf16 takes bf16 hidden states as they are (its products are exact on them); the rest is float32
+    split = gemm == "split-bf16" and hidden.dtype == torch.bfloat16
+    hidden = hidden if split else hidden.to(head.weight.dtype)
+    n, length = request.targets.shape
+    flat_hidden = hidden[:, :-1].reshape(n * length, -1)                     # [R*(W-1), H]: the last predicts nothing
+    flat_targets = request.targets.reshape(-1)                               # [R*(W-1)]
+    if request.scored is not None:
+        flat_hidden, flat_targets = flat_hidden[request.scored], flat_targets[request.scored]   # [M, H], [M]
+    logprobs, entropies = target_logprobs(flat_hidden, flat_targets, head.weight, head.bias, request.temperature,
+                                          chunk, "split-bf16" if split else "fp32", request.entropy)  # [M] each
+    if request.scored is not None:  # back to every position, 0 where nothing was scored
+        logprobs = logprobs.new_zeros(n * length).index_copy(0, request.scored, logprobs)
+        if entropies is not None:
+            entropies = entropies.new_zeros(n * length).index_copy(0, request.scored, entropies)
+    # [R, W-1], a tensor of its own rather than a view: FSDP2 hooks its backward onto the module's output
+    return logprobs.view(n, length).clone(), None if entropies is None else entropies.view(n, length)
 
 
 def pass_rates(generator: Any, problems: list, samples: int, temperature: float) -> dict[str, float]:
@@ -783,17 +864,15 @@ def fit_and_plot(metrics_file: Path, out_png: Path, label: str) -> Any:
 
 # ----------------------------------------------------------------------------------------------------------------
 # The learner a rank trains: its loss file, its seeds, the policy as FSDP2 with ScaleRL's FP32 LM head, AdamW and
-# its warm-up (set_up calls make_learner once the data and the model directory are known)
+# its warm-up (main builds it once set_up knows the data and the model directory, and hands it to Setup.begin)
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def make_learner(args: Args, model_path: str, device: Any, rank: int) -> Learner:
-    """The loss file --loss names, with its hyper-parameters (flags over the file's paper defaults); the seeds (data
-    order and sampling per rank, initialisation shared); the policy (build_learner) and, with --kl-coef, the frozen
-    reference; AdamW and its linear warm-up over --warmup-steps."""
-    loss_module = LOSSES[args.loss]
-    hp = loss_hyperparameters(args, loss_module)
-    adv_kwargs = {"normalization": args.adv_norm} if args.adv_norm else {}
+    """The loss file --loss names (loss_file); the seeds (data order and sampling per rank, initialisation shared);
+    the policy (build_learner) and, with --kl-coef, the frozen reference; AdamW and its linear warm-up over
+    --warmup-steps. train.py builds it and hands it to the runtime (runtime.Setup.begin)."""
+    loss = loss_file(args)
     random.seed(args.seed + rank)
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed)
@@ -803,8 +882,33 @@ def make_learner(args: Args, model_path: str, device: Any, rank: int) -> Learner
                                   fused=adamw_fused(args, device) or None)  # --adamw; None: PyTorch's default
     warmup = max(args.warmup_steps, 0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
-    return Learner(model=model, optimizer=optimizer, scheduler=scheduler, loss_module=loss_module, hp=hp,
-                   adv_kwargs=adv_kwargs, pad_id=pad_token_id(model_path), n_params=n_params, ref_model=ref_model)
+    return Learner(model=model, optimizer=optimizer, scheduler=scheduler, loss=loss, pad_id=pad_token_id(model_path),
+                   n_params=n_params, ref_model=ref_model)
+
+
+def loss_file(args: Args) -> Loss:
+    """The loss file --loss names, imported here by its module name (flags.LOSSES), with the run's keywords for its
+    compute_loss (loss_hyperparameters) and compute_advantages (--adv-norm)."""
+    return Loss(file=importlib.import_module(LOSSES[args.loss]), hyperparameters=loss_hyperparameters(args),
+                advantage_options={"normalization": args.adv_norm} if args.adv_norm else {})
+
+
+def loss_hyperparameters(args: Args) -> dict[str, Any]:
+    """Keyword overrides for the loss file's compute_loss; everything not named keeps the file's paper default."""
+    hp: dict[str, Any] = {}
+    if args.loss == "drgrpo":
+        hp["max_tokens"] = args.max_tokens  # Dr. GRPO's constant normaliser: the generation budget
+    if args.aggregation:
+        hp["aggregation"] = args.aggregation
+    if args.kl_coef:
+        hp["kl_coef"] = args.kl_coef  # with ref_logprobs from the reference model, per micro-batch
+    problems = loss_arg_problems(args)  # check_args refused these before the start; a caller may not have
+    if problems:
+        raise SystemExit("; ".join(problems))
+    for item in args.loss_arg or []:
+        key, value = item.split("=", 1)
+        hp[key] = parse_literal(value)
+    return hp
 
 
 def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
@@ -840,7 +944,7 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
         # embedding joins the head's unit (and is kept in float32 with it).
         cast = gemm == "fp32"
         if cast:
-            model.lm_head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(),))
+            model.lm_head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(), *inputs[1:]))
         tied = model.lm_head.weight is model.get_input_embeddings().weight
         head = [model.get_input_embeddings(), model.lm_head] if tied else model.lm_head
         fully_shard(head, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, cast_forward_inputs=cast),
@@ -863,7 +967,7 @@ def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
             buffer.copy_(rank0_buffers[name])
         dist.broadcast(buffer, src=0)
     del loaded, rank0_buffers
-    install_target_logprob_head(model, args.logits_chunk_tokens, gemm)
+    install_target_logprobs(model, args.logits_chunk_tokens, gemm)
     model.train()
     return model, n_params
 
@@ -970,24 +1074,6 @@ def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
         "examples": [{"prompt": g.problem.prompt, "answer": g.problem.answer, "completion": g.completions[0].text,
                       "reward": g.rewards[0]} for g in groups[:3]],
     }
-
-
-def loss_hyperparameters(args: Args, loss_module: Any) -> dict[str, Any]:
-    """Keyword overrides for the loss file; everything not named keeps the file's paper default."""
-    hp: dict[str, Any] = {}
-    if args.loss == "drgrpo":
-        hp["max_tokens"] = args.max_tokens  # Dr. GRPO's constant normaliser: the generation budget
-    if args.aggregation:
-        hp["aggregation"] = args.aggregation
-    if args.kl_coef:
-        hp["kl_coef"] = args.kl_coef  # with ref_logprobs from the reference model, per micro-batch
-    problems = loss_arg_problems(args, loss_module)  # check_args refused these before the start; a caller may not have
-    if problems:
-        raise SystemExit("; ".join(problems))
-    for item in args.loss_arg or []:
-        key, value = item.split("=", 1)
-        hp[key] = parse_literal(value)
-    return hp
 
 
 if __name__ == "__main__":  # vLLM on CPU spawns its workers: the entry point must be guarded

@@ -70,7 +70,8 @@ def main() -> None:
                     for p in ref_model.parameters():
                         p.mul_(1.01)  # on the float32 parameters FSDP2 keeps, also under bf16 compute
             groups = synthetic_groups(6, 4, model.config.vocab_size)
-            hp = train.loss_hyperparameters(args, loss_module)
+            learner = train.Learner(model=model, optimizer=None, scheduler=None, loss=train.loss_file(args), pad_id=0,
+                                    n_params=0, ref_model=ref_model)
             rewards = torch.tensor([r for grp in groups for r in grp.rewards])
             advantages = loss_module.compute_advantages(rewards, 4)
             mine = [i for i in range(len(groups)) if i % world == rank]
@@ -78,8 +79,8 @@ def main() -> None:
             if args.tis:  # as the loop does: the learner's old logprobs, in the same layout, against the sampler's
                 with torch.no_grad():
                     train.attach_learner_logprobs(model, [groups[i] for i in mine], args, pad_id=0)
-            totals = train.loss_and_backward(model, loss_module, hp, [groups[i] for i in mine], my_adv, args,
-                                             pad_id=0, world=world, version=0, ref_model=ref_model)
+            totals = train.loss_and_backward(args, learner, [groups[i] for i in mine], my_adv,
+                                             train.Step(version=0, world=world))
             metrics = runtime.reduce_metrics(totals, world)
             grads = {name: p.grad.full_tensor().float().cpu() for name, p in model.named_parameters()}
             flat = torch.cat([grads[k].flatten() for k in sorted(grads)])

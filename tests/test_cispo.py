@@ -103,6 +103,14 @@ def test_bad_group_size_raises():
         algo.compute_advantages(torch.ones(5), 2)
 
 
+def test_aggregation_names_what_loss_denominator_counts():
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)                    # one prompt, two completions
+    counts = {"prompt": 1.0, "sample": 2.0, "token": 3.0}                        # prompts, completions, tokens
+    assert algo.loss_denominator(mask, 2) == counts[algo.AGGREGATION]
+    for aggregation in counts:  # the keyword sets the unit
+        assert algo.loss_denominator(mask, 2, aggregation=aggregation) == counts[aggregation]
+
+
 def test_loss_metrics_and_gradient_hand_computed():
     # One prompt, G = 2. Completion 0 (A = +1): log pi = -1 with rho = 6 (truncated to 5), log pi = -2 with rho = 1.
     # Completion 1 (A = -1): log pi = -0.5 with rho = 0.5, and a masked slot.

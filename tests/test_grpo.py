@@ -77,6 +77,12 @@ def test_bad_group_size_raises():
         algo.compute_advantages(torch.ones(5), 2)
 
 
+def test_aggregation_names_what_loss_denominator_counts():
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)                    # one prompt, two completions
+    counts = {"prompt": 1.0, "sample": 2.0, "token": 3.0}                        # prompts, completions, tokens
+    assert algo.loss_denominator(mask, 2) == counts[algo.AGGREGATION]
+
+
 def test_loss_metrics_and_gradient_hand_computed():
     # Completion 0 (A = +1): ratios 1.5 (clipped high to 1.2) and 1.0. Completion 1 (A = -1): ratio 0.5 (clipped
     # low to 0.8), and one masked token.

@@ -84,6 +84,12 @@ def test_bad_group_size_raises():
         algo.compute_advantages(torch.ones(5), 2)
 
 
+def test_aggregation_names_what_loss_denominator_counts():
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)                    # one prompt, two completions
+    counts = {"prompt": 1.0, "sample": 2.0, "token": 3.0}                        # prompts, completions, tokens
+    assert algo.loss_denominator(mask, 2) == counts[algo.AGGREGATION]
+
+
 def test_loss_metrics_and_gradient_hand_computed():
     # Completion 0 (A = -1): token log-ratios 0.1 and -0.1, so s_0 = exp(0) = 1, inside the clip range.
     # Completion 1 (A = +1): log-ratios 0.3 and 0.1 and a masked slot, s_1 = exp(0.2) = 1.22 (the MEAN: a sum would

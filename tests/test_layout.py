@@ -1,5 +1,6 @@
-"""The house plan, measured: train.py and pipeline_rl.py stay readable in one sitting (the recipe in front, the runtime
-in modules a reader may skip), no function or class outgrows a screen-read, and imports flow one way.
+"""The house plan, measured: the recipe in front (train.py's loop near its top), the runtime in modules a reader may
+skip, no function or class outgrows a screen-read, and imports flow one way: the algorithm files are leaves, the
+flags know the loss files by name only, and nothing calls back into train.py.
 
     python tests/test_layout.py     prints the counts these tests check
 """
@@ -15,7 +16,9 @@ RECIPE_FILES = ("train.py", "pipeline_rl.py")
 RUNTIME_FILES = ("flags.py", "checkpoints.py", "runtime.py", "packing.py", "head_gemm.py", "vllm_replica.py",
                  "cli.py")
 ENTRY_POINTS = ("bench.py", "teach.py")  # beside tests/, the only modules that may import train.py
-MAX_LINES = {"train.py": 1000, "pipeline_rl.py": 1900}  # pipeline_rl.py: + per-completion seeds, reward deadlines;
+ALGORITHM_FILES = ("grpo", "dapo", "drgrpo", "gspo", "cispo", "tis")  # one algorithm each: torch only
+# train.py has no line budget: it is as long as the recipe's steps and the records the loss sees need (issue 54)
+MAX_LINES = {"pipeline_rl.py": 1900}  # pipeline_rl.py: + per-completion seeds, reward deadlines;
 # + the scheduler's parts as objects, each with its interface of methods (issue 54: a part reads no state another sets)
 MAX_FIRST_LINE = {("train.py", "train"): 200, ("pipeline_rl.py", "admission_allowed"): 300}
 MAX_FUNCTION_LINES = 100
@@ -209,6 +212,36 @@ def test_no_class_of_the_scheduler_reads_state_that_another_sets() -> None:
     state and call each other's methods; the records they pass change only through their own methods."""
     problems = state_sharing(parsed("pipeline_rl.py"), SCHEDULER_PARTS, SCHEDULER_RECORDS)
     assert not problems, "pipeline_rl.py: " + "; ".join(problems)
+
+
+def test_the_algorithm_files_are_leaves() -> None:
+    """grpo.py ... tis.py import torch and nothing of the project, not even each other."""
+    for name in ALGORITHM_FILES:
+        assert not imported_project_modules(name + ".py"), f"{name}.py imports {imported_project_modules(name + '.py')}"
+
+
+def test_a_flag_passes_each_file_once() -> None:
+    """--loss goes from train.py to the loss file: flags.py names the loss files (LOSSES) and reads their
+    hyper-parameters from source, but imports none of them, and runtime.py never calls back into train.py: set_up
+    takes the flags only, and train.py builds its learner and hands it to Setup.begin."""
+    assert not imported_project_modules("flags.py") & set(ALGORITHM_FILES), imported_project_modules("flags.py")
+    assert "train" not in imported_project_modules("runtime.py")
+    set_up = next(node for node in parsed("runtime.py").body if isinstance(node, ast.FunctionDef)
+                  and node.name == "set_up")
+    assert [a.arg for a in set_up.args.args] == ["args"], "runtime.set_up takes a callback again"
+
+
+def test_no_function_in_train_py_takes_more_than_six_parameters() -> None:
+    """The loop's steps pass records (Learner, Step, LossInputs, Aggregation), not long argument lists."""
+    too_many = []
+    for node in ast.walk(parsed("train.py")):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            is_method = bool(a.args) and a.args[0].arg in ("self", "cls")
+            count = len(a.posonlyargs + a.args + a.kwonlyargs) - is_method
+            if count > 6:
+                too_many.append(f"{node.name} ({count})")
+    assert not too_many, "train.py: " + ", ".join(too_many)
 
 
 def test_the_checks_here_catch_what_they_look_for() -> None:

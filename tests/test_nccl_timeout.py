@@ -32,12 +32,12 @@ def test_the_timeout_that_reaches_init_process_group(monkeypatch, tmp_path):
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises(_Stop):
-            with runtime.set_up(args, lambda *a: None):
+            with runtime.set_up(args):
                 pass
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU run keeps gloo's own 30 minutes
         with pytest.raises(_Stop):
             with runtime.set_up(flags.Args(**vars(flags.build_parser().parse_args(
-                    ["--output-dir", str(tmp_path / "cpu")]))), lambda *a: None):
+                    ["--output-dir", str(tmp_path / "cpu")])))):
                 pass
     finally:
         for sig, handler in handlers.items():

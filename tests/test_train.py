@@ -206,18 +206,16 @@ def test_algorithm_options_reach_the_loss():
     import grpo
 
     args = flags.parse_args(["--loss", "grpo", "--kl-coef", "0.04"])
-    assert train.loss_hyperparameters(args, grpo) == {"kl_coef": 0.04}
+    assert train.loss_hyperparameters(args) == {"kl_coef": 0.04} and train.loss_file(args).file is grpo
     for loss in flags.LOSSES:  # every loss file takes GRPO's KL option
         assert "ref_logprobs" in inspect.signature(importlib.import_module(loss).compute_loss).parameters, loss
     args = flags.parse_args(["--loss", "gspo", "--loss-arg", "token_level=true"])  # GSPO-token
-    assert train.loss_hyperparameters(args, gspo) == {"token_level": True}
+    assert train.loss_hyperparameters(args) == {"token_level": True} and train.loss_file(args).file is gspo
 
 
 def test_loss_arg_overrides_and_rejects_unknown_keys(capsys):
-    import cispo
-
     args = flags.parse_args(["--loss-arg", "eps_max=8", "--loss-arg", "aggregation=token"])
-    assert train.loss_hyperparameters(args, cispo) == {"eps_max": 8, "aggregation": "token"}
+    assert train.loss_hyperparameters(args) == {"eps_max": 8, "aggregation": "token"}
     for item, message in (("clip_eps=0.1", "--loss-arg clip_eps: cispo.compute_loss has no such hyper-parameter; it "
                            "has ['eps_max', 'eps_min', 'aggregation', 'kl_coef']"),
                           ("eps_max=abc", "--loss-arg eps_max=abc: eps_max is a number"),
@@ -226,11 +224,23 @@ def test_loss_arg_overrides_and_rejects_unknown_keys(capsys):
             flags.parse_args(["--loss-arg", item])
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no such hyper-parameter.*eps_max"):  # and by the learner, for any caller
-        train.loss_hyperparameters(flags.Args(loss_arg=["clip_eps=0.1"]), cispo)
-    import drgrpo
-
+        train.loss_hyperparameters(flags.Args(loss_arg=["clip_eps=0.1"]))
     args = flags.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
-    assert train.loss_hyperparameters(args, drgrpo) == {"max_tokens": 40}  # Dr. GRPO's constant: the budget
+    assert train.loss_hyperparameters(args) == {"max_tokens": 40}  # Dr. GRPO's constant: the budget
+    assert train.loss_file(args).file is importlib.import_module("drgrpo")
+
+
+def test_the_flags_read_each_loss_file_s_hyper_parameters_without_importing_it():
+    """flags.py knows the loss files by name (LOSSES) and reads compute_loss's hyper-parameters and their defaults
+    from each file's source: the same names and defaults as the imported function's signature, in its order
+    (cispo.py's aggregation default is its AGGREGATION constant, read as such)."""
+    for loss, module in flags.LOSSES.items():
+        parameters = inspect.signature(importlib.import_module(module).compute_loss).parameters
+        expected = {name: p.default for name, p in parameters.items()
+                    if p.kind == p.KEYWORD_ONLY and name not in flags.LOSS_INPUTS}
+        assert flags.loss_hyperparameter_defaults(loss) == expected, loss
+        assert list(flags.loss_hyperparameter_defaults(loss)) == list(expected), loss
+    assert flags.loss_hyperparameter_defaults("cispo")["aggregation"] == "prompt"
 
 
 @pytest.mark.parametrize("argv, max_model_len", [
@@ -399,14 +409,16 @@ def test_micro_batch_groups_cut_each_group_to_the_completions_it_holds():
     assert whole and [p.data_index for p in parts] == [1]
 
 
-def test_prompt_token_shares_follow_the_loss_files_unit():
+def test_prompt_token_shares_and_the_loss_files_unit():
+    """A completion's share of its prompt's loss tokens, and the unit the loss averages over as each loss file names
+    it (AGGREGATION), or CISPO's --aggregation: stated, where a made-up mask once probed loss_denominator for it."""
     masks = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)  # G = 2
-    shares = train.prompt_token_shares(flags.LOSSES["cispo"], {"aggregation": "prompt"}, masks, 2)
-    assert shares.tolist() == [0.75, 0.25, 0.0, 1.0]
-    assert train.prompt_token_shares(flags.LOSSES["dapo"], {}, masks, 2).tolist() == [0.75, 0.25, 0.0, 1.0]
-    for loss, hp in (("grpo", {}), ("drgrpo", {}), ("gspo", {}), ("cispo", {"aggregation": "sample"}),
-                     ("cispo", {"aggregation": "token"})):
-        assert train.prompt_token_shares(flags.LOSSES[loss], hp, masks, 2) is None, loss
+    assert train.prompt_token_shares(masks, 2).tolist() == [0.75, 0.25, 0.0, 1.0]
+    units = {"grpo": "sample", "dapo": "prompt", "drgrpo": "sample", "gspo": "sample", "cispo": "prompt"}
+    for loss, unit in units.items():
+        assert train.loss_file(flags.Args(loss=loss)).aggregation == unit, loss
+    for unit in ("prompt", "sample", "token"):
+        assert train.loss_file(flags.Args(loss="cispo", aggregation=unit)).aggregation == unit
     assert train.loss_masks([_group(0, [2, 3], [1.0, -1.0])]).tolist() == [[True, False, False], [True, True, False]]
 
 
@@ -932,7 +944,7 @@ def test_tis_mode_and_cap_min_reach_the_weights(one_rank_group, base_model_dir, 
             c.old_logprobs = [-0.5] * len(c.token_ids)
             c.sampler_logprobs = [-0.5 + (3.0 if t % 2 else -3.0) for t in range(len(c.token_ids))]
     advantages = cispo.compute_advantages(torch.tensor([1.0, -1.0, 1.0, -1.0]), 2)
-    totals = train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 0)
+    totals = train.loss_and_backward(args, _learner(model, args), groups, advantages, train.Step(version=0, world=1))
     zero_frac = runtime.reduce_metrics(totals, 1)["is_weight_zero_frac"]
     assert (zero_frac == 1.0) if zeroed else (zero_frac == 0.0)
 
@@ -955,18 +967,23 @@ def assert_same_gradient(grads: list, reference_grads: list, where: object = Non
         torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=atol, msg=lambda m: f"{where}: {m}")
 
 
+def _learner(model, args: flags.Args, ref_model=None) -> train.Learner:
+    """A Learner around a built `model` for loss_and_backward: the loss file --loss names and its keywords; no
+    optimizer (the tests step their own, or none)."""
+    return train.Learner(model=model, optimizer=None, scheduler=None, loss=train.loss_file(args), pad_id=0,
+                         n_params=0, ref_model=ref_model)
+
+
 def _one_step(model, loss_name: str, settings: dict, groups: list, **layout) -> tuple[float, dict, list]:
     """The loss, metrics and gradient of one learner step on `groups` in the given layout (float32, one rank)."""
-    loss_module = flags.LOSSES[loss_name]
     args = flags.Args(loss=loss_name, group_size=4, dtype="float32", **settings, **layout)
-    hp = train.loss_hyperparameters(args, loss_module)
-    advantages = loss_module.compute_advantages(torch.tensor([r for g in groups for r in g.rewards]), 4)
+    learner = _learner(model, args, ref_model=model if args.kl_coef else None)
+    advantages = learner.loss.file.compute_advantages(torch.tensor([r for g in groups for r in g.rewards]), 4)
     model.zero_grad(set_to_none=True)
     if args.tis:
         with torch.no_grad():
             train.attach_learner_logprobs(model, groups, args, 0)
-    totals = train.loss_and_backward(model, loss_module, hp, groups, advantages, args, 0, 1, 0,
-                                     ref_model=model if args.kl_coef else None)
+    totals = train.loss_and_backward(args, learner, groups, advantages, train.Step(version=0, world=1))
     metrics = runtime.reduce_metrics(totals, 1)
     return metrics["loss"], metrics, [p.grad.clone() for p in model.parameters()]
 
@@ -1118,8 +1135,8 @@ def test_a_round_of_one_batch_takes_its_old_logprobs_from_its_own_forward(one_ra
             with torch.no_grad():
                 train.attach_learner_logprobs(model, groups, args, 0)
         model.zero_grad()
-        totals = train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 0,
-                                         old_is_current=old_is_current)
+        totals = train.loss_and_backward(args, _learner(model, args), groups, advantages,
+                                         train.Step(version=0, world=1, old_is_current=old_is_current))
         results.append((runtime.reduce_metrics(totals, 1), [p.grad.clone() for p in model.parameters()]))
     (attached, attached_grads), (own, own_grads) = results
     assert attached.keys() == own.keys() and attached["num_tokens"] == own["num_tokens"] > 0
@@ -1152,7 +1169,8 @@ def test_mismatch_is_reported_per_replica_on_completions_sampled_wholly_by_the_t
     groups[2].completions[0].versions[0] = 2  # straddles the update to 3
     groups[2].completions[0].sampler_logprobs = [x - 5.0 for x in groups[2].completions[0].sampler_logprobs]
     advantages = cispo.compute_advantages(torch.tensor([1.0, -1.0] * 3), 2)
-    metrics = runtime.reduce_metrics(train.loss_and_backward(model, cispo, {}, groups, advantages, args, 0, 1, 3), 1)
+    totals = train.loss_and_backward(args, _learner(model, args), groups, advantages, train.Step(version=3, world=1))
+    metrics = runtime.reduce_metrics(totals, 1)
     diff = metrics["mismatch_max_abs_diff_by_replica"]
     assert set(diff) == {0, 1} and diff[0] < 1e-5 and abs(diff[1] - 0.3) < 1e-5, diff  # the -5 straddler is out
     assert metrics["mismatch_kl_k3_by_replica"][0] < 1e-9 < metrics["mismatch_kl_k3_by_replica"][1]
@@ -1252,13 +1270,78 @@ def test_split_bf16_head_gives_float32_logprobs_where_one_bf16_product_does_not(
     logits = hidden.double() @ weight.double().T                                      # [M, V]
     assert logits.max() > 15
     float64 = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
-    float32 = train._target_logprobs(hidden.float() @ weight.T, targets, 1.0).double()
+    float32 = head_gemm.logits_logprobs(hidden.float() @ weight.T, targets, 1.0).double()
     split = head_gemm.split_bf16_logprobs(hidden, targets, weight, None, 1.0, chunk=40).double()  # three chunks
     assert (split - float32).abs().max() < 1e-5 and (split - float64).abs().max() < 1e-5
     assert (split - float64).abs().max() < (float32 - float64).abs().max()
-    one_product = train._target_logprobs(hidden.float() @ weight.to(torch.bfloat16).float().T, targets, 1.0)
-    bf16 = train._target_logprobs(hidden @ weight.to(torch.bfloat16).T, targets, 1.0)
+    one_product = head_gemm.logits_logprobs(hidden.float() @ weight.to(torch.bfloat16).float().T, targets, 1.0)
+    bf16 = head_gemm.logits_logprobs(hidden @ weight.to(torch.bfloat16).T, targets, 1.0)
     assert (one_product.double() - float64).abs().max() > 1e-3 and (bf16.double() - float64).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("gemm", ["fp32", "split-bf16"])
+def test_target_logprobs_are_the_full_logits_log_softmax_at_the_targets(gemm):
+    """head_gemm.target_logprobs, the named function the learner's head runs, against log_softmax of the whole
+    [M, V] logits gathered at the targets (temperature 0.7, a bias): the same logprobs, entropy and gradients, in
+    chunks of 1, 7 or all rows, to float32 rounding (within 1e-5 of a logprob near -10, where a GEMM of one row
+    and one of all rows already differ by 4e-6; split-bf16, on the bf16 hidden states it takes, its gradients
+    bf16-grade by design: within 1% in relative norm). Rows added around them (padding, other sequences) change
+    none of their values beyond that rounding."""
+    weight, hidden, targets = _head_weights(512, 64, 40, logit_std=2.5)
+    bias = torch.randn(512, generator=torch.Generator().manual_seed(3)) * 0.5
+    hidden = hidden if gemm == "split-bf16" else hidden.float()
+    reference_hidden = hidden.detach().float().requires_grad_()
+    reference_weight = weight.clone().requires_grad_()
+    logits = torch.nn.functional.linear(reference_hidden, reference_weight, bias)               # [M, V]
+    expected = head_gemm.logits_logprobs(logits, targets, 0.7)
+    expected_entropy = head_gemm.logits_entropy(logits / 0.7)
+    expected.sum().backward()
+    for chunk in (1, 7, 40):
+        leaf, w = hidden.detach().clone().requires_grad_(), weight.clone().requires_grad_()
+        logprobs, entropy = head_gemm.target_logprobs(leaf, targets, w, bias, 0.7, chunk, gemm, entropy=True)
+        assert (logprobs - expected).abs().max() < 1e-5, (chunk, (logprobs - expected).abs().max())
+        assert (entropy - expected_entropy).abs().max() < 1e-4 and not entropy.requires_grad
+        logprobs.sum().backward()
+        for grad, ref in ((leaf.grad.float(), reference_hidden.grad), (w.grad, reference_weight.grad)):
+            assert (grad - ref).norm() < (1e-2 if gemm == "split-bf16" else 1e-5) * ref.norm(), chunk
+    assert head_gemm.target_logprobs(hidden, targets, weight, bias, 0.7, 7, gemm)[1] is None  # no entropy asked
+    padded = torch.cat([torch.zeros_like(hidden[:5]), hidden, torch.ones_like(hidden[:3])])   # [5 + M + 3, H]
+    padded_targets = torch.cat([torch.zeros_like(targets[:5]), targets, torch.ones_like(targets[:3])])
+    logprobs, _ = head_gemm.target_logprobs(padded, padded_targets, weight, bias, 0.7, 7, gemm)
+    unpadded, _ = head_gemm.target_logprobs(hidden, targets, weight, bias, 0.7, 7, gemm)
+    torch.testing.assert_close(logprobs[5:-3], unpadded, rtol=0, atol=1e-5)
+
+
+def test_the_learner_s_head_is_a_plain_linear_layer_without_a_request():
+    """install_head_logprobs leaves the head's plain call its linear layer, so that any other forward of the model
+    (generation, the idle forward of a rank with no micro-batch left) gets logits; with a LogprobRequest it gives
+    (log pi(target), entropy) at the scored positions, 0 at the others, never logits."""
+    head = torch.nn.Linear(16, 32)
+    expected_logits = head(torch.ones(2, 5, 16)).detach()
+    train.install_head_logprobs(head, chunk_tokens=3)
+    hidden = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(head(torch.ones(2, 5, 16)), expected_logits)
+    targets = torch.randint(0, 32, (2, 4), generator=torch.Generator().manual_seed(1))
+    scored = torch.tensor([1, 2, 6])
+    logprobs, entropy = head(hidden, train.LogprobRequest(targets, 1.0, scored))
+    full = head_gemm.logits_logprobs(head(hidden)[:, :-1], targets, 1.0).reshape(-1)
+    expected = torch.zeros(8).index_copy(0, scored, full[scored]).view(2, 4)
+    torch.testing.assert_close(logprobs, expected)
+    assert entropy is None
+
+
+def test_an_idle_forward_runs_under_split_bf16(one_rank_group, base_model_dir):
+    """A rank with no micro-batch left joins the others' collectives with a plain forward of a dummy row
+    (runtime.idle_forward). Under --lm-head-gemm split-bf16 the head multiplied that forward's bf16 hidden states
+    by its float32 weight as they were, and 'expected m1 and m2 to have the same dtype' killed the rank (found on
+    two gloo ranks with uneven micro-batches). Its logits are float32's now, and its backward adds nothing."""
+    args = flags.Args(dtype="bfloat16", lm_head_gemm="split-bf16")
+    model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
+    logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert logits.dtype == torch.float32 and logits.shape[-1] == model.config.vocab_size
+    model.zero_grad(set_to_none=True)
+    runtime.idle_forward(model, 0, backward=True)
+    assert all(not p.grad.full_tensor().any() for p in model.parameters() if p.grad is not None)
 
 
 def test_the_split_bf16_parts_sum_to_the_weight_over_t_exactly():
@@ -1270,29 +1353,25 @@ def test_the_split_bf16_parts_sum_to_the_weight_over_t_exactly():
 
 
 def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():
-    """The installed head under split-bf16, as token_logprobs drives it (a scored subset, temperature 0.7, chunks
+    """The learner's head under split-bf16, as token_logprobs drives it (a scored subset, temperature 0.7, chunks
     of 17 of its 70 positions, a bias): log pi(target) within 1e-5 of autograd through a float32 log_softmax, 0
     where nothing is scored, and the gradients of the hidden states, the weight and the bias within 1% in relative
     norm (bf16-grade by design: D = softmax - onehot and the other factor of each product are rounded to bf16,
     2^-9 = 0.2% each; measured 0.18-0.24%). Without grad it keeps nothing for backward and gives the same values."""
-    from types import SimpleNamespace
-
     n, length, temperature = 3, 40, 0.7
     weight, _, _ = _head_weights(4096, 256, 1, logit_std=2.5)  # over T = 0.7: ~3.6, random targets at -10
     head = torch.nn.Linear(256, 4096)
     with torch.no_grad():
         head.weight.copy_(weight)
         head.bias.normal_(0, 0.5)
-    train.install_target_logprob_head(SimpleNamespace(config=SimpleNamespace(), get_output_embeddings=lambda: head),
-                                      chunk_tokens=17, gemm="split-bf16")
+    train.install_head_logprobs(head, chunk_tokens=17, gemm="split-bf16")
     gen = torch.Generator().manual_seed(1)
     hidden = torch.randn(n, length, 256, generator=gen).to(torch.bfloat16).requires_grad_()
     targets = torch.randint(0, 4096, (n, length - 1), generator=gen)
     scored = torch.randperm(n * (length - 1), generator=gen)[:70].sort().values
     loss_weights = torch.randn(n, length - 1, generator=gen)
-    head.scalerl_request = (targets, temperature, scored, True)
-    logprobs = head(hidden)
-    entropy = head.scalerl_entropy
+    request = train.LogprobRequest(targets, temperature, scored, entropy=True)
+    logprobs, entropy = head(hidden, request)
     (logprobs * loss_weights).sum().backward()
 
     reference = dict(hidden=hidden.detach().float().requires_grad_(), weight=weight.clone().requires_grad_(),
@@ -1313,7 +1392,7 @@ def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():
         ref = reference[name].grad
         assert (grad - ref).norm() < 1e-2 * ref.norm(), (name, ((grad - ref).norm() / ref.norm()).item())
     with torch.no_grad():
-        assert torch.equal(head(hidden), logprobs)
+        assert torch.equal(head(hidden, request)[0], logprobs)
 
 
 def test_the_lm_head_gemm_is_split_bf16_only_for_a_bf16_learner_on_a_gpu():
@@ -1830,7 +1909,7 @@ def test_overwrite_with_bad_data_leaves_the_old_run_intact(tmp_path, one_rank_gr
     monkeypatch.setattr(runtime, "init_distributed", lambda *_: (0, 1, torch.device("cpu")))
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with pytest.raises(SystemExit), runtime.set_up(args, train.make_learner):
+        with pytest.raises(SystemExit), runtime.set_up(args):
             pass
     finally:
         for sig, handler in handlers.items():

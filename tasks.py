@@ -1110,6 +1110,9 @@ def math_verifier() -> MathVerifier:
     global _VERIFIER
     if _VERIFIER is None or _VERIFIER[0] != os.getpid():
         _VERIFIER = (os.getpid(), MathVerifier())
+        import atexit
+
+        atexit.register(_VERIFIER[1].close)  # its server ends with this process, without Popen's warning at exit
     return _VERIFIER[1]
 
 

@@ -10,12 +10,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pytest  # noqa: E402
 
-import tasks  # noqa: E402
+from harness import tasks  # noqa: E402
 
 tasks.set_vllm_cpu_env()  # before any test imports vllm
 
-# Teaching kit (`teach.py grade`): SCALERL_STUDENT_FILE names a student's copy of one algorithm file, e.g.
-# /tmp/alice/dapo.py. It is loaded under the reference's module name before any test imports it, so the tests'
+# Teaching kit (`python -m harness.teach grade`): SCALERL_STUDENT_FILE names a student's copy of one algorithm file,
+# e.g. /tmp/alice/dapo.py. It is loaded under the reference's module name before any test imports it, so the tests'
 # `import dapo` gets the student's copy, while every other module (grpo for test_drgrpo.py, ...) stays the reference.
 STUDENT_FILE = Path(os.environ["SCALERL_STUDENT_FILE"]).resolve() if os.environ.get("SCALERL_STUDENT_FILE") else None
 if STUDENT_FILE is not None:

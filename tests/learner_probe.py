@@ -16,11 +16,11 @@ import importlib  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import tasks  # noqa: E402
-import flags  # noqa: E402
-import runtime  # noqa: E402
 import train  # noqa: E402
-from bench import synthetic_groups  # noqa: E402
+from harness import tasks  # noqa: E402
+from harness import flags  # noqa: E402
+from harness import runtime  # noqa: E402
+from harness.bench import synthetic_groups  # noqa: E402
 
 # The settings that change the loss (KL to the reference model, importance weights, CISPO's aggregation unit): each
 # is run with one micro-batch in padded rows (the reference), then with the others below.

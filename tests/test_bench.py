@@ -1,10 +1,11 @@
-"""bench.py's experiment plumbing (fast): the report of a run's metrics, that a finished run is not run again, and the
-study's pooled fits and verdicts (on fake runs).
-The experiments themselves are real train.py runs; their results are in docs/results.md."""
+"""harness/bench.py's experiment plumbing (fast): the report of a run's metrics, that a finished run is not run again,
+and the study's pooled fits and verdicts (on fake runs). The experiments themselves are real train.py runs; their
+results are in docs/results.md."""
 
 import argparse
 import collections
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import bench
 import scaling_fit as sf
+from harness import bench
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -92,8 +93,8 @@ def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
 
 
 def test_staleness_runs_every_k_on_every_seed_and_reports_mean_and_range(tmp_path, monkeypatch):
-    """bench.py staleness on fake runs (the plumbing; the real runs are in docs/results.md): one run per k and seed,
-    the table's pass rates as mean (range) over the seeds, one figure."""
+    """harness/bench.py staleness on fake runs (the plumbing; the real runs are in docs/results.md): one run per k and
+    seed, the table's pass rates as mean (range) over the seeds, one figure."""
     asked = []
 
     def fake_run(run_dir, steps, flags):
@@ -304,8 +305,9 @@ def test_the_results_page_quotes_the_committed_study_as_it_is():
 
 
 def test_the_run_length_table_is_what_the_committed_records_give():
-    """The run-length table of docs/results.md (each 300-step run cut at 100..300 steps) must be what `bench.py report` gives
-    on the committed records in docs/run-length: each cell, predicted - last evaluation (predicted - full fit's end)."""
+    """The run-length table of docs/results.md (each 300-step run cut at 100..300 steps) must be what
+    `python -m harness.bench report` gives on the committed records in docs/run-length: each cell, predicted - last
+    evaluation (predicted - full fit's end)."""
     repo = Path(__file__).resolve().parent.parent
     section = (repo / "docs" / "results.md").read_text().split("### How long a run must be")[1].split("\n## ")[0]
     records = sorted((repo / "docs" / "run-length").glob("*.json"))
@@ -323,12 +325,13 @@ def test_the_run_length_table_is_what_the_committed_records_give():
 
 
 def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed_step(tmp_path, base_model_dir):
-    """`bench.py train` on a small batch of the tiny model (a smoke test; the timings are the README's): its last
-    line is JSON with the ratios, the padding fractions and the host time per micro-batch, and packed rows hold less
-    padding than padded ones; --profile writes the operators of one learner step, AdamW's among them. (The fixture
+    """`python -m harness.bench train` on a small batch of the tiny model (a smoke test; the timings are the README's):
+    its last line is JSON with the ratios, the padding fractions and the host time per micro-batch, and packed rows hold
+    less padding than padded ones; --profile writes the operators of one learner step, AdamW's among them. (The fixture
     builds the base model first, so that its build is not timed by this subprocess's limit.)"""
-    run = subprocess.run([sys.executable, str(REPO / "bench.py"), "train", "--groups", "4", "--repeats", "1",
-                          "--profile", "profile.txt"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "harness.bench", "train", "--groups", "4", "--repeats", "1",
+                          "--profile", "profile.txt"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["tokens"] > 0 and result["learner_vs_bare_packed"] > 0 and result["packed_vs_padded"] > 0
@@ -355,11 +358,11 @@ def _one_rank_env(monkeypatch) -> None:
 
 def test_train_bench_times_a_shape_with_the_learner_and_the_bare_model_never_alive_at_once(tmp_path, monkeypatch,
                                                                                             capsys):
-    """`bench.py train --shape NAME` writes a random-weight model from memory_plan.shape_config (here a tiny Qwen3
-    standing in for it), builds the learner, times it and frees it before it builds the bare model (weak references
-    to both: the learner is dead when the bare model is built, the bare model when the bench ends), and reports per
-    method its tokens/s, its MFU from --peak-tflops and its LM head's share, in the last line and in --json. On a
-    CPU there is no GPU memory to measure: those fields are absent."""
+    """`python -m harness.bench train --shape NAME` writes a random-weight model from memory_plan.shape_config (here a
+    tiny Qwen3 standing in for it), builds the learner, times it and frees it before it builds the bare model (weak
+    references to both: the learner is dead when the bare model is built, the bare model when the bench ends), and
+    reports per method its tokens/s, its MFU from --peak-tflops and its LM head's share, in the last line and in --json.
+    On a CPU there is no GPU memory to measure: those fields are absent."""
     import types
     import weakref
 
@@ -449,11 +452,11 @@ def test_a_method_out_of_gpu_memory_is_reported_and_the_methods_after_it_are_not
 
 
 def test_head_bench_times_each_head_and_measures_its_logprobs_against_float64(tmp_path, capsys):
-    """`bench.py head` at a tiny shape on the CPU (a smoke test; the GPU's timings are the point): the float32,
-    bf16 and split-bf16 GEMMs, the learner's heads (with and without the entropy) and their ratio, in the last line
-    and in --json; split-bf16's
-    logprobs, GEMMs alone or as the learner runs them, within 1e-5 of float64 and of the float32 head, bf16's and
-    one bf16 product's off by over 1e-3; the learner's gradients float32's (fp32) or bf16-grade (split-bf16)."""
+    """`python -m harness.bench head` at a tiny shape on the CPU (a smoke test; the GPU's timings are the point): the
+    float32, bf16 and split-bf16 GEMMs, the learner's heads (with and without the entropy) and their ratio, in the last
+    line and in --json; split-bf16's logprobs, GEMMs alone or as the learner runs them, within 1e-5 of float64 and of
+    the float32 head, bf16's and one bf16 product's off by over 1e-3; the learner's gradients float32's (fp32) or
+    bf16-grade (split-bf16)."""
     path = tmp_path / "head.json"
     assert bench.main(["head", "--vocab", "1024", "--hidden", "64", "--tokens", "100", "--chunk-tokens", "32",
                        "--temperature", "0.7", "--logit-std", "3", "--repeats", "1", "--json", str(path)]) == 0
@@ -474,10 +477,12 @@ def test_head_bench_times_each_head_and_measures_its_logprobs_against_float64(tm
 
 
 def test_help_lists_every_benchmark_and_each_has_its_own():
-    """`bench.py --help` and each benchmark's --help print (a bare % in a help text once made --help crash)."""
-    top = subprocess.run([sys.executable, "bench.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    """`python -m harness.bench --help` and each benchmark's --help print (a bare % in a help text once made --help
+    crash)."""
+    top = subprocess.run([sys.executable, "-m", "harness.bench", "--help"], cwd=REPO, capture_output=True, text=True)
     assert top.returncode == 0, top.stderr
     for name in bench.BENCHMARKS:
         assert name in top.stdout
-        own = subprocess.run([sys.executable, "bench.py", name, "--help"], cwd=REPO, capture_output=True, text=True)
+        own = subprocess.run([sys.executable, "-m", "harness.bench", name, "--help"], cwd=REPO, capture_output=True,
+                             text=True)
         assert own.returncode == 0 and f"bench.py {name}" in own.stdout, own.stderr

@@ -28,8 +28,7 @@ import pytest
 import torch
 
 import pipeline_rl as pl
-import vllm_replica
-import tasks
+from harness import tasks, vllm_replica
 
 pytestmark = [
     pytest.mark.slow,

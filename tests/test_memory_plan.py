@@ -1,5 +1,5 @@
-"""memory_plan.py: parameter counts equal to the built models', hand-checked parts on a tiny config, the flags that
-make a layout fit, and train.py refusing a layout that cannot fit before anything starts."""
+"""harness/memory_plan.py: parameter counts equal to the built models', hand-checked parts on a tiny config, the flags
+that make a layout fit, and train.py refusing a layout that cannot fit before anything starts."""
 
 import dataclasses
 import re
@@ -9,10 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-import memory_plan as mp
-import tasks
-import flags
 import train
+from harness import flags, tasks
+from harness import memory_plan as mp
 
 GIB = mp.GIB
 

@@ -1,4 +1,4 @@
-"""tasks.py: the embedded task, the strict verifier, the data loaders with bad rows, and the tiny base model."""
+"""harness/tasks.py: the embedded task, the strict verifier, the data loaders with bad rows, and the tiny base model."""
 
 import json
 import os
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import tasks
-from tasks import ArithmeticTask, BadRowError, MathDataset, Problem, extract_final_answer, math_answers_match
+from harness import tasks
+from harness.tasks import ArithmeticTask, BadRowError, MathDataset, Problem, extract_final_answer, math_answers_match
 
 # --------------------------------------------------------------------------------------------------------------
 # The embedded task
@@ -129,7 +129,7 @@ def test_verified_task_ceiling_is_the_budget_share(base_model_dir):
     drawn budget below 30 always ends in an interruption (vllm_replica.interruption_start's rule)."""
     from transformers import AutoTokenizer
 
-    import vllm_replica
+    from harness import vllm_replica
 
     tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
     task = tasks.VerifiedArithmeticTask()
@@ -554,14 +554,15 @@ def test_base_model_is_an_ordinary_hf_directory(base_model_dir):
 
 @pytest.mark.slow
 def test_build_base_cli_measures_the_shipped_base_in_band_with_vllm():
-    """`tasks.py build-base --out` the shipped copy reuses it and measures it with vLLM: the issue's band, pass@1 in
-    [0.05, 0.5] with real variance inside groups of 8 (RL has signal), answers that follow their scratchpad, and
-    `documented` true, with no note on stderr."""
+    """`python -m harness.tasks build-base --out` the shipped copy reuses it and measures it with vLLM: the issue's
+    band, pass@1 in [0.05, 0.5] with real variance inside groups of 8 (RL has signal), answers that follow their
+    scratchpad, and `documented` true, with no note on stderr."""
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "tasks.py", "build-base", "--out", str(tasks.BASE_MODEL_DIR), "--val-prompts", "64"],
+        [sys.executable, "-m", "harness.tasks", "build-base", "--out", str(tasks.BASE_MODEL_DIR),
+         "--val-prompts", "64"],
         cwd=tasks.REPO_DIR, capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]
@@ -610,7 +611,7 @@ def test_build_real_model_cli_prints_the_model_dir_last(real_model_dir):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "tasks.py", "build-real-model", "--max-new-tokens", "8"],
+    out = subprocess.run([sys.executable, "-m", "harness.tasks", "build-real-model", "--max-new-tokens", "8"],
                          cwd=tasks.REPO_DIR, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -744,8 +745,7 @@ def test_mixed_arithmetic_has_three_levels_a_balanced_validation_set_and_a_strea
 def test_a_data_set_found_nowhere_is_named_with_its_flag_in_one_line(monkeypatch, capsys):
     """`--dataset nosuch/dataset`, with no such local file and no reachable hub, is one line that names the flag,
     the data set and why (it was a 15-frame traceback ending in ConnectionError)."""
-    import flags
-    import runtime
+    from harness import flags, runtime
 
     tasks.set_vllm_cpu_env()  # the hub offline, as vLLM's CPU settings leave it
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -784,8 +784,7 @@ def test_a_damaged_or_missing_shipped_base_is_one_line_saying_how_to_restore_it(
     says what it means and how to restore the copy; train.py prints it once and exits with status 2."""
     import shutil
 
-    import flags
-    import runtime
+    from harness import flags, runtime
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -835,10 +834,10 @@ SMALL_CONFIG = tasks.BaseModelConfig(sft_examples=640, sft_batch_size=16, sft_ep
 
 @pytest.mark.slow
 def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers(tmp_path, monkeypatch):
-    """`tasks.py build-base`'s portable kernels: a build whose MKL is held to AVX2 (as on an AVX2-only machine) gives
-    the same bytes as one free to use all this CPU has, and so does a build from a caller with another thread count
-    (the portable build pins its threads); a build already there is reused. This test process has imported torch,
-    too late to pin its kernels: the builds run in a child. (That pinning is not enough everywhere, an Intel Xeon
+    """`python -m harness.tasks build-base`'s portable kernels: a build whose MKL is held to AVX2 (as on an AVX2-only
+    machine) gives the same bytes as one free to use all this CPU has, and so does a build from a caller with another
+    thread count (the portable build pins its threads); a build already there is reused. This test process has imported
+    torch, too late to pin its kernels: the builds run in a child. (That pinning is not enough everywhere, an Intel Xeon
     with AMX built other bytes, is why the documented base ships with the repository.)"""
     import torch
 
@@ -1075,7 +1074,7 @@ def test_math_final_answer(completion, answer):
 
 
 def _check_answer_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "tasks.py", "check-answer", *args], cwd=tasks.REPO_DIR,
+    return subprocess.run([sys.executable, "-m", "harness.tasks", "check-answer", *args], cwd=tasks.REPO_DIR,
                           capture_output=True, text=True, timeout=120)
 
 

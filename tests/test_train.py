@@ -1,5 +1,6 @@
-"""train.py and its runtime (flags.py, checkpoints.py, runtime.py, packing.py, head_gemm.py): flags, batching, the
-micro-batch/world-size invariance of a step, checkpoints, and end-to-end runs under torchrun."""
+"""train.py and its runtime (harness/flags.py, harness/checkpoints.py, harness/runtime.py, harness/packing.py,
+harness/head_gemm.py): flags, batching, the micro-batch/world-size invariance of a step, checkpoints, and end-to-end
+runs under torchrun."""
 
 import importlib
 import inspect
@@ -24,16 +25,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoints
-import flags
-import head_gemm
-import packing
-import runtime
 import train
 import pipeline_rl as pl
-import vllm_replica
+from harness import checkpoints, flags, head_gemm, packing, runtime, vllm_replica
 from pipeline_rl import Completion, Group
-from tasks import Problem
+from harness.tasks import Problem
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -231,8 +227,8 @@ def test_loss_arg_overrides_and_rejects_unknown_keys(capsys):
 
 
 def test_the_flags_read_each_loss_file_s_hyper_parameters_without_importing_it():
-    """flags.py knows the loss files by name (LOSSES) and reads compute_loss's hyper-parameters and their defaults
-    from each file's source: the same names and defaults as the imported function's signature, in its order
+    """harness/flags.py knows the loss files by name (LOSSES) and reads compute_loss's hyper-parameters and their
+    defaults from each file's source: the same names and defaults as the imported function's signature, in its order
     (cispo.py's aggregation default is its AGGREGATION constant, read as such)."""
     for loss, module in flags.LOSSES.items():
         parameters = inspect.signature(importlib.import_module(module).compute_loss).parameters
@@ -994,7 +990,7 @@ def test_micro_batches_that_split_groups_give_the_whole_batch_s_step(one_rank_gr
     """Budgets smaller than one group (about 60 real tokens here) and than one completion give the loss, metrics
     and gradient of the whole batch in one micro-batch, for every aggregation unit, with the KL and with TIS, packed
     and padded. (The reference model is the policy itself, so the KL is 0 but its gradient path runs.)"""
-    from bench import synthetic_groups
+    from harness.bench import synthetic_groups
 
     args = flags.Args(dtype="float32")
     model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
@@ -1017,7 +1013,7 @@ def test_micro_batches_that_split_groups_give_the_whole_batch_s_step(one_rank_gr
 def test_activation_checkpointing_and_cpu_offload_give_the_same_step(one_rank_group, base_model_dir, memory_flags):
     """--activation-checkpointing and --cpu-offload change where memory goes, not the step: the same loss and
     gradient as without them, then the same weights after an AdamW step, in micro-batches that split groups."""
-    from bench import synthetic_groups
+    from harness.bench import synthetic_groups
 
     results = []
     for layout in ({}, memory_flags):
@@ -1046,7 +1042,7 @@ def test_fsdp_reshard_and_fused_adamw_change_no_step(one_rank_group, base_model_
     the same loss and gradient bit for bit with each layer freed after its forward or kept. --adamw fused (auto's
     choice on a GPU; PyTorch has a fused CPU kernel too) gives the weights of PyTorch's default AdamW to float32
     rounding, through train.make_learner's optimizer."""
-    from bench import synthetic_groups
+    from harness.bench import synthetic_groups
 
     reshards: list = []
     real_fully_shard = train.fully_shard
@@ -1083,7 +1079,7 @@ def test_a_non_finite_step_changes_nothing_with_either_adamw_and_the_next_one_tr
     decides; with the fused one the kernel is told on the device (found_inf), so the host never waits for the GPU
     before queueing the update. Either way the weights, AdamW's moments and its step count stay as they were, the
     gradients are dropped, the next finite step trains, and both AdamWs end on the same weights."""
-    from bench import synthetic_groups
+    from harness.bench import synthetic_groups
 
     def snapshot(learner) -> dict:
         state = {f"{i}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
@@ -2012,7 +2008,8 @@ def test_ctrl_c_while_rank_0_waits_for_a_batch_ends_the_wait_at_once_and_stops_w
 
 TIED_LEARNER = """
 import sys, torch
-import flags, packing, runtime, train
+import train
+from harness import flags, packing, runtime
 from transformers import LlamaConfig, LlamaForCausalLM
 
 torch.manual_seed(0)
@@ -2151,7 +2148,7 @@ def test_ctrl_c_while_waiting_for_a_remote_replica_stops_at_once(base_model_dir)
     remote replica that never comes: no vLLM starts)."""
     import threading
 
-    import tasks
+    from harness import tasks
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     config = pl.GeneratorConfig(model=str(base_model_dir), replicas=0, remote_replicas=1, secret=b"x" * 32,
@@ -2270,7 +2267,7 @@ def _start_run(out: Path, flags: list[str], rows: int, what: str, on_poll=None, 
 EXPORT_CHECK = """
 import json, os, sys, torch
 from pathlib import Path
-import tasks
+from harness import tasks
 run_dir, exported = Path(sys.argv[1]), sys.argv[2]
 tasks.set_vllm_cpu_env()
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -2751,7 +2748,7 @@ def recipe_12_steps(tmp_path_factory, base_model_dir) -> Path:
     """The default recipe (cispo, pipeline, k = 8, buffer 1, one replica) on the tiny task, shortened to 12 steps,
     with the learner slowed 3x so that the generator is far ahead of it (as on a machine with a relatively faster
     generator). Run once for the tests that read it (this one and cispo's case of test_every_loss_runs_end_to_end).
-    How far the recipe learns is measured by runs of 200 steps on several seeds (docs/results.md, `bench.py
+    How far the recipe learns is measured by runs of 200 steps on several seeds (docs/results.md, `harness/bench.py
     report`), not here: a short run's rise is a coin flip of noise."""
     out = tmp_path_factory.mktemp("recipe") / "one-replica"
     run = _train(out, *RECIPE_12, timeout=1200)
@@ -2832,7 +2829,7 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["step"] for r in rows if "val_pass_rate" in r] == [0, 3]
     args = json.loads((out / "args.json").read_text())
-    assert args["model"] == str(real_model_dir)  # the directory `tasks.py build-real-model --print-dir` printed
+    assert args["model"] == str(real_model_dir)  # what `python -m harness.tasks build-real-model --print-dir` printed
     assert args["mode"] == "sync" and args["lr"] == 1e-5 and args["max_tokens"] == 48  # the target's, then ARGS
     for r in rows[1:]:
         assert r["groups"] == 2 and r["num_tokens"] > 0 and math.isfinite(r["loss"]) and r["skipped_step"] == 0.0

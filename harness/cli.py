@@ -1,8 +1,9 @@
-"""cli.py: what every command line of the project shares: a bad flag is one error line (`OneLineParser`), and the
-argparse type of a count (`int_at_least`). A runtime module: a reader of the recipe may skip it.
+"""harness/cli.py: what every command line of the project shares: a bad flag is one error line (`OneLineParser`), and
+the argparse type of a count (`int_at_least`). A runtime module: a reader of the recipe may skip it.
 
-It imports nothing of the project, so that every entry point (train.py through flags.py, `pipeline_rl.py replica`,
-scaling_fit.py, bench.py, teach.py, tasks.py) can use it without pulling in torch or making an import cycle.
+It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
+replica`, scaling_fit.py, harness/bench.py, harness/teach.py, harness/tasks.py) can use it without pulling in torch or
+making an import cycle.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Benchmarks of scalerl. Each prints what it measured, as a ratio against a baseline timed in the same run,
 and ends with one line holding a JSON object of the results (the LAST line printed).
 
-    python bench.py fit        # ScaleRL's full-grid sigmoid fit vs exhaustive per-grid-point curve_fit
-    python bench.py pipeline   # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync RL
-    python bench.py train      # train.py's learner step, packed and padded, vs a bare packed training step
-    python bench.py head       # the FP32 LM head: float32, bf16, split-bf16 GEMMs and the learner's head, errors
-    python bench.py staleness  # the tiny recipe at k = 0, 1, 2, 4, 8 with a fast generator (an experiment)
-    python bench.py study      # ScaleRL's ablations in miniature: variants x seeds, A and B with 95% intervals
-    python bench.py report RUN_DIR...   # what finished runs (or study records) show: pass rate, lag, fits
+    python -m harness.bench fit        # ScaleRL's full-grid sigmoid fit vs exhaustive per-grid-point curve_fit
+    python -m harness.bench pipeline   # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync
+    python -m harness.bench train      # train.py's learner step, packed and padded, vs a bare packed training step
+    python -m harness.bench head       # the FP32 LM head: float32, bf16, split-bf16 GEMMs, the learner's head, errors
+    python -m harness.bench staleness  # the tiny recipe at k = 0, 1, 2, 4, 8 with a fast generator (an experiment)
+    python -m harness.bench study      # ScaleRL's ablations in miniature: variants x seeds, A and B, 95% intervals
+    python -m harness.bench report RUN_DIR...   # what finished runs (or study records) show: pass rate, lag, fits
 
 A subcommand is a function ``bench_<name>(args)`` registered in ``BENCHMARKS`` with its argument setup.
 Heavy imports live inside the functions so that one benchmark does not pay for another's.
@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
-from cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
-import memory_plan  # SHAPES: model shapes written in code (no hub); the module imports neither torch nor transformers
+from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
+from harness.cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
+from harness import memory_plan  # SHAPES: model shapes written in code (no hub); it imports neither torch nor transformers
 
 
 def _pin_to_one_core() -> None:
@@ -248,7 +248,7 @@ def _time_weight_transports(gen, state: dict, updates: int) -> dict:
 
 def bench_weights(args: argparse.Namespace) -> dict:
     """--only-weights: the generator on --model with --gen-replicas replicas, then only the timed weight updates."""
-    import tasks
+    from harness import tasks
 
     tasks.set_vllm_cpu_env()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -325,7 +325,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         return bench_weights(args)
     import gc
 
-    import tasks
+    from harness import tasks
 
     tasks.set_vllm_cpu_env()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -590,7 +590,7 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                              "host times: for batches whose steps take seconds (one long sequence has no padding)")
     parser.add_argument("--peak-tflops", type=_number(0.0, above=True), default=None,
                         help="dense peak TFLOP/s of the GPU in --dtype, for MFU, as train.py's --peak-tflops "
-                             "(default: runtime.py's table of GPUs; none on CPU, and then no MFU)")
+                             "(default: harness/runtime.py's table of GPUs; none on CPU, and then no MFU)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write the results (the JSON object of the last line printed) to PATH")
     parser.add_argument("--profile", default=None, metavar="PATH",
@@ -605,7 +605,7 @@ def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0,
     import random
 
     from pipeline_rl import Completion, Group
-    from tasks import Problem
+    from harness.tasks import Problem
 
     rng = random.Random(seed)
     groups = []
@@ -627,20 +627,19 @@ def bench_train(args: argparse.Namespace) -> dict:
     """The learner's real (trained) tokens/s, train.py's FSDP2 step (micro-batches, loss file, clipping, AdamW) with
     packed rows and with padded ones (--no-packing), against the no-padding limit: a bare transformers forward +
     backward + AdamW over the same real tokens, packed as the learner packs them. In one process on one rank, with
-    `python bench.py train` (no torchrun). The learner and the bare model are built, timed and freed one after the
-    other, so that a model the size of the GPU's memory can be timed at all (two copies of Qwen3-1.7B's weights,
-    gradients and AdamW state with a step's activations did not fit in 80 GB). For each: the step's time, tokens/s,
-    MFU where the GPU's peak is known, its peak GPU memory, and its LM head's share of the step. Also the padding
-    fraction of either layout, over the micro-batches the learner runs, and the host time of one micro-batch of the
-    learner, packed and padded."""
+    `python -m harness.bench train` (no torchrun). The learner and the bare model are built, timed and freed one after
+    the other, so that a model the size of the GPU's memory can be timed at all (two copies of Qwen3-1.7B's weights,
+    gradients and AdamW state with a step's activations did not fit in 80 GB). For each: the step's time, tokens/s, MFU
+    where the GPU's peak is known, its peak GPU memory, and its LM head's share of the step. Also the padding fraction
+    of either layout, over the micro-batches the learner runs, and the host time of one micro-batch of the learner,
+    packed and padded."""
     import importlib
     import tempfile
 
     import torch
     import torch.distributed as dist
 
-    import flags
-    import runtime
+    from harness import flags, runtime
     from transformers import AutoConfig
 
     cli = _learner_cli(args)  # before anything starts: a flag this train.py lacks stops the bench here
@@ -676,7 +675,7 @@ def bench_train(args: argparse.Namespace) -> dict:
 
 def _learner_cli(args: argparse.Namespace) -> Any:
     """The train.py flags of the learner the bench times (packed rows; the padded layout flips --packing)."""
-    import flags
+    from harness import flags
 
     cli = flags.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
                      packing=True, activation_checkpointing=args.activation_checkpointing,
@@ -695,7 +694,7 @@ def _bench_model_dir(args: argparse.Namespace, scratch: Path, device: Any) -> st
         return args.model
     if args.shape:
         return write_random_model(args.shape, scratch / args.shape, device)
-    import tasks
+    from harness import tasks
 
     return str(tasks.embedded_base_model())
 
@@ -778,8 +777,7 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
 
     import torch
 
-    import flags
-    import packing
+    from harness import flags, packing
     import train
 
     clis = {"packed": cli, "padded": dataclasses.replace(cli, packing=False)}
@@ -903,7 +901,7 @@ def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats:
     forward; the math and the kernels are the head's."""
     import torch
 
-    import flags
+    from harness import flags
     import train
 
     dtype = torch.float32 if cli.dtype == "float32" or cli.fp32_lm_head else torch.bfloat16
@@ -941,11 +939,11 @@ HEAD_GEMM_ROWS = 8192  # the head's GEMMs are timed on at most this many positio
 
 def _head_gemms_seconds(config: Any, cli: Any, tokens: int, repeats: int, device: Any) -> float:
     """The GEMMs alone (forward, hidden's and weight's gradients) of the head --lm-head-gemm chooses, over `tokens`
-    scored positions (bench.py head's variants: split-bf16's, or float32's without TF32): the head's term of the
+    scored positions (harness/bench.py head's variants: split-bf16's, or float32's without TF32): the head's term of the
     learner's limit, the bare bf16 step - its bf16 head + these."""
     import torch
 
-    import flags
+    from harness import flags
 
     rows = min(tokens, HEAD_GEMM_ROWS)
     weight = torch.randn(config.vocab_size, config.hidden_size, device=device) / config.hidden_size ** 0.5  # [V, H]
@@ -1001,8 +999,7 @@ def _time_bare(model_dir: str, cli: Any, groups: list, advantages: Any, args: ar
 
     import torch
 
-    import flags
-    import packing
+    from harness import flags, packing
 
     model = _bare_model(model_dir, cli, device, args.activation_checkpointing)
     weights_bytes = _allocated(device)
@@ -1060,9 +1057,9 @@ def _time_bare(model_dir: str, cli: Any, groups: list, advantages: Any, args: ar
 
 
 def _planned_learner_bytes(config: Any, cli: Any, groups: list, world: int, device: Any) -> int | None:
-    """What the memory plan (memory_plan.py, as the start-up check in flags.py makes it) expects the learner to allocate
-    on this GPU for the largest packed micro-batch of `groups`: the bench prints it beside the measured peak. None
-    off a GPU."""
+    """What the memory plan (harness/memory_plan.py, as the start-up check in harness/flags.py makes it) expects the
+    learner to allocate on this GPU for the largest packed micro-batch of `groups`: the bench prints it beside the
+    measured peak. None off a GPU."""
     import torch
 
     if torch.device(device).type != "cuda":
@@ -1072,8 +1069,7 @@ def _planned_learner_bytes(config: Any, cli: Any, groups: list, world: int, devi
 
 def _planned_bytes(config: Any, cli: Any, groups: list, world: int, gpu_memory: int) -> int:
     """The memory plan's learner bytes for the packed micro-batches of `groups` (_planned_learner_bytes)."""
-    import flags
-    import packing
+    from harness import flags, packing
 
     lengths = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
     batches = packing.micro_batches(groups, cli.micro_batch_tokens, True)
@@ -1087,7 +1083,7 @@ def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dic
     """Print what bench_train measured; the results' JSON object. Fields of a method that ran out of GPU memory are
     None (its "_oom" names the error); GPU memory and MFU fields are left out where not measured (off a GPU) or
     unknown (no peak)."""
-    import runtime
+    from harness import runtime
 
     tokens = sum(len(grp.prompt_ids) + len(c.token_ids) for grp in groups for c in grp.completions)  # real ones
     timed = {**learner["timed"], "bare": bare["timed"]["bare"]}
@@ -1195,8 +1191,8 @@ def _print_train_report(r: dict) -> None:
               f"{r['limit_default_adamw_s']:.3f} s; learner packed / that limit "
               f"{r['learner_vs_limit_default_adamw']:.3f}")
     if "packed_planned_gib" in r:
-        print(f"memory plan (memory_plan.py) of the packed learner's largest micro-batch: {r['packed_planned_gib']} "
-              f"GiB, {r['packed_plan_vs_peak']:.2f}x its measured peak of {r['packed_peak_gib']} GiB")
+        print(f"memory plan (harness/memory_plan.py) of the packed learner's largest micro-batch: "
+              f"{r['packed_planned_gib']} GiB, {r['packed_plan_vs_peak']:.2f}x its measured peak of {r['packed_peak_gib']} GiB")
     print(f"learner packed / bare packed {fmt(r['learner_vs_bare_packed'], '.3f')}; packed / padded learner "
           f"{fmt(r['packed_vs_padded'], '.3f')}")
     if "host_ms_per_micro_batch_packed" in r and "host_ms_per_micro_batch_padded" in r:
@@ -1334,12 +1330,12 @@ def bench_head(args: argparse.Namespace) -> dict:
     (a bf16 trunk's) and targets sampled from the head."""
     import torch
 
-    import head_gemm
+    from harness import head_gemm
     import train
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    shape = memory_plan.SHAPES[args.shape or "qwen3-1.7b"]  # the shapes train.py plan and bench.py train use
+    shape = memory_plan.SHAPES[args.shape or "qwen3-1.7b"]  # the shapes train.py plan and harness/bench.py train use
     vocab, hidden_size = (shape["vocab_size"], shape["hidden_size"]) if args.shape or cuda else (8192, 256)
     vocab, hidden_size = args.vocab or vocab, args.hidden or hidden_size
     tokens = args.tokens or (8117 if cuda else 256)
@@ -1406,7 +1402,7 @@ def _head_gemm_variants(weight, hidden, temperature: float) -> dict:
     (three bf16 products forward, summed in float32 as one GEMM of inner size 3H; one per gradient)."""
     import torch
 
-    import head_gemm
+    from harness import head_gemm
 
     weight_bf16, hidden32 = weight.to(torch.bfloat16), hidden.float()
     grad_logits = torch.randn(hidden.shape[0], weight.shape[0], device=weight.device) * 1e-3  # [M, V]
@@ -1425,7 +1421,7 @@ def _head_logits_variants(weight, hidden, temperature: float) -> dict:
     """name -> a function from rows [n] to their logits / T [n, V] (float32 or bf16) in that variant's way."""
     import torch
 
-    import head_gemm
+    from harness import head_gemm
 
     weight_bf16, parts = weight.to(torch.bfloat16), head_gemm._split_bf16(weight, temperature)
 
@@ -1447,10 +1443,10 @@ def _head_logits_variants(weight, hidden, temperature: float) -> dict:
 
 def _head_summary(results: dict, learner_logprobs: dict, device, tokens: int, vocab: int, hidden: int,
                   temperature: float, max_logit: float, args: argparse.Namespace) -> dict:
-    """Print the head's measurements; the results as bench.py returns them."""
+    """Print the head's measurements; the results as harness/bench.py returns them."""
     import torch
 
-    import head_gemm
+    from harness import head_gemm
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     limit_ratio = results["learner_split_bf16"]["ms"] / results["split_bf16_gemms"]["ms"]
@@ -1505,7 +1501,7 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py",
            "--output-dir", str(run_dir), "--overwrite", "--max-steps", str(steps), *flags]
     print(f"[run] torchrun ... {' '.join(cmd[6:])}", flush=True)
-    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent)
+    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent.parent)  # the repository root
     return sf.read_metrics(run_dir)
 
 
@@ -1654,8 +1650,8 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
                              "whole run only)")
     _add_curve_fit_args(parser)
     parser.add_argument("--save-records", default=None,
-                        help="also write each run directory's record (NAME.json, as bench.py study keeps them: the "
-                             "rows run_report reads and the run's args.json) into this directory, to commit what a "
+                        help="also write each run directory's record (NAME.json, as harness/bench.py study keeps them: "
+                             "the rows run_report reads and the run's args.json) into this directory, to commit what a "
                              "table was made from")
 
 
@@ -2053,7 +2049,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """bench.py's command line: one subcommand per benchmark, each with its own flags."""
+    """harness/bench.py's command line: one subcommand per benchmark, each with its own flags."""
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     subparsers = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, (_, add_args, help_text) in BENCHMARKS.items():

@@ -1,4 +1,4 @@
-"""head_gemm.py: the learner's LM head as log-probabilities, and the split-bf16 GEMM of the FP32 head
+"""harness/head_gemm.py: the learner's LM head as log-probabilities, and the split-bf16 GEMM of the FP32 head
 (--lm-head-gemm split-bf16). A runtime module: a reader of the recipe may skip it.
 
 `target_logprobs` turns hidden states into log pi(target) (and the policy's entropy, a metric) a chunk of rows at a

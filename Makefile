@@ -8,7 +8,7 @@
 #   make exercise ALGO=dapo DIR=path   write a student copy of dapo.py, its core function bodies removed, into DIR
 #   make grade ALGO=dapo DIR=path      grade DIR/dapo.py with tests/test_dapo.py (exit status 0: all tests pass)
 #   make pictures                      redraw docs/gradients.png, aggregation.png and staleness.png (the last from
-#                                      the runs of `python -m harness.bench staleness`, made first if missing:
+#                                      the runs of `python -m harness.experiments staleness`, made first if missing:
 #                                      20-35 minutes)
 # and one for GPUs:
 #   make gpu-smoke  the GPU path on 1 or 2 GPUs in under 10 minutes (tests/gpu_smoke.py, SmolLM2-135M-Instruct):
@@ -53,7 +53,7 @@ REAL_ARGS := --dataset mixed-arithmetic --output-dir runs/real --mode sync --max
 	--max-tokens 96 --think-budget 40,48 --answer-budget 16 --eval-every 3 --eval-samples 3 --weight-transport file
 
 run-real: setup
-	model="$$($(VENV)/bin/python -m harness.tasks build-real-model --print-dir)" && \
+	model="$$($(VENV)/bin/python -m harness.base_model build-real-model --print-dir)" && \
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) train.py --loss cispo --model "$$model" \
 	  $(REAL_ARGS) $(ARGS)
 
@@ -73,7 +73,7 @@ grade: setup
 
 pictures: setup
 	$(VENV)/bin/python -m harness.teach pictures --out docs
-	$(VENV)/bin/python -m harness.bench staleness --figure docs/staleness.png
+	$(VENV)/bin/python -m harness.experiments staleness --figure docs/staleness.png
 
 clean:
 	rm -rf $(VENV) .cache runs

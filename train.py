@@ -31,7 +31,7 @@ generator's start, signals, the collectives, the metrics log), harness/checkpoin
 a GPU).
 
 How this departs from the paper, deliberately:
-  - The embedded default is a 0.86M-parameter model on 3-digit addition (harness/tasks.py), so it runs on 2 CPU cores
+  - The embedded default is a 0.86M-parameter model on 3-digit addition (harness/tasks.py, harness/base_model.py), so it runs on 2 CPU cores
     in minutes. Its generator is held to one batch ahead of the learner (--buffer-steps 1): with k = 8 alone, a
     fast generator made every batch 8 steps stale, and at lr 1e-4 that made runs swing (docs/results.md: the
     staleness experiment). Its settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 200 steps) are tuned for that
@@ -77,7 +77,7 @@ import dapo  # whatever --loss is, the recipe's data side: filter_groups (zero-v
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import scaling_fit
 import tis
-from harness import tasks
+from harness import base_model
 from harness.checkpoints import TrainerState, migrate_checkpoint, read_checkpoint, save_checkpoint
 from harness.cli import positionals  # a subcommand's arguments, checked like flags: one error line
 from harness.flags import LOSSES  # --loss NAME -> the module name of its loss file; make_learner imports it
@@ -1029,7 +1029,7 @@ def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
     except ValueError as e:
         raise SystemExit(f"export: {e}") from None
     state, weights, _, ckpt = read_checkpoint(run_dir, None, "export")  # before the base model: it may be built
-    base = saved.get("model") or str(tasks.embedded_base_model())
+    base = saved.get("model") or str(base_model.embedded_base_model())
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model.load_state_dict(weights["model"], strict=True)  # FSDP2's full state dict keeps the HF names
     model.save_pretrained(out_dir)
@@ -1049,7 +1049,7 @@ def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
     if args.resume:  # a run's checkpoint: export it, then evaluate it like any model directory
         model_dir = export(Path(args.resume), scratch / "policy")["model_dir"]
     else:
-        model_dir = args.model or str(tasks.embedded_base_model())
+        model_dir = args.model or str(base_model.embedded_base_model())
     resolve_defaults(args, embedded=args.model is None and not args.resume, on_gpu=args.gen_devices is not None)
     task, test_task = load_tasks(args)
     problems = (test_task or task).validation(args.eval_prompts)

@@ -34,7 +34,7 @@ import torch
 
 from harness import memory_plan  # the learner's memory per rank, checked before a GPU run starts (train.py plan)
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
-from harness import tasks
+from harness import base_model, tasks
 from harness import vllm_replica  # the replica runtime: the address and secret checks
 from harness.checkpoints import (LinkRefusedError, complete_checkpoints, newest_checkpoint_step, read_no_follow,
                                  write_atomically)
@@ -430,7 +430,7 @@ def check_args(args: Args) -> list[str]:
             args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1):
         problems.append(f"--model {args.model}: no such directory (a hub model is named ORG/NAME)")
     elif args.model is not None:  # a local directory: config, weights, tokenizer, a head size vLLM supports here
-        problems += [f"--model {p}" for p in tasks.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]
+        problems += [f"--model {p}" for p in base_model.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]
     if args.dataset and tasks.is_local_data_file(args.dataset) and not Path(args.dataset).is_file():
         problems.append(f"--dataset {args.dataset}: no such file")
     for flag in ("dataset", "test_dataset"):  # an existing data.txt is a file of unknown kind, not a hub name

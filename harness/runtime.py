@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import scaling_fit
-from harness import tasks
+from harness import base_model, tasks
 from harness import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
                                  open_no_follow, read_no_follow, refuse_unless_regular, write_atomically, write_failure)
@@ -339,8 +339,8 @@ def _model_path(args: Args, is_main: bool) -> str:
     if args.model is not None:
         return args.model
     try:
-        return str(tasks.embedded_base_model())
-    except tasks.BaseModelDamagedError as e:
+        return str(base_model.embedded_base_model())
+    except base_model.BaseModelDamagedError as e:
         if is_main:
             print(f"train.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -3,7 +3,7 @@
     python -m harness.teach list                   the exercises in teaching order, each with the question it raises
     python -m harness.teach exercise ALGO DIR      write a student copy of ALGO.py into DIR, the bodies to write removed
     python -m harness.teach grade ALGO DIR         run tests/test_ALGO.py against DIR/ALGO.py; status 0 when all pass
-    python -m harness.teach pictures [--out docs]  draw gradients.png and aggregation.png by autograd through compute_loss
+    python -m harness.teach pictures [--out docs]  draw gradients.png and aggregation.png by autograd through the loss
 
 An exercise is the reference file with the bodies of its core functions (compute_advantages, loss_denominator and
 compute_loss; tis_weights and mismatch_metrics for tis.py) replaced by `raise NotImplementedError(hint)`, where the

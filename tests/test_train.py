@@ -2267,7 +2267,7 @@ def _start_run(out: Path, flags: list[str], rows: int, what: str, on_poll=None, 
 EXPORT_CHECK = """
 import json, os, sys, torch
 from pathlib import Path
-from harness import tasks
+from harness import base_model, tasks
 run_dir, exported = Path(sys.argv[1]), sys.argv[2]
 tasks.set_vllm_cpu_env()
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -2278,7 +2278,7 @@ def logprobs(model):
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
-base_dir = json.loads((run_dir / "args.json").read_text())["model"] or str(tasks.embedded_base_model())
+base_dir = json.loads((run_dir / "args.json").read_text())["model"] or str(base_model.embedded_base_model())
 learner = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
 learner.load_state_dict(torch.load(run_dir / "checkpoint" / "weights.pt", weights_only=True)["model"])
 ours = logprobs(learner)
@@ -2748,8 +2748,8 @@ def recipe_12_steps(tmp_path_factory, base_model_dir) -> Path:
     """The default recipe (cispo, pipeline, k = 8, buffer 1, one replica) on the tiny task, shortened to 12 steps,
     with the learner slowed 3x so that the generator is far ahead of it (as on a machine with a relatively faster
     generator). Run once for the tests that read it (this one and cispo's case of test_every_loss_runs_end_to_end).
-    How far the recipe learns is measured by runs of 200 steps on several seeds (docs/results.md, `harness/bench.py
-    report`), not here: a short run's rise is a coin flip of noise."""
+    How far the recipe learns is measured by runs of 200 steps on several seeds (docs/results.md,
+    `python -m harness.experiments report`), not here: a short run's rise is a coin flip of noise."""
     out = tmp_path_factory.mktemp("recipe") / "one-replica"
     run = _train(out, *RECIPE_12, timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -2829,7 +2829,7 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["step"] for r in rows if "val_pass_rate" in r] == [0, 3]
     args = json.loads((out / "args.json").read_text())
-    assert args["model"] == str(real_model_dir)  # what `python -m harness.tasks build-real-model --print-dir` printed
+    assert args["model"] == str(real_model_dir)  # what `python -m harness.base_model build-real-model --print-dir` printed
     assert args["mode"] == "sync" and args["lr"] == 1e-5 and args["max_tokens"] == 48  # the target's, then ARGS
     for r in rows[1:]:
         assert r["groups"] == 2 and r["num_tokens"] > 0 and math.isfinite(r["loss"]) and r["skipped_step"] == 0.0

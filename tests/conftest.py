@@ -82,3 +82,28 @@ def full_tmpfs(tiny_tmpfs):
     finally:
         os.close(fd)
     return tiny_tmpfs
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank, for the checkpoint functions' collectives."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A file outside the run directory that a planted link points at. Nothing in a run directory follows a link it
+    did not create (people share run directories), so each file a run writes is tried with a link planted in its
+    place, pointing here; the tests check that this file is unchanged."""
+    path = tmp_path / "victim.txt"
+    path.write_text("precious\n")
+    return path

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_train.py: the gradient of one step of every loss, for several micro-batch
+"""Run under torchrun by tests/test_e2e.py: the gradient of one step of every loss, for several micro-batch
 token budgets and LM-head chunk sizes, with and without --kl-coef, --tis and CISPO's other aggregation units, in
 padded rows and packed ones (--packing), on synthetic groups. Rank 0 saves {(loss, config): (loss value, flat full
 gradient, metrics)} to argv[1], `config` a tuple of (Args field, value) pairs (CONFIGS). argv[2], if given, is the

@@ -974,7 +974,7 @@ def pipeline(base_model_dir, hf_model, tmp_path_factory):
     command, in a process of its own as on another node, connecting over TCP to 127.0.0.2 (not 127.0.0.1) with the
     shared secret, and made 3x slower with the debug knob (--debug-gen-slowdown 1,3). buffer_steps=None: only k
     limits the generator, so these tests can show that the hard bound holds when the generator runs as far ahead
-    as it may (the buffer's own rule is tested in the simulation above and end to end in test_train.py)."""
+    as it may (the buffer's own rule is tested in the simulation above and end to end in test_e2e.py)."""
     secret_file = tmp_path_factory.mktemp("secret") / "secret"
     secret_file.write_text("a-shared-secret-for-these-tests-only")
     secret_file.chmod(0o600)

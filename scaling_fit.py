@@ -71,8 +71,8 @@ import numpy as np
 from scipy.optimize import curve_fit
 from scipy.special import expit
 
-from cli import OneLineParser  # one error line for a bad flag, no usage block
-from cli import int_at_least as _count  # the argparse type of a count
+from harness.cli import OneLineParser  # one error line for a bad flag, no usage block
+from harness.cli import int_at_least as _count  # the argparse type of a count
 
 
 ArrayLike = Sequence[float] | np.ndarray

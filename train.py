@@ -24,13 +24,14 @@ calls them (pull groups -> retire solved prompts -> filter zero-variance groups 
 logprobs -> advantages -> loss and backward -> optimizer step -> push weights -> evaluate -> log -> checkpoint), then
 the learner itself (make_learner: the loss file, seeds, the FSDP2 policy with its FP32 head, AdamW and its warm-up),
 and `export` and `evaluate`. What the loss sees and gives back are records with named fields (LossInputs,
-LossOutputs). The runtime behind the recipe is in modules a reader of the recipe may skip: flags.py (the flags,
-their checks, the resume rules, args.json), runtime.py (set-up: process groups, the output-directory lock, the
-generator's start, signals, the collectives, the metrics log), checkpoints.py (save, resume), packing.py (rows and
-micro-batches) and head_gemm.py (the LM head's log-probabilities in chunks, and its split-bf16 GEMM on a GPU).
+LossOutputs). The runtime behind the recipe is in modules a reader of the recipe may skip: harness/flags.py (the flags,
+their checks, the resume rules, args.json), harness/runtime.py (set-up: process groups, the output-directory lock, the
+generator's start, signals, the collectives, the metrics log), harness/checkpoints.py (save, resume), harness/packing.py
+(rows and micro-batches) and harness/head_gemm.py (the LM head's log-probabilities in chunks, and its split-bf16 GEMM on
+a GPU).
 
 How this departs from the paper, deliberately:
-  - The embedded default is a 0.86M-parameter model on 3-digit addition (tasks.py), so it runs on 2 CPU cores
+  - The embedded default is a 0.86M-parameter model on 3-digit addition (harness/tasks.py, harness/base_model.py), so it runs on 2 CPU cores
     in minutes. Its generator is held to one batch ahead of the learner (--buffer-steps 1): with k = 8 alone, a
     fast generator made every batch 8 steps stale, and at lr 1e-4 that made runs swing (docs/results.md: the
     staleness experiment). Its settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 200 steps) are tuned for that
@@ -75,21 +76,21 @@ import dapo  # whatever --loss is, the recipe's data side: filter_groups (zero-v
              # sampling) and overlong_penalty (--length-control overlong) live in dapo.py, its paper's file
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import scaling_fit
-import tasks
 import tis
-from checkpoints import TrainerState, migrate_checkpoint, read_checkpoint, save_checkpoint
-from cli import positionals  # a subcommand's arguments, checked like flags: one error line
-from flags import LOSSES  # --loss NAME -> the module name of its loss file; make_learner imports it
-from flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, flags_markdown, lm_head_gemm,
-                   loss_arg_problems, parse_args, parse_literal, plan, read_args_json, reshard_layers, resolve_defaults,
-                   steps_per_round)
-from head_gemm import logits_entropy, logits_logprobs, target_logprobs
-from packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
-from runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
-                     completion_lengths, current_asymptote, generator_config, idle_forward,
-                     idle_forwards_needed, load_tasks, model_flops_utilisation, new_row, peak_flops_per_s,
-                     push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks, summary_line,
-                     this_ranks_share)
+from harness import base_model
+from harness.checkpoints import TrainerState, migrate_checkpoint, read_checkpoint, save_checkpoint
+from harness.cli import positionals  # a subcommand's arguments, checked like flags: one error line
+from harness.flags import LOSSES  # --loss NAME -> the module name of its loss file; make_learner imports it
+from harness.flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, flags_markdown, lm_head_gemm,
+                           loss_arg_problems, parse_args, parse_literal, plan, read_args_json, reshard_layers,
+                           resolve_defaults, steps_per_round)
+from harness.head_gemm import logits_entropy, logits_logprobs, target_logprobs
+from harness.packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
+from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
+                             completion_lengths, current_asymptote, generator_config, idle_forward,
+                             idle_forwards_needed, load_tasks, model_flops_utilisation, new_row, peak_flops_per_s,
+                             push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks,
+                             summary_line, this_ranks_share)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ from runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_ran
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse the flags, set up (runtime.py), run the loop, then fit ScaleRL's sigmoid to the evaluation rows.
+    """Parse the flags, set up (harness/runtime.py), run the loop, then fit ScaleRL's sigmoid to the evaluation rows.
     `train.py export RUN_DIR OUT_DIR` writes a run's policy as a Hugging Face model directory instead (`export`);
     `train.py evaluate [flags]` prints a model's or a run's pass@k as one JSON line (`evaluate_policy`);
     `train.py migrate-checkpoint RUN_DIR` converts an older run's pickled RNG files (`migrate_checkpoint`);
@@ -229,8 +230,8 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# What the loop works with: this rank's learner (the trainer state it saves is checkpoints.py's TrainerState, the
-# run around them runtime.py's Run)
+# What the loop works with: this rank's learner (the trainer state it saves is harness/checkpoints.py's TrainerState,
+# the run around them harness/runtime.py's Run)
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -701,7 +702,7 @@ def draw_dashboard(run: Run, label: str) -> None:
 
 
 def checkpoint(learner: Learner, run: Run, state: TrainerState) -> None:
-    """Save the model, the optimizer, every rank's RNG and the trainer state (checkpoint files: checkpoints.py).
+    """Save the model, the optimizer, every rank's RNG and the trainer state (checkpoint files: harness/checkpoints.py).
     Rank 0's state is the one written: it alone keeps the metrics log and the prompts' pass-rate history."""
     state.elapsed_hours, state.eval_hours = run.hours(), run.eval_hours
     state.metrics_lines = run.metrics.lines if run.is_main else 0
@@ -1028,7 +1029,7 @@ def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
     except ValueError as e:
         raise SystemExit(f"export: {e}") from None
     state, weights, _, ckpt = read_checkpoint(run_dir, None, "export")  # before the base model: it may be built
-    base = saved.get("model") or str(tasks.embedded_base_model())
+    base = saved.get("model") or str(base_model.embedded_base_model())
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     model.load_state_dict(weights["model"], strict=True)  # FSDP2's full state dict keeps the HF names
     model.save_pretrained(out_dir)
@@ -1048,7 +1049,7 @@ def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
     if args.resume:  # a run's checkpoint: export it, then evaluate it like any model directory
         model_dir = export(Path(args.resume), scratch / "policy")["model_dir"]
     else:
-        model_dir = args.model or str(tasks.embedded_base_model())
+        model_dir = args.model or str(base_model.embedded_base_model())
     resolve_defaults(args, embedded=args.model is None and not args.resume, on_gpu=args.gen_devices is not None)
     task, test_task = load_tasks(args)
     problems = (test_task or task).validation(args.eval_prompts)

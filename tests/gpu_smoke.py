@@ -1,5 +1,5 @@
 """`make gpu-smoke`: the GPU path a practitioner runs first, checked in one command on a machine with 1 or 2 GPUs and
-the CUDA build of vLLM, in under 10 minutes, with SmolLM2-135M-Instruct (tasks.py build-real-model):
+the CUDA build of vLLM, in under 10 minutes, with SmolLM2-135M-Instruct (harness/base_model.py build-real-model):
 
 1. vLLM starts with interruptions (its V2 model runner where Triton is installed), and every forced token of the
    interruption phrase has sampler logprob 0;
@@ -32,9 +32,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 def check_generator(model: str, gen_devices: str, learner_gpu: int) -> str:
     """Checks 1 and 2 on one generator: interruptions, a push, per-replica logprobs against the learner's."""
     import pipeline_rl as pl
-    import runtime
-    import tasks
-    import vllm_replica
+    from harness import runtime, tasks, vllm_replica
     from transformers import AutoModelForCausalLM
 
     shared = str(learner_gpu) in gen_devices.split(",")
@@ -109,9 +107,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu-smoke: no CUDA GPU here: it checks the GPU path and needs one (or two) with the CUDA build of vLLM")
         return 2
-    import tasks
+    from harness import base_model
 
-    model = str(tasks.build_real_model())
+    model = str(base_model.build_real_model())
     gpus = torch.cuda.device_count()
     checks: list[tuple[str, Callable[[], str]]] = [
         ("vLLM with interruptions, a push, logprobs (one shared GPU)", lambda: check_generator(model, "0", 0))]

@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_train.py: the gradient of one step of every loss, for several micro-batch
+"""Run under torchrun by tests/test_e2e.py: the gradient of one step of every loss, for several micro-batch
 token budgets and LM-head chunk sizes, with and without --kl-coef, --tis and CISPO's other aggregation units, in
 padded rows and packed ones (--packing), on synthetic groups. Rank 0 saves {(loss, config): (loss value, flat full
 gradient, metrics)} to argv[1], `config` a tuple of (Args field, value) pairs (CONFIGS). argv[2], if given, is the
@@ -16,11 +16,11 @@ import importlib  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import tasks  # noqa: E402
-import flags  # noqa: E402
-import runtime  # noqa: E402
 import train  # noqa: E402
-from bench import synthetic_groups  # noqa: E402
+from harness import base_model  # noqa: E402
+from harness import flags  # noqa: E402
+from harness import runtime  # noqa: E402
+from harness.bench import synthetic_groups  # noqa: E402
 
 # The settings that change the loss (KL to the reference model, importance weights, CISPO's aggregation unit): each
 # is run with one micro-batch in padded rows (the reference), then with the others below.
@@ -53,7 +53,7 @@ def main() -> None:
     out = Path(argv[1])
     dtype = argv[2] if len(argv) > 2 else "float32"
     rank, world, device = runtime.init_distributed(cpu_offload=True)  # gloo beside NCCL for the offloaded layout
-    model_dir = argv[3] if len(argv) > 3 else tasks.embedded_base_model()
+    model_dir = argv[3] if len(argv) > 3 else base_model.embedded_base_model()
     results = {}
     for loss_name in flags.LOSSES:
         loss_module = importlib.import_module(loss_name)

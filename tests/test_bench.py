@@ -1,334 +1,29 @@
-"""bench.py's experiment plumbing (fast): the report of a run's metrics, that a finished run is not run again, and the
-study's pooled fits and verdicts (on fake runs).
-The experiments themselves are real train.py runs; their results are in docs/results.md."""
+"""harness/bench.py's benchmarks, as smoke tests on the tiny model or a tiny shape (the timings are the docs'): the
+learner step against a bare step, with its memory flags and plan, and the FP32 LM head's GEMMs; each --help."""
 
 import argparse
 import collections
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-import bench
-import scaling_fit as sf
+from harness import bench
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _rows(values: list[float], lags: list[dict[str, int]]) -> list[dict]:
-    rows = []
-    for step, (value, lag) in enumerate(zip(values, lags)):
-        row = {"step": step, "compute_hours": 0.01 * step + 1e-7, "lag_hist": lag, "stale_dropped": 0}
-        if value is not None:
-            row["val_pass_rate"] = value
-        rows.append(row)
-    return rows
-
-
-def test_run_report_measures_the_fall_after_0_8_and_the_token_weighted_lag():
-    values = [0.4, None, 0.7, 0.85, 0.79, 0.9, 0.95, 0.88]
-    lags = [{}, {"0": 10, "1": 30}, {"1": 40}, {"2": 20}, {"1": 10}, {}, {}, {}]
-    report = bench.run_report(_rows(values, lags), devices=3)
-    assert report["val_first"] == 0.4 and report["val_final"] == 0.88 and report["val_best"] == 0.95
-    assert report["largest_fall_after_0.8"] == pytest.approx(0.95 - 0.88)  # not 0.85 -> 0.79's 0.06
-    assert report["largest_fall"] == pytest.approx(0.95 - 0.88)
-    rising = bench.run_report(_rows([0.4, 0.5, 0.85, 0.9], [{}] * 4))
-    assert rising["largest_fall"] == 0.0 and rising["largest_fall_after_0.8"] == 0.0  # no fall is 0, not negative
-    assert report["lag_mean"] == pytest.approx((30 + 40 + 40 + 10) / 110)
-    assert report["lag_max"] == 2 and report["compute_to_0.8"] == pytest.approx(0.03 + 1e-7)
-    assert report["wall_s"] == pytest.approx((0.07 + 1e-7) * 3600 / 3)
-    assert report["weight_sync_frac"] is None  # these rows log no step times
-    timed = _rows(values, lags)
-    for row, (sync_s, step_s) in zip(timed[1:], [(0.01, 1.0), (0.03, 1.0), (0.02, 0.5), (0.5, 1.0)]):
-        row.update(weight_sync_s=sync_s, step_s=step_s)
-    assert bench.run_report(timed)["weight_sync_frac"] == pytest.approx((0.03 + 0.04) / 2)  # the median share
-
-
-def test_run_report_half_fit_error_is_the_first_half_prediction_minus_the_final_value():
-    compute = np.concatenate([[1e-7], np.linspace(0.01, 0.4, 30)])
-    values = sf.sigmoid(compute, A=0.95, B=2.0, C_mid=0.05, R0=0.4)
-    rows = [{"step": i, "compute_hours": c, "val_pass_rate": v} for i, (c, v) in enumerate(zip(compute, values))]
-    report = bench.run_report(rows)
-    assert report["fit"]["r2"] > 0.99 and abs(report["half_fit_error"]) < 0.01
-    assert abs(report["half_fit_error_vs_fit"]) < 0.01 and report["eval_sd_second_half"] < 1e-3
-    rows[-1]["val_pass_rate"] = values[-1] - 0.2  # a collapse at the end is what the first half cannot predict
-    collapsed = bench.run_report(rows)
-    assert collapsed["half_fit_error"] > 0.15
-    # one low last evaluation: the full fit's end moves a little, the last sample by 0.2; the noise shows in the sd
-    assert abs(collapsed["half_fit_error_vs_fit"]) < collapsed["half_fit_error"] - 0.1
-    assert collapsed["eval_sd_second_half"] > 0.03
-
-
-def test_fit_from_step_leaves_the_early_evaluations_out_of_every_fit():
-    """A run that jumps in its first steps, then follows a sigmoid to 0.7 (the verified task's shape): fitted from
-    step 0 the jump drags A off; fitted from step 3 on (R0 still the step-0 value), A and the prediction hold."""
-    compute = np.concatenate([[1e-7], np.linspace(0.01, 0.4, 30)])
-    values = sf.sigmoid(compute, A=0.7, B=2.0, C_mid=0.1, R0=0.25)
-    values[1:3] = 0.6  # the early jump
-    rows = [{"step": i, "compute_hours": c, "val_pass_rate": v} for i, (c, v) in enumerate(zip(compute, values))]
-    late = bench.run_report(rows, fit_from_step=3)
-    assert late["min_compute"] == pytest.approx(compute[3]) and late["eval_steps"] == list(range(31))
-    assert late["fit"]["A"] == pytest.approx(0.7, abs=0.01) and late["fit"]["R0"] == pytest.approx(0.25)
-    assert abs(late["half_fit_error"]) < 0.01
-    assert abs(bench.run_report(rows)["fit"]["A"] - 0.7) > 0.02  # the same curve with every point fitted
-    pooled = bench.pooled_fit([late, late], n_boot=20)
-    assert pooled["n_points"] == 1 + 2 * 28 and pooled["A"] == pytest.approx(0.7, abs=0.01)  # R0 + steps 3..30
-
-
-def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
-    run = tmp_path / "run"
-    run.mkdir()
-    rows = [{"step": 0, "compute_hours": 0.0, "val_pass_rate": 0.4}, {"step": 5, "compute_hours": 0.1,
-                                                                      "val_pass_rate": 0.9}]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    calls = []
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a))
-    assert bench._train_run(run, 5, []) == rows and not calls
-    bench._train_run(run, 10, ["--seed", "1"])  # unfinished for 10 steps: it runs (again, from scratch)
-    assert calls and "--overwrite" in calls[0][0] and calls[0][0][-2:] == ["--seed", "1"]
-
-
-def test_staleness_runs_every_k_on_every_seed_and_reports_mean_and_range(tmp_path, monkeypatch):
-    """bench.py staleness on fake runs (the plumbing; the real runs are in docs/results.md): one run per k and seed,
-    the table's pass rates as mean (range) over the seeds, one figure."""
-    asked = []
-
-    def fake_run(run_dir, steps, flags):
-        asked.append((run_dir.name, flags))
-        k, seed = int(run_dir.name[1:].split("-s")[0]), int(flags[flags.index("--seed") + 1])
-        rows = _sigmoid_run(0.95 - 0.05 * k, seed)
-        for row in rows[1:]:
-            row["lag_hist"] = {str(k): 100}
-        return rows
-
-    monkeypatch.setattr(bench, "_train_run", fake_run)
-    args = argparse.Namespace(ks="0,2", seeds="0,1", steps=50, learner_slowdown=2.0, out_dir=str(tmp_path), figure=None)
-    result = bench.bench_staleness(args)
-    assert [name for name, _ in asked] == ["k0-s0", "k0-s1", "k2-s0", "k2-s1"]
-    assert "--buffer-steps" in asked[2][1] and "--mode" in asked[0][1]
-    table = (tmp_path / "staleness.md").read_text()
-    finals = [rep["val_final"] for rep in result["runs"][2]]
-    assert f"{sum(finals) / 2:.3f} ({min(finals):.3f}..{max(finals):.3f})" in table
-    assert "| 2 | 2.00 (2.00..2.00) (2) |" in table and (tmp_path / "staleness.png").stat().st_size > 0
-
-
-def _sigmoid_run(A: float, seed: int, steps: int = 50) -> list[dict]:
-    """The metrics rows of a fake run: evaluations every 5 steps on ScaleRL's sigmoid plus noise of 0.01."""
-    rng = np.random.default_rng(seed)
-    compute = [1e-7 * (1 + seed % 3)] + [0.004 * step * (1 + 0.05 * (seed % 3)) for step in range(5, steps + 1, 5)]
-    values = sf.sigmoid(np.array(compute), A=A, B=2.0, C_mid=0.02, R0=0.4)
-    values[1:] = np.clip(values[1:] + rng.normal(0, 0.01, len(values) - 1), 0, 1)
-    return [{"step": 5 * i, "compute_hours": c, "val_pass_rate": float(v)} for i, (c, v) in
-            enumerate(zip(compute, values))]
-
-
-def test_study_pools_the_seeds_and_tells_apart_asymptotes_whose_intervals_do_not_overlap(tmp_path, monkeypatch,
-                                                                                        capsys):
-    ran = []
-
-    def fake_train_run(run_dir, steps, flags):  # the DAPO variant tops out at 0.6, the others at 0.9
-        ran.append(run_dir.name)
-        seed = int(flags[flags.index("--seed") + 1]) + (10 if "keep" in flags else 0)  # keep: other noise
-        return _sigmoid_run(0.6 if "dapo" in flags else 0.9, seed, steps)
-
-    monkeypatch.setattr(bench, "_train_run", fake_train_run)
-    summary_path = tmp_path / "docs" / "study.json"
-    summary_path.parent.mkdir()
-    assert bench.main(["study", "--variants", "scalerl,dapo,keep", "--seeds", "0,1,2", "--bootstrap", "100",
-                       "--out-dir", str(tmp_path / "study"), "--summary", str(summary_path), "--ceiling", "0.9",
-                       "--figure", str(tmp_path / "docs" / "study.png")]) == 0
-    assert ran == [f"{v}-s{s}" for v in ("scalerl", "dapo", "keep") for s in (0, 1, 2)]
-    summary = json.loads(summary_path.read_text())
-    assert summary == json.loads((tmp_path / "study" / "study.json").read_text())
-    by_name = {v["name"]: v for v in summary["variants"]}
-    for name, true_a in (("scalerl", 0.9), ("dapo", 0.6), ("keep", 0.9)):
-        v = by_name[name]
-        assert v["seeds"] == [0, 1, 2] and v["n_points"] == 1 + 3 * 10  # R0, then 10 evaluations per seed
-        assert v["A_lo"] <= v["A"] <= v["A_hi"] and abs(v["A"] - true_a) < 0.02
-        assert v["B_lo"] <= v["B"] <= v["B_hi"] and v["R0"] == pytest.approx(0.4, abs=1e-6)
-        assert set(v["half_fit_errors"]) == {"0", "1", "2"}
-        assert all(abs(e) < 0.05 for e in v["half_fit_errors"].values())
-        assert set(v["half_fit_errors_vs_fit"]) == {"0", "1", "2"} and len(v["eval_sd_second_half"]) == 3
-    assert by_name["dapo"]["A_hi"] < by_name["scalerl"]["A_lo"] and by_name["dapo"]["against_baseline"] == "lower"
-    assert by_name["keep"]["against_baseline"] == "not separable"  # the same curve: the intervals overlap
-    # B compared as ScaleRL does, with A fixed at the mean A of the runs whose A is alike: scalerl's and keep's
-    assert summary["shared_A"] == pytest.approx((by_name["scalerl"]["A"] + by_name["keep"]["A"]) / 2, abs=1e-3)
-    assert by_name["keep"]["B_at_shared_A_lo"] <= 2.0 <= by_name["keep"]["B_at_shared_A_hi"]  # the true B
-    assert by_name["keep"]["C_mid_at_shared_A_lo"] <= 0.02 <= by_name["keep"]["C_mid_at_shared_A_hi"]
-    assert by_name["keep"]["B_C_mid_against_baseline"] == "not separable, not separable"
-    assert by_name["dapo"]["B_C_mid_against_baseline"] == "A differs" and by_name["dapo"]["B_at_shared_A"] is None
-    assert summary["runs"] == 9 and abs(summary["worst_half_fit_error"]) < 0.05
-    assert summary["worst_half_fit_error_vs_fit"] in [e for v in summary["variants"]
-                                                      for e in v["half_fit_errors_vs_fit"].values()]
-    table = (tmp_path / "study" / "study.md").read_text()
-    assert "| DAPO loss instead of CISPO (dapo) |" in table and "| lower |" in table
-    assert (tmp_path / "study" / "study.png").stat().st_size > 0 and (tmp_path / "docs" / "study.png").exists()
-    assert summary["ceiling"] == 0.9
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["benchmark"] == "study"
-
-
-def test_a_study_continues_from_its_records_without_run_directories_and_cuts_them_at_fewer_steps(tmp_path,
-                                                                                                 monkeypatch):
-    """Records are what a study leaves for another machine: with the run directories gone, the same study runs
-    nothing; a shorter study is the records cut at its steps; other flags under the same records are refused."""
-    ran = []
-
-    def fake_train_run(run_dir, steps, flags):
-        ran.append((run_dir.name, steps))
-        rows = _sigmoid_run(0.9, int(flags[flags.index("--seed") + 1]), steps)
-        for row in rows:
-            row["loss"] = 1.0  # not a record key: left out of the record
-        return rows
-
-    monkeypatch.setattr(bench, "_train_run", fake_train_run)
-    records = tmp_path / "records"
-    study = ["study", "--variants", "scalerl,keep", "--seeds", "0,1", "--bootstrap", "20", "--records", str(records)]
-    assert bench.main([*study, "--steps", "50", "--out-dir", str(tmp_path / "a")]) == 0
-    assert ran == [("scalerl-s0", 50), ("scalerl-s1", 50), ("keep-s0", 50), ("keep-s1", 50)]
-    record = json.loads((records / "keep-s1.json").read_text())
-    assert record["flags"] == ["--seed", "1", "--zero-variance", "keep"] and record["steps"] == 50
-    assert record["args"] is None  # the fake run leaves no args.json
-    assert record["rows"] == [{k: v for k, v in row.items() if k != "loss"} for row in _sigmoid_run(0.9, 1, 50)]
-    first = json.loads((tmp_path / "a" / "study.json").read_text())
-
-    ran.clear()  # another machine: no run directories, the same records
-    assert bench.main([*study, "--steps", "50", "--out-dir", str(tmp_path / "b")]) == 0
-    again = json.loads((tmp_path / "b" / "study.json").read_text())
-    assert not ran and again["variants"] == first["variants"]
-
-    assert bench.main([*study, "--steps", "25", "--out-dir", str(tmp_path / "c")]) == 0  # a cut, not a run
-    cut = {v["name"]: v for v in json.loads((tmp_path / "c" / "study.json").read_text())["variants"]}
-    assert not ran and cut["scalerl"]["n_points"] == 1 + 2 * 5 and cut["scalerl"]["val_final"] == [
-        bench.cut_rows(_sigmoid_run(0.9, seed, 50), 25)[-1]["val_pass_rate"] for seed in (0, 1)]
-
-    assert bench.main([*study, "--steps", "60", "--out-dir", str(tmp_path / "d")]) == 0  # longer: run again
-    assert ran == [("scalerl-s0", 60), ("scalerl-s1", 60), ("keep-s0", 60), ("keep-s1", 60)]
-    assert json.loads((records / "scalerl-s0.json").read_text())["steps"] == 60
-    with pytest.raises(SystemExit, match="holds a run with flags .* a study with other flags needs another --records"):
-        bench.main([*study, "--steps", "50", "--common", "--lr 1e-3", "--out-dir", str(tmp_path / "e")])
-
-
-def test_a_study_on_flops_pools_runs_from_machines_of_other_speeds(tmp_path, monkeypatch):
-    """Seed 2 ran on a machine twice as slow: its device-hours are doubled, its FLOPs are not. Pooled on
-    compute_hours the three seeds disagree about where the midpoint is; on flops they agree."""
-    def fake_train_run(run_dir, steps, flags):
-        seed = int(flags[flags.index("--seed") + 1])
-        rng = np.random.default_rng(seed)
-        rows = []
-        for step in range(0, steps + 1, 5):
-            flops = 1e12 * step
-            noise = rng.normal(0, 0.005) if step else 0.0
-            value = float(sf.sigmoid(flops + 1e-3, A=0.8, B=2.0, C_mid=8e12, R0=0.3)) + noise
-            rows.append({"step": step, "flops": flops, "val_pass_rate": value,
-                         "compute_hours": 0.004 * step * (2.0 if seed == 2 else 1.0) + 1e-7})
-        return rows
-
-    monkeypatch.setattr(bench, "_train_run", fake_train_run)
-    fits = {}
-    for axis in ("compute_hours", "flops"):
-        out = tmp_path / axis
-        bench.main(["study", "--variants", "scalerl", "--seeds", "0,1,2", "--steps", "50", "--bootstrap", "20",
-                    "--compute-axis", axis, "--out-dir", str(out)])
-        summary = json.loads((out / "study.json").read_text())
-        assert summary["compute_axis"] == axis
-        fits[axis] = summary["variants"][0]
-        assert f"C_mid ({bench.COMPUTE_AXES[axis]})" in (out / "study.md").read_text()
-    assert fits["flops"]["r2"] > 0.98 > fits["compute_hours"]["r2"]
-    assert fits["flops"]["C_mid"] == pytest.approx(8e12, rel=0.1) and fits["flops"]["A"] == pytest.approx(0.8, abs=0.01)
-    assert fits["flops"]["compute_hours"] == fits["compute_hours"]["compute_hours"]  # still reported in device-hours
-
-
-def test_cut_rows_stops_a_run_at_an_evaluated_step_only():
-    rows = _sigmoid_run(0.9, 0, 50)  # evaluations every 5 steps
-    assert bench.cut_rows(rows, 20) == rows[:5] and bench.cut_rows(rows, 50) == rows
-    with pytest.raises(ValueError, match="no evaluation at step 22; cut it at one of its evaluated steps"):
-        bench.cut_rows(rows, 22)
-    with pytest.raises(ValueError, match="no evaluation at step 55"):
-        bench.cut_rows(rows, 55)
-
-
-def test_report_reads_records_and_reports_a_run_at_several_lengths(tmp_path, capsys):
-    rows = _sigmoid_run(0.9, 0, 50)
-    (tmp_path / "run.json").write_text(json.dumps({"flags": [], "steps": 50, "rows": rows}))
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (run_dir / "args.json").write_text(json.dumps({"seed": 0, "max_steps": 50}))
-    result = bench.main(["report", str(tmp_path / "run.json"), str(run_dir), "--at-steps", "30,50",
-                         "--fit-from-step", "10", "--save-records", str(tmp_path / "saved")])
-    assert result == 0
-    saved = json.loads((tmp_path / "saved" / "run.json").read_text())  # the run directory's, not the record's
-    assert saved["rows"] == rows and saved["args"] == {"seed": 0, "max_steps": 50} and saved["steps"] == 50
-    assert [p.name for p in (tmp_path / "saved").iterdir()] == ["run.json"]
-    out = capsys.readouterr().out
-    runs = json.loads(out.strip().splitlines()[-1])["runs"]
-    assert list(runs) == [f"{tmp_path / 'run.json'} @ 30", str(tmp_path / "run.json"), f"{run_dir} @ 30", str(run_dir)]
-    assert runs[str(run_dir)] == runs[str(tmp_path / "run.json")]  # a record reports as its run directory does
-    assert runs[str(run_dir) + " @ 30"]["steps"] == 30 and runs[str(run_dir)]["min_compute"] == rows[2]["compute_hours"]
-    assert "| predicted - full fit's end |" in out
-    assert f"| {runs[str(run_dir)]['half_fit_error_vs_fit']:+.3f} |" in out
-
-
-def test_a_study_names_unknown_variants(tmp_path, capsys):
-    with pytest.raises(SystemExit) as stop:  # refused as the flags are parsed, before any run
-        bench.main(["study", "--variants", "scalerl,cispoo", "--out-dir", str(tmp_path)])
-    assert stop.value.code == 2 and "argument --variants: unknown variants ['cispoo']" in capsys.readouterr().err
-
-
-def test_compare_intervals_needs_intervals_that_do_not_overlap():
-    base = {"A": 0.9, "A_lo": 0.88, "A_hi": 0.92}
-    assert bench.compare_intervals({"A": 0.95, "A_lo": 0.93, "A_hi": 0.97}, base) == "higher"
-    assert bench.compare_intervals({"A": 0.8, "A_lo": 0.7, "A_hi": 0.87}, base) == "lower"
-    assert bench.compare_intervals({"A": 0.86, "A_lo": 0.80, "A_hi": 0.88}, base) == "not separable"  # touching
-    assert bench.compare_intervals({"A": None}, base) == "no fit"
-
-
-def test_the_results_page_quotes_the_committed_study_as_it_is():
-    """docs/study.json is the study's summary (issue 14's fields, at least 3 seeds a variant); the study
-    section of docs/results.md must quote it: each variant's A interval and per-seed first-half errors, the worst error, the steps."""
-    repo = Path(__file__).resolve().parent.parent
-    summary = json.loads((repo / "docs" / "study.json").read_text())
-    section = (repo / "docs" / "results.md").read_text().split("## A miniature ScaleRL study")[1].split("\n## ")[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ")]
-    for variant in summary["variants"]:
-        assert {"name", "seeds", "A", "A_lo", "A_hi", "B", "C_mid", "half_fit_errors"} <= set(variant)
-        assert len(variant["seeds"]) >= 3 and set(variant["half_fit_errors"]) == {str(s) for s in variant["seeds"]}
-        row = next(line for line in rows if f"({variant['name']})" in line)
-        assert f"{variant['A']:.3f} [{variant['A_lo']:.3f}, {variant['A_hi']:.3f}]" in row, variant["name"]
-        assert ", ".join(f"{e:+.3f}" for e in variant["half_fit_errors"].values()) in row, variant["name"]
-    assert f"--steps {summary['steps']}" in section
-    assert f"{summary['worst_half_fit_error']:+.3f}" in section
-
-
-def test_the_run_length_table_is_what_the_committed_records_give():
-    """The run-length table of docs/results.md (each 300-step run cut at 100..300 steps) must be what `bench.py report` gives
-    on the committed records in docs/run-length: each cell, predicted - last evaluation (predicted - full fit's end)."""
-    repo = Path(__file__).resolve().parent.parent
-    section = (repo / "docs" / "results.md").read_text().split("### How long a run must be")[1].split("\n## ")[0]
-    records = sorted((repo / "docs" / "run-length").glob("*.json"))
-    assert len(records) >= 4
-    lengths = [100, 150, 200, 250, 300]
-    for record in records:
-        rows = bench.load_rows(record)
-        assert rows[-1]["step"] == 300
-        line = next(line for line in section.splitlines() if line.startswith(f"| {record.stem} |"))
-        for steps in lengths:
-            rep = bench.run_report(bench.cut_rows(rows, steps), fit_from_step=10)
-            cell = f"{rep['half_fit_error']:+.3f}" + ("**" if abs(rep["half_fit_error"]) > 0.05 else "") + \
-                f" ({rep['half_fit_error_vs_fit']:+.3f})"
-            assert cell in line, (record.stem, steps, cell)
-
-
 def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed_step(tmp_path, base_model_dir):
-    """`bench.py train` on a small batch of the tiny model (a smoke test; the timings are the README's): its last
-    line is JSON with the ratios, the padding fractions and the host time per micro-batch, and packed rows hold less
-    padding than padded ones; --profile writes the operators of one learner step, AdamW's among them. (The fixture
+    """`python -m harness.bench train` on a small batch of the tiny model (a smoke test; the timings are the README's):
+    its last line is JSON with the ratios, the padding fractions and the host time per micro-batch, and packed rows hold
+    less padding than padded ones; --profile writes the operators of one learner step, AdamW's among them. (The fixture
     builds the base model first, so that its build is not timed by this subprocess's limit.)"""
-    run = subprocess.run([sys.executable, str(REPO / "bench.py"), "train", "--groups", "4", "--repeats", "1",
-                          "--profile", "profile.txt"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-m", "harness.bench", "train", "--groups", "4", "--repeats", "1",
+                          "--profile", "profile.txt"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["tokens"] > 0 and result["learner_vs_bare_packed"] > 0 and result["packed_vs_padded"] > 0
@@ -355,11 +50,11 @@ def _one_rank_env(monkeypatch) -> None:
 
 def test_train_bench_times_a_shape_with_the_learner_and_the_bare_model_never_alive_at_once(tmp_path, monkeypatch,
                                                                                             capsys):
-    """`bench.py train --shape NAME` writes a random-weight model from memory_plan.shape_config (here a tiny Qwen3
-    standing in for it), builds the learner, times it and frees it before it builds the bare model (weak references
-    to both: the learner is dead when the bare model is built, the bare model when the bench ends), and reports per
-    method its tokens/s, its MFU from --peak-tflops and its LM head's share, in the last line and in --json. On a
-    CPU there is no GPU memory to measure: those fields are absent."""
+    """`python -m harness.bench train --shape NAME` writes a random-weight model from memory_plan.shape_config (here a
+    tiny Qwen3 standing in for it), builds the learner, times it and frees it before it builds the bare model (weak
+    references to both: the learner is dead when the bare model is built, the bare model when the bench ends), and
+    reports per method its tokens/s, its MFU from --peak-tflops and its LM head's share, in the last line and in --json.
+    On a CPU there is no GPU memory to measure: those fields are absent."""
     import types
     import weakref
 
@@ -449,11 +144,11 @@ def test_a_method_out_of_gpu_memory_is_reported_and_the_methods_after_it_are_not
 
 
 def test_head_bench_times_each_head_and_measures_its_logprobs_against_float64(tmp_path, capsys):
-    """`bench.py head` at a tiny shape on the CPU (a smoke test; the GPU's timings are the point): the float32,
-    bf16 and split-bf16 GEMMs, the learner's heads (with and without the entropy) and their ratio, in the last line
-    and in --json; split-bf16's
-    logprobs, GEMMs alone or as the learner runs them, within 1e-5 of float64 and of the float32 head, bf16's and
-    one bf16 product's off by over 1e-3; the learner's gradients float32's (fp32) or bf16-grade (split-bf16)."""
+    """`python -m harness.bench head` at a tiny shape on the CPU (a smoke test; the GPU's timings are the point): the
+    float32, bf16 and split-bf16 GEMMs, the learner's heads (with and without the entropy) and their ratio, in the last
+    line and in --json; split-bf16's logprobs, GEMMs alone or as the learner runs them, within 1e-5 of float64 and of
+    the float32 head, bf16's and one bf16 product's off by over 1e-3; the learner's gradients float32's (fp32) or
+    bf16-grade (split-bf16)."""
     path = tmp_path / "head.json"
     assert bench.main(["head", "--vocab", "1024", "--hidden", "64", "--tokens", "100", "--chunk-tokens", "32",
                        "--temperature", "0.7", "--logit-std", "3", "--repeats", "1", "--json", str(path)]) == 0
@@ -474,10 +169,12 @@ def test_head_bench_times_each_head_and_measures_its_logprobs_against_float64(tm
 
 
 def test_help_lists_every_benchmark_and_each_has_its_own():
-    """`bench.py --help` and each benchmark's --help print (a bare % in a help text once made --help crash)."""
-    top = subprocess.run([sys.executable, "bench.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    """`python -m harness.bench --help` and each benchmark's --help print (a bare % in a help text once made --help
+    crash)."""
+    top = subprocess.run([sys.executable, "-m", "harness.bench", "--help"], cwd=REPO, capture_output=True, text=True)
     assert top.returncode == 0, top.stderr
     for name in bench.BENCHMARKS:
         assert name in top.stdout
-        own = subprocess.run([sys.executable, "bench.py", name, "--help"], cwd=REPO, capture_output=True, text=True)
+        own = subprocess.run([sys.executable, "-m", "harness.bench", name, "--help"], cwd=REPO, capture_output=True,
+                             text=True)
         assert own.returncode == 0 and f"bench.py {name}" in own.stdout, own.stderr

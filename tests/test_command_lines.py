@@ -1,22 +1,20 @@
-"""The command lines, fuzzed: every flag of train.py, `pipeline_rl.py replica`, scaling_fit.py, bench.py and teach.py,
-given out-of-range, wrong-type and empty values, is either accepted or refused with exit status 2 and one error line
-that names it: no usage block above it, never a traceback. Parse and check only, in-process: nothing trains,
-connects, fits or writes."""
+"""The command lines, fuzzed: every flag of train.py, `pipeline_rl.py replica`, scaling_fit.py, harness/bench.py,
+harness/experiments.py and harness/teach.py, given out-of-range, wrong-type and empty values, is either accepted or
+refused with exit status 2 and one error line that names it: no usage block above it, never a traceback. Parse and
+check only, in-process: nothing trains, connects, fits or writes."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-import bench
-import flags
 import scaling_fit
-import teach
-import vllm_replica
+from harness import bench, experiments, flags, teach, vllm_replica
 
 REPO = Path(__file__).resolve().parent.parent
 # wrong types, empty and blank values, out-of-range and non-finite numbers, malformed lists, a NUL byte
@@ -128,8 +126,9 @@ def test_every_scaling_fit_flag_is_accepted_or_refused_in_one_line(tmp_path, cap
         assert all(seen[flag, v] for v in values), flag
 
 
-def test_every_bench_flag_is_accepted_or_refused_in_one_line(capsys):
-    parser = bench.build_parser()
+@pytest.mark.parametrize("module", [bench, experiments], ids=["bench", "experiments"])
+def test_every_bench_and_experiment_flag_is_accepted_or_refused_in_one_line(module, capsys):
+    parser = module.build_parser()
     [subparsers] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     for name, sub in subparsers.choices.items():
         positional = ["runs/x"] if name == "report" else []
@@ -155,14 +154,15 @@ def test_every_teach_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):
     (["pipeline_rl.py", "replica", "--connect", "h:1", "--secret-file", "x", "--replicas", "0"],
      "error: argument --replicas: must be >= 1 (got 0)"),
     (["scaling_fit.py", "x", "--bootstrap", "-1"], "error: argument --bootstrap: must be >= 0 (got -1)"),
-    (["bench.py", "staleness", "--ks", "1,x"], "error: argument --ks: expected comma-separated integers"),
-    (["teach.py", "exercise", "grpo", ""], "error: argument DIR: expected a directory, got ''"),
-    (["teach.py", "nosuch"], "teach.py: error: argument command: invalid choice: 'nosuch'"),
-    (["bench.py"], "bench.py: error: the following arguments are required: BENCHMARK"),
+    (["-m", "harness.experiments", "staleness", "--ks", "1,x"],
+     "error: argument --ks: expected comma-separated integers"),
+    (["-m", "harness.teach", "exercise", "grpo", ""], "error: argument DIR: expected a directory, got ''"),
+    (["-m", "harness.teach", "nosuch"], "teach.py: error: argument command: invalid choice: 'nosuch'"),
+    (["-m", "harness.bench"], "bench.py: error: the following arguments are required: BENCHMARK"),
     (["pipeline_rl.py", "nosuch"], "pipeline_rl.py: error: its one command is `pipeline_rl.py replica"),
-    (["tasks.py", "build-base", "--nosuch"], "tasks.py: error: unrecognized arguments: --nosuch"),
-    (["tasks.py", "build-base", "--cpu-kernels", "native"], "tasks.py: error: --cpu-kernels native builds another "
-                                                              "base than the cached one"),
+    (["-m", "harness.base_model", "build-base", "--nosuch"], "base_model.py: error: unrecognized arguments: --nosuch"),
+    (["-m", "harness.base_model", "build-base", "--cpu-kernels", "native"],
+     "base_model.py: error: --cpu-kernels native builds another base than the cached one"),
     (["train.py", "export"], "train.py export: error: the following arguments are required: RUN_DIR, OUT_DIR"),
     (["train.py", "export", "a", "b", "c"], "train.py export: error: unrecognized arguments: c"),
     (["train.py", "migrate-checkpoint", "--nosuch"], "train.py migrate-checkpoint: error: the following arguments "
@@ -171,15 +171,16 @@ def test_every_teach_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):
 def test_the_real_entry_points_refuse_in_one_line(argv, message, tmp_path):
     """The same refusals through each script's own entry point, as a user meets them: status 2, and the one error line
     is all it prints (no usage block)."""
-    run = subprocess.run([sys.executable, str(REPO / argv[0]), *argv[1:]], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=120)
+    command = argv if argv[0] == "-m" else [str(REPO / argv[0]), *argv[1:]]  # -m harness.X: the package's entry points
+    run = subprocess.run([sys.executable, *command], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and one_error_line(run.stderr) and message in run.stderr, run.stderr[-2000:]
 
 
 def test_train_plan_checks_what_the_plan_divides_by(capsys):
     """train.py plan checks no machine, but the flags' own ranges hold everywhere: --learner-ranks 0 or --group-size 0
     divided by zero, --gpu-memory-gib nan failed to convert; each is now one line naming its flag."""
-    import memory_plan
+    from harness import memory_plan
 
     shape = ["--shape", sorted(memory_plan.SHAPES)[0]]
     for argv, flag in ((["--learner-ranks", "0"], "--learner-ranks"), (["--gpu-memory-gib=nan"], "--gpu-memory-gib"),

@@ -91,3 +91,14 @@ def test_the_path_check_finds_checkout_paths_and_passes_ordinary_ones():
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_no_page_shows_a_path_of_the_checkout(page):
     assert not machine_paths(page.read_text(), ROOT), f"{page.relative_to(ROOT)} shows a checkout's own path"
+
+
+def test_the_readme_file_map_names_every_python_file():
+    """README.md's file map names each of the root's Python files (the card's nine) and each module of the package
+    harness/ under it, so a file moved or added shows in the map."""
+    section = (ROOT / "README.md").read_text().split("## Where each part lives")[1].split("```")[1]
+    named = set(re.findall(r"\w+\.py", section))
+    root = {p.name for p in ROOT.glob("*.py")}
+    package = {p.name for p in (ROOT / "harness").glob("*.py") if p.name != "__init__.py"}
+    assert "\nharness/" in section, "README.md's file map has no harness/ entry"
+    assert not (root | package) - named, f"README.md's file map misses {sorted((root | package) - named)}"

@@ -1,6 +1,6 @@
 """GPU tests: pipeline_rl.py's generator on its own CUDA device(s), bf16 weights with an FP32 LM head, weights
 pushed from a learner model on another device (or the same one on a 1-GPU machine); then train.py end to end on
-one GPU, with the tiny model and with SmolLM2-135M-Instruct (tasks.build_real_model).
+one GPU, with the tiny model and with SmolLM2-135M-Instruct (base_model.build_real_model).
 
 Skipped without CUDA (and so in CI, which has no GPU). On a GPU machine with the CUDA build of vLLM:
 
@@ -28,8 +28,7 @@ import pytest
 import torch
 
 import pipeline_rl as pl
-import vllm_replica
-import tasks
+from harness import base_model, tasks, vllm_replica
 
 pytestmark = [
     pytest.mark.slow,
@@ -78,7 +77,7 @@ def test_learner_step_on_gpu_matches_cpu(tmp_path, model):
     0.07%), gradient cosines above 0.997 (tied: 0.99998), the lowest with the KL. Seen again on one H100 (torch
     2.11, 2026-11-27), the embedded model with the learner in its present modules: float32 gradients within 4e-6
     relative, bf16 gradient cosines above 0.998 (the lowest with --aggregation sample)."""
-    model_dir = tasks.embedded_base_model() if model == "embedded" else _tied_model(tmp_path / "tied")
+    model_dir = base_model.embedded_base_model() if model == "embedded" else _tied_model(tmp_path / "tied")
     cpu = _learner_probe(tmp_path / "cpu.pt", "float32", on_gpu=False, model_dir=model_dir)
     gpu = _learner_probe(tmp_path / "gpu.pt", "float32", on_gpu=True, model_dir=model_dir)
     bf16 = _learner_probe(tmp_path / "bf16.pt", "bfloat16", on_gpu=True, model_dir=model_dir)
@@ -131,7 +130,7 @@ def setup():
     n = torch.cuda.device_count()
     gen_devices = os.environ.get("SCALERL_GEN_DEVICES", str(n - 1))
     learner_ids, gen_ids = vllm_replica.split_devices(gen_devices, n)
-    model = os.environ.get("SCALERL_GPU_MODEL") or str(tasks.embedded_base_model())
+    model = os.environ.get("SCALERL_GPU_MODEL") or str(base_model.embedded_base_model())
     shared = bool(set(learner_ids) & set(gen_ids)) or n == 1
     config = pl.GeneratorConfig(model=model, group_size=4, temperature=0.7, dtype="bfloat16", fp32_lm_head=True,
                                 gen_devices=gen_devices, tensor_parallel_size=len(gen_ids),

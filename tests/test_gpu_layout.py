@@ -4,13 +4,15 @@ the lines `train.py plan --gpus N` prints (and a GPU run at its start), and the 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-import flags
 import pipeline_rl as pl
-import vllm_replica
+from harness import flags, vllm_replica
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_one_shared_gpu_sends_weights_by_file_and_eight_gpus_broadcast_over_nccl():
@@ -133,12 +135,12 @@ def test_replica_devices_under_a_restricted_cuda_visible_devices(tmp_path):
     with pytest.raises(ValueError, match="shows 2 GPU"):
         vllm_replica.visible_devices([2], "4,6")
     # the replica process sets it from its parent's: run its entry point up to the connection, which reports it
-    script = ("import os, vllm_replica\n"
+    script = ("import os\nfrom harness import vllm_replica\n"
               "def connect(*a):\n    print(os.environ['CUDA_VISIBLE_DEVICES']); raise ConnectionError('stop')\n"
               "vllm_replica.connect_to_generator = connect\n"
               "vllm_replica.replica_main('127.0.0.1:1', b's', 0, [1], None)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,6"}, cwd=os.path.dirname(vllm_replica.__file__))
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": "4,6"}, cwd=REPO)  # the root, where the package is
     assert out.stdout.strip() == "6" and out.returncode == 1, out.stderr[-500:]
 
 
@@ -158,7 +160,7 @@ def test_a_push_is_gathered_once_per_weight_and_cast_before_any_copy():
     the other ranks."""
     from types import SimpleNamespace
 
-    import runtime
+    from harness import runtime
 
     model = torch.nn.Module()
     model.embed = torch.nn.Embedding(64, 8)
@@ -185,7 +187,7 @@ def test_a_push_of_an_fsdp2_model_holds_the_same_weights_as_its_full_state_dict(
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    import runtime
+    from harness import runtime
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

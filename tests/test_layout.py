@@ -1,6 +1,7 @@
-"""The house plan, measured: the recipe in front (train.py's loop near its top), the runtime in modules a reader may
-skip, no function or class outgrows a screen-read, and imports flow one way: the algorithm files are leaves, the
-flags know the loss files by name only, and nothing calls back into train.py.
+"""The house plan, measured: the recipe in front (the card's nine files at the root, train.py's loop near its top),
+everything a reader may skip in one package beside them (harness/), no function or class outgrows a screen-read, and
+imports flow one way: the algorithm files are leaves, the flags know the loss files by name only, and nothing calls
+back into train.py.
 
     python tests/test_layout.py     prints the counts these tests check
 """
@@ -13,9 +14,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE_FILES = ("train.py", "pipeline_rl.py")
-RUNTIME_FILES = ("flags.py", "checkpoints.py", "runtime.py", "packing.py", "head_gemm.py", "vllm_replica.py",
-                 "cli.py")
-ENTRY_POINTS = ("bench.py", "teach.py")  # beside tests/, the only modules that may import train.py
+# The root's Python files are the card's nine: the recipe a reader came for; all else is in the package harness/
+CARD_FILES = ("grpo.py", "dapo.py", "drgrpo.py", "gspo.py", "cispo.py", "tis.py", "pipeline_rl.py", "scaling_fit.py",
+              "train.py")
+PACKAGE = "harness"
+RUNTIME_FILES = tuple(f"{PACKAGE}/{name}.py" for name in ("flags", "checkpoints", "runtime", "packing", "head_gemm",
+                                                           "vllm_replica", "cli"))
+ENTRY_POINTS = (f"{PACKAGE}.bench", f"{PACKAGE}.teach")  # beside tests/, the only modules that may import train.py
 ALGORITHM_FILES = ("grpo", "dapo", "drgrpo", "gspo", "cispo", "tis")  # one algorithm each: torch only
 # train.py has no line budget: it is as long as the recipe's steps and the records the loss sees need (issue 54)
 MAX_LINES = {"pipeline_rl.py": 1900}  # pipeline_rl.py: + per-completion seeds, reward deadlines;
@@ -48,19 +53,34 @@ def spans(tree: ast.Module) -> list[tuple[str, str, int, int]]:
 
 
 def project_modules() -> list[str]:
-    return sorted(p.stem for p in REPO.glob("*.py"))
+    """The root's modules by name (train), the package's by dotted name (harness.flags)."""
+    package = [f"{PACKAGE}.{p.stem}" for p in (REPO / PACKAGE).glob("*.py") if p.stem != "__init__"]
+    return sorted([p.stem for p in REPO.glob("*.py")] + package)
+
+
+def module_file(module: str) -> str:
+    return module.replace(".", "/") + ".py"
 
 
 def imported_project_modules(name: str) -> set[str]:
-    """Project modules that `name` imports anywhere: at the top, inside a function, or by importlib with a literal."""
+    """Project modules that `name` (a file) imports anywhere: at the top, inside a function, or by importlib with a
+    literal. `from harness import flags` and `from harness.flags import Args` both import harness.flags."""
     ours = set(project_modules())
     found = set()
     for node in ast.walk(parsed(name)):
         if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
+            found |= {alias.name for alias in node.names} | {alias.name.split(".")[0] for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
-    return (found & ours) - {Path(name).stem}
+            found |= {node.module, node.module.split(".")[0]} | {f"{node.module}.{a.name}" for a in node.names}
+    return (found & ours) - {name[:-len(".py")].replace("/", ".")}
+
+
+def test_the_root_holds_the_cards_files_and_the_package_the_rest() -> None:
+    """The root's Python files are exactly the card's nine; the package says what it is and lists its modules."""
+    assert sorted(p.name for p in REPO.glob("*.py")) == sorted(CARD_FILES)
+    init = (REPO / PACKAGE / "__init__.py").read_text()
+    modules = sorted(p.stem for p in (REPO / PACKAGE).glob("*.py") if p.stem != "__init__")
+    assert init.startswith('"""') and [m for m in modules if f"{m} " not in init] == [], "harness/__init__.py's list"
 
 
 def counts() -> dict[str, dict]:
@@ -106,8 +126,8 @@ def test_no_function_or_class_outgrows_a_reading(name: str) -> None:
 
 def test_imports_flow_one_way() -> None:
     """No cycles among the project's modules, and only the entry points (and tests) import train.py."""
-    graph = {m: imported_project_modules(m + ".py") for m in project_modules()}
-    importers_of_train = sorted(m + ".py" for m, deps in graph.items() if "train" in deps)
+    graph = {m: imported_project_modules(module_file(m)) for m in project_modules()}
+    importers_of_train = sorted(m for m, deps in graph.items() if "train" in deps)
     assert set(importers_of_train) <= set(ENTRY_POINTS), f"train.py is imported by {importers_of_train}"
     done: set[str] = set()
 
@@ -221,12 +241,13 @@ def test_the_algorithm_files_are_leaves() -> None:
 
 
 def test_a_flag_passes_each_file_once() -> None:
-    """--loss goes from train.py to the loss file: flags.py names the loss files (LOSSES) and reads their
-    hyper-parameters from source, but imports none of them, and runtime.py never calls back into train.py: set_up
-    takes the flags only, and train.py builds its learner and hands it to Setup.begin."""
-    assert not imported_project_modules("flags.py") & set(ALGORITHM_FILES), imported_project_modules("flags.py")
-    assert "train" not in imported_project_modules("runtime.py")
-    set_up = next(node for node in parsed("runtime.py").body if isinstance(node, ast.FunctionDef)
+    """--loss goes from train.py to the loss file: harness/flags.py names the loss files (LOSSES) and reads their
+    hyper-parameters from source, but imports none of them, and harness/runtime.py never calls back into train.py:
+    set_up takes the flags only, and train.py builds its learner and hands it to Setup.begin."""
+    flags_imports = imported_project_modules(f"{PACKAGE}/flags.py")
+    assert not flags_imports & set(ALGORITHM_FILES), flags_imports
+    assert "train" not in imported_project_modules(f"{PACKAGE}/runtime.py")
+    set_up = next(node for node in parsed(f"{PACKAGE}/runtime.py").body if isinstance(node, ast.FunctionDef)
                   and node.name == "set_up")
     assert [a.arg for a in set_up.args.args] == ["args"], "runtime.set_up takes a callback again"
 
@@ -282,7 +303,7 @@ if __name__ == "__main__":
     for name, row in counts().items():
         kind_def, kind_class = row["longest_def"], row["longest_class"]
         firsts = {f: row["first_line"][f] for (n, f) in MAX_FIRST_LINE if n == name}
-        print(f"{name:16} {row['lines']:5} lines  longest def {kind_def[1]} ({kind_def[3]})"
+        print(f"{name:24} {row['lines']:5} lines  longest def {kind_def[1]} ({kind_def[3]})"
               + (f"  longest class {kind_class[1]} ({kind_class[3]})" if kind_class else "")
               + "".join(f"  def {f}( at line {line}" for f, line in firsts.items()))
     sys.exit(0)

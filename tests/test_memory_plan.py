@@ -1,5 +1,5 @@
-"""memory_plan.py: parameter counts equal to the built models', hand-checked parts on a tiny config, the flags that
-make a layout fit, and train.py refusing a layout that cannot fit before anything starts."""
+"""harness/memory_plan.py: parameter counts equal to the built models', hand-checked parts on a tiny config, the flags
+that make a layout fit, and train.py refusing a layout that cannot fit before anything starts."""
 
 import dataclasses
 import re
@@ -9,10 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-import memory_plan as mp
-import tasks
-import flags
 import train
+from harness import base_model, flags, tasks
+from harness import memory_plan as mp
 
 GIB = mp.GIB
 
@@ -24,8 +23,8 @@ def built_parameters(config) -> int:
 
 
 def tiny_embedded_model_config() -> LlamaConfig:
-    """The embedded tiny model's config, as tasks._train_base_model writes it."""
-    base, tokenizer = tasks.BaseModelConfig(), tasks.build_tokenizer(tasks.ArithmeticTask())
+    """The embedded tiny model's config, as base_model._train_base_model writes it."""
+    base, tokenizer = base_model.BaseModelConfig(), base_model.build_tokenizer(tasks.ArithmeticTask())
     return LlamaConfig(vocab_size=len(tokenizer), hidden_size=base.hidden_size,
                        intermediate_size=base.intermediate_size, num_hidden_layers=base.num_layers,
                        num_attention_heads=base.num_heads, num_key_value_heads=base.num_heads,

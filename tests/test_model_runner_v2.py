@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pipeline_rl as pl
-import vllm_replica
+from harness import vllm_replica
 
 INTERRUPT = {"budget": 4, "phrase": [7, 8, 9], "close": [5, 6]}
 
@@ -54,7 +54,8 @@ def test_v2_loader_accepts_every_processor_of_a_gpu_configuration(monkeypatch):
     _gpu_machine(monkeypatch)
     names = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", gen_devices="0", debug_slowdown=2))[
         "logits_processors"]
-    assert names == ["vllm_replica:InterruptionLogitsProcessorV2", "vllm_replica:SlowdownLogitsProcessorV2"]
+    assert names == ["harness.vllm_replica:InterruptionLogitsProcessorV2",
+                     "harness.vllm_replica:SlowdownLogitsProcessorV2"]
     # the frontend's check at start and at each request's admission
     validate = build_custom_logits_processors_params_validator(names)
     validate(SamplingParams(max_tokens=8, extra_args={"scalerl_interrupt": INTERRUPT}))
@@ -74,7 +75,7 @@ def test_v1_loader_accepts_the_cpu_configuration(monkeypatch):
 
     _gpu_machine(monkeypatch)  # even with Triton at hand, a CPU replica runs V1 (replica_main pins it)
     names = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=2))["logits_processors"]
-    assert names == ["vllm_replica:InterruptionLogitsProcessor", "vllm_replica:SlowdownLogitsProcessor"]
+    assert names == ["harness.vllm_replica:InterruptionLogitsProcessor", "harness.vllm_replica:SlowdownLogitsProcessor"]
     assert all(issubclass(c, LogitsProcessor) for c in _load_custom_logitsprocs(names))
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError

@@ -9,8 +9,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-import flags
-import runtime
+from harness import flags, runtime
 
 
 class _Stop(Exception):

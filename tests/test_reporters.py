@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import checkpoints
-import runtime
+from harness import checkpoints, runtime
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -107,7 +106,7 @@ def test_a_wandb_run_id_that_is_a_link_is_not_read(tmp_path, monkeypatch, capsys
 TRACKIO_RUN = """
 import sys
 sys.path.insert(0, {repo!r})
-import flags, runtime
+from harness import flags, runtime
 args = flags.parse_args(["--report-to", "trackio", "--output-dir", {out!r}])
 assert "trackio" in sys.modules  # imported by the flags' check, with TRACKIO_DIR already set
 runtime.Path(args.output_dir).mkdir(parents=True)  # as the run's lock makes it
@@ -122,9 +121,9 @@ print(sorted(SQLiteStorage.get_runs("scalerl")))
 
 
 def test_trackio_files_land_in_the_run_directory_named_for_the_whole_path(tmp_path):
-    """In a fresh process, as a run meets it: flags.py imports trackio after setting TRACKIO_DIR, so the database is
-    OUTPUT_DIR/trackio's and nothing goes to the home directory's cache; the run is named for the whole output path
-    (runs/a/default and runs/b/default stay two runs)."""
+    """In a fresh process, as a run meets it: harness/flags.py imports trackio after setting TRACKIO_DIR, so the
+    database is OUTPUT_DIR/trackio's and nothing goes to the home directory's cache; the run is named for the whole
+    output path (runs/a/default and runs/b/default stay two runs)."""
     if importlib.util.find_spec("trackio") is None:
         pytest.skip("trackio is not installed: pip install trackio")
     home = tmp_path / "home"

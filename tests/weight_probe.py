@@ -1,6 +1,6 @@
-"""vllm_replica.py's weight broadcast without vLLM: the learner's WeightSender and fake replicas in processes of their
-own, each joining its own weight group and receiving every bucket. Used by tests/test_pipeline_rl.py (gloo, CPU) and
-tests/test_gpu.py (NCCL, GPU), and runnable alone to time a broadcast:
+"""harness/vllm_replica.py's weight broadcast without vLLM: the learner's WeightSender and fake replicas in processes of
+their own, each joining its own weight group and receiving every bucket. Used by tests/test_pipeline_rl.py (gloo, CPU)
+and tests/test_gpu.py (NCCL, GPU), and runnable alone to time a broadcast:
 
     python tests/weight_probe.py gloo cpu cpu,cpu 540      # 540 MB to two receivers on CPU
     python tests/weight_probe.py nccl cuda:0 cuda:1 540    # over NCCL, a receiver on the second GPU
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import vllm_replica  # noqa: E402
+from harness import vllm_replica  # noqa: E402
 
 
 def _receiver(group: dict, device: str, manifest: list, out: str, die: bool, die_after: int) -> None:

@@ -1,4 +1,4 @@
-"""flags.py: the learner's flags and their checks. A runtime module: a reader of the recipe may skip it.
+"""harness/flags.py: the learner's flags and their checks. A runtime module: a reader of the recipe may skip it.
 
 train.py's flags are the fields of `Args`, one per flag, grouped in --help by the step of the loop each one
 configures (docs/flags.md is generated from them: `python train.py --help-markdown`). This file holds:
@@ -32,20 +32,20 @@ from typing import Any
 
 import torch
 
-import memory_plan  # the learner's memory per rank, checked before anything starts on a GPU (train.py plan)
+from harness import memory_plan  # the learner's memory per rank, checked before a GPU run starts (train.py plan)
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
-import tasks
-import vllm_replica  # the replica runtime: the address and secret checks
-from checkpoints import (LinkRefusedError, complete_checkpoints, newest_checkpoint_step, read_no_follow,
-                         write_atomically)
-from cli import OneLineParser, int_at_least  # one error line (rank 0 only), the argparse type of a count
+from harness import base_model, tasks
+from harness import vllm_replica  # the replica runtime: the address and secret checks
+from harness.checkpoints import (LinkRefusedError, complete_checkpoints, newest_checkpoint_step, read_no_follow,
+                                 write_atomically)
+from harness.cli import OneLineParser, int_at_least  # one error line (rank 0 only), the argparse type of a count
 
 
 # --report-to NAME -> (the module the reporter imports, the pip package that provides it); "none" needs nothing.
 # Imported only when asked for, so that a run without them never needs them installed.
 REPORT_TO = {"none": None, "tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
              "trackio": ("trackio", "trackio")}
-# --loss NAME -> the module name of its loss file, which train.py imports; flags.py reads its compute_loss's
+# --loss NAME -> the module name of its loss file, which train.py imports; harness/flags.py reads its compute_loss's
 # hyper-parameters from its source (loss_hyperparameter_defaults), so that their defaults stay written once, in the file
 LOSSES = {"grpo": "grpo", "dapo": "dapo", "drgrpo": "drgrpo", "gspo": "gspo", "cispo": "cispo"}
 EMBEDDED_MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings; its prompts are ~10 tokens
@@ -137,7 +137,8 @@ class Args:
     dataset: str | None = _arg(HelpGroup.WHAT, None, "HF data set name or local .json/.jsonl/.parquet (default: the "
                                "embedded 3-digit addition task; arithmetic-verified: the same with its scratchpad "
                                "verified too, so a tight --think-budget is a hard ceiling; small-arithmetic and "
-                               "mixed-arithmetic: tasks for a small real chat model, make run-real's; see tasks.py)")
+                               "mixed-arithmetic: tasks for a small real chat model, make run-real's; see "
+                               "harness/tasks.py)")
     dataset_config: str | None = _arg(HelpGroup.WHAT, None, "configuration (subset) of a hub --dataset, passed on as "
                                       "datasets.load_dataset(NAME, CONFIG); e.g. main for openai/gsm8k")
     test_dataset: str | None = _arg(HelpGroup.WHAT, None, "optional test set (local file or HF name), evaluated with "
@@ -429,7 +430,7 @@ def check_args(args: Args) -> list[str]:
             args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1):
         problems.append(f"--model {args.model}: no such directory (a hub model is named ORG/NAME)")
     elif args.model is not None:  # a local directory: config, weights, tokenizer, a head size vLLM supports here
-        problems += [f"--model {p}" for p in tasks.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]
+        problems += [f"--model {p}" for p in base_model.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]
     if args.dataset and tasks.is_local_data_file(args.dataset) and not Path(args.dataset).is_file():
         problems.append(f"--dataset {args.dataset}: no such file")
     for flag in ("dataset", "test_dataset"):  # an existing data.txt is a file of unknown kind, not a hub name
@@ -690,7 +691,7 @@ def layout_lines(args: Args, num_gpus: int, learner_ranks: int) -> list[str]:
 
 def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -> list[str]:
     """On a GPU machine, a --model whose learner cannot fit its GPUs is refused before anything starts, with the
-    flags that would make it fit (memory_plan.py); only its config is read. `learner_ranks`: this node's, whose
+    flags that would make it fit (harness/memory_plan.py); only its config is read. `learner_ranks`: this node's, whose
     GPUs are checked; `world`: all of them, over which FSDP2 shards. Not on CPU: host memory is not what the plan is
     for. A model whose config cannot be read here (set_up will say why) or that the plan does not describe goes
     unchecked; the embedded tiny model always fits."""
@@ -738,8 +739,8 @@ def flags_markdown() -> str:
     """Every flag of `Args` as a Markdown table per --help group: docs/flags.md, regenerated with
     `python train.py --help-markdown > docs/flags.md` (a test fails when the page and Args disagree)."""
     out = ["# train.py flags", "",
-           "Generated from `Args` in flags.py by `python train.py --help-markdown > docs/flags.md`: the same text as",
-           "`python train.py --help`, grouped the same way. Do not edit by hand."]
+           "Generated from `Args` in harness/flags.py by `python train.py --help-markdown > docs/flags.md`: the same",
+           "text as `python train.py --help`, grouped the same way. Do not edit by hand."]
     group = None
     for f in dataclasses.fields(Args):
         if f.metadata["group"] != group:
@@ -827,10 +828,10 @@ def plan(argv: list[str]) -> str:
     given as on the command line of a run, printed without a GPU and without checking the flags against this
     machine. Returns the plan's parts and, when it does not fit, the flags that would make it fit."""
     parser = OneLineParser(
-        prog="train.py plan", description="The learner's GPU memory per rank (memory_plan.py; docs/memory.md), for "
-        "the model and layout of a run; any other flag is train.py's.", allow_abbrev=False)
-    parser.add_argument("--shape", choices=sorted(memory_plan.SHAPES), help="a model shape written in memory_plan.py "
-                        "(else --model's config)")
+        prog="train.py plan", description="The learner's GPU memory per rank (harness/memory_plan.py; docs/memory.md), "
+        "for the model and layout of a run; any other flag is train.py's.", allow_abbrev=False)
+    parser.add_argument("--shape", choices=sorted(memory_plan.SHAPES),
+                        help="a model shape written in harness/memory_plan.py (else --model's config)")
     parser.add_argument("--learner-ranks", type=int_at_least(1), default=1,
                         help="learner ranks (GPUs) in all (default 1)")
     parser.add_argument("--gpu-memory-gib", type=finite_float, default=80.0, help="memory of one learner GPU (default "
@@ -989,7 +990,7 @@ def steps_per_round(args: Args) -> int:
 
 
 def int_range(text: str) -> tuple[int, int]:
-    """'LOW,HIGH' -> (LOW, HIGH), as --think-budget (and bench.py's --completion-tokens) write a range."""
+    """'LOW,HIGH' -> (LOW, HIGH), as --think-budget (and harness/bench.py's --completion-tokens) write a range."""
     low, high = (int(x) for x in text.split(","))
     return low, high
 

@@ -1,10 +1,10 @@
-"""memory_plan.py: what one learner rank will hold in GPU memory, estimated from the model's config alone, so that
-a layout that cannot fit is refused before anything starts, with the flags that would make it fit, instead of
+"""harness/memory_plan.py: what one learner rank will hold in GPU memory, estimated from the model's config alone, so
+that a layout that cannot fit is refused before anything starts, with the flags that would make it fit, instead of
 running out of memory after vLLM has started and the model has loaded.
 
 A runtime module of the learner: a reader of the recipe may skip it. train.py's flag checks ask it at start-up on
-a GPU (flags.py: `learner_memory_plan`, `memory_problems`), and `python train.py plan` prints a plan without a GPU.
-It holds:
+a GPU (harness/flags.py: `learner_memory_plan`, `memory_problems`), and `python train.py plan` prints a plan without a
+GPU. It holds:
   - SHAPES and `shape_config`: the configs of a few real models, written here so that neither the plan nor a
     benchmark's random-weight model needs a download;
   - `parameter_counts`: a dense decoder's parameters from its config, without building the model;
@@ -255,7 +255,8 @@ class MemoryPlan:
             return []
         parts = ", ".join(f"{k} {gib(v)}" for k, v in self.gpu.items())
         message = (f"the learner does not fit its GPU: {gib(self.total)} GiB needed per rank of "
-                   f"{gib(self.gpu_memory)} GiB (GiB: {parts}, margin {gib(self.margin)}; plan: memory_plan.py)")
+                   f"{gib(self.gpu_memory)} GiB (GiB: {parts}, margin {gib(self.margin)}; "
+                   "plan: harness/memory_plan.py)")
         layout = self.layout
         fixes = remedies(self.config, layout)
         if fixes:

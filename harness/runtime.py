@@ -1,4 +1,4 @@
-"""runtime.py: the learner's runtime, what makes the recipe survive real machines. A reader of the recipe may
+"""harness/runtime.py: the learner's runtime, what makes the recipe survive real machines. A reader of the recipe may
 skip it. It never calls back into train.py: train.py builds its learner and hands it in (Setup.begin).
 
 It holds:
@@ -40,13 +40,14 @@ from tqdm import tqdm
 
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import scaling_fit
-import tasks
-import vllm_replica  # the replica runtime: the secret file, the parent-death signal
-from checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
-                         open_no_follow, read_no_follow, refuse_unless_regular, write_atomically, write_failure)
-from flags import (Args, generator_memory_fraction, generator_values, layout_lines, local_replicas, resolve_defaults,
-                   step_ranges, steps_per_round, trackio_dir, trackio_dir_problem, write_args_json)
-from packing import model_device
+from harness import base_model, tasks
+from harness import vllm_replica  # the replica runtime: the secret file, the parent-death signal
+from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
+                                 open_no_follow, read_no_follow, refuse_unless_regular, write_atomically, write_failure)
+from harness.flags import (Args, generator_memory_fraction, generator_values, layout_lines, local_replicas,
+                           resolve_defaults, step_ranges, steps_per_round, trackio_dir, trackio_dir_problem,
+                           write_args_json)
+from harness.packing import model_device
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -338,8 +339,8 @@ def _model_path(args: Args, is_main: bool) -> str:
     if args.model is not None:
         return args.model
     try:
-        return str(tasks.embedded_base_model())
-    except tasks.BaseModelDamagedError as e:
+        return str(base_model.embedded_base_model())
+    except base_model.BaseModelDamagedError as e:
         if is_main:
             print(f"train.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -864,8 +865,8 @@ def report_scalars(row: dict) -> dict[str, float]:
 
 class Reporter:
     """Rank 0, --report-to tensorboard|wandb|trackio: each row metrics.jsonl takes is sent there too, as
-    report_scalars names it, at the row's step. The package is imported at the first row (flags.py checked that it
-    imports). A failure never stops the run, which metrics.jsonl records whole: the first is printed, the rest
+    report_scalars names it, at the row's step. The package is imported at the first row (harness/flags.py checked that
+    it imports). A failure never stops the run, which metrics.jsonl records whole: the first is printed, the rest
     counted and their number printed at the end.
 
     On resume the steps after the checkpoint are trained again. TensorBoard drops what the earlier attempt wrote from

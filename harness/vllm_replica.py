@@ -1,12 +1,12 @@
-"""vllm_replica.py: the replica runtime behind pipeline_rl.py. A reader of the recipe may skip this file.
+"""harness/vllm_replica.py: the replica runtime behind pipeline_rl.py. A reader of the recipe may skip this file.
 
 pipeline_rl.py is the generator's recipe: the staleness rule, the scheduler, the `Generator` handle. This module is
 what makes it run on real machines, and it imports nothing of pipeline_rl (nor of train):
 
 - what runs inside vLLM's processes: the interruption and slowdown logits processors (vLLM loads them by the
-  names "vllm_replica:InterruptionLogitsProcessor" and "vllm_replica:SlowdownLogitsProcessor", with a "V2" suffix
-  for vLLM's V2 model runner, which `model_runner_v2` chooses) and the worker extension
-  "vllm_replica.WeightSyncExtension" that receives and reloads weights;
+  names "harness.vllm_replica:InterruptionLogitsProcessor" and "harness.vllm_replica:SlowdownLogitsProcessor", with a
+  "V2" suffix for vLLM's V2 model runner, which `model_runner_v2` chooses) and the worker extension
+  "harness.vllm_replica.WeightSyncExtension" that receives and reloads weights;
 - placement and the replicas' own settings: which GPUs the replicas and the learner take (`split_devices`,
   `replica_devices`, `visible_devices`), and the checks of their number, address, secret and transport (`replica_problems`, called by
   pipeline_rl.config_problems);
@@ -56,8 +56,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-import tasks
-from cli import OneLineParser, int_at_least  # one error line for a bad flag; the argparse type of a count
+from harness import tasks
+from harness.cli import OneLineParser, int_at_least  # one error line for a bad flag; the argparse type of a count
 
 # --------------------------------------------------------------------------------------------------------------
 # Small helpers that pipeline_rl.py uses too
@@ -269,7 +269,8 @@ class _ForcePhrase:
 
 def _interruption_processor_class() -> type:
     """Build the vLLM logits processor class on first use, so that importing this module (in every learner rank)
-    does not import vLLM. vLLM loads it as "vllm_replica:InterruptionLogitsProcessor" (module __getattr__ below)."""
+    does not import vLLM. vLLM loads it as "harness.vllm_replica:InterruptionLogitsProcessor" (module __getattr__
+    below)."""
     from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
     class InterruptionLogitsProcessor(AdapterLogitsProcessor):
@@ -1419,7 +1420,7 @@ def write_weight_file(tensors: dict[str, torch.Tensor], path: Path) -> Path:
     from safetensors.torch import save_file
 
     # here: replica processes never write weights
-    from checkpoints import create_beside, refuse_unless_regular, write_failure
+    from harness.checkpoints import create_beside, refuse_unless_regular, write_failure
 
     fd, tmp = create_beside(path)
     os.close(fd)

@@ -1,4 +1,4 @@
-"""checkpoints.py: a run's checkpoint files. A runtime module: a reader of the recipe may skip it.
+"""harness/checkpoints.py: a run's checkpoint files. A runtime module: a reader of the recipe may skip it.
 
 A checkpoint is OUTPUT_DIR/checkpoint/ (the previous one kept as checkpoint.old/): the model and optimizer
 (weights.pt), every rank's RNG states (rng-RANK.json) and the trainer state (trainer_state.json, `TrainerState`:

@@ -1,4 +1,4 @@
-"""head_gemm.py: the learner's LM head as log-probabilities, and the split-bf16 GEMM of the FP32 head
+"""harness/head_gemm.py: the learner's LM head as log-probabilities, and the split-bf16 GEMM of the FP32 head
 (--lm-head-gemm split-bf16). A runtime module: a reader of the recipe may skip it.
 
 `target_logprobs` turns hidden states into log pi(target) (and the policy's entropy, a metric) a chunk of rows at a
@@ -83,7 +83,7 @@ class _SplitBf16Head(torch.autograd.Function):
     bits than a bf16 product takes: W / T = hi + mid + lo, three bf16 parts, each the top 8 significant bits of
     what the parts before it left, hold all 24 bits of a float32 exactly. A bf16 x bf16 product is exact in
     float32 and the tensor cores sum in float32, so [h | h | h] @ [lo | mid | hi]^T, one bf16 GEMM of inner size
-    3H, gives the logits / T to float32's accuracy (tests/test_train.py: within 1e-5 of a float32 head, and nearer
+    3H, gives the logits / T to float32's accuracy (tests/test_head_gemm.py: within 1e-5 of a float32 head, and nearer
     float64 than it, where one bf16 product, h @ hi^T, is off by 1e-2). The log-softmax then runs on them in
     float32, a chunk of rows at a time.
 

@@ -1,15 +1,13 @@
 """Benchmarks of scalerl. Each prints what it measured, as a ratio against a baseline timed in the same run,
 and ends with one line holding a JSON object of the results (the LAST line printed).
 
-    python bench.py fit        # ScaleRL's full-grid sigmoid fit vs exhaustive per-grid-point curve_fit
-    python bench.py pipeline   # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync RL
-    python bench.py train      # train.py's learner step, packed and padded, vs a bare packed training step
-    python bench.py head       # the FP32 LM head: float32, bf16, split-bf16 GEMMs and the learner's head, errors
-    python bench.py staleness  # the tiny recipe at k = 0, 1, 2, 4, 8 with a fast generator (an experiment)
-    python bench.py study      # ScaleRL's ablations in miniature: variants x seeds, A and B with 95% intervals
-    python bench.py report RUN_DIR...   # what finished runs (or study records) show: pass rate, lag, fits
+    python -m harness.bench fit        # ScaleRL's full-grid sigmoid fit vs exhaustive per-grid-point curve_fit
+    python -m harness.bench pipeline   # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync
+    python -m harness.bench train      # train.py's learner step, packed and padded, vs a bare packed training step
+    python -m harness.bench head       # the FP32 LM head: float32, bf16, split-bf16 GEMMs, the learner's head, errors
 
-A subcommand is a function ``bench_<name>(args)`` registered in ``BENCHMARKS`` with its argument setup.
+A subcommand is a function ``bench_<name>(args)`` registered in ``BENCHMARKS`` with its argument setup. Experiments
+made of whole train.py runs (staleness, study, report) are harness/experiments.py's.
 Heavy imports live inside the functions so that one benchmark does not pay for another's.
 """
 
@@ -20,17 +18,17 @@ import collections
 import json
 import math
 import os
-import shlex
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
-from cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
-from cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
-import memory_plan  # SHAPES: model shapes written in code (no hub); the module imports neither torch nor transformers
+from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
+from harness.cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
+from harness.cli import int_list as _int_list, number as _number  # argparse types of a list of integers, a number
+from harness import memory_plan  # SHAPES: model shapes in code (no hub); it imports neither torch nor transformers
 
 
 def _pin_to_one_core() -> None:
@@ -41,53 +39,6 @@ def _pin_to_one_core() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 
-
-def _number(low: float, high: float = math.inf, above: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number in [low, high] (`above`: in (low, high])."""
-    def number(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (above and value == low) or value > high:
-            bound = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound} (got {text})")
-        return value
-    return number
-
-
-def _int_list(minimum: int, pair: bool = False) -> Callable[[str], str]:
-    """An argparse type that checks a comma-separated list of integers >= minimum (`pair`: LOW,HIGH with LOW <=
-    HIGH) and keeps its text, which the benchmark reads."""
-    def int_list(text: str) -> str:
-        try:
-            values = [int(x) for x in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-        if pair and (len(values) != 2 or values[0] > values[1]):
-            raise argparse.ArgumentTypeError(f"expected LOW,HIGH with LOW <= HIGH, got {text!r}")
-        if min(values) < minimum:
-            raise argparse.ArgumentTypeError(f"each must be >= {minimum} (got {text!r})")
-        return text
-    return int_list
-
-
-def _variant_names(text: str) -> str:
-    """An argparse type that checks --variants (a named set, or variants by name) and keeps its text."""
-    unknown = [name for name in VARIANT_SETS.get(text, text).split(",") if name not in VARIANTS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown variants {unknown}; known: {list(VARIANTS)}, or a set: "
-                                          f"{list(VARIANT_SETS)}")
-    return text
-
-
-def _shell_words(text: str) -> str:
-    """An argparse type that checks shell-quoted words (train.py flags) and keeps their text."""
-    try:
-        shlex.split(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
-    return text
 
 def _add_fit_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--points", type=_count(1), default=75,
@@ -248,7 +199,7 @@ def _time_weight_transports(gen, state: dict, updates: int) -> dict:
 
 def bench_weights(args: argparse.Namespace) -> dict:
     """--only-weights: the generator on --model with --gen-replicas replicas, then only the timed weight updates."""
-    import tasks
+    from harness import base_model, tasks
 
     tasks.set_vllm_cpu_env()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -257,7 +208,7 @@ def bench_weights(args: argparse.Namespace) -> dict:
 
     import pipeline_rl as pl
 
-    model_dir = args.model or str(tasks.embedded_base_model())
+    model_dir = args.model or str(base_model.embedded_base_model())
     state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     config = pl.GeneratorConfig(model=model_dir, replicas=args.gen_replicas, seed=args.seed, max_model_len=1024,
                                 max_tokens=64, interruptions=False, num_threads=args.gen_threads)
@@ -325,7 +276,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         return bench_weights(args)
     import gc
 
-    import tasks
+    from harness import base_model, tasks
 
     tasks.set_vllm_cpu_env()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -334,7 +285,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
 
     import pipeline_rl as pl
 
-    model_dir = str(tasks.embedded_base_model())
+    model_dir = str(base_model.embedded_base_model())
     task = tasks.ArithmeticTask()
     G, N = args.group_size, args.prompts
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -590,7 +541,7 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
                              "host times: for batches whose steps take seconds (one long sequence has no padding)")
     parser.add_argument("--peak-tflops", type=_number(0.0, above=True), default=None,
                         help="dense peak TFLOP/s of the GPU in --dtype, for MFU, as train.py's --peak-tflops "
-                             "(default: runtime.py's table of GPUs; none on CPU, and then no MFU)")
+                             "(default: harness/runtime.py's table of GPUs; none on CPU, and then no MFU)")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="also write the results (the JSON object of the last line printed) to PATH")
     parser.add_argument("--profile", default=None, metavar="PATH",
@@ -605,7 +556,7 @@ def synthetic_groups(n_groups: int, group_size: int, vocab: int, seed: int = 0,
     import random
 
     from pipeline_rl import Completion, Group
-    from tasks import Problem
+    from harness.tasks import Problem
 
     rng = random.Random(seed)
     groups = []
@@ -627,20 +578,19 @@ def bench_train(args: argparse.Namespace) -> dict:
     """The learner's real (trained) tokens/s, train.py's FSDP2 step (micro-batches, loss file, clipping, AdamW) with
     packed rows and with padded ones (--no-packing), against the no-padding limit: a bare transformers forward +
     backward + AdamW over the same real tokens, packed as the learner packs them. In one process on one rank, with
-    `python bench.py train` (no torchrun). The learner and the bare model are built, timed and freed one after the
-    other, so that a model the size of the GPU's memory can be timed at all (two copies of Qwen3-1.7B's weights,
-    gradients and AdamW state with a step's activations did not fit in 80 GB). For each: the step's time, tokens/s,
-    MFU where the GPU's peak is known, its peak GPU memory, and its LM head's share of the step. Also the padding
-    fraction of either layout, over the micro-batches the learner runs, and the host time of one micro-batch of the
-    learner, packed and padded."""
+    `python -m harness.bench train` (no torchrun). The learner and the bare model are built, timed and freed one after
+    the other, so that a model the size of the GPU's memory can be timed at all (two copies of Qwen3-1.7B's weights,
+    gradients and AdamW state with a step's activations did not fit in 80 GB). For each: the step's time, tokens/s, MFU
+    where the GPU's peak is known, its peak GPU memory, and its LM head's share of the step. Also the padding fraction
+    of either layout, over the micro-batches the learner runs, and the host time of one micro-batch of the learner,
+    packed and padded."""
     import importlib
     import tempfile
 
     import torch
     import torch.distributed as dist
 
-    import flags
-    import runtime
+    from harness import flags, runtime
     from transformers import AutoConfig
 
     cli = _learner_cli(args)  # before anything starts: a flag this train.py lacks stops the bench here
@@ -676,7 +626,7 @@ def bench_train(args: argparse.Namespace) -> dict:
 
 def _learner_cli(args: argparse.Namespace) -> Any:
     """The train.py flags of the learner the bench times (packed rows; the padded layout flips --packing)."""
-    import flags
+    from harness import flags
 
     cli = flags.Args(loss=args.loss, group_size=args.group_size, dtype=args.dtype, fp32_lm_head=args.fp32_lm_head,
                      packing=True, activation_checkpointing=args.activation_checkpointing,
@@ -695,9 +645,9 @@ def _bench_model_dir(args: argparse.Namespace, scratch: Path, device: Any) -> st
         return args.model
     if args.shape:
         return write_random_model(args.shape, scratch / args.shape, device)
-    import tasks
+    from harness import base_model
 
-    return str(tasks.embedded_base_model())
+    return str(base_model.embedded_base_model())
 
 
 def write_random_model(shape: str, out_dir: Path, device: Any) -> str:
@@ -778,8 +728,7 @@ def _time_learner(model_dir: str, cli: Any, loss_module: Any, groups: list, adva
 
     import torch
 
-    import flags
-    import packing
+    from harness import flags, packing
     import train
 
     clis = {"packed": cli, "padded": dataclasses.replace(cli, packing=False)}
@@ -903,7 +852,7 @@ def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats:
     forward; the math and the kernels are the head's."""
     import torch
 
-    import flags
+    from harness import flags
     import train
 
     dtype = torch.float32 if cli.dtype == "float32" or cli.fp32_lm_head else torch.bfloat16
@@ -941,11 +890,11 @@ HEAD_GEMM_ROWS = 8192  # the head's GEMMs are timed on at most this many positio
 
 def _head_gemms_seconds(config: Any, cli: Any, tokens: int, repeats: int, device: Any) -> float:
     """The GEMMs alone (forward, hidden's and weight's gradients) of the head --lm-head-gemm chooses, over `tokens`
-    scored positions (bench.py head's variants: split-bf16's, or float32's without TF32): the head's term of the
+    scored positions (harness/bench.py head's variants: split-bf16's, or float32's without TF32): the head's term of the
     learner's limit, the bare bf16 step - its bf16 head + these."""
     import torch
 
-    import flags
+    from harness import flags
 
     rows = min(tokens, HEAD_GEMM_ROWS)
     weight = torch.randn(config.vocab_size, config.hidden_size, device=device) / config.hidden_size ** 0.5  # [V, H]
@@ -1001,8 +950,7 @@ def _time_bare(model_dir: str, cli: Any, groups: list, advantages: Any, args: ar
 
     import torch
 
-    import flags
-    import packing
+    from harness import flags, packing
 
     model = _bare_model(model_dir, cli, device, args.activation_checkpointing)
     weights_bytes = _allocated(device)
@@ -1060,9 +1008,9 @@ def _time_bare(model_dir: str, cli: Any, groups: list, advantages: Any, args: ar
 
 
 def _planned_learner_bytes(config: Any, cli: Any, groups: list, world: int, device: Any) -> int | None:
-    """What the memory plan (memory_plan.py, as the start-up check in flags.py makes it) expects the learner to allocate
-    on this GPU for the largest packed micro-batch of `groups`: the bench prints it beside the measured peak. None
-    off a GPU."""
+    """What the memory plan (harness/memory_plan.py, as the start-up check in harness/flags.py makes it) expects the
+    learner to allocate on this GPU for the largest packed micro-batch of `groups`: the bench prints it beside the
+    measured peak. None off a GPU."""
     import torch
 
     if torch.device(device).type != "cuda":
@@ -1072,8 +1020,7 @@ def _planned_learner_bytes(config: Any, cli: Any, groups: list, world: int, devi
 
 def _planned_bytes(config: Any, cli: Any, groups: list, world: int, gpu_memory: int) -> int:
     """The memory plan's learner bytes for the packed micro-batches of `groups` (_planned_learner_bytes)."""
-    import flags
-    import packing
+    from harness import flags, packing
 
     lengths = [len(g.prompt_ids) + len(c.token_ids) for g in groups for c in g.completions]
     batches = packing.micro_batches(groups, cli.micro_batch_tokens, True)
@@ -1087,7 +1034,7 @@ def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dic
     """Print what bench_train measured; the results' JSON object. Fields of a method that ran out of GPU memory are
     None (its "_oom" names the error); GPU memory and MFU fields are left out where not measured (off a GPU) or
     unknown (no peak)."""
-    import runtime
+    from harness import runtime
 
     tokens = sum(len(grp.prompt_ids) + len(c.token_ids) for grp in groups for c in grp.completions)  # real ones
     timed = {**learner["timed"], "bare": bare["timed"]["bare"]}
@@ -1195,8 +1142,9 @@ def _print_train_report(r: dict) -> None:
               f"{r['limit_default_adamw_s']:.3f} s; learner packed / that limit "
               f"{r['learner_vs_limit_default_adamw']:.3f}")
     if "packed_planned_gib" in r:
-        print(f"memory plan (memory_plan.py) of the packed learner's largest micro-batch: {r['packed_planned_gib']} "
-              f"GiB, {r['packed_plan_vs_peak']:.2f}x its measured peak of {r['packed_peak_gib']} GiB")
+        print(f"memory plan (harness/memory_plan.py) of the packed learner's largest micro-batch: "
+              f"{r['packed_planned_gib']} GiB, {r['packed_plan_vs_peak']:.2f}x its measured peak of "
+              f"{r['packed_peak_gib']} GiB")
     print(f"learner packed / bare packed {fmt(r['learner_vs_bare_packed'], '.3f')}; packed / padded learner "
           f"{fmt(r['packed_vs_padded'], '.3f')}")
     if "host_ms_per_micro_batch_packed" in r and "host_ms_per_micro_batch_padded" in r:
@@ -1334,12 +1282,12 @@ def bench_head(args: argparse.Namespace) -> dict:
     (a bf16 trunk's) and targets sampled from the head."""
     import torch
 
-    import head_gemm
+    from harness import head_gemm
     import train
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    shape = memory_plan.SHAPES[args.shape or "qwen3-1.7b"]  # the shapes train.py plan and bench.py train use
+    shape = memory_plan.SHAPES[args.shape or "qwen3-1.7b"]  # the shapes train.py plan and harness/bench.py train use
     vocab, hidden_size = (shape["vocab_size"], shape["hidden_size"]) if args.shape or cuda else (8192, 256)
     vocab, hidden_size = args.vocab or vocab, args.hidden or hidden_size
     tokens = args.tokens or (8117 if cuda else 256)
@@ -1406,7 +1354,7 @@ def _head_gemm_variants(weight, hidden, temperature: float) -> dict:
     (three bf16 products forward, summed in float32 as one GEMM of inner size 3H; one per gradient)."""
     import torch
 
-    import head_gemm
+    from harness import head_gemm
 
     weight_bf16, hidden32 = weight.to(torch.bfloat16), hidden.float()
     grad_logits = torch.randn(hidden.shape[0], weight.shape[0], device=weight.device) * 1e-3  # [M, V]
@@ -1425,7 +1373,7 @@ def _head_logits_variants(weight, hidden, temperature: float) -> dict:
     """name -> a function from rows [n] to their logits / T [n, V] (float32 or bf16) in that variant's way."""
     import torch
 
-    import head_gemm
+    from harness import head_gemm
 
     weight_bf16, parts = weight.to(torch.bfloat16), head_gemm._split_bf16(weight, temperature)
 
@@ -1447,10 +1395,10 @@ def _head_logits_variants(weight, hidden, temperature: float) -> dict:
 
 def _head_summary(results: dict, learner_logprobs: dict, device, tokens: int, vocab: int, hidden: int,
                   temperature: float, max_logit: float, args: argparse.Namespace) -> dict:
-    """Print the head's measurements; the results as bench.py returns them."""
+    """Print the head's measurements; the results as harness/bench.py returns them."""
     import torch
 
-    import head_gemm
+    from harness import head_gemm
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     limit_ratio = results["learner_split_bf16"]["ms"] / results["split_bf16_gemms"]["ms"]
@@ -1486,552 +1434,6 @@ def _head_summary(results: dict, learner_logprobs: dict, device, tokens: int, vo
                for key, r in results.items()}}
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Experiments made of real train.py runs: the staleness bound, the study of variants, and the report of any runs
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[dict]:
-    """Run train.py under torchrun into `run_dir` unless a finished run is there already (so a killed experiment
-    continues where it stopped and never reruns a finished run); its metrics rows."""
-    import subprocess
-
-    import scaling_fit as sf
-
-    run_dir = Path(run_dir)
-    rows = sf.read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    if rows and rows[-1]["step"] >= steps and "val_pass_rate" in rows[-1]:
-        return rows
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py",
-           "--output-dir", str(run_dir), "--overwrite", "--max-steps", str(steps), *flags]
-    print(f"[run] torchrun ... {' '.join(cmd[6:])}", flush=True)
-    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent)
-    return sf.read_metrics(run_dir)
-
-
-# The compute axes a run can be fitted on. compute_hours is ScaleRL's (device-hours: wall time x learner ranks and
-# generator), so it holds the idle time of a synchronous pipeline, and it depends on the machine's speed; flops
-# (2N per generated token + 6N per trained token) does not, so runs made on machines of other speeds pool on it.
-COMPUTE_AXES = {"compute_hours": "device-h", "flops": "FLOPs"}
-# What run_report reads from a metrics row, and the FLOPs (a compute axis that does not depend on the machine's
-# speed, for records made on different machines): a run's record keeps these and nothing else.
-RECORD_KEYS = ("step", "compute_hours", "flops", "val_pass_rate", "lag_hist", "stale_dropped", "step_s",
-               "weight_sync_s")
-
-
-def cut_rows(rows: list[dict], steps: int) -> list[dict]:
-    """The rows of a run up to `steps`: what the same run stopped there would have logged (the learning rate is
-    constant after its warm-up, so the first steps of a longer run are a shorter run). The cut must fall on an
-    evaluated step, where a shorter run would have ended with its last evaluation."""
-    kept = [row for row in rows if row["step"] <= steps]
-    if not kept or kept[-1]["step"] != steps or "val_pass_rate" not in kept[-1]:
-        evaluated = [row["step"] for row in rows if "val_pass_rate" in row]
-        raise ValueError(f"this run has no evaluation at step {steps}; cut it at one of its evaluated steps "
-                         f"{evaluated[:3]}..{evaluated[-3:]}")
-    return kept
-
-
-def load_rows(path) -> list[dict]:
-    """A run's metrics rows, from its run directory (or metrics.jsonl) or from its record (a .json file)."""
-    import scaling_fit as sf
-
-    if str(path).endswith(".json"):
-        return json.loads(Path(path).read_text())["rows"]
-    return sf.read_metrics(path)
-
-
-def _recorded_run(run_dir, record_path, steps: int, flags: list[str]) -> list[dict]:
-    """A study run's metrics rows, cut at `steps`: from its record if one holds at least that many steps with the
-    same flags, else from a train.py run (`_train_run`), whose record is then written. A record is the run's rows
-    with RECORD_KEYS only (about 40 kB for 200 steps), so a study's records can be committed, and the study refitted
-    or continued where its run directories are gone."""
-    record_path = Path(record_path)
-    if record_path.exists():
-        record = json.loads(record_path.read_text())
-        if record["flags"] != flags:
-            raise SystemExit(f"{record_path} holds a run with flags {record['flags']}, not {flags}: a study with "
-                             f"other flags needs another --records directory")
-        if record["steps"] >= steps:
-            return cut_rows(record["rows"], steps)
-    rows = _train_run(run_dir, steps, flags)
-    write_record(record_path, rows, run_dir, flags)
-    return cut_rows(rows, steps)
-
-
-def write_record(path, rows: list[dict], run_dir=None, flags: list[str] | None = None) -> None:
-    """A run's record: its RECORD_KEYS rows, the study flags it was run with (None outside a study) and the
-    run's train.py arguments (its args.json) when `run_dir` has them."""
-    args_file = Path(run_dir) / "args.json" if run_dir is not None else None
-    record = {"flags": flags, "steps": rows[-1]["step"],
-              "args": json.loads(args_file.read_text()) if args_file and args_file.exists() else None,
-              "rows": [{key: row[key] for key in RECORD_KEYS if key in row} for row in rows]}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(record, separators=(",", ":")) + "\n")
-
-
-def run_report(rows: list[dict], devices: int = 3, fit_from_step: int = 0, axis: str = "compute_hours") -> dict:
-    """What a run shows, from its metrics rows: the validation curve, its largest fall once it passed 0.8, the
-    token-weighted lag, the final sigmoid fit, and how well a fit on the first half of the compute predicted the
-    last evaluation. `devices`: learner ranks + generator, to turn compute_hours back into wall time.
-    `fit_from_step`: both fits leave out the evaluations before this step (R0 stays the step-0 evaluation), as
-    ScaleRL leaves out its first ~1.5k GPU-hours. `axis`: the compute of the curve and the fits, one of
-    COMPUTE_AXES."""
-    import scaling_fit as sf
-
-    evals = [r for r in rows if "val_pass_rate" in r]
-    C = [r[axis] for r in evals]
-    R = [r["val_pass_rate"] for r in evals]
-    min_compute = next((r[axis] for r in evals if r["step"] >= fit_from_step), C[-1]) \
-        if fit_from_step else 0.0
-    after_08 = next((i for i, r in enumerate(R) if r >= 0.8), len(R))
-    lags: collections.Counter[int] = collections.Counter()
-    for row in rows:
-        lags.update({int(lag): n for lag, n in row.get("lag_hist", {}).items()})
-    tokens = sum(lags.values())
-    report = {
-        "steps": rows[-1]["step"], "val_first": R[0], "val_final": R[-1], "val_best": max(R),
-        "largest_fall": max([0.0] + [a - b for a, b in zip(R, R[1:])]),
-        "largest_fall_after_0.8": max([0.0] + [a - b for a, b in zip(R[after_08:], R[after_08 + 1:])]),
-        "lag_mean": sum(lag * n for lag, n in lags.items()) / max(tokens, 1), "lag_max": max(lags, default=0),
-        "lag_hist": {lag: lags[lag] / tokens for lag in sorted(lags)} if tokens else {},
-        "stale_dropped": rows[-1].get("stale_dropped", 0), "compute_hours": evals[-1]["compute_hours"],
-        # the share of a learner step (step_s includes it) that rank 0 spent pushing the weights to the generator
-        "weight_sync_frac": statistics.median(fracs) if (fracs := [r["weight_sync_s"] / r["step_s"] for r in rows
-                                                                  if r.get("step_s") and "weight_sync_s" in r]) else None,
-        "wall_s": rows[-1]["compute_hours"] * 3600 / devices, "curve": list(zip(C, R)),
-        "eval_steps": [r["step"] for r in evals], "min_compute": min_compute,
-        "fit": None, "half_fit_error": None, "half_fit_error_vs_fit": None, "eval_sd_second_half": None,
-        "compute_to_0.8": None,
-    }
-    try:
-        fit = sf.fit_sigmoid(C, R, min_compute=min_compute)
-        report["fit"] = {"A": fit.A, "B": fit.B, "C_mid": fit.C_mid, "R0": fit.R0, "r2": fit.r2}
-        half = [i for i, c in enumerate(C) if c <= C[-1] / 2]
-        half_fit = sf.fit_sigmoid([C[i] for i in half], [R[i] for i in half], min_compute=min_compute)
-        half_prediction = float(half_fit.predict(C[-1]))
-        report["half_fit_error"] = half_prediction - R[-1]
-        # The last evaluation is one noisy sample of where the run ends. Against the full fit's end value the error is
-        # the first half's extrapolation alone; the residuals' spread over the second half is that sample's noise.
-        report["half_fit_error_vs_fit"] = half_prediction - float(fit.predict(C[-1]))
-        second_half = [R[i] - float(fit.predict(C[i])) for i, c in enumerate(C) if c > C[-1] / 2]
-        report["eval_sd_second_half"] = statistics.stdev(second_half) if len(second_half) > 1 else None
-    except ValueError as err:  # flat curve or too few points: say so in the report
-        report["fit_error"] = str(err)
-    report["compute_to_0.8"] = next((c for c, r in zip(C, R) if r >= 0.8), None)
-    return report
-
-
-def _mean_spread(values: list[float | None], fmt: str) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "-"
-    mean = sum(values) / len(values)
-    if len(values) == 1:
-        return f"{mean:{fmt}}"
-    return f"{mean:{fmt}} ({min(values):{fmt}}..{max(values):{fmt}})"
-
-
-def _add_curve_fit_args(parser: argparse.ArgumentParser) -> None:
-    """What run_report's fits take, the same for `report` and `study`."""
-    parser.add_argument("--fit-from-step", type=_count(0), default=0,
-                        help="leave every run's evaluations before this step out of the fits (R0 stays the step-0 "
-                             "evaluation), as ScaleRL leaves out its first ~1.5k GPU-hours (default 0: fit them all)")
-    parser.add_argument("--compute-axis", choices=list(COMPUTE_AXES), default="compute_hours",
-                        help="the compute every fit is on: compute_hours (ScaleRL's device-hours: wall time, so it "
-                             "counts a synchronous pipeline's idle time, and runs made on machines of other speeds "
-                             "do not pool) or flops (2N per generated + 6N per trained token: the same on every "
-                             "machine, blind to idle time) (default compute_hours)")
-
-
-def _add_report_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+",
-                        help="run directories (train.py --output-dir) or a study's run records (.json) to report")
-    parser.add_argument("--devices", type=_count(1), default=3,
-                        help="learner ranks + generator of the runs (default 3)")
-    parser.add_argument("--at-steps", type=_int_list(0), default=None,
-                        help="comma list of evaluated steps: report each run as if it had stopped there too, to see "
-                             "from which length on its first half predicts its end, e.g. 100,150,200 (default: the "
-                             "whole run only)")
-    _add_curve_fit_args(parser)
-    parser.add_argument("--save-records", default=None,
-                        help="also write each run directory's record (NAME.json, as bench.py study keeps them: the "
-                             "rows run_report reads and the run's args.json) into this directory, to commit what a "
-                             "table was made from")
-
-
-def bench_report(args: argparse.Namespace) -> dict:
-    """One line per run (and per --at-steps length): the pass rate from step 0 to the end, its largest fall once
-    past 0.8, the mean lag, the final fit's R^2, the first-half fit's prediction error against the last evaluation
-    and against the full fit's end, the wall time; then the mean and range over the runs."""
-    reports = {}
-    for run in args.runs:
-        rows = load_rows(run)
-        if args.save_records and not str(run).endswith(".json"):
-            write_record(Path(args.save_records) / f"{Path(run).name}.json", rows, run)
-        cuts = [int(s) for s in args.at_steps.split(",")] if args.at_steps else [rows[-1]["step"]]
-        for steps in cuts:
-            name = run if steps == rows[-1]["step"] else f"{run} @ {steps}"
-            reports[name] = run_report(cut_rows(rows, steps), args.devices, fit_from_step=args.fit_from_step,
-                                       axis=args.compute_axis)
-    print("| run | val pass 0 -> end (best) | largest fall after 0.8 | mean lag (max) | final fit A, R^2 "
-          "| first-half fit: predicted - final | predicted - full fit's end | weight sync / step (median) | wall |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for run, rep in reports.items():
-        fit = rep["fit"]
-        print(f"| {run} | {rep['val_first']:.3f} -> {rep['val_final']:.3f} ({rep['val_best']:.3f}) | "
-              f"{rep['largest_fall_after_0.8']:.3f} | {rep['lag_mean']:.2f} ({rep['lag_max']}) | "
-              + (f"{fit['A']:.3f}, {fit['r2']:.3f} | " if fit else f"{rep.get('fit_error')} | ")
-              + (f"{rep['half_fit_error']:+.3f} | " if rep["half_fit_error"] is not None else "- | ")
-              + (f"{rep['half_fit_error_vs_fit']:+.3f} | " if rep["half_fit_error_vs_fit"] is not None else "- | ")
-              + (f"{rep['weight_sync_frac']:.3f} | " if rep["weight_sync_frac"] is not None else "- | ")
-              + f"{rep['wall_s']:.0f} s |")
-    reps = list(reports.values())
-    print(f"| mean (range) over {len(reps)} | {_mean_spread([r['val_final'] for r in reps], '.3f')} | "
-          f"{_mean_spread([r['largest_fall_after_0.8'] for r in reps], '.3f')} | "
-          f"{_mean_spread([r['lag_mean'] for r in reps], '.2f')} | "
-          f"R^2 {_mean_spread([r['fit']['r2'] if r['fit'] else None for r in reps], '.3f')} | "
-          f"{_mean_spread([abs(r['half_fit_error']) if r['half_fit_error'] is not None else None for r in reps], '.3f')} (abs) | "
-          f"{_mean_spread([abs(r['half_fit_error_vs_fit']) if r['half_fit_error_vs_fit'] is not None else None for r in reps], '.3f')} (abs) | "
-          f"{_mean_spread([r['weight_sync_frac'] for r in reps], '.3f')} | "
-          f"{_mean_spread([r['wall_s'] for r in reps], '.0f')} s |")
-    return {"benchmark": "report", "runs": {run: {k: v for k, v in rep.items() if k != "curve"}
-                                            for run, rep in reports.items()}}
-
-
-def _add_staleness_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ks", type=_int_list(0), default="0,1,2,4,8",
-                        help="staleness bounds k to compare; 0 is synchronous on-policy RL (--mode sync "
-                             "--max-off-policy 1), k >= 1 PipelineRL-k with only k limiting the lag (default 0,1,2,4,8)")
-    parser.add_argument("--steps", type=_count(1), default=50, help="optimizer steps per run (default 50)")
-    parser.add_argument("--learner-slowdown", type=_number(1.0), default=2.0,
-                        help="train.py --debug-learner-slowdown: a generator this much faster relative to the learner "
-                             "than the machine's own ratio (default 2)")
-    parser.add_argument("--seeds", type=_int_list(0), default="0,1", help="seeds: every k runs on each (default 0,1)")
-    parser.add_argument("--out-dir", default="runs/staleness",
-                        help="one run directory per k and seed under it (kK-sSEED), plus staleness.png and "
-                             "staleness.md; finished runs are not run again (default runs/staleness)")
-    parser.add_argument("--figure", default=None,
-                        help="also save the figure here, e.g. docs/staleness.png (make pictures does)")
-
-
-def bench_staleness(args: argparse.Namespace) -> dict:
-    """The tiny recipe at several staleness bounds k with a generator faster than the learner, so that k alone
-    sets the lag (--buffer-steps k + 1): validation pass rate against compute and the lag histogram of each run,
-    the picture of why the off-policyness of an asynchronous pipeline must be bounded."""
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir = Path(args.out_dir)
-    seeds = [int(x) for x in args.seeds.split(",")]
-    results: dict[int, list[dict]] = {}  # k -> one report per seed
-    for k in (int(k) for k in args.ks.split(",")):
-        mode = ["--mode", "sync", "--max-off-policy", "1"] if k == 0 else \
-            ["--mode", "pipeline", "--max-off-policy", str(k), "--buffer-steps", str(k + 1)]
-        for seed in seeds:
-            rows = _train_run(out_dir / f"k{k}-s{seed}", args.steps, ["--seed", str(seed), "--debug-learner-slowdown",
-                                                                      str(args.learner_slowdown), *mode])
-            results.setdefault(k, []).append(run_report(rows))
-
-    fig, (ax_curve, ax_lag) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for index, (k, reps) in enumerate(results.items()):
-        label = "k=0 (sync, on-policy)" if k == 0 else f"k={k}"
-        color = f"C{index}"
-        lag_mean = sum(rep["lag_mean"] for rep in reps) / len(reps)
-        for n, rep in enumerate(reps):  # one line per seed: solid, dashed, dotted
-            x, y = zip(*rep["curve"][1:])  # compute of step 0 is ~0: leave it off the log axis
-            ax_curve.plot(x, y, marker="o", markersize=3, color=color, linestyle=["-", "--", ":"][n % 3],
-                          label=f"{label}: mean lag {lag_mean:.1f}" if n == 0 else None)
-        lags = sorted({lag for rep in reps for lag in rep["lag_hist"]})
-        ax_lag.plot(lags, [sum(rep["lag_hist"].get(lag, 0.0) for rep in reps) / len(reps) for lag in lags],
-                    marker="o", color=color, label=label)
-    firsts = [rep["val_first"] for reps in results.values() for rep in reps]
-    r0 = sum(firsts) / len(firsts)
-    ax_curve.axhline(r0, color="gray", linestyle="-.", linewidth=0.8, label=f"R0 (step 0, mean) {r0:.2f}")
-    ax_curve.set_xscale("log")
-    ax_curve.xaxis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(2.0, 5.0)))
-    ax_curve.set(xlabel="compute_hours (wall hours x 3 devices)", ylabel="validation pass rate (mean@4)",
-                 title=f"Tiny recipe, generator far ahead of the learner (learner slowed {args.learner_slowdown:g}x), "
-                       f"seeds {args.seeds}")
-    ax_lag.set(xlabel="lag of a trained token (optimizer steps)", ylabel="fraction of trained tokens",
-               title="Lag histogram over the run (mean over seeds)")
-    for ax in (ax_curve, ax_lag):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.title.set_fontsize(10)
-    fig.tight_layout()
-    fig.savefig(out_dir / "staleness.png", dpi=110)
-    if args.figure:
-        fig.savefig(args.figure, dpi=110)
-    plt.close(fig)
-    lines = ["| k | mean lag (max) | val pass 0 -> end (best) | largest fall between evaluations | final fit A, R^2 "
-             "per seed | wall |", "|---|---|---|---|---|---|"]
-    for k, reps in results.items():
-        fits = "; ".join(f"{rep['fit']['A']:.3f}, {rep['fit']['r2']:.3f}" if rep["fit"] else "no sigmoid"
-                         for rep in reps)
-        lines.append(f"| {k}{' (sync)' if k == 0 else ''} | {_mean_spread([r['lag_mean'] for r in reps], '.2f')} "
-                     f"({max(r['lag_max'] for r in reps)}) | {_mean_spread([r['val_first'] for r in reps], '.3f')} -> "
-                     f"{_mean_spread([r['val_final'] for r in reps], '.3f')} "
-                     f"({_mean_spread([r['val_best'] for r in reps], '.3f')}) | "
-                     f"{_mean_spread([r['largest_fall'] for r in reps], '.3f')} | {fits} | "
-                     f"{_mean_spread([r['wall_s'] for r in reps], '.0f')} s |")
-    lines.append(f"\n(mean and, in brackets, range over seeds {args.seeds}; {args.steps} steps each)")
-    (out_dir / "staleness.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"[staleness] figure: {out_dir / 'staleness.png'}")
-    return {"benchmark": "staleness", "learner_slowdown": args.learner_slowdown, "steps": args.steps, "seeds": seeds,
-            "runs": {k: [{key: v for key, v in rep.items() if key != "curve"} for rep in reps]
-                     for k, reps in results.items()}}
-
-
-# ScaleRL's ablations in miniature (its Figures 7 and 9-11): the recipe, then one component changed at a time.
-VARIANTS: dict[str, tuple[str, list[str]]] = {
-    "scalerl": ("ScaleRL recipe (CISPO, PipelineRL-8)", []),
-    "gspo": ("GSPO loss instead of CISPO", ["--loss", "gspo"]),
-    "dapo": ("DAPO loss instead of CISPO", ["--loss", "dapo"]),
-    "grpo": ("GRPO loss instead of CISPO", ["--loss", "grpo"]),
-    "sync8": ("PPO-off-policy-8 instead of PipelineRL-8", ["--mode", "sync", "--max-off-policy", "8"]),
-    "keep": ("keep zero-variance groups", ["--zero-variance", "keep"]),
-    "group": ("group instead of batch advantage norm", ["--adv-norm", "group"]),
-    "sample": ("sample instead of prompt aggregation", ["--aggregation", "sample"]),
-    "batch2x": ("2x larger batch (64 prompts per step)", ["--prompts-per-step", "64"]),
-    "nonpr": ("no No-Positive-Resampling", ["--retire-pass-rate", "0"]),
-    "overlong": ("DAPO overlong penalty instead of interruptions", ["--length-control", "overlong"]),
-}
-# Named lists of variants: the study of ScaleRL's design axes, and the leave-one-out table of docs/results.md.
-VARIANT_SETS = {
-    "study": "scalerl,sync8,dapo,grpo,gspo,keep,group,sample,batch2x",
-    "leave-one-out": "scalerl,sync8,dapo,sample,group,keep,nonpr,overlong",
-}
-
-
-def pooled_fit(reports: list[dict], n_boot: int = 200, seed: int = 0, fixed_A: float | None = None) -> dict:
-    """ScaleRL's sigmoid fitted to the evaluations of all seeds of one variant at once, with residual-bootstrap
-    95% intervals. R0 is the base model's pass rate: the mean of the runs' step-0 evaluations, one point at the
-    smallest step-0 compute. Each run's evaluations below its report's `min_compute` (run_report's fit_from_step)
-    are left out of the fit. `fixed_A`: fit B and C_mid with A held there (ScaleRL's way to compare the B of runs
-    whose A is alike). `reports` are run_report()s; a flat pooled curve gives None values and its error."""
-    import math
-
-    import scaling_fit as sf
-
-    r0 = sum(rep["curve"][0][1] for rep in reports) / len(reports)
-    C, R = [min(rep["curve"][0][0] for rep in reports)], [r0]
-    for c, r in sorted(point for rep in reports for point in rep["curve"][1:] if point[0] >= rep["min_compute"]):
-        C.append(c if c > C[-1] else math.nextafter(C[-1], math.inf))  # two seeds at one compute: keep both
-        R.append(r)
-    out = {"A": None, "A_lo": None, "A_hi": None, "B": None, "B_lo": None, "B_hi": None, "C_mid": None,
-           "C_mid_lo": None, "C_mid_hi": None,
-           "R0": r0, "r2": None, "n_points": len(C), "curve": list(zip(C, R)), "fit": None}
-    try:
-        boot = sf.bootstrap_sigmoid(C, R, n_boot, r0=r0, seed=seed, a_grid=None if fixed_A is None else [fixed_A])
-    except ValueError as err:  # flat: no sigmoid can be identified
-        return out | {"error": str(err)}
-    fit = boot.fit
-    return out | {"A": fit.A, "A_lo": boot.A_ci[0], "A_hi": boot.A_ci[1], "B": fit.B, "B_lo": boot.B_ci[0],
-                  "B_hi": boot.B_ci[1], "C_mid": fit.C_mid, "C_mid_lo": boot.C_mid_ci[0], "C_mid_hi": boot.C_mid_ci[1],
-                  "r2": fit.r2, "fit": fit}
-
-
-def compare_intervals(variant: dict, baseline: dict, key: str = "A") -> str:
-    """'higher' or 'lower' when the 95% intervals of `key` (A, B or C_mid) do not overlap, 'not separable' when
-    they do."""
-    if variant[key] is None or baseline[key] is None:
-        return "no fit"
-    if variant[f"{key}_lo"] > baseline[f"{key}_hi"]:
-        return "higher"
-    if variant[f"{key}_hi"] < baseline[f"{key}_lo"]:
-        return "lower"
-    return "not separable"
-
-
-def plot_study(fits: dict[str, dict], out_path, title: str, ceiling: float | None = None,
-               axis: str = "compute_hours") -> None:
-    """The study's figure: each variant's pooled evaluations and fit against compute, then A and B with their 95%
-    intervals, one row per variant (the first is the baseline), and the task's known ceiling where there is one."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, (ax_curve, ax_a, ax_b) = plt.subplots(1, 3, figsize=(15, 5.2), gridspec_kw={"width_ratios": [2.2, 1, 1]})
-    names = list(fits)
-    for row, name in enumerate(names):
-        fit, color = fits[name], f"C{row % 10}"
-        C, R = (np.asarray(v) for v in zip(*fit["curve"][1:]))  # [0] is R0 at compute ~0: off the log axis
-        ax_curve.scatter(C, R, s=7, color=color, alpha=0.45)
-        if fit["fit"] is None:
-            ax_curve.plot([], [], color=color, label=f"{name}: no sigmoid")
-            continue
-        x = np.geomspace(C.min(), C.max(), 200)
-        ax_curve.plot(x, fit["fit"].predict(x), color=color, label=name)
-        for ax, key in ((ax_a, "A"), (ax_b, "B")):
-            ax.errorbar(fit[key], row, xerr=[[fit[key] - fit[f"{key}_lo"]], [fit[f"{key}_hi"] - fit[key]]], fmt="o",
-                        color=color, capsize=3)
-    if ceiling is not None:
-        for ax, axline in ((ax_curve, ax_curve.axhline), (ax_a, ax_a.axvline)):
-            axline(ceiling, color="black", linestyle=":", linewidth=1, label=f"known ceiling {ceiling:g}")
-        ax_a.legend(fontsize=8, loc="upper right")
-    ax_curve.set_xscale("log")
-    ax_curve.set(xlabel=f"{axis} ({COMPUTE_AXES[axis]})", ylabel="validation pass rate (mean@k)", title=title)
-    ax_curve.legend(fontsize=7, ncol=2)
-    ax_a.set(xlabel="asymptote A (95% interval)", title="A: where the variant ends")
-    ax_b.set(xlabel="B (95% interval)", title="B: how fast it gets there")
-    for ax in (ax_a, ax_b):
-        ax.set_yticks(range(len(names)), names)
-        ax.set_ylim(len(names) - 0.5, -0.5)  # the baseline on top
-    for ax in (ax_curve, ax_a, ax_b):
-        ax.grid(alpha=0.3)
-        ax.title.set_fontsize(9)
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
-
-
-def _add_study_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--variants", type=_variant_names, default="study",
-                        help=f"a named set ({', '.join(f'{k}: {v}' for k, v in VARIANT_SETS.items())}) or a comma "
-                             f"list of variants from: {', '.join(VARIANTS)} (default: study). The first is the "
-                             "baseline the others are compared with")
-    parser.add_argument("--seeds", type=_int_list(0), default="0,1,2", help="seeds of every variant (default 0,1,2)")
-    parser.add_argument("--steps", type=_count(1), default=50, help="optimizer steps per run (default 50)")
-    parser.add_argument("--common", type=_shell_words, default="",
-                        help="train.py flags added to every run, e.g. \"--model DIR --dataset FILE\" for another task")
-    _add_curve_fit_args(parser)
-    parser.add_argument("--bootstrap", type=_count(0), default=200,
-                        help="residual-bootstrap replicates of each pooled fit, for the 95%% intervals (default 200)")
-    parser.add_argument("--out-dir", default="runs/study",
-                        help="runs go to OUT_DIR/VARIANT-sSEED; a finished run is not run again, so a killed study "
-                             "continues where it stopped; the table, figure and summary go to OUT_DIR/study.{md,png,"
-                             "json} (default runs/study)")
-    parser.add_argument("--records", default=None,
-                        help="one small JSON record per finished run (VARIANT-sSEED.json: its flags and metrics rows) "
-                             "goes here, and a run whose record holds at least --steps steps with the same flags is "
-                             "not run again but cut at --steps. Committed (e.g. docs/study-runs), they let a study be "
-                             "refitted (another fitter, fewer steps) without its run directories, or continued by a "
-                             "later session (on compute_hours, only records from machines of one speed pool; on "
-                             "--compute-axis flops, any do) (default OUT_DIR/records)")
-    parser.add_argument("--ceiling", type=_number(0.0, 1.0), default=None,
-                        help="the task's known ceiling, drawn beside the fitted asymptotes and kept in the summary "
-                             "(arithmetic-verified with --think-budget 27,36: 0.7, see tasks.VerifiedArithmeticTask)")
-    parser.add_argument("--summary", default=None, help="also write the summary JSON here, e.g. docs/study.json")
-    parser.add_argument("--figure", default=None, help="also save the figure here, e.g. docs/study.png")
-
-
-def _worst(errors: Iterable[float | None]) -> float | None:
-    """The error of largest magnitude, with its sign; None when no run has one."""
-    known = [e for e in errors if e is not None]
-    return max(known, key=abs) if known else None
-
-
-def bench_study(args: argparse.Namespace) -> dict:
-    """Each variant on each seed (resumable), then per variant one sigmoid fitted to all its seeds' evaluations
-    with 95% bootstrap intervals of A and B, each run's first-half prediction error, and whether the variant's
-    asymptote is separable from the baseline's (the first variant); then, for the variants whose A is not, B and
-    C_mid refitted at their shared A and compared the same way: one table, one figure, one summary JSON."""
-
-    out_dir = Path(args.out_dir)
-    seeds = [int(x) for x in args.seeds.split(",")]
-    names = VARIANT_SETS.get(args.variants, args.variants).split(",")
-    unknown = [v for v in names if v not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {list(VARIANTS)}, or a set: {list(VARIANT_SETS)}")
-    common = shlex.split(args.common)
-    records = Path(args.records) if args.records else out_dir / "records"
-    reports: dict[str, list[dict]] = {}
-    for name in names:
-        for seed in seeds:
-            rows = _recorded_run(out_dir / f"{name}-s{seed}", records / f"{name}-s{seed}.json", args.steps,
-                                 ["--seed", str(seed), *VARIANTS[name][1], *common])
-            reports.setdefault(name, []).append(run_report(rows, fit_from_step=args.fit_from_step,
-                                                           axis=args.compute_axis))
-    fits = {name: pooled_fit(reps, args.bootstrap) for name, reps in reports.items()}
-    baseline = fits[names[0]]
-    # ScaleRL compares the efficiency of runs whose asymptotes are alike with A fixed at their average: here the
-    # baseline and every variant whose A is not separable from it, refitted with A at the mean of their A.
-    alike = [name for name in names
-             if name == names[0] or compare_intervals(fits[name], baseline) == "not separable"]
-    shared_a = round(statistics.mean(fits[name]["A"] for name in alike), 3) if baseline["A"] is not None else None
-    shared = {name: pooled_fit(reports[name], args.bootstrap, fixed_A=shared_a) for name in alike} \
-        if shared_a is not None else {}
-    summary_variants = []
-    unit = COMPUTE_AXES[args.compute_axis]
-    c_fmt = ".4f" if args.compute_axis == "compute_hours" else ".3g"
-    lines = [f"| variant (NAME) | FLAGS | val pass 0 -> {args.steps} | A [95%] | B [95%] | C_mid ({unit}) | R^2 "
-             f"| first-half fit: predicted - final, worst | predicted - full fit's end, worst | A against {names[0]} "
-             f"| at A = {shared_a}: B [95%] | C_mid [95%] | B, C_mid against {names[0]} |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, reps in reports.items():
-        title, flags = VARIANTS[name]
-        fit = fits[name]
-        half_errors = {str(seed): rep["half_fit_error"] for seed, rep in zip(seeds, reps)}
-        errors_vs_fit = {str(seed): rep["half_fit_error_vs_fit"] for seed, rep in zip(seeds, reps)}
-        worst, worst_vs_fit = _worst(half_errors.values()), _worst(errors_vs_fit.values())
-        verdict = "(baseline)" if name == names[0] else compare_intervals(fit, baseline)
-        at_shared = shared.get(name, {"B": None})
-        b_verdict = "(baseline)" if name == names[0] else "A differs" if name not in shared else \
-            ", ".join(compare_intervals(at_shared, shared[names[0]], key=key) for key in ("B", "C_mid"))
-        b_shared_text = "- | -" if at_shared["B"] is None else \
-            (f"{at_shared['B']:.2f} [{at_shared['B_lo']:.2f}, {at_shared['B_hi']:.2f}] | {at_shared['C_mid']:{c_fmt}} "
-             f"[{at_shared['C_mid_lo']:{c_fmt}}, {at_shared['C_mid_hi']:{c_fmt}}]")
-        if fit["A"] is None:
-            a_text = b_text = c_text = r2_text = "no sigmoid"
-        else:
-            a_text = f"{fit['A']:.3f} [{fit['A_lo']:.3f}, {fit['A_hi']:.3f}]"
-            b_text = f"{fit['B']:.2f} [{fit['B_lo']:.2f}, {fit['B_hi']:.2f}]"
-            c_text, r2_text = f"{fit['C_mid']:{c_fmt}}", f"{fit['r2']:.3f}"
-        lines.append(f"| {title} ({name}) | {'`' + ' '.join(flags) + '`' if flags else ''} | "
-                     f"{_mean_spread([r['val_first'] for r in reps], '.3f')} -> "
-                     f"{_mean_spread([r['val_final'] for r in reps], '.3f')} | {a_text} | {b_text} | {c_text} | "
-                     f"{r2_text} | {'-' if worst is None else f'{worst:+.3f}'} | "
-                     f"{'-' if worst_vs_fit is None else f'{worst_vs_fit:+.3f}'} | {verdict} | {b_shared_text} | "
-                     f"{b_verdict} |")
-        summary_variants.append({
-            "name": name, "title": title, "flags": flags, "seeds": seeds,
-            **{key: fit[key] for key in ("A", "A_lo", "A_hi", "B", "B_lo", "B_hi", "C_mid", "C_mid_lo", "C_mid_hi",
-                                         "R0", "r2", "n_points")},
-            "half_fit_errors": half_errors, "half_fit_errors_vs_fit": errors_vs_fit,
-            "eval_sd_second_half": [rep["eval_sd_second_half"] for rep in reps],
-            "val_final": [rep["val_final"] for rep in reps],
-            "compute_hours": [rep["compute_hours"] for rep in reps], "against_baseline": verdict,
-            **{f"{key}_at_shared_A{end}": at_shared.get(f"{key}{end}") for key in ("B", "C_mid") for end in
-               ("", "_lo", "_hi")}, "B_C_mid_against_baseline": b_verdict,
-        })
-    all_reports = [rep for reps in reports.values() for rep in reps]
-    total_hours = sum(rep["compute_hours"] for rep in all_reports)
-    total_wall = sum(rep["wall_s"] for rep in all_reports)
-    summary = {
-        "steps": args.steps, "seeds": seeds, "common_flags": common, "fit_from_step": args.fit_from_step,
-        "compute_axis": args.compute_axis,
-        "ceiling": args.ceiling, "shared_A": shared_a,
-        "bootstrap": args.bootstrap,
-        "baseline": names[0], "records": str(records), "runs": len(all_reports), "total_compute_hours": total_hours,
-        "total_wall_s": total_wall,
-        "worst_half_fit_error": _worst(rep["half_fit_error"] for rep in all_reports),
-        "worst_half_fit_error_vs_fit": _worst(rep["half_fit_error_vs_fit"] for rep in all_reports),
-        "runs_without_half_fit": sum(rep["half_fit_error"] is None for rep in all_reports),
-        "variants": summary_variants,
-    }
-    from_step = f", fitted from step {args.fit_from_step} on" if args.fit_from_step else ""
-    table = "\n".join(lines) + (
-        f"\n\n(one sigmoid per variant fitted to the evaluations of seeds {args.seeds} together, {args.steps} steps "
-        f"each{from_step}, on {args.compute_axis}; 95% residual-bootstrap intervals; {len(all_reports)} runs, "
-        f"{total_hours:.2f} "
-        f"device-hours, {total_wall / 3600:.2f} h of wall time)\n")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "study.md").write_text(table)
-    for path in [out_dir / "study.json", *([Path(args.summary)] if args.summary else [])]:
-        path.write_text(json.dumps(summary, indent=1) + "\n")
-    title = f"{len(seeds)} seeds pooled per variant (seeds {args.seeds}), {args.steps} steps{from_step}"
-    for path in [out_dir / "study.png", *([Path(args.figure)] if args.figure else [])]:
-        plot_study(fits, path, title, args.ceiling, args.compute_axis)
-    print(table)
-    return {"benchmark": "study", **summary}
-
-
 # name -> (benchmark function, function adding its flags, one-line help)
 BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argparse.ArgumentParser], None], str]] = {
     "fit": (bench_fit, _add_fit_args, "full-grid sigmoid fit on 75 points vs exhaustive per-grid-point curve_fit"),
@@ -2043,17 +1445,11 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
     "head": (bench_head, _add_head_args,
              "the FP32 LM head: float32, bf16 and split-bf16 GEMMs, the learner's head against its GEMMs' limit, "
              "logprob errors against float64 (qwen3-1.7b's head on a GPU, a small one on a CPU)"),
-    "report": (bench_report, _add_report_args,
-               "targets of finished runs: pass rate, largest fall, mean lag, fit R^2, first-half prediction error"),
-    "study": (bench_study, _add_study_args,
-              "ScaleRL's ablations in miniature: variants x seeds (resumable), pooled fits with 95%% intervals of A, B"),
-    "staleness": (bench_staleness, _add_staleness_args,
-                  "the tiny recipe at k = 0 (sync), 1, 2, 4, 8 with a fast generator: pass rate vs compute, lag"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """bench.py's command line: one subcommand per benchmark, each with its own flags."""
+    """harness/bench.py's command line: one subcommand per benchmark, each with its own flags."""
     parser = OneLineParser(description=__doc__.split("\n\n")[0])
     subparsers = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
     for name, (_, add_args, help_text) in BENCHMARKS.items():

@@ -1,0 +1,21 @@
+"""The harness: everything the recipe needs to run on real machines, and what measures and teaches it. A reader of the
+recipe (the nine files beside this package) may skip it and know what they skipped.
+
+    flags         train.py's flags, their checks, the resume rules, args.json
+    checkpoints   a run's checkpoint files: saving, loading, migrating
+    runtime       the learner's run: process groups, the output-directory lock, signals, metrics, reporters
+    packing       completions into rows and micro-batches
+    head_gemm     the LM head's log-probabilities in chunks, and the split-bf16 GEMM of the FP32 head
+    memory_plan   the learner's GPU memory per rank, and the layout, printed before start
+    vllm_replica  what runs inside vLLM: interruptions, the weight transport, the handshake
+    tasks         the task: prompts, verifiers, data readers
+    base_model    how the tiny base model is built, and a real one converted for the CPU tests
+    cli           what every command line shares: one error line for a bad flag
+    bench         benchmarks that print ratios from one run
+    experiments   studies made of real train.py runs: staleness, ablations, reports
+    teach         exercises graded by the tests, pictures of the losses
+
+Its entry points run as modules from the repository root: `python -m harness.base_model build-base`,
+`python -m harness.tasks check-answer`, `python -m harness.bench ...`, `python -m harness.experiments ...`,
+`python -m harness.teach ...`. It imports nothing here, so that importing one module costs that module only.
+"""

@@ -1,0 +1,84 @@
+"""harness/cli.py: what every command line of the project shares: a bad flag is one error line (`OneLineParser`), and
+the argparse types of a count, a number and a list of integers (`int_at_least`, `number`, `int_list`). A runtime
+module: a reader of the recipe may skip it.
+
+It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
+replica`, scaling_fit.py, harness/bench.py, harness/experiments.py, harness/teach.py, harness/tasks.py) can use it
+without pulling in torch or making an import cycle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Callable
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Argument errors in one line, printed once: no usage block above it, since the line already names the flag
+    and says what it expected. Under torchrun every rank parses the same flags, so only rank 0 speaks and the others
+    exit quietly with the same status. Subcommands' parsers are of this class too (argparse makes them with the
+    parent's class)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def int_at_least(minimum: int, none: bool = False) -> Callable[[str], int | None]:
+    """An argparse type: an integer >= minimum (`none`: or the word none), so that a bad value is one line naming its
+    flag instead of a traceback later."""
+    def count(text: str) -> int | None:
+        if none and text == "none":
+            return None
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer{' or none' if none else ''}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum} (got {value})")
+        return value
+    return count
+
+
+def number(low: float, high: float = math.inf, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (`above`: in (low, high])."""
+    def number(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (above and value == low) or value > high:
+            bound = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound} (got {text})")
+        return value
+    return number
+
+
+def int_list(minimum: int, pair: bool = False) -> Callable[[str], str]:
+    """An argparse type that checks a comma-separated list of integers >= minimum (`pair`: LOW,HIGH with LOW <=
+    HIGH) and keeps its text, which the command reads."""
+    def int_list(text: str) -> str:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if pair and (len(values) != 2 or values[0] > values[1]):
+            raise argparse.ArgumentTypeError(f"expected LOW,HIGH with LOW <= HIGH, got {text!r}")
+        if min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"each must be >= {minimum} (got {text!r})")
+        return text
+    return int_list
+
+
+def positionals(prog: str, names: tuple[str, ...], argv: list[str], description: str | None = None) -> list[str]:
+    """A subcommand's positional arguments (`train.py export RUN_DIR OUT_DIR`), checked like flags: one missing, one
+    extra or an unknown option is one line and exit status 2, and `--help` prints `description`."""
+    parser = OneLineParser(prog=prog, description=description)
+    for name in names:
+        parser.add_argument(name)
+    given = vars(parser.parse_args(argv))
+    return [given[name] for name in names]

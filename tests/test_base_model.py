@@ -230,8 +230,8 @@ SMALL_CONFIG = base_model.BaseModelConfig(sft_examples=640, sft_batch_size=16, s
 @pytest.mark.slow
 def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers(tmp_path, monkeypatch):
     """`python -m harness.base_model build-base`'s portable kernels: a build whose MKL is held to AVX2 (as on an
-    AVX2-only machine) gives the same bytes as one free to use all this CPU has, and so does a build from a caller with
-    another thread count (the portable build pins its threads); a build already there is reused. This test process has
+    AVX2-only machine), made by a caller with another thread count (the portable build pins its threads), gives the
+    same bytes as one free to use all this CPU has; a build already there is reused. This test process has
     imported torch, too late to pin its kernels: the builds run in a child. (That pinning is not enough everywhere, an
     Intel Xeon with AMX built other bytes, is why the documented base ships with the repository.)"""
     import torch
@@ -245,15 +245,14 @@ def test_portable_kernels_build_the_same_bytes_whatever_the_cpu_offers(tmp_path,
     before = built.stat().st_mtime
     assert base_model.build_base_model(tmp_path / "portable", SMALL_CONFIG, progress=False) == tmp_path / "portable"
     assert built.stat().st_mtime == before  # reused, not built again
-    with monkeypatch.context() as patch:
-        patch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
-        assert build("mkl-avx2") == portable
     callers_threads = torch.get_num_threads()
-    torch.set_num_threads(5)  # a caller on a bigger machine; its build must not follow
-    try:
-        assert build("caller-five-threads") == portable
-    finally:
-        torch.set_num_threads(callers_threads)
+    with monkeypatch.context() as patch:  # both at once: one build fewer, and either alone changing a byte fails it
+        patch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+        torch.set_num_threads(5)  # a caller on a bigger machine; its build must not follow
+        try:
+            assert build("mkl-avx2-five-threads") == portable
+        finally:
+            torch.set_num_threads(callers_threads)
 
 
 def test_weights_checksum_sees_every_bit_of_the_weights_and_nothing_else(tmp_path):

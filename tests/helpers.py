@@ -5,6 +5,8 @@ import dataclasses
 import json
 import random
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -85,3 +87,13 @@ def file_tree(path: Path) -> dict[str, bytes]:
 
 def metrics_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_where(where: str, fn: Callable[[], None]) -> None:
+    """fn() in this, the main thread ("main") or in another one ("thread", joined within 60 s): rewards run in both."""
+    if where == "thread":
+        thread = threading.Thread(target=fn)
+        thread.start()
+        thread.join(60)
+    else:
+        fn()

@@ -29,6 +29,7 @@ import torch
 
 import pipeline_rl as pl
 from harness import tasks, vllm_replica
+from helpers import run_where
 import weight_probe
 
 # --------------------------------------------------------------------------------------------------------------
@@ -489,12 +490,7 @@ def test_a_hostile_math_answer_scores_wrong_within_1_5_s_where_rewards_run_and_s
             results.append((*rewards.score(problem, hostile), time.monotonic() - t0))
         results.append(rewards.score(problem, f"The answer is {problem.answer}."))
 
-    if where == "thread":
-        thread = threading.Thread(target=score)
-        thread.start()
-        thread.join(60)
-    else:
-        score()
+    run_where(where, score)
     first, *hostile, last = results
     assert first == (1.0, None) and last == (1.0, None) and len(hostile) == 2
     for reward, error, seconds in hostile:

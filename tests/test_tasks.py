@@ -7,7 +7,6 @@ import random
 import re
 import subprocess
 import sys
-import threading
 from fractions import Fraction
 from itertools import islice
 from pathlib import Path
@@ -16,6 +15,7 @@ import pytest
 
 from harness import tasks
 from harness.tasks import ArithmeticTask, BadRowError, MathDataset, Problem, extract_final_answer, math_answers_match
+from helpers import run_where
 
 # --------------------------------------------------------------------------------------------------------------
 # The embedded task
@@ -746,12 +746,7 @@ def test_a_hostile_answer_is_no_match_within_the_bound_in_any_thread(where):
         results.append(tasks.check_answer("\\boxed{\\frac{1}{2}}", "0.5", verifier))
 
     try:
-        if where == "thread":
-            thread = threading.Thread(target=run)
-            thread.start()
-            thread.join(60)
-        else:
-            run()
+        run_where(where, run)
     finally:
         verifier.close()
     first, *hostile, last = results

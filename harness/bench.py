@@ -1056,15 +1056,17 @@ def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dic
     if peak_flops is not None:
         results["peak_tflops"] = peak_flops / 1e12
     for name, s in step_s.items():
-        results[f"{name}_s"] = None if s is None else round(s, 4)
+        # 4 significant figures, not 4 decimals: a tiny shape's step takes milliseconds, where 4 decimals of s
+        # and of an MFU near 1% each lose up to 1%
+        results[f"{name}_s"] = None if s is None else float(f"{s:.4g}")
         results[f"{name}_tokens_per_s"] = None if s is None else round(tokens / s)
         mfu = None if s is None else runtime.model_flops_utilisation(learner["n_params"], tokens, s, 1, peak_flops)
         if peak_flops is not None:
-            results[f"{name}_mfu"] = None if mfu is None else round(mfu, 4)
+            results[f"{name}_mfu"] = None if mfu is None else float(f"{mfu:.4g}")
         if "peak_bytes" in timed[name]:
             results[f"{name}_peak_gib"] = round(timed[name]["peak_bytes"] / 2**30, 2)
             results[f"{name}_peak_beyond_weights_gib"] = round((timed[name]["peak_bytes"] - weights[name]) / 2**30, 2)
-        results[f"{name}_head_s"] = None if head_s.get(name) is None else round(head_s[name], 4)
+        results[f"{name}_head_s"] = None if head_s.get(name) is None else float(f"{head_s[name]:.4g}")
         results[f"{name}_head_share"] = None if s is None or head_s.get(name) is None else round(head_s[name] / s, 3)
         if "oom" in timed[name]:
             results[f"{name}_oom"] = timed[name]["oom"]
@@ -1130,7 +1132,7 @@ def _print_train_report(r: dict) -> None:
         memory = (f"; peak {r[f'{name}_peak_gib']} GiB, {r[f'{name}_peak_beyond_weights_gib']} beyond the weights"
                   if f"{name}_peak_gib" in r else "")
         mfu = f", MFU {r[f'{name}_mfu']:.1%}" if r.get(f"{name}_mfu") is not None else ""
-        print(f"{label}: {r[f'{name}_s']:.3f} s = {r[f'{name}_tokens_per_s']:,} real tokens/s{mfu}; LM head "
+        print(f"{label}: {r[f'{name}_s']:.4g} s = {r[f'{name}_tokens_per_s']:,} real tokens/s{mfu}; LM head "
               f"{fmt(r[f'{name}_head_s'], '.3f')} s alone ({fmt(r[f'{name}_head_share'], '.0%')} of the step, "
               f"{r['scored_tokens_bare' if name == 'bare' else 'scored_tokens_learner']:,} positions){memory}")
     if "limit_s" in r:

@@ -3,9 +3,14 @@ directory, and the check that two steps gave the same gradient."""
 
 import dataclasses
 import json
+import os
 import random
+import re
+import shutil
+import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,3 +102,54 @@ def run_where(where: str, fn: Callable[[], None]) -> None:
         thread.join(60)
     else:
         fn()
+
+
+def why_failed(run: subprocess.CompletedProcess, tail: int = 3000) -> str:
+    """A failed command's story for an assertion message: the machine's CPU, each crashed process's own report (a
+    Python traceback, or faulthandler's 'Fatal Python error' and its threads' stacks, which a rank killed by
+    SIGSEGV or SIGABRT prints before torchrun's pages of its own) and the tail of stderr. The tail alone showed only
+    torchrun's summary of a rank's crash, never where the rank was."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
+    reports, lines = [], run.stderr.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(("Fatal Python error", "Traceback (most recent call last)")) or "Fatal Python error" in line:
+            block = [b for b in lines[i:i + 60] if not b.startswith("Extension modules:")]
+            if not any("torch/distributed/run.py" in b or "elastic" in b for b in block[:8]):
+                reports.append("\n".join(block)[:2500])
+        if len(reports) == 2:
+            break
+    return "\n".join([f"exit {run.returncode} on {cpu} ({os.cpu_count()} CPUs)", *reports, "[... stderr's tail:]",
+                      run.stdout[-1000:] + run.stderr[-tail:]])
+
+
+# torchrun's summary of a rank killed in native code (a segfault or an abort inside torch, gloo or a kernel).
+NATIVE_CRASH = re.compile(r"Signal (?:11|6|7) \((?:SIGSEGV|SIGABRT|SIGBUS)\) received by PID")
+
+
+def run_torchrun(cmd: list[str], state: list[Path] = (), timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a torchrun command; if a rank died in native code, run it once more from the state it started from.
+
+    `state`: the directories the run reads and writes (its output directory, a run it resumes). Each is copied
+    aside first (a missing one is noted), and after a crash each is put back as it was before the rerun. The
+    rerun's warning carries the machine's CPU and the rank's own stack (faulthandler's; train.py and the learner
+    probe enable it). Such a crash is rare, seen only on CI's machines and never reproduced on demand (FSDP2 over
+    gloo, torch 2.13): it must not fail the suite by chance, while a crash that repeats, and every other failure,
+    still does."""
+    saved = {}
+    for directory in state:
+        aside = directory.with_name(directory.name + ".before-run")
+        shutil.rmtree(aside, ignore_errors=True)
+        saved[directory] = shutil.copytree(directory, aside, symlinks=True) if directory.exists() else None
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if run.returncode != 0 and NATIVE_CRASH.search(run.stderr):
+        warnings.warn(f"a rank crashed in native code; running once more from where it started:\n{why_failed(run)}")
+        for directory, aside in saved.items():
+            shutil.rmtree(directory, ignore_errors=True)
+            if aside is not None:
+                shutil.copytree(aside, directory, symlinks=True)
+        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    for aside in saved.values():
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+    return run

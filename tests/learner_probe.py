@@ -6,6 +6,7 @@ learner's --dtype (default float32), and argv[3] a model directory (default: the
 machine the ranks run on the GPU under NCCL (tests/test_gpu.py compares that with CPU). With --reference-only it
 runs the reference layout alone (LAYOUTS[0])."""
 
+import faulthandler
 import sys
 from pathlib import Path
 
@@ -48,6 +49,7 @@ def configs(loss_name: str) -> list[tuple[tuple, tuple]]:
 def main() -> None:
     # --reference-only: the reference layout alone (one padded micro-batch), which the other world size's layouts
     # are compared with; CI runs every layout on 2 ranks and this on 1.
+    faulthandler.enable(all_threads=True)  # a rank that dies in native code prints where, as train.py's do
     reference_only = "--reference-only" in sys.argv
     argv = [a for a in sys.argv if a != "--reference-only"]
     out = Path(argv[1])

@@ -10,6 +10,7 @@ import pytest
 
 from harness import base_model, tasks
 from harness.tasks import ArithmeticTask
+from helpers import why_failed
 
 
 def test_base_model_is_an_ordinary_hf_directory(base_model_dir):
@@ -54,7 +55,7 @@ def test_build_base_cli_measures_the_shipped_base_in_band_with_vllm():
          "--val-prompts", "64"],
         cwd=tasks.REPO_DIR, capture_output=True, text=True, timeout=600,
     )
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why_failed(out)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["model_dir"] == str(base_model.BASE_MODEL_DIR) and result["documented"] is True
     assert "[base model]" not in out.stderr
@@ -97,7 +98,7 @@ def test_build_real_model_cli_prints_the_model_dir_last(real_model_dir):
 
     out = subprocess.run([sys.executable, "-m", "harness.base_model", "build-real-model", "--max-new-tokens", "8"],
                          cwd=tasks.REPO_DIR, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.returncode == 0, why_failed(out)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["model_dir"] == str(real_model_dir)  # the cache is reused, not converted again
     assert result["params"] == base_model.count_parameters(real_model_dir)

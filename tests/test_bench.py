@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness import bench
+from helpers import why_failed
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -24,7 +25,7 @@ def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed
     run = subprocess.run([sys.executable, "-m", "harness.bench", "train", "--groups", "4", "--repeats", "1",
                           "--profile", "profile.txt"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, why_failed(run)
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["tokens"] > 0 and result["learner_vs_bare_packed"] > 0 and result["packed_vs_padded"] > 0
     assert 0 <= result["pad_fraction_packed"] < result["pad_fraction_padded"] < 1

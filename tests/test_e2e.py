@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from harness import checkpoints, flags
-from helpers import REPO, TORCHRUN, assert_same_gradient, metrics_rows
+from helpers import REPO, TORCHRUN, assert_same_gradient, metrics_rows, run_torchrun, why_failed
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,8 @@ def probe_results(tmp_path_factory, base_model_dir):
     out = {}
     for world, only in ((1, ["--reference-only"]), (2, [])):
         path = tmp_path_factory.mktemp("probe") / f"w{world}.pt"
-        run = subprocess.run(TORCHRUN + ["--nproc_per_node", str(world), "tests/learner_probe.py", str(path), *only],
-                             cwd=REPO, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
+        run = run_torchrun(TORCHRUN + ["--nproc_per_node", str(world), "tests/learner_probe.py", str(path), *only])
+        assert run.returncode == 0, why_failed(run)
         out[world] = torch.load(path, weights_only=False)
     return out
 
@@ -68,48 +67,49 @@ def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, los
 SHORT = ["--prompts-per-step", "4", "--eval-prompts", "8", "--eval-samples", "2", "--log-every", "1"]
 
 
-# torchrun's summary of a rank killed in native code (a segfault or an abort inside torch, gloo or a kernel).
-NATIVE_CRASH = re.compile(r"Signal (?:11|6|7) \((?:SIGSEGV|SIGABRT|SIGBUS)\) received by PID")
-
-
 def _train(out: Path, *flags: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
-    """torchrun train.py. A fresh run (no --resume) whose learner rank died in native code is run once more from
-    scratch, with a warning that carries the crash's stack (faulthandler's, printed by train.py): such a crash,
-    rare and not reproduced on demand (FSDP2 over gloo, torch 2.13; see the closing note of the session that added
-    this), must not fail the suite by chance, while one that repeats, and every other failure, still does."""
+    """torchrun train.py, once more from the same start if a rank dies in native code (helpers.run_torchrun): the
+    state is the output directory, or the run directory a --resume names."""
     cmd = TORCHRUN + ["--nproc_per_node", str(nproc), "train.py", "--output-dir", str(out), *flags]
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    if run.returncode != 0 and "--resume" not in flags and NATIVE_CRASH.search(run.stderr):
-        fault = run.stderr[run.stderr.find("Fatal Python error"):][:3000] if "Fatal Python error" in run.stderr \
-            else run.stderr[-3000:]
-        warnings.warn(f"a learner rank crashed in native code; running once more from scratch:\n{fault}")
-        shutil.rmtree(out, ignore_errors=True)
-        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
-    return run
+    state = Path(flags[flags.index("--resume") + 1]) if "--resume" in flags else out
+    return run_torchrun(cmd, [state], timeout)
 
 
-def test_train_helper_reruns_a_fresh_run_once_after_a_native_crash(tmp_path, monkeypatch):
-    """_train's one retry (fake subprocess.run: the logic around torchrun): a rank's segfault gives one more run
-    from an empty output directory and a warning with the stack; a second crash, a resumed run's crash and an
-    ordinary failure are returned as they are."""
-    crash = subprocess.CompletedProcess([], 1, "", "Fatal Python error: Segmentation fault\n  File train.py\n"
-                                        "traceback : Signal 11 (SIGSEGV) received by PID 7\n")
-    error = subprocess.CompletedProcess([], 1, "", "SystemExit: unknown loss 'x'\n")
-    ok = subprocess.CompletedProcess([], 0, "", "")
-    for results, given_flags, calls, rc in [([crash, ok], (), 2, 0), ([crash, crash], (), 2, 1),
-                                            ([crash, ok], ("--resume", "r"), 1, 1), ([error, ok], (), 1, 1)]:
+def test_train_helper_reruns_once_from_the_same_start_after_a_native_crash(tmp_path, monkeypatch):
+    """_train's one retry (fake subprocess.run: the logic around torchrun): a rank's segfault or abort gives one more
+    run from the state the first started from (no output directory for a fresh run; the resumed run's directory as
+    it was, whatever the crashed run wrote into it), with a warning naming the CPU and carrying the rank's stack; a
+    second crash and an ordinary failure are returned as they are, and no copy is left beside the run."""
+    segv = "Fatal Python error: Segmentation fault\n  File train.py\ntraceback : Signal 11 (SIGSEGV) received by PID 7\n"
+    abort = "Fatal Python error: Aborted\n  File train.py\ntraceback : Signal 6 (SIGABRT) received by PID 8\n"
+    error = "SystemExit: unknown loss 'x'\n"
+    resumed = tmp_path / "resumed"
+    for stderrs, resume, calls, rc in [([segv, ""], False, 2, 0), ([segv, abort], False, 2, 1),
+                                       ([abort, ""], True, 2, 0), ([error, ""], True, 1, 1)]:
         out = tmp_path / "run"
-        out.mkdir(exist_ok=True)
-        (out / "metrics.jsonl").write_text("{}\n")
-        given = list(results)
-        monkeypatch.setattr(subprocess, "run", lambda *a, **k: given.pop(0))
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(resumed, ignore_errors=True)
+        resumed.mkdir()
+        (resumed / "metrics.jsonl").write_text("{}\n")
+        state = resumed if resume else out
+        seen = []
+
+        def fake_run(*args, **kwargs):  # what the run found, then what it left: a crashed run wrote into its state
+            seen.append(sorted(p.name for p in state.iterdir()) if state.exists() else None)
+            state.mkdir(exist_ok=True)
+            (state / "partial").write_text("half a step")
+            stderr = stderrs[len(seen) - 1]
+            return subprocess.CompletedProcess([], 1 if stderr else 0, "", stderr)
+
+        monkeypatch.setattr(subprocess, "run", fake_run)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert _train(out, *given_flags).returncode == rc
-        assert len(results) - len(given) == calls
-        assert len(caught) == calls - 1
+            assert _train(out, *(("--resume", str(resumed)) if resume else ())).returncode == rc
+        assert len(seen) == calls and len(caught) == calls - 1
+        assert seen[-1] == (["metrics.jsonl"] if resume else None)  # the rerun started where the first did
         if calls == 2:
-            assert "Segmentation fault" in str(caught[0].message) and not out.exists()
+            assert "Fatal Python error" in str(caught[0].message) and "CPUs)" in str(caught[0].message)
+        assert not list(tmp_path.glob("*.before-run"))
 
 
 def _start_run(out: Path, flags: list[str], rows: int, what: str, on_poll=None, **popen: object) -> subprocess.Popen:
@@ -185,7 +185,7 @@ def sync_grpo_run(tmp_path_factory, base_model_dir) -> Path:
     """grpo in sync mode (SYNC_GRPO), 3 steps, run once for the two tests that read it."""
     out = tmp_path_factory.mktemp("sync") / "grpo"
     run = _short_run(out, "grpo", SYNC_GRPO)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.returncode == 0, why_failed(run)
     return out
 
 
@@ -211,7 +211,7 @@ def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, fla
     else:
         out = tmp_path / loss
         run = _short_run(out, loss, flags)
-        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        assert run.returncode == 0, why_failed(run)
     args = json.loads((out / "args.json").read_text())
     last, every, prompts, samples = args["max_steps"], args["eval_every"], args["eval_prompts"], args["eval_samples"]
     rows = metrics_rows(out)
@@ -270,7 +270,7 @@ def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(tmp_pat
     split = tmp_path / "split"
     for run in (_short_run(split, "grpo", SYNC_GRPO, "--max-steps", "2"),
                 _train(split, "--resume", str(split), "--max-steps", "3")):
-        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+        assert run.returncode == 0, why_failed(run)
     first, second = ({r["step"]: r for r in metrics_rows(out)} for out in (sync_grpo_run, split))
     assert sorted(first) == sorted(second) == [0, 1, 2, 3]
     for step in (0, 1, 2, 3):
@@ -299,7 +299,7 @@ def _export(out: Path, exported: Path, in_vllm: bool = True) -> dict:
     `in_vllm` is false). Returns export's JSON line."""
     run = subprocess.run([sys.executable, "train.py", "export", str(out), str(exported)], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, why_failed(run)
     written = json.loads(run.stdout.splitlines()[-1])
     check = subprocess.run([sys.executable, "-c", EXPORT_CHECK, str(out), str(exported), str(in_vllm)], cwd=REPO,
                            capture_output=True, text=True, timeout=600)
@@ -314,7 +314,7 @@ def _export_and_evaluate(out: Path, exported: Path, eval_prompts: int, *flags: s
     run = subprocess.run([sys.executable, "train.py", "evaluate", "--resume", str(out), "--eval-prompts",
                           str(eval_prompts), "--eval-samples", "2", *flags], cwd=REPO, capture_output=True, text=True,
                          timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, why_failed(run)
     return written, json.loads(run.stdout.splitlines()[-1])
 
 
@@ -461,7 +461,7 @@ def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_pat
     assert len(metrics_rows(out)) == killed_rows  # nothing is still writing
 
     run = _train(tmp_path / "ignored", *resume)
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, why_failed(run)
     assert [r["step"] for r in metrics_rows(out)] == list(range(17))  # every step exactly once
     assert not (tmp_path / "ignored").exists()
     _assert_rl_compute_leaves_out_the_evaluations(metrics_rows(out))
@@ -474,7 +474,7 @@ def four_step_run(tmp_path_factory, base_model_dir) -> Path:
     out = tmp_path_factory.mktemp("four") / "run"
     run = _train(out, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4", "--report-to",
                  "tensorboard", *SHORT)
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, why_failed(run)
     return out
 
 
@@ -490,7 +490,7 @@ def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, fo
     rng1 = out / "checkpoint" / "rng-1.json"
     rng1.write_bytes(rng1.read_bytes()[:100])
     run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "6")
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, why_failed(run)
     assert f"{rng1} is unreadable" in run.stderr and "(rank 1)" in run.stderr, run.stderr[-4000:]
     assert f"rank 0: {out / 'checkpoint'}, rank 1: {out / 'checkpoint.old'}. Every rank uses " \
            f"{out / 'checkpoint.old'}" in run.stderr
@@ -517,7 +517,7 @@ def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, fo
 def test_evaluate_prints_pass_at_k_of_the_base_model(base_model_dir):
     run = subprocess.run([sys.executable, "train.py", "evaluate", "--eval-prompts", "16", "--eval-samples", "4"],
                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, why_failed(run)
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["model"] == str(base_model_dir) and result["problems"] == 16 and result["samples"] == 4
     assert 0 < result["pass@1"] <= result["pass@2"] <= result["pass@4"] <= 1  # the base model solves ~40%
@@ -615,7 +615,7 @@ def recipe_9_steps(tmp_path_factory, base_model_dir) -> Path:
     `python -m harness.experiments report`), not here: a short run's rise is a coin flip of noise."""
     out = tmp_path_factory.mktemp("recipe") / "one-replica"
     run = _train(out, *RECIPE_9, timeout=1200)
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, why_failed(run)
     return out
 
 
@@ -650,7 +650,7 @@ def test_two_replicas_produce_and_a_resume_may_change_their_number(tmp_path):
     out = tmp_path / "two-replicas"
     # At full learner speed: these invariants need no generator far ahead.
     run = _train(out, "--max-steps", "7", "--eval-every", "7", "--gen-replicas", "2", timeout=1200)
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, why_failed(run)
     _assert_each_data_index_trained_once(out)
     rows = metrics_rows(out)[1:]
     groups = collections.Counter()
@@ -665,7 +665,7 @@ def test_two_replicas_produce_and_a_resume_may_change_their_number(tmp_path):
     assert all(set(r["gen_tokens_by_replica"]) == {"0", "1"} for r in rows)
     assert all(sum(r["gen_tokens_by_replica"][replica] for r in rows) > 0 for replica in ("0", "1"))
     run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "8", "--gen-replicas", "1")
-    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.returncode == 0, why_failed(run)
     resumed = metrics_rows(out)
     assert [r["step"] for r in resumed] == list(range(9))
     assert all(r["gen_replicas_alive"] == 1 and set(r["gen_tokens_by_replica"]) == {"0"} for r in resumed[8:])
@@ -690,7 +690,7 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     run = subprocess.run(["make", "--no-print-directory", "-o", str(venv / ".installed-cpu"), "run-real",
                           f"VENV={venv}", "NPROC=2", "ARGS=" + " ".join(short)],
                          cwd=REPO, capture_output=True, text=True, timeout=1500)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert run.returncode == 0, why_failed(run)
     assert "--loss cispo --model \"$model\"" in run.stdout and "--dataset mixed-arithmetic" in run.stdout  # make's echo
     rows = metrics_rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]

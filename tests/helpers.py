@@ -128,7 +128,8 @@ NATIVE_CRASH = re.compile(r"Signal (?:11|6|7) \((?:SIGSEGV|SIGABRT|SIGBUS)\) rec
 
 
 def run_torchrun(cmd: list[str], state: list[Path] = (), timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run a torchrun command; if a rank died in native code, run it once more from the state it started from.
+    """Run a torchrun command (or one that starts torchrun, as make run-real does); if a rank died in native code,
+    run it once more from the state it started from.
 
     `state`: the directories the run reads and writes (its output directory, a run it resumes). Each is copied
     aside first (a missing one is noted), and after a crash each is put back as it was before the rerun. The

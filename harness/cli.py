@@ -13,14 +13,22 @@ import argparse
 import math
 import os
 import sys
-from typing import Callable
+from typing import Any, Callable
 
 
 class OneLineParser(argparse.ArgumentParser):
     """Argument errors in one line, printed once: no usage block above it, since the line already names the flag
     and says what it expected. Under torchrun every rank parses the same flags, so only rank 0 speaks and the others
     exit quietly with the same status. Subcommands' parsers are of this class too (argparse makes them with the
-    parent's class)."""
+    parent's class). Run as `python -m harness.MODULE`, its name is that command (argparse before Python 3.14 says
+    MODULE.py, a file the user never named)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("prog") is None and not args:
+            module = getattr(sys.modules["__main__"], "__spec__", None)
+            if module is not None and module.name.startswith("harness."):
+                kwargs["prog"] = f"python -m {module.name}"
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if os.environ.get("RANK", "0") == "0":

@@ -189,8 +189,8 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
                              "whole run only)")
     _add_curve_fit_args(parser)
     parser.add_argument("--save-records", default=None,
-                        help="also write each run directory's record (NAME.json, as `experiments.py study` keeps them: "
-                             "the rows run_report reads and the run's args.json) into this directory, to commit what a "
+                        help="also write each run directory's record (NAME.json, as `study` keeps them: the "
+                             "rows run_report reads and the run's args.json) into this directory, to commit what a "
                              "table was made from")
 
 

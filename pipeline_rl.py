@@ -267,6 +267,13 @@ def off_policy_problems(mode: str, k: int, name: str = "--max-off-policy") -> li
     return []
 
 
+def steps_per_round(mode: str, k: int) -> int:
+    """The optimizer steps one generation round feeds, k's other half: in sync mode k (one round of fresh groups
+    split into k steps), in pipeline mode 1 (there k bounds a token's lag instead). The learner reads it here for
+    the round it pulls (train.py's pull_round) and the groups it asks the generator for at once."""
+    return k if mode == "sync" else 1
+
+
 def should_admit(*, unconsumed: int, in_flight: int, max_in_flight: int, gen_version: int,
                  next_learner_version: int, k: int, groups_per_step: int, waiting_for: int = 0,
                  buffer_steps: int | None = None, learner_starved: bool = False) -> bool:

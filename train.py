@@ -83,7 +83,7 @@ from harness.cli import positionals  # a subcommand's arguments, checked like fl
 from harness.flags import LOSSES  # --loss NAME -> the module name of its loss file; make_learner imports it
 from harness.flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, flags_markdown, lm_head_gemm,
                            loss_arg_problems, parse_args, parse_literal, plan, read_args_json, reshard_layers,
-                           resolve_defaults, steps_per_round)
+                           resolve_defaults)
 from harness.head_gemm import logits_entropy, logits_logprobs, target_logprobs
 from harness.packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
@@ -291,7 +291,7 @@ class Round:
 def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
     """Rank 0: pull groups for one round (--prompts-per-step per optimizer step; k steps' worth in sync mode) and
     take them through the data-side steps of the recipe."""
-    steps = steps_per_round(args)  # k in sync mode (PPO-off-policy-k), 1 in pipeline mode
+    steps = pipeline_rl.steps_per_round(args.mode, args.max_off_policy)  # sync: k (PPO-off-policy-k); pipeline: 1
     want = args.prompts_per_step * steps
     stats: dict[str, Any] = {"overlong_filtered": 0} if args.overlong_filter else {}
     kept: list = []

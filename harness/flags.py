@@ -9,7 +9,7 @@ configures (docs/flags.md is generated from them: `python train.py --help-markdo
   - the resume rules: which flags a --resume may change (CHANGEABLE_ON_RESUME), the run's saved flags
     (`resumed_values`), and OUTPUT_DIR/args.json with its history of resumes (`read_args_json`, `write_args_json`);
   - what the flags resolve to once the machine and the model are known (`resolve_defaults`, `compute_dtype`,
-    `model_context`, `lm_head_gemm` with the LM head's chunk sizes, `generator_memory_fraction`, `steps_per_round`),
+    `model_context`, `lm_head_gemm` with the LM head's chunk sizes, `generator_memory_fraction`),
     and LOSSES, the loss files' names (--loss picks one; train.py imports it, this file never does), and REPORT_TO,
     the packages --report-to may import.
 """
@@ -979,14 +979,6 @@ def model_context(args: Args) -> int:
     if args.max_model_len is not None:
         return args.max_model_len
     return EMBEDDED_MAX_MODEL_LEN if args.model is None else args.max_tokens + PROMPT_ALLOWANCE
-
-
-def steps_per_round(args: Args) -> int:
-    """The optimizer steps one generation round feeds: in sync mode --max-off-policy k (PPO-off-policy-k: one round
-    of fresh groups split into k steps), in pipeline mode 1 (there k bounds a token's lag instead). What k means in
-    each mode is stated and checked in pipeline_rl.off_policy_problems; the learner's side reads it here only, for
-    the round it pulls (train.py's pull_round) and the groups it asks the generator for at once (generator_config)."""
-    return args.max_off_policy if args.mode == "sync" else 1
 
 
 def int_range(text: str) -> tuple[int, int]:

@@ -45,8 +45,7 @@ from harness import vllm_replica  # the replica runtime: the secret file, the pa
 from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
                                  open_no_follow, read_no_follow, refuse_unless_regular, write_atomically, write_failure)
 from harness.flags import (Args, generator_memory_fraction, generator_values, layout_lines, local_replicas,
-                           resolve_defaults, step_ranges, steps_per_round, trackio_dir, trackio_dir_problem,
-                           write_args_json)
+                           resolve_defaults, step_ranges, trackio_dir, trackio_dir_problem, write_args_json)
 from harness.packing import model_device
 
 
@@ -499,9 +498,10 @@ def generator_config(args: Args, model_path: str) -> pipeline_rl.GeneratorConfig
     """The vLLM generator's settings for this run. Its seed is the run's own, resumed or not: each completion's
     sampler seed holds the weights' version as well (sampling_seed), so a resume draws what the run would have
     drawn."""
+    round_steps = pipeline_rl.steps_per_round(args.mode, args.max_off_policy)
     return pipeline_rl.GeneratorConfig(
         model=model_path, **generator_values(args), seed=args.seed, data_seed=args.seed,
-        groups_per_batch=args.prompts_per_step * steps_per_round(args),  # a round's groups, in one request
+        groups_per_batch=args.prompts_per_step * round_steps,  # a round's groups, in one request
         gpu_memory_utilization=generator_memory_fraction(args, generator_shares_a_gpu(args)),
         replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
         secret=vllm_replica.read_secret(args.gen_secret_file) if args.gen_secret_file else None,

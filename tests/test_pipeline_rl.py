@@ -61,6 +61,9 @@ def test_max_off_policy_has_one_meaning_per_mode_checked_in_one_place():
     assert "--max-off-policy -1" in pipeline and ">= 0" in pipeline
     [sync] = pl.off_policy_problems("sync", 0)
     assert "--max-off-policy 0" in sync and ">= 1" in sync and "PPO-off-policy-k" in sync
+    # the steps one round feeds, read by the learner from here: k in sync mode, 1 in pipeline mode whatever k is
+    assert [pl.steps_per_round("sync", k) for k in (1, 4)] == [1, 4]
+    assert [pl.steps_per_round("pipeline", k) for k in (0, 8)] == [1, 1]
 
 
 def test_mandatory_count_is_the_edf_requirement():

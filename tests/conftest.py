@@ -24,6 +24,15 @@ if STUDENT_FILE is not None:
     _spec.loader.exec_module(sys.modules[STUDENT_FILE.stem])
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """The machine at the top of every run: the suite's time and any native crash depend on the CPU kind."""
+    import torch
+
+    from helpers import machine
+
+    return f"machine: {machine()}; torch {torch.__version__}"
+
+
 @pytest.fixture(autouse=True)
 def _graded_module_is_the_students_copy(request: pytest.FixtureRequest) -> None:
     """In a graded run, fail any test that would not see the student's file: a grade of the reference is no grade."""

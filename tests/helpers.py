@@ -104,13 +104,20 @@ def run_where(where: str, fn: Callable[[], None]) -> None:
         fn()
 
 
+def machine() -> str:
+    """This machine's CPU as the kernel names it, with its family and model numbers and CPU count: what a timing or a
+    crash depends on (an AMD EPYC and an Intel Xeon differ in kernels, and each kind in its speed)."""
+    info = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    field = lambda name: next((line.split(":", 1)[1].strip() for line in info if line.startswith(name)), "?")  # noqa: E731
+    model = field("model\t")  # "model\t:", not "model name"
+    return f"{field('model name')} (family {field('cpu family')}, model {model}), {os.cpu_count()} CPUs"
+
+
 def why_failed(run: subprocess.CompletedProcess, tail: int = 3000) -> str:
     """A failed command's story for an assertion message: the machine's CPU, each crashed process's own report (a
     Python traceback, or faulthandler's 'Fatal Python error' and its threads' stacks, which a rank killed by
     SIGSEGV or SIGABRT prints before torchrun's pages of its own) and the tail of stderr. The tail alone showed only
     torchrun's summary of a rank's crash, never where the rank was."""
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), "unknown CPU") if Path("/proc/cpuinfo").exists() else "unknown CPU"
     reports, lines = [], run.stderr.splitlines()
     for i, line in enumerate(lines):
         if line.startswith(("Fatal Python error", "Traceback (most recent call last)")) or "Fatal Python error" in line:
@@ -119,7 +126,7 @@ def why_failed(run: subprocess.CompletedProcess, tail: int = 3000) -> str:
                 reports.append("\n".join(block)[:2500])
         if len(reports) == 2:
             break
-    return "\n".join([f"exit {run.returncode} on {cpu} ({os.cpu_count()} CPUs)", *reports, "[... stderr's tail:]",
+    return "\n".join([f"exit {run.returncode} on {machine()}", *reports, "[... stderr's tail:]",
                       run.stdout[-1000:] + run.stderr[-tail:]])
 
 

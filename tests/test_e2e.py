@@ -108,7 +108,7 @@ def test_train_helper_reruns_once_from_the_same_start_after_a_native_crash(tmp_p
         assert len(seen) == calls and len(caught) == calls - 1
         assert seen[-1] == (["metrics.jsonl"] if resume else None)  # the rerun started where the first did
         if calls == 2:
-            assert "Fatal Python error" in str(caught[0].message) and "CPUs)" in str(caught[0].message)
+            assert "Fatal Python error" in str(caught[0].message) and " CPUs" in str(caught[0].message)
         assert not list(tmp_path.glob("*.before-run"))
 
 

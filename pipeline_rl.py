@@ -1553,6 +1553,7 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
             conn.send(("closed", None))
         except Exception:
             pass
+    vllm_replica.exit_at_once()  # closed in order (an error above propagates instead, with its exit status)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ from scipy.special import expit
 
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block
 from harness.cli import int_at_least as _count  # the argparse type of a count
+from harness.cli import number  # the argparse type of a finite number
 
 
 ArrayLike = Sequence[float] | np.ndarray
@@ -905,9 +906,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "rl_compute_hours: the same without the hours spent evaluating)")
     parser.add_argument("--y", default="val_pass_rate", choices=sorted(Y_FIELD_RANGES),
                         help="performance field (default: val_pass_rate, in [0,1]; val_reward is in [-1,1])")
-    parser.add_argument("--min-compute", type=_number(0.0), default=0.0,
+    parser.add_argument("--min-compute", type=number(0.0), default=0.0,
                         help="exclude points with x below this from the fit (ScaleRL drops the first ~epoch)")
-    parser.add_argument("--fit-until", type=_number(0.0), default=None,
+    parser.add_argument("--fit-until", type=number(0.0), default=None,
                         help="fit only points with x <= this and report the error on the held-out rest")
     parser.add_argument("--shared-A", action="store_true",
                         help="refit all runs with A fixed to the mean of their fitted A and rank them by B")
@@ -925,19 +926,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "entropy, lengths, KL and mismatch, clip and truncation, lag, throughput, gradient norm "
                         "against the step (train.py draws OUTPUT_DIR/dashboard.png for its own run)")
     return parser
-
-
-def _number(minimum: float) -> Callable[[str], float]:
-    """An argparse type: a finite number >= minimum (compute is never negative; nan would pass every comparison)."""
-    def number(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < minimum:
-            raise argparse.ArgumentTypeError(f"must be a finite number >= {minimum:g} (got {text})")
-        return value
-    return number
 
 
 def _text(text: str) -> str:

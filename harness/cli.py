@@ -52,16 +52,19 @@ def int_at_least(minimum: int, none: bool = False) -> Callable[[str], int | None
     return count
 
 
-def number(low: float, high: float = math.inf, above: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number in [low, high] (`above`: in (low, high])."""
+def number(low: float = -math.inf, high: float = math.inf, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] (`above`: in (low, high]); inf and nan are refused, since
+    they would pass every range check and then poison what reads them."""
     def number(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         if not math.isfinite(value) or value < low or (above and value == low) or value > high:
-            bound = f"{'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
-            raise argparse.ArgumentTypeError(f"must be a finite number {bound} (got {text})")
+            bounds = ([f"{'>' if above else '>='} {low:g}"] if low > -math.inf else []) + \
+                     ([f"<= {high:g}"] if high < math.inf else [])
+            raise argparse.ArgumentTypeError(f"expected a finite number{' ' if bounds else ''}{' and '.join(bounds)}, "
+                                             f"got {text!r}")
         return value
     return number
 

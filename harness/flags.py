@@ -5,7 +5,7 @@ configures (docs/flags.md is generated from them: `python train.py --help-markdo
   - `Args`, its --help groups and `build_parser`/`parse_args`, and `flags_markdown`;
   - the checks run before anything starts (`check_args`, `range_problems`, `loss_arg_problems`, `replica_problems`,
     `report_to_problems`, `gpu_layout_problems`, `memory_problems` with the learner's memory plan, which `python
-    train.py plan` prints), and the argparse types of the flags' values (`finite_float`, `text_value`);
+    train.py plan` prints), and the argparse types of the flags' values (`text_value`; a float's is harness.cli.number);
   - the resume rules: which flags a --resume may change (CHANGEABLE_ON_RESUME), the run's saved flags
     (`resumed_values`), and OUTPUT_DIR/args.json with its history of resumes (`read_args_json`, `write_args_json`);
   - what the flags resolve to once the machine and the model are known (`resolve_defaults`, `compute_dtype`,
@@ -38,7 +38,7 @@ from harness import base_model, tasks
 from harness import vllm_replica  # the replica runtime: the address and secret checks
 from harness.checkpoints import (LinkRefusedError, complete_checkpoints, newest_checkpoint_step, read_no_follow,
                                  write_atomically)
-from harness.cli import OneLineParser, int_at_least  # one error line (rank 0 only), the argparse type of a count
+from harness.cli import OneLineParser, int_at_least, number  # one error line (rank 0 only); argparse types
 
 
 # --report-to NAME -> (the module the reporter imports, the pip package that provides it); "none" needs nothing.
@@ -775,20 +775,9 @@ def build_parser() -> argparse.ArgumentParser:
         if f.type in ("bool",) and "action" not in kwargs:
             kwargs["action"] = "store_true"
         elif "action" not in kwargs or kwargs["action"] == "append":
-            kwargs["type"] = {"int": int, "float": finite_float}.get(f.type.split(" |")[0], text_value)
+            kwargs["type"] = {"int": int, "float": number()}.get(f.type.split(" |")[0], text_value)
         groups[group].add_argument(flag, **kwargs)
     return parser
-
-
-def finite_float(text: str) -> float:
-    """A float flag's type: a finite number (inf and nan would pass every range check, and then poison the run)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
 
 
 def text_value(text: str) -> str:
@@ -834,7 +823,7 @@ def plan(argv: list[str]) -> str:
                         help="a model shape written in harness/memory_plan.py (else --model's config)")
     parser.add_argument("--learner-ranks", type=int_at_least(1), default=1,
                         help="learner ranks (GPUs) in all (default 1)")
-    parser.add_argument("--gpu-memory-gib", type=finite_float, default=80.0, help="memory of one learner GPU (default "
+    parser.add_argument("--gpu-memory-gib", type=number(), default=80.0, help="memory of one learner GPU (default "
                         "80)")
     parser.add_argument("--gpus", type=int_at_least(1), help="GPUs of the node: with --gen-devices, prints where the "
                         "learner ranks and replicas go and how weights travel (the lines a GPU run prints at its start), "

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from harness import tasks
-from harness.cli import OneLineParser, int_at_least  # one error line for a bad flag; the argparse type of a count
+from harness.cli import OneLineParser, int_at_least, number  # one error line for a bad flag; argparse types
 
 # --------------------------------------------------------------------------------------------------------------
 # Small helpers that pipeline_rl.py uses too
@@ -1582,20 +1582,9 @@ def replica_parser() -> argparse.ArgumentParser:
                         help="vLLM tensor parallelism of each replica")
     parser.add_argument("--model", default=None, help="the run's model as a path on this node (default: the "
                         "learner's --model, which must then be a hub name or the same path here)")
-    parser.add_argument("--connect-timeout", type=_seconds, default=600.0, help="seconds to keep trying to reach "
-                        "the learner (a replica may be started before it)")
+    parser.add_argument("--connect-timeout", type=number(0.0, above=True), default=600.0,
+                        help="seconds to keep trying to reach the learner (a replica may be started before it)")
     return parser
-
-
-def _seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0 (got {text})")
-    return value
 
 
 def replica_args(argv: list[str]) -> tuple[argparse.Namespace, bytes, list[list[int] | None], int]:

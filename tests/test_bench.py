@@ -178,4 +178,4 @@ def test_help_lists_every_benchmark_and_each_has_its_own():
         assert name in top.stdout
         own = subprocess.run([sys.executable, "-m", "harness.bench", name, "--help"], cwd=REPO, capture_output=True,
                              text=True)
-        assert own.returncode == 0 and f"bench.py {name}" in own.stdout, own.stderr
+        assert own.returncode == 0 and f"python -m harness.bench {name}" in own.stdout, own.stderr

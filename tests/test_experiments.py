@@ -331,4 +331,4 @@ def test_help_lists_every_experiment_and_each_has_its_own():
         assert name in top.stdout
         own = subprocess.run([sys.executable, "-m", "harness.experiments", name, "--help"], cwd=REPO,
                              capture_output=True, text=True)
-        assert own.returncode == 0 and f"experiments.py {name}" in own.stdout, own.stderr
+        assert own.returncode == 0 and f"python -m harness.experiments {name}" in own.stdout, own.stderr

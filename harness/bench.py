@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
+from harness.cli import run_subcommand, subcommand_parser  # one subcommand per benchmark, one error line for a bad flag
 from harness.cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
 from harness.cli import int_list as _int_list, number as _number  # argparse types of a list of integers, a number
 from harness import memory_plan  # SHAPES: model shapes in code (no hub); it imports neither torch nor transformers
@@ -1452,18 +1452,11 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
 
 def build_parser() -> argparse.ArgumentParser:
     """harness/bench.py's command line: one subcommand per benchmark, each with its own flags."""
-    parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    subparsers = parser.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
-    for name, (_, add_args, help_text) in BENCHMARKS.items():
-        add_args(subparsers.add_parser(name, help=help_text, description=help_text))
-    return parser
+    return subcommand_parser(__doc__.split("\n\n")[0], BENCHMARKS, "BENCHMARK")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    results = BENCHMARKS[args.benchmark][0](args)
-    print(json.dumps(results))
-    return 0
+    return run_subcommand(build_parser(), BENCHMARKS, "BENCHMARK", argv)
 
 
 if __name__ == "__main__":

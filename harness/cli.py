@@ -10,9 +10,11 @@ without pulling in torch or making an import cycle.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any, Callable
 
 
@@ -93,3 +95,26 @@ def positionals(prog: str, names: tuple[str, ...], argv: list[str], description:
         parser.add_argument(name)
     given = vars(parser.parse_args(argv))
     return [given[name] for name in names]
+
+
+# A command made of named subcommands, each (the function that runs it and returns its results, the function that
+# adds its flags, its one-line help): the benchmarks' and the experiments' tables.
+Subcommands = Mapping[str, tuple[Callable[[argparse.Namespace], Any], Callable[[argparse.ArgumentParser], None], str]]
+
+
+def subcommand_parser(description: str, commands: Subcommands, metavar: str) -> OneLineParser:
+    """A parser with one subcommand per entry of `commands`, each with its own flags; the chosen name is read back
+    as args.<metavar in lower case>."""
+    parser = OneLineParser(description=description)
+    subparsers = parser.add_subparsers(dest=metavar.lower(), required=True, metavar=metavar)
+    for name, (_, add_args, help_text) in commands.items():
+        add_args(subparsers.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def run_subcommand(parser: argparse.ArgumentParser, commands: Subcommands, metavar: str,
+                   argv: list[str] | None = None) -> int:
+    """Parse argv, run the chosen subcommand and print its results as one JSON line, the last printed."""
+    args = parser.parse_args(argv)
+    print(json.dumps(commands[getattr(args, metavar.lower())][0](args)))
+    return 0

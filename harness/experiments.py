@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
-from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
+from harness.cli import run_subcommand, subcommand_parser  # one subcommand per experiment, one error line for a bad flag
 from harness.cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
 from harness.cli import int_list as _int_list, number as _number  # argparse types of a list of integers, a number
 
@@ -598,18 +598,11 @@ EXPERIMENTS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[arg
 
 def build_parser() -> argparse.ArgumentParser:
     """harness/experiments.py's command line: one subcommand per experiment, each with its own flags."""
-    parser = OneLineParser(description=__doc__.split("\n\n")[0])
-    subparsers = parser.add_subparsers(dest="experiment", required=True, metavar="EXPERIMENT")
-    for name, (_, add_args, help_text) in EXPERIMENTS.items():
-        add_args(subparsers.add_parser(name, help=help_text, description=help_text))
-    return parser
+    return subcommand_parser(__doc__.split("\n\n")[0], EXPERIMENTS, "EXPERIMENT")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    results = EXPERIMENTS[args.experiment][0](args)
-    print(json.dumps(results))
-    return 0
+    return run_subcommand(build_parser(), EXPERIMENTS, "EXPERIMENT", argv)
 
 
 if __name__ == "__main__":

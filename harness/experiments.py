@@ -18,6 +18,7 @@ import math
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -75,11 +76,11 @@ def load_rows(path) -> list[dict]:
     return sf.read_metrics(path)
 
 
-def _recorded_run(run_dir, record_path, steps: int, flags: list[str]) -> list[dict]:
-    """A study run's metrics rows, cut at `steps`: from its record if one holds at least that many steps with the
-    same flags, else from a train.py run (`_train_run`), whose record is then written. A record is the run's rows
-    with RECORD_KEYS only (about 40 kB for 200 steps), so a study's records can be committed, and the study refitted
-    or continued where its run directories are gone."""
+def _recorded_run(run_dir, record_path, steps: int, flags: list[str]) -> tuple[list[dict], bool]:
+    """A study run's metrics rows, cut at `steps`, and whether it was trained now: from its record if one holds at
+    least that many steps with the same flags, else from a train.py run (`_train_run`), whose record is then
+    written. A record is the run's rows with RECORD_KEYS only (about 40 kB for 200 steps), so a study's records can
+    be committed, and the study refitted or continued where its run directories are gone."""
     record_path = Path(record_path)
     if record_path.exists():
         record = json.loads(record_path.read_text())
@@ -87,10 +88,36 @@ def _recorded_run(run_dir, record_path, steps: int, flags: list[str]) -> list[di
             raise SystemExit(f"{record_path} holds a run with flags {record['flags']}, not {flags}: a study with "
                              f"other flags needs another --records directory")
         if record["steps"] >= steps:
-            return cut_rows(record["rows"], steps)
+            return cut_rows(record["rows"], steps), False
     rows = _train_run(run_dir, steps, flags)
     write_record(record_path, rows, run_dir, flags)
-    return cut_rows(rows, steps)
+    return cut_rows(rows, steps), True
+
+
+class StudyProgress:
+    """Which run of how many a study is at, and the time left: the mean wall time of the runs trained so far in
+    this invocation times the runs still to come (recorded ones cost nothing), printed before each run."""
+
+    def __init__(self, total: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total, self.clock, self.trained_s, self.index, self.started = total, clock, [], 0, None
+
+    def next(self, label: str) -> str:
+        self.index += 1
+        left = self.total - self.index + 1
+        if self.trained_s:
+            minutes = statistics.mean(self.trained_s) * left / 60
+            eta = f"about {minutes // 60:.0f} h {minutes % 60:02.0f} min left if each run still to make takes what " \
+                  f"the {len(self.trained_s)} made here took"
+        else:
+            eta = "the time left is known once a run has been made here"
+        line = f"[study] run {self.index} of {self.total}: {label}; {eta}"
+        print(line, flush=True)
+        self.started = self.clock()
+        return line
+
+    def done(self, trained: bool) -> None:
+        if trained:
+            self.trained_s.append(self.clock() - self.started)
 
 
 def write_record(path, rows: list[dict], run_dir=None, flags: list[str] | None = None) -> None:
@@ -477,10 +504,13 @@ def experiment_study(args: argparse.Namespace) -> dict:
     common = shlex.split(args.common)
     records = Path(args.records) if args.records else out_dir / "records"
     reports: dict[str, list[dict]] = {}
+    progress = StudyProgress(len(names) * len(seeds))
     for name in names:
         for seed in seeds:
-            rows = _recorded_run(out_dir / f"{name}-s{seed}", records / f"{name}-s{seed}.json", args.steps,
-                                 ["--seed", str(seed), *VARIANTS[name][1], *common])
+            progress.next(f"{name}, seed {seed}")
+            rows, trained = _recorded_run(out_dir / f"{name}-s{seed}", records / f"{name}-s{seed}.json", args.steps,
+                                          ["--seed", str(seed), *VARIANTS[name][1], *common])
+            progress.done(trained)
             reports.setdefault(name, []).append(run_report(rows, fit_from_step=args.fit_from_step,
                                                            axis=args.compute_axis))
     fits = {name: pooled_fit(reps, args.bootstrap) for name, reps in reports.items()}

@@ -332,3 +332,22 @@ def test_help_lists_every_experiment_and_each_has_its_own():
         own = subprocess.run([sys.executable, "-m", "harness.experiments", name, "--help"], cwd=REPO,
                              capture_output=True, text=True)
         assert own.returncode == 0 and f"python -m harness.experiments {name}" in own.stdout, own.stderr
+
+
+def test_study_progress_names_the_run_and_the_time_left_from_the_runs_made_here():
+    """Before each run: its place among all, and the time left from the mean of the runs trained in this invocation
+    (a run read from its record costs nothing and does not count); before any is trained, it says so."""
+    now = [0.0]
+    progress = experiments.StudyProgress(4, clock=lambda: now[0])
+    assert progress.next("cispo, seed 0") == ("[study] run 1 of 4: cispo, seed 0; the time left is known once a run "
+                                              "has been made here")
+    progress.done(trained=False)  # from its record
+    assert "run 2 of 4: cispo, seed 1; the time left is known" in progress.next("cispo, seed 1")
+    now[0] += 1500.0  # 25 minutes
+    progress.done(trained=True)
+    assert progress.next("dapo, seed 0").endswith("about 0 h 50 min left if each run still to make takes what the 1 "
+                                                  "made here took")  # runs 3 and 4 are still to make
+    now[0] += 2100.0  # 35 minutes: the mean is 30
+    progress.done(trained=True)
+    assert progress.next("dapo, seed 1") == ("[study] run 4 of 4: dapo, seed 1; about 0 h 30 min left if each run "
+                                             "still to make takes what the 2 made here took")

@@ -1086,11 +1086,17 @@ class _Replica:
         took 1.4 s at the end of every run, for a process about to exit."""
         self.closing = True
         llm = getattr(self, "llm", None)
-        if llm is not None and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+        if llm is not None and not engine_in_this_process():
             try:
                 llm.llm_engine.engine_core.shutdown(timeout=1.0)
             except Exception:
                 pass
+
+
+def engine_in_this_process() -> bool:
+    """Whether vLLM's engine runs inside this replica's process, as replica_main chose it for vLLM (its
+    VLLM_ENABLE_V1_MULTIPROCESSING): then nothing of it outlives the process."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1"
 
 
 def exit_at_once() -> None:
@@ -1191,7 +1197,7 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
             conn.send(("closed", None))
         except Exception:
             pass
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1":  # an engine in this process (the CPU's)
+    if engine_in_this_process():  # the CPU's
         exit_at_once()  # closed in order (an error above propagates instead, with its traceback and exit status)
 
 

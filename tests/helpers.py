@@ -120,7 +120,7 @@ def why_failed(run: subprocess.CompletedProcess, tail: int = 3000) -> str:
     torchrun's summary of a rank's crash, never where the rank was."""
     reports, lines = [], run.stderr.splitlines()
     for i, line in enumerate(lines):
-        if line.startswith(("Fatal Python error", "Traceback (most recent call last)")) or "Fatal Python error" in line:
+        if "Fatal Python error" in line or line.startswith("Traceback (most recent call last)"):
             block = [b for b in lines[i:i + 60] if not b.startswith("Extension modules:")]
             if not any("torch/distributed/run.py" in b or "elastic" in b for b in block[:8]):
                 reports.append("\n".join(block)[:2500])

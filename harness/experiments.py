@@ -76,22 +76,26 @@ def load_rows(path) -> list[dict]:
     return sf.read_metrics(path)
 
 
-def _recorded_run(run_dir, record_path, steps: int, flags: list[str]) -> tuple[list[dict], bool]:
-    """A study run's metrics rows, cut at `steps`, and whether it was trained now: from its record if one holds at
-    least that many steps with the same flags, else from a train.py run (`_train_run`), whose record is then
-    written. A record is the run's rows with RECORD_KEYS only (about 40 kB for 200 steps), so a study's records can
-    be committed, and the study refitted or continued where its run directories are gone."""
+def _read_record(record_path, steps: int, flags: list[str]) -> list[dict] | None:
+    """A study run's metrics rows cut at `steps`, from its record when one holds at least that many steps with the
+    same flags; None when there is none yet or it holds fewer steps. A record is the run's rows with RECORD_KEYS
+    only (about 40 kB for 200 steps), so a study's records can be committed, and the study refitted or continued
+    where its run directories are gone."""
     record_path = Path(record_path)
-    if record_path.exists():
-        record = json.loads(record_path.read_text())
-        if record["flags"] != flags:
-            raise SystemExit(f"{record_path} holds a run with flags {record['flags']}, not {flags}: a study with "
-                             f"other flags needs another --records directory")
-        if record["steps"] >= steps:
-            return cut_rows(record["rows"], steps), False
+    if not record_path.exists():
+        return None
+    record = json.loads(record_path.read_text())
+    if record["flags"] != flags:
+        raise SystemExit(f"{record_path} holds a run with flags {record['flags']}, not {flags}: a study with "
+                         f"other flags needs another --records directory")
+    return cut_rows(record["rows"], steps) if record["steps"] >= steps else None
+
+
+def _train_and_record(run_dir, record_path, steps: int, flags: list[str]) -> list[dict]:
+    """A study run made now by train.py (`_train_run`): its rows cut at `steps`, its record written."""
     rows = _train_run(run_dir, steps, flags)
     write_record(record_path, rows, run_dir, flags)
-    return cut_rows(rows, steps), True
+    return cut_rows(rows, steps)
 
 
 class StudyProgress:
@@ -101,10 +105,13 @@ class StudyProgress:
     def __init__(self, total: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.total, self.clock, self.trained_s, self.index, self.started = total, clock, [], 0, None
 
-    def next(self, label: str) -> str:
+    def next(self, label: str, recorded: bool = False) -> str:
+        """The line before run `label`; `recorded`: it is read from its record, not trained."""
         self.index += 1
         left = self.total - self.index + 1
-        if self.trained_s:
+        if recorded:
+            eta = "read from its record"
+        elif self.trained_s:
             minutes = statistics.mean(self.trained_s) * left / 60
             eta = f"about {minutes // 60:.0f} h {minutes % 60:02.0f} min left if each run still to make takes what " \
                   f"the {len(self.trained_s)} made here took"
@@ -507,10 +514,12 @@ def experiment_study(args: argparse.Namespace) -> dict:
     progress = StudyProgress(len(names) * len(seeds))
     for name in names:
         for seed in seeds:
-            progress.next(f"{name}, seed {seed}")
-            rows, trained = _recorded_run(out_dir / f"{name}-s{seed}", records / f"{name}-s{seed}.json", args.steps,
-                                          ["--seed", str(seed), *VARIANTS[name][1], *common])
-            progress.done(trained)
+            record, flags = records / f"{name}-s{seed}.json", ["--seed", str(seed), *VARIANTS[name][1], *common]
+            rows = _read_record(record, args.steps, flags)
+            progress.next(f"{name}, seed {seed}", recorded=rows is not None)
+            if rows is None:
+                rows = _train_and_record(out_dir / f"{name}-s{seed}", record, args.steps, flags)
+                progress.done(trained=True)
             reports.setdefault(name, []).append(run_report(rows, fit_from_step=args.fit_from_step,
                                                            axis=args.compute_axis))
     fits = {name: pooled_fit(reps, args.bootstrap) for name, reps in reports.items()}

@@ -339,10 +339,9 @@ def test_study_progress_names_the_run_and_the_time_left_from_the_runs_made_here(
     (a run read from its record costs nothing and does not count); before any is trained, it says so."""
     now = [0.0]
     progress = experiments.StudyProgress(4, clock=lambda: now[0])
-    assert progress.next("cispo, seed 0") == ("[study] run 1 of 4: cispo, seed 0; the time left is known once a run "
+    assert progress.next("cispo, seed 0", recorded=True) == "[study] run 1 of 4: cispo, seed 0; read from its record"
+    assert progress.next("cispo, seed 1") == ("[study] run 2 of 4: cispo, seed 1; the time left is known once a run "
                                               "has been made here")
-    progress.done(trained=False)  # from its record
-    assert "run 2 of 4: cispo, seed 1; the time left is known" in progress.next("cispo, seed 1")
     now[0] += 1500.0  # 25 minutes
     progress.done(trained=True)
     assert progress.next("dapo, seed 0").endswith("about 0 h 50 min left if each run still to make takes what the 1 "

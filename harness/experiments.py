@@ -594,7 +594,9 @@ def experiment_study(args: argparse.Namespace) -> dict:
         f"\n\n(one sigmoid per variant fitted to the evaluations of seeds {args.seeds} together, {args.steps} steps "
         f"each{from_step}, on {args.compute_axis}; 95% residual-bootstrap intervals; {len(all_reports)} runs, "
         f"{total_hours:.2f} "
-        f"device-hours, {total_wall / 3600:.2f} h of wall time)\n")
+        f"device-hours, {total_wall / 3600:.2f} h of wall time"
+        + (f"; every run also takes `{shlex.join(common)}` after its variant's flags, and so where the two name one "
+           f"flag, the common one holds, whatever the variant's title says" if common else "") + ")\n")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "study.md").write_text(table)
     for path in [out_dir / "study.json", *([Path(args.summary)] if args.summary else [])]:

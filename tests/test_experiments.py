@@ -208,6 +208,11 @@ def test_a_study_continues_from_its_records_without_run_directories_and_cuts_the
     assert json.loads((records / "scalerl-s0.json").read_text())["steps"] == 60
     with pytest.raises(SystemExit, match="holds a run with flags .* a study with other flags needs another --records"):
         experiments.main([*study, "--steps", "50", "--common", "--lr 1e-3", "--out-dir", str(tmp_path / "e")])
+    # the common flags come after each variant's: the table says so, since they win where both name a flag
+    assert experiments.main(["study", "--variants", "scalerl", "--seeds", "0", "--bootstrap", "0", "--steps", "20",
+                             "--common", "--lr 1e-3", "--records", str(tmp_path / "other"),
+                             "--out-dir", str(tmp_path / "e")]) == 0
+    assert "every run also takes `--lr 1e-3` after its variant's flags" in (tmp_path / "e" / "study.md").read_text()
 
 
 def test_a_study_on_flops_pools_runs_from_machines_of_other_speeds(tmp_path, monkeypatch):

@@ -49,10 +49,12 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
 # generator), so it holds the idle time of a synchronous pipeline, and it depends on the machine's speed; flops
 # (2N per generated token + 6N per trained token) does not, so runs made on machines of other speeds pool on it.
 COMPUTE_AXES = {"compute_hours": "device-h", "flops": "FLOPs"}
-# What run_report reads from a metrics row, and the FLOPs (a compute axis that does not depend on the machine's
-# speed, for records made on different machines): a run's record keeps these and nothing else.
+# What run_report reads from a metrics row, the FLOPs (a compute axis that does not depend on the machine's
+# speed, for records made on different machines), and what says how one variant's updates differed from another's
+# (reward, clipping, the importance ratio, gradient-norm clipping, lengths, entropy): a run's record keeps these and
+# nothing else.
 RECORD_KEYS = ("step", "compute_hours", "flops", "val_pass_rate", "lag_hist", "stale_dropped", "step_s",
-               "weight_sync_s")
+               "weight_sync_s", "reward", "clip_frac", "ratio_mean", "grad_clipped", "length_mean", "entropy")
 
 
 def cut_rows(rows: list[dict], steps: int) -> list[dict]:

@@ -179,7 +179,7 @@ def test_a_study_continues_from_its_records_without_run_directories_and_cuts_the
         ran.append((run_dir.name, steps))
         rows = _sigmoid_run(0.9, int(flags[flags.index("--seed") + 1]), steps)
         for row in rows:
-            row["loss"] = 1.0  # not a record key: left out of the record
+            row["loss"], row["clip_frac"] = 1.0, 0.25  # the loss is not a record key, the clip fraction is
         return rows
 
     monkeypatch.setattr(experiments, "_train_run", fake_train_run)
@@ -190,7 +190,7 @@ def test_a_study_continues_from_its_records_without_run_directories_and_cuts_the
     record = json.loads((records / "keep-s1.json").read_text())
     assert record["flags"] == ["--seed", "1", "--zero-variance", "keep"] and record["steps"] == 50
     assert record["args"] is None  # the fake run leaves no args.json
-    assert record["rows"] == [{k: v for k, v in row.items() if k != "loss"} for row in _sigmoid_run(0.9, 1, 50)]
+    assert record["rows"] == [{**row, "clip_frac": 0.25} for row in _sigmoid_run(0.9, 1, 50)]
     first = json.loads((tmp_path / "a" / "study.json").read_text())
 
     ran.clear()  # another machine: no run directories, the same records

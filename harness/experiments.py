@@ -29,19 +29,29 @@ from harness.cli import int_list as _int_list, number as _number  # argparse typ
 
 def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[dict]:
     """Run train.py under torchrun into `run_dir` unless a finished run is there already (so a killed experiment
-    continues where it stopped and never reruns a finished run); its metrics rows."""
+    continues where it stopped and never reruns a finished run); its metrics rows. A run that fails after its
+    first checkpoint is resumed from it once: a rank of FSDP2 over gloo has crashed in native code (SIGSEGV) once
+    in many hours of runs, and a resumed run loses and repeats no step (in sync mode it is the same run)."""
     import subprocess
 
     import scaling_fit as sf
+    from harness.checkpoints import CHECKPOINT_DIRS
 
     run_dir = Path(run_dir)
     rows = sf.read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     if rows and rows[-1]["step"] >= steps and "val_pass_rate" in rows[-1]:
         return rows
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "train.py",
-           "--output-dir", str(run_dir), "--overwrite", "--max-steps", str(steps), *flags]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                "train.py"]
+    cmd = [*torchrun, "--output-dir", str(run_dir), "--overwrite", "--max-steps", str(steps), *flags]
     print(f"[run] torchrun ... {' '.join(cmd[6:])}", flush=True)
-    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parent.parent)  # the repository root
+    repo = Path(__file__).resolve().parent.parent
+    failed = subprocess.run(cmd, cwd=repo).returncode
+    if failed:
+        if not any((run_dir / name).is_dir() for name in CHECKPOINT_DIRS):  # it failed to start: a real error
+            raise subprocess.CalledProcessError(failed, cmd)
+        print(f"[run] {run_dir} failed (exit status {failed}): resuming it from its checkpoint, once", flush=True)
+        subprocess.run([*torchrun, "--resume", str(run_dir), "--max-steps", str(steps)], check=True, cwd=repo)
     return sf.read_metrics(run_dir)
 
 

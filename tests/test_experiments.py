@@ -84,10 +84,46 @@ def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
                                                                       "val_pass_rate": 0.9}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     calls = []
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a))
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
     assert experiments._train_run(run, 5, []) == rows and not calls
     experiments._train_run(run, 10, ["--seed", "1"])  # unfinished for 10 steps: it runs (again, from scratch)
-    assert calls and "--overwrite" in calls[0][0] and calls[0][0][-2:] == ["--seed", "1"]
+    assert calls and "--overwrite" in calls[0] and calls[0][-2:] == ["--seed", "1"]
+
+
+def test_a_run_that_crashes_after_a_checkpoint_is_resumed_from_it_once(tmp_path, monkeypatch):
+    """A study's run whose rank crashed (torchrun's exit status 1) goes on from its checkpoint with --resume, once;
+    a run that failed before any checkpoint, or fails again, stops the study with the error."""
+    run, calls, statuses = tmp_path / "run", [], []
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "compute_hours": 0.1, "val_pass_rate": 0.9}) + "\n")
+
+    def fake_run(cmd, check=False, **kwargs):
+        calls.append(cmd)
+        status = statuses.pop(0)
+        if check and status:
+            raise subprocess.CalledProcessError(status, cmd)
+        return subprocess.CompletedProcess(cmd, status)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    statuses[:] = [1]
+    with pytest.raises(subprocess.CalledProcessError):  # no checkpoint: it never started, so no resume
+        experiments._train_run(run, 10 + 5, ["--seed", "1"])
+    assert len(calls) == 1
+    (run / "checkpoint").mkdir()
+    calls.clear()
+    statuses[:] = [1, 0]
+    experiments._train_run(run, 15, ["--seed", "1"])
+    assert calls[1][-4:] == ["--resume", str(run), "--max-steps", "15"] and "--overwrite" not in calls[1]
+    calls.clear()
+    statuses[:] = [1, 1]  # the resumed run fails too: the study stops there
+    with pytest.raises(subprocess.CalledProcessError):
+        experiments._train_run(run, 15, ["--seed", "1"])
+    assert len(calls) == 2
 
 
 def test_staleness_runs_every_k_on_every_seed_and_reports_mean_and_range(tmp_path, monkeypatch):

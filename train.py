@@ -60,7 +60,7 @@ import time
 import types
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +189,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
             if args.debug_learner_slowdown > 1:  # debug knob: a learner X times slower than this one
                 time.sleep((args.debug_learner_slowdown - 1) * (time.time() - step_start))
             state.step += 1
-            state.consumed.update(grp.data_index for grp in batch)
+            state.consumed.update([grp.data_index for grp in batch] + round_.dropped)
             sync_s, broadcast_s = push_weights(learner, run, state.step)
             gen_tokens = round_.stats.pop("gen_tokens", 0)  # a sync round's generation counts at its first step
             trained_tokens = state.count_tokens(gen_tokens, batch, learner.n_params)
@@ -286,6 +286,9 @@ class Round:
     batches: list[list[pipeline_rl.Group]]
     stats: dict[str, Any]
     stop_reason: str | None = None  # the generator died, a full disk: every rank checkpoints and stops instead
+    # data indices of the groups pulled and dropped (zero variance): consumed with the round's steps, so that a
+    # resume does not draw them again and a resumed sync run goes on as the run would have
+    dropped: list[int] = field(default_factory=list)
 
 
 def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
@@ -295,6 +298,7 @@ def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
     want = args.prompts_per_step * steps
     stats: dict[str, Any] = {"overlong_filtered": 0} if args.overlong_filter else {}
     kept: list = []
+    dropped: list[int] = []
     pulled = zero_variance = 0
     while len(kept) < want:
         groups = pull_groups(generator, want - len(kept), state.step, stats)
@@ -302,7 +306,9 @@ def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
         retire_solved_prompts(groups, state, args.retire_pass_rate, generator)
         has_signal = filter_zero_variance(groups, args.group_size)
         zero_variance += has_signal.count(False)
-        kept += [grp for grp, keep in zip(groups, has_signal) if keep or args.zero_variance == "keep"]
+        keeps = [keep or args.zero_variance == "keep" for keep in has_signal]
+        kept += [grp for grp, keep in zip(groups, keeps) if keep]
+        dropped += [grp.data_index for grp, keep in zip(groups, keeps) if not keep]
         # DAPO dynamic sampling (resample) pulls until the batch is full; it gives up rather than spin forever on a
         # saturated task.
         if args.zero_variance != "resample" or pulled >= 8 * want:
@@ -316,7 +322,7 @@ def pull_round(args: Args, generator: Any, state: TrainerState) -> Round:
     stats["reward_errors"] = sum(c.reward_error is not None for grp in kept for c in grp.completions)
     per_step = math.ceil(len(kept) / steps) if kept else 0
     batches = [kept[i * per_step: (i + 1) * per_step] for i in range(steps)] if per_step else [[] for _ in range(steps)]
-    return Round(batches, stats)
+    return Round(batches, stats, dropped=dropped)
 
 
 def pull_groups(generator: Any, n: int, version: int, stats: dict[str, Any]) -> list:

@@ -51,7 +51,7 @@ class TrainerState:
     flops: float = 0.0
     gen_tokens: int = 0
     train_tokens: int = 0
-    consumed: set[int] = field(default_factory=set)  # data indices trained on: a resumed generator skips them
+    consumed: set[int] = field(default_factory=set)  # data indices trained on or dropped: a resume skips them
     history: dict[str, list[float]] = field(default_factory=dict)  # prompt id -> pass rate of each of its groups
     retired: set[str] = field(default_factory=set)  # prompt ids retired for good (No-Positive-Resampling)
     bad_steps_total: int = 0  # steps skipped for a non-finite loss or gradient

@@ -172,7 +172,7 @@ os._exit(0)
 # On-policy RL with DeepSeekMath's KL to the reference model and IcePop's masked importance sampling, in sync mode
 # with a seed: a case of test_every_loss_runs_end_to_end and the first run the sync repeat test compares.
 SYNC_GRPO = ["--mode", "sync", "--max-off-policy", "1", "--kl-coef", "0.04", "--tis", "token", "--tis-mode", "mask",
-             "--tis-cap-min", "0.5", "--tis-cap", "5", "--seed", "4245"]
+             "--tis-cap-min", "0.5", "--tis-cap", "5", "--seed", "4245", "--group-size", "4"]
 
 
 def _short_run(out: Path, loss: str, flags: list[str], *more: str) -> subprocess.CompletedProcess:

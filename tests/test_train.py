@@ -168,6 +168,10 @@ def test_zero_variance_policies(policy, kept, pulled):
     assert len(out.batches) == 1 and len(out.batches[0]) == kept
     assert out.stats["groups_pulled"] == pulled
     assert out.stats["frac_zero_variance"] == pytest.approx((pulled + 2) // 3 / pulled)
+    # the dropped groups' data indices go with the round, to be consumed with its steps: a resume skips them
+    trained = {g.data_index for b in out.batches for g in b}
+    assert out.dropped == ([] if policy == "keep" else [i for i in range(pulled) if i % 3 == 0])
+    assert trained | set(out.dropped) == set(range(pulled)) and not trained & set(out.dropped)
 
 
 def test_no_positive_resampling_retires_prompts_at_the_threshold():

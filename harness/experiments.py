@@ -134,9 +134,9 @@ class StudyProgress:
         self.started = self.clock()
         return line
 
-    def done(self, trained: bool) -> None:
-        if trained:
-            self.trained_s.append(self.clock() - self.started)
+    def done(self) -> None:
+        """The run announced last was trained: its wall time counts toward the time left."""
+        self.trained_s.append(self.clock() - self.started)
 
 
 def write_record(path, rows: list[dict], run_dir=None, flags: list[str] | None = None) -> None:
@@ -531,7 +531,7 @@ def experiment_study(args: argparse.Namespace) -> dict:
             progress.next(f"{name}, seed {seed}", recorded=rows is not None)
             if rows is None:
                 rows = _train_and_record(out_dir / f"{name}-s{seed}", record, args.steps, flags)
-                progress.done(trained=True)
+                progress.done()
             reports.setdefault(name, []).append(run_report(rows, fit_from_step=args.fit_from_step,
                                                            axis=args.compute_axis))
     fits = {name: pooled_fit(reps, args.bootstrap) for name, reps in reports.items()}

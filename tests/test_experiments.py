@@ -384,10 +384,10 @@ def test_study_progress_names_the_run_and_the_time_left_from_the_runs_made_here(
     assert progress.next("cispo, seed 1") == ("[study] run 2 of 4: cispo, seed 1; the time left is known once a run "
                                               "has been made here")
     now[0] += 1500.0  # 25 minutes
-    progress.done(trained=True)
+    progress.done()
     assert progress.next("dapo, seed 0").endswith("about 0 h 50 min left if each run still to make takes what the 1 "
                                                   "made here took")  # runs 3 and 4 are still to make
     now[0] += 2100.0  # 35 minutes: the mean is 30
-    progress.done(trained=True)
+    progress.done()
     assert progress.next("dapo, seed 1") == ("[study] run 4 of 4: dapo, seed 1; about 0 h 30 min left if each run "
                                              "still to make takes what the 2 made here took")

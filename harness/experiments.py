@@ -5,8 +5,9 @@ holding a JSON object of the results (the LAST line printed).
     python -m harness.experiments study      # ScaleRL's ablations in miniature: variants x seeds, A, B with 95% CIs
     python -m harness.experiments report RUN_DIR...   # what finished runs (or study records) show: pass rate, lag, fits
 
-A run is train.py under torchrun (`_train_run`), and a finished run is never run again, so a killed experiment
-continues where it stopped. The benchmarks that time one run's parts are harness/bench.py's.
+A run is train.py under torchrun (`_train_run`): a finished run is never run again, and an unfinished one that the
+same command started goes on from its last checkpoint, so a killed experiment continues where it stopped. The
+benchmarks that time one run's parts are harness/bench.py's.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from harness.cli import int_list as _int_list, number as _number  # argparse typ
 
 def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[dict]:
     """Run train.py under torchrun into `run_dir` unless a finished run is there already (so a killed experiment
-    continues where it stopped and never reruns a finished run); its metrics rows. A run that fails after its
-    first checkpoint is resumed from it once: a rank of FSDP2 over gloo has crashed in native code (SIGSEGV) once
-    in many hours of runs, and a resumed run loses and repeats no step (in sync mode it is the same run)."""
+    continues where it stopped and never reruns a finished run); its metrics rows. An unfinished run that this
+    command started (RUN_DIR.command.json, written before it, names the same steps and flags) and that has a
+    checkpoint is resumed from it, so a killed study loses only the steps since that checkpoint. A run that fails
+    after its first checkpoint is resumed from it once: a rank of FSDP2 over gloo has crashed in native code
+    (SIGSEGV) once in many hours of runs, and a resumed run loses and repeats no step (in sync mode it is the same
+    run)."""
     import subprocess
 
     import scaling_fit as sf
-    from harness.checkpoints import CHECKPOINT_DIRS
 
     run_dir = Path(run_dir)
     rows = sf.read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
@@ -43,16 +46,46 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
         return rows
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                 "train.py"]
+    resume = [*torchrun, "--resume", str(run_dir), "--max-steps", str(steps)]
+    repo = Path(__file__).resolve().parent.parent
+    command_file = run_dir.with_name(run_dir.name + ".command.json")
+    command = {"steps": steps, "flags": flags}
+    if _has_checkpoint(run_dir) and _started_by(command_file, command, run_dir):
+        print(f"[run] {run_dir}: resuming it from its checkpoint (a stopped experiment started it with these "
+              "flags)", flush=True)
+        subprocess.run(resume, check=True, cwd=repo)
+        return sf.read_metrics(run_dir)
     cmd = [*torchrun, "--output-dir", str(run_dir), "--overwrite", "--max-steps", str(steps), *flags]
     print(f"[run] torchrun ... {' '.join(cmd[6:])}", flush=True)
-    repo = Path(__file__).resolve().parent.parent
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    command_file.write_text(json.dumps(command) + "\n")
     failed = subprocess.run(cmd, cwd=repo).returncode
     if failed:
-        if not any((run_dir / name).is_dir() for name in CHECKPOINT_DIRS):  # it failed to start: a real error
+        if not _has_checkpoint(run_dir):  # it failed to start: a real error
             raise subprocess.CalledProcessError(failed, cmd)
         print(f"[run] {run_dir} failed (exit status {failed}): resuming it from its checkpoint, once", flush=True)
-        subprocess.run([*torchrun, "--resume", str(run_dir), "--max-steps", str(steps)], check=True, cwd=repo)
+        subprocess.run(resume, check=True, cwd=repo)
     return sf.read_metrics(run_dir)
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    from harness.checkpoints import CHECKPOINT_DIRS
+
+    return any((run_dir / name).is_dir() for name in CHECKPOINT_DIRS)
+
+
+def _started_by(command_file: Path, command: dict, run_dir: Path) -> bool:
+    """Whether the run in `run_dir` is the one `command` started: the command file names it, and the run's
+    args.json was written after it (an older run, made with other flags, is still there until the new run starts:
+    train.py --overwrite deletes it only then)."""
+    args_file = run_dir / "args.json"
+    if not (command_file.exists() and args_file.exists()):
+        return False
+    try:
+        same = json.loads(command_file.read_text()) == command
+    except ValueError:  # cut short by the kill
+        return False
+    return same and args_file.stat().st_mtime_ns >= command_file.stat().st_mtime_ns
 
 
 # The compute axes a run can be fitted on. compute_hours is ScaleRL's (device-hours: wall time x learner ranks and
@@ -485,7 +518,8 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", type=_count(0), default=200,
                         help="residual-bootstrap replicates of each pooled fit, for the 95%% intervals (default 200)")
     parser.add_argument("--out-dir", default="runs/study",
-                        help="runs go to OUT_DIR/VARIANT-sSEED; a finished run is not run again, so a killed study "
+                        help="runs go to OUT_DIR/VARIANT-sSEED; a finished run is not run again and an unfinished "
+                             "one that the same command started goes on from its checkpoint, so a killed study "
                              "continues where it stopped; the table, figure and summary go to OUT_DIR/study.{md,png,"
                              "json} (default runs/study)")
     parser.add_argument("--records", default=None,

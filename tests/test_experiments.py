@@ -4,6 +4,7 @@ are in docs/results.md."""
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,38 @@ def test_a_run_that_crashes_after_a_checkpoint_is_resumed_from_it_once(tmp_path,
     with pytest.raises(subprocess.CalledProcessError):
         experiments._train_run(run, 15, ["--seed", "1"])
     assert len(calls) == 2
+
+
+def test_a_killed_experiment_resumes_the_run_it_started_from_its_checkpoint(tmp_path, monkeypatch):
+    """A study killed mid-run, then run again: the unfinished run it started (its command file names the same steps
+    and flags, and the run's args.json is newer) goes on from its checkpoint with --resume. With other flags, with
+    no checkpoint, or with an older run still in the directory (the new one never started), it starts over."""
+    run, calls = tmp_path / "out" / "gspo-s1", []
+
+    def fake_run(cmd, check=False, **kwargs):  # a run that starts, writes its args and a checkpoint, and is killed
+        calls.append(cmd)
+        if "--overwrite" in cmd:
+            run.mkdir(parents=True, exist_ok=True)
+            (run / "args.json").write_text("{}")
+            (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "compute_hours": 0.0}) + "\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    experiments._train_run(run, 48, ["--seed", "1"])  # the first start: fresh
+    assert "--overwrite" in calls[-1] and (tmp_path / "out" / "gspo-s1.command.json").exists()
+    experiments._train_run(run, 48, ["--seed", "1"])  # killed before its first checkpoint: fresh again
+    assert "--overwrite" in calls[-1]
+    (run / "checkpoint").mkdir()
+    experiments._train_run(run, 48, ["--seed", "1"])  # killed after a checkpoint: resumed
+    assert calls[-1][-4:] == ["--resume", str(run), "--max-steps", "48"] and "--overwrite" not in calls[-1]
+    for steps, flags in ((48, ["--seed", "2"]), (60, ["--seed", "1"])):  # the study's command changed: fresh
+        experiments._train_run(run, steps, flags)
+        assert "--overwrite" in calls[-1]
+    command_file = tmp_path / "out" / "gspo-s1.command.json"
+    command_file.write_text(json.dumps({"steps": 48, "flags": ["--seed", "1"]}))  # written after the run's args:
+    os.utime(run / "args.json", ns=(1, 1))  # the run there is an older one, which the new start never replaced
+    experiments._train_run(run, 48, ["--seed", "1"])
+    assert "--overwrite" in calls[-1]
 
 
 def test_staleness_runs_every_k_on_every_seed_and_reports_mean_and_range(tmp_path, monkeypatch):

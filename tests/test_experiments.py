@@ -5,6 +5,7 @@ are in docs/results.md."""
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -359,21 +360,55 @@ def test_compare_intervals_needs_intervals_that_do_not_overlap():
     assert experiments.compare_intervals({"A": None}, base) == "no fit"
 
 
-def test_the_results_page_quotes_the_committed_study_as_it_is():
-    """docs/study.json is the study's summary (issue 14's fields, at least 3 seeds a variant); the study
-    section of docs/results.md must quote it: each variant's A interval and per-seed first-half errors, the worst error, the steps."""
-    repo = Path(__file__).resolve().parent.parent
-    summary = json.loads((repo / "docs" / "study.json").read_text())
-    section = (repo / "docs" / "results.md").read_text().split("## A miniature ScaleRL study")[1].split("\n## ")[0]
+def _results_section(heading: str) -> str:
+    return (REPO / "docs" / "results.md").read_text().split(f"## {heading}")[1].split("\n## ")[0]
+
+
+@pytest.mark.parametrize("summary_file, heading", [("study.json", "A miniature ScaleRL study"),
+                                                   ("real-study.json", "ScaleRL's loss comparison on a real model")])
+def test_the_results_page_quotes_the_committed_study_as_it_is(summary_file, heading):
+    """docs/study.json and docs/real-study.json are the studies' summaries (issue 14's fields, at least 3 seeds a
+    variant); each study's section of docs/results.md must quote its summary: each variant's A interval and per-seed
+    first-half errors, the worst error, the steps."""
+    summary = json.loads((REPO / "docs" / summary_file).read_text())
+    section = _results_section(heading)
     rows = [line for line in section.splitlines() if line.startswith("| ")]
     for variant in summary["variants"]:
         assert {"name", "seeds", "A", "A_lo", "A_hi", "B", "C_mid", "half_fit_errors"} <= set(variant)
         assert len(variant["seeds"]) >= 3 and set(variant["half_fit_errors"]) == {str(s) for s in variant["seeds"]}
         row = next(line for line in rows if f"({variant['name']})" in line)
         assert f"{variant['A']:.3f} [{variant['A_lo']:.3f}, {variant['A_hi']:.3f}]" in row, variant["name"]
-        assert ", ".join(f"{e:+.3f}" for e in variant["half_fit_errors"].values()) in row, variant["name"]
+        errors = ("no fit" if e is None else f"{e:+.3f}" for e in variant["half_fit_errors"].values())
+        assert ", ".join(errors) in row, variant["name"]  # None: too few evaluations in the first half to fit
     assert f"--steps {summary['steps']}" in section
     assert f"{summary['worst_half_fit_error']:+.3f}" in section
+
+
+def test_the_real_model_study_is_refitted_from_its_committed_records_by_its_documented_command(tmp_path,
+                                                                                             monkeypatch):
+    """The command beside the real-model study in docs/results.md, on the committed records (docs/real-study-runs),
+    trains nothing and gives the committed summary: the figure and the table can be redrawn without the 9 runs."""
+    block = _results_section("ScaleRL's loss comparison on a real model").split("```bash\n")[1].split("```")[0]
+    command = next(line for line in block.replace("\\\n", " ").splitlines()
+                   if line.startswith("python -m harness.experiments study"))
+    argv = shlex.split(command)[3:]
+    for flag, name in (("--out-dir", "out"), ("--summary", "study.json"), ("--figure", "study.png")):
+        argv[argv.index(flag) + 1] = str(tmp_path / name)
+
+    def no_training(run_dir, steps, flags):
+        raise AssertionError(f"{run_dir} was trained: its record is missing or holds other flags")
+
+    monkeypatch.setattr(experiments, "_train_run", no_training)
+    monkeypatch.chdir(REPO)  # the records and --model are named relative to the checkout, as the docs run them
+    assert experiments.main(argv) == 0
+    committed = json.loads((REPO / "docs" / "real-study.json").read_text())
+    again = json.loads((tmp_path / "study.json").read_text())
+    assert again["runs"] == committed["runs"] == 9 and again["records"] == committed["records"]
+    for ours, theirs in zip(again["variants"], committed["variants"], strict=True):
+        assert ours["name"] == theirs["name"] and ours["val_final"] == theirs["val_final"]
+        for key in ("A", "A_lo", "A_hi", "B", "B_lo", "B_hi", "C_mid", "r2"):  # a fit on another CPU: its last bits
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-3), (ours["name"], key)
+    assert (tmp_path / "study.png").stat().st_size > 0
 
 
 def test_the_run_length_table_is_what_the_committed_records_give():

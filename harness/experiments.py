@@ -39,6 +39,7 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     import subprocess
 
     import scaling_fit as sf
+    from harness.checkpoints import complete_checkpoints
 
     run_dir = Path(run_dir)
     rows = sf.read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
@@ -50,7 +51,7 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     repo = Path(__file__).resolve().parent.parent
     command_file = run_dir.with_name(run_dir.name + ".command.json")
     command = {"steps": steps, "flags": flags}
-    if _has_checkpoint(run_dir) and _started_by(command_file, command, run_dir):
+    if complete_checkpoints(run_dir) and _started_by(command_file, command, run_dir):
         print(f"[run] {run_dir}: resuming it from its checkpoint (a stopped experiment started it with these "
               "flags)", flush=True)
         subprocess.run(resume, check=True, cwd=repo)
@@ -61,17 +62,11 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     command_file.write_text(json.dumps(command) + "\n")
     failed = subprocess.run(cmd, cwd=repo).returncode
     if failed:
-        if not _has_checkpoint(run_dir):  # it failed to start: a real error
+        if not complete_checkpoints(run_dir):  # it failed to start: a real error
             raise subprocess.CalledProcessError(failed, cmd)
         print(f"[run] {run_dir} failed (exit status {failed}): resuming it from its checkpoint, once", flush=True)
         subprocess.run(resume, check=True, cwd=repo)
     return sf.read_metrics(run_dir)
-
-
-def _has_checkpoint(run_dir: Path) -> bool:
-    from harness.checkpoints import CHECKPOINT_DIRS
-
-    return any((run_dir / name).is_dir() for name in CHECKPOINT_DIRS)
 
 
 def _started_by(command_file: Path, command: dict, run_dir: Path) -> bool:

@@ -117,6 +117,7 @@ def test_a_run_that_crashes_after_a_checkpoint_is_resumed_from_it_once(tmp_path,
         experiments._train_run(run, 10 + 5, ["--seed", "1"])
     assert len(calls) == 1
     (run / "checkpoint").mkdir()
+    (run / "checkpoint" / "trainer_state.json").write_text("{}")  # a complete checkpoint
     calls.clear()
     statuses[:] = [1, 0]
     experiments._train_run(run, 15, ["--seed", "1"])
@@ -148,6 +149,7 @@ def test_a_killed_experiment_resumes_the_run_it_started_from_its_checkpoint(tmp_
     experiments._train_run(run, 48, ["--seed", "1"])  # killed before its first checkpoint: fresh again
     assert "--overwrite" in calls[-1]
     (run / "checkpoint").mkdir()
+    (run / "checkpoint" / "trainer_state.json").write_text("{}")  # a complete checkpoint
     experiments._train_run(run, 48, ["--seed", "1"])  # killed after a checkpoint: resumed
     assert calls[-1][-4:] == ["--resume", str(run), "--max-steps", "48"] and "--overwrite" not in calls[-1]
     for steps, flags in ((48, ["--seed", "2"]), (60, ["--seed", "1"])):  # the study's command changed: fresh

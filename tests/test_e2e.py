@@ -67,10 +67,14 @@ def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, los
 SHORT = ["--prompts-per-step", "4", "--eval-prompts", "8", "--eval-samples", "2", "--log-every", "1"]
 
 
-def _train(out: Path, *flags: str, nproc: int = 2, timeout: float = 600) -> subprocess.CompletedProcess:
+def _train(out: Path, *flags: str, nproc: int = 2, timeout: float = 600,
+           retry: bool = True) -> subprocess.CompletedProcess:
     """torchrun train.py, once more from the same start if a rank dies in native code (helpers.run_torchrun): the
-    state is the output directory, or the run directory a --resume names."""
+    state is the output directory, or the run directory a --resume names. `retry` false: once, for a run that must
+    fail (its other ranks may then abort in native code, which is no crash to run again)."""
     cmd = TORCHRUN + ["--nproc_per_node", str(nproc), "train.py", "--output-dir", str(out), *flags]
+    if not retry:
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     state = Path(flags[flags.index("--resume") + 1]) if "--resume" in flags else out
     return run_torchrun(cmd, [state], timeout)
 
@@ -598,12 +602,9 @@ def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_mode
     shutil.copytree(base_model_dir, not_a_model)
     (not_a_model / "model.safetensors").write_bytes(b"not safetensors")
     out = tmp_path / "run"
-    # Not _train: this start must fail, and rank 1, waiting on rank 0 in gloo, may abort (SIGABRT) once rank 0 has
-    # exited and closed their connection, before torchrun stops it. _train would take that for a native crash and
-    # run the failure again.
-    run = subprocess.run(TORCHRUN + ["--nproc_per_node", "2", "train.py", "--output-dir", str(out), "--model",
-                                     str(not_a_model), "--max-steps", "2", *SHORT],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    # Once: this start must fail, and rank 1, waiting on rank 0 in gloo, may abort (SIGABRT) once rank 0 has exited
+    # and closed their connection, before torchrun stops it; a retry would take that for a native crash.
+    run = _train(out, "--model", str(not_a_model), "--max-steps", "2", *SHORT, timeout=300, retry=False)
     assert run.returncode != 0
     assert "SafetensorError" in run.stderr, why_failed(run)  # it failed where it should, loading the weights
     assert not out.exists(), sorted(p.name for p in out.iterdir())

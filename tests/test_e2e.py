@@ -328,7 +328,7 @@ def test_non_finite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint
     counted, and --max-bad-steps of them in a row stop the run with a message and a checkpoint to resume from."""
     out = tmp_path / "nan"
     run = _train(out, "--max-steps", "6", "--eval-every", "10", "--max-bad-steps", "2",
-                 "--loss-arg", "eps_max=nan", *SHORT)
+                 "--loss-arg", "eps_max=nan", *SHORT, retry=False)
     assert run.returncode != 0
     assert "stopping: 2 consecutive steps had a non-finite loss or gradient" in run.stderr + run.stdout
     rows = metrics_rows(out)
@@ -543,7 +543,8 @@ def test_a_remote_replica_that_never_joins_is_one_line_once_under_torchrun(tmp_p
         port = s.getsockname()[1]
     out = tmp_path / "run"
     run = _train(out, "--gen-replicas", "0", "--gen-remote-replicas", "1", "--gen-secret-file", str(secret),
-                 "--gen-listen", f"127.0.0.1:{port}", "--gen-join-timeout", "3", "--max-steps", "1", timeout=300)
+                 "--gen-listen", f"127.0.0.1:{port}", "--gen-join-timeout", "3", "--max-steps", "1", timeout=300,
+                 retry=False)
     assert run.returncode != 0
     assert run.stderr.count("train.py: error:") == 1, run.stderr[-3000:]
     assert "replica 0 (remote) never connected to" in run.stderr
@@ -556,7 +557,7 @@ def test_bad_data_rows_are_named_once_without_a_traceback(tmp_path, base_model_d
     data = tmp_path / "bad.jsonl"
     data.write_text('{"question": "1+1?", "answer": "2"}\nnot json\n{"question": 42, "answer": "3"}\n')
     out = tmp_path / "run"
-    run = _train(out, "--dataset", str(data), "--max-steps", "2", *SHORT, timeout=300)
+    run = _train(out, "--dataset", str(data), "--max-steps", "2", *SHORT, timeout=300, retry=False)
     assert run.returncode != 0
     assert run.stderr.count("bad.jsonl: 2 bad rows") == 1, run.stderr[-3000:]  # printed by rank 0 only
     assert "bad.jsonl line 2: not JSON" in run.stderr and "bad.jsonl line 3: field 'question'" in run.stderr
@@ -579,8 +580,10 @@ def test_a_full_weight_dir_at_a_resume_s_first_push_is_one_line_and_changes_noth
         return {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file() and p.name != ".lock"}
 
     before = files()
+    # Once (rank 1 may abort in gloo when rank 0 exits with the error: no crash to run again, and a second run
+    # cost 20 s in a CI run)
     run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", "5", "--weight-transport", "file",
-                 "--weight-dir", str(full_tmpfs), timeout=300)
+                 "--weight-dir", str(full_tmpfs), timeout=300, retry=False)
     assert run.returncode != 0
     [line] = [x for x in run.stderr.splitlines() if "train.py: error:" in x]
     assert re.fullmatch(rf"train\.py: error: could not write {re.escape(str(full_tmpfs))}/scalerl-weights-\S+"

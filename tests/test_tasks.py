@@ -543,6 +543,20 @@ def test_vllms_cpu_environment_is_set_on_cpu_machines_only(monkeypatch):
     assert os.environ["TORCHDYNAMO_DISABLE"] == "1" and os.environ["HF_HUB_OFFLINE"] == "0"
 
 
+@pytest.mark.slow
+def test_vllm_reads_the_cpu_environment_as_its_engine_inside_the_caller(monkeypatch):
+    """On CPU, LLM() keeps vLLM's engine in the calling process (one import of vLLM, not three): vLLM itself reads
+    the setting that way, so a renamed variable or a changed parse fails here, not only in the suite's time."""
+    import torch
+    from vllm import envs
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert envs.VLLM_ENABLE_V1_MULTIPROCESSING  # vLLM's default: an engine process of its own
+    tasks.set_vllm_cpu_env()
+    assert not envs.VLLM_ENABLE_V1_MULTIPROCESSING
+
+
 def test_small_arithmetic_scores_the_last_number_and_keeps_its_validation_apart():
     """The real-model task (--dataset small-arithmetic) on hand-checked completions, the bad cases included: no
     answer, two answers, an answer in words; and a validation split that the training stream never draws from."""

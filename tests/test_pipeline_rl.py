@@ -1322,7 +1322,7 @@ def hf_model64(base_model_dir):
 def test_sampler_logprobs_match_learner_recompute_fp32_at_temperature_07(sync_batches, hf_model, hf_model64):
     """vLLM's sampler and the learner's transformers forward are two float32 computations of the same
     log-probabilities: each is within fp32_logprob_error of the exact value, so they are within twice that of each
-    other. On the tiny model (4 layers, hidden 128) the bound is about 760 u * max|z|/T per token, 3e-4..1e-3 here; a
+    other. On the tiny model (4 layers, hidden 128) the bound is about 780 u * max|z|/T a side, 3e-4..1e-3 here; a
     2-core AMD EPYC (AVX-512) measured at most 101 u * max|z|/T on either side against a float64 forward, with torch's
     kernels forced to AVX-512, AVX2 or the default path (ATEN_CPU_CAPABILITY), and 8.8e-5 between the two sides. A
     bf16 weight (2^-9) or a wrong temperature (1.0 for 0.7) is off by orders of magnitude more."""

@@ -1131,11 +1131,13 @@ class _MainReferences(pickle.Pickler):
 
 
 def start_process(target: Callable[..., Any], name: str, args: tuple, kwargs: dict | None = None) -> Any:
-    """Start `target(*args, **kwargs)` in a fresh interpreter (multiprocessing's spawn: vLLM and CUDA need one) and return the
-    started Process. Spawn runs the parent's main script again in the child, so that what the child unpickles from
-    `__main__` exists there: under torchrun that is train.py, whose imports cost 2.5 s of a run's start in the
-    generator process and again in each replica, and nothing the project sends a child comes from it. So the script
-    is left out, unless `target` or `args` name something defined in it (a task class in a user's own script)."""
+    """Start `target(*args, **kwargs)` in a fresh interpreter (multiprocessing's spawn: vLLM and CUDA need one) and
+    return the started Process. Spawn runs the parent's main script again in the child, so that what the child
+    unpickles from `__main__` exists there: under torchrun that is train.py, whose imports cost 2.5 s of a run's start
+    in the generator process and again in each replica, and nothing the project sends a child comes from it. So the
+    script is left out, unless `target` or its arguments name something defined in it (a task class in a user's own
+    script). The arguments travel through spawn's pipe between this process and its child, not a socket of the
+    network."""
     proc = mp.get_context("spawn").Process(target=target, name=name, args=args, kwargs=kwargs or {})
     finder = _MainReferences(io.BytesIO())
     try:

@@ -75,8 +75,8 @@ def _plain(obj: Any, where: str) -> Any:
     if kind in _SCALARS:
         return obj
     if kind is list or kind is tuple:
-        if all(type(x) in _SCALARS for x in obj):  # the common case (token ids, logprobs): no walk per item
-            items = list(obj)
+        if _SCALARS.issuperset(map(type, obj)):  # the common case (token ids, logprobs): checked in C, not copied
+            items = obj  # msgspec writes a tuple as an array, as a list
         else:
             items = [_plain(x, f"{where}[{i}]") for i, x in enumerate(obj)]
         return items if kind is list else msgspec.msgpack.Ext(_TUPLE, _encoder.encode(items))

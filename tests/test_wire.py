@@ -170,6 +170,7 @@ def _relayed_channel():
     """(the replica's channel, the generator's channel, the relay between them), through the real listener."""
     listener = vllm_replica.ReplicaListener("127.0.0.1:0", SECRET)
     relay = Relay(listener.address)
+    relay.listener = listener
     try:
         replica, _ = vllm_replica.connect_to_generator(relay.address, SECRET, timeout=10)
         generator, _ = listener.accepted.get(timeout=10)
@@ -284,13 +285,14 @@ def test_a_weight_group_secret_is_derived_on_both_ends_and_never_sent():
 
 def test_a_refused_frame_is_one_line_and_a_dead_replica_for_the_scheduler(base_model_dir, tmp_path, capsys):
     """Through the scheduler: replica 0's connection gets an injected pickle, replica 1's a replayed frame; each is
-    taken out as a dead replica in one line naming why, nothing of either frame runs, and replica 2 goes on."""
+    taken out as a dead replica in one line naming why, nothing of either frame runs, and replica 2 goes on. A new
+    connection whose first frame is injected is dropped before its hello, in one line and the refused count."""
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=2, replicas=3, interruptions=False)
     learner, _learner_end = mp.Pipe()
     scheduler = pl._Scheduler(learner, config, tasks.ArithmeticTask(), 0, [], [], 0, SECRET, None)
     planted = tmp_path / "planted"
     with _relayed_channel() as (r0, g0, relay0), _relayed_channel() as (r1, g1, relay1), \
-            _relayed_channel() as (r2, g2, _):
+            _relayed_channel() as (r2, g2, _), _relayed_channel() as (r3, g3, relay3):
         for slot, conn in zip(scheduler.pool.slots(), (g0, g1, g2)):
             slot.connect(conn, "127.0.0.1", 1000 + slot.id, "127.0.0.1", 1)
             slot.engine_up({"max_num_seqs": 4}, config.group_size)
@@ -303,16 +305,25 @@ def test_a_refused_frame_is_one_line_and_a_dead_replica_for_the_scheduler(base_m
         relay0.inject(_forged_frame(0, _planting_pickle(planted)))
         relay1.inject(bytes(relay1.to_generator[start:]))
         r2.send(("outputs", [], 0.5))
+        scheduler.pool.listener = relay3.listener  # what the listener accepted, before its hello
+        relay3.listener.accepted.put((g3, ("127.0.0.1", 5)))
+        relay3.inject(_forged_frame(0, _planting_pickle(planted)))
         deadline = time.monotonic() + 10
-        while scheduler.pool.slot(1).state != "dead" and time.monotonic() < deadline:
+        while (scheduler.pool.slot(1).state != "dead" or len(relay3.listener.refused) == 0) and \
+                time.monotonic() < deadline:
             scheduler.poll(0.5)
+        assert list(relay3.listener.refused) == ["refused a frame from 127.0.0.1:5 before its hello: frame 0 (" +
+                                                 f"{len(_planting_pickle(planted))} bytes) fails its MAC: not sent by "
+                                                 "this connection's peer (injected or altered on the way)"]
+        assert g3.closed and g3 not in scheduler.pool.connections()
         assert [s.state for s in scheduler.pool.slots()] == ["dead", "dead", "ready"] and not planted.exists()
         assert "refused a frame on its connection: frame 0 " in scheduler.pool.slot(0).reason
         assert "fails its MAC" in scheduler.pool.slot(0).reason
         assert scheduler.pool.slot(1).reason == "refused a frame on its connection: frame 0 is not the next one (1): " \
                                                 "replayed, reordered or one dropped"
-        lines = [line for line in capsys.readouterr().err.splitlines() if "died" in line]
-        assert len(lines) == 2 and all("refused a frame" in line for line in lines), lines
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[generator]")]
+        assert len(lines) == 3 and all("refused a frame" in line for line in lines), lines
+        assert sum("died" in line for line in lines) == 2
         assert scheduler.busy_s_by_replica == {1: 0.25, 2: 0.5}
 
 

@@ -45,12 +45,12 @@ import sys
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from harness import tasks, vllm_replica
+from harness import tasks, vllm_replica, wire
 from harness.tasks import Problem, Task
 from harness.vllm_replica import DTYPES, parse_address  # GeneratorConfig checks its listen and dtype with them
 
@@ -723,7 +723,8 @@ class _ReplicaPool:
             if slot.local:
                 slot.spawned(vllm_replica.start_process(
                     vllm_replica.replica_main, f"scalerl-replica-{slot.id}",
-                    (self.listener.address, self.secret, slot.id, slot.devices, os.getpid())))
+                    (self.listener.address, self.secret, slot.id, slot.devices, os.getpid()),
+                    {"config_type": GeneratorConfig}))
 
     def all_ready(self) -> bool:
         return all(s.state == "ready" for s in self.replicas.values())
@@ -770,6 +771,13 @@ class _ReplicaPool:
     def forget_new(self, conn: Any) -> None:
         self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
 
+    def refuse_frame(self, conn: Any, peer: tuple, reason: str) -> None:
+        """A new connection's first frame was refused (wire.FrameRefused): forget it, and name it in one line."""
+        self.forget_new(conn)
+        line = f"refused a frame from {peer[0]}:{peer[1]} before its hello: {reason}"
+        self.listener.refused.append(line)
+        print(f"[generator] {line}", file=sys.stderr, flush=True)
+
     def engine_config(self) -> GeneratorConfig:
         """The settings a replica's engine needs, without the secret or the run's replica layout."""
         import dataclasses
@@ -803,8 +811,9 @@ class _ReplicaPool:
         rejoin = slot.state == "dead"
         slot.connect(conn, peer[0], hello.get("pid"), hello.get("bind_host") or peer[0],
                      hello.get("tensor_parallel_size") or self.cfg.tensor_parallel_size)
-        # a replica that joins a running run holds the base weights: label them -1 until its first update
-        conn.send(("start", self.engine_config(), slot.id, None if (rejoin or running) else version))
+        # a replica that joins a running run holds the base weights: label them -1 until its first update. The
+        # settings go as plain data (the channel carries no objects); the replica builds its GeneratorConfig again
+        conn.send(("start", asdict(self.engine_config()), slot.id, None if (rejoin or running) else version))
         if rejoin or running:
             print(f"[generator] {slot.name} joined; it gets prompts once the next weight update reaches it",
                   file=sys.stderr, flush=True)
@@ -878,10 +887,12 @@ class _ReplicaPool:
             join = transport["kind"] == "broadcast" and s.group is None
             if join:
                 host, port = store_address
-                s.join({"store_host": host, "store_port": port, "prefix": f"scalerl/{secrets.token_hex(16)}",
+                label = f"weight group {version}"  # its secret prefix: derived on both ends, never sent
+                s.join({"store_host": host, "store_port": port, "prefix": vllm_replica.group_prefix(s.conn, label),
                         "world": 1 + s.tensor_parallel_size, "timeout_s": self.cfg.weight_timeout,
                         "backend": "nccl" if self.cfg.gen_devices is not None else "gloo", "bind_host": s.bind_host})
-                if not self.send_to(s, ("join", s.group)):
+                sent = {k: v for k, v in s.group.items() if k != "prefix"} | {"prefix_label": label}
+                if not self.send_to(s, ("join", sent)):
                     continue
             if self.send_to(s, ("update", version, transport)):  # with what the learner watches while it sends
                 watch = vllm_replica.local_processes(s.pid, s.info.get("vllm_processes", [])) if s.local else []
@@ -1318,6 +1329,12 @@ class _Scheduler:
             owner = owners[conn]
             try:
                 msg = conn.recv()
+            except wire.FrameRefused as e:  # nothing of it was used; the connection is closed
+                if isinstance(owner, _ReplicaSlot):
+                    self.on_death(owner, f"refused a frame on its connection: {e}")
+                else:
+                    self.pool.refuse_frame(conn, owner[1], str(e))
+                continue
             except (EOFError, OSError):
                 if owner == "learner":
                     self.closing = True
@@ -1851,7 +1868,7 @@ def main(argv: list[str]) -> int:
               "FILE [--replicas N] [--gen-devices 0,1,...] [--tensor-parallel-size T] [--model PATH]` (see replica "
               "--help)", file=sys.stderr)
         return 2
-    return vllm_replica.replica_command(argv[1:])
+    return vllm_replica.replica_command(argv[1:], GeneratorConfig)
 
 
 __all__ = ["GeneratorConfig", "Completion", "Group", "Generator", "GeneratorError", "GeneratorTimeout",

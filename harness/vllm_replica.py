@@ -13,7 +13,8 @@ what makes it run on real machines, and it imports nothing of pipeline_rl (nor o
 - the weight transport: buckets over a torch.distributed group per replica (gloo on CPU, NCCL on GPU), or a file
   where a replica shares the learner's GPU (`choose_weight_transport`);
 - the replica process: one vLLM engine, serving the scheduler over one connection;
-- the handshake: who may connect (an HMAC challenge on the shared secret, both ways);
+- the handshake: who may connect (an HMAC challenge on the shared secret, both ways, harness/wire.py's), and the
+  listener; every message after it is an authenticated frame of plain data (wire.Channel), never a pickle;
 - the join command, `python pipeline_rl.py replica ...` (pipeline_rl.main hands it to `replica_command`);
 - process clean-up: the vLLM processes and shared-memory segments a killed replica leaves.
 
@@ -28,7 +29,6 @@ import atexit
 import collections
 import contextlib
 import ctypes
-import dataclasses
 import errno
 import hashlib
 import hmac
@@ -59,7 +59,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from harness import tasks
+from harness import tasks, wire
 from harness.cli import OneLineParser, int_at_least, number  # one error line for a bad flag; argparse types
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1027,7 +1027,7 @@ class _Replica:
                                         self.sampling_params(spec))
         elif kind == "join":
             try:
-                self.llm.collective_rpc("scalerl_join_weights", args=(msg[1],))
+                self.llm.collective_rpc("scalerl_join_weights", args=(with_group_secret(self.conn, msg[1]),))
                 self.join_error = None
             except Exception as e:  # reported with the update that follows
                 self.join_error = f"joining its weight group failed: {type(e).__name__}: {e}"
@@ -1130,16 +1130,18 @@ class _MainReferences(pickle.Pickler):
         return NotImplemented
 
 
-def start_process(target: Callable[..., Any], name: str, args: tuple) -> Any:
-    """Start `target(*args)` in a fresh interpreter (multiprocessing's spawn: vLLM and CUDA need one) and return the
-    started Process. Spawn runs the parent's main script again in the child, so that what the child unpickles from
-    `__main__` exists there: under torchrun that is train.py, whose imports cost 2.5 s of a run's start in the
-    generator process and again in each replica, and nothing the project sends a child comes from it. So the script
-    is left out, unless `target` or `args` name something defined in it (a task class in a user's own script)."""
-    proc = mp.get_context("spawn").Process(target=target, name=name, args=args)
+def start_process(target: Callable[..., Any], name: str, args: tuple, kwargs: dict | None = None) -> Any:
+    """Start `target(*args, **kwargs)` in a fresh interpreter (multiprocessing's spawn: vLLM and CUDA need one) and
+    return the started Process. Spawn runs the parent's main script again in the child, so that what the child
+    unpickles from `__main__` exists there: under torchrun that is train.py, whose imports cost 2.5 s of a run's start
+    in the generator process and again in each replica, and nothing the project sends a child comes from it. So the
+    script is left out, unless `target` or its arguments name something defined in it (a task class in a user's own
+    script). The arguments travel through spawn's pipe between this process and its child, not a socket of the
+    network."""
+    proc = mp.get_context("spawn").Process(target=target, name=name, args=args, kwargs=kwargs or {})
     finder = _MainReferences(io.BytesIO())
     try:
-        finder.dump((target, args))
+        finder.dump((target, args, kwargs))
     except Exception:  # not picklable as plain pickle: leave it to multiprocessing, main script and all
         finder.found = True
     main = sys.modules["__main__"]
@@ -1177,10 +1179,11 @@ def exit_on_sigterm() -> None:
 
 def replica_main(address: str, secret: bytes, local_id: int | None, devices: list[int] | None,
                   parent_pid: int | None, model: str | None = None, tensor_parallel_size: int | None = None,
-                  connect_timeout: float = 60.0) -> None:
+                  connect_timeout: float = 60.0, config_type: Callable[..., Any] | None = None) -> None:
     """Entry point of a replica process: connect to the scheduler at `address`, prove the secret, start the engine
-    with the run's settings (which come over the connection) and serve. `local_id`: the place of a replica the
-    generator process started itself; None for one that joined with `python pipeline_rl.py replica`."""
+    with the run's settings (which come over the connection as a dict: `config_type`, pipeline_rl's GeneratorConfig,
+    builds them again and checks them) and serve. `local_id`: the place of a replica the generator process started
+    itself; None for one that joined with `python pipeline_rl.py replica`."""
     if parent_pid is not None:  # started by the generator process (or the join command): die with it. SIGKILL, since
         # a replica blocked in a weight broadcast (C code) would not see a SIGTERM before the group's timeout
         set_parent_death_signal(signal.SIGKILL)
@@ -1198,7 +1201,7 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
     except ConnectionError as e:  # unreachable, or refused (a wrong secret): one line on this side, no traceback
         print(f"[replica] {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    replica = None
+    replica, refused = None, False
     try:
         conn.send(("hello", {"pid": os.getpid(), "local_id": local_id, "node": socket.gethostname(),
                              "bind_host": bind_host, "devices": devices,
@@ -1207,9 +1210,11 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
         if msg[0] == "refused":
             print(f"[replica] the generator at {address} refused this replica: {msg[1]}", file=sys.stderr, flush=True)
             return
-        _, config, replica_id, version = msg
+        _, settings, replica_id, version = msg
         overrides = {k: v for k, v in (("model", model), ("tensor_parallel_size", tensor_parallel_size)) if v}
-        config = dataclasses.replace(config, **overrides)  # a GeneratorConfig, checked again with this node's values
+        if config_type is None:
+            raise TypeError("replica_main needs config_type (pipeline_rl.GeneratorConfig) to read the run's settings")
+        config = config_type(**{**settings, **overrides})  # checked again, with this node's values
         os.environ.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
         os.environ[_SLOWDOWN_ENV] = str(config.slowdown_of(replica_id))
         # vLLM's engine and workers read the runner choice from here: the one vllm_engine_kwargs names classes for
@@ -1225,6 +1230,10 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
         info = replica.init_engine()
         replica.send(("ready", info))
         replica.run()
+    except wire.FrameRefused as e:  # nothing of it ran; the generator sees this connection close
+        print(f"[replica] refused a frame from the generator at {address}: {e}; this replica stops",
+              file=sys.stderr, flush=True)
+        refused = True
     except BaseException as e:  # report everything, including SystemExit from SIGTERM
         try:
             conn.send(("error", replica.failure(e) if replica is not None else
@@ -1240,12 +1249,14 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
             conn.send(("closed", None))
         except Exception:
             pass
+    if refused:
+        raise SystemExit(1)
     if engine_in_this_process():  # the CPU's
         exit_at_once()  # closed in order (an error above propagates instead, with its traceback and exit status)
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Who may connect: an HMAC challenge on the shared secret, both ways (multiprocessing.connection's handshake)
+# Who may connect: an HMAC challenge on the shared secret, both ways (wire's handshake), then wire.Channel
 # --------------------------------------------------------------------------------------------------------------
 
 HANDSHAKE_S = 10  # a connection that has not proved the secret by then is refused
@@ -1263,10 +1274,11 @@ def _set_recv_timeout(owner: Any, seconds: float) -> None:
         dup.close()
 
 
-def connect_to_generator(address: str, secret: bytes, timeout: float) -> tuple[Any, str]:
-    """An authenticated connection to the generator process at HOST:PORT, retried until `timeout` (a replica may
-    be started before the learner, or meet a listener busy with other connections), and the local address it leaves
-    from (where this node's workers are reached). A wrong secret is refused at once (ConnectionRefusedError)."""
+def connect_to_generator(address: str, secret: bytes, timeout: float) -> tuple[wire.Channel, str]:
+    """A channel to the generator process at HOST:PORT (both sides proved the secret; each frame is authenticated),
+    retried until `timeout` (a replica may be started before the learner, or meet a listener busy with other
+    connections), and the local address it leaves from (where this node's workers are reached). A wrong secret is
+    refused at once (ConnectionRefusedError)."""
     host, port = parse_address(address)
     deadline = time.monotonic() + timeout
     while True:
@@ -1282,21 +1294,32 @@ def connect_to_generator(address: str, secret: bytes, timeout: float) -> tuple[A
             time.sleep(1.0)
 
 
-def _handshake_with_generator(host: str, port: int, secret: bytes) -> tuple[Any, str]:
+def _handshake_with_generator(host: str, port: int, secret: bytes) -> tuple[wire.Channel, str]:
     """One try of connect_to_generator: connect, then the challenge both ways."""
     sock = socket.create_connection((host, port), timeout=HANDSHAKE_S)
     sock.settimeout(None)
     bind_host = sock.getsockname()[0]
     _set_recv_timeout(sock, HANDSHAKE_S)
-    conn = mpc.Connection(sock.detach())
     try:
-        mpc.answer_challenge(conn, secret)
-        mpc.deliver_challenge(conn, secret)
+        channel = wire.handshake_as_replica(sock, secret)
     except BaseException:
-        conn.close()
+        sock.close()
         raise
-    _set_recv_timeout(conn, 0)
-    return conn, bind_host
+    _set_recv_timeout(sock, 0)
+    return channel, bind_host
+
+
+def group_prefix(channel: wire.Channel, label: str) -> str:
+    """A weight group's secret prefix (what seals its store, SealedStore), derived from `channel`'s key under
+    `label` on each end of the channel, so that it never crosses the wire; 128 bits as hex."""
+    return "scalerl/" + channel.derive_secret(label).hex()[:32]
+
+
+def with_group_secret(channel: wire.Channel, group: dict) -> dict:
+    """A "join" message's group as the replica's workers take it: its `prefix_label` replaced by the prefix."""
+    group = dict(group)
+    group["prefix"] = group_prefix(channel, group.pop("prefix_label"))
+    return group
 
 
 class RefusedLog:
@@ -1329,7 +1352,8 @@ class ReplicaListener:
     """The generator process's listening socket: binds exactly `address`; each connection must prove the secret
     within HANDSHAKE_S seconds in all (in a thread of its own, so a silent one blocks nothing) or is refused and
     logged. At most MAX_HANDSHAKES wait at once: a flood of connections holds no more threads or descriptors than
-    that, and once it stops a replica joins again within HANDSHAKE_S."""
+    that, and once it stops a replica joins again within HANDSHAKE_S. `accepted` holds a wire.Channel per
+    connection that proved the secret."""
 
     def __init__(self, address: str, secret: bytes):
         host, port, family = listen_address(address)  # refuses a wildcard however it is spelled, before binding
@@ -1337,7 +1361,7 @@ class ReplicaListener:
         bound = self.sock.getsockname()[1]
         self.address = f"[{host}]:{bound}" if ":" in host else f"{host}:{bound}"
         self.secret = secret
-        self.accepted: queue.Queue = queue.Queue()  # (connection, (host, port)) that proved the secret
+        self.accepted: queue.Queue = queue.Queue()  # (wire.Channel, (host, port)) that proved the secret
         self.refused = RefusedLog()
         self._slots = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._closed = False
@@ -1388,29 +1412,24 @@ class ReplicaListener:
 
         timer = threading.Timer(HANDSHAKE_S, expire)
         timer.daemon = True
-        conn = None
         try:
             timer.start()
             _set_recv_timeout(sock, HANDSHAKE_S)
-            conn = mpc.Connection(os.dup(sock.fileno()))
-            mpc.deliver_challenge(conn, self.secret)
-            mpc.answer_challenge(conn, self.secret)
+            channel = wire.handshake_as_generator(sock, self.secret)
             timer.cancel()
             if expired.is_set():
                 raise TimeoutError("the deadline passed as it ended")
         except Exception as e:
             timer.cancel()
-            reason = "wrong secret" if isinstance(e, mpc.AuthenticationError) else \
-                f"no valid handshake within {HANDSHAKE_S} s"
+            reason = "wrong secret" if isinstance(e, mpc.AuthenticationError) else "not this version's handshake" \
+                if isinstance(e, ValueError) else f"no valid handshake within {HANDSHAKE_S} s"
             self._refuse(peer, f"{reason} ({type(e).__name__}: {e})")
-            if conn is not None:
-                conn.close()
+            sock.close()
             return
         finally:
-            sock.close()  # the connection has a descriptor of its own
             self._slots.release()
-        _set_recv_timeout(conn, 0)
-        self.accepted.put((conn, peer))
+        _set_recv_timeout(sock, 0)
+        self.accepted.put((channel, peer))
 
     def close(self) -> None:
         self._closed = True
@@ -1661,14 +1680,16 @@ def replica_args(argv: list[str]) -> tuple[argparse.Namespace, bytes, list[list[
     return args, secret, devices, n
 
 
-def replica_command(argv: list[str]) -> int:
+def replica_command(argv: list[str], config_type: Callable[..., Any]) -> int:
     """`python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`: start replicas on this node for
-    a run whose learner listens at HOST:PORT (train.py --gen-listen). Returns the exit status."""
+    a run whose learner listens at HOST:PORT (train.py --gen-listen). `config_type`: pipeline_rl's GeneratorConfig,
+    which each replica builds from the settings the generator sends. Returns the exit status."""
     args, secret, devices, n = replica_args(argv)
     on_gpu = devices != [None]
     procs = [start_process(replica_main, f"scalerl-replica-{i}",
                            (args.connect, secret, None, devices[i] if on_gpu else None, os.getpid(), args.model,
-                            args.tensor_parallel_size if on_gpu else None, args.connect_timeout))
+                            args.tensor_parallel_size if on_gpu else None, args.connect_timeout),
+                           {"config_type": config_type})
              for i in range(n)]
     print(f"[replica] {n} replica(s) connecting to {args.connect}", file=sys.stderr, flush=True)
     try:

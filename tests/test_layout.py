@@ -19,7 +19,7 @@ CARD_FILES = ("grpo.py", "dapo.py", "drgrpo.py", "gspo.py", "cispo.py", "tis.py"
               "train.py")
 PACKAGE = "harness"
 RUNTIME_FILES = tuple(f"{PACKAGE}/{name}.py" for name in ("flags", "checkpoints", "runtime", "packing", "head_gemm",
-                                                           "vllm_replica", "cli"))
+                                                           "vllm_replica", "cli", "wire"))
 ENTRY_POINTS = (f"{PACKAGE}.bench", f"{PACKAGE}.teach")  # beside tests/, the only modules that may import train.py
 ALGORITHM_FILES = ("grpo", "dapo", "drgrpo", "gspo", "cispo", "tis")  # one algorithm each: torch only
 # train.py has no line budget: it is as long as the recipe's steps and the records the loss sees need (issue 54)

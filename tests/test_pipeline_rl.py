@@ -14,7 +14,6 @@ import random
 import re
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ import pytest
 import torch
 
 import pipeline_rl as pl
-from harness import tasks, vllm_replica
+from harness import tasks, vllm_replica, wire
 from helpers import REPO, run_where
 import weight_probe
 
@@ -604,7 +603,8 @@ def test_the_replica_pool_starts_a_replica_that_says_hello_and_reports_one_it_ca
     conn = _FakeConn()
     pool.on_hello(conn, ("127.0.0.1", 5), ("hello", {"local_id": 1, "pid": 42}), 3, running=False)
     (kind, engine_config, replica, version), = conn.sent
-    assert (kind, replica, version) == ("start", 1, 3) and engine_config.replicas == 1 and engine_config.secret is None
+    assert (kind, replica, version) == ("start", 1, 3) and engine_config["replicas"] == 1  # plain data, no object
+    assert engine_config["secret"] is None and pl.GeneratorConfig(**engine_config) == pool.engine_config()
     assert pool.slot(1).state == "starting" and pool.usable_ids() == [] and pool.max_in_flight() == 1
     pool.slot(1).engine_up({"max_num_seqs": 8}, config.group_size)
     pool.hand_version(3)
@@ -781,7 +781,7 @@ def test_a_stranger_who_reaches_the_weight_store_reads_no_key_or_value_and_canno
 
 
 def test_the_listener_refuses_a_wrong_secret_and_a_silent_client_and_accepts_the_right_one(monkeypatch, capfd):
-    """Who may connect: the HMAC handshake of multiprocessing.connection, both ways, on exactly the named address
+    """Who may connect: the HMAC handshake of harness/wire.py, both ways, on exactly the named address
     (here 127.0.0.2, another loopback address); a refusal is logged and blocks nothing else."""
     import socket
 
@@ -825,7 +825,7 @@ def test_a_flood_of_connections_holds_a_bounded_number_and_a_replica_still_joins
     try:
         host, port = vllm_replica.parse_address(listener.address)
         drip = socket.create_connection((host, port), timeout=5)
-        drip.sendall(struct.pack("!i", 200))  # a well-formed answer's length: its 200 bytes come one at a time
+        drip.sendall(wire.MAGIC)  # a well-formed answer's start: the rest of it comes one byte at a time
         t0 = time.monotonic()
         flood = [socket.create_connection((host, port), timeout=5) for _ in range(40)]
         time.sleep(0.2)  # all accepted by now

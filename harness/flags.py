@@ -287,6 +287,10 @@ class Args:
                            "(any of its files: " + ", ".join(RUN_FILES) + "), deleting its metrics and checkpoints "
                            "once the new run has passed its checks and started (a failed start leaves the old run as "
                            "it was; without this flag such a directory is refused)")
+    start_token: str | None = _arg(HelpGroup.CHECKPOINTS, None, "a word kept in args.json that says who started the "
+                                   "run; it changes nothing in training, and a resume keeps it (and refuses another). "
+                                   "python -m harness.experiments gives each run it starts its own (kept beside the "
+                                   "run in RUN_DIR.command.json), and continues or restarts only a run that holds it")
 
     dtype: str | None = _arg(HelpGroup.PRECISION, None, "float32 or bfloat16 (default: bfloat16 on GPU, float32 on "
                              "CPU)")

@@ -6,16 +6,21 @@ holding a JSON object of the results (the LAST line printed).
     python -m harness.experiments report RUN_DIR...   # what finished runs (or study records) show: pass rate, lag, fits
 
 A run is train.py under torchrun (`_train_run`): a finished run is never run again, and an unfinished one that the
-same command started goes on from its last checkpoint, so a killed experiment continues where it stopped. The
-benchmarks that time one run's parts are harness/bench.py's.
+experiment started (its start token in its args.json) goes on from its last checkpoint, so a killed experiment
+continues where it stopped. A run directory is used only if its args.json holds the flags the experiment gives it;
+any other is refused in one line naming the flags that differ, never deleted. The benchmarks that time one run's
+parts are harness/bench.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import math
+import os
+import secrets
 import shlex
 import statistics
 import sys
@@ -29,58 +34,132 @@ from harness.cli import int_list as _int_list, number as _number  # argparse typ
 
 
 def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[dict]:
-    """Run train.py under torchrun into `run_dir` unless a finished run is there already (so a killed experiment
-    continues where it stopped and never reruns a finished run); its metrics rows. An unfinished run that this
-    command started (RUN_DIR.command.json, written before it, names the same steps and flags) and that has a
-    checkpoint is resumed from it, so a killed study loses only the steps since that checkpoint. A run that fails
-    after its first checkpoint is resumed from it once: a rank of FSDP2 over gloo has crashed in native code
-    (SIGSEGV) once in many hours of runs, and a resumed run loses and repeats no step (in sync mode it is the same
-    run)."""
+    """Run train.py under torchrun into `run_dir` with `flags` for `steps` steps, unless a finished run made with
+    these flags is there already (so a killed experiment continues where it stopped and never reruns a finished
+    run); its metrics rows. What `run_dir` holds is checked first (`_run_at`): a run whose args.json holds other
+    flags is refused in one line naming them, never reused, resumed or deleted; an unfinished run is resumed from
+    its checkpoint, or started over, only if it holds the start token of RUN_DIR.command.json (train.py
+    --start-token), which says that this experiment started it. A run that fails after its first checkpoint is
+    resumed from it once: a rank of FSDP2 over gloo has crashed in native code (SIGSEGV) once in many hours of
+    runs, and a resumed run loses and repeats no step (in sync mode it is the same run)."""
     import subprocess
 
     import scaling_fit as sf
     from harness.checkpoints import complete_checkpoints
 
     run_dir = Path(run_dir)
-    rows = sf.read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    if rows and rows[-1]["step"] >= steps and "val_pass_rate" in rows[-1]:
-        return rows
+    command_file = run_dir.with_name(run_dir.name + ".command.json")
+    action, value = _run_at(run_dir, command_file, steps, flags)
+    if action == "finished":
+        return value
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                 "train.py"]
-    resume = [*torchrun, "--resume", str(run_dir), "--max-steps", str(steps)]
     repo = Path(__file__).resolve().parent.parent
-    command_file = run_dir.with_name(run_dir.name + ".command.json")
-    command = {"steps": steps, "flags": flags}
-    if complete_checkpoints(run_dir) and _started_by(command_file, command, run_dir):
-        print(f"[run] {run_dir}: resuming it from its checkpoint (a stopped experiment started it with these "
-              "flags)", flush=True)
-        subprocess.run(resume, check=True, cwd=repo)
+    if action == "resume":
+        print(f"[run] {run_dir}: resuming it from its checkpoint (this experiment started it with these flags)",
+              flush=True)
+        subprocess.run([*torchrun, "--resume", str(run_dir), "--max-steps", str(value)], check=True, cwd=repo)
         return sf.read_metrics(run_dir)
-    cmd = [*torchrun, "--output-dir", str(run_dir), "--overwrite", "--max-steps", str(steps), *flags]
+    token, own_unfinished = value
+    cmd = [*torchrun, "--output-dir", str(run_dir), *(["--overwrite"] if own_unfinished else []),
+           "--max-steps", str(steps), *flags, "--start-token", token]
     print(f"[run] torchrun ... {' '.join(cmd[6:])}", flush=True)
-    run_dir.parent.mkdir(parents=True, exist_ok=True)
-    command_file.write_text(json.dumps(command) + "\n")
+    _write_text(command_file, json.dumps({"token": token, "steps": steps, "flags": flags}) + "\n")
     failed = subprocess.run(cmd, cwd=repo).returncode
     if failed:
         if not complete_checkpoints(run_dir):  # it failed to start: a real error
             raise subprocess.CalledProcessError(failed, cmd)
         print(f"[run] {run_dir} failed (exit status {failed}): resuming it from its checkpoint, once", flush=True)
-        subprocess.run(resume, check=True, cwd=repo)
+        subprocess.run([*torchrun, "--resume", str(run_dir), "--max-steps", str(steps)], check=True, cwd=repo)
     return sf.read_metrics(run_dir)
 
 
-def _started_by(command_file: Path, command: dict, run_dir: Path) -> bool:
-    """Whether the run in `run_dir` is the one `command` started: the command file names it, and the run's
-    args.json was written after it (an older run, made with other flags, is still there until the new run starts:
-    train.py --overwrite deletes it only then)."""
-    args_file = run_dir / "args.json"
-    if not (command_file.exists() and args_file.exists()):
-        return False
+def _run_at(run_dir: Path, command_file: Path, steps: int, flags: list[str]) -> tuple[str, object]:
+    """What _train_run does with `run_dir`: ("finished", its rows), ("resume", the --max-steps to resume it with)
+    or ("start", (its start token, whether it starts over an unfinished run of its own, with --overwrite)). A run
+    whose args.json differs from `flags` in any flag, as train.py parses them, is refused; so is an unfinished run
+    (or a run's files without args.json) that does not hold the command file's token: this experiment did not
+    start it, and deletes nothing it did not create. Each refusal is one line (SystemExit) naming the run."""
+    import scaling_fit as sf
+    from harness import flags as train_flags
+    from harness.checkpoints import LinkRefusedError, complete_checkpoints, read_no_follow
+
+    token = None
     try:
-        same = json.loads(command_file.read_text()) == command
-    except ValueError:  # cut short by the kill
-        return False
-    return same and args_file.stat().st_mtime_ns >= command_file.stat().st_mtime_ns
+        if os.path.lexists(command_file):  # read without following a link: a planted one is refused by name
+            token = json.loads(read_no_follow(command_file).decode()).get("token")
+    except LinkRefusedError as e:
+        raise SystemExit(str(e)) from None
+    except (ValueError, AttributeError):  # cut short by a kill, or not this experiment's: no token
+        pass
+    refused = "nothing was run or deleted"
+    if not os.path.lexists(run_dir / "args.json"):
+        held = train_flags.run_files(run_dir)
+        if held:
+            raise SystemExit(f"{run_dir} holds {', '.join(held)} but no args.json, so not a run this experiment "
+                             f"started: {refused}; move it away, or give the experiment another --out-dir")
+        return "start", (token or secrets.token_hex(8), False)
+    try:
+        saved = train_flags.read_args_json(run_dir)
+    except ValueError as e:
+        raise SystemExit(f"{e} ({refused} by the experiment)") from None
+    differences = flag_differences(saved, flags)
+    if differences:
+        raise SystemExit(f"{run_dir} holds a run made with other flags than this experiment gives it: "
+                         f"{'; '.join(differences)}; {refused}: give the experiment another --out-dir (and another "
+                         f"--records, if you give one), or move that run away")
+    rows = sf.read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    if rows and rows[-1]["step"] >= steps and "val_pass_rate" in rows[-1]:
+        return "finished", rows
+    if token is None or saved.get("start_token") != token:
+        raise SystemExit(f"{run_dir} holds an unfinished run that this experiment did not start (its args.json "
+                         f"holds no start token of {command_file}): {refused}; finish it with train.py --resume "
+                         f"{run_dir}, or move it away")
+    if complete_checkpoints(run_dir):
+        return "resume", max(steps, saved.get("max_steps", steps))
+    return "start", (token, True)
+
+
+# Where a run is and how long it goes, and who started it: not what it trains. flag_differences leaves them out (the
+# study cuts a longer run at its steps, and resumes a shorter one of its own with a higher --max-steps).
+BOOKKEEPING_FLAGS = ("output_dir", "resume", "overwrite", "max_steps", "start_token")
+
+
+def parsed_flags(flags: list[str]) -> dict:
+    """train.py's flags as it parses `flags`, each field of its Args, with the defaults it resolves as it starts on
+    this machine (the optimiser's, the dtype): what its args.json would hold. A flag train.py does not know is its
+    one error line."""
+    import torch
+
+    from harness import flags as train_flags
+
+    args = train_flags.Args(**vars(train_flags.build_parser().parse_args(flags)))
+    train_flags.resolve_defaults(args, args.model is None, torch.cuda.is_available())
+    return dataclasses.asdict(args)
+
+
+def flag_differences(saved: dict, flags: list[str]) -> list[str]:
+    """Each flag, bookkeeping aside, in which a run's args.json `saved` differs from `flags` as train.py parses them
+    (a field the run's args.json lacks holds its default): "--lr 1.0, where the experiment gives 0.0001"."""
+    from harness import flags as train_flags
+
+    wanted = parsed_flags(flags)
+    defaults = {f.name: f.default for f in dataclasses.fields(train_flags.Args)}
+    return [f"--{name.replace('_', '-')} {train_flags._shown(saved.get(name, defaults[name]))}, where the "
+            f"experiment gives {train_flags._shown(value)}" for name, value in wanted.items()
+            if name not in BOOKKEEPING_FLAGS and saved.get(name, defaults[name]) != value]
+
+
+def _write_text(path, text: str) -> None:
+    """`text` into `path` through the project's atomic write, which never follows a link: a link or a non-file
+    there is refused in one line (SystemExit naming it), nothing written through it."""
+    from harness.checkpoints import LinkRefusedError, write_atomically
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write_atomically(Path(path), text)
+    except LinkRefusedError as e:
+        raise SystemExit(str(e)) from None
 
 
 # The compute axes a run can be fitted on. compute_hours is ScaleRL's (device-hours: wall time x learner ranks and
@@ -121,13 +200,23 @@ def _read_record(record_path, steps: int, flags: list[str]) -> list[dict] | None
     same flags; None when there is none yet or it holds fewer steps. A record is the run's rows with RECORD_KEYS
     only (about 40 kB for 200 steps), so a study's records can be committed, and the study refitted or continued
     where its run directories are gone."""
+    from harness.checkpoints import LinkRefusedError, read_no_follow
+
     record_path = Path(record_path)
-    if not record_path.exists():
+    if not os.path.lexists(record_path):
         return None
-    record = json.loads(record_path.read_text())
-    if record["flags"] != flags:
-        raise SystemExit(f"{record_path} holds a run with flags {record['flags']}, not {flags}: a study with "
-                         f"other flags needs another --records directory")
+    try:
+        record = json.loads(read_no_follow(record_path).decode())
+    except LinkRefusedError as e:
+        raise SystemExit(str(e)) from None
+    if record["flags"] is None:
+        raise SystemExit(f"{record_path} holds the record of a run made outside a study, not one of this study's "
+                         "runs: give the study another --out-dir and another --records")
+    differences = [] if record["flags"] == flags else flag_differences(parsed_flags(record["flags"]), flags)
+    if differences:
+        raise SystemExit(f"{record_path} holds a run made with other flags than this experiment gives it: "
+                         f"{'; '.join(differences)}: a study with other flags needs another --out-dir and another "
+                         "--records")
     return cut_rows(record["rows"], steps) if record["steps"] >= steps else None
 
 
@@ -170,12 +259,16 @@ class StudyProgress:
 def write_record(path, rows: list[dict], run_dir=None, flags: list[str] | None = None) -> None:
     """A run's record: its RECORD_KEYS rows, the study flags it was run with (None outside a study) and the
     run's train.py arguments (its args.json) when `run_dir` has them."""
+    from harness.checkpoints import LinkRefusedError, read_no_follow
+
     args_file = Path(run_dir) / "args.json" if run_dir is not None else None
-    record = {"flags": flags, "steps": rows[-1]["step"],
-              "args": json.loads(args_file.read_text()) if args_file and args_file.exists() else None,
+    try:  # never read through a link: it would record another run's flags as this one's
+        args = json.loads(read_no_follow(args_file).decode()) if args_file and os.path.lexists(args_file) else None
+    except LinkRefusedError as e:
+        raise SystemExit(str(e)) from None
+    record = {"flags": flags, "steps": rows[-1]["step"], "args": args,
               "rows": [{key: row[key] for key in RECORD_KEYS if key in row} for row in rows]}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(record, separators=(",", ":")) + "\n")
+    _write_text(path, json.dumps(record, separators=(",", ":")) + "\n")
 
 
 def run_report(rows: list[dict], devices: int = 3, fit_from_step: int = 0, axis: str = "compute_hours") -> dict:
@@ -387,7 +480,7 @@ def experiment_staleness(args: argparse.Namespace) -> dict:
                      f"{_mean_spread([r['largest_fall'] for r in reps], '.3f')} | {fits} | "
                      f"{_mean_spread([r['wall_s'] for r in reps], '.0f')} s |")
     lines.append(f"\n(mean and, in brackets, range over seeds {args.seeds}; {args.steps} steps each)")
-    (out_dir / "staleness.md").write_text("\n".join(lines) + "\n")
+    _write_text(out_dir / "staleness.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"[staleness] figure: {out_dir / 'staleness.png'}")
     return {"benchmark": "staleness", "learner_slowdown": args.learner_slowdown, "steps": args.steps, "seeds": seeds,
@@ -466,6 +559,8 @@ def plot_study(fits: dict[str, dict], out_path, title: str, ceiling: float | Non
     import matplotlib.pyplot as plt
     import numpy as np
 
+    import scaling_fit as sf
+
     fig, (ax_curve, ax_a, ax_b) = plt.subplots(1, 3, figsize=(15, 5.2), gridspec_kw={"width_ratios": [2.2, 1, 1]})
     names = list(fits)
     for row, name in enumerate(names):
@@ -496,8 +591,8 @@ def plot_study(fits: dict[str, dict], out_path, title: str, ceiling: float | Non
         ax.grid(alpha=0.3)
         ax.title.set_fontsize(9)
     fig.tight_layout()
-    fig.savefig(out_path, dpi=110)
-    plt.close(fig)
+    sf._save_figure(fig, Path(out_path), dpi=110)  # a new file renamed into place: a link there is replaced, not
+                                                   # written through
 
 
 def _add_study_args(parser: argparse.ArgumentParser) -> None:
@@ -514,9 +609,11 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
                         help="residual-bootstrap replicates of each pooled fit, for the 95%% intervals (default 200)")
     parser.add_argument("--out-dir", default="runs/study",
                         help="runs go to OUT_DIR/VARIANT-sSEED; a finished run is not run again and an unfinished "
-                             "one that the same command started goes on from its checkpoint, so a killed study "
-                             "continues where it stopped; the table, figure and summary go to OUT_DIR/study.{md,png,"
-                             "json} (default runs/study)")
+                             "one that this study started (the start token of OUT_DIR/VARIANT-sSEED.command.json in "
+                             "its args.json) goes on from its checkpoint, so a killed study continues where it "
+                             "stopped; a run there whose args.json holds other flags, or an unfinished one the study "
+                             "did not start, is refused, never deleted; the table, figure and summary go to "
+                             "OUT_DIR/study.{md,png,json} (default runs/study)")
     parser.add_argument("--records", default=None,
                         help="one small JSON record per finished run (VARIANT-sSEED.json: its flags and metrics rows) "
                              "goes here, and a run whose record holds at least --steps steps with the same flags is "
@@ -638,10 +735,9 @@ def experiment_study(args: argparse.Namespace) -> dict:
         f"device-hours, {total_wall / 3600:.2f} h of wall time"
         + (f"; every run also takes `{shlex.join(common)}` after its variant's flags, and so where the two name one "
            f"flag, the common one holds, whatever the variant's title says" if common else "") + ")\n")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "study.md").write_text(table)
+    _write_text(out_dir / "study.md", table)
     for path in [out_dir / "study.json", *([Path(args.summary)] if args.summary else [])]:
-        path.write_text(json.dumps(summary, indent=1) + "\n")
+        _write_text(path, json.dumps(summary, indent=1) + "\n")
     title = f"{len(seeds)} seeds pooled per variant (seeds {args.seeds}), {args.steps} steps{from_step}"
     for path in [out_dir / "study.png", *([Path(args.figure)] if args.figure else [])]:
         plot_study(fits, path, title, args.ceiling, args.compute_axis)

@@ -126,6 +126,12 @@ CHANGEABLE_ON_RESUME = frozenset({
 })
 
 
+# What a run leaves in its output directory (runtime.REPORT_DIRS last): a directory holding any of them holds a run, or
+# part of one, that a new run neither mixes with nor deletes unless given --overwrite.
+RUN_FILES = ("args.json", "metrics.jsonl", "checkpoint", "checkpoint.old", "checkpoint.tmp", "scaling.png",
+             "dashboard.png", "tensorboard", "wandb", ".wandb", "trackio")
+
+
 @dataclass
 class Args:
     loss: str = _arg(HelpGroup.WHAT, "cispo", "the loss file: grpo, dapo, drgrpo, gspo or cispo (ScaleRL: cispo)",
@@ -277,10 +283,14 @@ class Args:
                                   if name not in ("output_dir", "resume", "overwrite"))
                               + " (--max-steps upwards only); any other flag defines the run, and changing it is "
                               "refused")
-    overwrite: bool = _arg(HelpGroup.CHECKPOINTS, False, "start afresh in an --output-dir that already holds a run, "
-                           "deleting its metrics and checkpoints once the new run has passed its checks and started "
-                           "(a failed start leaves the old run as it was; without this flag such a directory is "
-                           "refused)")
+    overwrite: bool = _arg(HelpGroup.CHECKPOINTS, False, "start afresh in an --output-dir that already holds a run "
+                           "(any of its files: " + ", ".join(RUN_FILES) + "), deleting its metrics and checkpoints "
+                           "once the new run has passed its checks and started (a failed start leaves the old run as "
+                           "it was; without this flag such a directory is refused)")
+    start_token: str | None = _arg(HelpGroup.CHECKPOINTS, None, "a word kept in args.json that says who started the "
+                                   "run; it changes nothing in training, and a resume keeps it (and refuses another). "
+                                   "python -m harness.experiments gives each run it starts its own (kept beside the "
+                                   "run in RUN_DIR.command.json), and continues or restarts only a run that holds it")
 
     dtype: str | None = _arg(HelpGroup.PRECISION, None, "float32 or bfloat16 (default: bfloat16 on GPU, float32 on "
                              "CPU)")
@@ -551,16 +561,22 @@ LOSS_INPUTS = ("logprobs", "old_logprobs", "advantages", "mask", "group_size", "
                "ref_logprobs")
 
 
+def run_files(out: Path) -> list[str]:
+    """The RUN_FILES that `out` holds (a link there too): what a new run would mix with or replace. An empty
+    metrics.jsonl holds no run."""
+    return [name for name in RUN_FILES if os.path.lexists(out / name)
+            and not (name == "metrics.jsonl" and not (out / name).is_symlink() and (out / name).stat().st_size == 0)]
+
+
 def run_dir_problems(args: Args) -> list[str]:
-    """--resume needs a complete checkpoint to continue from; a new run does not start over an old one unasked."""
+    """--resume needs a complete checkpoint to continue from; a new run does not start over an old one (or any of
+    its files: another run's args.json would be taken for this one's) unasked."""
     problems = []
     if args.resume and not complete_checkpoints(Path(args.resume)):
         problems.append(f"--resume {args.resume}: no complete checkpoint there (expected {args.resume}/checkpoint/ "
                         f"or checkpoint.old/ with trainer_state.json); a run killed before its first checkpoint "
                         f"cannot be continued: start it afresh with --output-dir {args.resume} --overwrite")
-    existing = [name for name in ("metrics.jsonl", "checkpoint", "checkpoint.old")
-                if (Path(args.output_dir) / name).exists()
-                and not (name == "metrics.jsonl" and (Path(args.output_dir) / name).stat().st_size == 0)]
+    existing = run_files(Path(args.output_dir))
     if args.resume and args.overwrite:
         problems.append("--resume continues a run and --overwrite deletes it: choose one")
     elif not args.resume and existing and not args.overwrite:

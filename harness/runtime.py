@@ -209,10 +209,12 @@ def set_up(args: Args) -> Iterator[Setup]:
     is_main = rank == 0
     stopper = GracefulStop(announce=is_main, at_once=True)  # until the first step: nothing to checkpoint
     out = Path(args.output_dir)
-    fresh_dir = not out.exists()  # a start that fails removes what it made
+    fresh_dir = not out.exists()  # a start that fails removes what it made, and only that
+    found = {name for name in FAILED_START_FILES if os.path.lexists(out / name)}
     lock = claim_output_dir(out, is_main)
     # --overwrite deletes the old run last, once all checks pass
-    setup = Setup(args, rank, world, device, stopper, out, lock, old_run_kept=args.overwrite and not fresh_dir)
+    setup = Setup(args, rank, world, device, stopper, out, lock, old_run_kept=args.overwrite and not fresh_dir,
+                  found=found)
     try:  # until the first metrics row, a failure leaves the output directory as it was found
         # Data and model (without --model: the base model shipped with the repository).
         setup.task, setup.test_task = _data(args, is_main)
@@ -222,7 +224,7 @@ def set_up(args: Args) -> Iterator[Setup]:
     except BaseException:
         stopper.at_once = False  # the cleanup below runs to its end unless signalled twice
         if is_main and not args.resume and not setup.old_run_kept and (setup.log is None or setup.log.lines == 0):
-            _remove_failed_start(out, fresh_dir)  # the corrected command must not find a "run" here
+            _remove_failed_start(out, fresh_dir, setup.found)  # the corrected command must not find a "run" here
         raise
     finally:
         if setup.generator is not None:
@@ -244,6 +246,7 @@ class Setup:
     out: Path  # --output-dir
     lock: Any  # the open OUTPUT_DIR/.lock (rank 0)
     old_run_kept: bool  # --overwrite: the old run stays until everything has started
+    found: set[str] = field(default_factory=set)  # FAILED_START_FILES that were there before this start
     model_path: str = ""  # --model, or the embedded base model
     task: Any = None
     test_task: Any = None
@@ -287,6 +290,8 @@ class Setup:
             if args.overwrite:  # data, model and generator have all started: only now is the old run deleted
                 remove_previous_run(out)
                 self.old_run_kept = False
+                self.found.discard("metrics.jsonl")  # the old run's are gone: those written from now are this run's
+                self.found.discard("args.json")
             self.log = MetricsLog(out / "metrics.jsonl", state.metrics_lines if args.resume else 0,
                                   covers_step=state.step if args.resume else None)
             self.log.reporter = Reporter(args.report_to, out, vars(args),
@@ -458,16 +463,21 @@ def remove_previous_run(out: Path) -> None:
     --report-to's) and plot go (its args.json is rewritten next)."""
     for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
         shutil.rmtree(out / name, ignore_errors=True)
-    for name in ("metrics.jsonl", "scaling.png"):
+    for name in ("metrics.jsonl", "scaling.png", "dashboard.png"):
         (out / name).unlink(missing_ok=True)
     for name in REPORT_DIRS:  # --report-to's copies of the old rows: a new run must not be drawn over them
         shutil.rmtree(out / name, ignore_errors=True)
 
 
-def _remove_failed_start(out: Path, fresh_dir: bool) -> None:
-    """Leave the output directory as a failed start found it."""
-    for name in ("metrics.jsonl", "args.json", ".lock"):
-        (out / name).unlink(missing_ok=True)
+FAILED_START_FILES = ("metrics.jsonl", "args.json", ".lock")  # what a start writes before its first metrics row
+
+
+def _remove_failed_start(out: Path, fresh_dir: bool, found: set[str] = frozenset()) -> None:
+    """Leave the output directory as a failed start found it: of FAILED_START_FILES, those it wrote go, and those
+    that were there before it (`found`: a file it did not write, a .lock left by a killed run) stay."""
+    for name in FAILED_START_FILES:
+        if name not in found:
+            (out / name).unlink(missing_ok=True)
     if fresh_dir:
         try:
             out.rmdir()

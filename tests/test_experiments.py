@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import scaling_fit as sf
-from harness import experiments
+import torch
+from harness import experiments, flags
+from helpers import file_tree
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,34 +81,187 @@ def test_fit_from_step_leaves_the_early_evaluations_out_of_every_fit():
     assert pooled["n_points"] == 1 + 2 * 28 and pooled["A"] == pytest.approx(0.7, abs=0.01)  # R0 + steps 3..30
 
 
-def test_a_finished_run_is_not_run_again(tmp_path, monkeypatch):
-    run = tmp_path / "run"
-    run.mkdir()
-    rows = [{"step": 0, "compute_hours": 0.0, "val_pass_rate": 0.4}, {"step": 5, "compute_hours": 0.1,
-                                                                      "val_pass_rate": 0.9}]
+def _write_args(run: Path, argv: list[str]) -> None:
+    """RUN/args.json as train.py writes it when started with `argv`: parsed, with the defaults it resolves here."""
+    run.mkdir(parents=True, exist_ok=True)
+    args = flags.parse_args(["--output-dir", str(run), *argv])
+    flags.resolve_defaults(args, args.model is None, torch.cuda.is_available())
+    flags.write_args_json(run, args, 0, [])
+
+
+def _plant_run(run: Path, argv: list[str], steps: int, token: str | None = None, checkpoint: bool = False) -> None:
+    """A run as train.py leaves it, without training: its args.json as train.py writes it for `argv`, metrics rows
+    for steps 0..`steps` (the last one evaluated), a checkpoint if asked."""
+    _write_args(run, [*argv, *(["--start-token", token] if token else [])])
+    rows = [{"step": step, "compute_hours": 0.01 * step, **({"val_pass_rate": 0.5} if step in (0, steps) else {})}
+            for step in range(steps + 1)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if checkpoint:
+        (run / "checkpoint").mkdir()
+        (run / "checkpoint" / "trainer_state.json").write_text("{}")  # complete, as complete_checkpoints reads it
+
+
+@pytest.fixture
+def torchrun_calls(monkeypatch) -> list[list[str]]:
+    """The torchrun commands _train_run runs; none trains: each exits with status 0, a start (--output-dir) once it has
+    written its args.json and step 0's row, as a run killed then leaves them."""
     calls = []
 
-    def fake_run(cmd, **kwargs):
+    def fake_run(cmd, check=False, **kwargs):
         calls.append(cmd)
+        argv = cmd[cmd.index("train.py") + 1:]
+        if "--output-dir" in argv:
+            out = Path(argv[argv.index("--output-dir") + 1])
+            _write_args(out, argv)
+            (out / "metrics.jsonl").write_text(json.dumps({"step": 0, "compute_hours": 0.0, "val_pass_rate": 0.5}))
         return subprocess.CompletedProcess(cmd, 0)
 
     monkeypatch.setattr(subprocess, "run", fake_run)
-    assert experiments._train_run(run, 5, []) == rows and not calls
-    experiments._train_run(run, 10, ["--seed", "1"])  # unfinished for 10 steps: it runs (again, from scratch)
-    assert calls and "--overwrite" in calls[0] and calls[0][-2:] == ["--seed", "1"]
+    return calls
+
+
+def _token(command_file: Path) -> str:
+    return json.loads(command_file.read_text())["token"]
+
+
+def test_a_finished_run_with_the_same_flags_is_not_run_again(tmp_path, torchrun_calls):
+    """The same flags as train.py parses them, not as the command line writes them: --lr 0.0001 is the tiny
+    model's default, and the study gives none."""
+    run = tmp_path / "run"
+    _plant_run(run, ["--seed", "1", "--lr", "0.0001", "--max-steps", "10"], 10)
+    rows = experiments._train_run(run, 10, ["--seed", "1"])
+    assert len(rows) == 11 and not torchrun_calls
+    assert len(experiments._train_run(run, 5, ["--seed", "1"])) == 11 and not torchrun_calls  # cut by the study
+
+
+def test_a_run_made_with_other_flags_is_refused_in_one_line_naming_them(tmp_path, torchrun_calls):
+    """A finished run at the path of a study's run, made with other flags: never reused (its rows would be recorded
+    under the study's flags), never deleted; the line names each flag that differs and does not advise keeping
+    --out-dir."""
+    run = tmp_path / "out" / "gspo-s0"
+    _plant_run(run, ["--seed", "0", "--lr", "1.0", "--max-steps", "10"], 10)
+    before = file_tree(run)
+    with pytest.raises(SystemExit) as refused:
+        experiments._train_run(run, 10, ["--seed", "0", "--loss", "gspo"])
+    line = str(refused.value.code)
+    assert len(line.splitlines()) == 1 and str(run) in line, line
+    assert "--loss cispo, where the experiment gives gspo" in line
+    assert "--lr 1.0, where the experiment gives 0.0001" in line  # the tiny model's default, resolved as train.py does
+    assert "--seed" not in line and "another --out-dir" in line and "nothing was run or deleted" in line
+    assert not torchrun_calls and file_tree(run) == before
+    assert not (tmp_path / "out" / "gspo-s0.command.json").exists()
+    with pytest.raises(SystemExit, match="--seed 0, where the experiment gives 1"):  # unfinished: the same
+        experiments._train_run(run, 20, ["--seed", "1", "--lr", "1.0"])
+    assert not torchrun_calls and file_tree(run) == before
+
+
+@pytest.mark.parametrize("planted", ["unfinished run", "run files", "other token"])
+def test_a_directory_the_study_did_not_start_is_refused_not_deleted(tmp_path, torchrun_calls, planted):
+    """A foreign directory at a study's run path: an unfinished run with the study's very flags but made by hand (no
+    start token), the files of a run without its args.json, or a run another study started (another token). The
+    study neither resumes nor starts over it (train.py --overwrite would delete it): one line, nothing changed."""
+    run = tmp_path / "out" / "scalerl-s0"
+    command_file = tmp_path / "out" / "scalerl-s0.command.json"
+    if planted == "run files":
+        run.mkdir(parents=True)
+        (run / "checkpoint").mkdir()
+        (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    else:
+        _plant_run(run, ["--seed", "0", "--max-steps", "10"], 4, checkpoint=True,
+                   token="theirs" if planted == "other token" else None)
+        if planted == "other token":
+            command_file.write_text(json.dumps({"token": "ours", "steps": 10, "flags": ["--seed", "0"]}))
+    before, command = file_tree(run), command_file.read_bytes() if command_file.exists() else None
+    with pytest.raises(SystemExit) as refused:
+        experiments._train_run(run, 10, ["--seed", "0"])
+    line = str(refused.value.code)
+    assert len(line.splitlines()) == 1 and str(run) in line and "nothing was run or deleted" in line, line
+    assert ("no args.json" in line) if planted == "run files" else ("an unfinished run that this experiment did not "
+                                                                    "start" in line)
+    assert not torchrun_calls and file_tree(run) == before
+    assert (command_file.read_bytes() if command_file.exists() else None) == command
+
+
+def test_a_symlink_at_the_command_file_is_refused_and_nothing_is_written_through_it(tmp_path, torchrun_calls, victim):
+    run = tmp_path / "out" / "scalerl-s0"
+    run.parent.mkdir()
+    command_file = tmp_path / "out" / "scalerl-s0.command.json"
+    command_file.symlink_to(victim)
+    with pytest.raises(SystemExit) as refused:
+        experiments._train_run(run, 10, ["--seed", "0"])
+    line = str(refused.value.code)
+    assert len(line.splitlines()) == 1 and f"{command_file} is a symbolic link: refused" in line, line
+    assert victim.read_text() == "precious\n" and command_file.is_symlink() and not torchrun_calls
+    victim.unlink()  # a dangling link: refused all the same, and not created through
+    with pytest.raises(SystemExit, match=f"{command_file} is a symbolic link: refused"):
+        experiments._train_run(run, 10, ["--seed", "0"])
+    assert not victim.exists() and not torchrun_calls
+
+
+def test_a_study_writes_its_records_and_summary_without_following_a_planted_link(tmp_path, victim, monkeypatch):
+    rows = _sigmoid_run(0.9, 0, 10)
+    (tmp_path / "records").mkdir()
+    (tmp_path / "records" / "run.json").symlink_to(victim)
+    with pytest.raises(SystemExit, match="run.json is a symbolic link: refused, nothing was written through it"):
+        experiments.write_record(tmp_path / "records" / "run.json", rows, None, [])
+    with pytest.raises(SystemExit, match="run.json is a symbolic link: refused, nothing was read through it"):
+        experiments._read_record(tmp_path / "records" / "run.json", 10, [])
+    monkeypatch.setattr(experiments, "_train_run", lambda run_dir, steps, flags: _sigmoid_run(0.9, 0, steps))
+    out = tmp_path / "study"
+    out.mkdir()
+    (out / "study.png").symlink_to(victim)  # replaced by the new figure, not written through
+    (out / "study.json").symlink_to(victim)
+    with pytest.raises(SystemExit, match="study.json is a symbolic link: refused, nothing was written through it"):
+        experiments.main(["study", "--variants", "scalerl", "--seeds", "0", "--steps", "10", "--bootstrap", "0",
+                          "--out-dir", str(out)])
+    assert victim.read_text() == "precious\n"
+    (out / "study.json").unlink()
+    assert experiments.main(["study", "--variants", "scalerl", "--seeds", "0", "--steps", "10", "--bootstrap", "0",
+                             "--out-dir", str(out)]) == 0
+    assert victim.read_text() == "precious\n" and not (out / "study.png").is_symlink()
+    assert (out / "study.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_killed_study_resumes_or_restarts_only_the_run_it_started(tmp_path, torchrun_calls, monkeypatch):
+    """The study's own unfinished run (its args.json holds the token of the command file beside it) goes on from its
+    checkpoint with --resume, or without a checkpoint starts over with --overwrite: the only case the study deletes
+    anything, and it made all of it. A fresh start never passes --overwrite. Nothing depends on file times."""
+    run = tmp_path / "out" / "gspo-s1"
+    command_file = tmp_path / "out" / "gspo-s1.command.json"
+    experiments._train_run(run, 48, ["--seed", "1"])  # the first start: fresh, into a directory train.py makes
+    token = _token(command_file)  # killed before its first checkpoint
+    assert "--overwrite" not in torchrun_calls[-1] and torchrun_calls[-1][-4:] == ["--seed", "1", "--start-token",
+                                                                                     token]
+    os.utime(command_file, ns=(2, 2))  # file times say nothing
+    os.utime(run / "args.json", ns=(1, 1))
+    experiments._train_run(run, 48, ["--seed", "1"])  # started over, with the same token
+    assert "--overwrite" in torchrun_calls[-1] and torchrun_calls[-1][-1] == token == _token(command_file)
+    (run / "checkpoint").mkdir()
+    (run / "checkpoint" / "trainer_state.json").write_text("{}")  # killed after a checkpoint: resumed
+    experiments._train_run(run, 48, ["--seed", "1"])
+    assert torchrun_calls[-1][-4:] == ["--resume", str(run), "--max-steps", "48"]
+    experiments._train_run(run, 60, ["--seed", "1"])  # a longer study: the same run, resumed further
+    assert torchrun_calls[-1][-4:] == ["--resume", str(run), "--max-steps", "60"]
+    experiments._train_run(run, 20, ["--seed", "1"])  # a shorter one: resumed to its own --max-steps, then cut
+    assert torchrun_calls[-1][-4:] == ["--resume", str(run), "--max-steps", "48"]
+    calls = len(torchrun_calls)
+    with pytest.raises(SystemExit, match="--seed 1, where the experiment gives 2"):  # another command: refused
+        experiments._train_run(run, 48, ["--seed", "2"])
+    assert len(torchrun_calls) == calls
 
 
 def test_a_run_that_crashes_after_a_checkpoint_is_resumed_from_it_once(tmp_path, monkeypatch):
     """A study's run whose rank crashed (torchrun's exit status 1) goes on from its checkpoint with --resume, once;
     a run that failed before any checkpoint, or fails again, stops the study with the error."""
-    run, calls, statuses = tmp_path / "run", [], []
-    run.mkdir()
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 10, "compute_hours": 0.1, "val_pass_rate": 0.9}) + "\n")
+    import shutil
 
-    def fake_run(cmd, check=False, **kwargs):
+    run, calls, statuses, checkpointed = tmp_path / "run", [], [], []
+
+    def fake_run(cmd, check=False, **kwargs):  # a fresh start that fails writes a checkpoint first if asked
         calls.append(cmd)
         status = statuses.pop(0)
+        if "--output-dir" in cmd and checkpointed:
+            _plant_run(run, ["--seed", "1", "--max-steps", "15"], 10, token=cmd[-1], checkpoint=True)
         if check and status:
             raise subprocess.CalledProcessError(status, cmd)
         return subprocess.CompletedProcess(cmd, status)
@@ -116,50 +271,17 @@ def test_a_run_that_crashes_after_a_checkpoint_is_resumed_from_it_once(tmp_path,
     with pytest.raises(subprocess.CalledProcessError):  # no checkpoint: it never started, so no resume
         experiments._train_run(run, 10 + 5, ["--seed", "1"])
     assert len(calls) == 1
-    (run / "checkpoint").mkdir()
-    (run / "checkpoint" / "trainer_state.json").write_text("{}")  # a complete checkpoint
+    checkpointed.append(True)
     calls.clear()
     statuses[:] = [1, 0]
     experiments._train_run(run, 15, ["--seed", "1"])
     assert calls[1][-4:] == ["--resume", str(run), "--max-steps", "15"] and "--overwrite" not in calls[1]
+    shutil.rmtree(run)
     calls.clear()
     statuses[:] = [1, 1]  # the resumed run fails too: the study stops there
     with pytest.raises(subprocess.CalledProcessError):
         experiments._train_run(run, 15, ["--seed", "1"])
     assert len(calls) == 2
-
-
-def test_a_killed_experiment_resumes_the_run_it_started_from_its_checkpoint(tmp_path, monkeypatch):
-    """A study killed mid-run, then run again: the unfinished run it started (its command file names the same steps
-    and flags, and the run's args.json is newer) goes on from its checkpoint with --resume. With other flags, with
-    no checkpoint, or with an older run still in the directory (the new one never started), it starts over."""
-    run, calls = tmp_path / "out" / "gspo-s1", []
-
-    def fake_run(cmd, check=False, **kwargs):  # a run that starts, writes its args and a checkpoint, and is killed
-        calls.append(cmd)
-        if "--overwrite" in cmd:
-            run.mkdir(parents=True, exist_ok=True)
-            (run / "args.json").write_text("{}")
-            (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "compute_hours": 0.0}) + "\n")
-        return subprocess.CompletedProcess(cmd, 0)
-
-    monkeypatch.setattr(subprocess, "run", fake_run)
-    experiments._train_run(run, 48, ["--seed", "1"])  # the first start: fresh
-    assert "--overwrite" in calls[-1] and (tmp_path / "out" / "gspo-s1.command.json").exists()
-    experiments._train_run(run, 48, ["--seed", "1"])  # killed before its first checkpoint: fresh again
-    assert "--overwrite" in calls[-1]
-    (run / "checkpoint").mkdir()
-    (run / "checkpoint" / "trainer_state.json").write_text("{}")  # a complete checkpoint
-    experiments._train_run(run, 48, ["--seed", "1"])  # killed after a checkpoint: resumed
-    assert calls[-1][-4:] == ["--resume", str(run), "--max-steps", "48"] and "--overwrite" not in calls[-1]
-    for steps, flags in ((48, ["--seed", "2"]), (60, ["--seed", "1"])):  # the study's command changed: fresh
-        experiments._train_run(run, steps, flags)
-        assert "--overwrite" in calls[-1]
-    command_file = tmp_path / "out" / "gspo-s1.command.json"
-    command_file.write_text(json.dumps({"steps": 48, "flags": ["--seed", "1"]}))  # written after the run's args:
-    os.utime(run / "args.json", ns=(1, 1))  # the run there is an older one, which the new start never replaced
-    experiments._train_run(run, 48, ["--seed", "1"])
-    assert "--overwrite" in calls[-1]
 
 
 def test_staleness_runs_every_k_on_every_seed_and_reports_mean_and_range(tmp_path, monkeypatch):
@@ -278,7 +400,9 @@ def test_a_study_continues_from_its_records_without_run_directories_and_cuts_the
     assert experiments.main([*study, "--steps", "60", "--out-dir", str(tmp_path / "d")]) == 0  # longer: run again
     assert ran == [("scalerl-s0", 60), ("scalerl-s1", 60), ("keep-s0", 60), ("keep-s1", 60)]
     assert json.loads((records / "scalerl-s0.json").read_text())["steps"] == 60
-    with pytest.raises(SystemExit, match="holds a run with flags .* a study with other flags needs another --records"):
+    with pytest.raises(SystemExit, match="scalerl-s0.json holds a run made with other flags than this experiment gives "
+                       "it: --lr 0.0001, where the experiment gives 0.001: a study with other flags needs another "
+                       "--out-dir and another --records"):
         experiments.main([*study, "--steps", "50", "--common", "--lr 1e-3", "--out-dir", str(tmp_path / "e")])
     # the common flags come after each variant's: the table says so, since they win where both name a flag
     assert experiments.main(["study", "--variants", "scalerl", "--seeds", "0", "--bootstrap", "0", "--steps", "20",

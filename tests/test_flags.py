@@ -218,6 +218,22 @@ def test_an_output_dir_that_holds_a_run_is_not_overwritten_by_accident(tmp_path,
         flags.parse_args(["--resume", str(tmp_path), "--overwrite"])
 
 
+@pytest.mark.parametrize("name", ["args.json", "scaling.png", "dashboard.png", "checkpoint.tmp", "wandb"])
+def test_an_output_dir_that_holds_a_run_file_is_refused_in_one_line(tmp_path, capsys, name):
+    """Not only metrics and checkpoints: a new run would take a foreign args.json for its own (and a failed start
+    removed it), draw over another run's plots, or go on with another run's W&B id."""
+    if "." in name:
+        (tmp_path / name).write_text(json.dumps({"loss": "gspo", "lr": 1.0}) if name == "args.json" else "theirs")
+    else:
+        (tmp_path / name).mkdir()
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--output-dir {tmp_path} already holds a run ({name})" in err, err
+    assert flags.parse_args(["--output-dir", str(tmp_path), "--overwrite"]).overwrite
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
 def test_a_resumed_run_keeps_its_flags_unless_overridden(tmp_path):
     started = flags.parse_args(["--output-dir", str(tmp_path), "--loss", "grpo", "--max-steps", "8",
                                 "--no-fp32-lm-head", "--loss-arg", "clip_eps=0.3"])

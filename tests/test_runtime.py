@@ -404,6 +404,36 @@ def test_overwrite_with_bad_data_leaves_the_old_run_intact(tmp_path, one_rank_gr
     assert after == before
 
 
+def test_a_failed_start_removes_only_what_it_wrote(tmp_path, one_rank_group, monkeypatch):
+    """A start that fails before its first metrics row removes the files it wrote, never one that was there before
+    it: an args.json another run wrote after the checks passed, the empty metrics.jsonl and the .lock a killed start
+    left. A directory the start made goes with them."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".lock").write_text("4242")
+    (out / "metrics.jsonl").write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?"}\n')
+    args = flags.parse_args(["--output-dir", str(out), "--dataset", str(bad)])
+    assert set(runtime.REPORT_DIRS) < set(flags.RUN_FILES)  # the checks refuse every file of a run
+    (out / "args.json").write_text('{"loss": "gspo"}')  # after the checks: not this start's
+    monkeypatch.setattr(runtime, "init_distributed", lambda *_: (0, 1, torch.device("cpu")))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit), runtime.set_up(args):
+            pass
+        assert sorted(p.name for p in out.iterdir()) == [".lock", "args.json", "metrics.jsonl"]
+        assert (out / "args.json").read_text() == '{"loss": "gspo"}' and (out / "metrics.jsonl").read_text() == ""
+        fresh = tmp_path / "fresh"  # made by the start: removed with what it wrote
+        with pytest.raises(SystemExit), runtime.set_up(flags.parse_args(["--output-dir", str(fresh), "--dataset",
+                                                                          str(bad)])):
+            pass
+        assert not fresh.exists()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 def test_metrics_and_args_are_rewritten_through_a_rename_and_gaps_are_named(tmp_path, monkeypatch):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)))

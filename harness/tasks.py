@@ -352,19 +352,28 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         raise DataFileError(problem)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        return _parquet_rows(path, source)
+        return _some_rows(_parquet_rows(path, source))
     try:
         data = path.read_bytes()
     except OSError as e:  # unreadable (permissions, a directory, an I/O error): one line naming the file
         raise DataFileError(f"{source}: cannot be read ({e.strerror or type(e).__name__})") from None
     if suffix == ".csv":
-        return _csv_rows(data, source)
+        return _some_rows(_csv_rows(data, source), data)
     if suffix == ".json" and data.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"[":  # past a byte order mark
-        return _json_array_rows(data, source)
+        return _some_rows(_json_array_rows(data, source), data)
     rows = _json_lines_rows(data, source)
     if suffix == ".json" and rows.rows and all(isinstance(r, _NotARow) for _, _, r in rows.rows):
         # Most likely one pretty-printed object: say so rather than list each of its lines as "not JSON".
         raise DataFileError(f"{source}: neither a list of row objects nor one JSON object per line")
+    return _some_rows(rows, data)
+
+
+def _some_rows(rows: DataRows, data: bytes | None = None) -> DataRows:
+    """`rows`, unless the file holds none: then one DataFileError naming it (a data set of no rows is no data set,
+    and each reader would say so in its own words, or later)."""
+    if not rows.rows:
+        why = "it is empty" if data is not None and not data.strip() else "no row in it"
+        raise DataFileError(f"{rows.source}: holds no rows ({why})")
     return rows
 
 
@@ -573,7 +582,18 @@ def _text_field(row: dict, name: str, numbers: bool) -> str:
         raise _Reject(f"field '{name}' has type {type(value).__name__} instead of {expected}", _excerpt(value))
     if not text:
         raise _Reject(f"field '{name}' is empty")
+    _utf8_text(text, name)
     return text
+
+
+def _utf8_text(text: str, name: str) -> None:
+    """_Reject a text that cannot be written as UTF-8: JSON's escape "\\ud800" reads as a lone surrogate, which
+    pyarrow (and any UTF-8 writer, print included) refuses later, with a traceback that names no row."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _Reject(f"field '{name}' is not UTF-8 text", f"a lone surrogate {text[e.start]!a} at character "
+                      f"{e.start + 1}") from None
 
 
 def _final_answer(answer: str, name: str) -> str:
@@ -667,8 +687,8 @@ class MathDataset:
             self.val_problems = [problems[i] for i in sorted(held)]
             self.problems = [p for i, p in enumerate(problems) if i not in held]
         self.skipped_rows = len(self.skipped)
-        if not self.problems:
-            raise ValueError(f"{self.name_or_path}: no usable training rows ({self.skipped_summary or 'no rows'})")
+        if not self.problems:  # every row skipped as bad: one line, as a bad row is (train.py prints it)
+            raise DataFileError(f"{self.name_or_path}: no usable training rows ({self.skipped_summary or 'no rows'})")
 
     def _problems(self, name_or_path: str, split: str, config: str | None, id_prefix: str) -> list[Problem]:
         rows, skipped = load_rows(name_or_path, split, config, self.question_field, self.answer_field,
@@ -1170,6 +1190,9 @@ def read_answer_pairs(path: str) -> list[tuple[str, dict[str, Any]]]:
                 predicted = str(predicted)
             if not isinstance(predicted, str):  # "" is an empty answer (no match), not a bad row
                 raise _Reject("field 'predicted' is not text", f"row has {list(row)}")
+            _utf8_text(predicted, "predicted")
+            if isinstance(row.get("id"), str):  # printed back with the row's record
+                _utf8_text(row["id"], "id")
             reference = _text_field(row, "reference", numbers=True)
             if reference_answer(reference) is None:
                 raise _Reject("field 'reference' has no final answer", _excerpt(reference))

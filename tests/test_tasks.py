@@ -282,6 +282,23 @@ def test_a_line_that_is_not_json_is_a_bad_row_named_by_file_and_line(tmp_path):
     assert [b.where for b in err.value.bad_rows] == [f"{path} line 6", f"{path} line 7"]
 
 
+def test_a_lone_surrogate_is_a_bad_row_and_an_empty_file_is_one_line(tmp_path):
+    """JSON's escape \\ud800 reads as a lone surrogate, which pyarrow refused with a UnicodeEncodeError naming no row;
+    a file with no rows was a ValueError. Each is now a DataFileError naming the file (and the row)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "x\\ud800", "answer": "1"}\n' + json.dumps(GSM8K_ROWS[0]) + "\n")
+    with pytest.raises(tasks.DataFileError) as err:
+        MathDataset(str(path))
+    assert str(err.value).splitlines()[1] == (f"  {path} line 1: field 'question' is not UTF-8 text (a lone surrogate "
+                                              "'\\ud800' at character 2)")
+    for name, text, why in (("e.jsonl", "", "it is empty"), ("e.csv", "\n", "it is empty"),
+                            ("e.json", "[]", "no row in it"), ("h.csv", "question,answer\n", "no row in it")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(tasks.DataFileError) as err:
+            MathDataset(str(tmp_path / name))
+        assert str(err.value) == f"{tmp_path / name}: holds no rows ({why})"
+
+
 def test_every_bad_row_is_reported_at_once_in_one_error(tmp_path):
     lines = [*GSM8K_ROWS[:2], {"question": "q?"}, GSM8K_ROWS[2], "not json", {"question": "", "answer": "1"},
              ["a", "list"], "", {"question": "q?", "answer": "no number ####"}]
@@ -848,8 +865,12 @@ def test_check_answer_command_names_bad_rows_before_checking_any(tmp_path):
                     b'{"predicted": "\xff", "reference": "1"}\n{"predicted": "1", "reference": "\\\\boxed{"}\n')
     out = _check_answer_cli("--pairs", str(bad))
     assert out.returncode == 2 and out.stdout == ""
+    bad.write_bytes(bad.read_bytes() + b'{"predicted": "\\ud800", "reference": "1"}\n')
+    out = _check_answer_cli("--pairs", str(bad))
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
     for line, reason in ((2, "not JSON"), (3, "missing field 'reference'"), (4, "not UTF-8"),
-                         (5, "field 'reference' has no final answer")):
+                         (5, "field 'reference' has no final answer"),
+                         (6, "field 'predicted' is not UTF-8 text (a lone surrogate '\\ud800' at character 1)")):
         assert f"bad.jsonl line {line}: {reason}" in out.stderr, out.stderr
     assert _check_answer_cli("--predicted", "1").returncode == 2
     help_text = _check_answer_cli("--help").stdout

@@ -730,7 +730,7 @@ class MathDataset:
 
     def start_rewards(self) -> float:
         """Start math-verify's server, or replace one that died, before a reward needs it: the generator calls
-        this outside any reward's deadline (a start takes 1.5 s on an idle 2-core AMD EPYC, 5 s on a busy one).
+        this outside any reward's deadline (a start takes 1.5-1.7 s on an idle 2-core AMD EPYC).
         Returns the seconds it took, 0 when the server was running."""
         return math_verifier().start()
 

@@ -581,6 +581,9 @@ def main(argv: list[str] | None = None) -> None:
               "weights_sha256": weights_checksum(model_dir)}
     result["documented"] = result["weights_sha256"] == DOCUMENTED_BASE[1]
     note = base_model_note(model_dir)
+    if Path(model_dir).resolve() == BASE_MODEL_DIR.resolve() and (changed := shipped_files_problem(model_dir)):
+        result["documented"] = False  # the shipped copy: its config, tokenizer and chat template count too
+        note = f"[base model] {changed}: `git checkout -- {BASE_MODEL_DIR.relative_to(REPO_DIR)}` restores it"
     if note:
         print(note, file=sys.stderr, flush=True)
     if not args.no_measure:

@@ -244,6 +244,25 @@ def test_every_file_that_shapes_the_shipped_base_is_checked_and_a_changed_one_na
     assert message.startswith(expected.get(name, f"{file} was changed (sha256 ")), message
 
 
+def test_build_base_says_a_shipped_copy_with_a_changed_tokenizer_is_not_the_documented_one(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """The workshop's setup check (`build-base --out models/tiny-arith --no-measure`, docs/WORKSHOP.md): its
+    "documented" is the whole check, so it counts the shipped copy's other files, not its weights only."""
+    import shutil
+
+    copy = tmp_path / "tiny-arith"
+    shutil.copytree(base_model.BASE_MODEL_DIR, copy)
+    monkeypatch.setattr(base_model, "BASE_MODEL_DIR", copy)
+    monkeypatch.setattr(base_model, "REPO_DIR", tmp_path)
+    base_model.main(["build-base", "--out", str(copy), "--no-measure"])
+    assert json.loads(capsys.readouterr().out)["documented"] is True
+    (copy / "tokenizer.json").write_text((copy / "tokenizer.json").read_text().replace('"0"', '"O"', 1))
+    base_model.main(["build-base", "--out", str(copy), "--no-measure"])
+    out = capsys.readouterr()
+    assert json.loads(out.out)["documented"] is False
+    assert out.err.startswith(f"[base model] {copy / 'tokenizer.json'} was changed (sha256 ") and "git checkout" in out.err
+
+
 def test_a_model_directory_with_cut_short_or_empty_weights_is_one_line_before_any_rank_loads_it(tmp_path,
                                                                                                  capsys):
     """--model DIR with a truncated or empty model.safetensors: flags.check_args names the file (rank 0 alone

@@ -162,6 +162,7 @@ def embedded_base_model() -> Path:
                                     f"{DOCUMENTED_BASE[1][:12]}..., so the docs' numbers would not hold: {restore}")
     return BASE_MODEL_DIR
 
+
 def shipped_files_problem(model_dir: Path) -> str | None:
     """The first file of the shipped base, other than its weights, that is missing or not its recorded bytes
     (SHIPPED_FILES_SHA256), or a file there that is not part of it (an added_tokens.json or a special_tokens_map.json

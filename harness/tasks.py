@@ -778,7 +778,9 @@ def reward_deadline(seconds: float | None) -> Iterator[None]:
         yield
         return
     message = f"reward took longer than {seconds:g} s"
-    expired = type("RewardTimeout", (RewardTimeout,), {"__init__": lambda self, *_: RewardTimeout.__init__(self, message)})
+    # The class a watchdog raises in another thread (CPython instantiates it without arguments): this message.
+    expired = type("RewardTimeout", (RewardTimeout,),
+                   {"__init__": lambda self, *_: RewardTimeout.__init__(self, message)})
     main = threading.current_thread() is threading.main_thread()
     target, lock, done, fired = threading.get_ident(), threading.Lock(), threading.Event(), []
 
@@ -1091,7 +1093,7 @@ class MathVerifier:
         self._lock = threading.Lock()
         self._proc: Any = None
         self._ready, self._buffer = False, bytearray()
-        self._sent = self._started_at = 0.0  # requests sent to the current server; when it was launched
+        self._sent, self._started_at = 0, 0.0  # requests sent to the current server; when it was launched
         self._unread = 0  # requests sent whose reply has not been read (a deadline stopped the wait for it)
 
     def start(self) -> float:

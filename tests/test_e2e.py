@@ -611,7 +611,7 @@ def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_mode
     out = tmp_path / "run"
     run = _train(out, "--model", str(cut_short), "--max-steps", "2", *SHORT, timeout=300, retry=False)
     assert run.returncode != 0 and "SafetensorError" not in run.stderr, why_failed(run)
-    lines = [line for line in run.stderr.splitlines() if line.startswith("train.py: error:")]  # (then torchrun's report)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("train.py: error:")]  # then torchrun's own
     assert len(lines) == 1 and f"--model {weights}: not a readable safetensors file (" in lines[0], run.stderr
     assert not out.exists()
 

@@ -503,7 +503,8 @@ def test_a_hostile_math_answer_scores_wrong_within_1_5_s_where_rewards_run_and_s
 
 def test_a_short_reward_deadline_scores_real_math_answers_the_server_started_before_any_deadline(monkeypatch):
     """--reward-timeout 1.5: math-verify's server (1.5-1.7 s to start on an idle 2-core AMD EPYC) started inside
-    the first reward's deadline, which killed it, and the next reward started it again: every reward -1, for ever. It starts with the generator's rewards now, outside any deadline, and the answers score."""
+    the first reward's deadline, which killed it, and the next reward started it again: every reward -1, for ever.
+    It starts with the generator's rewards now, outside any deadline, and the answers score."""
     monkeypatch.setattr(tasks, "_VERIFIER", None)  # this process's server not started yet, as in a new generator
     task = tasks.MathDataset(str(Path(__file__).parent / "data" / "gsm8k_small.jsonl"))
     rewards = pl._Rewards(pl.GeneratorConfig(model="m", reward_timeout=1.5, interruptions=False), task, [], [])

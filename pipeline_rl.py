@@ -1121,6 +1121,14 @@ class _Rewards:
     def __init__(self, config: GeneratorConfig, task: Task, phrase_ids: list[int], close_ids: list[int]):
         self.cfg, self.task, self.phrase_ids, self.close_ids = config, task, phrase_ids, close_ids
         self.errors_total = self.timeouts_total = 0  # a timeout counts in both
+        self.start_rewards()  # with the generator (a math data set's math-verify server), before any deadline
+
+    def start_rewards(self) -> None:
+        """What the task's rewards need started (`start_rewards`: math-verify's server), started or restarted
+        here, outside any reward's deadline, which would otherwise cover the start and stop it."""
+        start = getattr(self.task, "start_rewards", None)
+        if callable(start):
+            start()
 
     def totals(self) -> tuple[int, int]:
         """(reward errors, reward timeouts) since the start."""
@@ -1149,6 +1157,7 @@ class _Rewards:
 
     def score(self, problem: Problem, text: str) -> tuple[float, str | None]:
         try:
+            self.start_rewards()  # a server that died since the last reward starts again here, not under the deadline
             with tasks.reward_deadline(self.cfg.reward_timeout):
                 reward = float(self.task.reward(problem, text))
             if not math.isfinite(reward):

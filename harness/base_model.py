@@ -128,6 +128,17 @@ def build_tokenizer(task: ArithmeticTask) -> Any:
 # fingerprint, and a test asks for the shipped copy and the docs' numbers to be made again.
 DOCUMENTED_BASE = ("e536694e", "149ec79e9be41799b1a6de5efe91aa041e8152ba80ac4f58c9f3402c0a494c5b")
 BASE_MODEL_DIR = REPO_DIR / "models" / "tiny-arith"
+# The sha256 of every other file of the shipped base that shapes what it outputs: its architecture, its tokenizer,
+# its chat template, vLLM's default sampling settings (generation_config.json). The weights are DOCUMENTED_BASE[1];
+# scalerl_base.json records how the base was built and is read by no model loader.
+SHIPPED_FILES_SHA256 = {
+    "chat_template.jinja": "813ce55fe248e27e878eeddf8523d9425b58d413b5fd9809347780d2cf5f3cb7",
+    "config.json": "57bac4d6320ac60050ee84b4292d8bc5058685578d573185fa937a12a421a4d6",
+    "generation_config.json": "48dc7196e34d18f7e7979758b764c3e33464d3945c70101ce54d41ae53e1c258",
+    "tokenizer.json": "952ade181f55ef24e62c70860f227221907028f9fbd162ff69e00146ef700033",
+    "tokenizer_config.json": "bb38ac4d876d9279ca6a6395ae7997a0431a819fcf03b1c46c944e48a764b0ff",
+}
+SHIPPED_OTHER_FILES = ("model.safetensors", "scalerl_base.json")
 
 
 class BaseModelDamagedError(RuntimeError):
@@ -136,17 +147,35 @@ class BaseModelDamagedError(RuntimeError):
 
 def embedded_base_model() -> Path:
     """The embedded default's base model: the copy shipped in BASE_MODEL_DIR, its weights checked against
-    DOCUMENTED_BASE before it is used (a missing or changed copy is one error saying how to restore it)."""
+    DOCUMENTED_BASE and its every other file against SHIPPED_FILES_SHA256 before it is used (a missing, cut short or
+    changed file is one error naming it and saying how to restore the copy)."""
     restore = (f"`git checkout -- {BASE_MODEL_DIR.relative_to(REPO_DIR)}` restores it; "
                "`python -m harness.base_model build-base` builds one, whose bytes (and so the run's numbers) differ from CPU "
                "to CPU")
     if not (BASE_MODEL_DIR / "model.safetensors").is_file():
         raise BaseModelDamagedError(f"the base model is missing from {BASE_MODEL_DIR}: {restore}")
+    if problem := shipped_files_problem(BASE_MODEL_DIR) or safetensors_problem(BASE_MODEL_DIR / "model.safetensors"):
+        raise BaseModelDamagedError(f"{problem}, so the docs' numbers would not hold: {restore}")
     checksum = weights_checksum(BASE_MODEL_DIR)
     if checksum != DOCUMENTED_BASE[1]:
         raise BaseModelDamagedError(f"{BASE_MODEL_DIR}: weights_sha256 {checksum[:12]}... is not the documented "
                                     f"{DOCUMENTED_BASE[1][:12]}..., so the docs' numbers would not hold: {restore}")
     return BASE_MODEL_DIR
+
+
+def shipped_files_problem(model_dir: Path) -> str | None:
+    """The first file of the shipped base, other than its weights, that is missing or not its recorded bytes
+    (SHIPPED_FILES_SHA256), or a file there that is not part of it (an added_tokens.json or a special_tokens_map.json
+    would change the tokenizer), named in words; None when all are as shipped."""
+    for name, recorded in SHIPPED_FILES_SHA256.items():
+        file = model_dir / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if (found := hashlib.sha256(file.read_bytes()).hexdigest()) != recorded:
+            return f"{file} was changed (sha256 {found[:12]}..., shipped {recorded[:12]}...)"
+    extra = sorted(p.name for p in model_dir.iterdir() if p.name not in {*SHIPPED_FILES_SHA256, *SHIPPED_OTHER_FILES})
+    return f"{model_dir} holds {', '.join(extra)}, not part of the shipped base" if extra else None
+
 
 # The environment that pins torch's (ATen's) vectorised kernels and MKL's code path (its Conditional Numerical
 # Reproducibility mode) before torch is imported, so that the build's bytes no longer depend on the CPU
@@ -327,6 +356,7 @@ def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
     problems = []
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         problems.append(f"{model} has no weights (*.safetensors or *.bin)")
+    problems += filter(None, map(safetensors_problem, sorted(path.glob("*.safetensors"))))
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         problems.append(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json)")
     try:
@@ -338,6 +368,20 @@ def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
         problems.append(f"{model}: attention head size {head_dim}; vLLM's CPU attention supports "
                         f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}")
     return problems
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Why `file` is no safetensors file that a rank could load (empty, cut short, not safetensors, unreadable), in
+    one line naming it; None when its header reads and covers the file. Reads the header only (milliseconds)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), framework="pt"):
+            return None
+    except (SafetensorError, OSError) as e:
+        size = file.stat().st_size if file.is_file() else None
+        why = "it is empty" if size == 0 else f"{e}; cut short, or not safetensors"
+        return f"{file}: not a readable safetensors file ({why})"
 
 
 def count_parameters(model_dir: Path) -> int:
@@ -538,6 +582,9 @@ def main(argv: list[str] | None = None) -> None:
               "weights_sha256": weights_checksum(model_dir)}
     result["documented"] = result["weights_sha256"] == DOCUMENTED_BASE[1]
     note = base_model_note(model_dir)
+    if Path(model_dir).resolve() == BASE_MODEL_DIR.resolve() and (changed := shipped_files_problem(model_dir)):
+        result["documented"] = False  # the shipped copy: its config, tokenizer and chat template count too
+        note = f"[base model] {changed}: `git checkout -- {BASE_MODEL_DIR.relative_to(REPO_DIR)}` restores it"
     if note:
         print(note, file=sys.stderr, flush=True)
     if not args.no_measure:

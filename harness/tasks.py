@@ -352,19 +352,28 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         raise DataFileError(problem)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        return _parquet_rows(path, source)
+        return _some_rows(_parquet_rows(path, source))
     try:
         data = path.read_bytes()
     except OSError as e:  # unreadable (permissions, a directory, an I/O error): one line naming the file
         raise DataFileError(f"{source}: cannot be read ({e.strerror or type(e).__name__})") from None
     if suffix == ".csv":
-        return _csv_rows(data, source)
+        return _some_rows(_csv_rows(data, source), data)
     if suffix == ".json" and data.removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"[":  # past a byte order mark
-        return _json_array_rows(data, source)
+        return _some_rows(_json_array_rows(data, source), data)
     rows = _json_lines_rows(data, source)
     if suffix == ".json" and rows.rows and all(isinstance(r, _NotARow) for _, _, r in rows.rows):
         # Most likely one pretty-printed object: say so rather than list each of its lines as "not JSON".
         raise DataFileError(f"{source}: neither a list of row objects nor one JSON object per line")
+    return _some_rows(rows, data)
+
+
+def _some_rows(rows: DataRows, data: bytes | None = None) -> DataRows:
+    """`rows`, unless the file holds none: then one DataFileError naming it (a data set of no rows is no data set,
+    and each reader would say so in its own words, or later)."""
+    if not rows.rows:
+        why = "it is empty" if data is not None and not data.strip() else "no row in it"
+        raise DataFileError(f"{rows.source}: holds no rows ({why})")
     return rows
 
 
@@ -573,7 +582,18 @@ def _text_field(row: dict, name: str, numbers: bool) -> str:
         raise _Reject(f"field '{name}' has type {type(value).__name__} instead of {expected}", _excerpt(value))
     if not text:
         raise _Reject(f"field '{name}' is empty")
+    _utf8_text(text, name)
     return text
+
+
+def _utf8_text(text: str, name: str) -> None:
+    """_Reject a text that cannot be written as UTF-8: JSON's escape "\\ud800" reads as a lone surrogate, which
+    pyarrow (and any UTF-8 writer, print included) refuses later, with a traceback that names no row."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _Reject(f"field '{name}' is not UTF-8 text", f"a lone surrogate {text[e.start]!a} at character "
+                      f"{e.start + 1}") from None
 
 
 def _final_answer(answer: str, name: str) -> str:
@@ -667,8 +687,8 @@ class MathDataset:
             self.val_problems = [problems[i] for i in sorted(held)]
             self.problems = [p for i, p in enumerate(problems) if i not in held]
         self.skipped_rows = len(self.skipped)
-        if not self.problems:
-            raise ValueError(f"{self.name_or_path}: no usable training rows ({self.skipped_summary or 'no rows'})")
+        if not self.problems:  # every row skipped as bad: one line, as a bad row is (train.py prints it)
+            raise DataFileError(f"{self.name_or_path}: no usable training rows ({self.skipped_summary or 'no rows'})")
 
     def _problems(self, name_or_path: str, split: str, config: str | None, id_prefix: str) -> list[Problem]:
         rows, skipped = load_rows(name_or_path, split, config, self.question_field, self.answer_field,
@@ -708,6 +728,12 @@ class MathDataset:
     def validation(self, n: int | None = None) -> list[Problem]:
         return self.val_problems[:n] if n else list(self.val_problems)
 
+    def start_rewards(self) -> float:
+        """Start math-verify's server, or replace one that died, before a reward needs it: the generator calls
+        this outside any reward's deadline (a start takes 1.5-1.7 s on an idle 2-core AMD EPYC).
+        Returns the seconds it took, 0 when the server was running."""
+        return math_verifier().start()
+
     def reward(self, problem: Problem, completion: str) -> float:
         """+1 when math-verify finds the completion's final answer equal to the reference (`check_answer`), else -1.
         An answer that overruns the verifier's bound raises RewardTimeout: the generator scores it -1 and counts
@@ -729,25 +755,67 @@ class RewardTimeout(BaseException):
     own `except Exception` does not swallow it and carry on."""
 
 
+def _raise_in_thread(thread_id: int, exception: type[BaseException] | None) -> None:
+    """Have `exception` raised in the thread `thread_id` at its next Python instruction (None: take back one not
+    raised yet). CPython's PyThreadState_SetAsyncExc: what a signal does for the main thread, for any thread."""
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
+                                               ctypes.py_object(exception) if exception else None)
+
+
 @contextlib.contextmanager
 def reward_deadline(seconds: float | None) -> Iterator[None]:
-    """RewardTimeout raised in the code inside once `seconds` have passed (a SIGALRM timer, so in the main thread
-    only, where the generator's loop scores; elsewhere, or with None, no deadline). Python code stops at once; one
-    long C call (a regular expression) only as it returns, hence the linear patterns of the reward path."""
-    if not seconds or threading.current_thread() is not threading.main_thread():
+    """RewardTimeout raised in the code inside once `seconds` have passed, in whichever thread it runs (None or 0:
+    no deadline). Python code stops at once, whatever it catches (RewardTimeout is a BaseException) and whatever it
+    does to SIGALRM (`signal.alarm(0)` cancels the timer, not the deadline). In the main thread a SIGALRM timer
+    fires it, so a blocking call (time.sleep, a socket read) is interrupted too; a watchdog thread signals the main
+    thread again at the deadline, or raises the exception in another thread directly. What it cannot stop, as no
+    in-process deadline can (docs/runtime.md): one long C call (sum(range(10**9)), a regular expression, a big
+    bytes.find) runs to its end and the exception comes as it returns; outside the main thread a blocking call
+    runs to its end too; and threads or processes the code inside starts run on after it is stopped."""
+    if not seconds:
         yield
         return
+    message = f"reward took longer than {seconds:g} s"
+    # The class a watchdog raises in another thread (CPython instantiates it without arguments): this message.
+    expired = type("RewardTimeout", (RewardTimeout,),
+                   {"__init__": lambda self, *_: RewardTimeout.__init__(self, message)})
+    main = threading.current_thread() is threading.main_thread()
+    target, lock, done, fired = threading.get_ident(), threading.Lock(), threading.Event(), []
 
-    def expire(signum: int, frame: Any) -> None:
-        raise RewardTimeout(f"reward took longer than {seconds:g} s")
+    def expire(signum: int, frame: Any) -> None:  # the main thread's handler: raises once, never after the block
+        if not done.is_set() and not fired:
+            fired.append("signal")
+            raise expired()
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    def watchdog() -> None:
+        if done.wait(seconds):
+            return
+        with lock:  # the block's exit takes it too: nothing is raised after the block has ended
+            if done.is_set() or fired:
+                return
+            if main and signal.getsignal(signal.SIGALRM) is expire:
+                signal.pthread_kill(target, signal.SIGALRM)  # again: the code inside may have cancelled the timer
+            else:  # another thread, or the code inside replaced the handler
+                fired.append("async")
+                _raise_in_thread(target, expired)
+
+    previous = None
+    if main:
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    threading.Thread(target=watchdog, name="reward-deadline", daemon=True).start()
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        with lock:
+            done.set()
+            if fired == ["async"]:  # not raised yet if the block ended first: take it back
+                _raise_in_thread(target, None)
+        if main:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
 
 
 def extract_final_answer(text: str) -> str | None:
@@ -998,7 +1066,7 @@ def math_verify_server(parent: int) -> None:
                 "match": False, "error": f"timeout after {request['t']:g} s (the comparer was restarted)"}
         except (EOFError, OSError):  # the comparer died on this answer (a crash, its memory limit)
             reply_line, reply = None, {"match": False, "error": "the comparer died on this answer (restarted)"}
-        replies.write(json.dumps(reply) + "\n")
+        replies.write(json.dumps({**reply, "n": request.get("n")}) + "\n")
         replies.flush()
         if reply_line is None:  # after the reply: the caller's answer does not wait for the restart
             with contextlib.suppress(OSError):
@@ -1011,29 +1079,62 @@ def math_verify_server(parent: int) -> None:
 
 class MathVerifier:
     """math-verify behind a bound: `compare` returns within about `timeout_s` in any thread of any process, once
-    the server process has started (`start_timeout_s`, paid once per process). An answer that overruns is no match
-    (error "timeout"): the server kills the comparer it forked and forks another. Thread-safe: one comparison at a
-    time. `timeouts` counts the answers that overran, `restarts` the servers that had to be replaced."""
+    the server process has started (`start`, paid once per process: the generator calls it before any reward, so no
+    reward's deadline ever covers a start; `start_s` is how long the last one took). An answer that overruns is no
+    match (error "timeout"): the server kills the comparer it forked and forks another. The run's deadline may stop
+    a `compare`: a server still starting is left to start, and a request already sent has its reply skipped when it
+    comes, so neither costs a restart. Thread-safe: one comparison at a time. `timeouts` counts the answers that
+    overran, `restarts` the servers that had to be replaced."""
 
     def __init__(self, timeout_s: float = MATH_VERIFY_TIMEOUT_S, start_timeout_s: float = 60.0) -> None:
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self.timeouts = self.restarts = 0
+        self.start_s: float | None = None  # seconds the last start took, from the process's launch to its ready line
         self._lock = threading.Lock()
         self._proc: Any = None
         self._ready, self._buffer = False, bytearray()
+        self._sent, self._started_at = 0, 0.0  # requests sent to the current server; when it was launched
+        self._unread = 0  # requests sent whose reply has not been read (a deadline stopped the wait for it)
+
+    def start(self) -> float:
+        """Start the server, or replace one that died, and wait until it is ready: the seconds that took (0 when it
+        was running). Call it outside any deadline (`reward_deadline`)."""
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is not None:
+                self._kill()
+            if self._proc is not None and self._ready:
+                return 0.0
+            self._wait_ready()
+            return self.start_s or 0.0
 
     def _start(self) -> None:
         import subprocess
+        import time
 
         if math_verify_missing():
             raise MathVerifyUnavailableError(f"math answers are checked with math-verify, not installed: "
                                              f"{MATH_VERIFY_PIP}")
         boot = ("import sys; sys.path.insert(0, sys.argv[1]); from harness import tasks; "
                 "tasks.math_verify_server(int(sys.argv[2]))")
+        self._started_at = time.perf_counter()
         self._proc = subprocess.Popen([sys.executable, "-c", boot, str(REPO_DIR), str(os.getpid())],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                       bufsize=0)
-        self._ready, self._buffer = False, bytearray()
+        self._ready, self._buffer, self._sent, self._unread = False, bytearray(), 0, 0
+
+    def _wait_ready(self) -> None:
+        """The server started (launched here if none is): an exception while it starts (the run's deadline) leaves
+        it starting, and the next call waits on for the same server."""
+        import time
+
+        if self._proc is None:
+            self._start()
+        if not self._ready:
+            left = self.start_timeout_s - (time.perf_counter() - self._started_at)
+            if _read_line(self._proc.stdout.fileno(), self._buffer, max(left, 0.0)) is None:
+                self._kill()
+                raise RuntimeError(f"the math-verify server did not start within {self.start_timeout_s:g} s")
+            self._ready, self.start_s = True, time.perf_counter() - self._started_at
 
     def _kill(self, restart: bool = True) -> None:
         if self._proc is not None:
@@ -1046,33 +1147,36 @@ class MathVerifier:
             self._proc = None
             self.restarts += restart
 
-    def _ask(self, request: bytes, seconds: float) -> dict[str, Any] | None:
-        if self._proc is None:
-            self._start()
-        if not self._ready:  # an exception here (the run's deadline) leaves a starting server as it is
-            if _read_line(self._proc.stdout.fileno(), self._buffer, self.start_timeout_s) is None:
-                raise RuntimeError(f"the math-verify server did not start within {self.start_timeout_s:g} s")
-            self._ready = True
-        self._proc.stdin.write(request)
-        line = _read_line(self._proc.stdout.fileno(), self._buffer, seconds)
-        return None if line is None else json.loads(line)
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any] | None:
+        """The server's reply to `request`, None when it did not come in time. Replies to earlier requests whose
+        wait a deadline stopped come first, and are skipped (each request carries its number, "n")."""
+        self._wait_ready()
+        self._sent += 1
+        number = self._sent
+        self._unread += 1  # before the write: a deadline between the two then costs a longer wait, not a restart
+        self._proc.stdin.write((json.dumps({**request, "n": number}) + "\n").encode())
+        while True:  # the server answers each request within its "t": the ones before ours first
+            line = _read_line(self._proc.stdout.fileno(), self._buffer, self._unread * self.timeout_s + 1.0)
+            if line is None:
+                return None
+            self._unread -= 1
+            reply = json.loads(line)
+            if reply.pop("n", None) == number:
+                return reply
 
     def compare(self, predicted: str, reference: str) -> dict[str, Any]:
         """math-verify's verdict on two extracted answers: {"match", "compared", "reference_parsed"}, and "error"
         when there was none ("timeout after 1 s", the comparer's exception)."""
-        request = (json.dumps({"p": predicted, "r": reference, "t": self.timeout_s}) + "\n").encode()
+        request = {"p": predicted, "r": reference, "t": self.timeout_s}
         with self._lock:
             for attempt in (1, 2):  # a server that died between two answers (killed from outside) is replaced once
                 try:
-                    reply = self._ask(request, self.timeout_s + 1.0)  # + 1 s: the server answers at timeout_s
-                except (EOFError, OSError):
+                    reply = self._ask(request)
+                except (EOFError, OSError, ValueError):  # ValueError: a reply cut by a deadline mid-read, not JSON
                     self._kill()
                     if attempt == 2:
                         raise
                     continue
-                except BaseException:  # the run's deadline or Ctrl-C mid-request: its reply would answer the next
-                    self._kill()
-                    raise
                 if reply is None:  # the server itself stuck: never seen, but no run should wait on it
                     self._kill()
                     reply = {"match": False, "error": f"timeout after {self.timeout_s:g} s (server restarted)"}
@@ -1170,6 +1274,9 @@ def read_answer_pairs(path: str) -> list[tuple[str, dict[str, Any]]]:
                 predicted = str(predicted)
             if not isinstance(predicted, str):  # "" is an empty answer (no match), not a bad row
                 raise _Reject("field 'predicted' is not text", f"row has {list(row)}")
+            _utf8_text(predicted, "predicted")
+            if isinstance(row.get("id"), str):  # printed back with the row's record
+                _utf8_text(row["id"], "id")
             reference = _text_field(row, "reference", numbers=True)
             if reference_answer(reference) is None:
                 raise _Reject("field 'reference' has no final answer", _excerpt(reference))

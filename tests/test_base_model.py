@@ -208,6 +208,87 @@ def test_a_damaged_or_missing_shipped_base_is_one_line_saying_how_to_restore_it(
     assert runtime._model_path(args, is_main=True) == args.model
 
 
+@pytest.mark.parametrize("name, edit", [
+    ("config.json", lambda text: text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 1e-05')),
+    ("tokenizer.json", lambda text: text.replace('"0"', '"O"', 1)),
+    ("chat_template.jinja", lambda text: text + " "),
+    ("generation_config.json", lambda text: text.replace("}", ', "temperature": 0.1}')),
+    ("model.safetensors", None),  # cut short: SafetensorError's traceback on every rank before
+    ("added_tokens.json", "{}"),  # a file the tokenizer would read
+])
+def test_every_file_that_shapes_the_shipped_base_is_checked_and_a_changed_one_named(tmp_path, monkeypatch, name,
+                                                                                      edit):
+    """The weights' checksum passed an edited config, tokenizer or chat template: each is now checked against the
+    sha256 recorded for it, and the error names the file."""
+    import shutil
+
+    copy = tmp_path / "tiny-arith"
+    shutil.copytree(base_model.BASE_MODEL_DIR, copy)
+    monkeypatch.setattr(base_model, "BASE_MODEL_DIR", copy)
+    monkeypatch.setattr(base_model, "REPO_DIR", tmp_path)
+    assert base_model.embedded_base_model() == copy
+    file = copy / name
+    if edit is None:
+        file.write_bytes(file.read_bytes()[: 1 << 20])
+    elif isinstance(edit, str):
+        file.write_text(edit)
+    else:
+        assert edit(file.read_text()) != file.read_text()
+        file.write_text(edit(file.read_text()))
+    with pytest.raises(base_model.BaseModelDamagedError) as raised:
+        base_model.embedded_base_model()
+    message = str(raised.value)
+    assert "\n" not in message and "docs' numbers would not hold" in message
+    assert "`git checkout -- tiny-arith`" in message
+    expected = {"model.safetensors": f"{file}: not a readable safetensors file (",
+                "added_tokens.json": f"{copy} holds added_tokens.json, not part of the shipped base"}
+    assert message.startswith(expected.get(name, f"{file} was changed (sha256 ")), message
+
+
+def test_build_base_says_a_shipped_copy_with_a_changed_tokenizer_is_not_the_documented_one(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """The workshop's setup check (`build-base --out models/tiny-arith --no-measure`, docs/WORKSHOP.md): its
+    "documented" is the whole check, so it counts the shipped copy's other files, not its weights only."""
+    import shutil
+
+    copy = tmp_path / "tiny-arith"
+    shutil.copytree(base_model.BASE_MODEL_DIR, copy)
+    monkeypatch.setattr(base_model, "BASE_MODEL_DIR", copy)
+    monkeypatch.setattr(base_model, "REPO_DIR", tmp_path)
+    base_model.main(["build-base", "--out", str(copy), "--no-measure"])
+    assert json.loads(capsys.readouterr().out)["documented"] is True
+    (copy / "tokenizer.json").write_text((copy / "tokenizer.json").read_text().replace('"0"', '"O"', 1))
+    base_model.main(["build-base", "--out", str(copy), "--no-measure"])
+    out = capsys.readouterr()
+    assert json.loads(out.out)["documented"] is False
+    assert out.err.startswith(f"[base model] {copy / 'tokenizer.json'} was changed (sha256 ")
+    assert "git checkout" in out.err
+
+
+def test_a_model_directory_with_cut_short_or_empty_weights_is_one_line_before_any_rank_loads_it(tmp_path,
+                                                                                                 capsys):
+    """--model DIR with a truncated or empty model.safetensors: flags.check_args names the file (rank 0 alone
+    speaks), where every rank failed with safetensors' SafetensorError traceback."""
+    import shutil
+
+    from harness import flags
+
+    for name, cut in (("short", 1 << 20), ("empty", 0)):
+        model = tmp_path / name
+        shutil.copytree(base_model.BASE_MODEL_DIR, model)
+        weights = model / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:cut])
+        why = "it is empty" if cut == 0 else "Error while deserializing header: incomplete metadata"
+        problems = base_model.model_dir_problems(str(model))
+        assert len(problems) == 1 and problems[0].startswith(f"{weights}: not a readable safetensors file ({why}")
+        with pytest.raises(SystemExit) as exit_info:
+            flags.parse_args(["--model", str(model), "--output-dir", str(tmp_path / "out")])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.splitlines()) == 1 and f"error: --model {weights}: not a readable safetensors file" in err, err
+    assert base_model.model_dir_problems(str(base_model.BASE_MODEL_DIR)) == []
+
+
 def test_a_base_built_elsewhere_says_what_it_means_for_the_numbers(tmp_path, monkeypatch):
     """A base built with other kernels has other bytes (an AVX2 machine's native build went from 0.367 to about 0.9
     where the documented base went from 0.389 to 0.965): build-base's note names both checksums, what it means and

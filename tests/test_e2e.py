@@ -597,19 +597,34 @@ def test_a_full_weight_dir_at_a_resume_s_first_push_is_one_line_and_changes_noth
 
 @pytest.mark.slow
 def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_model_dir):
-    """A model directory that holds no model fails while the ranks load it: no traceback-only ending, and the
-    output directory the run would have made is not left behind to refuse the corrected command."""
+    """Weights cut short are one line before any rank loads them (SafetensorError's traceback on every rank before).
+    A model whose weights read but do not fit its config fails while the ranks load it: no traceback-only ending,
+    and the output directory the run would have made is not left behind to refuse the corrected command."""
     import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    cut_short = tmp_path / "cut-short-model"
+    shutil.copytree(base_model_dir, cut_short)
+    weights = cut_short / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    out = tmp_path / "run"
+    run = _train(out, "--model", str(cut_short), "--max-steps", "2", *SHORT, timeout=300, retry=False)
+    assert run.returncode != 0 and "SafetensorError" not in run.stderr, why_failed(run)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("train.py: error:")]  # then torchrun's own
+    assert len(lines) == 1 and f"--model {weights}: not a readable safetensors file (" in lines[0], run.stderr
+    assert not out.exists()
 
     not_a_model = tmp_path / "broken-model"  # passes the flag checks (config, tokenizer, weights file), then fails
     shutil.copytree(base_model_dir, not_a_model)
-    (not_a_model / "model.safetensors").write_bytes(b"not safetensors")
-    out = tmp_path / "run"
+    tensors = load_file(str(not_a_model / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:-1]  # one row short of the vocabulary
+    save_file(tensors, str(not_a_model / "model.safetensors"))
     # Once: this start must fail, and rank 1, waiting on rank 0 in gloo, may abort (SIGABRT) once rank 0 has exited
     # and closed their connection, before torchrun stops it; a retry would take that for a native crash.
     run = _train(out, "--model", str(not_a_model), "--max-steps", "2", *SHORT, timeout=300, retry=False)
     assert run.returncode != 0
-    assert "SafetensorError" in run.stderr, why_failed(run)  # it failed where it should, loading the weights
+    assert "lm_head.weight | MISMATCH" in run.stderr, why_failed(run)  # it failed loading the weights
     assert not out.exists(), sorted(p.name for p in out.iterdir())
 
 

@@ -217,11 +217,14 @@ def test_train_plan_prints_the_plan_without_a_gpu():
 
 
 def model_dir(tmp_path, shape: str):
-    """A directory that passes train.py's model checks: the shape's config.json, and empty weights and tokenizer
-    files (nothing reads them before the memory plan refuses or passes)."""
+    """A directory that passes train.py's model checks: the shape's config.json, a safetensors file of no tensors
+    (its header is checked) and an empty tokenizer file (nothing reads them before the memory plan refuses or
+    passes)."""
+    from safetensors.torch import save_file
+
     path = tmp_path / shape
     mp.shape_config(shape).save_pretrained(path)
-    (path / "model.safetensors").touch()
+    save_file({}, str(path / "model.safetensors"))
     (path / "tokenizer.json").touch()
     return str(path)
 

@@ -500,6 +500,27 @@ def test_a_hostile_math_answer_scores_wrong_within_1_5_s_where_rewards_run_and_s
     assert rewards.totals() == (2, 2)  # (errors, timeouts): a timeout counts in both
 
 
+def test_a_short_reward_deadline_scores_real_math_answers_the_server_started_before_any_deadline(monkeypatch):
+    """--reward-timeout 1.5: math-verify's server (1.5-1.7 s to start on an idle 2-core AMD EPYC) started inside
+    the first reward's deadline, which killed it, and the next reward started it again: every reward -1, for ever.
+    It starts with the generator's rewards now, outside any deadline, and the answers score."""
+    monkeypatch.setattr(tasks, "_VERIFIER", None)  # this process's server not started yet, as in a new generator
+    task = tasks.MathDataset(str(Path(__file__).parent / "data" / "gsm8k_small.jsonl"))
+    rewards = pl._Rewards(pl.GeneratorConfig(model="m", reward_timeout=1.5, interruptions=False), task, [], [])
+    verifier = tasks.math_verifier()
+    try:
+        results = [rewards.score(p, f"\\boxed{{{p.answer}}}") for p in task.problems[:4]]
+        assert results == [(1.0, None)] * 4 and rewards.totals() == (0, 0)
+        assert verifier.start_s > 0 and verifier.restarts == 0  # started (and timed) before any reward
+        assert rewards.score(task.problems[0], "\\boxed{-7.25}") == (-1.0, None)  # a wrong answer, not a timeout
+        verifier._proc.kill()  # a server that died between two rewards starts again before the next deadline
+        verifier._proc.wait()
+        assert rewards.score(task.problems[1], f"\\boxed{{{task.problems[1].answer}}}") == (1.0, None)
+        assert verifier.restarts == 1 and rewards.totals() == (0, 0)
+    finally:
+        verifier.close()
+
+
 @pytest.mark.parametrize("task", [tasks.MixedArithmeticTask(), tasks.SmallArithmeticTask(), tasks.ArithmeticTask()])
 def test_admission_works_for_tasks_whose_problems_are_a_method_or_a_stream(task):
     """make run-real's task has a `problems(split)` method, not a list: admission must not take it for a data set's

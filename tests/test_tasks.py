@@ -1,6 +1,7 @@
 """harness/tasks.py: the embedded task, the strict verifier, the data loaders with bad rows, and the math answer
 checker (the base models' tests are tests/test_base_model.py)."""
 
+import itertools
 import json
 import os
 import random
@@ -10,6 +11,7 @@ import sys
 from fractions import Fraction
 from itertools import islice
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -280,6 +282,23 @@ def test_a_line_that_is_not_json_is_a_bad_row_named_by_file_and_line(tmp_path):
     assert f"{path} line 6: field 'question' has type int instead of a string (42)" in message
     assert "pyarrow" not in message and "Traceback" not in message
     assert [b.where for b in err.value.bad_rows] == [f"{path} line 6", f"{path} line 7"]
+
+
+def test_a_lone_surrogate_is_a_bad_row_and_an_empty_file_is_one_line(tmp_path):
+    """JSON's escape \\ud800 reads as a lone surrogate, which pyarrow refused with a UnicodeEncodeError naming no row;
+    a file with no rows was a ValueError. Each is now a DataFileError naming the file (and the row)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "x\\ud800", "answer": "1"}\n' + json.dumps(GSM8K_ROWS[0]) + "\n")
+    with pytest.raises(tasks.DataFileError) as err:
+        MathDataset(str(path))
+    assert str(err.value).splitlines()[1] == (f"  {path} line 1: field 'question' is not UTF-8 text (a lone surrogate "
+                                              "'\\ud800' at character 2)")
+    for name, text, why in (("e.jsonl", "", "it is empty"), ("e.csv", "\n", "it is empty"),
+                            ("e.json", "[]", "no row in it"), ("h.csv", "question,answer\n", "no row in it")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(tasks.DataFileError) as err:
+            MathDataset(str(tmp_path / name))
+        assert str(err.value) == f"{tmp_path / name}: holds no rows ({why})"
 
 
 def test_every_bad_row_is_reported_at_once_in_one_error(tmp_path):
@@ -791,8 +810,113 @@ def test_a_worker_that_dies_is_replaced_and_the_run_deadline_interrupts_a_compar
             with tasks.reward_deadline(0.2):
                 tasks.check_answer(HOSTILE[0], "1", verifier)
         assert tasks.check_answer("\\boxed{4}", "4", verifier).match  # no stale reply answers this one
+        assert not tasks.check_answer("\\boxed{5}", "4", verifier).match
+        assert verifier.restarts == 1  # the one killed from outside: the deadline's stale reply was skipped
     finally:
         verifier.close()
+
+
+def test_a_deadline_shorter_than_the_server_start_leaves_it_starting_and_the_next_answer_uses_it():
+    """A reward whose deadline passes while math-verify's server starts (a start takes over a second: Python,
+    sympy and math-verify's imports) leaves it starting: the next answer waits for the same server, not a new one
+    (it was killed, so a deadline shorter than a start scored every math answer -1)."""
+    verifier = tasks.MathVerifier()
+    try:
+        with pytest.raises(tasks.RewardTimeout):
+            with tasks.reward_deadline(0.05):
+                tasks.check_answer("\\boxed{2}", "2", verifier)
+        starting = verifier._proc
+        assert starting is not None and starting.poll() is None and not verifier._ready
+        assert tasks.check_answer("\\boxed{\\frac{1}{2}}", "0.5", verifier).match
+        assert verifier._proc is starting and verifier.restarts == 0 and verifier.start_s > 0.05
+        assert verifier.start() == 0.0  # running: nothing to start
+    finally:
+        verifier.close()
+
+
+def _under_deadline(where: str, reward: Callable[[], None], seconds: float = 0.3) -> tuple[str, float]:
+    """reward() under reward_deadline(seconds) in the main thread or another: ("timeout" or "returned", seconds)."""
+    import time
+
+    out: list = []
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            with tasks.reward_deadline(seconds):
+                reward()
+            out.append(("returned", time.monotonic() - t0))
+        except tasks.RewardTimeout:
+            out.append(("timeout", time.monotonic() - t0))
+
+    run_where(where, run)
+    return out[0]
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_the_reward_deadline_stops_python_code_in_any_thread_even_one_that_cancels_the_alarm(where):
+    """A reward that loops (up to 30 s), swallowing every Exception, after a library's signal.alarm(0) cancelled the
+    timer: stopped at the deadline in the main thread and in any other (there was no deadline outside the main
+    thread, and alarm(0) took it away in the main one)."""
+    import signal
+    import time
+
+    def reward() -> None:
+        signal.alarm(0)
+        end = time.monotonic() + 30
+        while time.monotonic() < end:
+            try:
+                sum(range(1000))
+            except Exception:
+                pass
+
+    outcome, seconds = _under_deadline(where, reward)
+    assert outcome == "timeout" and seconds < 10, (outcome, seconds)  # 10: far under the loop's 30 s
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_the_reward_deadline_ends_one_long_c_call_only_as_it_returns_as_the_docs_say(where):
+    """docs/runtime.md: no deadline in the process stops one long C call (here sum over 6*10**7 numbers, one call
+    that checks no signal); it runs to its end, and the reward is then stopped and scored as a timeout."""
+    numbers = itertools.count()
+    outcome, _ = _under_deadline(where, lambda: sum(itertools.islice(numbers, 6 * 10**7)))
+    assert outcome == "timeout" and next(numbers) == 6 * 10**7  # the call consumed every number: it was not cut
+
+
+def test_a_thread_the_reward_starts_runs_on_after_its_deadline_as_the_docs_say():
+    """docs/runtime.md: the deadline stops the reward, not the threads it started (nothing in a process can stop a
+    thread from outside); a reward that must not leave work behind stops its threads itself."""
+    import threading
+    import time
+
+    stop, beats = threading.Event(), []
+    worker = threading.Thread(target=lambda: [beats.append(1) for _ in iter(lambda: stop.wait(0.01), True)],
+                              daemon=True)
+
+    def reward() -> None:
+        worker.start()
+        while True:
+            time.sleep(0.01)
+
+    outcome, _ = _under_deadline("main", reward)
+    try:
+        assert outcome == "timeout"
+        before = len(beats)
+        time.sleep(0.3)
+        assert len(beats) > before  # it beats on after the reward was stopped
+    finally:
+        stop.set()
+        worker.join(10)
+
+
+def test_nothing_fires_after_a_reward_deadline_ends():
+    """A deadline's timer and watchdog end with its block: a reward that returns in time leaves no exception to come
+    later, in this thread or another."""
+    import time
+
+    for where in ("main", "thread"):
+        assert _under_deadline(where, lambda: None, seconds=0.05)[0] == "returned"
+    time.sleep(0.3)  # past every deadline above: a stray RewardTimeout would be raised in this sleep
 
 
 def test_math_dataset_without_math_verify_fails_before_the_run(monkeypatch):
@@ -848,8 +972,12 @@ def test_check_answer_command_names_bad_rows_before_checking_any(tmp_path):
                     b'{"predicted": "\xff", "reference": "1"}\n{"predicted": "1", "reference": "\\\\boxed{"}\n')
     out = _check_answer_cli("--pairs", str(bad))
     assert out.returncode == 2 and out.stdout == ""
+    bad.write_bytes(bad.read_bytes() + b'{"predicted": "\\ud800", "reference": "1"}\n')
+    out = _check_answer_cli("--pairs", str(bad))
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
     for line, reason in ((2, "not JSON"), (3, "missing field 'reference'"), (4, "not UTF-8"),
-                         (5, "field 'reference' has no final answer")):
+                         (5, "field 'reference' has no final answer"),
+                         (6, "field 'predicted' is not UTF-8 text (a lone surrogate '\\ud800' at character 1)")):
         assert f"bad.jsonl line {line}: {reason}" in out.stderr, out.stderr
     assert _check_answer_cli("--predicted", "1").returncode == 2
     help_text = _check_answer_cli("--help").stdout

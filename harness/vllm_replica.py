@@ -1049,7 +1049,9 @@ class _Replica:
         else:
             raise ValueError(f"unknown command {kind!r}")
 
-    def sampling_params(self, spec: dict) -> Any:
+    @staticmethod
+    def sampling_params(spec: dict) -> Any:
+        """A request's vLLM SamplingParams from the scheduler's spec (pipeline_rl's request spec)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 

@@ -46,7 +46,8 @@ def _generate(model_dir: str, task_name: str, think_budget: tuple[int, int], ans
     close = tok(tasks.THINK_CLOSE, add_special_tokens=False)["input_ids"]
     prompts = [tasks.chat_prompt_ids(tok, p.prompt) for p in problems]
     start = tok.decode(prompts[0][-1:])  # where the completion begins: ScaleRL counts its budget from there
-    assert all(p[-1] == prompts[0][-1] for p in prompts) and tok.encode(start, add_special_tokens=False) == prompts[0][-1:]
+    assert all(p[-1] == prompts[0][-1] for p in prompts)
+    assert tok.encode(start, add_special_tokens=False) == prompts[0][-1:]  # one token (docs/pipeline.md: why)
 
     config = pl.GeneratorConfig(model=model_dir, interruptions=True, max_model_len=256)
     kwargs = vllm_replica.vllm_engine_kwargs(config)  # the project's engine, with its interruption processor

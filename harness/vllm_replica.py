@@ -238,6 +238,9 @@ def interruption_start(token_ids: list[int], budget: int, close_ids: list[int]) 
 # Code that runs inside vLLM's processes: the interruption logits processor and the weight-sync worker extension
 # --------------------------------------------------------------------------------------------------------------
 
+# Not vLLM's own thinking budget (SamplingParams.thinking_token_budget): on the V1 runner it forces the phrase into
+# the answer of a completion that closed </think> itself within its budget (tests/test_thinking_budget.py), and on V2
+# it counts and stops by other rules than ScaleRL's (docs/pipeline.md, the design's section 3).
 _INTERRUPT_KEY = "scalerl_interrupt"
 
 class _ForcePhrase:
@@ -1049,7 +1052,9 @@ class _Replica:
         else:
             raise ValueError(f"unknown command {kind!r}")
 
-    def sampling_params(self, spec: dict) -> Any:
+    @staticmethod
+    def sampling_params(spec: dict) -> Any:
+        """A request's vLLM SamplingParams from the scheduler's spec (pipeline_rl's request spec)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 

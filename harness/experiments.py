@@ -33,6 +33,19 @@ from harness.cli import int_at_least as _count  # the argparse type of a count (
 from harness.cli import int_list as _int_list, number as _number  # argparse types of a list of integers, a number
 
 
+def _count_rerun(run_dir: Path, exit_status: int) -> None:
+    """Count a resume after a failure where the test suite counts its reruns (SCALERL_RERUN_LOG, set by
+    tests/conftest.py; unset, nothing is written): CI's log ends with each, so no crash a resume hides goes unseen.
+    The crashed rank's stack is in the study's stderr, above its '[run] ... failed' line."""
+    import os
+
+    log = os.environ.get("SCALERL_RERUN_LOG")
+    if log:
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"what": f"study run {run_dir}", "why": f"it exited {exit_status} after a checkpoint "
+                                f"and was resumed from it", "story": ""}) + "\n")
+
+
 def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[dict]:
     """Run train.py under torchrun into `run_dir` with `flags` for `steps` steps, unless a finished run made with
     these flags is there already (so a killed experiment continues where it stopped and never reruns a finished
@@ -69,6 +82,7 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     if failed:
         if not complete_checkpoints(run_dir):  # it failed to start: a real error
             raise subprocess.CalledProcessError(failed, cmd)
+        _count_rerun(run_dir, failed)
         print(f"[run] {run_dir} failed (exit status {failed}): resuming it from its checkpoint, once", flush=True)
         subprocess.run([*torchrun, "--resume", str(run_dir), "--max-steps", str(steps)], check=True, cwd=repo)
     return sf.read_metrics(run_dir)

@@ -2,8 +2,10 @@
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -22,6 +24,39 @@ if STUDENT_FILE is not None:
     _spec = importlib.util.spec_from_file_location(STUDENT_FILE.stem, STUDENT_FILE)
     sys.modules[STUDENT_FILE.stem] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules[STUDENT_FILE.stem])
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A file of this session's reruns after a native crash (helpers.record_rerun), inherited by every subprocess;
+    and faulthandler in every Python process the tests start, so that a rank dying in native code prints its stack."""
+    from helpers import RERUN_LOG
+
+    os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+    os.environ[RERUN_LOG] = str(Path(tempfile.mkdtemp(prefix="scalerl-reruns-")) / "reruns.jsonl")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from helpers import RERUN_LOG
+
+    if os.environ.get(RERUN_LOG, "").endswith("reruns.jsonl"):
+        shutil.rmtree(Path(os.environ[RERUN_LOG]).parent, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter) -> object:
+    """The log's last section, after the short summary: how many runs were run again after a native crash, and each
+    one's test, command, rank and signal, and stack. A rerun keeps CI green; this keeps it from going unseen."""
+    from helpers import recorded_reruns
+
+    result = yield
+    reruns = recorded_reruns()
+    terminalreporter.write_sep("=", f"reruns after a native crash: {len(reruns)}", bold=bool(reruns))
+    for i, rerun in enumerate(reruns, 1):
+        terminalreporter.write_line(f"rerun {i}: {rerun['what']}")
+        terminalreporter.write_line(f"  why: {rerun['why']}")
+        for line in rerun["story"].splitlines()[-80:]:
+            terminalreporter.write_line(f"  | {line}")
+    return result
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -9,13 +9,15 @@ the CUDA build of vLLM, in under 10 minutes, with SmolLM2-135M-Instruct (harness
 3. a receiver killed mid-broadcast over NCCL is named within seconds and the other gets every byte (two GPUs);
 4. the README's one-GPU command, for 2 steps.
 
-Without CUDA it says so in one line and exits 2 (nothing was checked). Each check prints one line, `ok` or `FAIL`;
-the exit status is 1 if any failed.
+Where the GPU path cannot run it says why in one line and exits 2 (nothing was checked): no NVIDIA GPU (nvidia-smi
+finds none), a torch without CUDA (a CPU build), or an NVIDIA driver older than this torch's CUDA needs
+(`what_is_wrong`). Each check prints one line, `ok` or `FAIL`; the exit status is 1 if any failed.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,6 +29,50 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+
+# The oldest Linux NVIDIA driver each CUDA major version runs on (NVIDIA's CUDA release notes, "minor version
+# compatibility": a torch wheel carries its CUDA runtime, so the driver only needs to reach its major's floor).
+DRIVER_FOR_CUDA = {11: 450, 12: 525, 13: 580}
+
+
+def driver_needed(cuda: str) -> int | None:
+    """The oldest NVIDIA driver (major number) that runs a torch built for CUDA `cuda` ("13.0"); None: not known."""
+    return DRIVER_FOR_CUDA.get(int(cuda.split(".")[0]))
+
+
+def nvidia_driver() -> str | None:
+    """The NVIDIA driver's version as nvidia-smi reports it ("580.65.06"), None where nvidia-smi finds no GPU."""
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        query = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    versions = query.stdout.split()
+    return versions[0] if query.returncode == 0 and versions and versions[0][:1].isdigit() else None
+
+
+def what_is_wrong() -> str | None:
+    """Why the GPU path cannot run here, in one line, or None where torch sees a CUDA GPU. The causes are told apart
+    because each has its own remedy: torch.cuda.is_available() alone says False to all of them."""
+    driver = nvidia_driver()
+    if driver is None:
+        return "gpu-smoke: no NVIDIA GPU here (nvidia-smi finds none): it checks the GPU path and needs one (or two)"
+    if torch.version.cuda is None:
+        return (f"gpu-smoke: this torch ({torch.__version__}) has no CUDA: it is a CPU build; `make gpu-smoke` "
+                "installs the CUDA one into .venv-gpu (DEVICE=gpu), never over the CPU build's .venv")
+    needed = driver_needed(torch.version.cuda)
+    if needed is not None and int(driver.split(".")[0]) < needed:
+        return (f"gpu-smoke: the NVIDIA driver ({driver}) is older than this torch's CUDA {torch.version.cuda} needs "
+                f"(it needs {needed} or newer): update the driver, or install a torch built for an older CUDA")
+    if not torch.cuda.is_available():
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return (f"gpu-smoke: no CUDA GPU visible to torch {torch.__version__} (driver {driver}, CUDA "
+                f"{torch.version.cuda})" + (f": CUDA_VISIBLE_DEVICES={hidden!r} hides them" if hidden is not None
+                                            else ""))
+    return None
 
 
 def check_generator(model: str, gen_devices: str, learner_gpu: int) -> str:
@@ -104,8 +150,9 @@ def check_readme_command(model: str) -> str:
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("gpu-smoke: no CUDA GPU here: it checks the GPU path and needs one (or two) with the CUDA build of vLLM")
+    problem = what_is_wrong()
+    if problem is not None:
+        print(problem)
         return 2
     from harness import base_model
 

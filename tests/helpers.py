@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -132,6 +133,37 @@ def why_failed(run: subprocess.CompletedProcess, tail: int = 3000) -> str:
 
 # torchrun's summary of a rank killed in native code (a segfault or an abort inside torch, gloo or a kernel).
 NATIVE_CRASH = re.compile(r"Signal (?:11|6|7) \((?:SIGSEGV|SIGABRT|SIGBUS)\) received by PID")
+# torchrun's lines for one failed rank: "rank      : 1 (local_rank: 1)" ... "traceback : Signal 11 (SIGSEGV) ..."
+_RANK_SIGNAL = re.compile(r"rank\s*:\s*(\d+)[^\n]*\n(?:[^\n]*\n){0,4}?\s*traceback\s*:\s*Signal \d+ \((SIG\w+)\)")
+
+# The file (JSON lines) where each rerun after a native crash is recorded, named by tests/conftest.py for the
+# session (and inherited by its subprocesses: a study's resume after a failure records itself there too); the
+# session's terminal summary ends with them. Unset: nothing is recorded.
+RERUN_LOG = "SCALERL_RERUN_LOG"
+
+
+def crashed_ranks(stderr: str) -> str:
+    """Which rank died of which signal, from torchrun's summary: "rank 1: SIGSEGV; rank 0: SIGABRT"."""
+    found = [f"rank {rank}: {sig}" for rank, sig in _RANK_SIGNAL.findall(stderr)]
+    if not found:  # a summary of another layout: the signals alone
+        found = [f"a rank: {sig}" for sig in re.findall(r"Signal \d+ \((SIG\w+)\) received by PID", stderr)]
+    return "; ".join(dict.fromkeys(found)) or "no signal named"
+
+
+def record_rerun(what: str, why: str, story: str) -> None:
+    """Count one rerun where the session's summary reads them (RERUN_LOG): `what` ran, `why` it was run again
+    (which rank, which signal, how the rerun ended), `story` its stack and stderr's tail."""
+    log = os.environ.get(RERUN_LOG)
+    if log:
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"what": what, "why": why, "story": story}) + "\n")
+
+
+def recorded_reruns() -> list[dict]:
+    log = os.environ.get(RERUN_LOG)
+    if not log or not Path(log).exists():
+        return []
+    return [json.loads(line) for line in Path(log).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def run_torchrun(cmd: list[str], state: list[Path] = (), timeout: float = 600) -> subprocess.CompletedProcess:
@@ -139,24 +171,31 @@ def run_torchrun(cmd: list[str], state: list[Path] = (), timeout: float = 600) -
     run it once more from the state it started from.
 
     `state`: the directories the run reads and writes (its output directory, a run it resumes). Each is copied
-    aside first (a missing one is noted), and after a crash each is put back as it was before the rerun. The
-    rerun's warning carries the machine's CPU and the rank's own stack (faulthandler's; train.py and the learner
-    probe enable it). Such a crash is rare, seen only on CI's machines and never reproduced on demand (FSDP2 over
-    gloo, torch 2.13): it must not fail the suite by chance, while a crash that repeats, and every other failure,
-    still does."""
+    aside first (a missing one is noted), and after a crash each is put back as it was before the rerun. Every
+    process runs with PYTHONFAULTHANDLER=1, so a rank that dies in native code prints its Python stack. Each rerun is
+    recorded (record_rerun: the test, the rank and signal, the machine's CPU, the rank's own stack) and the session's
+    summary ends with them all. Such a crash is rare, seen only on CI's machines and never reproduced on demand
+    (FSDP2 over gloo, torch 2.13; docs/runtime.md says what was tried): it must not fail the suite by chance, while a
+    crash that repeats, and every other failure, still does."""
     saved = {}
     for directory in state:
         aside = directory.with_name(directory.name + ".before-run")
         shutil.rmtree(aside, ignore_errors=True)
         saved[directory] = shutil.copytree(directory, aside, symlinks=True) if directory.exists() else None
-    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     if run.returncode != 0 and NATIVE_CRASH.search(run.stderr):
-        warnings.warn(f"a rank crashed in native code; running once more from where it started:\n{why_failed(run)}")
+        story = why_failed(run, tail=1500)
+        warnings.warn(f"a rank crashed in native code; running once more from where it started:\n{story}")
         for directory, aside in saved.items():
             shutil.rmtree(directory, ignore_errors=True)
             if aside is not None:
                 shutil.copytree(aside, directory, symlinks=True)
-        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        first = run
+        run = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").removesuffix(" (call)").removesuffix(" (setup)")
+        record_rerun(f"{test or '?'}: {shlex.join(str(c) for c in cmd)[:300]}",
+                     f"{crashed_ranks(first.stderr)}; the rerun exited {run.returncode}", story)
     for aside in saved.values():
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)

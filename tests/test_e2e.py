@@ -83,9 +83,16 @@ def test_train_helper_reruns_once_from_the_same_start_after_a_native_crash(tmp_p
     """_train's one retry (fake subprocess.run: the logic around torchrun): a rank's segfault or abort gives one more
     run from the state the first started from (no output directory for a fresh run; the resumed run's directory as
     it was, whatever the crashed run wrote into it), with a warning naming the CPU and carrying the rank's stack; a
-    second crash and an ordinary failure are returned as they are, and no copy is left beside the run."""
-    segv = "Fatal Python error: Segmentation fault\n  File train.py\ntraceback : Signal 11 (SIGSEGV) received by PID 7\n"
-    abort = "Fatal Python error: Aborted\n  File train.py\ntraceback : Signal 6 (SIGABRT) received by PID 8\n"
+    second crash and an ordinary failure are returned as they are, and no copy is left beside the run. Every run
+    has faulthandler on (PYTHONFAULTHANDLER=1), and each rerun is recorded for the session's summary with the
+    test, the rank and its signal, and the rank's stack."""
+    segv = ("Fatal Python error: Segmentation fault\n  File train.py\n  rank      : 1 (local_rank: 1)\n"
+            "  exitcode  : -11 (pid: 7)\n  error_file: <N/A>\n  traceback : Signal 11 (SIGSEGV) received by PID 7\n")
+    abort = ("Fatal Python error: Aborted\n  File train.py\n  rank      : 0 (local_rank: 0)\n"
+             "  exitcode  : -6 (pid: 8)\n  error_file: <N/A>\n  traceback : Signal 6 (SIGABRT) received by PID 8\n")
+    reruns = tmp_path / "reruns.jsonl"
+    monkeypatch.setenv("SCALERL_RERUN_LOG", str(reruns))  # these fake reruns stay out of the session's summary
+    expected_reruns = []
     error = "SystemExit: unknown loss 'x'\n"
     resumed = tmp_path / "resumed"
     for stderrs, resume, calls, rc in [([segv, ""], False, 2, 0), ([segv, abort], False, 2, 1),
@@ -99,6 +106,7 @@ def test_train_helper_reruns_once_from_the_same_start_after_a_native_crash(tmp_p
         seen = []
 
         def fake_run(*args, **kwargs):  # what the run found, then what it left: a crashed run wrote into its state
+            assert kwargs["env"]["PYTHONFAULTHANDLER"] == "1"
             seen.append(sorted(p.name for p in state.iterdir()) if state.exists() else None)
             state.mkdir(exist_ok=True)
             (state / "partial").write_text("half a step")
@@ -113,7 +121,39 @@ def test_train_helper_reruns_once_from_the_same_start_after_a_native_crash(tmp_p
         assert seen[-1] == (["metrics.jsonl"] if resume else None)  # the rerun started where the first did
         if calls == 2:
             assert "Fatal Python error" in str(caught[0].message) and " CPUs" in str(caught[0].message)
+            expected_reruns.append(("rank 1: SIGSEGV" if stderrs[0] == segv else "rank 0: SIGABRT")
+                                   + f"; the rerun exited {rc}")
         assert not list(tmp_path.glob("*.before-run"))
+    recorded = [json.loads(line) for line in reruns.read_text().splitlines()]
+    assert [r["why"] for r in recorded] == expected_reruns
+    for r in recorded:
+        assert r["what"].startswith("tests/test_e2e.py::test_train_helper_reruns") and " train.py " in r["what"]
+        assert "Fatal Python error" in r["story"] and " CPUs" in r["story"]
+
+
+def test_the_log_ends_with_the_count_of_reruns_and_each_ones_stack(tmp_path):
+    """A pytest session over a test that records a rerun (helpers.record_rerun, as run_torchrun does after a native
+    crash), with this suite's conftest.py: its log's last section, after the short summary, counts the reruns and
+    shows each one's test, rank and signal, and the crashed rank's stack (a session of none says 0, as each does)."""
+    (tmp_path / "test_one.py").write_text(
+        "from helpers import record_rerun\n"
+        "def test_a_crash_and_its_rerun():\n"
+        "    record_rerun('tests/test_x.py::test_y: torchrun train.py', 'rank 1: SIGSEGV; the rerun exited 0',\n"
+        "                 'Fatal Python error: Segmentation fault\\n  File \"torch/distributed/tensor/_api.py\", '\n"
+        "                 'line 1 in full_tensor')\n"
+        "def test_skipped():\n    import pytest\n    pytest.skip('to have a short summary')\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    cmd = [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-ra", "test_one.py"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    tail = run.stdout.splitlines()[-7:]
+    assert "SKIPPED" in tail[0] and "to have a short summary" in tail[0], tail  # the short summary comes before
+    tail = tail[1:]
+    assert "reruns after a native crash: 1" in tail[0] and "1 passed, 1 skipped" in tail[-1], tail
+    assert tail[1:-1] == ["rerun 1: tests/test_x.py::test_y: torchrun train.py",
+                          "  why: rank 1: SIGSEGV; the rerun exited 0",
+                          "  | Fatal Python error: Segmentation fault",
+                          '  |   File "torch/distributed/tensor/_api.py", line 1 in full_tensor'], tail
 
 
 def _start_run(out: Path, flags: list[str], rows: int, what: str, on_poll=None, **popen: object) -> subprocess.Popen:

@@ -585,3 +585,33 @@ def test_study_progress_names_the_run_and_the_time_left_from_the_runs_made_here(
     progress.done()
     assert progress.next("dapo, seed 1") == ("[study] run 4 of 4: dapo, seed 1; about 0 h 30 min left if each run "
                                              "still to make takes what the 2 made here took")
+
+
+@pytest.fixture(autouse=True)
+def _fake_runs_reruns_stay_out_of_the_session_summary(request, tmp_path, monkeypatch):
+    """A fast test here fakes torchrun (subprocess.run): a resume it makes after a faked failure is counted in a file
+    of its own, not among the session's reruns after a native crash (tests/conftest.py). Slow tests run real studies,
+    whose resumes are counted there."""
+    if request.node.get_closest_marker("slow") is None:
+        monkeypatch.setenv("SCALERL_RERUN_LOG", str(tmp_path / "faked-reruns.jsonl"))
+
+
+def test_a_resume_after_a_failure_is_counted_among_the_sessions_reruns(tmp_path, monkeypatch):
+    """A study's run that fails after its first checkpoint and is resumed from it: counted where the test session
+    counts its reruns (SCALERL_RERUN_LOG), so CI's log shows it as it shows a test's rerun after a native crash."""
+    run, calls = tmp_path / "run", []
+
+    def fake_run(cmd, check=False, **kwargs):  # the fresh start writes a checkpoint and a row, then a rank crashes
+        calls.append(cmd)
+        if len(calls) == 1:
+            (run / "checkpoint").mkdir(parents=True)
+            (run / "checkpoint" / "trainer_state.json").write_text("{}")
+            (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "compute_hours": 0.1}) + "\n")
+        return subprocess.CompletedProcess(cmd, 1 if len(calls) == 1 else 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    experiments._train_run(run, 5, ["--seed", "1"])
+    assert len(calls) == 2 and "--resume" in calls[1]
+    recorded = [json.loads(line) for line in (tmp_path / "faked-reruns.jsonl").read_text().splitlines()]
+    assert recorded == [{"what": f"study run {run}", "why": "it exited 1 after a checkpoint and was resumed from it",
+                         "story": ""}]

@@ -1,0 +1,90 @@
+"""Run under torchrun (2 ranks, gloo, CPU): the learner as train.py builds it (train.build_learner: FSDP2 units per
+decoder layer, the LM head's, the root), then in a loop for a number of seconds a training step on random tokens
+(`train`) or none (`push`), and a weight push's gathers (runtime.push_state_dict, one full_tensor() all-gather per
+tensor, cast on rank 0 as for a generator). Each pushed tensor's sum is checked against the sum of the ranks' shards.
+`busy`: rank 0 also runs a thread that computes and allocates all the time, as its in-process generator does.
+It looks for the native crash that FSDP2 over gloo has shown a few times (docs/runtime.md, "Native crashes"):
+
+    torchrun --standalone --nproc_per_node 2 tests/gloo_gather_loop.py MODEL_DIR SECONDS train|push [busy]
+
+Rank 0 prints `done: N pushes ...` and the count of wrong tensors; a crash prints faulthandler's stacks."""
+
+import faulthandler
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import train  # noqa: E402
+from harness import flags, runtime  # noqa: E402
+
+
+def busy(stop: threading.Event) -> None:
+    """Work in another thread of rank 0, as its generator does beside the learner: torch kernels and allocations.
+    Stopped and joined before the process exits: a thread still inside a torch kernel at exit aborted a rank here
+    ("terminate called without an active exception", then SIGSEGV), after every push had been checked."""
+    while not stop.is_set():
+        a = torch.randn(192, 192)
+        (a @ a).softmax(-1).sum().item()
+        _ = [bytearray(4096) for _ in range(64)]
+
+
+def push_is_right(model: torch.nn.Module, weights: dict, rank: int) -> int:
+    """How many pushed tensors' sums differ from their shards' (float64 sums; float32 pushes: only the summation
+    order differs, far below 1e-9 of the sum of magnitudes)."""
+    wrong = 0
+    for name, param in model.state_dict(keep_vars=True).items():
+        if not hasattr(param, "to_local"):
+            continue
+        local = param.to_local().double()
+        sums = torch.tensor([local.sum().item(), local.abs().sum().item()], dtype=torch.float64)
+        dist.all_reduce(sums)
+        if rank == 0 and abs(weights[name].double().sum().item() - sums[0].item()) > 1e-9 * (1 + sums[1].item()):
+            wrong += 1
+            print(f"wrong: {name}: pushed sum {weights[name].double().sum().item()}, shards' {sums[0].item()}")
+    return wrong
+
+
+def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
+    faulthandler.enable(all_threads=True)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    stop = threading.Event()
+    worker = threading.Thread(target=busy, args=(stop,), daemon=True)
+    if "busy" in extra and rank == 0:
+        worker.start()
+    model, _ = train.build_learner(model_path, flags.Args(model=model_path), torch.device("cpu"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    generator = SimpleNamespace(config=SimpleNamespace(weight_transport="file", gen_devices=None, dtype="float32"))
+    torch.manual_seed(rank)
+    start, pushes, wrong = time.time(), 0, 0
+    while True:
+        if mode == "train":
+            ids = torch.randint(3, model.config.vocab_size, (2, 24))
+            model(input_ids=ids).logits.float().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        weights = runtime.push_state_dict(model, generator if rank == 0 else None)
+        wrong += push_is_right(model, weights, rank)
+        pushes += 1
+        go_on = torch.tensor([float(time.time() - start < seconds)])
+        dist.all_reduce(go_on, op=dist.ReduceOp.MIN)  # both ranks stop after the same push
+        if not go_on.item():
+            break
+    stop.set()
+    if worker.is_alive():
+        worker.join()
+    if rank == 0:
+        print(f"done: {pushes} pushes ({mode}{', busy' if 'busy' in extra else ''}) in {time.time() - start:.0f} s, "
+              f"{wrong} tensors wrong; torch {torch.__version__}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4:])

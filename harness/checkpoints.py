@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import _getdtype
-from torch.distributed.checkpoint._hf_utils import CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY, _gen_file_name, _HFStorageInfo
+from torch.distributed.checkpoint._hf_utils import (CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY, _gen_file_name,
+                                                    _HFStorageInfo)
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
@@ -91,7 +92,8 @@ class TrainerState:
 # ----------------------------------------------------------------------------------------------------------------
 # Checkpoint files: model, optimizer, every rank's RNG, the trainer state. Nothing in a run directory is
 # unpickled: the shards are safetensors (a JSON header, then raw tensor bytes), the RNG states and the trainer
-# state are JSON; an older run's weights.pt is read, once, by migrate-checkpoint with torch's weights_only loader. People share run directories; a crafted file must not run code.
+# state are JSON; an older run's weights.pt is read, once, by migrate-checkpoint with torch's weights_only loader.
+# People share run directories; a crafted file must not run code.
 # ----------------------------------------------------------------------------------------------------------------
 
 CHECKPOINT_DIRS = ("checkpoint", "checkpoint.old")  # newest first; checkpoint.tmp/ is a save in progress
@@ -151,9 +153,11 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: in
         write_atomically(writing, json.dumps(rng_states()), private=True)
         read_rng(tmp, rank, world)
     except (Exception, dcp.api.CheckpointException) as e:  # an ENOSPC the estimate missed, an I/O error
-        error = f"could not write {writing} on rank {rank} ({_first_line(_cause(e))})"
+        failures = getattr(e, "failures", {rank: (e, None)})  # torch's collective error: each failed rank's own
+        error = f"could not write {writing} on rank {rank} ({_first_line(failures[rank][0])})" \
+            if rank in failures else None
         if rank == 0 and shutil.disk_usage(out).free < need:
-            error += f": {no_space_message(out, need, shutil.disk_usage(out).free, 0)}"
+            error = f"{error or 'the save failed'}: {no_space_message(out, need, shutil.disk_usage(out).free, 0)}"
     except BaseException:  # a second Ctrl-C: stop at once, leaving no partial directory behind
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -278,3 +278,14 @@ def test_the_split_bf16_head_keeps_its_logits_gradient_and_weight_parts_until_ba
     assert flags.learner_memory_plan(flags.Args(dtype="bfloat16"), QWEN3_8B, 8, 80 * GIB).layout.split_bf16_head
     assert not flags.learner_memory_plan(flags.Args(dtype="bfloat16", lm_head_gemm="fp32"), QWEN3_8B, 8,
                                          80 * GIB).layout.split_bf16_head
+
+
+def test_a_checkpoint_save_holds_twice_a_ranks_shard_in_host_memory():
+    """Each rank saves its own shard (harness/checkpoints.py): its float32 weights and AdamW's two moments, 12 bytes
+    a parameter over the ranks, copied to the host and serialised there once more. TINY has 1,720 parameters."""
+    assert mp.estimate(TINY, TINY_LAYOUT).checkpoint_host == 2 * 12 * 860
+    three = mp.estimate(TINY, dataclasses.replace(TINY_LAYOUT, learner_ranks=3))
+    assert three.checkpoint_host == 2 * 12 * 574  # ceil(1720 / 3)
+    lines = flags.plan(["--shape", "qwen3-8b", "--learner-ranks", "8", "--dtype", "bfloat16"])
+    n = mp.parameter_counts(mp.shape_config("qwen3-8b")).total
+    assert f"{2 * 12 * -(-n // 8) / mp.GIB:.1f} GiB  each rank's host memory during a checkpoint's save" in lines

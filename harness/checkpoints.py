@@ -146,9 +146,10 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: in
     refused = box[0]
     if refused:
         raise SystemExit(f"checkpoint at step {state.get('step')}: {refused}")
-    error, writing = None, tmp / shard_file(rank)
+    error, writing, mine = None, tmp / shard_file(rank), []
+    files = max(1, math.ceil(max(shard_bytes) / SHARD_FILE_BYTES))  # per rank: the same on every rank
     try:
-        write_shards(tmp, tensors)
+        mine = write_shards(tmp, tensors, files)
         writing = tmp / f"rng-{rank}.json"
         write_atomically(writing, json.dumps(rng_states()), private=True)
         read_rng(tmp, rank, world)
@@ -162,12 +163,12 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: in
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    written: list[tuple[str | None, bool]] = [(None, False)] * world
-    dist.all_gather_object(written, (error, (tmp / shard_file(rank)).is_file()))
+    written: list[tuple[str | None, list[str]]] = [(None, [])] * world
+    dist.all_gather_object(written, (error, mine))
     errors = [e for e, _ in written if e]
     rotated = [None]
     if rank == 0:
-        state["shards"] = [shard_file(r) for r, (_, has) in enumerate(written) if has]
+        state["shards"] = [name for _, names in written for name in names]
         rotated = [_finish(out, state, keep, errors)]
     dist.broadcast_object_list(rotated, src=0)  # every rank stops together, or goes on with it in place
     if rotated[0]:
@@ -322,12 +323,26 @@ def read_weights(path: Path) -> dict:
 # distributed checkpoint with its Hugging Face safetensors storage, one file per rank holding that rank's shards,
 # each tensor's offset in the full one in the file's JSON header; read back only through SafetensorsShardReader.
 
-SHARD_NAME = re.compile(r"shard-\d{5}-model-00001-of-00001\.safetensors")
+SHARD_NAME = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+SHARD_FILE_BYTES = 1 << 30  # a rank's shard goes into files of about this size: a file is serialised in memory whole
 
 
-def shard_file(rank: int) -> str:
-    """The file rank `rank` writes its shards to (the name torch's Hugging Face storage gives it)."""
-    return _gen_file_name(1, 1, rank + 1)
+def shard_file(rank: int, index: int = 1, files: int = 1) -> str:
+    """The `index`-th of the `files` files rank `rank` writes its shards to (torch's Hugging Face storage's name)."""
+    return _gen_file_name(index, files, rank + 1)
+
+
+def file_index_mapping(tensors: dict, files: int) -> dict[str, int] | None:
+    """Which of a rank's `files` files each tensor goes to (1..files), in order, by the full tensors' bytes, so the
+    same on every rank and each file about 1/files of the shard; None for one file."""
+    if files == 1:
+        return None
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}  # a DTensor's numel is the full tensor's
+    total, before, mapping = sum(sizes.values()), 0, {}
+    for key, size in sizes.items():
+        mapping[key] = min(files, 1 + before * files // max(total, 1))
+        before += size
+    return mapping
 
 
 def checkpoint_tensors(model: Any, optimizer: Any, state_dicts: tuple | None = None) -> tuple[dict, list]:
@@ -350,14 +365,19 @@ def local_shard_bytes(tensors: dict) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-def write_shards(directory: Path, tensors: dict) -> None:
-    """This rank's shards into directory/SHARD_FILE (a collective: torch's distributed checkpoint plans which rank
-    writes a replicated tensor), made 0600 and read back: a short write shows here, not at resume."""
-    dcp.save(tensors, storage_writer=HuggingFaceStorageWriter(str(directory), save_distributed=True))
-    mine = directory / shard_file(dist.get_rank() if dist.is_initialized() else 0)
-    if mine.exists():  # a rank left nothing to write (every tensor it holds written by another) writes no file
-        os.chmod(mine, 0o600)
-        shard_header(mine)
+def write_shards(directory: Path, tensors: dict, files: int = 1) -> list[str]:
+    """This rank's shards into `files` files directory/shard-RANK-model-I-of-FILES (a collective: torch's distributed
+    checkpoint plans which rank writes a replicated tensor), made 0600 and read back: a short write shows here, not
+    at resume. Returns their names (none for a rank whose every tensor another rank writes)."""
+    writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=file_index_mapping(tensors, files),
+                                      save_distributed=True)
+    dcp.save(tensors, storage_writer=writer)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = [name for name in (shard_file(rank, i, files) for i in range(1, files + 1)) if (directory / name).exists()]
+    for name in mine:
+        os.chmod(directory / name, 0o600)
+        shard_header(directory / name)
+    return mine
 
 
 def _cause(e: BaseException) -> BaseException:

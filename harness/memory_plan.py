@@ -249,7 +249,7 @@ class MemoryPlan:
             lines.append(f"  {gib(self.push_host):>7} GiB  rank 0's host memory during a weight push: the weights in "
                          f"the generator's dtype{file}")
         lines.append(f"  {gib(self.checkpoint_host):>7} GiB  each rank's host memory during a checkpoint's save: "
-                     "its shard of the float32 weights and AdamW's moments, twice (harness/checkpoints.py)")
+                     "a file of its shard of the float32 weights and AdamW's moments, twice (harness/checkpoints.py)")
         return "\n".join(lines)
 
     def problems(self) -> list[str]:
@@ -311,12 +311,18 @@ def estimate(config: Any, layout: Layout, tokens: int | None = None, micro_batch
                       checkpoint_host=checkpoint_host_bytes(counts, layout.learner_ranks))
 
 
+SHARD_FILE_BYTES = 1 << 30  # harness/checkpoints.py's (this module imports no torch): a rank's shard files' size
+
+
 def checkpoint_host_bytes(counts: ParameterCounts, learner_ranks: int) -> int:
-    """A rank's host memory while it saves its shard (harness/checkpoints.py): torch's distributed checkpoint copies
-    its shard of the float32 weights and AdamW's two moments (12 bytes a parameter) to the host, and safetensors
-    builds the file's bytes in memory before writing them: twice the shard. Gathered to rank 0 (the format before),
-    it was 12 bytes a parameter of the whole model on rank 0."""
-    return 2 * 12 * math.ceil(counts.total / learner_ranks)
+    """A rank's host memory while it saves its shard of the float32 weights and AdamW's two moments (12 bytes a
+    parameter over the ranks; harness/checkpoints.py): torch's distributed checkpoint writes it in files of
+    SHARD_FILE_BYTES, one at a time, copying a file's tensors to the host and having safetensors build the file's
+    bytes in memory before writing them: twice a file. Gathered to rank 0 (the format before), it was 12 bytes a
+    parameter of the whole model, on rank 0."""
+    shard = 12 * math.ceil(counts.total / learner_ranks)
+    files = math.ceil(shard / SHARD_FILE_BYTES)
+    return 2 * math.ceil(shard / files)
 
 
 def gathered_unit_bytes(counts: ParameterCounts, layout: Layout) -> int:

@@ -1,6 +1,7 @@
 """harness/checkpoints.py: a checkpoint and its predecessor, the fallback, planted links and pickles, a full disk,
 and older checkpoints migrated."""
 
+import copy
 import json
 import os
 import random
@@ -360,3 +361,29 @@ def test_a_checkpoint_of_the_older_format_is_migrated_into_shards(tmp_path, one_
     assert all(torch.equal(written[n], old["model"][n]) for n in written) and set(written) <= set(old["model"])
     assert train.main(["migrate-checkpoint", str(run)]) is None  # once migrated, nothing more to convert
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["converted"] == []
+
+
+def test_a_large_shard_is_split_into_files_and_reads_back_whole(tmp_path, one_rank_group, monkeypatch, capsys):
+    """A rank's shard goes into files of about SHARD_FILE_BYTES (each serialised in memory whole before it is
+    written, so the file's size bounds a save's host memory); a resume reads every piece back bit for bit."""
+    model, optimizer = saved_run(tmp_path, steps=(1,), size=64)  # weight 16 KiB, each moment as much
+    monkeypatch.setattr(checkpoints, "SHARD_FILE_BYTES", 20 << 10)
+    model(torch.ones(1, 64)).sum().backward()
+    optimizer.step()
+    checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": 2}, rank=0)
+    state = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())
+    assert state["shards"] == [f"shard-00001-model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert max((tmp_path / "checkpoint" / f).stat().st_size for f in state["shards"]) < 40 << 10
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
+    fresh = torch.nn.Linear(64, 64)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    assert checkpoints.load_checkpoint(tmp_path, fresh, fresh_optimizer, rank=0)[0]["step"] == 2
+    for name, tensor in saved[0].items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    for index, per_param in saved[1]["state"].items():
+        for key, tensor in per_param.items():
+            assert torch.equal(fresh_optimizer.state_dict()["state"][index][key], tensor), (index, key)
+    (tmp_path / "checkpoint" / state["shards"][1]).unlink()  # one file of three missing: named, the older one used
+    assert checkpoints.load_checkpoint(tmp_path, fresh, fresh_optimizer, rank=0) == (
+        {**json.loads((tmp_path / "checkpoint.old" / "trainer_state.json").read_text())}, tmp_path / "checkpoint.old")
+    assert f"{tmp_path / 'checkpoint' / state['shards'][1]} is missing" in capsys.readouterr().err

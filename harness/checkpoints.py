@@ -350,13 +350,27 @@ def checkpoint_tensors(model: Any, optimizer: Any, state_dicts: tuple | None = N
     optimizer's hyper-parameters (its param_groups, plain values, for trainer_state.json). get_state_dict without
     full_state_dict: each rank keeps its own shards, nothing is gathered. `state_dicts`: get_state_dict's result."""
     model_sd, optim_sd = state_dicts or get_state_dict(model, optimizer)
-    tensors = {f"model.{k}": v for k, v in model_sd.items()}
+    tensors = {f"model.{k}": v for k, v in untied(model_sd).items()}
     for fqn, per_param in optim_sd["state"].items():
         for name, value in per_param.items():
             if not isinstance(value, torch.Tensor):
                 raise TypeError(f"optimizer state {fqn}.{name} is not a tensor ({type(value).__name__})")
             tensors[f"optimizer.{fqn}.{name}"] = value
     return tensors, json.loads(json.dumps(optim_sd["param_groups"]))  # tuples (betas) as lists, as read back
+
+
+def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict less the second name of a tied weight (SmolLM2's lm_head.weight is its embedding's):
+    safetensors refuses two names for one memory, and loading the first fills both."""
+    seen, kept = set(), {}
+    for name, tensor in state_dict.items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        key = ((local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride())
+               if local.numel() else id(tensor))
+        if key not in seen:
+            seen.add(key)
+            kept[name] = tensor
+    return kept
 
 
 def local_shard_bytes(tensors: dict) -> int:
@@ -588,7 +602,7 @@ def read_checkpoint(out: Path, rank: int | None, purpose: str) -> tuple[dict, di
 def load_model_weights(ckpt: Path, headers: dict, model_state: dict[str, torch.Tensor]) -> None:
     """Fill a whole model's state dict (a plain module's, on one process: export) in place from a checkpoint's
     shards, reading only the model's tensors: the optimizer's are never read."""
-    load_shards(ckpt, headers, {f"model.{k}": v for k, v in model_state.items()})
+    load_shards(ckpt, headers, {f"model.{k}": v for k, v in untied(model_state).items()})
 
 
 def load_checkpoint(out: Path, model: Any, optimizer: Any, rank: int) -> tuple[dict, Path]:

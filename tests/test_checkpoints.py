@@ -387,3 +387,31 @@ def test_a_large_shard_is_split_into_files_and_reads_back_whole(tmp_path, one_ra
     assert checkpoints.load_checkpoint(tmp_path, fresh, fresh_optimizer, rank=0) == (
         {**json.loads((tmp_path / "checkpoint.old" / "trainer_state.json").read_text())}, tmp_path / "checkpoint.old")
     assert f"{tmp_path / 'checkpoint' / state['shards'][1]} is missing" in capsys.readouterr().err
+
+
+class _Tied(torch.nn.Module):
+    """An LM head tied to its embedding, as SmolLM2's: one weight under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_tied_weight_is_saved_once_and_loads_into_both_names(tmp_path, one_rank_group):
+    """safetensors refuses two names for one memory (a save of SmolLM2 failed so): the second name is left out,
+    and loading the first fills the weight both names share."""
+    model = _Tied()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model.head(model.embed(torch.tensor([1, 2]))).sum().backward()
+    optimizer.step()
+    checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": 1}, rank=0)
+    header = checkpoints.shard_header(tmp_path / "checkpoint" / SHARD)
+    assert "model.embed.weight" in header and "model.head.weight" not in header
+    fresh = _Tied()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    checkpoints.load_checkpoint(tmp_path, fresh, fresh_optimizer, rank=0)
+    assert torch.equal(fresh.embed.weight, model.embed.weight) and fresh.head.weight is fresh.embed.weight
+    moments = [o.state_dict()["state"][0]["exp_avg"] for o in (fresh_optimizer, optimizer)]
+    assert torch.equal(*moments) and moments[0].abs().max() > 0

@@ -350,6 +350,7 @@ def test_a_checkpoint_of_the_older_format_is_migrated_into_shards(tmp_path, one_
     loaded = optimizer.state_dict()
     assert loaded["param_groups"][0]["lr"] == old["optimizer"]["param_groups"][0]["lr"]  # not the 1.0 made here
     names = [n for n, _ in model.named_parameters()]
+    assert all(old["optimizer"]["state"][n]["exp_avg"].abs().max() > 0 for n in names)  # its steps trained
     for index, name in enumerate(names):
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(loaded["state"][index][key], old["optimizer"]["state"][name][key]), (name, key)

@@ -113,9 +113,10 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: in
     after a fallback to checkpoint.old, a save cut short). So a save needs room for two checkpoints at its peak,
     and one that would not fit fails before writing anything, naming the file system, the size and the free
     space. Each rank writes its own shard of the model and optimizer (torch's distributed checkpoint, in
-    safetensors: SHARD_FILE) and its RNG states (rng-RANK.json); no rank gathers the full state. Rank 0 writes
-    trainer_state.json last (`state`, rank 0's, with the world size, the shards' names and the optimizer's
-    hyper-parameters). Directories are made 0700 and files 0600: readable by their owner only."""
+    safetensors files of about SHARD_FILE_BYTES: shard_file) and its RNG states (rng-RANK.json); no rank gathers
+    the full state. Rank 0 writes trainer_state.json last (`state`, rank 0's, with the world size, the shards'
+    names and the optimizer's hyper-parameters). Directories are made 0700 and files 0600: readable by their owner
+    only."""
     tensors, param_groups = checkpoint_tensors(model, optimizer)  # this rank's shards (DTensors under FSDP2)
     tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
     world = dist.get_world_size()
@@ -682,9 +683,10 @@ def _migrate_rng(ckpt: Path) -> list[str]:
 
 
 def _migrate_weights(ckpt: Path) -> list[str]:
-    """weights.pt ({"model", "optimizer"}: full state dicts) -> SHARD_FILE(0) and trainer_state.json's shards and
-    param_groups. The shard is written in a fresh directory inside the checkpoint, then renamed in; trainer_state.json
-    is replaced last, so a crash at any point leaves a checkpoint that is either still old (run it again) or new."""
+    """weights.pt ({"model", "optimizer"}: full state dicts) -> rank 0's shard files (about SHARD_FILE_BYTES each) and
+    trainer_state.json's shards and param_groups. The files are written in a fresh directory inside the checkpoint,
+    then renamed in; trainer_state.json is replaced last, so a crash at any point leaves a checkpoint that is either
+    still old (run it again) or new."""
     state = read_trainer_state(ckpt)
     if "shards" in state or not refuse_unless_regular(ckpt / "weights.pt", reading=True):
         return []
@@ -697,22 +699,26 @@ def _migrate_weights(ckpt: Path) -> list[str]:
             and isinstance(optim_sd.get("param_groups"), list)):
         raise SystemExit(f"migrate-checkpoint: {ckpt / 'weights.pt'} holds no optimizer state; nothing was changed")
     tensors, param_groups = checkpoint_tensors(None, None, (weights["model"], optim_sd))
+    files = max(1, math.ceil(local_shard_bytes(tensors) / SHARD_FILE_BYTES))
+    names = [shard_file(0, i, files) for i in range(1, files + 1)]
     scratch = ckpt / f".migrate-{secrets.token_hex(4)}"
     scratch.mkdir(mode=0o700)
     try:
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save({k: v.contiguous() for k, v in tensors.items()},
-                     storage_writer=HuggingFaceStorageWriter(str(scratch), save_distributed=True), no_dist=True)
-        os.chmod(scratch / shard_file(0), 0o600)
-        os.replace(scratch / shard_file(0), ckpt / shard_file(0))
+            writer = HuggingFaceStorageWriter(str(scratch), fqn_to_index_mapping=file_index_mapping(tensors, files),
+                                              save_distributed=True)
+            dcp.save({k: v.contiguous() for k, v in tensors.items()}, storage_writer=writer, no_dist=True)
+        for name in names:
+            os.chmod(scratch / name, 0o600)
+            os.replace(scratch / name, ckpt / name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    write_atomically(ckpt / "trainer_state.json", json.dumps({**state, "shards": [shard_file(0)],
-                                                              "param_groups": param_groups}), private=True)
+    write_atomically(ckpt / "trainer_state.json", json.dumps({**state, "shards": names, "param_groups": param_groups}),
+                     private=True)
     read_checkpoint_files(ckpt, None)  # reads back as a resume will read it
     (ckpt / "weights.pt").unlink()
-    return [str(ckpt / shard_file(0))]
+    return [str(ckpt / name) for name in names]
 
 
 # ----------------------------------------------------------------------------------------------------------------

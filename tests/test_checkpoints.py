@@ -416,3 +416,19 @@ def test_a_tied_weight_is_saved_once_and_loads_into_both_names(tmp_path, one_ran
     assert torch.equal(fresh.embed.weight, model.embed.weight) and fresh.head.weight is fresh.embed.weight
     moments = [o.state_dict()["state"][0]["exp_avg"] for o in (fresh_optimizer, optimizer)]
     assert torch.equal(*moments) and moments[0].abs().max() > 0
+
+
+def test_a_large_older_checkpoint_is_migrated_into_files_of_the_shard_size(tmp_path, one_rank_group, monkeypatch):
+    """migrate-checkpoint writes the older weights.pt in files of about SHARD_FILE_BYTES too (one file would be
+    serialised in memory whole), and they load back as one."""
+    from transformers import AutoModelForCausalLM
+
+    run = _old_run_copy(tmp_path)
+    monkeypatch.setattr(checkpoints, "SHARD_FILE_BYTES", 500 << 10)  # the 1.35 MB of tensors in 3 files
+    written = checkpoints.migrate_checkpoint(run)["converted"]
+    assert written[:3] == [str(run / "checkpoint" / f"shard-00001-model-0000{i}-of-00003.safetensors")
+                           for i in (1, 2, 3)]
+    model = AutoModelForCausalLM.from_pretrained(OLD_RUN.parent / "mini-arith", dtype=torch.float32)
+    checkpoints.load_checkpoint(run, model, torch.optim.AdamW(model.parameters()), rank=0)
+    old = torch.load(OLD_RUN / "checkpoint" / "weights.pt", weights_only=True)
+    assert all(torch.equal(t, old["model"][n]) for n, t in model.state_dict().items())

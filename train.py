@@ -78,7 +78,8 @@ import pipeline_rl  # imports vLLM only inside the generator process, never in a
 import scaling_fit
 import tis
 from harness import base_model
-from harness.checkpoints import TrainerState, migrate_checkpoint, read_checkpoint, save_checkpoint
+from harness.checkpoints import (TrainerState, load_model_weights, migrate_checkpoint, read_checkpoint,
+                                save_checkpoint)
 from harness.cli import positionals  # a subcommand's arguments, checked like flags: one error line
 from harness.flags import LOSSES  # --loss NAME -> the module name of its loss file; make_learner imports it
 from harness.flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, flags_markdown, lm_head_gemm,
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the flags, set up (harness/runtime.py), run the loop, then fit ScaleRL's sigmoid to the evaluation rows.
     `train.py export RUN_DIR OUT_DIR` writes a run's policy as a Hugging Face model directory instead (`export`);
     `train.py evaluate [flags]` prints a model's or a run's pass@k as one JSON line (`evaluate_policy`);
-    `train.py migrate-checkpoint RUN_DIR` converts an older run's pickled RNG files (`migrate_checkpoint`);
+    `train.py migrate-checkpoint RUN_DIR` converts an older run's checkpoints (`migrate_checkpoint`);
     `train.py plan --shape NAME | --model DIR [flags]` prints the learner's memory per rank, no GPU needed (`plan`);
     `train.py --help-markdown` prints the flags as docs/flags.md holds them (`flags_markdown`)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -1037,10 +1038,12 @@ def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
         saved = read_args_json(run_dir)
     except ValueError as e:
         raise SystemExit(f"export: {e}") from None
-    state, weights, _, ckpt = read_checkpoint(run_dir, None, "export")  # before the base model: it may be built
+    state, shards, _, ckpt = read_checkpoint(run_dir, None, "export")  # before the base model: it may be built
     base = saved.get("model") or str(base_model.embedded_base_model())
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model.load_state_dict(weights["model"], strict=True)  # FSDP2's full state dict keeps the HF names
+    # the model's tensors alone, each assembled from the ranks' shards (FSDP2 keeps the HF names): the optimizer's
+    # are never read
+    load_model_weights(ckpt, shards, model.state_dict())
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
     return {"model_dir": str(out_dir), "checkpoint": str(ckpt), "step": state["step"], "base_model": base}

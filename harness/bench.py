@@ -5,6 +5,7 @@ and ends with one line holding a JSON object of the results (the LAST line print
     python -m harness.bench pipeline   # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync
     python -m harness.bench train      # train.py's learner step, packed and padded, vs a bare packed training step
     python -m harness.bench head       # the FP32 LM head: float32, bf16, split-bf16 GEMMs, the learner's head, errors
+    python -m harness.bench checkpoint # a checkpoint's save and load, sharded per rank vs gathered to rank 0
 
 A subcommand is a function ``bench_<name>(args)`` registered in ``BENCHMARKS`` with its argument setup. Experiments
 made of whole train.py runs (staleness, study, report) are harness/experiments.py's.
@@ -1440,6 +1441,128 @@ def _head_summary(results: dict, learner_logprobs: dict, device, tokens: int, vo
 
 
 # name -> (benchmark function, function adding its flags, one-line help)
+def _add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default=None, help="memory_plan shape with random weights (smollm2-135m ...); "
+                        "default: the embedded tiny model")
+    parser.add_argument("--ranks", type=_count(1), default=2, help="learner ranks (torchrun processes, gloo)")
+    parser.add_argument("--repeats", type=_count(1), default=3, help="saves and loads timed of each format")
+    parser.add_argument("--shard-file-mb", type=_count(1), default=None,
+                        help="the size of a rank's shard files (default: harness/checkpoints.SHARD_FILE_BYTES, 1 GiB)")
+
+
+def bench_checkpoint(args: argparse.Namespace) -> dict:
+    """A checkpoint of an FSDP2 learner (float32 weights and AdamW's moments) on --ranks gloo ranks: the sharded one
+    (harness/checkpoints.py: each rank its shard, through torch's distributed checkpoint) against the format before
+    it (every tensor gathered to rank 0 with full_state_dict and cpu_offload, one torch.save; a load reading it on
+    every rank). Seconds (median of --repeats) and each rank's peak host memory above its resident size before the
+    operation (VmHWM after /proc/self/clear_refs), in MB. Runs itself under torchrun."""
+    import subprocess
+    import tempfile
+
+    if "LOCAL_RANK" in os.environ:
+        return _checkpoint_rank(args)
+    with tempfile.TemporaryDirectory() as scratch:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
+               "-m", "harness.bench", "checkpoint", "--ranks", str(args.ranks), "--repeats", str(args.repeats),
+               *(["--shape", args.shape] if args.shape else []),
+               *(["--shard-file-mb", str(args.shard_file_mb)] if args.shard_file_mb else [])]
+        run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SCALERL_BENCH_DIR": scratch})
+        if run.returncode != 0:
+            raise SystemExit(f"bench checkpoint: torchrun failed:\n{run.stderr[-3000:]}")
+        result = json.loads((Path(scratch) / "result.json").read_text())  # rank 0's (the ranks' stdout interleave)
+    print(f"{result['model']}, {result['parameters']:,} parameters, {args.ranks} ranks (gloo, CPU)")
+    for fmt in ("gathered", "sharded"):
+        r = result[fmt]
+        files = f" (files of {result['shard_file_mb']} MB)" if fmt == "sharded" else ""
+        print(f"  {fmt:9} save {r['save_s']:.2f} s, load {r['load_s']:.2f} s; peak host MB per rank: save "
+              f"{r['save_peak_mb']}, load {r['load_peak_mb']}; on disk {r['disk_mb']:.1f} MB{files}")
+    return result
+
+
+def _peak_mb(fn: Callable[[], None]) -> tuple[float, float]:
+    """(seconds, this process's peak resident MB above its resident size before) of fn()."""
+    def status(key: str) -> int:
+        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key))
+        return int(line.split()[1]) * 1024
+
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # the heap a previous operation freed, returned: not counted as resident
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the resident size now
+    before, start = status("VmRSS:"), time.perf_counter()
+    fn()
+    return time.perf_counter() - start, (status("VmHWM:") - before) / 1e6
+
+
+def _checkpoint_rank(args: argparse.Namespace) -> dict:
+    """One torchrun rank of bench_checkpoint."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from harness import checkpoints
+
+    dist.init_process_group("gloo")
+    rank, scratch = dist.get_rank(), Path(os.environ["SCALERL_BENCH_DIR"])
+    if args.shard_file_mb:
+        checkpoints.SHARD_FILE_BYTES = args.shard_file_mb << 20
+    if args.shape:
+        if rank == 0:
+            write_random_model(args.shape, scratch / "model", "cpu")
+        dist.barrier()
+        model_dir = str(scratch / "model")
+    else:
+        model_dir = _bench_model_dir(argparse.Namespace(model=None, shape=None), scratch, "cpu")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    model(input_ids=torch.arange(16)[None] % model.config.vocab_size).logits.float().mean().backward()
+    optimizer.step()
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    old = scratch / "old"
+
+    def save_gathered() -> None:  # the format before: everything gathered to rank 0, one torch.save
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=full)
+        if rank == 0:
+            old.mkdir(exist_ok=True)
+            torch.save({"model": model_sd, "optimizer": optim_sd}, old / "weights.pt")
+        dist.barrier()
+
+    def load_gathered() -> None:  # every rank read weights.pt (memory-mapped) and set its shards from it
+        weights = torch.load(old / "weights.pt", map_location="cpu", weights_only=True, mmap=True)
+        set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optimizer"],
+                       options=full)
+
+    new = scratch / "new"
+    new.mkdir(exist_ok=True)
+    ops = {"gathered": (save_gathered, load_gathered, lambda: old),
+           "sharded": (lambda: checkpoints.save_checkpoint(new, model, optimizer, {"step": 1}, rank),
+                       lambda: checkpoints.load_checkpoint(new, model, optimizer, rank), lambda: new / "checkpoint")}
+    result: dict[str, Any] = {"model": args.shape or "tiny (embedded)", "ranks": dist.get_world_size(),
+                              "shard_file_mb": checkpoints.SHARD_FILE_BYTES >> 20,
+                              "parameters": sum(p.numel() for p in model.parameters())}
+    for fmt, (save, load, where) in ops.items():
+        saves = [_peak_mb(save) for _ in range(args.repeats)]
+        loads = [_peak_mb(load) for _ in range(args.repeats)]
+        peaks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(peaks, (max(p for _, p in saves), max(p for _, p in loads)))
+        result[fmt] = {"save_s": statistics.median(s for s, _ in saves),
+                       "load_s": statistics.median(s for s, _ in loads),
+                       "save_peak_mb": [round(p[0]) for p in peaks], "load_peak_mb": [round(p[1]) for p in peaks],
+                       "disk_mb": sum(f.stat().st_size for f in where().iterdir() if f.is_file()) / 1e6}
+    if rank == 0:
+        (scratch / "result.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
 BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argparse.ArgumentParser], None], str]] = {
     "fit": (bench_fit, _add_fit_args, "full-grid sigmoid fit on 75 points vs exhaustive per-grid-point curve_fit"),
     "pipeline": (bench_pipeline, _add_pipeline_args,
@@ -1450,6 +1573,9 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
     "head": (bench_head, _add_head_args,
              "the FP32 LM head: float32, bf16 and split-bf16 GEMMs, the learner's head against its GEMMs' limit, "
              "logprob errors against float64 (qwen3-1.7b's head on a GPU, a small one on a CPU)"),
+    "checkpoint": (bench_checkpoint, _add_checkpoint_args,
+                   "a checkpoint's save and load: seconds and each rank's peak host memory, sharded (each rank its "
+                   "shard) vs gathered to rank 0 (the format before)"),
 }
 
 

@@ -1,10 +1,12 @@
 """harness/checkpoints.py: a run's checkpoint files. A runtime module: a reader of the recipe may skip it.
 
-A checkpoint is OUTPUT_DIR/checkpoint/ (the previous one kept as checkpoint.old/): the model and optimizer
-(weights.pt), every rank's RNG states (rng-RANK.json) and the trainer state (trainer_state.json, `TrainerState`:
-everything the loop carries from one step to the next). This file holds how they are saved (`save_checkpoint`,
-which refuses to start a save the disk cannot hold), read back and agreed on by every rank (`agree_on_checkpoint`,
-`load_checkpoint`, `read_checkpoint`), converted from an older run's pickled RNG files (`migrate_checkpoint`),
+A checkpoint is OUTPUT_DIR/checkpoint/ (the previous one kept as checkpoint.old/): the model and optimizer, one
+safetensors shard file per learner rank written by torch's distributed checkpoint (shard-0000N-model-...), every
+rank's RNG states (rng-RANK.json) and the trainer state (trainer_state.json, `TrainerState`: everything the loop
+carries from one step to the next, with the shards' names and the optimizer's hyper-parameters). This file holds
+how they are saved (`save_checkpoint`, which refuses to start a save the disk cannot hold), read back and agreed on
+by every rank (`agree_on_checkpoint`, `load_checkpoint`, `read_checkpoint`; any number of ranks resumes from any
+number's shards), converted from an older run's files (`migrate_checkpoint`),
 `write_atomically`, the one way the run's small files are written, and `open_no_follow`, the one way a file in a run
 directory is opened: never through a symbolic link (people share run directories; docs/runtime.md).
 """
@@ -15,6 +17,7 @@ import contextlib
 import dataclasses
 import errno
 import json
+import math
 import os
 import pickle
 import random
@@ -23,6 +26,7 @@ import secrets
 import shutil
 import stat
 import sys
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +35,15 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import _getdtype
+from torch.distributed.checkpoint._hf_utils import (CUSTOM_METADATA_KEY, SAVED_OFFSETS_KEY, _gen_file_name,
+                                                    _HFStorageInfo)
+from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader, HuggingFaceStorageWriter
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -79,8 +91,9 @@ class TrainerState:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Checkpoint files: model, optimizer, every rank's RNG, the trainer state. Nothing in a run directory is
-# unpickled: the weights load with torch's weights_only loader (tensors and plain values, nothing else), the RNG
-# states and the trainer state are JSON. People share run directories; a crafted file must not run code.
+# unpickled: the shards are safetensors (a JSON header, then raw tensor bytes), the RNG states and the trainer
+# state are JSON; an older run's weights.pt is read, once, by migrate-checkpoint with torch's weights_only loader.
+# People share run directories; a crafted file must not run code.
 # ----------------------------------------------------------------------------------------------------------------
 
 CHECKPOINT_DIRS = ("checkpoint", "checkpoint.old")  # newest first; checkpoint.tmp/ is a save in progress
@@ -99,19 +112,23 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: in
     goes first, to make room, is every other checkpoint directory (an older checkpoint.old, a corrupt checkpoint
     after a fallback to checkpoint.old, a save cut short). So a save needs room for two checkpoints at its peak,
     and one that would not fit fails before writing anything, naming the file system, the size and the free
-    space. Each rank writes its RNG states (rng-RANK.json); rank 0 the weights and trainer_state.json (`state`,
-    rank 0's, with the world size). Directories are made 0700 and files 0600: readable by their owner only."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
-                                                                                   cpu_offload=True))
+    space. Each rank writes its own shard of the model and optimizer (torch's distributed checkpoint, in
+    safetensors files of about SHARD_FILE_BYTES: shard_file) and its RNG states (rng-RANK.json); no rank gathers
+    the full state. Rank 0 writes trainer_state.json last (`state`, rank 0's, with the world size, the shards'
+    names and the optimizer's hyper-parameters). Directories are made 0700 and files 0600: readable by their owner
+    only."""
+    tensors, param_groups = checkpoint_tensors(model, optimizer)  # this rank's shards (DTensors under FSDP2)
     tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
     world = dist.get_world_size()
     keep, report, _ = agree_on_checkpoint(out, rank, load=False)  # stays until the new one is in place
     if report and rank == 0:
         print(f"[checkpoint] {report}; the others are removed to make room", file=sys.stderr)
-    weights, state = {"model": model_sd, "optimizer": optim_sd}, {**state, "world_size": world}
+    state = {**state, "world_size": world, "param_groups": param_groups}
+    shard_bytes: list[int] = [0] * world
+    dist.all_gather_object(shard_bytes, local_shard_bytes(tensors))
     need, refused = 0, None
     if rank == 0:
-        need = checkpoint_bytes(weights, state, world)
+        need = checkpoint_bytes(shard_bytes, state, world, len(tensors))
         planted = _planted(tmp, final, old)  # checked first: nothing below may remove or measure through a link
         doomed = [] if planted else [d for d in (tmp, final, old) if d.exists() and d != keep]
         reclaimed = sum(_tree_bytes(d) for d in doomed)
@@ -130,47 +147,56 @@ def save_checkpoint(out: Path, model: Any, optimizer: Any, state: dict, rank: in
     refused = box[0]
     if refused:
         raise SystemExit(f"checkpoint at step {state.get('step')}: {refused}")
-    error, writing = None, tmp
+    error, writing, mine = None, tmp / shard_file(rank), []
+    files = max(1, math.ceil(max(shard_bytes) / SHARD_FILE_BYTES))  # per rank: the same on every rank
     try:
-        if rank == 0:
-            writing = tmp / "weights.pt"
-            with os.fdopen(open_no_follow(writing, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
-                torch.save(weights, f)
-            os.chmod(writing, 0o600)
-            writing = tmp / "trainer_state.json"
-            write_atomically(writing, json.dumps(state), private=True)
-            read_weights(tmp / "weights.pt", expect=weights)  # read back: a short write shows here, not at resume
-            read_trainer_state(tmp)
+        mine = write_shards(tmp, tensors, files)
         writing = tmp / f"rng-{rank}.json"
         write_atomically(writing, json.dumps(rng_states()), private=True)
         read_rng(tmp, rank, world)
-    except Exception as e:  # an ENOSPC the estimate missed, an I/O error: torch's own message names neither
-        error = f"could not write {writing} on rank {rank} ({_first_line(e)})"
+    except (Exception, dcp.api.CheckpointException) as e:  # an ENOSPC the estimate missed, an I/O error
+        failures = getattr(e, "failures", {rank: (e, None)})  # torch's collective error: each failed rank's own
+        error = f"could not write {writing} on rank {rank} ({_first_line(failures[rank][0])})" \
+            if rank in failures else None
         if rank == 0 and shutil.disk_usage(out).free < need:
-            error += f": {no_space_message(out, need, shutil.disk_usage(out).free, 0)}"
+            error = f"{error or 'the save failed'}: {no_space_message(out, need, shutil.disk_usage(out).free, 0)}"
     except BaseException:  # a second Ctrl-C: stop at once, leaving no partial directory behind
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    errors: list[str | None] = [None] * world
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(f"checkpoint at step {state.get('step')} failed: {'; '.join(e for e in errors if e)}; "
-                         f"{_kept(keep)}")
+    written: list[tuple[str | None, list[str]]] = [(None, [])] * world
+    dist.all_gather_object(written, (error, mine))
+    errors = [e for e, _ in written if e]
     rotated = [None]
     if rank == 0:
-        try:  # a link planted at checkpoint.old since the check above makes a rename fail: one line, not a traceback
-            if final.exists():  # the kept one (anything else there went before writing)
-                final.rename(old)
-            tmp.rename(final)
-        except OSError as e:
-            rotated = [f"checkpoint at step {state.get('step')}: could not rotate {tmp} in ({e}); it is complete, "
-                       f"and {_kept(keep)}"]
+        state["shards"] = [name for _, names in written for name in names]
+        rotated = [_finish(out, state, keep, errors)]
     dist.broadcast_object_list(rotated, src=0)  # every rank stops together, or goes on with it in place
     if rotated[0]:
         raise SystemExit(rotated[0])
+
+
+def _finish(out: Path, state: dict, keep: Path | None, errors: list[str]) -> str | None:
+    """Rank 0, once every rank wrote its files: trainer_state.json, written last and read back, then the rotation
+    (checkpoint -> checkpoint.old, checkpoint.tmp -> checkpoint). Returns why the save failed, or None."""
+    tmp, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
+    if not errors:
+        try:
+            write_atomically(tmp / "trainer_state.json", json.dumps(state), private=True)
+            read_checkpoint_files(tmp, None)  # read back: a short write shows here, not at resume
+        except (OSError, CheckpointError) as e:
+            errors = [f"could not write {tmp / 'trainer_state.json'} on rank 0 ({_first_line(e)})"]
+    if errors:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return f"checkpoint at step {state.get('step')} failed: {'; '.join(errors)}; {_kept(keep)}"
+    try:  # a link planted at checkpoint.old since the check above makes a rename fail: one line, not a traceback
+        if final.exists():  # the kept one (anything else there went before writing)
+            final.rename(old)
+        tmp.rename(final)
+    except OSError as e:
+        return (f"checkpoint at step {state.get('step')}: could not rotate {tmp} in ({e}); it is complete, and "
+                f"{_kept(keep)}")
+    return None
 
 
 def _planted(*directories: Path) -> str | None:
@@ -188,24 +214,13 @@ def _kept(keep: Path | None) -> str:
     return f"the previous checkpoint {keep} is intact" if keep else "there was no earlier checkpoint to keep"
 
 
-def checkpoint_bytes(weights: dict, state: dict, world: int) -> int:
-    """What a checkpoint will take on disk, from its tensors' sizes: their bytes, torch.save's archive record and
-    pickled name per tensor (about 500 bytes measured; 1 KiB counted), the JSON files, and 64 KiB to spare."""
-    tensors: list[torch.Tensor] = []
-
-    def collect(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-        elif isinstance(value, dict):
-            for item in value.values():
-                collect(item)
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                collect(item)
-
-    collect(weights)
-    tensor_bytes = sum(t.numel() * t.element_size() + 1024 for t in tensors)
-    return tensor_bytes + len(json.dumps(state)) + world * RNG_FILE_BYTES + (64 << 10)
+def checkpoint_bytes(shard_bytes: list[int], state: dict, world: int, tensors: int) -> int:
+    """What a checkpoint will take on disk: every rank's shard bytes (`shard_bytes`), each rank's safetensors headers
+    (an entry per tensor, its name and offsets once more in torch's sharding info: 137 bytes measured for a Linear
+    layer's short names, a decoder's run longer; 512 counted, for each of the `tensors` on each rank), the JSON
+    files, and 64 KiB to spare."""
+    headers = world * tensors * 512
+    return sum(shard_bytes) + headers + len(json.dumps(state)) + world * RNG_FILE_BYTES + (64 << 10)
 
 
 RNG_FILE_BYTES = 32 << 10  # rng-RANK.json: Python's 625 and numpy's 624 integers, torch's 5056 bytes in hex
@@ -283,10 +298,9 @@ def read_trainer_state(ckpt: Path) -> dict:
     return state
 
 
-def read_weights(path: Path, expect: dict | None = None) -> dict:
-    """weights.pt ({"model", "optimizer"}) through torch's weights_only loader, memory-mapped (its tensors are
-    read when used, so checking a checkpoint costs little). `expect`: what was just saved, to compare names and
-    shapes with."""
+def read_weights(path: Path) -> dict:
+    """An older train.py's weights.pt ({"model", "optimizer"}, full state dicts), for migrate-checkpoint, through
+    torch's weights_only loader, memory-mapped."""
     try:
         with opened_no_follow(path) as opened:
             if not zipfile.is_zipfile(opened):  # torch.save's archive: a file cut short loses its directory at its end
@@ -304,10 +318,181 @@ def read_weights(path: Path, expect: dict | None = None) -> dict:
     if not (isinstance(weights, dict) and isinstance(weights.get("model"), dict) and "optimizer" in weights
             and all(isinstance(t, torch.Tensor) for t in weights["model"].values())):
         raise CheckpointError(f"{path} holds no model and optimizer state")
-    if expect is not None and {k: t.shape for k, t in weights["model"].items()} != \
-            {k: t.shape for k, t in expect["model"].items()}:
-        raise CheckpointError(f"{path} does not read back as written")
     return weights
+
+
+# The tensors of a checkpoint: the model's under "model.FQN", each parameter's optimizer state under
+# "optimizer.FQN.NAME" (AdamW: step, exp_avg, exp_avg_sq), the names FSDP2 and a plain module share. Saved by torch's
+# distributed checkpoint with its Hugging Face safetensors storage, one file per rank holding that rank's shards,
+# each tensor's offset in the full one in the file's JSON header; read back only through SafetensorsShardReader.
+
+SHARD_NAME = re.compile(r"shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors")
+SHARD_FILE_BYTES = 1 << 30  # a rank's shard goes into files of about this size: a file is serialised in memory whole
+
+
+def shard_file(rank: int, index: int = 1, files: int = 1) -> str:
+    """The `index`-th of the `files` files rank `rank` writes its shards to (torch's Hugging Face storage's name)."""
+    return _gen_file_name(index, files, rank + 1)
+
+
+def file_index_mapping(tensors: dict, files: int) -> dict[str, int] | None:
+    """Which of a rank's `files` files each tensor goes to (1..files), in order, by the full tensors' bytes, so the
+    same on every rank and each file about 1/files of the shard; None for one file."""
+    if files == 1:
+        return None
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}  # a DTensor's numel is the full tensor's
+    total, before, mapping = sum(sizes.values()), 0, {}
+    for key, size in sizes.items():
+        mapping[key] = min(files, 1 + before * files // max(total, 1))
+        before += size
+    return mapping
+
+
+def checkpoint_tensors(model: Any, optimizer: Any, state_dicts: tuple | None = None) -> tuple[dict, list]:
+    """This rank's checkpoint tensors ({"model.FQN" | "optimizer.FQN.NAME": tensor or DTensor shard}) and the
+    optimizer's hyper-parameters (its param_groups, plain values, for trainer_state.json). get_state_dict without
+    full_state_dict: each rank keeps its own shards, nothing is gathered. `state_dicts`: get_state_dict's result."""
+    model_sd, optim_sd = state_dicts or get_state_dict(model, optimizer)
+    tensors = {f"model.{k}": v for k, v in untied(model_sd).items()}
+    for fqn, per_param in optim_sd["state"].items():
+        for name, value in per_param.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"optimizer state {fqn}.{name} is not a tensor ({type(value).__name__})")
+            tensors[f"optimizer.{fqn}.{name}"] = value
+    return tensors, json.loads(json.dumps(optim_sd["param_groups"]))  # tuples (betas) as lists, as read back
+
+
+def untied(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict less the second name of a tied weight (SmolLM2's lm_head.weight is its embedding's):
+    safetensors refuses two names for one memory, and loading the first fills both."""
+    seen, kept = set(), {}
+    for name, tensor in state_dict.items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        key = ((local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride())
+               if local.numel() else id(tensor))
+        if key not in seen:
+            seen.add(key)
+            kept[name] = tensor
+    return kept
+
+
+def local_shard_bytes(tensors: dict) -> int:
+    """The bytes of this rank's shards (a replicated tensor, such as AdamW's step, counted on every rank)."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors.values()]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def write_shards(directory: Path, tensors: dict, files: int = 1) -> list[str]:
+    """This rank's shards into `files` files directory/shard-RANK-model-I-of-FILES (a collective: torch's distributed
+    checkpoint plans which rank writes a replicated tensor), made 0600 and read back: a short write shows here, not
+    at resume. Returns their names (none for a rank whose every tensor another rank writes)."""
+    writer = HuggingFaceStorageWriter(str(directory), fqn_to_index_mapping=file_index_mapping(tensors, files),
+                                      save_distributed=True)
+    dcp.save(tensors, storage_writer=writer)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = [name for name in (shard_file(rank, i, files) for i in range(1, files + 1)) if (directory / name).exists()]
+    for name in mine:
+        os.chmod(directory / name, 0o600)
+        shard_header(directory / name)
+    return mine
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The first rank's own error inside torch's CheckpointException (whose message is every rank's traceback)."""
+    failures = getattr(e, "failures", None)
+    return next(iter(failures.values()))[0] if failures else e
+
+
+def shard_header(path: Path) -> dict[str, tuple[list[int], list[int], str]]:
+    """A shard file's tensors, {name: (offsets in the full tensor, shape, dtype)}, from its JSON header alone,
+    never through a link; safetensors checks that the header and the data's length agree. CheckpointError names
+    the file that is missing, cut short or garbled."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with opened_no_follow(path) as opened, safe_open(opened, framework="pt") as f:
+            offsets = json.loads((f.metadata() or {}).get(CUSTOM_METADATA_KEY, "{}"))
+            return {k: (list(offsets[k][SAVED_OFFSETS_KEY]) if k in offsets else [0] * len(f.get_slice(k).get_shape()),
+                        list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except LinkRefusedError as e:
+        raise CheckpointError(str(e)) from None
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+    except (SafetensorError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is cut short or garbled (not a safetensors shard: {_first_line(e)})") from None
+    except OSError as e:
+        raise CheckpointError(f"{path} is unreadable ({_first_line(e)})") from None
+
+
+def read_shards(ckpt: Path, state: dict) -> dict[str, dict]:
+    """Every shard file trainer_state.json lists, {file: its header}, checked whole: each tensor's pieces cover it
+    once, so a missing or foreign shard is named before anything is loaded. A checkpoint of an older train.py
+    (one weights.pt of full tensors) is refused with the command that converts it."""
+    shards = state.get("shards")
+    if shards is None:
+        if (ckpt / "weights.pt").exists():
+            raise CheckpointError(f"{ckpt} was written by an older train.py (one weights.pt, gathered on rank 0): "
+                                  "convert it once into one shard per rank with `python train.py migrate-checkpoint "
+                                  f"{ckpt.parent}`")
+        raise CheckpointError(f"{ckpt / 'trainer_state.json'} lists no shards")
+    if not (isinstance(shards, list) and shards and all(isinstance(s, str) and SHARD_NAME.fullmatch(s)
+                                                          for s in shards)):
+        raise CheckpointError(f"{ckpt / 'trainer_state.json'} lists shards that are not shard files: {shards!r:.200}")
+    headers = {name: shard_header(ckpt / name) for name in shards}
+    covered: dict[str, list] = {}
+    for name, header in headers.items():
+        for key, (offsets, shape, _) in header.items():
+            full = covered.setdefault(key, [[0] * len(shape), 0])
+            full[0] = [max(a, o + s) for a, o, s in zip(full[0], offsets, shape)]
+            full[1] += math.prod(shape)
+    for key, (size, volume) in covered.items():
+        if volume != math.prod(size):
+            raise CheckpointError(f"{ckpt}: the shards of {key} do not make it whole (a shard of another checkpoint?)")
+    return headers
+
+
+class SafetensorsShardReader(HuggingFaceStorageReader):
+    """torch's Hugging Face safetensors reader over the shard files a checkpoint lists, and only those: each opened
+    once without following a link and read through /proc/self/fd/N. Its metadata comes from the files' JSON headers:
+    nothing is unpickled (torch's default FileSystemReader would pickle.load a .metadata file). close() when done."""
+
+    def __init__(self, ckpt: Path, headers: dict[str, dict]) -> None:
+        super().__init__(str(ckpt))
+        self.headers, self.fds = headers, {name: open_no_follow(ckpt / name, os.O_RDONLY) for name in headers}
+
+    def read_metadata(self) -> Metadata:
+        state_dict_metadata: dict[str, TensorStorageMetadata] = {}
+        storage_data: dict[MetadataIndex, _HFStorageInfo] = {}
+        for name, header in self.headers.items():
+            for key, (offsets, shape, dtype) in header.items():
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(shape))
+                md = state_dict_metadata.setdefault(key, TensorStorageMetadata(
+                    properties=TensorProperties(dtype=_getdtype(dtype)), size=torch.Size(shape), chunks=[]))
+                md.chunks.append(chunk)
+                md.size = torch.Size([max(a, o + s) for a, o, s in zip(md.size, offsets, shape)])
+                storage_data[MetadataIndex(fqn=key, offset=offsets)] = _HFStorageInfo(
+                    relative_path=f"/proc/self/fd/{self.fds[name]}", shape=torch.Size(shape), dtype=_getdtype(dtype))
+        metadata = Metadata(state_dict_metadata=state_dict_metadata, storage_data=storage_data)
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return metadata
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds = {}
+
+
+def load_shards(ckpt: Path, headers: dict[str, dict], tensors: dict) -> None:
+    """Fill `tensors` (checkpoint names; DTensors are filled shard by shard) in place from the checkpoint's shards,
+    whatever number of ranks wrote them: torch's distributed checkpoint reads each piece where it lies. A
+    collective when a process group is up. A failure is a SystemExit naming the checkpoint."""
+    reader = SafetensorsShardReader(ckpt, headers)
+    try:
+        dcp.load(tensors, storage_reader=reader)
+    except (Exception, dcp.api.CheckpointException) as e:
+        raise SystemExit(f"could not load {ckpt} ({_first_line(_cause(e))})") from None
+    finally:
+        reader.close()
 
 
 def rng_states() -> dict[str, Any]:
@@ -351,18 +536,19 @@ def read_rng(ckpt: Path, rank: int, world: int | None) -> dict[str, Any] | None:
 
 
 def read_checkpoint_files(ckpt: Path, rank: int | None) -> tuple[dict, dict, dict | None]:
-    """The files of checkpoint directory `ckpt` that rank `rank` loads: (trainer state, weights, its RNG states);
-    rank None (export) skips the RNG. CheckpointError names the first file that does not read; a symbolic link (the
-    directory or a file in it) is never read through."""
+    """The files of checkpoint directory `ckpt` that rank `rank` loads: (trainer state, every shard's header, its
+    RNG states); rank None (export) skips the RNG. Every shard is checked, not only this rank's: a resume on
+    another number of ranks reads pieces of each. CheckpointError names the first file that does not read; a
+    symbolic link (the directory or a file in it) is never read through."""
     try:
         refuse_unless_regular(ckpt, directory=True, reading=True)
-        for name in ("trainer_state.json", "weights.pt", *([] if rank is None else [f"rng-{rank}.json"])):
+        for name in ("trainer_state.json", *([] if rank is None else [f"rng-{rank}.json"])):
             refuse_unless_regular(ckpt / name, reading=True)
     except LinkRefusedError as e:
         raise CheckpointError(str(e)) from None
     state = read_trainer_state(ckpt)
-    weights = read_weights(ckpt / "weights.pt")
-    return state, weights, None if rank is None else read_rng(ckpt, rank, state.get("world_size"))
+    headers = read_shards(ckpt, state)
+    return state, headers, None if rank is None else read_rng(ckpt, rank, state.get("world_size"))
 
 
 def agree_on_checkpoint(out: Path, rank: int, load: bool = True) -> tuple[Path | None, str, tuple | None]:
@@ -403,9 +589,9 @@ def agree_on_checkpoint(out: Path, rank: int, load: bool = True) -> tuple[Path |
 
 def read_checkpoint(out: Path, rank: int | None, purpose: str) -> tuple[dict, dict, dict | None, Path]:
     """The newest complete checkpoint of run directory `out` that this process reads, alone (export: no other rank
-    to agree with): (its trainer state, its weights {"model", "optimizer"}, rank `rank`'s RNG states or None, its
-    directory). A corrupt one is named and the older one read instead; none readable is a SystemExit naming each.
-    `purpose` labels the messages ("export")."""
+    to agree with): (its trainer state, its shards' headers, rank `rank`'s RNG states or None, its directory). A
+    corrupt one is named and the older one read instead; none readable is a SystemExit naming each. `purpose`
+    labels the messages ("export")."""
     failures = []
     for ckpt in complete_checkpoints(out):
         try:
@@ -416,18 +602,28 @@ def read_checkpoint(out: Path, rank: int | None, purpose: str) -> tuple[dict, di
     raise SystemExit(f"{purpose} {out}: no checkpoint could be read: " + ("; ".join(failures) or "none is complete"))
 
 
+def load_model_weights(ckpt: Path, headers: dict, model_state: dict[str, torch.Tensor]) -> None:
+    """Fill a whole model's state dict (a plain module's, on one process: export) in place from a checkpoint's
+    shards, reading only the model's tensors: the optimizer's are never read."""
+    load_shards(ckpt, headers, {f"model.{k}": v for k, v in untied(model_state).items()})
+
+
 def load_checkpoint(out: Path, model: Any, optimizer: Any, rank: int) -> tuple[dict, Path]:
     """Restore the newest checkpoint that every rank can read (agree_on_checkpoint); rank 0 prints the report of
-    any unreadable file. Returns (its trainer_state.json, its directory). A collective."""
+    any unreadable file. Each rank reads the pieces of its own shards from whichever files hold them, so a run
+    resumes on another number of ranks. Returns (its trainer_state.json, its directory). A collective."""
     chosen, report, loaded = agree_on_checkpoint(out, rank)
     if report and rank == 0:
         print(f"[resume] {report}", file=sys.stderr)
     if chosen is None:
         raise SystemExit(f"resume {out}: no checkpoint could be read by every rank" + (f": {report}" if report else
                                                                                        ": none is complete"))
-    state, weights, rng = loaded
-    set_state_dict(model, optimizer, model_state_dict=weights["model"], optim_state_dict=weights["optimizer"],
-                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state, headers, rng = loaded
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # this rank's shards; the optimizer's state made if new
+    tensors, _ = checkpoint_tensors(model, optimizer, (model_sd, optim_sd))
+    load_shards(chosen, headers, tensors)
+    optim_sd["param_groups"] = state["param_groups"]
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     if rng is not None:  # None: a rank the saving run did not have keeps its fresh seeding
         random.setstate(rng["python"])
         np.random.set_state(rng["numpy"])
@@ -446,35 +642,83 @@ def _refusal_reason(e: BaseException) -> str:
 
 
 def migrate_checkpoint(run_dir: Path) -> dict[str, Any]:
-    """`train.py migrate-checkpoint RUN_DIR`: convert, once, the RNG files of a run's checkpoints written by an older
-    train.py (rng-RANK.pt, pickles) into rng-RANK.json, deleting the pickles. They are read with torch's weights_only
-    loader, allowed numpy's array and dtype besides tensors and plain values: a file that holds any other object is
-    refused, never run. The weights (weights.pt) need no conversion. Returns the files written."""
-    print(f"[migrate-checkpoint] reading the pickled RNG files of {run_dir} with torch.load(weights_only=True) "
+    """`train.py migrate-checkpoint RUN_DIR`: convert, once, the checkpoints of a run written by an older train.py
+    into this one's format: pickled RNG files (rng-RANK.pt) into rng-RANK.json, and one weights.pt of full tensors
+    (gathered on rank 0) into a shard file (as one rank would write it; any number of ranks resumes from it), its
+    optimizer hyper-parameters into trainer_state.json. Both are read with torch's weights_only loader (numpy's
+    array and dtype allowed in the RNG files): a file that holds any other object is refused, never run. The old
+    files are deleted once the new ones read back. Returns the files written."""
+    print(f"[migrate-checkpoint] reading the pickled files of {run_dir} with torch.load(weights_only=True) "
           "(numpy arrays allowed); a file holding any other object is refused", file=sys.stderr)
+    written = []
+    for ckpt in complete_checkpoints(run_dir):
+        written += _migrate_rng(ckpt)
+        written += _migrate_weights(ckpt)
+    return {"run_dir": str(run_dir), "converted": written}
+
+
+def _migrate_rng(ckpt: Path) -> list[str]:
     core = getattr(np, "_core", None) or np.core
     allowed = [core.multiarray._reconstruct, (core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
                np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     written = []
-    for ckpt in complete_checkpoints(run_dir):
-        for pickled in sorted(ckpt.glob("rng-*.pt")):
-            target = pickled.with_suffix(".json")
-            try:
-                with torch.serialization.safe_globals(allowed), opened_no_follow(pickled) as opened:
-                    saved = torch.load(opened, map_location="cpu", weights_only=True)
-                version, internal, gauss = saved["python"]
-                name, keys, pos, has_gauss, cached = saved["numpy"]
-                states = {"python": [version, list(internal), gauss],
-                          "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
-                          "torch": saved["torch"].numpy().tobytes().hex()}
-            except Exception as e:
-                raise SystemExit(f"migrate-checkpoint: {pickled} is refused ({_refusal_reason(e)}): it is not an "
-                                 "RNG file of train.py; nothing in it was run, and nothing was changed") from None
-            write_atomically(target, json.dumps(states), private=True)
-            read_rng(ckpt, int(pickled.stem.split("-")[1]), None)  # reads back as a resume will read it
-            pickled.unlink()
-            written.append(str(target))
-    return {"run_dir": str(run_dir), "converted": written}
+    for pickled in sorted(ckpt.glob("rng-*.pt")):
+        target = pickled.with_suffix(".json")
+        try:
+            with torch.serialization.safe_globals(allowed), opened_no_follow(pickled) as opened:
+                saved = torch.load(opened, map_location="cpu", weights_only=True)
+            version, internal, gauss = saved["python"]
+            name, keys, pos, has_gauss, cached = saved["numpy"]
+            states = {"python": [version, list(internal), gauss],
+                      "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
+                      "torch": saved["torch"].numpy().tobytes().hex()}
+        except Exception as e:
+            raise SystemExit(f"migrate-checkpoint: {pickled} is refused ({_refusal_reason(e)}): it is not an "
+                             "RNG file of train.py; nothing in it was run, and nothing was changed") from None
+        write_atomically(target, json.dumps(states), private=True)
+        read_rng(ckpt, int(pickled.stem.split("-")[1]), None)  # reads back as a resume will read it
+        pickled.unlink()
+        written.append(str(target))
+    return written
+
+
+def _migrate_weights(ckpt: Path) -> list[str]:
+    """weights.pt ({"model", "optimizer"}: full state dicts) -> rank 0's shard files (about SHARD_FILE_BYTES each) and
+    trainer_state.json's shards and param_groups. The files are written in a fresh directory inside the checkpoint,
+    then renamed in; trainer_state.json is replaced last, so a crash at any point leaves a checkpoint that is either
+    still old (run it again) or new."""
+    state = read_trainer_state(ckpt)
+    if "shards" in state or not refuse_unless_regular(ckpt / "weights.pt", reading=True):
+        return []
+    try:
+        weights = read_weights(ckpt / "weights.pt")
+    except CheckpointError as e:
+        raise SystemExit(f"migrate-checkpoint: {e}; nothing was changed") from None
+    optim_sd = weights["optimizer"]
+    if not (isinstance(optim_sd, dict) and isinstance(optim_sd.get("state"), dict)
+            and isinstance(optim_sd.get("param_groups"), list)):
+        raise SystemExit(f"migrate-checkpoint: {ckpt / 'weights.pt'} holds no optimizer state; nothing was changed")
+    tensors, param_groups = checkpoint_tensors(None, None, (weights["model"], optim_sd))
+    files = max(1, math.ceil(local_shard_bytes(tensors) / SHARD_FILE_BYTES))
+    names = [shard_file(0, i, files) for i in range(1, files + 1)]
+    scratch = ckpt / f".migrate-{secrets.token_hex(4)}"
+    scratch.mkdir(mode=0o700)
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            writer = HuggingFaceStorageWriter(str(scratch), fqn_to_index_mapping=file_index_mapping(tensors, files),
+                                              save_distributed=True)
+            dcp.save({k: v.contiguous() for k, v in tensors.items()}, storage_writer=writer, no_dist=True)
+        for name in names:
+            os.chmod(scratch / name, 0o600)
+            os.replace(scratch / name, ckpt / name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    write_atomically(ckpt / "trainer_state.json", json.dumps({**state, "shards": names, "param_groups": param_groups}),
+                     private=True)
+    read_checkpoint_files(ckpt, None)  # reads back as a resume will read it
+    (ckpt / "weights.pt").unlink()
+    return [str(ckpt / name) for name in names]
 
 
 # ----------------------------------------------------------------------------------------------------------------

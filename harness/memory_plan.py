@@ -211,6 +211,7 @@ class MemoryPlan:
     host: dict[str, int]
     margin: int
     push_host: int = 0  # rank 0's host memory during a weight push (not on the GPU, not in `total`)
+    checkpoint_host: int = 0  # each rank's host memory during a checkpoint's save (not on the GPU, not in `total`)
 
     @property
     def gpu_memory(self) -> int:
@@ -247,6 +248,8 @@ class MemoryPlan:
         if self.push_host:
             lines.append(f"  {gib(self.push_host):>7} GiB  rank 0's host memory during a weight push: the weights in "
                          f"the generator's dtype{file}")
+        lines.append(f"  {gib(self.checkpoint_host):>7} GiB  each rank's host memory during a checkpoint's save: "
+                     "a file of its shard of the float32 weights and AdamW's moments, twice (harness/checkpoints.py)")
         return "\n".join(lines)
 
     def problems(self) -> list[str]:
@@ -304,7 +307,22 @@ def estimate(config: Any, layout: Layout, tokens: int | None = None, micro_batch
         gpu["push"] = max(0, counts.total * layout.dtype_bytes - gpu["activations"] - gpu["gathered"])
     push_host = 0 if layout.push_gpu else counts.total * layout.dtype_bytes * (2 if layout.push_file else 1)
     return MemoryPlan(config=config, layout=layout, gpu=gpu, host=dict(sharded) if layout.cpu_offload else {},
-                      margin=MARGIN_BYTES + int(MARGIN_FRACTION * layout.gpu_memory), push_host=push_host)
+                      margin=MARGIN_BYTES + int(MARGIN_FRACTION * layout.gpu_memory), push_host=push_host,
+                      checkpoint_host=checkpoint_host_bytes(counts, layout.learner_ranks))
+
+
+SHARD_FILE_BYTES = 1 << 30  # harness/checkpoints.py's (this module imports no torch): a rank's shard files' size
+
+
+def checkpoint_host_bytes(counts: ParameterCounts, learner_ranks: int) -> int:
+    """A rank's host memory while it saves its shard of the float32 weights and AdamW's two moments (12 bytes a
+    parameter over the ranks; harness/checkpoints.py): torch's distributed checkpoint writes it in files of
+    SHARD_FILE_BYTES, one at a time, copying a file's tensors to the host and having safetensors build the file's
+    bytes in memory before writing them: twice a file. Gathered to rank 0 (the format before), it was 12 bytes a
+    parameter of the whole model, on rank 0."""
+    shard = 12 * math.ceil(counts.total / learner_ranks)
+    files = math.ceil(shard / SHARD_FILE_BYTES)
+    return 2 * math.ceil(shard / files)
 
 
 def gathered_unit_bytes(counts: ParameterCounts, layout: Layout) -> int:

@@ -1,6 +1,7 @@
 """harness/checkpoints.py: a checkpoint and its predecessor, the fallback, planted links and pickles, a full disk,
 and older checkpoints migrated."""
 
+import copy
 import json
 import os
 import random
@@ -15,6 +16,8 @@ import torch
 import train
 from harness import checkpoints, flags, runtime, vllm_replica
 from helpers import file_tree, saved_run
+
+SHARD = "shard-00001-model-00001-of-00001.safetensors"  # rank 0's shard of the model and optimizer
 
 
 def test_trainer_state_round_trips_through_its_json():
@@ -35,20 +38,21 @@ def test_a_checkpoint_keeps_its_predecessor_and_resume_falls_back_to_it(tmp_path
     assert (tmp_path / "checkpoint" / "rng-0.json").exists()  # each rank's RNG states
     state, used = checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)
     assert state["step"] == 2 and used == tmp_path / "checkpoint"
-    # a weights file cut in half: named, and the previous checkpoint is used
-    weights = tmp_path / "checkpoint" / "weights.pt"
+    assert checkpoints.shard_file(0) == SHARD
+    # a shard file cut in half: named, and the previous checkpoint is used
+    weights = tmp_path / "checkpoint" / SHARD
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     state, used = checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)
     assert state["step"] == 1 and used == tmp_path / "checkpoint.old"
-    assert f"{tmp_path / 'checkpoint' / 'weights.pt'} is cut short" in capsys.readouterr().err
+    assert f"{tmp_path / 'checkpoint' / SHARD} is cut short" in capsys.readouterr().err
     # a crash between the two renames: checkpoint.old complete, checkpoint.tmp partial, no checkpoint
     (tmp_path / "checkpoint").rename(tmp_path / "checkpoint.tmp")
     (tmp_path / "checkpoint.tmp" / "trainer_state.json").unlink()
     (tmp_path / "args.json").write_text(json.dumps({"max_steps": 5}))
     assert flags.parse_args(["--resume", str(tmp_path)]).max_steps == 5  # --resume accepts it
     assert checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 1
-    (tmp_path / "checkpoint.old" / "weights.pt").write_bytes(b"garbage")
-    with pytest.raises(SystemExit, match="no checkpoint could be read by every rank.*checkpoint.old/weights.pt is cut"):
+    (tmp_path / "checkpoint.old" / SHARD).write_bytes(b"garbage")
+    with pytest.raises(SystemExit, match=f"no checkpoint could be read by every rank.*checkpoint.old/{SHARD} is cut"):
         checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)
 
 
@@ -63,7 +67,7 @@ def test_a_run_directory_is_never_read_through_a_planted_link(tmp_path, one_rank
         checkpoints.save_checkpoint(run, model, torch.optim.AdamW(model.parameters()), {"step": 4}, rank=0)
         (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "compute_hours": 0.1, "val_pass_rate": 0.5}) + "\n")
     ckpt = out / "checkpoint"
-    for path in (out / "args.json", ckpt / "trainer_state.json", ckpt / "weights.pt", ckpt / "rng-0.json",
+    for path in (out / "args.json", ckpt / "trainer_state.json", ckpt / SHARD, ckpt / "rng-0.json",
                  out / "metrics.jsonl"):
         path.unlink()
         path.symlink_to(other / path.relative_to(out))
@@ -75,7 +79,7 @@ def test_a_run_directory_is_never_read_through_a_planted_link(tmp_path, one_rank
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and f"{out / 'args.json'} {refused}" in err, err
     assert checkpoints.newest_checkpoint_step(out) is None  # its step is not this run's
-    for read in (lambda: checkpoints.read_trainer_state(ckpt), lambda: checkpoints.read_weights(ckpt / "weights.pt"),
+    for read in (lambda: checkpoints.read_trainer_state(ckpt), lambda: checkpoints.shard_header(ckpt / SHARD),
                  lambda: checkpoints.read_rng(ckpt, 0, 1)):
         with pytest.raises(checkpoints.CheckpointError, match=refused):
             read()
@@ -206,8 +210,10 @@ def test_a_failed_write_names_the_file_and_leaves_no_partial_directory(tmp_path,
     def full(*args, **kwargs):
         raise RuntimeError("basic_ios::clear: iostream error")
 
-    monkeypatch.setattr(checkpoints.torch, "save", full)
-    with pytest.raises(SystemExit, match=r"could not write .*checkpoint.tmp/weights.pt on rank 0 \(RuntimeError: "
+    import safetensors.torch
+
+    monkeypatch.setattr(safetensors.torch, "save", full)  # what torch's distributed checkpoint writes a shard with
+    with pytest.raises(SystemExit, match=rf"could not write .*checkpoint.tmp/{SHARD} on rank 0 \(RuntimeError: "
                                          r"basic_ios::clear.*previous checkpoint .*checkpoint is intact"):
         checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
     assert file_tree(tmp_path / "checkpoint") == before and not (tmp_path / "checkpoint.tmp").exists()
@@ -258,7 +264,8 @@ def test_a_planted_pickle_is_never_run(tmp_path, one_rank_group, capsys):
     run, marker = tmp_path / "run", tmp_path / "MARKER"
     model, optimizer = saved_run(run)
     for ckpt in checkpoints.complete_checkpoints(run):
-        torch.save({"model": _Payload(marker), "optimizer": _Payload(marker)}, ckpt / "weights.pt")
+        torch.save({"model": _Payload(marker), "optimizer": _Payload(marker)}, ckpt / SHARD)
+        (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))  # what DCP's default reader would unpickle
         torch.save(_Payload(marker), ckpt / "rng-0.pt")  # an older train.py's RNG file
         for name in ("trainer_state.json", "rng-0.json"):
             (ckpt / name).write_bytes(pickle.dumps(_Payload(marker)))
@@ -269,8 +276,8 @@ def test_a_planted_pickle_is_never_run(tmp_path, one_rank_group, capsys):
     with pytest.raises(SystemExit, match="no checkpoint could be read"):
         train.main(["evaluate", "--resume", str(run)])
     for ckpt in checkpoints.complete_checkpoints(run):  # weights alone planted: what export and evaluate read
-        checkpoints.write_atomically(ckpt / "trainer_state.json", json.dumps({"step": 2}))
-    with pytest.raises(SystemExit, match="weights.pt holds objects other than tensors"):
+        checkpoints.write_atomically(ckpt / "trainer_state.json", json.dumps({"step": 2, "shards": [SHARD]}))
+    with pytest.raises(SystemExit, match=f"{SHARD} is cut short or garbled"):
         train.export(run, tmp_path / "exported")
     (run / "checkpoint" / "rng-0.json").unlink()
     with pytest.raises(SystemExit, match="rng-0.pt is refused .*nothing in it was run") as refused:
@@ -300,3 +307,128 @@ def test_an_older_checkpoint_is_refused_until_migrated(tmp_path, one_rank_group,
     assert not list(tmp_path.rglob("rng-*.pt"))
     assert checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 2
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected  # the saved states, restored
+
+
+OLD_RUN = Path(__file__).parent / "data" / "checkpoint-v1"  # see tests/data/README.md
+
+
+def _old_run_copy(tmp_path: Path) -> Path:
+    """A copy of the run that the train.py before sharded checkpoints saved (2 learner ranks, one weights.pt per
+    checkpoint), its args.json pointing at the tiny model it was trained from, tests/data/mini-arith."""
+    run = tmp_path / "old-run"
+    shutil.copytree(OLD_RUN, run)
+    args = json.loads((run / "args.json").read_text())
+    (run / "args.json").write_text(json.dumps({**args, "model": str(OLD_RUN.parent / "mini-arith"),
+                                               "output_dir": str(run)}))
+    return run
+
+
+def test_a_checkpoint_of_the_older_format_is_migrated_into_shards(tmp_path, one_rank_group, capsys):
+    """The older train.py's checkpoints (weights.pt: full tensors gathered on rank 0) are refused with the command
+    that converts them; migrate-checkpoint writes one shard per checkpoint, bit for bit the same tensors, and the
+    optimizer's hyper-parameters into trainer_state.json; then the model and optimizer load as saved, on one rank
+    here (a 2-rank resume: test_e2e.py), and export reads the model from the shard."""
+    from transformers import AutoModelForCausalLM
+
+    run = _old_run_copy(tmp_path)
+    old = torch.load(OLD_RUN / "checkpoint" / "weights.pt", weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(OLD_RUN.parent / "mini-arith", dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    with pytest.raises(SystemExit, match=f"older train.py.*weights.pt.*train.py migrate-checkpoint {run}`"):
+        checkpoints.load_checkpoint(run, model, optimizer, rank=0)
+    train.main(["migrate-checkpoint", str(run)])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["converted"] == [
+        str(run / name / SHARD) for name in ("checkpoint", "checkpoint.old")]
+    for name in ("checkpoint", "checkpoint.old"):
+        assert sorted(p.name for p in (run / name).iterdir()) == ["rng-0.json", "rng-1.json", SHARD,
+                                                                 "trainer_state.json"]
+    state, used = checkpoints.load_checkpoint(run, model, optimizer, rank=0)
+    assert (state["step"], used) == (json.loads((OLD_RUN / "checkpoint" / "trainer_state.json").read_text())["step"],
+                                     run / "checkpoint")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, old["model"][name]), name
+    loaded = optimizer.state_dict()
+    assert loaded["param_groups"][0]["lr"] == old["optimizer"]["param_groups"][0]["lr"]  # not the 1.0 made here
+    names = [n for n, _ in model.named_parameters()]
+    assert all(old["optimizer"]["state"][n]["exp_avg"].abs().max() > 0 for n in names)  # its steps trained
+    for index, name in enumerate(names):
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["state"][index][key], old["optimizer"]["state"][name][key]), (name, key)
+    exported = train.export(run, tmp_path / "exported")
+    assert exported["checkpoint"] == str(run / "checkpoint")
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / "exported" / "model.safetensors")
+    assert all(torch.equal(written[n], old["model"][n]) for n in written) and set(written) <= set(old["model"])
+    assert train.main(["migrate-checkpoint", str(run)]) is None  # once migrated, nothing more to convert
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["converted"] == []
+
+
+def test_a_large_shard_is_split_into_files_and_reads_back_whole(tmp_path, one_rank_group, monkeypatch, capsys):
+    """A rank's shard goes into files of about SHARD_FILE_BYTES (each serialised in memory whole before it is
+    written, so the file's size bounds a save's host memory); a resume reads every piece back bit for bit."""
+    model, optimizer = saved_run(tmp_path, steps=(1,), size=64)  # weight 16 KiB, each moment as much
+    monkeypatch.setattr(checkpoints, "SHARD_FILE_BYTES", 20 << 10)
+    model(torch.ones(1, 64)).sum().backward()
+    optimizer.step()
+    checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": 2}, rank=0)
+    state = json.loads((tmp_path / "checkpoint" / "trainer_state.json").read_text())
+    assert state["shards"] == [f"shard-00001-model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert max((tmp_path / "checkpoint" / f).stat().st_size for f in state["shards"]) < 40 << 10
+    saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict()))
+    fresh = torch.nn.Linear(64, 64)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    assert checkpoints.load_checkpoint(tmp_path, fresh, fresh_optimizer, rank=0)[0]["step"] == 2
+    for name, tensor in saved[0].items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    for index, per_param in saved[1]["state"].items():
+        for key, tensor in per_param.items():
+            assert torch.equal(fresh_optimizer.state_dict()["state"][index][key], tensor), (index, key)
+    (tmp_path / "checkpoint" / state["shards"][1]).unlink()  # one file of three missing: named, the older one used
+    assert checkpoints.load_checkpoint(tmp_path, fresh, fresh_optimizer, rank=0) == (
+        {**json.loads((tmp_path / "checkpoint.old" / "trainer_state.json").read_text())}, tmp_path / "checkpoint.old")
+    assert f"{tmp_path / 'checkpoint' / state['shards'][1]} is missing" in capsys.readouterr().err
+
+
+class _Tied(torch.nn.Module):
+    """An LM head tied to its embedding, as SmolLM2's: one weight under two names."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_tied_weight_is_saved_once_and_loads_into_both_names(tmp_path, one_rank_group):
+    """safetensors refuses two names for one memory (a save of SmolLM2 failed so): the second name is left out,
+    and loading the first fills the weight both names share."""
+    model = _Tied()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model.head(model.embed(torch.tensor([1, 2]))).sum().backward()
+    optimizer.step()
+    checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": 1}, rank=0)
+    header = checkpoints.shard_header(tmp_path / "checkpoint" / SHARD)
+    assert "model.embed.weight" in header and "model.head.weight" not in header
+    fresh = _Tied()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    checkpoints.load_checkpoint(tmp_path, fresh, fresh_optimizer, rank=0)
+    assert torch.equal(fresh.embed.weight, model.embed.weight) and fresh.head.weight is fresh.embed.weight
+    moments = [o.state_dict()["state"][0]["exp_avg"] for o in (fresh_optimizer, optimizer)]
+    assert torch.equal(*moments) and moments[0].abs().max() > 0
+
+
+def test_a_large_older_checkpoint_is_migrated_into_files_of_the_shard_size(tmp_path, one_rank_group, monkeypatch):
+    """migrate-checkpoint writes the older weights.pt in files of about SHARD_FILE_BYTES too (one file would be
+    serialised in memory whole), and they load back as one."""
+    from transformers import AutoModelForCausalLM
+
+    run = _old_run_copy(tmp_path)
+    monkeypatch.setattr(checkpoints, "SHARD_FILE_BYTES", 500 << 10)  # the 1.35 MB of tensors in 3 files
+    written = checkpoints.migrate_checkpoint(run)["converted"]
+    assert written[:3] == [str(run / "checkpoint" / f"shard-00001-model-0000{i}-of-00003.safetensors")
+                           for i in (1, 2, 3)]
+    model = AutoModelForCausalLM.from_pretrained(OLD_RUN.parent / "mini-arith", dtype=torch.float32)
+    checkpoints.load_checkpoint(run, model, torch.optim.AdamW(model.parameters()), rank=0)
+    old = torch.load(OLD_RUN / "checkpoint" / "weights.pt", weights_only=True)
+    assert all(torch.equal(t, old["model"][n]) for n, t in model.state_dict().items())

@@ -191,7 +191,16 @@ def logprobs(model):
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
 base_dir = json.loads((run_dir / "args.json").read_text())["model"] or str(base_model.embedded_base_model())
 learner = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-learner.load_state_dict(torch.load(run_dir / "checkpoint" / "weights.pt", weights_only=True)["model"])
+full = learner.state_dict()  # the learner's weights, assembled here from the ranks' shards and their offsets
+from safetensors import safe_open
+ckpt = run_dir / "checkpoint"
+for name in json.loads((ckpt / "trainer_state.json").read_text())["shards"]:
+    with safe_open(str(ckpt / name), "pt") as f, torch.no_grad():
+        offsets = json.loads(f.metadata()["DCP_SHARDING_INFO"])
+        for key in (k for k in f.keys() if k.startswith("model.")):
+            piece = f.get_tensor(key)
+            at = tuple(slice(o, o + n) for o, n in zip(offsets[key]["saved_offsets"], piece.shape))
+            full[key.removeprefix("model.")][at] = piece
 ours = logprobs(learner)
 hf = logprobs(AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32))
 assert torch.equal(ours, hf), (ours - hf).abs().max()
@@ -295,13 +304,91 @@ def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, fla
     trained = [r for r in rows[1:] if r["groups"]]  # (a step whose groups were all dropped trains nothing)
     assert trained and all(r["entropy"] > 0 and 0 < r["length_mean"] <= r["length_max"] <= 48 for r in trained)
     assert (out / "checkpoint" / "trainer_state.json").exists()
+    # one shard of the model and optimizer per rank, and no file with the full state
+    assert sorted(p.name for p in (out / "checkpoint").iterdir()) == [
+        "rng-0.json", "rng-1.json", *(checkpoints.shard_file(r) for r in (0, 1)), "trainer_state.json"]
+    shard_sizes = [(out / "checkpoint" / checkpoints.shard_file(r)).stat().st_size for r in (0, 1)]
+    assert max(shard_sizes) < 0.75 * sum(shard_sizes), shard_sizes  # each about half (FSDP2 shards dim 0)
     if loss == "cispo":  # the trained policy, exported, loads in transformers with the learner's logprobs (its
         # untied LM head; vLLM's load and `evaluate --resume` are checked on SmolLM2's tied one, in the make run-real test)
         assert _export(out, tmp_path / "exported", in_vllm=False)["step"] == last
 
 
+SYNC_DRAWN = ("reward", "groups", "length_mean", "length_max", "frac_interrupted", "val_pass_rate")
+SYNC_TRAINED = ("loss", "grad_norm", "entropy", "kl_ref", "is_weight_mean")
+
+
+@pytest.fixture(scope="module")
+def sync_grpo_split(tmp_path_factory, base_model_dir) -> Path:
+    """sync_grpo_run's run again, stopped after step 2 and resumed to step 3 on 2 ranks (split/); at-2/ is a copy of
+    its directory at step 2, a checkpoint saved by 2 learner ranks."""
+    root = tmp_path_factory.mktemp("split")
+    split = root / "split"
+    run = _short_run(split, "grpo", SYNC_GRPO, "--max-steps", "2")
+    assert run.returncode == 0, why_failed(run)
+    shutil.copytree(split, root / "at-2", symlinks=True)
+    run = _train(split, "--resume", str(split), "--max-steps", "3")
+    assert run.returncode == 0, why_failed(run)
+    return root
+
+
+def _assert_same_steps(rows: dict, reference: dict, steps: range, where: str) -> None:
+    """Sync mode with one seed: the same completions (drawn values equal) and the same step to float rounding."""
+    for step in steps:
+        assert {k: rows[step].get(k) for k in SYNC_DRAWN} == {k: reference[step].get(k) for k in SYNC_DRAWN}, \
+            (where, step)
+        for k in SYNC_TRAINED:  # the tolerance of the sync repeat test below (float rounding; grpo's near-zero sum)
+            assert rows[step][k] == pytest.approx(reference[step][k], rel=1e-5, abs=1e-6), (where, step, k)
+
+
 @pytest.mark.slow
-def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(tmp_path, sync_grpo_run):
+def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, sync_grpo_run, sync_grpo_split):
+    """Each rank saves its own shard; torch's distributed checkpoint reads them back on any number of ranks. The
+    step-2 checkpoint of 2 ranks (sync_grpo_split's at-2/) resumes on 1 rank: step 3 repeats the uninterrupted
+    run's, and its checkpoint (1 shard) resumes on 2 ranks: step 4 repeats the 2-rank run's step 4 (a copy of split/,
+    itself resumed on 2). Each resume starts at the next step, with the same data position (the prompts consumed)."""
+    one, split = tmp_path / "one", tmp_path / "two"
+    shutil.copytree(sync_grpo_split / "at-2", one, symlinks=True)
+    shutil.copytree(sync_grpo_split / "split", split, symlinks=True)  # sync_grpo_split's stays at step 3
+    for where, out, nproc, start in (("2 -> 1", one, 1, 2), ("1 -> 2", one, 2, 3), ("2 -> 2", split, 2, 3)):
+        run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", str(start + 1), nproc=nproc)
+        assert run.returncode == 0, (where, why_failed(run))
+        assert f"[resume] {out / 'checkpoint'}: step {start}" in run.stderr, (where, run.stderr[-3000:])
+        state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+        assert state["step"] == start + 1 and len(state["shards"]) == nproc, (where, state["shards"])
+        if where == "2 -> 1":  # the same prompts consumed as the uninterrupted run's at step 3
+            assert state["consumed"] == json.loads((split / "checkpoint" / "trainer_state.json").read_text())[
+                "consumed"]
+    rows, reference = ({r["step"]: r for r in metrics_rows(out)} for out in (one, split))
+    assert sorted(rows) == sorted(reference) == [0, 1, 2, 3, 4]  # every step once
+    _assert_same_steps(rows, {r["step"]: r for r in metrics_rows(sync_grpo_run)}, range(1, 4), "2 -> 1")
+    _assert_same_steps(rows, reference, range(4, 5), "1 -> 2")
+    states = [json.loads((out / "checkpoint" / "trainer_state.json").read_text()) for out in (one, split)]
+    assert states[0]["consumed"] == states[1]["consumed"]  # the same data position at step 4
+    assert _export(split, tmp_path / "exported", in_vllm=False)["step"] == 4  # one model from the 2 ranks' shards
+
+
+@pytest.mark.slow
+def test_a_migrated_checkpoint_of_the_older_format_resumes(tmp_path, base_model_dir):
+    """The run that the train.py before sharded checkpoints saved on 2 ranks (tests/data/checkpoint-v1: one
+    weights.pt per checkpoint), migrated, resumes at its next step on 2 ranks and saves one shard per rank."""
+    from test_checkpoints import _old_run_copy
+
+    run = _old_run_copy(tmp_path)
+    migrated = subprocess.run([sys.executable, "train.py", "migrate-checkpoint", str(run)], cwd=REPO,
+                              capture_output=True, text=True, timeout=120)
+    assert migrated.returncode == 0, why_failed(migrated)
+    resumed = _train(tmp_path / "ignored", "--resume", str(run), "--max-steps", "3")
+    assert resumed.returncode == 0, why_failed(resumed)
+    assert f"[resume] {run / 'checkpoint'}: step 2" in resumed.stderr, resumed.stderr[-3000:]
+    assert [r["step"] for r in metrics_rows(run)] == [0, 1, 2, 3]
+    state = json.loads((run / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 3 and state["shards"] == [checkpoints.shard_file(r) for r in (0, 1)]
+    assert not (run / "checkpoint" / "weights.pt").exists()
+
+
+@pytest.mark.slow
+def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(sync_grpo_run, sync_grpo_split):
     """Two sync-mode runs with one seed give the same completions, and so the same loss and gradient norm at every
     step, the second stopped after step 2 and resumed: each completion samples with a seed of its own, and draws
     its think budget from it (pipeline_rl.sampling_seed), so neither which requests vLLM happened to batch together
@@ -309,21 +396,16 @@ def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(tmp_pat
     -0.03427 against -0.03637, and trained other completions). The evaluations at steps 0, 2 and 3 repeat too. The
     runs are grpo's (SYNC_GRPO: the reference model's KL and masked importance weights in the loss as well); the
     first is sync_grpo_run's."""
-    drawn = ("reward", "groups", "length_mean", "length_max", "frac_interrupted", "val_pass_rate")
-    trained = ("loss", "grad_norm", "entropy", "kl_ref", "is_weight_mean")
-    split = tmp_path / "split"
-    for run in (_short_run(split, "grpo", SYNC_GRPO, "--max-steps", "2"),
-                _train(split, "--resume", str(split), "--max-steps", "3")):
-        assert run.returncode == 0, why_failed(run)
+    split = sync_grpo_split / "split"
     first, second = ({r["step"]: r for r in metrics_rows(out)} for out in (sync_grpo_run, split))
     assert sorted(first) == sorted(second) == [0, 1, 2, 3]
     for step in (0, 1, 2, 3):
-        assert {k: first[step].get(k) for k in drawn} == {k: second[step].get(k) for k in drawn}, step
+        assert {k: first[step].get(k) for k in SYNC_DRAWN} == {k: second[step].get(k) for k in SYNC_DRAWN}, step
     for step in (1, 2, 3):  # the same completions; their sampler logprobs may differ in float32's last bits with
         # what vLLM's CPU kernels batched them with, so the steps agree to float rounding (they differed by 6%).
         # grpo's loss is a near-cancelling sum (its advantages sum to zero in each group): abs 1e-6, far below the
         # 2e-3 that other completions moved it by.
-        for k in trained:
+        for k in SYNC_TRAINED:
             assert second[step][k] == pytest.approx(first[step][k], rel=1e-5, abs=1e-6), (step, k)
 
 

@@ -281,3 +281,19 @@ def test_the_split_bf16_head_keeps_its_logits_gradient_and_weight_parts_until_ba
     assert flags.learner_memory_plan(flags.Args(dtype="bfloat16"), QWEN3_8B, 8, 80 * GIB).layout.split_bf16_head
     assert not flags.learner_memory_plan(flags.Args(dtype="bfloat16", lm_head_gemm="fp32"), QWEN3_8B, 8,
                                          80 * GIB).layout.split_bf16_head
+
+
+def test_a_checkpoint_save_holds_twice_a_file_of_a_ranks_shard_in_host_memory():
+    """Each rank saves its own shard (harness/checkpoints.py): its float32 weights and AdamW's two moments, 12 bytes
+    a parameter over the ranks, in files of about 1 GiB, each copied to the host and serialised there once more.
+    TINY has 1,720 parameters; Qwen3-8B 8,190,735,360: 11.4 GiB a rank on 8 ranks, 12 files of 0.95 GiB."""
+    import harness.checkpoints
+
+    assert mp.SHARD_FILE_BYTES == harness.checkpoints.SHARD_FILE_BYTES
+    assert mp.estimate(TINY, TINY_LAYOUT).checkpoint_host == 2 * 12 * 860
+    three = mp.estimate(TINY, dataclasses.replace(TINY_LAYOUT, learner_ranks=3))
+    assert three.checkpoint_host == 2 * 12 * 574  # ceil(1720 / 3)
+    assert mp.parameter_counts(mp.shape_config("qwen3-8b")).total == 8_190_735_360
+    lines = flags.plan(["--shape", "qwen3-8b", "--learner-ranks", "8", "--dtype", "bfloat16"])
+    per_file = -(-12 * 8_190_735_360 // 8 // 12)  # 12,286,103,040 bytes a rank in 12 files
+    assert f"{2 * per_file / GIB:.1f} GiB  each rank's host memory during a checkpoint's save" in lines

@@ -664,7 +664,7 @@ def test_a_save_after_a_fallback_keeps_the_good_checkpoint_until_the_new_one_is_
     good one: a crash while it rotates the new one in still leaves checkpoint.old to resume from. Checkpoints are
     readable by their owner only."""
     model, optimizer = saved_run(tmp_path)
-    (tmp_path / "checkpoint" / "weights.pt").write_bytes(b"cut")
+    (tmp_path / "checkpoint" / checkpoints.shard_file(0)).write_bytes(b"cut")
     good = file_tree(tmp_path / "checkpoint.old")
     renames = []
 
@@ -680,7 +680,7 @@ def test_a_save_after_a_fallback_keeps_the_good_checkpoint_until_the_new_one_is_
     assert file_tree(tmp_path / "checkpoint.old") == good
     state, used = checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)
     assert (state["step"], used) == (1, tmp_path / "checkpoint.old")
-    assert "weights.pt is cut short" in capsys.readouterr().err
+    assert f"{checkpoints.shard_file(0)} is cut short" in capsys.readouterr().err
     checkpoints.save_checkpoint(tmp_path, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)
     assert checkpoints.load_checkpoint(tmp_path, model, optimizer, rank=0)[0]["step"] == 3
     assert file_tree(tmp_path / "checkpoint.old") == good and not (tmp_path / "checkpoint.tmp").exists()

@@ -6,12 +6,13 @@ what makes it run on real machines, and it imports nothing of pipeline_rl (nor o
 - what runs inside vLLM's processes: the interruption and slowdown logits processors (vLLM loads them by the
   names "harness.vllm_replica:InterruptionLogitsProcessor" and "harness.vllm_replica:SlowdownLogitsProcessor", with a
   "V2" suffix for vLLM's V2 model runner, which `model_runner_v2` chooses) and the worker extension
-  "harness.vllm_replica.WeightSyncExtension" that receives and reloads weights;
+  "harness.vllm_replica.WeightSyncExtension" (two probes; importing this module in vLLM's worker registers the CPU
+  weight-transfer engine of harness/weight_transfer.py);
 - placement and the replicas' own settings: which GPUs the replicas and the learner take (`split_devices`,
   `replica_devices`, `visible_devices`), and the checks of their number, address, secret and transport (`replica_problems`, called by
   pipeline_rl.config_problems);
-- the weight transport: buckets over a torch.distributed group per replica (gloo on CPU, NCCL on GPU), or a file
-  where a replica shares the learner's GPU (`choose_weight_transport`);
+- which engine of vLLM's weight-transfer API carries the weights (`choose_weight_transport`: gloo on CPU, nccl
+  between GPUs, ipc to a replica on the learner's GPU), and the replica's side of its calls (`_Replica.weight_call`);
 - the replica process: one vLLM engine, serving the scheduler over one connection;
 - the handshake: who may connect (an HMAC challenge on the shared secret, both ways);
 - the join command, `python pipeline_rl.py replica ...` (pipeline_rl.main hands it to `replica_command`);

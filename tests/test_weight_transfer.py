@@ -165,3 +165,67 @@ def test_ipc_handles_travel_as_plain_data_and_only_torch_classes_come_back():
     assert back == handles and isinstance(back[0]["GPU-uuid"][1], torch.Size)
     with pytest.raises(ValueError, match="os:system, not one of torch's"):
         wt.ipc_handles_from_plain([{"GPU-uuid": [{"class": "os:system"}]}])
+
+
+@pytest.mark.slow
+def test_a_tied_head_follows_an_update_through_vllms_calls(real_model_dir):
+    """SmolLM2's tied LM head through a real vLLM engine and the LLM's own weight-transfer calls: the embedding
+    nudged by 1e-3 and pushed without lm_head.weight (a tied state dict leaves the alias out), vLLM's sampler
+    logprobs then equal the learner's under the nudged weights (float32; 1.7e-5 measured here, so 1e-3 leaves room
+    for another CPU's kernels) and not the base weights' (0.16 measured). Without the engine's refresh of the head
+    vLLM kept the base head's packed weights: 0.096 off the learner's."""
+    from transformers import AutoModelForCausalLM
+    from vllm import LLM, SamplingParams
+
+    from harness import tasks, vllm_replica
+
+    tasks.set_vllm_cpu_env()
+    hf = AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+    assert hf.config.tie_word_embeddings
+    llm = LLM(model=str(real_model_dir), dtype="float32", max_model_len=256, enforce_eager=True,
+              weight_transfer_config={"backend": "gloo"}, enable_chunked_prefill=False, max_num_batched_tokens=4096,
+              logprobs_mode="processed_logprobs")
+
+    class Client:  # the replica's calls, made on the LLM itself (the receive in a thread, beside the broadcast)
+        thread = None
+
+        def init_weight_transfer_engine(self, info):
+            self.thread = threading.Thread(target=llm.init_weight_transfer_engine, args=({"init_info": info},))
+            self.thread.start()
+
+        def start_weight_update(self):
+            self.thread.join()
+            llm.start_weight_update()
+
+        def update_weights(self, info):
+            self.thread = threading.Thread(target=llm.update_weights, args=({"update_info": info},))
+            self.thread.start()
+
+        def finish_weight_update(self, weight_version=None):
+            self.thread.join()
+            llm.finish_weight_update("1")
+
+    with torch.no_grad():
+        base = hf.model.embed_tokens.weight.clone()
+        hf.model.embed_tokens.weight.add_(1e-3 * torch.randn(base.shape, generator=torch.Generator().manual_seed(0)))
+    tensors = vllm_replica.weight_tensors(hf.state_dict(), torch.float32, tied=True)
+    assert "lm_head.weight" not in tensors
+    wt.trainer_engine("gloo", client=Client(), source=wt.StateDictSource(tensors), host="127.0.0.1",
+                      worker_host="127.0.0.1", world_size=2, timeout_s=120).send_weights()
+    assert llm.get_weight_version() == "1"
+    prompt = [1, 504, 3458, 314, 3575, 30, 28, 216]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=16, temperature=1.0, logprobs=0,
+                                                                       seed=3), use_tqdm=False)[0].outputs[0]
+    ids = list(out.token_ids)
+    sampled = torch.tensor([out.logprobs[i][t].logprob for i, t in enumerate(ids)])
+
+    def learner_gap() -> float:
+        with torch.no_grad():
+            logits = hf(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1: -1]
+        ours = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+        return (ours - sampled).abs().max().item()
+
+    assert learner_gap() < 1e-3
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.copy_(base)
+    assert learner_gap() > 1e-2  # the check tells the two weights apart

@@ -64,7 +64,7 @@ run: setup
 # ARGS come last, so they override these.
 REAL_ARGS := --dataset mixed-arithmetic --output-dir runs/real --mode sync --max-off-policy 1 --max-steps 48 \
 	--prompts-per-step 8 --group-size 8 --lr 1e-5 --warmup-steps 0 --adam-eps 1e-8 --weight-decay 0 \
-	--max-tokens 96 --think-budget 40,48 --answer-budget 16 --eval-every 3 --eval-samples 3 --weight-transport file
+	--max-tokens 96 --think-budget 40,48 --answer-budget 16 --eval-every 3 --eval-samples 3
 
 run-real: setup
 	model="$$($(VENV)/bin/python -m harness.base_model build-real-model --print-dir)" && \

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import hashlib
 import math
 import multiprocessing as mp
@@ -107,13 +108,14 @@ class GeneratorConfig:
     secret: bytes | None = None
     # seconds to wait for every replica to connect and start its engine (a missing one is named, then start fails)
     join_timeout: float = 600.0
-    # broadcast: torch.distributed (gloo on CPU, NCCL on GPU), in buckets, to every replica; file: a safetensors
-    # file in /dev/shm that every replica reads (replicas on the learner's node only); auto: broadcast, or file where
-    # a replica shares the learner's GPU (vllm_replica.choose_weight_transport; start() settles it)
+    # the engine of vLLM's weight-transfer API that carries new weights to each replica: gloo (CPU, this project's:
+    # harness/weight_transfer.py), nccl (separate GPUs) or ipc (a replica on learner rank 0's GPU); auto: the one
+    # for the layout (vllm_replica.choose_weight_transport; start() settles it). An earlier version's "broadcast"
+    # reads as auto; its "file" is gone
     weight_transport: str = "auto"
-    # bytes per broadcast bucket: the learner holds one packed bucket at a time, each replica one received bucket
+    # bytes per packed broadcast of the gloo engine: the learner holds one packed chunk at a time, a replica one
     weight_bucket_bytes: int = 256 << 20
-    # seconds a weight group may take to form or to carry an update before its replica is given up
+    # seconds a replica's weight group may take to form or to carry an update before the replica is given up
     weight_timeout: float = 300.0
     # seconds one reward may take (past it the completion scores -1 and counts in reward_timeouts); seconds the
     # learner's get_batch waits for its groups before the generator is given up, naming the request
@@ -143,8 +145,6 @@ class GeneratorConfig:
     # core, or OMP_NUM_THREADS, which torchrun sets to 1 for train.py's ranks and so for their generator); fewer
     # leave cores to a learner that shares the machine (two threads beside a busy learner stall each other)
     num_threads: int | None = None
-    # where weight files go (default: /dev/shm if it has room, else the temp dir); train.py's --weight-dir
-    weight_dir: str | None = None
     # VLLM_LOGGING_LEVEL in the generator process
     vllm_log_level: str = "WARNING"
     # debug knob: vLLM's engine sleeps (x - 1) times the duration of every step (SlowdownLogitsProcessor), to emulate
@@ -879,25 +879,25 @@ class _ReplicaPool:
         return descendants
 
     # ---- weights, faults, shutdown ----------------------------------------------------------------------------------
-    def send_update(self, version: int, transport: dict, store_address: tuple[str, int] | None) -> list[tuple]:
-        """Tell every ready replica to take weights `version`, first forming the weight group of any that has none;
-        the plan for the learner: [(replica, name, group, join, processes to watch while it sends)]."""
+    def send_update(self) -> list[tuple]:
+        """The plan of a weight update for the learner: [(replica, name, its workers' address, its workers (the
+        tensor-parallel size), whether its weight-transfer engine must be initialized first, the processes to watch
+        while the learner sends)], one entry per ready replica. The learner's trainer engine for each then makes
+        vLLM's weight-transfer calls, which this process relays to the replica in order (relay_weight_call)."""
         plan = []
         for s in self.ready_slots():
-            join = transport["kind"] == "broadcast" and s.group is None
-            if join:
-                host, port = store_address
-                label = f"weight group {version}"  # its secret prefix: derived on both ends, never sent
-                s.join({"store_host": host, "store_port": port, "prefix": vllm_replica.group_prefix(s.conn, label),
-                        "world": 1 + s.tensor_parallel_size, "timeout_s": self.cfg.weight_timeout,
-                        "backend": "nccl" if self.cfg.gen_devices is not None else "gloo", "bind_host": s.bind_host})
-                sent = {k: v for k, v in s.group.items() if k != "prefix"} | {"prefix_label": label}
-                if not self.send_to(s, ("join", sent)):
-                    continue
-            if self.send_to(s, ("update", version, transport)):  # with what the learner watches while it sends
-                watch = vllm_replica.local_processes(s.pid, s.info.get("vllm_processes", [])) if s.local else []
-                plan.append((s.id, s.name, s.group, join, watch))
+            init = s.group is None
+            s.join({"engine": self.cfg.weight_transport})
+            watch = vllm_replica.local_processes(s.pid, s.info.get("vllm_processes", [])) if s.local else []
+            plan.append((s.id, s.name, s.bind_host, s.tensor_parallel_size, init, watch))
         return plan
+
+    def relay_weight_call(self, replica: int, method: str, payload: Any) -> None:
+        """One call of the learner's trainer engine on replica `replica`'s client (plain data), passed on; a replica
+        that is gone gets nothing (the learner's engine notices it gone)."""
+        slot = self.replicas.get(replica)
+        if slot is not None and slot.state == "ready":
+            self.send_to(slot, ("weights", method, payload))
 
     def silent_exits(self) -> list[tuple[_ReplicaSlot, str]]:
         """(slot, why) of each local replica whose process exited without a word (its connection may linger)."""
@@ -1267,10 +1267,10 @@ class _Scheduler:
 
     def __init__(self, conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,
                  skip_indices: list[int], retired_ids: list[str], version: int, secret: bytes,
-                 store_address: tuple[str, int] | None, *, spawn_replicas: bool = False):
+                 *, spawn_replicas: bool = False):
         """`spawn_replicas`: listen and start the local replicas at once (the generator process does; a test builds
         a scheduler without them, and gives it fake connections)."""
-        self.conn, self.cfg, self.store_address = conn, config, store_address
+        self.conn, self.cfg = conn, config
         self.pool = _ReplicaPool(config, secret, self.on_death)
         if spawn_replicas:  # first: a replica's start (vLLM's import, 8 s on a CPU) then overlaps the rest of ours
             self.pool.spawn()  # (transformers' import, 2 s), which no longer delays it
@@ -1372,7 +1372,9 @@ class _Scheduler:
                 if self.cfg.mode == "sync":
                     self.admission.admit_batch(msg[1], self.version)
             elif kind == "update":
-                self.begin_update(msg[1], msg[2])
+                self.begin_update(msg[1])
+            elif kind == "weights":
+                self.pool.relay_weight_call(msg[1], msg[2], msg[3])
             elif kind == "sent":
                 self.update["sent"] = True
                 for rid, error in msg[1].items():
@@ -1408,7 +1410,7 @@ class _Scheduler:
                 self.update["waiting"].discard(slot.id)
                 self.finish_update()
         elif kind == "update_failed":
-            self.on_death(slot, f"its weight update {msg[1]} failed: {msg[2]}")
+            self.on_death(slot, f"its weight update failed: {msg[2]}")
         elif kind == "debug":
             if self.debug_wait is not None and slot.id in self.debug_wait["waiting"]:
                 self.debug_wait["waiting"].discard(slot.id)
@@ -1500,10 +1502,10 @@ class _Scheduler:
         self.last_reply_time = now
         return stats
 
-    def begin_update(self, version: int, transport: dict) -> None:
-        """Tell every ready replica to take weights `version` (first forming the weight group of any that has
-        none), and tell the learner whom to send them to: ("plan", [(replica, name, group, join, processes)])."""
-        plan = self.pool.send_update(version, transport, self.store_address)
+    def begin_update(self, version: int) -> None:
+        """Weights `version` are coming: tell the learner which replicas to send them to (_ReplicaPool.send_update),
+        and wait for each to say it holds them."""
+        plan = self.pool.send_update()
         self.update = {"version": version, "waiting": {p[0] for p in plan}, "seconds": {}, "sent": False}
         self.conn.send(("plan", plan))
 
@@ -1541,8 +1543,7 @@ class _Scheduler:
 
 
 def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int, skip_indices: list[int],
-                    retired_ids: list[str], version: int, parent_pid: int, secret: bytes,
-                    store_address: tuple[str, int] | None) -> None:
+                    retired_ids: list[str], version: int, parent_pid: int, secret: bytes) -> None:
     """Entry point of the generator process."""
     try:
         os.setsid()  # Ctrl-C in the terminal goes to the learner, which closes us in order
@@ -1557,7 +1558,7 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
     scheduler = None
     try:
         scheduler = _Scheduler(conn, config, task_factory, data_start, skip_indices, retired_ids, version, secret,
-                               store_address, spawn_replicas=True)
+                               spawn_replicas=True)
         info = scheduler.start()
         conn.send(("ready", info))
         scheduler.run()
@@ -1608,9 +1609,9 @@ class Generator:
         self._dead_reason: str | None = None
         self._tied = self._read_tie_flag(config.model)
         self._secret = config.secret or secrets.token_bytes(32)  # local replicas only: nobody else needs it
-        self._sender: vllm_replica.WeightSender | None = None
+        self._engines: dict[int, Any] = {}  # replica id -> its trainer-side weight-transfer engine (vLLM's factory's)
         self.last_update_s = 0.0  # the last update_weights, in all
-        self.last_broadcast_s = 0.0  # of which the broadcast itself (forming new weight groups included)
+        self.last_broadcast_s = 0.0  # of which the transfer itself (init of new replicas' engines included)
         self.last_cast_s = 0.0  # of which the cast to the generator's dtype (vllm_replica.weight_tensors)
         self.last_update_info: dict = {}  # the last update's seconds per replica and replicas left
 
@@ -1637,15 +1638,11 @@ class Generator:
         except ValueError as e:
             raise GeneratorError(f"weight_transport {e}") from None
         self.config = replace(self.config, weight_transport=kind)
-        if self.config.weight_transport == "broadcast":  # before the replicas: they rendezvous at its store
-            host, _ = parse_address(self.config.listen)
-            self._sender = vllm_replica.WeightSender(host, "nccl" if self.config.gen_devices is not None else "gloo",
-                                        self.config.weight_timeout)
         parent_conn, child_conn = mp.get_context("spawn").Pipe(duplex=True)
         self._proc = vllm_replica.start_process(
             _generator_main, "scalerl-generator",
             (child_conn, self.config, self._task_factory, self._data_start, self._skip, self._retired,
-             self._version, os.getpid(), self._secret, self._sender.address if self._sender else None))
+             self._version, os.getpid(), self._secret))
         child_conn.close()
         self._conn = parent_conn
         atexit.register(self.close)
@@ -1714,7 +1711,10 @@ class Generator:
         vllm_replica.kill_processes(self._info.get("descendants", []))
         if self._info.get("descendants"):
             vllm_replica.remove_leaked_segments(self._started_at)
-        self._sender = None  # its store and weight groups go with it
+        for engine in self._engines.values():  # their stores and groups
+            with contextlib.suppress(Exception):
+                engine.shutdown()
+        self._engines.clear()
 
     # ---- messaging --------------------------------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -1800,56 +1800,58 @@ class Generator:
         return groups, stats
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int,
-                       timeout: float | None = 600, transport: str | None = None) -> float:
-        """Push a full HF-named state dict (lm_head.weight included) to every replica as weights `version`, each
-        applying it between two decoding steps. Returns the seconds the learner spent in all; of those,
-        `last_broadcast_s` went to the broadcast, and `last_update_info` has each replica's seconds. A replica whose
-        update fails is taken out of the run (its work goes to the others). `transport` overrides the config's
-        weight_transport for this update ("file": local replicas only; harness/bench.py compares the two this way)."""
+                       timeout: float | None = 600) -> float:
+        """Push a full HF-named state dict (lm_head.weight included) to every replica as weights `version`, through
+        vLLM's weight-transfer API: for each replica a trainer engine of vLLM's factory (gloo on CPU, nccl or ipc on
+        GPU: config.weight_transport) makes init (once per replica), start, update and finish with the version,
+        relayed to the replica, which makes the same calls on its vllm.LLM between two decoding steps. Returns the
+        seconds the learner spent in all; of those, `last_broadcast_s` went to the transfer, and `last_update_info`
+        has each replica's seconds. A replica whose update fails is taken out of the run (its work goes to the
+        others)."""
         t0 = time.perf_counter()
         tensors = vllm_replica.weight_tensors(state_dict, DTYPES.get(self.config.dtype, torch.float32), self._tied)
         self.last_cast_s = time.perf_counter() - t0  # what cast was left (none for runtime.push_state_dict's weights)
-        self._check_usable()
-        transport = transport or self.config.weight_transport
-        if transport == "broadcast" and self._sender is None:
-            raise GeneratorError("this generator was started with weight_transport='file': it has no weight groups")
-        path = None
-        if transport == "file":
-            nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-            directory = vllm_replica.choose_weight_dir(self.config.weight_dir, nbytes)
+        self._send(("update", int(version)))
+        _, plan = self._recv("plan", timeout, what="update_weights")
+        t_transfer = time.perf_counter()
+        failed: dict[int, str] = {}
+        for replica, _name, bind_host, workers, init, watch in plan:
             try:
-                path = vllm_replica.write_weight_file(
-                    tensors, directory / f"scalerl-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}-v{version}.safetensors")
-            except vllm_replica.WeightFileError as e:  # a full disk: the run stops as on any failure of the generator
-                raise GeneratorError(str(e)) from None
-            how: dict[str, Any] = {"kind": "file", "path": str(path)}
-        else:
-            manifest = vllm_replica.weight_manifest(tensors, self.config.weight_bucket_bytes)
-            how = {"kind": "broadcast", "manifest": manifest}
-        try:
-            self._send(("update", int(version), how))
-            _, plan = self._recv("plan", timeout, what="update_weights")
-            t_broadcast = time.perf_counter()
-            failed: dict[int, str] = {}
-            if how["kind"] == "broadcast":
-                for replica, name, group, join, _ in plan:
-                    if join:
-                        try:
-                            self._sender.join(replica, group)
-                        except Exception as e:
-                            failed[replica] = f"forming its weight group failed: {type(e).__name__}: {e}"
-                watch = {p[0]: p[4] for p in plan}  # a replica that dies mid-broadcast is named and left behind
-                failed |= self._sender.send(tensors, manifest, [p[0] for p in plan if p[0] not in failed],
-                                            gone=lambda r: vllm_replica.dead_processes(watch[r]))
-            self.last_broadcast_s = time.perf_counter() - t_broadcast
-            self._send(("sent", failed))
-            _, applied, self.last_update_info = self._recv("updated", timeout, what="update_weights")
-        finally:
-            if path is not None:
-                path.unlink(missing_ok=True)
+                self._send_to_replica(tensors, version, replica, bind_host, workers, init, watch)
+            except GeneratorError:
+                raise
+            except Exception as e:  # this replica's engine is dropped; the others carry on
+                failed[replica] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                engine = self._engines.pop(replica, None)
+                with contextlib.suppress(Exception):
+                    engine is not None and engine.shutdown()
+        self.last_broadcast_s = time.perf_counter() - t_transfer
+        self._send(("sent", failed))
+        _, applied, self.last_update_info = self._recv("updated", timeout, what="update_weights")
         self._version = int(applied)
         self.last_update_s = time.perf_counter() - t0
         return self.last_update_s
+
+    def _send_to_replica(self, tensors: dict[str, torch.Tensor], version: int, replica: int, bind_host: str,
+                         workers: int, init: bool, watch: list) -> None:
+        """One replica's round of vLLM's weight-transfer calls, from its trainer engine (made first if `init`)."""
+        from harness import weight_transfer  # vLLM's factory knows the gloo engine once this is imported
+
+        client = _ReplicaWeightClient(self, replica, version)
+        source = weight_transfer.StateDictSource(tensors)
+        engine = None if init else self._engines.get(replica)
+        if engine is None:
+            old = self._engines.pop(replica, None)
+            if old is not None:
+                old.shutdown()
+            engine = weight_transfer.trainer_engine(self.config.weight_transport, client=client, source=source,
+                                                    host=parse_address(self.config.listen)[0], worker_host=bind_host,
+                                                    world_size=1 + workers, timeout_s=self.config.weight_timeout,
+                                                    buffer_bytes=self.config.weight_bucket_bytes)
+            self._engines[replica] = engine
+        engine.client, engine.source = client, source
+        engine.gone = lambda: vllm_replica.dead_processes(watch)  # the gloo engine polls it while it broadcasts
+        engine.send_weights()
 
     def evaluate(self, problems: list[Problem], samples: int, temperature: float | None = None,
                  timeout: float | None = None) -> list[Group]:
@@ -1870,6 +1872,33 @@ class Generator:
         """"state": the scheduler's state (replicas included); "checksum:NAME": {replica: sum of parameter NAME}."""
         self._send(("debug", what))
         return self._recv("debug", timeout, what="debug")[1]
+
+class _ReplicaWeightClient:
+    """vLLM's VLLMWeightSyncClient (vllm/distributed/weight_transfer/base.py) for one replica of this generator:
+    each call becomes one message of plain data that the generator process relays to the replica, which makes the
+    same call on its vllm.LLM, in the same order. A call does not wait for the replica's answer (the trainer engine
+    runs the transfer meanwhile); a replica whose call fails says so and is taken out of the run."""
+
+    def __init__(self, generator: Generator, replica: int, version: int):
+        self.generator, self.replica, self.version = generator, replica, version
+
+    def _call(self, method: str, payload: Any) -> None:
+        self.generator._send(("weights", self.replica, method, payload))
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init", dict(init_info))
+
+    def start_weight_update(self) -> None:
+        self._call("start", None)
+
+    def update_weights(self, update_info: Any) -> None:
+        from harness import weight_transfer
+
+        self._call("update", weight_transfer.plain_update_info(dict(update_info)))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish", int(weight_version) if weight_version is not None else self.version)
+
 
 def main(argv: list[str]) -> int:
     if argv[:1] != ["replica"]:

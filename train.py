@@ -626,7 +626,7 @@ def optimizer_step(args: Args, learner: Learner, loss: float, has_groups: bool) 
 def push_weights(learner: Learner, run: Run, version: int) -> tuple[float, float]:
     """Push the new weights to every generator replica as `version` (in pipeline mode applied between two decoding
     steps, in flight). Gathering them is a collective; rank 0 sends them. Returns the seconds rank 0 spent in all
-    and, of those, in the broadcast itself (vllm_replica's WeightSender)."""
+    and, of those, in the transfer itself (vLLM's weight-transfer engines: Generator.update_weights)."""
     weights = push_state_dict(learner.model, run.generator)  # rank 0's, in the generator's dtype
     if not run.is_main or run.stop_reason:
         return 0.0, 0.0

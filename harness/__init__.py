@@ -7,8 +7,10 @@ recipe (the nine files beside this package) may skip it and know what they skipp
     packing       completions into rows and micro-batches
     head_gemm     the LM head's log-probabilities in chunks, and the split-bf16 GEMM of the FP32 head
     memory_plan   the learner's GPU memory per rank, and the layout, printed before start
-    vllm_replica  what runs inside vLLM: interruptions, the weight transport, the handshake
+    vllm_replica  what runs inside vLLM: interruptions, a replica's process, the handshake
+    weight_transfer  the CPU engine of vLLM's weight-transfer API (gloo), registered in vLLM's factories
     wire          the replica channel: plain-data messages, the handshake's keys, authenticated frames
+    vllm_internals   every use of vLLM outside its public API, checked against the installed vLLM
     tasks         the task: prompts, verifiers, data readers
     base_model    how the tiny base model is built, and a real one converted for the CPU tests
     cli           what every command line shares: one error line for a bad flag

@@ -414,6 +414,8 @@ def measure_with_vllm(model_dir: Path, problems: list[Problem], task: Task, samp
     (`scratchpad_answer`; for the embedded task, whose SFT data always answers what the scratchpad says)."""
     set_vllm_cpu_env()
     from vllm import LLM, SamplingParams
+
+    from harness import vllm_internals
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -421,7 +423,7 @@ def measure_with_vllm(model_dir: Path, problems: list[Problem], task: Task, samp
     prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, p.prompt)} for p in problems]
     params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens, seed=seed)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    llm.llm_engine.engine_core.shutdown()  # stop the engine now, so its shutdown logs come before our result
+    vllm_internals.shutdown_engine_core(llm)  # stop the engine now, so its shutdown logs come before our result
     passed, mixed, spelled, followed = 0, 0, 0, 0
     for problem, out in zip(problems, outputs):
         rewards = [task.reward(problem, c.text) for c in out.outputs]

@@ -164,7 +164,7 @@ def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
                         help="vLLM replicas of the generator, under one scheduler (default 1); the weight updates "
                              "then go to each by broadcast and by file, alternately, and each is timed")
     parser.add_argument("--weight-updates", type=_count(1), default=8,
-                        help="timed weight updates, alternating broadcast and file (default 8: 4 of each)")
+                        help="timed weight updates (default 8)")
     parser.add_argument("--only-weights", action="store_true",
                         help="time the weight updates alone (with --model, e.g. a real model), nothing else")
     parser.add_argument("--model", default=None,
@@ -172,29 +172,25 @@ def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _time_weight_transports(gen, state: dict, updates: int) -> dict:
-    """Alternating weight updates by broadcast and by file, to the same replicas in one run: the learner's seconds
-    of each (median and range), the broadcast's own share, and each replica's seconds to apply one."""
-    times: dict[str, list[float]] = {"broadcast": [], "file": []}
-    broadcast_only, per_replica = [], collections.defaultdict(list)
-    for i in range(updates):
-        transport = ("broadcast", "file")[i % 2]
-        times[transport].append(gen.update_weights(state, gen.version + 1, transport=transport))
-        if transport == "broadcast":
-            broadcast_only.append(gen.last_broadcast_s)
+    """Weight updates through vLLM's weight-transfer API (the engine the generator chose: gloo on CPU) to the same
+    replicas: the learner's seconds (median and range), the transfer's own share, and each replica's seconds to
+    apply one."""
+    times, transfer_only, per_replica = [], [], collections.defaultdict(list)
+    for _ in range(updates):
+        times.append(gen.update_weights(state, gen.version + 1))
+        transfer_only.append(gen.last_broadcast_s)
         for replica, seconds in gen.last_update_info["seconds"].items():
-            per_replica[f"{transport}_r{replica}"].append(seconds)
+            per_replica[f"r{replica}"].append(seconds)
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
-    out = {"weight_bytes": nbytes, "weight_updates": updates}
-    for transport, values in times.items():
-        out[f"weight_{transport}_s"] = round(statistics.median(values), 4)
-        out[f"weight_{transport}_s_range"] = [round(min(values), 4), round(max(values), 4)]
-    out["weight_broadcast_only_s"] = round(statistics.median(broadcast_only), 4)
-    out["weight_broadcast_vs_file"] = round(out["weight_broadcast_s"] / out["weight_file_s"], 3)
-    out["weight_apply_s_by_replica"] = {k: round(statistics.median(v), 4) for k, v in sorted(per_replica.items())}
-    print(f"weight update of {nbytes / 2**20:.1f} MB to {len(gen.info['replicas'])} replica(s), median of "
-          f"{updates // 2} each: broadcast {out['weight_broadcast_s'] * 1000:.1f} ms (of which the broadcast itself "
-          f"{out['weight_broadcast_only_s'] * 1000:.1f} ms), file {out['weight_file_s'] * 1000:.1f} ms: ratio "
-          f"{out['weight_broadcast_vs_file']:.3f}", flush=True)
+    engine = gen.config.weight_transport
+    out = {"weight_bytes": nbytes, "weight_updates": updates, "weight_engine": engine,
+           "weight_update_s": round(statistics.median(times), 4),
+           "weight_update_s_range": [round(min(times), 4), round(max(times), 4)],
+           "weight_transfer_only_s": round(statistics.median(transfer_only), 4),
+           "weight_apply_s_by_replica": {k: round(statistics.median(v), 4) for k, v in sorted(per_replica.items())}}
+    print(f"weight update of {nbytes / 2**20:.1f} MB to {len(gen.info['replicas'])} replica(s) by vLLM's {engine} "
+          f"engine, median of {updates}: {out['weight_update_s'] * 1000:.1f} ms (of which the transfer itself "
+          f"{out['weight_transfer_only_s'] * 1000:.1f} ms)", flush=True)
     return out
 
 
@@ -365,6 +361,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     # The two engines live side by side and the runs alternate, so that load from other processes hits both alike.
     from vllm import LLM, SamplingParams
 
+    from harness import vllm_internals
+
     llm = LLM(model=model_dir, dtype="float32", seed=args.seed, max_model_len=256, enforce_eager=True,
               logprobs_mode="processed_logprobs", disable_log_stats=True)
     params = SamplingParams(n=G, temperature=1.0, max_tokens=args.max_tokens, logprobs=0)
@@ -389,13 +387,12 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
             assert sorted(g.problem.id for g in groups) == sorted(p.id for p in problems[W + r * N : W + (r + 1) * N])
             print(f"repeat {r}: LLM.generate {base_rates[-1]:.0f} tokens/s, ours {ours_rates[-1]:.0f} tokens/s",
                   flush=True)
-        llm.llm_engine.engine_core.shutdown()
+        vllm_internals.shutdown_engine_core(llm)
         del llm, outs
         gc.collect()
-        # 3. weight sync latency (learner side: send the weights, every replica reloads between two steps), by
-        # broadcast and by file alternately; weight_sync_s is the broadcast's, the default
+        # 3. weight sync latency (learner side: send the weights, every replica reloads between two steps)
         transports = _time_weight_transports(gen, state, args.weight_updates)
-        weight_sync_s = transports["weight_broadcast_s"]
+        weight_sync_s = transports["weight_update_s"]
         # 4a. end to end, synchronous mode
         sync_sps, sync_stats = run_learner(gen, args.steps)
         # 4b. both sides at once but not waiting for each other: the most a pipeline can get from these 2 cores
@@ -419,7 +416,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         optimizer.step()
         step_times.append(time.perf_counter() - t0)
     train_step_s = statistics.median(step_times[1:])
-    print(f"weight sync: {weight_sync_s * 1000:.1f} ms (broadcast, median of {args.weight_updates // 2}); "
+    print(f"weight sync: {weight_sync_s * 1000:.1f} ms (median of {args.weight_updates}); "
           f"training step "
           f"{rows}x{cols} tokens ({args.learner_threads} thread): {train_step_s * 1000:.1f} ms", flush=True)
 

@@ -359,15 +359,13 @@ class Args:
                                    "seconds to wait for every replica to connect and "
                                    "start its engine; then the start fails naming the missing ones")
     weight_transport: str = _arg(HelpGroup.REPLICAS, generator_default("weight_transport"),
-                                 "how new weights reach the replicas: broadcast "
-                                 "(torch.distributed, gloo on CPU, NCCL on GPU, in buckets), file (a safetensors "
-                                 "file in /dev/shm; replicas on this node only) or auto (broadcast, or file where a "
-                                 "replica shares learner rank 0's GPU: NCCL refuses two ranks on one GPU)",
-                                 choices=vllm_replica.WEIGHT_TRANSPORTS)
-    weight_dir: str | None = _arg(HelpGroup.REPLICAS, None, "directory of the weight files of --weight-transport "
-                                  "file (default: /dev/shm where it has room for two copies of the weights, else "
-                                  "the temp dir); a container's /dev/shm is often 64 MB. A full one stops the run "
-                                  "with a checkpoint, in one line naming the file and the free space")
+                                 "the engine of vLLM's weight-transfer API that carries new weights to each "
+                                 "replica: gloo (CPU; this project's, registered in vLLM's factory), nccl (separate "
+                                 "GPUs) or ipc (a replica on learner rank 0's GPU: CUDA IPC, no copy); auto: the "
+                                 "one for the layout (auto, gloo, nccl, ipc). broadcast, an earlier name, reads as "
+                                 "auto; file is gone (refused in one line)")
+    weight_dir: str | None = _arg(HelpGroup.REPLICAS, None, "gone with the weight file (weights travel through "
+                                  "vLLM's weight-transfer engines, never a file): refused, in one line")
 
     # debugging: turn the generator/learner speed ratio on purpose
     debug_gen_slowdown: str = _arg(HelpGroup.DEBUG, f"{generator_default('debug_slowdown'):g}",
@@ -398,6 +396,9 @@ def check_args(args: Args) -> list[str]:
     if not args.debug_learner_slowdown >= 1:
         problems.append("--debug-learner-slowdown must be >= 1 (1 = full speed)")
     problems += replica_problems(args)
+    if args.weight_dir is not None:
+        problems.append("--weight-dir: the weight file is gone (weights travel through vLLM's weight-transfer "
+                        "engines, never a file): drop --weight-dir")
     problems += report_to_problems(args.report_to, args.output_dir)
     problems += pipeline_rl.config_problems(  # the checks of every setting the generator shares, written there
         {**generator_values(args), "replicas": 1 if args.gen_replicas is None else args.gen_replicas,
@@ -614,7 +615,7 @@ def generator_values(args: Args) -> dict[str, Any]:
               "gen_devices": args.gen_devices, "tensor_parallel_size": args.tensor_parallel_size,
               "remote_replicas": args.gen_remote_replicas, "listen": args.gen_listen,
               "join_timeout": args.gen_join_timeout, "weight_transport": args.weight_transport,
-              "weight_dir": args.weight_dir, "reward_timeout": args.reward_timeout,
+              "reward_timeout": args.reward_timeout,
               "batch_timeout": args.batch_timeout}
     for key, parse in (("think_budget", lambda: int_range(args.think_budget)),
                        ("debug_slowdown", lambda: gen_slowdowns(args))):
@@ -701,7 +702,7 @@ def layout_lines(args: Args, num_gpus: int, learner_ranks: int) -> list[str]:
         lines.append(f"replicas {len(replica_gpus)}..{len(replica_gpus) + args.gen_remote_replicas - 1}: on other "
                      "nodes (python pipeline_rl.py replica)")
     _, transport = vllm_replica.choose_weight_transport(args.weight_transport, learner_ids[0], replica_gpus,
-                                                        len(replica_gpus), args.gen_remote_replicas)
+                                                        len(replica_gpus), args.gen_remote_replicas, learner_ranks)
     return lines + [transport]
 
 
@@ -737,8 +738,8 @@ def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory:
         config, args, learner_ranks, gpu_memory, dtype=dtype, sequence_tokens=model_context(args),
         logits_chunk_bytes=SPLIT_CHUNK_BYTES if split else LOGITS_CHUNK_BYTES, split_bf16_head=split,
         generator_share=generator_memory_fraction(args, shares_gpu) if shares_gpu else 0.0,
-        push_file=shares_gpu or args.weight_transport == "file",  # a shared GPU: by file (choose_weight_transport)
-        push_gpu=bool(args.gen_devices) and not shares_gpu and args.weight_transport != "file")
+        push_file=False,  # no layout writes a weight file: vLLM's nccl and ipc engines send from the GPU
+        push_gpu=bool(args.gen_devices))
 
 
 def learner_gpu_memory(device_id: int) -> int:

@@ -278,12 +278,14 @@ class Setup:
                 self.generator.start()
             except pipeline_rl.GeneratorError as e:  # e.g. a remote replica that never joined: its line, no traceback
                 raise SystemExit(f"train.py: error: {e}") from None
+            if self.device.type != "cuda":  # a GPU run printed it with the layout, above
+                print(self.generator.transport_line, flush=True)
         if state.step > 0:  # the generator starts from the base weights: give it the resumed ones
             weights = push_state_dict(learner.model, self.generator)
             if is_main:
                 try:
                     self.generator.update_weights(weights, state.step)
-                except pipeline_rl.GeneratorError as e:  # a full disk for the weight file: a failed start, one line
+                except pipeline_rl.GeneratorError as e:  # a replica whose update failed, the last: one line
                     raise SystemExit(f"train.py: error: {e}") from None
         eval_rows: list[dict] = []
         if is_main:  # the run's files appear only once it has started
@@ -560,11 +562,11 @@ def full_state_dict(model: Any) -> dict:
 def push_state_dict(model: Any, generator: Any) -> dict:
     """The full weights of a push, gathered one tensor at a time (a collective: every rank calls it; `generator` is
     rank 0's, None on the others, which keep nothing) and on rank 0 cast to the generator's dtype as each arrives,
-    on the device it arrives on. Rank 0 keeps them on its GPU where they go by NCCL broadcast, so the buckets are
-    packed from GPU memory with no host round trip; for a weight file, or gloo, they go to host memory (in the
-    generator's dtype: half the bytes of float32 where it is bf16)."""
+    on the device it arrives on. Rank 0 keeps them on its GPU where vLLM's nccl or ipc engine sends them (no host
+    round trip); for the gloo engine they go to host memory (in the generator's dtype: half the bytes of float32
+    where it is bf16)."""
     cfg = getattr(generator, "config", None)
-    on_gpu = cfg is not None and cfg.weight_transport == "broadcast" and cfg.gen_devices is not None
+    on_gpu = cfg is not None and cfg.weight_transport in ("nccl", "ipc")  # vLLM's GPU engines send from the GPU
     dtype = vllm_replica.DTYPES.get(cfg.dtype, torch.float32) if cfg is not None else None
     weights: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor | None] = {}  # a tied weight appears under two names: gather it once

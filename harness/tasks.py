@@ -1371,6 +1371,8 @@ def sample_completions(model_dir: Path, dataset: str, samples: int = 4, max_toke
     {"id", "sample", "predicted", "reference"} that `check-answer --pairs` reads: what a run's rewards would score."""
     set_vllm_cpu_env()
     from vllm import LLM, SamplingParams
+
+    from harness import vllm_internals
     from transformers import AutoTokenizer
 
     task = MathDataset(dataset, val_size=0)
@@ -1383,7 +1385,7 @@ def sample_completions(model_dir: Path, dataset: str, samples: int = 4, max_toke
     prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, p.prompt)} for p in problems]
     params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens, seed=seed)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    llm.llm_engine.engine_core.shutdown()
+    vllm_internals.shutdown_engine_core(llm)
     return [{"id": p.id, "sample": i, "predicted": c.text, "reference": p.answer}
             for p, out in zip(problems, outputs) for i, c in enumerate(out.outputs)]
 

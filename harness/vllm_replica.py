@@ -6,12 +6,13 @@ what makes it run on real machines, and it imports nothing of pipeline_rl (nor o
 - what runs inside vLLM's processes: the interruption and slowdown logits processors (vLLM loads them by the
   names "harness.vllm_replica:InterruptionLogitsProcessor" and "harness.vllm_replica:SlowdownLogitsProcessor", with a
   "V2" suffix for vLLM's V2 model runner, which `model_runner_v2` chooses) and the worker extension
-  "harness.vllm_replica.WeightSyncExtension" that receives and reloads weights;
+  "harness.vllm_replica.WeightSyncExtension" (two probes; importing this module in vLLM's worker registers the CPU
+  weight-transfer engine of harness/weight_transfer.py);
 - placement and the replicas' own settings: which GPUs the replicas and the learner take (`split_devices`,
   `replica_devices`, `visible_devices`), and the checks of their number, address, secret and transport (`replica_problems`, called by
   pipeline_rl.config_problems);
-- the weight transport: buckets over a torch.distributed group per replica (gloo on CPU, NCCL on GPU), or a file
-  where a replica shares the learner's GPU (`choose_weight_transport`);
+- which engine of vLLM's weight-transfer API carries the weights (`choose_weight_transport`: gloo on CPU, nccl
+  between GPUs, ipc to a replica on the learner's GPU), and the replica's side of its calls (`_Replica.weight_call`);
 - the replica process: one vLLM engine, serving the scheduler over one connection;
 - the handshake: who may connect (an HMAC challenge on the shared secret, both ways, harness/wire.py's), and the
   listener; every message after it is an authenticated frame of plain data (wire.Channel), never a pickle;
@@ -30,36 +31,29 @@ import collections
 import contextlib
 import ctypes
 import errno
-import hashlib
-import hmac
 import io
 import ipaddress
-import logging
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import pickle
 import queue
 import re
-import secrets
-import shutil
 import signal
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
 
-from harness import tasks, wire
+from harness import tasks, vllm_internals, wire  # vllm_internals imports no vLLM until a call needs it
 from harness.cli import OneLineParser, int_at_least, number  # one error line for a bad flag; argparse types
 
 # --------------------------------------------------------------------------------------------------------------
@@ -108,42 +102,71 @@ def listen_address(text: str) -> tuple[str, int, socket.AddressFamily]:
     return sockaddr[0], port, family
 
 
-WEIGHT_TRANSPORTS = ("auto", "broadcast", "file")  # GeneratorConfig.weight_transport; train.py's --weight-transport
+WEIGHT_TRANSPORTS = ("auto", "gloo", "nccl", "ipc")  # GeneratorConfig.weight_transport; train.py's --weight-transport
+# values of an earlier version: "broadcast" is what auto now picks; "file" is gone (weight_transport_value)
+FILE_TRANSPORT_GONE = ("file: the weight file is gone; weights travel through vLLM's weight-transfer engines (auto: "
+                       "gloo on CPU, nccl between GPUs, ipc to a replica on learner rank 0's GPU)")
+
+
+def weight_transport_value(text: str) -> str:
+    """--weight-transport's value: "broadcast" (an earlier version's) reads as auto; "file" is refused in one line
+    that says what replaced it."""
+    if text == "file":
+        raise ValueError(FILE_TRANSPORT_GONE)
+    return "auto" if text == "broadcast" else text
 
 
 def choose_weight_transport(requested: str, learner_gpu: int | None, replica_gpus: list[list[int]], replicas: int,
-                            remote: int) -> tuple[str, str]:
-    """("broadcast" or "file", the line that names it) for `requested` ("auto", "broadcast" or "file"): learner rank
-    0 sends from `learner_gpu` (None: CPU) to `replicas` local replicas (on `replica_gpus`, empty on CPU) and `remote`
-    others. auto broadcasts (NCCL on GPU, gloo on CPU) unless a local replica shares rank 0's GPU: NCCL refuses two
-    ranks on one GPU ("Duplicate GPU detected"), so the weights then go by file. ValueError: a choice that cannot
-    work, in one line that starts with `requested` (the caller names the setting)."""
-    shared = [i for i, gpus in enumerate(replica_gpus) if learner_gpu is not None and learner_gpu in gpus]
+                            remote: int, learner_ranks: int = 1) -> tuple[str, str]:
+    """(vLLM weight-transfer engine, the line that names it) for `requested` (WEIGHT_TRANSPORTS): learner rank 0
+    sends from `learner_gpu` (None: CPU) to `replicas` local replicas (on `replica_gpus`, empty on CPU) and `remote`
+    others, each replica through an engine instance of its own. CPU: gloo, this project's engine
+    (harness/weight_transfer.py). GPUs: vLLM's nccl, or its ipc where a replica shares rank 0's GPU (NCCL refuses
+    two ranks on one GPU; ipc hands the replica CUDA IPC handles, no copy). ValueError: a choice that cannot work,
+    in one line that starts with `requested` (the caller names the setting)."""
+    requested = weight_transport_value(requested)
+    if requested not in WEIGHT_TRANSPORTS:
+        raise ValueError(f"{requested}: must be one of {', '.join(WEIGHT_TRANSPORTS)}")
+    n = replicas + remote
+    if learner_gpu is None:
+        if requested in ("nccl", "ipc"):
+            raise ValueError(f"{requested}: a CPU run has no GPU to send from (auto: gloo)")
+        return "gloo", (f"weight transfer: vLLM's weight-transfer API, engine gloo (this project's, in vLLM's "
+                        f"factory), learner rank 0 to {n} replica(s), a group each")
+    shared = [i for i, gpus in enumerate(replica_gpus) if learner_gpu in gpus]
     if shared:
         where = f"replica {shared[0]} shares GPU {learner_gpu} with learner rank 0"
-        if requested == "broadcast":
-            raise ValueError(f"broadcast: {where}, and NCCL refuses two ranks on one GPU (use auto or file)")
-        if remote:
-            raise ValueError(f"{requested}: {where}, so weights go by file, which reaches this node's replicas only; "
-                             "remote replicas need a learner on GPUs of its own")
-        return "file", f"weight transport: file, a safetensors file each replica reads ({where}: NCCL refuses two " \
-                       "ranks on one GPU)"
-    if requested == "file":
-        return "file", f"weight transport: file, a safetensors file each of the {replicas} replica(s) of this node reads"
-    backend = "NCCL" if learner_gpu is not None else "gloo"
-    return "broadcast", f"weight transport: {backend} broadcast from learner rank 0 to {replicas + remote} replica(s)"
+        if requested in ("nccl", "gloo"):
+            raise ValueError(f"{requested}: {where}, and NCCL refuses two ranks on one GPU (use auto or ipc)")
+        others = [i for i in range(len(replica_gpus)) if i not in shared]
+        if others or remote:
+            who = f"replica {others[0]}" if others else "remote replicas"
+            raise ValueError(f"{requested}: {where}, so weights go by vLLM's ipc engine, which reaches that GPU only, "
+                             f"and {who} would need nccl from the same GPU: give the learner GPUs of its own")
+        if learner_ranks > 1:
+            raise ValueError(f"{requested}: {where}; vLLM's ipc engine gathers its handles over every learner rank, "
+                             f"and only rank 0 sends here: run the learner on one rank (got {learner_ranks})")
+        return "ipc", f"weight transfer: vLLM's ipc engine, CUDA IPC handles on GPU {learner_gpu} ({where})"
+    if requested == "ipc":
+        raise ValueError(f"ipc: no replica shares learner rank 0's GPU {learner_gpu}, and ipc reaches only that GPU "
+                         "(use auto or nccl)")
+    engine = "nccl" if requested == "auto" else requested
+    return engine, (f"weight transfer: vLLM's {engine} engine from learner rank 0 (GPU {learner_gpu}) to {n} "
+                    "replica(s), a group each")
 
 
 def config_weight_transport(cfg: Any, learner_gpu: int | None = None) -> tuple[str, str]:
     """choose_weight_transport for a GeneratorConfig `cfg`, its learner rank 0 on `learner_gpu` (default: this
-    process's GPU when the config is a GPU one)."""
+    process's GPU when the config is a GPU one); the learner's ranks are its default group's, if it has one."""
     on_gpu = cfg.gen_devices is not None and torch.cuda.is_available()
     if learner_gpu is None and on_gpu:
         learner_gpu = torch.cuda.current_device()
     gen_ids = [int(x) for x in cfg.gen_devices.split(",") if x.strip()] if on_gpu else []
     replica_gpus = replica_devices(gen_ids, cfg.tensor_parallel_size) if gen_ids else []
+    dist = torch.distributed
+    ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return choose_weight_transport(cfg.weight_transport, learner_gpu, replica_gpus,
-                                   len(replica_gpus) or cfg.replicas, cfg.remote_replicas)
+                                   len(replica_gpus) or cfg.replicas, cfg.remote_replicas, ranks)
 
 
 def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int], list[int]]:
@@ -181,14 +204,18 @@ def replica_problems(values: Mapping[str, Any], name: Callable[[str], str]) -> l
         problems.append(f"{name('remote_replicas')} needs {name('secret')}: replicas on other nodes must prove a "
                         "shared secret (e.g. `head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`, copied to "
                         "each node)")
-    if "weight_transport" in v and v["weight_transport"] not in WEIGHT_TRANSPORTS:
-        problems.append(f"{name('weight_transport')} must be 'auto', 'broadcast' or 'file', got "
-                        f"{v['weight_transport']!r}")
-    elif v.get("weight_transport") == "file" and remote:
-        problems.append(f"{name('weight_transport')} file reaches replicas on this node only: remote replicas need "
-                        "'broadcast'")
-    if v.get("weight_dir") is not None and not writable_dir(v["weight_dir"]):
-        problems.append(f"{name('weight_dir')} {v['weight_dir']}: not a directory this user can write")
+    if "weight_transport" in v:
+        try:
+            transport = weight_transport_value(v["weight_transport"])
+        except ValueError as e:
+            problems.append(f"{name('weight_transport')} {e}")
+        else:
+            if transport not in WEIGHT_TRANSPORTS:
+                problems.append(f"{name('weight_transport')} must be one of {', '.join(WEIGHT_TRANSPORTS)}, got "
+                                f"{v['weight_transport']!r}")
+            elif transport == "ipc" and remote:
+                problems.append(f"{name('weight_transport')} ipc reaches a replica on learner rank 0's GPU only: "
+                                "remote replicas need 'nccl' (or auto)")
     return problems
 
 
@@ -496,15 +523,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class _RotaryCacheFilter:
-    """logging filter: drops vLLM's reload warnings about RotaryEmbedding, whose buffer is not a checkpoint weight,
-    and about a tied ParallelLMHead, which has no weight of its own to load (_scalerl_refresh_tied_head)."""
-
-    def filter(self, record: Any) -> bool:
-        return not (record.msg == "%s: Failed to load weights"
-                    and record.args in (("RotaryEmbedding",), ("ParallelLMHead",)))
-
-
 def weight_tensors(state_dict: Mapping[str, Any], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
     """The tensors of a full HF-named state dict as the generator loads them: contiguous, floats in `dtype`, on
     the device they come on (rank 0's GPU for an NCCL broadcast: runtime.push_state_dict), wrapper prefixes
@@ -533,71 +551,10 @@ def weight_tensors(state_dict: Mapping[str, Any], dtype: torch.dtype, tied: bool
 
 
 class WeightSyncExtension:
-    """Mixed into vLLM's worker (`worker_extension_cls`); reached through `LLM.collective_rpc`."""
-
-    def _scalerl_quiet_reload(self) -> None:
-        # vLLM warns "RotaryEmbedding: Failed to load weights" at every reload: its cos/sin cache is computed, not
-        # a checkpoint weight, and vLLM keeps it. Drop that one message (once per worker), keep every other.
-        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        if not any(isinstance(f, _RotaryCacheFilter) for f in reload_log.filters):
-            reload_log.addFilter(_RotaryCacheFilter())
-
-    def _scalerl_refresh_tied_head(self) -> None:
-        # A tied LM head (SmolLM2's) shares the embedding's weight, and a tied state dict sends no lm_head.weight.
-        # vLLM's layerwise reload updates the shared weight in place but, having loaded nothing into the head,
-        # does not process the head again: on CPU its GEMM keeps the weight packed from the old values, and the
-        # sampler would score every later token with the base model's head (on SmolLM2 a max |log-ratio| of 0.01
-        # after a 1e-3 nudge to the embedding; 0.02-0.05 after a few steps at lr 3e-5). Pack it again.
-        model = self.model_runner.model  # type: ignore[attr-defined]
-        if not getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-            return
-        head = getattr(model, "lm_head", None)
-        method = getattr(head, "quant_method", None)
-        if method is None:
-            raise RuntimeError(f"{type(model).__name__} ties its LM head but has no lm_head.quant_method: cannot "
-                               "process the head again after a weight reload")
-        method.process_weights_after_loading(head)
-
-    def scalerl_load_weights(self, path: str) -> int:
-        """Reload all weights in place from a safetensors file (HF names, checkpoint format)."""
-        from safetensors import safe_open
-
-        self._scalerl_quiet_reload()
-
-        def weights():
-            with safe_open(path, framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-
-        self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        self._scalerl_refresh_tied_head()
-        return os.getpid()
-
-    def scalerl_join_weights(self, group: dict) -> int:
-        """Join this replica's weight group with the learner: rank 1 + this worker's tensor-parallel rank."""
-        from vllm.distributed import get_tensor_model_parallel_rank
-
-        self._scalerl_group = None  # a group of an earlier update is gone: drop it before forming the next one
-        self._scalerl_group = open_weight_group(group, 1 + get_tensor_model_parallel_rank())
-        return os.getpid()
-
-    def scalerl_receive_weights(self, manifest: list[list[tuple]]) -> int:
-        """Receive the buckets of `manifest` from the learner (rank 0 of the weight group) and reload every weight
-        in place, one bucket at a time: vLLM's reload_weights takes them as an iterator."""
-        group = getattr(self, "_scalerl_group", None)
-        if group is None:
-            raise RuntimeError("no weight group: the learner's join did not reach this worker")
-        self._scalerl_quiet_reload()
-
-        def weights() -> Iterator[tuple[str, torch.Tensor]]:
-            for bucket in manifest:
-                buffer = torch.empty(bucket_nbytes(bucket), dtype=torch.uint8, device=group.device)
-                group.broadcast(buffer).wait()
-                yield from unpack_bucket(buffer, bucket)
-
-        self.reload_weights(weights_iterator=weights(), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        self._scalerl_refresh_tied_head()
-        return os.getpid()
+    """Mixed into vLLM's worker (`worker_extension_cls`); reached through `LLM.collective_rpc`. Weights themselves
+    arrive through vLLM's weight-transfer API (the worker's init_weight_transfer_engine, start_weight_update,
+    update_weights, finish_weight_update); importing this module registers the CPU engine for them
+    (harness/weight_transfer.py). What is left here are two probes the tests use."""
 
     def scalerl_head_info(self) -> dict:
         model = self.model_runner.model  # type: ignore[attr-defined]
@@ -610,277 +567,6 @@ class WeightSyncExtension:
         params = dict(self.model_runner.model.named_parameters())  # type: ignore[attr-defined]
         return float(params[name].detach().double().sum())
 
-
-# --------------------------------------------------------------------------------------------------------------
-# Weights from the learner to the replicas: buckets over a torch.distributed group per replica (gloo or NCCL)
-# --------------------------------------------------------------------------------------------------------------
-
-_ALIGN = 16  # byte alignment of each tensor in a bucket, so that every slice can be viewed as its dtype
-
-
-def weight_manifest(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple]]:
-    """The buckets of a broadcast: lists of (name, dtype, shape, offset, nbytes), each bucket at most
-    `bucket_bytes` (a larger tensor gets a bucket of its own), in the tensors' order."""
-    buckets: list[list[tuple]] = [[]]
-    offset = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if buckets[-1] and offset + nbytes > bucket_bytes:
-            buckets.append([])
-            offset = 0
-        buckets[-1].append((name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset, nbytes))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    return [b for b in buckets if b]
-
-
-def bucket_nbytes(bucket: list[tuple]) -> int:
-    _, _, _, offset, nbytes = bucket[-1]
-    return offset + nbytes
-
-
-def pack_bucket(tensors: Mapping[str, torch.Tensor], bucket: list[tuple], device: Any = "cpu") -> torch.Tensor:
-    """One bucket's tensors as one flat uint8 tensor on `device` (the group's: the GPU for NCCL)."""
-    buffer = torch.zeros(bucket_nbytes(bucket), dtype=torch.uint8, device=device)
-    for name, _, _, offset, nbytes in bucket:
-        buffer[offset: offset + nbytes].copy_(tensors[name].reshape(-1).view(torch.uint8), non_blocking=True)
-    return buffer
-
-
-def unpack_bucket(buffer: torch.Tensor, bucket: list[tuple]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) views into a received bucket, in its order."""
-    for name, dtype, shape, offset, nbytes in bucket:
-        yield name, buffer[offset: offset + nbytes].view(getattr(torch, dtype)).view(shape)
-
-
-class SealedStore(torch.distributed.Store):
-    """A weight group's view of the learner's TCPStore, which has no authentication and lists its keys to anyone
-    who reaches it: each key is stored under an HMAC of its name, and each value encrypted (an HMAC-SHA256 stream,
-    a fresh nonce per value) and authenticated, all keyed by the group's secret (its random prefix, sent only over
-    the authenticated connection). A stranger who lists the keys learns neither the names nor the values (gloo's
-    addresses, NCCL's unique id), and a value it writes is refused, not used."""
-
-    def __init__(self, store: Any, secret: str):
-        super().__init__()
-        self._store, self._secret = store, secret
-        self._key = hashlib.sha256(b"scalerl weight group\0" + secret.encode()).digest()
-
-    def clone(self) -> "SealedStore":  # a connection of its own to the same store (NCCL may ask for one)
-        return SealedStore(self._store.clone(), self._secret)
-
-    def _mac(self, *parts: bytes) -> bytes:
-        return hmac.new(self._key, b"\0".join(parts), hashlib.sha256).digest()
-
-    def _name(self, key: str) -> str:
-        return self._mac(b"name", key.encode()).hex()
-
-    def _xor(self, nonce: bytes, data: bytes) -> bytes:
-        stream = b"".join(self._mac(b"stream", nonce, i.to_bytes(8, "big")) for i in range(len(data) // 32 + 1))
-        return (int.from_bytes(data, "big") ^ int.from_bytes(stream[:len(data)], "big")).to_bytes(len(data), "big")
-
-    def _seal(self, key: str, value: Any) -> bytes:
-        data = value.encode() if isinstance(value, str) else bytes(value)
-        nonce = secrets.token_bytes(16)
-        body = self._xor(nonce, data)
-        return nonce + body + self._mac(b"value", key.encode(), nonce, body)
-
-    def _open(self, key: str, sealed: Any) -> bytes:
-        sealed = bytes(sealed)
-        nonce, body, mac = sealed[:16], sealed[16:-32], sealed[-32:]
-        if len(sealed) < 48 or not hmac.compare_digest(mac, self._mac(b"value", key.encode(), nonce, body)):
-            raise ValueError(f"the weight group's store holds a value for {key!r} that no member wrote: refused")
-        return self._xor(nonce, body)
-
-    def set(self, key: str, value: Any) -> None:
-        self._store.set(self._name(key), self._seal(key, value))
-
-    def get(self, key: str) -> bytes:
-        return self._open(key, self._store.get(self._name(key)))
-
-    def add(self, key: str, amount: int) -> int:
-        return self._store.add(self._name(key), amount)
-
-    def wait(self, keys: list[str], timeout: Any = None) -> None:
-        names = [self._name(k) for k in keys]
-        self._store.wait(names) if timeout is None else self._store.wait(names, timeout)
-
-    def check(self, keys: list[str]) -> bool:
-        return self._store.check([self._name(k) for k in keys])
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        """Set `desired` if the value is `expected` (b"": if there is none); returns the value now held. Compared
-        once opened, then swapped atomically on the sealed bytes read."""
-        name, expected = self._name(key), expected.encode() if isinstance(expected, str) else bytes(expected)
-        held = self.get(key) if self._store.check([name]) else b""
-        if held != expected:
-            return held
-        current = bytes(self._store.get(name)) if held else b""
-        return self._open(key, self._store.compare_set(name, current, self._seal(key, desired)))
-
-    def delete_key(self, key: str) -> bool:
-        return self._store.delete_key(self._name(key))
-
-    def num_keys(self) -> int:
-        return self._store.num_keys()
-
-    def set_timeout(self, timeout: Any) -> None:
-        self._store.set_timeout(timeout)
-
-
-def open_weight_group(group: dict, rank: int, store: Any = None) -> Any:
-    """Rank `rank` of a weight group: the learner is rank 0 and a replica's workers the others. The group
-    rendezvouses through the learner's TCPStore, sealed by its random prefix (SealedStore); gloo (CPU) binds group["bind_host"], the
-    address this member is reached at; NCCL (GPU) uses the current CUDA device. One function for both sides and
-    both backends: the process group object is all a broadcast needs, no default group is involved."""
-    import torch.distributed as dist
-
-    timeout = timedelta(seconds=group["timeout_s"])
-    if store is None:
-        store = dist.TCPStore(group["store_host"], group["store_port"], is_master=False, timeout=timeout)
-    prefixed = SealedStore(store, group["prefix"])  # keys and values unreadable to whoever else reaches the store
-    if group["backend"] == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=group["bind_host"])]
-        pg = dist.ProcessGroupGloo(prefixed, rank, group["world"], options)
-    else:
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        # A replica that dies mid-broadcast must fail its own group, not take the learner down: with PyTorch's
-        # default (3), NCCL's watchdog ends the whole process on a timeout; 2 aborts the group's communicator only.
-        # The setting is read when a group is made. (Not yet tried on a machine with several GPUs.)
-        previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
-        try:
-            pg = dist.ProcessGroupNCCL(prefixed, rank, group["world"], options)
-        finally:
-            if previous is None:
-                os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
-            else:
-                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = previous
-    return WeightGroup(pg, group["backend"])
-
-
-@dataclass
-class WeightGroup:
-    """One replica's weight group, as one of its members holds it."""
-
-    pg: Any  # the torch.distributed process group (gloo or NCCL)
-    backend: str
-
-    @property
-    def device(self) -> torch.device:
-        """Where its tensors must be: this process's GPU for NCCL, the CPU for gloo."""
-        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-
-    def broadcast(self, buffer: torch.Tensor) -> Any:
-        """Start broadcasting `buffer` from rank 0 (the learner); returns the work to wait() on. On NCCL, later
-        work on the current stream waits for it."""
-        import torch.distributed as dist
-
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        return self.pg.broadcast([buffer], options)
-
-
-def store_listener(host: str) -> socket.socket:
-    """A listening TCP socket on `host` alone (its numeric address, listen_address's rules: no wildcard) and a free
-    port, for the weight groups' TCPStore."""
-    address, _, family = listen_address(f"[{host}]:0" if ":" in host else f"{host}:0")
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        listener.bind((address, 0))
-        listener.listen(128)
-    except OSError:
-        listener.close()
-        raise
-    return listener
-
-
-class WeightSender:
-    """The learner's side of the weight groups: it hosts their TCPStore and is rank 0 of each replica's group."""
-
-    def __init__(self, host: str, backend: str, timeout_s: float):
-        import torch.distributed as dist
-
-        self.host, self.backend, self.timeout_s = host, backend, timeout_s
-        # TCPStore binds every interface when it opens its own socket: it gets one bound to `host` alone (the
-        # --gen-listen address; 127.0.0.1 on one node), so no other interface reaches the store.
-        listener = store_listener(host)
-        try:  # the store owns the descriptor once it has it (it closes it as it goes): Python lets go of it
-            self.store = dist.TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.fileno())
-        except BaseException:
-            listener.close()
-            raise
-        listener.detach()
-        self.groups: dict[int, WeightGroup] = {}  # replica id -> its group
-
-    @property
-    def address(self) -> tuple[str, int]:
-        return self.host, self.store.port
-
-    def join(self, replica: int, group: dict) -> None:
-        """Form replica `replica`'s group (blocks until its workers join; a failure raises)."""
-        self.groups.pop(replica, None)
-        self.groups[replica] = open_weight_group({**group, "bind_host": self.host}, 0, store=self.store)
-
-    def drop(self, replica: int) -> None:
-        self.groups.pop(replica, None)
-
-    def send(self, tensors: Mapping[str, torch.Tensor], manifest: list[list[tuple]], replicas: list[int],
-             gone: Callable[[int], str | None] | None = None) -> dict[int, str]:
-        """Broadcast every bucket to the groups of `replicas`, to all groups at once, one bucket at a time.
-        Returns {replica: error} for the groups that failed (dropped; the others carry on). `gone(replica)` names
-        a replica's dead processes (None while they live): a replica that dies mid-broadcast would leave its NCCL
-        broadcast waiting until weight_timeout, so its group is aborted as soon as `gone` names it."""
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        failed: dict[int, str] = {r: "no weight group" for r in replicas if r not in self.groups}
-        live = [r for r in replicas if r in self.groups]
-        for bucket in manifest:
-            buffer = pack_bucket(tensors, bucket, device)
-            works = {}
-            for r in live:
-                try:
-                    works[r] = self.groups[r].broadcast(buffer)
-                except Exception as e:
-                    failed[r] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            self._wait(works, failed, gone)  # no device-wide synchronize: a completed work is done on the GPU too
-            for r in failed:
-                self.drop(r)
-            live = [r for r in live if r not in failed]
-        return failed
-
-    def _wait(self, works: dict[int, Any], failed: dict[int, str], gone: Callable[[int], str | None] | None) -> None:
-        """Until every work completes, fails (into `failed`), or its replica is gone or past weight_timeout (its
-        group aborted). Polling the works, not waiting on one, is what lets a dead replica be named within a poll."""
-        deadline = time.monotonic() + self.timeout_s
-        pending = dict(works)
-        while pending:
-            for r, work in list(pending.items()):
-                try:
-                    done = work.is_completed()
-                    if done:
-                        work.wait()  # raises the work's error, if it failed
-                except Exception as e:
-                    failed[r], done = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}", True
-                why = None if done else (gone(r) if gone else None)
-                if why or (not done and time.monotonic() > deadline):
-                    failed[r] = f"{why} died during the weight broadcast" if why else \
-                        f"the weight broadcast took over weight_timeout ({self.timeout_s:.0f} s)"
-                    self._abort(r)
-                if done or r in failed:
-                    del pending[r]
-            if pending:
-                time.sleep(0.002)
-
-    def _abort(self, replica: int) -> None:
-        """Abort a replica's group, so that its unfinished broadcast stops holding this process's GPU stream."""
-        group = self.groups.get(replica)
-        try:
-            if group is not None and hasattr(group.pg, "abort"):
-                group.pg.abort()
-        except Exception:
-            pass  # the group is dropped either way
 
 # --------------------------------------------------------------------------------------------------------------
 # A replica: one vLLM engine in a process of its own, on this node or another
@@ -901,6 +587,9 @@ def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
         enforce_eager=(not on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
         logprobs_mode="processed_logprobs",  # logprobs after temperature: what the sampler really used
         worker_extension_cls=f"{__name__}.WeightSyncExtension",
+        # weights arrive by vLLM's weight-transfer API; the engine is the one the generator chose at its start
+        weight_transfer_config={"backend": cfg.weight_transport if cfg.weight_transport in ("gloo", "nccl", "ipc")
+                                else ("nccl" if on_gpu else "gloo")},
         tensor_parallel_size=cfg.tensor_parallel_size, disable_log_stats=True, enable_prefix_caching=True,
     )
     v2 = "V2" if model_runner_v2(on_gpu) else ""  # the classes of the runner's interface (replica_main pins it)
@@ -954,7 +643,8 @@ class _Replica:
         self.version = -1 if version is None else version  # -1: not the run's weights yet (a late joiner)
         self.send_lock = threading.Lock()  # the engine watcher thread sends too
         self.closing = False
-        self.join_error: str | None = None
+        self.updating = False  # between a weight update's start and its finish (weight_call)
+        self.weights_failed = False  # a call of this update failed: the rest of it is skipped
 
     def send(self, msg: tuple) -> None:
         with self.send_lock:
@@ -963,9 +653,11 @@ class _Replica:
     def init_engine(self) -> dict:
         from vllm import LLM
 
+        from harness import weight_transfer  # registers the CPU engine in vLLM's factory before the LLM builds it
+
         self.llm = LLM(**vllm_engine_kwargs(self.cfg, self.id))
         self.engine = self.llm.llm_engine
-        self.engine.engine_core.set_weight_version(str(self.version))
+        self.llm.update_weight_version(str(self.version))
         import psutil
 
         procs = psutil.Process().children(recursive=True)
@@ -1002,7 +694,9 @@ class _Replica:
     def run(self) -> None:
         busy_s = 0.0  # engine time since the last message: sent with the next finished completions
         while not self.closing:
-            busy = self.engine.has_unfinished_requests()
+            # no step from a weight update's start to its finish: the model's layers are being reloaded (vLLM's
+            # layerwise reload puts them on the meta device until each is whole)
+            busy = self.engine.has_unfinished_requests() and not self.updating
             while self.conn.poll(0.0 if busy else 0.2):
                 try:
                     msg = self.conn.recv()
@@ -1010,10 +704,10 @@ class _Replica:
                     self.closing = True
                     return
                 self.handle(msg)
-                busy = True  # handle the rest of the queue before the next step, without waiting
+                busy = not self.updating  # handle the rest of the queue before the next step, without waiting
                 if self.closing:
                     return
-            if self.engine.has_unfinished_requests():
+            if self.engine.has_unfinished_requests() and not self.updating:
                 t0 = time.perf_counter()
                 outputs = self.engine.step()
                 busy_s += time.perf_counter() - t0
@@ -1028,20 +722,8 @@ class _Replica:
             for rid, prompt_ids, salt, spec in msg[1]:
                 self.engine.add_request(rid, {"prompt_token_ids": prompt_ids, "cache_salt": salt},
                                         self.sampling_params(spec))
-        elif kind == "join":
-            try:
-                self.llm.collective_rpc("scalerl_join_weights", args=(with_group_secret(self.conn, msg[1]),))
-                self.join_error = None
-            except Exception as e:  # reported with the update that follows
-                self.join_error = f"joining its weight group failed: {type(e).__name__}: {e}"
-        elif kind == "update":
-            _, version, transport = msg
-            try:
-                seconds = self.apply_update(version, transport)
-            except Exception as e:  # half an update may be in: the scheduler takes this replica out
-                self.send(("update_failed", version, f"{type(e).__name__}: {str(e)[:500]}"))
-            else:
-                self.send(("updated", version, seconds))
+        elif kind == "weights":  # one call of vLLM's weight-transfer API, relayed from the learner's trainer engine
+            self.weight_call(msg[1], msg[2])
         elif kind == "debug":
             what = msg[1]
             value = self.llm.collective_rpc("scalerl_param_checksum", args=(what.split(":", 1)[1],))[0] \
@@ -1063,29 +745,56 @@ class _Replica:
                               logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra,
                               seed=spec.get("seed"))
 
-    def apply_update(self, version: int, transport: dict) -> float:
-        if self.join_error:
-            raise RuntimeError(self.join_error)
-        t0 = time.perf_counter()
-        core = self.engine.engine_core
-        # An engine core in its own process steps on its own: pause it so that no step runs until resume and the
-        # version labels stay exact. In this process it steps only when run() calls engine.step(), not now.
-        in_process = not hasattr(core, "call_utility")
-        if not in_process:
-            core.call_utility("pause_scheduler", "keep", False)
+    def weight_call(self, method: str, payload: Any) -> None:
+        """Make on this replica's vllm.LLM the call the learner's trainer engine made on its client (harness/
+        weight_transfer.py; vLLM's nccl and ipc engines drive the same four): init_weight_transfer_engine, then per
+        update start_weight_update, update_weights, finish_weight_update with the version (payload: plain data).
+        The engine core is paused from start to finish, so that no step runs on half-loaded weights and the
+        version labels stay exact. A failed call is reported once ("update_failed": the scheduler takes this replica
+        out) and the rest of its update skipped."""
+        if method == "init":
+            self.weights_failed = False
+        elif self.weights_failed:
+            return
         try:
-            if transport["kind"] == "file":
-                self.llm.collective_rpc("scalerl_load_weights", args=(transport["path"],))
+            if method == "init":
+                self.llm.init_weight_transfer_engine({"init_info": payload})
+            elif method == "start":
+                self.update_t0 = time.perf_counter()
+                self.updating = True
+                self.pause_engine()
+                self.llm.start_weight_update()
+            elif method == "update":
+                self.llm.update_weights({"update_info": decode_update_info(payload)})
+            elif method == "finish":
+                version = int(payload)
+                self.llm.finish_weight_update(str(version))
+                if not self.engine.has_unfinished_requests():
+                    self.engine.reset_prefix_cache()  # only possible while nothing runs; else the cache salt protects
+                self.version = version
+                self.updating = False
+                self.resume_engine()
+                self.send(("updated", version, time.perf_counter() - self.update_t0))
             else:
-                self.llm.collective_rpc("scalerl_receive_weights", args=(transport["manifest"],))
-            if not self.engine.has_unfinished_requests():
-                self.engine.reset_prefix_cache()  # only possible while nothing runs; else the cache salt protects
-            core.set_weight_version(str(version))
-            self.version = version
-        finally:
-            if not in_process:
-                core.call_utility("resume_scheduler")
-        return time.perf_counter() - t0
+                raise ValueError(f"unknown weight-transfer call {method!r}")
+        except Exception as e:  # half an update may be in: the scheduler takes this replica out
+            self.weights_failed = True  # and no step more on weights half loaded (self.updating stays)
+            with contextlib.suppress(Exception):
+                self.resume_engine()
+            self.send(("update_failed", method, f"{method}: {type(e).__name__}: {str(e)[:500]}"))
+
+    def pause_engine(self) -> None:
+        # An engine core in its own process steps on its own: pause it until resume. One in this process steps only
+        # when run() calls engine.step(), not during a weight call.
+        core = self.engine.engine_core
+        if vllm_internals.has_utility_calls(core) and not getattr(self, "paused", False):
+            vllm_internals.pause_scheduler(core)
+            self.paused = True
+
+    def resume_engine(self) -> None:
+        if getattr(self, "paused", False):
+            vllm_internals.resume_scheduler(self.engine.engine_core)
+            self.paused = False
 
     def shutdown(self) -> None:
         """Stop vLLM's engine process, if it has one (SIGTERM, then a kill after 1 s). An engine inside this process
@@ -1095,9 +804,17 @@ class _Replica:
         llm = getattr(self, "llm", None)
         if llm is not None and not engine_in_this_process():
             try:
-                llm.llm_engine.engine_core.shutdown(timeout=1.0)
+                vllm_internals.shutdown_engine_core(llm, timeout=1.0)
             except Exception:
                 pass
+
+
+def decode_update_info(payload: dict) -> dict:
+    """An update info as the weight-transfer engine takes it, from the plain data the channel carried (an ipc
+    engine's CUDA IPC handles, sent as names and lists: harness/weight_transfer.plain_update_info)."""
+    from harness import weight_transfer
+
+    return weight_transfer.update_info_from_plain(payload)
 
 
 def engine_in_this_process() -> bool:
@@ -1314,19 +1031,6 @@ def _handshake_with_generator(host: str, port: int, secret: bytes) -> tuple[wire
     return channel, bind_host
 
 
-def group_prefix(channel: wire.Channel, label: str) -> str:
-    """A weight group's secret prefix (what seals its store, SealedStore), derived from `channel`'s key under
-    `label` on each end of the channel, so that it never crosses the wire; 128 bits as hex."""
-    return "scalerl/" + channel.derive_secret(label).hex()[:32]
-
-
-def with_group_secret(channel: wire.Channel, group: dict) -> dict:
-    """A "join" message's group as the replica's workers take it: its `prefix_label` replaced by the prefix."""
-    group = dict(group)
-    group["prefix"] = group_prefix(channel, group.pop("prefix_label"))
-    return group
-
-
 class RefusedLog:
     """The lines of refused connections: each counted (len), the last KEEP kept (iteration, indexing), so that a
     flood fills neither memory nor the log (the listener prints the first PRINT_FIRST, then one in PRINT_EVERY)."""
@@ -1480,64 +1184,6 @@ def shm_problem() -> str | None:
     except RuntimeError as e:
         return str(e)
     return None
-
-
-def writable_dir(path: str | Path) -> bool:
-    """An existing directory this user may create files in (a weight file's, --weight-dir's)."""
-    return os.path.isdir(path) and os.access(path, os.W_OK)
-
-
-def choose_weight_dir(preferred: str | None, nbytes: int) -> Path:
-    """Where the learner writes a weight file for the replicas of its node (weight_transport="file"): `preferred`
-    (train.py's --weight-dir), else /dev/shm where it has room for two files and 64 MiB, else the temp dir."""
-    if preferred:
-        return Path(preferred)
-    shm = Path("/dev/shm")
-    if writable_dir(shm) and shutil.disk_usage(shm).free > 2 * nbytes + (64 << 20):
-        return shm
-    return Path(tempfile.gettempdir())
-
-
-class WeightFileError(RuntimeError):
-    """A weight file that could not be written (a full /dev/shm or temp dir), in one line naming it and, on a full
-    disk, its file system and the free space. The generator reports it as a GeneratorError, so the run stops the way
-    it does when the generator fails: every rank checkpoints, then stops."""
-
-
-def write_weight_file(tensors: dict[str, torch.Tensor], path: Path) -> Path:
-    """Write `tensors` as a safetensors file at `path`, through a temporary beside it renamed into place. The
-    directory (/dev/shm, the temp dir) is shared with other users: the temporary is first created O_EXCL|O_NOFOLLOW
-    under a random name (checkpoints.create_beside), so nothing planted there is written through; safetensors then
-    writes a file of its own and renames it over ours (the rename replaces a name, never follows it). A write that
-    fails (a full disk) leaves no file behind and raises WeightFileError."""
-    from safetensors.torch import save_file
-
-    # here: replica processes never write weights
-    from harness.checkpoints import create_beside, refuse_unless_regular, write_failure
-
-    fd, tmp = create_beside(path)
-    os.close(fd)
-    try:
-        save_file(tensors, str(tmp))
-        refuse_unless_regular(tmp)  # still the regular file it was: nothing was swapped in meanwhile
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)  # first: the free space the message gives is then the disk's own
-        error = _os_error(e)
-        if error is None:
-            raise
-        need = sum(t.numel() * t.element_size() for t in tensors.values())
-        raise WeightFileError(write_failure(path, error, need, "a weight file")) from None
-    return path
-
-
-def _os_error(e: BaseException) -> OSError | None:
-    """The operating system's error behind a failed write: an OSError, or safetensors' SafetensorError, which
-    carries it only in its text ("I/O error: No space left on device (os error 28)"). None for anything else."""
-    if isinstance(e, OSError):
-        return e
-    found = re.search(r"\(os error (\d+)\)", str(e))
-    return OSError(int(found[1]), os.strerror(int(found[1]))) if found else None
 
 
 def remove_leaked_segments(since: float, shm: Path = Path("/dev/shm")) -> list[str]:
@@ -1704,3 +1350,7 @@ def replica_command(argv: list[str], config_type: Callable[..., Any]) -> int:
         for p in procs:
             p.join(15)
     return max((p.exitcode or 0 for p in procs), default=0)
+
+
+if "vllm.distributed.weight_transfer" in sys.modules:  # inside a vLLM worker, which imports this module for
+    from harness import weight_transfer as _registers_the_cpu_engine  # noqa: F401  its extension before its engine

@@ -71,8 +71,11 @@ def test_the_flags_page_is_what_args_gives():
     (["--gen-remote-replicas", "1"], "remote replicas need a fixed port"),
     (["--gen-replicas", "0"], "--gen-replicas 0 needs --gen-remote-replicas 1 or more"),
     (["--gen-secret-file", "/nonexistent/secret"], "--gen-secret-file: secret file /nonexistent/secret: no such file"),
-    (["--weight-transport", "file", "--gen-remote-replicas", "1", "--gen-listen", "127.0.0.2:29600"],
-     "--weight-transport file reaches replicas on this node only"),
+    (["--weight-transport", "file"], "--weight-transport file: the weight file is gone; weights travel through vLLM's "
+     "weight-transfer engines"),
+    (["--weight-dir", "/dev/shm"], "--weight-dir: the weight file is gone"),
+    (["--weight-transport", "ipc", "--gen-remote-replicas", "1", "--gen-listen", "127.0.0.2:29600"],
+     "--weight-transport ipc reaches a replica on learner rank 0's GPU only"),
     (["--debug-learner-slowdown", "nan"], "argument --debug-learner-slowdown: expected a finite number"),
     (["--debug-learner-slowdown", "0.5"], "--debug-learner-slowdown must be >= 1"),
     (["--lm-head-gemm", "split-bf16", "--dtype", "float32"], "--lm-head-gemm split-bf16 multiplies bf16 hidden"),

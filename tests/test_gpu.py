@@ -97,33 +97,6 @@ def test_learner_step_on_gpu_matches_cpu(tmp_path, model):
     assert not failures, failures
 
 
-def test_weight_broadcast_over_nccl_reaches_every_receiver(tmp_path):
-    """vllm_replica's weight broadcast over NCCL, the GPU path (no vLLM needed): the learner's WeightSender on GPU 0
-    and fake replicas (tests/weight_probe.py), each in its own group, receiving into buffers on GPUs of their own;
-    every byte must arrive. NCCL refuses two ranks on one GPU, so a 1-GPU machine skips it, saying so."""
-    import weight_probe
-
-    n = torch.cuda.device_count()
-    if n < 2:
-        pytest.skip("NCCL needs a GPU per rank: the learner's and a receiver's (this machine has one)")
-    receivers = [f"cuda:{d}" for d in range(1, n)]
-    failures, _, seconds = weight_probe.run_weight_broadcast(tmp_path, "nccl", "cuda:0", receivers, mb=256,
-                                                             bucket_mb=64)
-    assert failures == {}
-    print(f"NCCL: 256 MB from cuda:0 to {len(receivers)} receiver(s) in {seconds:.3f} s")
-
-
-def test_weight_broadcast_from_a_learner_on_the_gpu_over_gloo(tmp_path):
-    """The learner's tensors on the GPU, the receivers on CPU over gloo (the bucket is packed on the host): the
-    path of a GPU learner with CPU replicas, and what a 1-GPU machine can check of the sender."""
-    import weight_probe
-
-    failures, _, seconds = weight_probe.run_weight_broadcast(tmp_path, "gloo", "cuda:0", ["cpu", "cpu"], mb=256,
-                                                             bucket_mb=64)
-    assert failures == {}
-    print(f"gloo: 256 MB from cuda:0 to 2 CPU receivers in {seconds:.3f} s")
-
-
 @pytest.fixture(scope="module")
 def setup():
     pytest.importorskip("vllm", reason="the generator needs the CUDA build of vLLM")

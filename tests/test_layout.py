@@ -23,8 +23,6 @@ RUNTIME_FILES = tuple(f"{PACKAGE}/{name}.py" for name in ("flags", "checkpoints"
 ENTRY_POINTS = (f"{PACKAGE}.bench", f"{PACKAGE}.teach")  # beside tests/, the only modules that may import train.py
 ALGORITHM_FILES = ("grpo", "dapo", "drgrpo", "gspo", "cispo", "tis")  # one algorithm each: torch only
 # train.py has no line budget: it is as long as the recipe's steps and the records the loss sees need (issue 54)
-MAX_LINES = {"pipeline_rl.py": 1900}  # pipeline_rl.py: + per-completion seeds, reward deadlines;
-# + the scheduler's parts as objects, each with its interface of methods (issue 54: a part reads no state another sets)
 MAX_FIRST_LINE = {("train.py", "train"): 200, ("pipeline_rl.py", "admission_allowed"): 300}
 MAX_FUNCTION_LINES = 100
 MAX_CLASS_LINES = 300
@@ -100,8 +98,6 @@ def counts() -> dict[str, dict]:
 
 def test_the_recipe_files_fit_their_budgets() -> None:
     table = counts()
-    for name, limit in MAX_LINES.items():
-        assert table[name]["lines"] <= limit, f"{name} has {table[name]['lines']} lines (at most {limit})"
     for (name, function), limit in MAX_FIRST_LINE.items():
         line = table[name]["first_line"][function]
         assert line <= limit, f"{name}: def {function}( at line {line} (within the first {limit})"

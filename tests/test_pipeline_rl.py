@@ -19,7 +19,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import psutil
@@ -29,7 +28,6 @@ import torch
 import pipeline_rl as pl
 from harness import tasks, vllm_replica, wire
 from helpers import REPO, run_where
-import weight_probe
 
 # --------------------------------------------------------------------------------------------------------------
 # Fast: pure logic
@@ -339,8 +337,10 @@ def test_replicas_least_loaded_first_and_their_devices():
     assert [config.slowdown_of(i) for i in range(3)] == [1.0, 3.0, 3.0]
     with pytest.raises(ValueError, match="shared secret"):
         pl.GeneratorConfig(model="m", remote_replicas=1)
-    with pytest.raises(ValueError, match="remote replicas need 'broadcast'"):
-        pl.GeneratorConfig(model="m", remote_replicas=1, secret=b"x" * 32, weight_transport="file")
+    with pytest.raises(ValueError, match="remote replicas need 'nccl'"):
+        pl.GeneratorConfig(model="m", remote_replicas=1, secret=b"x" * 32, weight_transport="ipc")
+    with pytest.raises(ValueError, match="file: the weight file is gone; weights travel through vLLM's"):
+        pl.GeneratorConfig(model="m", weight_transport="file")
     with pytest.raises(ValueError, match="not a wildcard"):
         pl.GeneratorConfig(model="m", listen="0.0.0.0:29600")
     with pytest.raises(ValueError, match="must be >= 1"):
@@ -385,7 +385,7 @@ def test_the_scheduler_routes_to_the_least_loaded_and_moves_a_dead_replicas_work
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=2, replicas=3, groups_per_batch=3,
                                 interruptions=False, buffer_steps=None)
     learner = _FakeConn()
-    scheduler = pl._Scheduler(learner, config, tasks.ArithmeticTask(), 0, [], [], 0, b"x" * 32, None)
+    scheduler = pl._Scheduler(learner, config, tasks.ArithmeticTask(), 0, [], [], 0, b"x" * 32)
     for slot in scheduler.pool.slots():
         slot.conn, slot.state, slot.version, slot.capacity = _FakeConn(), "ready", 0, 2
     scheduler.handle_learner(("get_batch", 3, 0))
@@ -546,7 +546,7 @@ class _HangingTask(tasks.ArithmeticTask):
 
 def test_a_reward_that_never_returns_costs_its_deadline_scores_wrong_and_shows_in_the_metrics(base_model_dir):
     config = pl.GeneratorConfig(model=str(base_model_dir), reward_timeout=0.3, interruptions=False)
-    scheduler = pl._Scheduler(_FakeConn(), config, _HangingTask(), 0, [], [], 0, b"x" * 32, None)
+    scheduler = pl._Scheduler(_FakeConn(), config, _HangingTask(), 0, [], [], 0, b"x" * 32)
     problem = _HangingTask().problem(2, 3)
     t0 = time.monotonic()
     reward, error = scheduler.rewards.score(problem, "hang")
@@ -704,34 +704,6 @@ def test_batch_choice_refuses_a_learner_too_far_ahead_and_drops_only_a_stale_gro
 # --------------------------------------------------------------------------------------------------------------
 
 
-def test_weight_buckets_round_trip_every_dtype_and_shape():
-    """What the learner packs is what a replica unpacks: names, dtypes, shapes and bytes, across bucket boundaries,
-    with a tensor larger than a bucket in a bucket of its own and every slice aligned for its dtype."""
-    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(5, dtype=torch.int64),
-               "big": torch.randn(64, 33), "d": torch.tensor(2.5, dtype=torch.float64), "e": torch.randn(2, 2, 3)}
-    manifest = vllm_replica.weight_manifest(tensors, bucket_bytes=256)
-    assert [name for bucket in manifest for name, *_ in bucket] == list(tensors)
-    assert any([name for name, *_ in bucket] == ["big"] for bucket in manifest)  # 8,448 bytes, alone
-    assert all(offset % 16 == 0 for bucket in manifest for _, _, _, offset, _ in bucket)
-    got = {}
-    for bucket in manifest:
-        wire = vllm_replica.pack_bucket(tensors, bucket).clone()  # what the broadcast delivers: a copy of the bytes
-        got.update(vllm_replica.unpack_bucket(wire, bucket))
-    assert list(got) == list(tensors)
-    for name, t in tensors.items():
-        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
-
-
-def test_weight_broadcast_reaches_every_group_and_a_dead_replica_fails_only_its_own(tmp_path):
-    """The broadcast over gloo (the GPU runs the same code over NCCL, tests/test_gpu.py) between the learner's
-    WeightSender and receivers without vLLM: every live receiver gets every byte, in buckets, and the group of the
-    one that died fails at once (not after the timeout) without holding up the others."""
-    failures, got, seconds = weight_probe.run_weight_broadcast(tmp_path, "gloo", "cpu", ["cpu"] * 3, die=1)
-    assert set(failures) == {1} and "Connection closed by peer" in failures[1], failures
-    assert got[0] is not None and got[2] is not None
-    assert seconds < 30
-
-
 def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:
     """(address, port) of every TCP socket process `pid` listens on, from /proc/PID/fd and /proc/net/tcp{,6}."""
     import ipaddress
@@ -756,49 +728,31 @@ def listening_sockets(pid: int | str = "self") -> list[tuple[str, int]]:
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2"])
 def test_the_weight_group_store_listens_on_the_named_address_alone(host):
-    """The TCPStore the weight groups rendezvous at binds only the --gen-listen host (127.0.0.1 on one node), not
-    every interface as TCPStore does when it opens its own socket: the process listens on no other address."""
+    """The TCPStore the gloo engine's group rendezvouses at binds only the --gen-listen host (127.0.0.1 on one
+    node), not every interface as TCPStore does when it opens its own socket: the process listens on no other
+    address for it."""
+    import threading
+
+    from harness import weight_transfer
+
     before = set(listening_sockets())
-    sender = vllm_replica.WeightSender(host, "gloo", timeout_s=10)
-    try:
-        store_host, port = sender.address
-        new = set(listening_sockets()) - before
-        assert new == {(host, port)}, new
-        if host != "127.0.0.1":
-            with pytest.raises(OSError):  # not reachable at any other address
-                socket.create_connection(("127.0.0.1", port), timeout=2)
-        import torch.distributed as dist
+    joined = []
 
-        client = dist.TCPStore(store_host, port, is_master=False, timeout=timedelta(seconds=10))
-        client.set("k", "v")  # a member still reaches it at the named address
-        assert sender.store.get("k") == b"v"
-    finally:
-        del sender
+    class Client:  # the replica's worker joins in a thread of this process
+        def init_weight_transfer_engine(self, info):
+            joined.append(info)
+            threading.Thread(target=weight_transfer.open_group, daemon=True,
+                             args=(info["master_address"], info["master_port"], 1, 2, host, 10)).start()
 
-
-def test_a_stranger_who_reaches_the_weight_store_reads_no_key_or_value_and_cannot_plant_one():
-    """TCPStore lists its keys to anyone who connects: a group's keys and values are sealed by its secret prefix, so
-    the listing shows neither the prefix nor the names nor the addresses, and a value a stranger writes is refused
-    (the group's broadcast over the sealed store is test_weight_broadcast_reaches_every_group...)."""
-    import torch.distributed as dist
-
-    sender = vllm_replica.WeightSender("127.0.0.1", "gloo", timeout_s=10)
-    host, port = sender.address
-    member = vllm_replica.SealedStore(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10)),
-                                      "scalerl/0123456789abcdef0123456789abcdef")
-    member.set("rank_1", b"127.0.0.1:41234 address")
-    member.set("nccl_id", "text is bytes too")
-    stranger = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
-    keys = stranger.list_keys()  # the listing TCPStore gives anyone
-    assert len(keys) == 2 and not any("rank" in k or "nccl" in k or "0123456789" in k for k in keys), keys
-    assert all(b"127.0.0.1" not in stranger.get(k) and b"text" not in stranger.get(k) for k in keys)
-    assert member.get("rank_1") == b"127.0.0.1:41234 address" and member.get("nccl_id") == b"text is bytes too"
-    assert vllm_replica.SealedStore(stranger, "scalerl/another-prefix").check(["rank_1"]) is False
-    assert member.compare_set("count", b"", b"1") == b"1" and member.compare_set("count", b"2", b"3") == b"1"
-    assert member.compare_set("count", b"1", "2") == b"2" and member.clone().get("count") == b"2"
-    stranger.set(keys[0], b"x" * 64)  # a stranger's value under a name it listed
-    with pytest.raises(ValueError, match="that no member wrote: refused"):
-        [member.get(k) for k in ("rank_1", "nccl_id")]
+    engine = weight_transfer.trainer_engine("gloo", client=Client(), source=weight_transfer.StateDictSource({}),
+                                            host=host, worker_host=host, world_size=2, timeout_s=10)
+    port = joined[0]["master_port"]
+    new = {(h, p) for h, p in set(listening_sockets()) - before if p == port}
+    assert new == {(host, port)}, new
+    if host != "127.0.0.1":
+        with pytest.raises(OSError):  # not reachable at any other address
+            socket.create_connection(("127.0.0.1", port), timeout=2)
+    engine.shutdown()
 
 
 def test_the_listener_refuses_a_wrong_secret_and_a_silent_client_and_accepts_the_right_one(monkeypatch, capfd):
@@ -1092,11 +1046,9 @@ def test_pipeline_slow_learner_fast_generator(pipeline):
 def slow_pipeline(base_model_dir, hf_model):
     """The pipeline fixture's generator made 4x slower on purpose (debug_slowdown: vLLM's engine sleeps 3 times each
     step's duration). Without it, whether a learner that only pushes weights outpaces the generator depends on the
-    machine: on one whose vLLM makes 13,000 tokens/s it never waited more than 0.04 s. One replica, whose weights
-    come through the other transport, a file in /dev/shm (the pipeline fixture broadcasts them)."""
+    machine: on one whose vLLM makes 13,000 tokens/s it never waited more than 0.04 s. One replica."""
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE,
-                                max_off_policy=K, groups_per_batch=B, seed=1, buffer_steps=None, debug_slowdown=4.0,
-                                weight_transport="file")
+                                max_off_policy=K, groups_per_batch=B, seed=1, buffer_steps=None, debug_slowdown=4.0)
     with pl.Generator(config, tasks.ArithmeticTask()) as gen:
         yield Learner(gen, hf_model)
 

@@ -279,47 +279,6 @@ def test_a_real_full_disk_leaves_whole_rows_and_a_whole_args_json(tiny_tmpfs):
                                                                                                   "metrics.jsonl"]
 
 
-def test_a_full_disk_for_a_weight_file_stops_every_rank_like_a_generator_failure(tiny_tmpfs, one_rank_group,
-                                                                                 monkeypatch):
-    """--weight-transport file writes the weights for the node's replicas into /dev/shm or the temp dir, which fill
-    up too. On a full tmpfs the write leaves no file behind and is one line naming the file, its file system and the
-    free space; the generator raises it as a GeneratorError before any replica is told, which rank 0 notes in
-    run.stop_reason, so that every rank checkpoints and stops at the next step boundary (a resume continues from
-    that checkpoint, as after a dead generator); at a resume's first push it is a failed start's one line."""
-    from types import SimpleNamespace
-
-    weights = {"w": torch.ones(100_000)}  # 0.4 MB, in a 64 KiB tmpfs
-    path = tiny_tmpfs / "scalerl-weights-v1.safetensors"
-    with pytest.raises(vllm_replica.WeightFileError) as raised:
-        vllm_replica.write_weight_file(weights, path)
-    line = (rf"could not write {re.escape(str(tiny_tmpfs))}/scalerl-weights-\S+\.safetensors: no space left on tmpfs "
-            rf"\(mounted at {re.escape(str(tiny_tmpfs))}\) for a weight file of 0\.4 MB \(free [\d.]+ MB\)")
-    assert re.fullmatch(line, str(raised.value)) and not list(tiny_tmpfs.iterdir())
-    generator = pl.Generator.__new__(pl.Generator)  # its update path only: no replica is started
-    generator.config = pl.GeneratorConfig(model="m", weight_transport="file", weight_dir=str(tiny_tmpfs))
-    generator._tied, generator._sender = True, None
-    monkeypatch.setattr(generator, "_check_usable", lambda: None)
-    monkeypatch.setattr(generator, "_send", lambda message: pytest.fail(f"told the replicas {message}"))
-    with pytest.raises(pl.GeneratorError) as raised:
-        generator.update_weights(weights, 1)
-    assert re.fullmatch(line, str(raised.value)) and not list(tiny_tmpfs.iterdir())
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    run = SimpleNamespace(is_main=True, stop_reason=None, generator=generator, out=tiny_tmpfs,
-                          stopper=runtime.GracefulStop(announce=False))
-    monkeypatch.setattr(train, "push_state_dict", lambda model, generator: weights)
-    try:
-        assert train.push_weights(SimpleNamespace(model=None), run, 1) == (0.0, 0.0)
-        assert re.fullmatch(line, run.stop_reason)
-        saved = []
-        monkeypatch.setattr(train, "checkpoint", lambda learner, run, state: saved.append(state.step))
-        with pytest.raises(SystemExit) as stop:
-            train.stop_if_signalled(None, run, checkpoints.TrainerState(step=1))
-        assert saved == [1] and str(stop.value.code).startswith(f"stopping after step 1: {run.stop_reason}; ")
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-
-
 def test_an_idle_forward_runs_under_split_bf16(one_rank_group, base_model_dir):
     """A rank with no micro-batch left joins the others' collectives with a plain forward of a dummy row
     (runtime.idle_forward). Under --lm-head-gemm split-bf16 the head multiplied that forward's bf16 hidden states

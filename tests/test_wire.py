@@ -264,32 +264,13 @@ def test_no_secret_crosses_the_relay_in_clear():
         assert b"salt" in seen  # what a message holds crosses in clear: the channel authenticates, it does not hide
 
 
-def test_a_weight_group_secret_is_derived_on_both_ends_and_never_sent():
-    """A weight group's secret prefix crossed in clear inside the "join" message (issue 64); now each end derives it
-    from the connection's key."""
-    config = pl.GeneratorConfig(model="m", replicas=0, remote_replicas=1, secret=SECRET, listen="127.0.0.2:0")
-    pool = pl._ReplicaPool(config, SECRET, on_death=lambda slot, reason: pytest.fail(reason))
-    with _relayed_channel() as (replica, generator, relay):
-        slot = pool.slot(0)
-        slot.connect(generator, "127.0.0.1", 7, "127.0.0.1", 1)
-        slot.engine_up({"max_num_seqs": 4}, config.group_size)
-        plan = pool.send_update(1, {"kind": "broadcast", "manifest": []}, ("127.0.0.1", 1234))
-        kind, group = replica.recv()
-        prefix = plan[0][2]["prefix"]
-        assert kind == "join" and "prefix" not in group and vllm_replica.with_group_secret(replica, group)["prefix"] \
-            == prefix and len(prefix) == len("scalerl/") + 32
-        assert replica.recv()[0] == "update"
-        _received(relay, 1, "to_replica")
-        assert prefix.encode() not in bytes(relay.to_replica) and prefix[8:].encode() not in bytes(relay.to_replica)
-
-
 def test_a_refused_frame_is_one_line_and_a_dead_replica_for_the_scheduler(base_model_dir, tmp_path, capsys):
     """Through the scheduler: replica 0's connection gets an injected pickle, replica 1's a replayed frame; each is
     taken out as a dead replica in one line naming why, nothing of either frame runs, and replica 2 goes on. A new
     connection whose first frame is injected is dropped before its hello, in one line and the refused count."""
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=2, replicas=3, interruptions=False)
     learner, _learner_end = mp.Pipe()
-    scheduler = pl._Scheduler(learner, config, tasks.ArithmeticTask(), 0, [], [], 0, SECRET, None)
+    scheduler = pl._Scheduler(learner, config, tasks.ArithmeticTask(), 0, [], [], 0, SECRET)
     planted = tmp_path / "planted"
     with _relayed_channel() as (r0, g0, relay0), _relayed_channel() as (r1, g1, relay1), \
             _relayed_channel() as (r2, g2, _), _relayed_channel() as (r3, g3, relay3):

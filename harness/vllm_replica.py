@@ -592,6 +592,8 @@ def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
                                 else ("nccl" if on_gpu else "gloo")},
         tensor_parallel_size=cfg.tensor_parallel_size, disable_log_stats=True, enable_prefix_caching=True,
     )
+    if kwargs["weight_transfer_config"]["backend"] == "gloo":  # vLLM's factory must know it before an LLM is built
+        from harness import weight_transfer  # noqa: F401  (importing it registers the engine)
     v2 = "V2" if model_runner_v2(on_gpu) else ""  # the classes of the runner's interface (replica_main pins it)
     if cfg.interruptions:
         kwargs["logits_processors"] = [f"{__name__}:InterruptionLogitsProcessor{v2}"]
@@ -652,8 +654,6 @@ class _Replica:
 
     def init_engine(self) -> dict:
         from vllm import LLM
-
-        from harness import weight_transfer  # registers the CPU engine in vLLM's factory before the LLM builds it
 
         self.llm = LLM(**vllm_engine_kwargs(self.cfg, self.id))
         self.engine = self.llm.llm_engine

@@ -738,8 +738,7 @@ def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory:
         config, args, learner_ranks, gpu_memory, dtype=dtype, sequence_tokens=model_context(args),
         logits_chunk_bytes=SPLIT_CHUNK_BYTES if split else LOGITS_CHUNK_BYTES, split_bf16_head=split,
         generator_share=generator_memory_fraction(args, shares_gpu) if shares_gpu else 0.0,
-        push_file=False,  # no layout writes a weight file: vLLM's nccl and ipc engines send from the GPU
-        push_gpu=bool(args.gen_devices))
+        push_gpu=bool(args.gen_devices))  # vLLM's nccl and ipc engines send from the GPU
 
 
 def learner_gpu_memory(device_id: int) -> int:

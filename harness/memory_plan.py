@@ -156,8 +156,7 @@ class Layout:
     fsdp_reshard: str = "always"  # --fsdp-reshard: auto, always or never (reshard_layers resolves it)
     reference_model: bool = False  # --kl-coef's frozen copy of the policy
     generator_share: float = 0.0  # vLLM's fraction of the learner's GPU, where the two share it
-    push_file: bool = False  # the weights reach the replicas by file (a copy in /dev/shm, host memory)
-    push_gpu: bool = False  # by NCCL broadcast: rank 0 holds the gathered weights on its GPU during a push
+    push_gpu: bool = False  # by vLLM's nccl or ipc engine: rank 0 holds the gathered weights on its GPU during a push
 
     @property
     def rank_batch_tokens(self) -> int:
@@ -244,10 +243,9 @@ class MemoryPlan:
         lines += [f"  {gib(v):>7} GiB  {PART_NAMES[k]}" for k, v in self.gpu.items()]
         lines.append(f"  {gib(self.margin):>7} GiB  margin: CUDA context, communication buffers, fragmentation")
         lines += [f"  {gib(v):>7} GiB  {PART_NAMES[k]} (host memory, --cpu-offload)" for k, v in self.host.items()]
-        file = ", and their file in /dev/shm" if self.layout.push_file else ""
         if self.push_host:
             lines.append(f"  {gib(self.push_host):>7} GiB  rank 0's host memory during a weight push: the weights in "
-                         f"the generator's dtype{file}")
+                         "the generator's dtype")
         lines.append(f"  {gib(self.checkpoint_host):>7} GiB  each rank's host memory during a checkpoint's save: "
                      "a file of its shard of the float32 weights and AdamW's moments, twice (harness/checkpoints.py)")
         return "\n".join(lines)
@@ -302,10 +300,10 @@ def estimate(config: Any, layout: Layout, tokens: int | None = None, micro_batch
         # (or embedding) a layerwise reload builds before it copies them in
         gpu["vllm_outside"] = VLLM_CONTEXT_BYTES + layout.dtype_bytes * max(counts.layer, counts.embedding, counts.head)
     # a push gathers the weights one tensor at a time and casts each on the GPU (runtime.push_state_dict): rank 0
-    # keeps them there for an NCCL broadcast, or copies them to the host, where a file is one copy more
+    # keeps them there for vLLM's nccl or ipc engine, or copies them to the host
     if layout.push_gpu:  # after the step: in the place of its activations and gathered units
         gpu["push"] = max(0, counts.total * layout.dtype_bytes - gpu["activations"] - gpu["gathered"])
-    push_host = 0 if layout.push_gpu else counts.total * layout.dtype_bytes * (2 if layout.push_file else 1)
+    push_host = 0 if layout.push_gpu else counts.total * layout.dtype_bytes
     return MemoryPlan(config=config, layout=layout, gpu=gpu, host=dict(sharded) if layout.cpu_offload else {},
                       margin=MARGIN_BYTES + int(MARGIN_FRACTION * layout.gpu_memory), push_host=push_host,
                       checkpoint_host=checkpoint_host_bytes(counts, layout.learner_ranks))
@@ -447,11 +445,11 @@ def more_learner_ranks(config: Any, layout: Layout) -> int | None:
 
 def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, dtype: str, sequence_tokens: int,
                 generator_share: float, logits_chunk_bytes: int, split_bf16_head: bool = False,
-                push_file: bool = False, push_gpu: bool = False) -> MemoryPlan:
+                push_gpu: bool = False) -> MemoryPlan:
     """The plan of a run of train.py with these flags (its Args) on `learner_ranks` GPUs of `gpu_memory` bytes each.
     The values train.py resolves itself, where its defaults live, come as keywords: the compute `dtype`, the longest
     sequence (vLLM's context), vLLM's share of a learner GPU (0 where they do not share one) and the LM head's
-    default chunk in bytes; `push_file`, `push_gpu`: the weights reach the replicas by file, by NCCL broadcast."""
+    default chunk in bytes; `push_gpu`: the weights reach the replicas from rank 0's GPU (vLLM's nccl or ipc)."""
     from_chunk_bytes = max(1, logits_chunk_bytes // (4 * config.vocab_size))  # as train.install_head_logprobs
     layout = Layout(
         learner_ranks=learner_ranks, gpu_memory=gpu_memory, micro_batch_tokens=args.micro_batch_tokens,
@@ -461,5 +459,5 @@ def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, 
         activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
         reference_model=bool(args.kl_coef),
         generator_share=generator_share, split_bf16_head=split_bf16_head, fsdp_reshard=args.fsdp_reshard,
-        push_file=push_file, push_gpu=push_gpu)
+        push_gpu=push_gpu)
     return estimate(config, layout)

@@ -96,20 +96,20 @@ def test_hand_checked_parts_of_a_tiny_config():
 def test_a_shared_gpu_counts_vllm_outside_its_share_and_a_push_counts_rank_0s_host_memory():
     """vLLM's gpu_memory_utilization budget leaves out its worker's CUDA context and the layer a weight reload
     builds before copying it in; a push casts the gathered weights on the GPU and keeps them there for NCCL, in the
-    place of the step's activations and gathered units, or copies them to the host (and by file, to /dev/shm)."""
+    place of the step's activations and gathered units, or copies them to the host."""
     alone = mp.estimate(TINY, TINY_LAYOUT)
     assert "vllm" not in alone.gpu and "vllm_outside" not in alone.gpu and "push" not in alone.gpu
     assert alone.push_host == 1720 * 2
     broadcast = mp.estimate(TINY, dataclasses.replace(TINY_LAYOUT, push_gpu=True, micro_batch_tokens=20))
     assert broadcast.push_host == 0 and broadcast.gpu["push"] == max(
         0, 1720 * 2 - broadcast.gpu["activations"] - broadcast.gpu["gathered"])
-    shared = mp.estimate(TINY, dataclasses.replace(TINY_LAYOUT, generator_share=0.3, push_file=True))
+    shared = mp.estimate(TINY, dataclasses.replace(TINY_LAYOUT, generator_share=0.3))
     assert shared.gpu["vllm"] == int(0.3 * 4 * GIB)
     assert shared.gpu["vllm_outside"] == mp.VLLM_CONTEXT_BYTES + 2 * 600  # a decoder layer, the largest unit here
     assert shared.total == alone.total + shared.gpu["vllm"] + shared.gpu["vllm_outside"]
-    assert shared.learner_bytes == alone.learner_bytes and shared.push_host == 1720 * (2 + 2)
+    assert shared.learner_bytes == alone.learner_bytes and shared.push_host == 1720 * 2
     text = shared.describe()
-    assert "vLLM outside its share" in text and "and their file in /dev/shm" in text
+    assert "vLLM outside its share" in text and "rank 0's host memory during a weight push" in text
     lines = flags.plan(["--gpus", "1", "--gen-devices", "0", "--shape", "qwen3-8b", "--dtype", "bfloat16"])
     # Qwen3-8B's embedding (151,936 x 4,096 in bf16) is the largest tensor a reload materialises; a shared GPU's
     # replica takes the weights through vLLM's ipc engine, from the GPU, so the push holds no host memory

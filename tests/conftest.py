@@ -130,15 +130,11 @@ def full_tmpfs(tiny_tmpfs):
 
 @pytest.fixture
 def one_rank_group():
-    """A gloo process group of one rank, for the checkpoint functions' collectives."""
-    import socket
-
+    """A gloo process group of one rank, for the checkpoint functions' collectives. Its store is in this process
+    (a HashStore): a port found free and then listened on can be taken in between (seen once: EADDRINUSE)."""
     import torch.distributed as dist
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 

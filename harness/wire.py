@@ -11,8 +11,7 @@ both ends prove the shared secret, and how each frame is framed and authenticate
 - The channel (`Channel`): each frame is (sequence number, length, body, HMAC-SHA256 of the three), keyed per
   direction from the connection's key. A frame with a bad MAC, a sequence number other than the next one (a replay,
   a reordering, a dropped frame) or a body that does not decode is refused (`FrameRefused`, one line) before
-  anything of it is used, and the connection is closed. A secret that both sides need (a weight group's) is derived
-  from the connection's key on each side (`Channel.derive_secret`) rather than sent.
+  anything of it is used, and the connection is closed.
 
 What it does not do: encrypt. Prompts, completions and whatever else a message holds cross in clear (docs/pipeline.md).
 """
@@ -233,11 +232,6 @@ class Channel:
         self._recv_key = _mac(key, b"frames from", peer.encode())
         self._send_seq = self._recv_seq = 0
         self._send_lock = threading.Lock()
-
-    def derive_secret(self, label: str) -> bytes:
-        """32 bytes that only the two ends of this connection can compute, one value per `label`: how a secret
-        both need (a weight group's) is had without sending it."""
-        return _mac(self._key, b"derived secret", label.encode())
 
     def send(self, msg: Any) -> None:
         body = encode(msg)

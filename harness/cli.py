@@ -3,7 +3,7 @@ the argparse types of a count, a number and a list of integers (`int_at_least`, 
 module: a reader of the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
-replica`, scaling_fit.py, harness/bench.py, harness/experiments.py, harness/teach.py, harness/tasks.py) can use it
+replica`, scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py) can use it
 without pulling in torch or making an import cycle.
 """
 
@@ -22,13 +22,13 @@ class OneLineParser(argparse.ArgumentParser):
     """Argument errors in one line, printed once: no usage block above it, since the line already names the flag
     and says what it expected. Under torchrun every rank parses the same flags, so only rank 0 speaks and the others
     exit quietly with the same status. Subcommands' parsers are of this class too (argparse makes them with the
-    parent's class). Run as `python -m harness.MODULE`, its name is that command (argparse before Python 3.14 says
-    MODULE.py, a file the user never named)."""
+    parent's class). Run as `python -m harness.MODULE` or `python -m tools.MODULE`, its name is that command
+    (argparse before Python 3.14 says MODULE.py, a file the user never named)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("prog") is None and not args:
             module = getattr(sys.modules["__main__"], "__spec__", None)
-            if module is not None and module.name.startswith("harness."):
+            if module is not None and module.name.startswith(("harness.", "tools.")):
                 kwargs["prog"] = f"python -m {module.name}"
         super().__init__(*args, **kwargs)
 

@@ -289,7 +289,7 @@ class Args:
                            "it was; without this flag such a directory is refused)")
     start_token: str | None = _arg(HelpGroup.CHECKPOINTS, None, "a word kept in args.json that says who started the "
                                    "run; it changes nothing in training, and a resume keeps it (and refuses another). "
-                                   "python -m harness.experiments gives each run it starts its own (kept beside the "
+                                   "python -m tools.experiments gives each run it starts its own (kept beside the "
                                    "run in RUN_DIR.command.json), and continues or restarts only a run that holds it")
 
     dtype: str | None = _arg(HelpGroup.PRECISION, None, "float32 or bfloat16 (default: bfloat16 on GPU, float32 on "
@@ -987,7 +987,7 @@ def model_context(args: Args) -> int:
 
 
 def int_range(text: str) -> tuple[int, int]:
-    """'LOW,HIGH' -> (LOW, HIGH), as --think-budget (and harness/bench.py's --completion-tokens) write a range."""
+    """'LOW,HIGH' -> (LOW, HIGH), as --think-budget (and tools/bench.py's --completion-tokens) write a range."""
     low, high = (int(x) for x in text.split(","))
     return low, high
 

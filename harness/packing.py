@@ -73,7 +73,7 @@ def to_rows(groups: list, advantages: Any, group_size: int, pad_id: int, device:
     length = int(seq_len.max())
     n = len(seqs)
     # One tensor per field for the whole micro-batch, not one per row: on a GPU the learner step is bound by the
-    # host, and a per-row loop cost as much as the bare forward + backward of a small model (harness/bench.py train).
+    # host, and a per-row loop cost as much as the bare forward + backward of a small model (tools/bench.py train).
     # A boolean mask assigns its true slots in row-major order, the order of the flattened lists.
     positions = torch.arange(length)                                                      # [L]
     attention = positions < seq_len[:, None]                                              # [N, L]

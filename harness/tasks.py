@@ -18,7 +18,7 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
      allowed). Two answers, stray or repeated tags, signs, leading zeros or anything after the answer score -1.
    - `VerifiedArithmeticTask` (`--dataset arithmetic-verified`) checks the scratchpad too, so that a tight think
      budget is a hard ceiling known in advance: the task of the miniature ScaleRL study
-     (`python -m harness.experiments study`).
+     (`python -m tools.experiments study`).
 
 2. Real data (`MathDataset`): math problems from a hub name or a Parquet file (through `datasets`) or a local
    JSONL/JSON/CSV file (read line by line with the standard library, so that every row keeps its file line), with
@@ -212,7 +212,7 @@ class VerifiedArithmeticTask(ArithmeticTask):
     budget, so a tight `--think-budget` gives a soft ceiling that keeps creeping up. Verified, the written scratchpad
     is `<think>` plus 28 tokens, so its `</think>` is token 30 of the completion; an interrupted one always scores
     -1, and the pass rate can never exceed P(b >= 30) for the drawn budget b: 0.7 for `--think-budget 27,36`. A
-    hard ceiling known in advance, which the miniature study (`python -m harness.experiments study`) can check its
+    hard ceiling known in advance, which the miniature study (`python -m tools.experiments study`) can check its
     fitted asymptotes against. (A subclass, not a flag of ArithmeticTask: the base model's cache fingerprint reads that
     class.)"""
 

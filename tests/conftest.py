@@ -16,7 +16,7 @@ from harness import base_model, tasks  # noqa: E402
 
 tasks.set_vllm_cpu_env()  # before any test imports vllm
 
-# Teaching kit (`python -m harness.teach grade`): SCALERL_STUDENT_FILE names a student's copy of one algorithm file,
+# Teaching kit (`python -m tools.teach grade`): SCALERL_STUDENT_FILE names a student's copy of one algorithm file,
 # e.g. /tmp/alice/dapo.py. It is loaded under the reference's module name before any test imports it, so the tests'
 # `import dapo` gets the student's copy, while every other module (grpo for test_drgrpo.py, ...) stays the reference.
 STUDENT_FILE = Path(os.environ["SCALERL_STUDENT_FILE"]).resolve() if os.environ.get("SCALERL_STUDENT_FILE") else None

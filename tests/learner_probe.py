@@ -21,7 +21,7 @@ import train  # noqa: E402
 from harness import base_model  # noqa: E402
 from harness import flags  # noqa: E402
 from harness import runtime  # noqa: E402
-from harness.bench import synthetic_groups  # noqa: E402
+from tools.bench import synthetic_groups  # noqa: E402
 
 # The settings that change the loss (KL to the reference model, importance weights, CISPO's aggregation unit): each
 # is run with one micro-batch in padded rows (the reference), then with the others below.

@@ -1,4 +1,4 @@
-"""harness/bench.py's benchmarks, as smoke tests on the tiny model or a tiny shape (the timings are the docs'): the
+"""tools/bench.py's benchmarks, as smoke tests on the tiny model or a tiny shape (the timings are the docs'): the
 learner step against a bare step, with its memory flags and plan, and the FP32 LM head's GEMMs; each --help."""
 
 import argparse
@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from harness import bench
+from tools import bench
 from helpers import why_failed
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed_step(tmp_path, base_model_dir):
-    """`python -m harness.bench train` on a small batch of the tiny model (a smoke test; the timings are the README's):
+    """`python -m tools.bench train` on a small batch of the tiny model (a smoke test; the timings are the README's):
     its last line is JSON with the ratios, the padding fractions and the host time per micro-batch, and packed rows hold
     less padding than padded ones; --profile writes the operators of one learner step, AdamW's among them. (The fixture
     builds the base model first, so that its build is not timed by this subprocess's limit.)"""
-    run = subprocess.run([sys.executable, "-m", "harness.bench", "train", "--groups", "4", "--repeats", "1",
+    run = subprocess.run([sys.executable, "-m", "tools.bench", "train", "--groups", "4", "--repeats", "1",
                           "--profile", "profile.txt"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, why_failed(run)
@@ -51,7 +51,7 @@ def _one_rank_env(monkeypatch) -> None:
 
 def test_train_bench_times_a_shape_with_the_learner_and_the_bare_model_never_alive_at_once(tmp_path, monkeypatch,
                                                                                             capsys):
-    """`python -m harness.bench train --shape NAME` writes a random-weight model from memory_plan.shape_config (here a
+    """`python -m tools.bench train --shape NAME` writes a random-weight model from memory_plan.shape_config (here a
     tiny Qwen3 standing in for it), builds the learner, times it and frees it before it builds the bare model (weak
     references to both: the learner is dead when the bare model is built, the bare model when the bench ends), and
     reports per method its tokens/s, its MFU from --peak-tflops and its LM head's share, in the last line and in --json.
@@ -145,7 +145,7 @@ def test_a_method_out_of_gpu_memory_is_reported_and_the_methods_after_it_are_not
 
 
 def test_head_bench_times_each_head_and_measures_its_logprobs_against_float64(tmp_path, capsys):
-    """`python -m harness.bench head` at a tiny shape on the CPU (a smoke test; the GPU's timings are the point): the
+    """`python -m tools.bench head` at a tiny shape on the CPU (a smoke test; the GPU's timings are the point): the
     float32, bf16 and split-bf16 GEMMs, the learner's heads (with and without the entropy) and their ratio, in the last
     line and in --json; split-bf16's logprobs, GEMMs alone or as the learner runs them, within 1e-5 of float64 and of
     the float32 head, bf16's and one bf16 product's off by over 1e-3; the learner's gradients float32's (fp32) or
@@ -170,12 +170,12 @@ def test_head_bench_times_each_head_and_measures_its_logprobs_against_float64(tm
 
 
 def test_help_lists_every_benchmark_and_each_has_its_own():
-    """`python -m harness.bench --help` and each benchmark's --help print (a bare % in a help text once made --help
+    """`python -m tools.bench --help` and each benchmark's --help print (a bare % in a help text once made --help
     crash)."""
-    top = subprocess.run([sys.executable, "-m", "harness.bench", "--help"], cwd=REPO, capture_output=True, text=True)
+    top = subprocess.run([sys.executable, "-m", "tools.bench", "--help"], cwd=REPO, capture_output=True, text=True)
     assert top.returncode == 0, top.stderr
     for name in bench.BENCHMARKS:
         assert name in top.stdout
-        own = subprocess.run([sys.executable, "-m", "harness.bench", name, "--help"], cwd=REPO, capture_output=True,
+        own = subprocess.run([sys.executable, "-m", "tools.bench", name, "--help"], cwd=REPO, capture_output=True,
                              text=True)
-        assert own.returncode == 0 and f"python -m harness.bench {name}" in own.stdout, own.stderr
+        assert own.returncode == 0 and f"python -m tools.bench {name}" in own.stdout, own.stderr

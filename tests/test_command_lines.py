@@ -1,5 +1,5 @@
-"""The command lines, fuzzed: every flag of train.py, `pipeline_rl.py replica`, scaling_fit.py, harness/bench.py,
-harness/experiments.py and harness/teach.py, given out-of-range, wrong-type and empty values, is either accepted or
+"""The command lines, fuzzed: every flag of train.py, `pipeline_rl.py replica`, scaling_fit.py, tools/bench.py,
+tools/experiments.py and tools/teach.py, given out-of-range, wrong-type and empty values, is either accepted or
 refused with exit status 2 and one error line that names it: no usage block above it, never a traceback. Parse and
 check only, in-process: nothing trains, connects, fits or writes."""
 
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import scaling_fit
-from harness import bench, experiments, flags, teach, vllm_replica
+from harness import flags, vllm_replica
+from tools import bench, experiments, teach
 
 REPO = Path(__file__).resolve().parent.parent
 # wrong types, empty and blank values, out-of-range and non-finite numbers, malformed lists, a NUL byte
@@ -154,11 +155,11 @@ def test_every_teach_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):
     (["pipeline_rl.py", "replica", "--connect", "h:1", "--secret-file", "x", "--replicas", "0"],
      "error: argument --replicas: must be >= 1 (got 0)"),
     (["scaling_fit.py", "x", "--bootstrap", "-1"], "error: argument --bootstrap: must be >= 0 (got -1)"),
-    (["-m", "harness.experiments", "staleness", "--ks", "1,x"],
+    (["-m", "tools.experiments", "staleness", "--ks", "1,x"],
      "error: argument --ks: expected comma-separated integers"),
-    (["-m", "harness.teach", "exercise", "grpo", ""], "error: argument DIR: expected a directory, got ''"),
-    (["-m", "harness.teach", "nosuch"], "python -m harness.teach: error: argument command: invalid choice: 'nosuch'"),
-    (["-m", "harness.bench"], "python -m harness.bench: error: the following arguments are required: BENCHMARK"),
+    (["-m", "tools.teach", "exercise", "grpo", ""], "error: argument DIR: expected a directory, got ''"),
+    (["-m", "tools.teach", "nosuch"], "python -m tools.teach: error: argument command: invalid choice: 'nosuch'"),
+    (["-m", "tools.bench"], "python -m tools.bench: error: the following arguments are required: BENCHMARK"),
     (["pipeline_rl.py", "nosuch"], "pipeline_rl.py: error: its one command is `pipeline_rl.py replica"),
     (["-m", "harness.base_model", "build-base", "--nosuch"],
      "python -m harness.base_model: error: unrecognized arguments: --nosuch"),

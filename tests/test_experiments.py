@@ -1,4 +1,4 @@
-"""harness/experiments.py's plumbing (fast): the report of a run's metrics, that a finished run is not run again, and
+"""tools/experiments.py's plumbing (fast): the report of a run's metrics, that a finished run is not run again, and
 the study's pooled fits and verdicts (on fake runs). The experiments themselves are real train.py runs; their results
 are in docs/results.md."""
 
@@ -15,7 +15,8 @@ import pytest
 
 import scaling_fit as sf
 import torch
-from harness import experiments, flags
+from harness import flags
+from tools import experiments
 from helpers import file_tree
 
 REPO = Path(__file__).resolve().parent.parent
@@ -285,7 +286,7 @@ def test_a_run_that_crashes_after_a_checkpoint_is_resumed_from_it_once(tmp_path,
 
 
 def test_staleness_runs_every_k_on_every_seed_and_reports_mean_and_range(tmp_path, monkeypatch):
-    """harness/experiments.py staleness on fake runs (the plumbing; the real runs are in docs/results.md): one run per k
+    """tools/experiments.py staleness on fake runs (the plumbing; the real runs are in docs/results.md): one run per k
     and seed, the table's pass rates as mean (range) over the seeds, one figure."""
     asked = []
 
@@ -516,7 +517,7 @@ def test_the_real_model_study_is_refitted_from_its_committed_records_by_its_docu
     trains nothing and gives the committed summary: the figure and the table can be redrawn without the 9 runs."""
     block = _results_section("ScaleRL's loss comparison on a real model").split("```bash\n")[1].split("```")[0]
     command = next(line for line in block.replace("\\\n", " ").splitlines()
-                   if line.startswith("python -m harness.experiments study"))
+                   if line.startswith("python -m tools.experiments study"))
     argv = shlex.split(command)[3:]
     for flag, name in (("--out-dir", "out"), ("--summary", "study.json"), ("--figure", "study.png")):
         argv[argv.index(flag) + 1] = str(tmp_path / name)
@@ -539,7 +540,7 @@ def test_the_real_model_study_is_refitted_from_its_committed_records_by_its_docu
 
 def test_the_run_length_table_is_what_the_committed_records_give():
     """The run-length table of docs/results.md (each 300-step run cut at 100..300 steps) must be what
-    `python -m harness.experiments report` gives on the committed records in docs/run-length: each cell, predicted -
+    `python -m tools.experiments report` gives on the committed records in docs/run-length: each cell, predicted -
     last evaluation (predicted - full fit's end)."""
     repo = Path(__file__).resolve().parent.parent
     section = (repo / "docs" / "results.md").read_text().split("### How long a run must be")[1].split("\n## ")[0]
@@ -558,15 +559,15 @@ def test_the_run_length_table_is_what_the_committed_records_give():
 
 
 def test_help_lists_every_experiment_and_each_has_its_own():
-    """`python -m harness.experiments --help` and each experiment's --help print."""
-    top = subprocess.run([sys.executable, "-m", "harness.experiments", "--help"], cwd=REPO, capture_output=True,
+    """`python -m tools.experiments --help` and each experiment's --help print."""
+    top = subprocess.run([sys.executable, "-m", "tools.experiments", "--help"], cwd=REPO, capture_output=True,
                          text=True)
     assert top.returncode == 0, top.stderr
     for name in experiments.EXPERIMENTS:
         assert name in top.stdout
-        own = subprocess.run([sys.executable, "-m", "harness.experiments", name, "--help"], cwd=REPO,
+        own = subprocess.run([sys.executable, "-m", "tools.experiments", name, "--help"], cwd=REPO,
                              capture_output=True, text=True)
-        assert own.returncode == 0 and f"python -m harness.experiments {name}" in own.stdout, own.stderr
+        assert own.returncode == 0 and f"python -m tools.experiments {name}" in own.stdout, own.stderr
 
 
 def test_study_progress_names_the_run_and_the_time_left_from_the_runs_made_here():

@@ -1,4 +1,4 @@
-"""harness/teach.py: exercises keep signatures and docstrings and carry the equation; the untouched exercise fails
+"""tools/teach.py: exercises keep signatures and docstrings and carry the equation; the untouched exercise fails
 grading and the reference bodies pasted back pass it; the picture curves at hand-computed points."""
 
 import ast
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import teach
+from tools import teach
 
 REPO = Path(__file__).resolve().parent.parent
 ALGOS = [exercise.algo for exercise in teach.EXERCISES]
@@ -32,7 +32,7 @@ def restore_bodies(exercise_source: str, reference_source: str, names: tuple[str
 
 
 def run_teach(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "harness.teach", *args], capture_output=True, text=True, cwd=REPO)
+    return subprocess.run([sys.executable, "-m", "tools.teach", *args], capture_output=True, text=True, cwd=REPO)
 
 
 def test_every_algorithm_file_has_one_exercise_in_teaching_order():
@@ -108,7 +108,7 @@ def test_exercise_refuses_to_overwrite_and_grade_needs_the_file(tmp_path):
     assert run_teach("exercise", "tis", str(tmp_path)).returncode == 1
     assert run_teach("exercise", "tis", str(tmp_path), "--force").returncode == 0
     missing = run_teach("grade", "grpo", str(tmp_path))
-    assert missing.returncode == 1 and "python -m harness.teach exercise grpo" in missing.stderr
+    assert missing.returncode == 1 and "python -m tools.teach exercise grpo" in missing.stderr
 
 
 # ----------------------------------------------------------------------------------------------------------------

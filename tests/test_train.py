@@ -313,7 +313,7 @@ def test_micro_batches_that_split_groups_give_the_whole_batch_s_step(one_rank_gr
     """Budgets smaller than one group (about 60 real tokens here) and than one completion give the loss, metrics
     and gradient of the whole batch in one micro-batch, for every aggregation unit, with the KL and with TIS, packed
     and padded. (The reference model is the policy itself, so the KL is 0 but its gradient path runs.)"""
-    from harness.bench import synthetic_groups
+    from tools.bench import synthetic_groups
 
     args = flags.Args(dtype="float32")
     model, _ = train.build_learner(str(base_model_dir), args, torch.device("cpu"))
@@ -336,7 +336,7 @@ def test_micro_batches_that_split_groups_give_the_whole_batch_s_step(one_rank_gr
 def test_activation_checkpointing_and_cpu_offload_give_the_same_step(one_rank_group, base_model_dir, memory_flags):
     """--activation-checkpointing and --cpu-offload change where memory goes, not the step: the same loss and
     gradient as without them, then the same weights after an AdamW step, in micro-batches that split groups."""
-    from harness.bench import synthetic_groups
+    from tools.bench import synthetic_groups
 
     results = []
     for layout in ({}, memory_flags):
@@ -365,7 +365,7 @@ def test_fsdp_reshard_and_fused_adamw_change_no_step(one_rank_group, base_model_
     the same loss and gradient bit for bit with each layer freed after its forward or kept. --adamw fused (auto's
     choice on a GPU; PyTorch has a fused CPU kernel too) gives the weights of PyTorch's default AdamW to float32
     rounding, through train.make_learner's optimizer."""
-    from harness.bench import synthetic_groups
+    from tools.bench import synthetic_groups
 
     reshards: list = []
     real_fully_shard = train.fully_shard
@@ -402,7 +402,7 @@ def test_a_non_finite_step_changes_nothing_with_either_adamw_and_the_next_one_tr
     decides; with the fused one the kernel is told on the device (found_inf), so the host never waits for the GPU
     before queueing the update. Either way the weights, AdamW's moments and its step count stay as they were, the
     gradients are dropped, the next finite step trains, and both AdamWs end on the same weights."""
-    from harness.bench import synthetic_groups
+    from tools.bench import synthetic_groups
 
     def snapshot(learner) -> dict:
         state = {f"{i}.{k}": (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()

@@ -1,9 +1,9 @@
 """Teaching kit for instructors: exercises that the project's own tests grade, and pictures drawn from the real losses.
 
-    python -m harness.teach list                   the exercises in teaching order, each with the question it raises
-    python -m harness.teach exercise ALGO DIR      write a student copy of ALGO.py into DIR, the bodies to write removed
-    python -m harness.teach grade ALGO DIR         run tests/test_ALGO.py against DIR/ALGO.py; status 0 when all pass
-    python -m harness.teach pictures [--out docs]  draw gradients.png and aggregation.png by autograd through the loss
+    python -m tools.teach list                   the exercises in teaching order, each with the question it raises
+    python -m tools.teach exercise ALGO DIR      write a student copy of ALGO.py into DIR, the bodies to write removed
+    python -m tools.teach grade ALGO DIR         run tests/test_ALGO.py against DIR/ALGO.py; status 0 when all pass
+    python -m tools.teach pictures [--out docs]  draw gradients.png and aggregation.png by autograd through the loss
 
 An exercise is the reference file with the bodies of its core functions (compute_advantages, loss_denominator and
 compute_loss; tis_weights and mismatch_metrics for tis.py) replaced by `raise NotImplementedError(hint)`, where the
@@ -32,7 +32,7 @@ from typing import Any
 
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 
-REPO = Path(__file__).resolve().parent.parent  # the repository root: this module lives in harness/
+REPO = Path(__file__).resolve().parent.parent  # the repository root: this module lives in tools/
 LOSS_FUNCTIONS = ("compute_advantages", "loss_denominator", "compute_loss")
 
 
@@ -199,7 +199,7 @@ def grade(algo: str, directory: Path) -> int:
     student_file = (directory / f"{algo}.py").resolve()
     if not student_file.is_file():
         raise FileNotFoundError(f"no {student_file}; write one with: "
-                                f"python -m harness.teach exercise {algo} {directory}")
+                                f"python -m tools.teach exercise {algo} {directory}")
     # tests/conftest.py loads SCALERL_STUDENT_FILE under the module name `algo` and checks each test sees it.
     env = {**os.environ, "SCALERL_STUDENT_FILE": str(student_file)}
     # No cache: a student's failures must not become the developers' `pytest --lf`.
@@ -415,7 +415,7 @@ def _directory(text: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """harness/teach.py's command line: list, exercise, grade and pictures."""
+    """tools/teach.py's command line: list, exercise, grade and pictures."""
     parser = OneLineParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="the exercises in teaching order, with their questions")
@@ -446,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
         exercise = EXERCISE_BY_ALGO[args.algo]
         print(f"wrote {target}: write the bodies of {', '.join(exercise.functions)}")
         print(f"question: {exercise.question}")
-        print(f"check it with: python -m harness.teach grade {args.algo} {args.dir}")
+        print(f"check it with: python -m tools.teach grade {args.algo} {args.dir}")
         return 0
     if args.command == "grade":
         try:

@@ -1,15 +1,15 @@
 """Experiments made of real train.py runs, each a subcommand; each prints what its runs show and ends with one line
 holding a JSON object of the results (the LAST line printed).
 
-    python -m harness.experiments staleness  # the tiny recipe at k = 0, 1, 2, 4, 8 with a fast generator
-    python -m harness.experiments study      # ScaleRL's ablations in miniature: variants x seeds, A, B with 95% CIs
-    python -m harness.experiments report RUN_DIR...   # what finished runs (or study records) show: pass rate, lag, fits
+    python -m tools.experiments staleness  # the tiny recipe at k = 0, 1, 2, 4, 8 with a fast generator
+    python -m tools.experiments study      # ScaleRL's ablations in miniature: variants x seeds, A, B with 95% CIs
+    python -m tools.experiments report RUN_DIR...   # what finished runs (or study records) show: pass rate, lag, fits
 
 A run is train.py under torchrun (`_train_run`): a finished run is never run again, and an unfinished one that the
 experiment started (its start token in its args.json) goes on from its last checkpoint, so a killed experiment
 continues where it stopped. A run directory is used only if its args.json holds the flags the experiment gives it;
 any other is refused in one line naming the flags that differ, never deleted. The benchmarks that time one run's
-parts are harness/bench.py's.
+parts are tools/bench.py's.
 """
 
 from __future__ import annotations
@@ -789,7 +789,7 @@ EXPERIMENTS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[arg
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """harness/experiments.py's command line: one subcommand per experiment, each with its own flags."""
+    """tools/experiments.py's command line: one subcommand per experiment, each with its own flags."""
     return subcommand_parser(__doc__.split("\n\n")[0], EXPERIMENTS, "EXPERIMENT")
 
 

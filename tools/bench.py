@@ -1,14 +1,14 @@
 """Benchmarks of scalerl. Each prints what it measured, as a ratio against a baseline timed in the same run,
 and ends with one line holding a JSON object of the results (the LAST line printed).
 
-    python -m harness.bench fit        # ScaleRL's full-grid sigmoid fit vs exhaustive per-grid-point curve_fit
-    python -m harness.bench pipeline   # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync
-    python -m harness.bench train      # train.py's learner step, packed and padded, vs a bare packed training step
-    python -m harness.bench head       # the FP32 LM head: float32, bf16, split-bf16 GEMMs, the learner's head, errors
-    python -m harness.bench checkpoint # a checkpoint's save and load, sharded per rank vs gathered to rank 0
+    python -m tools.bench fit         # ScaleRL's full-grid sigmoid fit vs exhaustive per-grid-point curve_fit
+    python -m tools.bench pipeline    # our vLLM generator vs LLM.generate, weight-sync latency, pipeline vs sync
+    python -m tools.bench train       # train.py's learner step, packed and padded, vs a bare packed training step
+    python -m tools.bench head        # the FP32 LM head: float32, bf16, split-bf16 GEMMs, the learner's head, errors
+    python -m tools.bench checkpoint  # a checkpoint's save and load, sharded per rank vs gathered to rank 0
 
 A subcommand is a function ``bench_<name>(args)`` registered in ``BENCHMARKS`` with its argument setup. Experiments
-made of whole train.py runs (staleness, study, report) are harness/experiments.py's.
+made of whole train.py runs (staleness, study, report) are tools/experiments.py's.
 Heavy imports live inside the functions so that one benchmark does not pay for another's.
 """
 
@@ -579,7 +579,7 @@ def bench_train(args: argparse.Namespace) -> dict:
     """The learner's real (trained) tokens/s, train.py's FSDP2 step (micro-batches, loss file, clipping, AdamW) with
     packed rows and with padded ones (--no-packing), against the no-padding limit: a bare transformers forward +
     backward + AdamW over the same real tokens, packed as the learner packs them. In one process on one rank, with
-    `python -m harness.bench train` (no torchrun). The learner and the bare model are built, timed and freed one after
+    `python -m tools.bench train` (no torchrun). The learner and the bare model are built, timed and freed one after
     the other, so that a model the size of the GPU's memory can be timed at all (two copies of Qwen3-1.7B's weights,
     gradients and AdamW state with a step's activations did not fit in 80 GB). For each: the step's time, tokens/s, MFU
     where the GPU's peak is known, its peak GPU memory, and its LM head's share of the step. Also the padding fraction
@@ -891,7 +891,7 @@ HEAD_GEMM_ROWS = 8192  # the head's GEMMs are timed on at most this many positio
 
 def _head_gemms_seconds(config: Any, cli: Any, tokens: int, repeats: int, device: Any) -> float:
     """The GEMMs alone (forward, hidden's and weight's gradients) of the head --lm-head-gemm chooses, over `tokens`
-    scored positions (harness/bench.py head's variants: split-bf16's, or float32's without TF32): the head's term of the
+    scored positions (tools/bench.py head's variants: split-bf16's, or float32's without TF32): the head's term of the
     learner's limit, the bare bf16 step - its bf16 head + these."""
     import torch
 
@@ -1290,7 +1290,7 @@ def bench_head(args: argparse.Namespace) -> dict:
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    shape = memory_plan.SHAPES[args.shape or "qwen3-1.7b"]  # the shapes train.py plan and harness/bench.py train use
+    shape = memory_plan.SHAPES[args.shape or "qwen3-1.7b"]  # the shapes train.py plan and tools/bench.py train use
     vocab, hidden_size = (shape["vocab_size"], shape["hidden_size"]) if args.shape or cuda else (8192, 256)
     vocab, hidden_size = args.vocab or vocab, args.hidden or hidden_size
     tokens = args.tokens or (8117 if cuda else 256)
@@ -1398,7 +1398,7 @@ def _head_logits_variants(weight, hidden, temperature: float) -> dict:
 
 def _head_summary(results: dict, learner_logprobs: dict, device, tokens: int, vocab: int, hidden: int,
                   temperature: float, max_logit: float, args: argparse.Namespace) -> dict:
-    """Print the head's measurements; the results as harness/bench.py returns them."""
+    """Print the head's measurements; the results as tools/bench.py returns them."""
     import torch
 
     from harness import head_gemm
@@ -1460,7 +1460,7 @@ def bench_checkpoint(args: argparse.Namespace) -> dict:
         return _checkpoint_rank(args)
     with tempfile.TemporaryDirectory() as scratch:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.ranks),
-               "-m", "harness.bench", "checkpoint", "--ranks", str(args.ranks), "--repeats", str(args.repeats),
+               "-m", "tools.bench", "checkpoint", "--ranks", str(args.ranks), "--repeats", str(args.repeats),
                *(["--shape", args.shape] if args.shape else []),
                *(["--shard-file-mb", str(args.shard_file_mb)] if args.shard_file_mb else [])]
         run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SCALERL_BENCH_DIR": scratch})
@@ -1577,7 +1577,7 @@ BENCHMARKS: dict[str, tuple[Callable[[argparse.Namespace], dict], Callable[[argp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """harness/bench.py's command line: one subcommand per benchmark, each with its own flags."""
+    """tools/bench.py's command line: one subcommand per benchmark, each with its own flags."""
     return subcommand_parser(__doc__.split("\n\n")[0], BENCHMARKS, "BENCHMARK")
 
 

@@ -88,7 +88,7 @@ from harness.flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fu
 from harness.head_gemm import logits_entropy, logits_logprobs, target_logprobs
 from harness.packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
-                             completion_lengths, current_asymptote, generator_config, idle_forward,
+                             completion_lengths, generator_config, idle_forward,
                              idle_forwards_needed, load_tasks, model_flops_utilisation, new_row, peak_flops_per_s,
                              push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks,
                              summary_line, this_ranks_share)
@@ -672,6 +672,17 @@ def evaluate(args: Args, run: Run, row: dict) -> None:
     asymptote = current_asymptote(run.eval_rows)
     if asymptote is not None:
         row["fit_asymptote"] = asymptote
+
+
+def current_asymptote(rows: list[dict]) -> float | None:
+    """The sigmoid fit's predicted asymptote A over the evaluation rows so far (None until it can be fitted)."""
+    points = [(r["compute_hours"], r["val_pass_rate"]) for r in rows]
+    if len(points) < 5:
+        return None
+    try:
+        return scaling_fit.fit_sigmoid(*zip(*points)).A
+    except ValueError:
+        return None
 
 
 def write_row(run: Run, row: dict) -> bool:

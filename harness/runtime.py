@@ -39,7 +39,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tqdm import tqdm
 
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
-import scaling_fit
 from harness import base_model, tasks
 from harness import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
@@ -133,17 +132,6 @@ class Run:
 
     def hours(self) -> float:
         return (time.time() - self.started) / 3600.0
-
-
-def current_asymptote(rows: list[dict]) -> float | None:
-    """The sigmoid fit's predicted asymptote A over the evaluation rows so far (None until it can be fitted)."""
-    points = [(r["compute_hours"], r["val_pass_rate"]) for r in rows]
-    if len(points) < 5:
-        return None
-    try:
-        return scaling_fit.fit_sigmoid(*zip(*points)).A
-    except ValueError:
-        return None
 
 
 def completion_lengths(groups: list) -> dict[str, float]:
@@ -781,9 +769,20 @@ class RunFileError(Exception):
 
 
 def read_run_metrics(path: Path) -> list[dict]:
-    """The rows of a run's own metrics.jsonl (scaling_fit.read_metrics), never read through a link planted there
-    since the run checked it (LinkRefusedError naming it): a link would draw another run's curve as this one's."""
-    return scaling_fit.read_metrics(path, text=read_no_follow(path).decode())
+    """The rows of a run's own metrics.jsonl, as MetricsLog writes them (a JSON object a line), never read through a
+    link planted there since the run checked it (LinkRefusedError naming it): a link would draw another run's curve
+    as this one's. A line that is not a JSON object raises ValueError naming it. (scaling_fit.read_metrics reads
+    anyone's metrics files; the harness, beneath the recipe, reads only the run's own.)"""
+    rows = []
+    for number, line in enumerate(read_no_follow(path).decode().splitlines(), start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: malformed JSON: {err.msg}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
 
 
 class MetricsLog:

@@ -123,6 +123,23 @@ def test_metrics_log_is_cut_back_to_the_checkpoint(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
 
 
+def test_a_runs_own_metrics_are_read_back_as_written_and_a_broken_line_is_named(tmp_path):
+    """The harness reads its own metrics.jsonl back (the rows a resume's running fit starts from) without
+    scaling_fit.py, which is above it: the rows MetricsLog wrote, and a line that is not a JSON object named."""
+    path = tmp_path / "metrics.jsonl"
+    log = runtime.MetricsLog(path, None)
+    log.write({"step": 0, "val_pass_rate": 0.25})
+    log.write({"step": 1, "loss": float("nan")})
+    assert runtime.read_run_metrics(path) == [{"step": 0, "val_pass_rate": 0.25},
+                                              {"step": 1, "loss": None, "non_finite": ["loss"]}]
+    for text, message in (('{"step": 0}\n{"step": 1,\n', ":2: malformed JSON"),
+                          ('{"step": 0}\n\n{"step": 2}\n', ":2: malformed JSON"),
+                          ('{"step": 0}\n[1, 2]\n', ":2: expected a JSON object, got list")):
+        path.write_text(text)
+        with pytest.raises(ValueError, match=f"{path}{message}"):
+            runtime.read_run_metrics(path)
+
+
 def test_non_finite_metrics_are_written_as_null_and_named(tmp_path):
     import scaling_fit
 

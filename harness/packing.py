@@ -141,7 +141,7 @@ def pack_rows(lengths: list[int], break_even: float) -> list[list[int]]:
     at which the two are equal, attention_break_even). Rows no narrower than the longest sequence (the [R, W] tensor
     is that wide anyway) and a few times wider are tried with best-fit decreasing, and the cheapest kept: rows about
     as long as the longest sequence when there are enough sequences to fill them, wider ones for a few. On the CPU
-    this cost ranked the measured row lengths in their measured order (README, "Benchmark: the learner step").
+    this cost ranked the measured row lengths in their measured order (docs/benchmarks.md, "The learner step").
     break_even = math.inf (varlen attention, which costs what the sequences themselves do): one row."""
     longest, total = max(lengths), sum(lengths)
     if math.isinf(break_even):

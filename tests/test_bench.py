@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed_step(tmp_path, base_model_dir):
-    """`python -m tools.bench train` on a small batch of the tiny model (a smoke test; the timings are the README's):
-    its last line is JSON with the ratios, the padding fractions and the host time per micro-batch, and packed rows hold
-    less padding than padded ones; --profile writes the operators of one learner step, AdamW's among them. (The fixture
+    """`python -m tools.bench train` on a small batch of the tiny model (a smoke test; the timings are
+    docs/benchmarks.md's): its last line is JSON with the ratios, the padding fractions and the host time per
+    micro-batch, and packed rows hold less padding than padded ones; --profile writes the operators of one learner step, AdamW's among them. (The fixture
     builds the base model first, so that its build is not timed by this subprocess's limit.)"""
     run = subprocess.run([sys.executable, "-m", "tools.bench", "train", "--groups", "4", "--repeats", "1",
                           "--profile", "profile.txt"], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},

@@ -94,11 +94,46 @@ def test_no_page_shows_a_path_of_the_checkout(page):
 
 
 def test_the_readme_file_map_names_every_python_file():
-    """README.md's file map names each of the root's Python files (the card's nine) and each module of the package
-    harness/ under it, so a file moved or added shows in the map."""
+    """README.md's file map names each of the root's Python files (the card's nine), each module of the package
+    harness/ beneath them and each of the tools above (tools/), so a file moved or added shows in the map."""
     section = (ROOT / "README.md").read_text().split("## Where each part lives")[1].split("```")[1]
     named = set(re.findall(r"\w+\.py", section))
     root = {p.name for p in ROOT.glob("*.py")}
-    package = {p.name for p in (ROOT / "harness").glob("*.py") if p.name != "__init__.py"}
-    assert "\nharness/" in section, "README.md's file map has no harness/ entry"
-    assert not (root | package) - named, f"README.md's file map misses {sorted((root | package) - named)}"
+    packages = {p.name for package in ("harness", "tools") for p in (ROOT / package).glob("*.py")
+                if p.name != "__init__.py"}
+    assert "\nharness/" in section and "\ntools/" in section, "README.md's file map has no harness/ or tools/ entry"
+    assert not (root | packages) - named, f"README.md's file map misses {sorted((root | packages) - named)}"
+
+
+README_MAX_LINES = 100  # a front page that fits a screen; measured results and long explanations live in docs/
+README_MAX_WIDTH = 120
+
+
+def front_page_problems(text: str) -> list[str]:
+    """What keeps a front page from fitting a screen: more than README_MAX_LINES lines, or a line wider than
+    README_MAX_WIDTH characters (each named by its number)."""
+    lines = text.splitlines()
+    problems = [f"{len(lines)} lines (at most {README_MAX_LINES})"] if len(lines) > README_MAX_LINES else []
+    return problems + [f"line {n}: {len(line)} characters (at most {README_MAX_WIDTH})"
+                       for n, line in enumerate(lines, start=1) if len(line) > README_MAX_WIDTH]
+
+
+def test_the_readme_fits_a_screen():
+    assert front_page_problems("a\n" * README_MAX_LINES + "b" * README_MAX_WIDTH) == [
+        f"{README_MAX_LINES + 1} lines (at most {README_MAX_LINES})"]
+    assert front_page_problems("a\n" + "b" * (README_MAX_WIDTH + 1)) == [
+        f"line 2: {README_MAX_WIDTH + 1} characters (at most {README_MAX_WIDTH})"]
+    problems = front_page_problems((ROOT / "README.md").read_text())
+    assert not problems, "README.md: " + "; ".join(problems)
+
+
+def test_the_readme_is_a_front_page():
+    """What the front page holds: the two commands and what make run prints, the file map, the algorithms table
+    (one row per algorithm file) and links to the docs pages, each of which exists."""
+    text = (ROOT / "README.md").read_text()
+    assert "make run " in text and "make test " in text and "step 0: val pass rate" in text
+    table = [line for line in text.split("## The algorithms")[1].splitlines() if line.startswith("| `")]
+    assert [re.match(r"\| `(\w+)\.py`", row).group(1) for row in table] == ["grpo", "dapo", "drgrpo", "gspo",
+                                                                           "cispo", "tis"]
+    links = re.findall(r"\]\((docs/[\w.-]+\.md)(?:#[\w-]+)?\)", text)
+    assert links and [link for link in links if not (ROOT / link).is_file()] == []

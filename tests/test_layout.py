@@ -12,6 +12,7 @@ under a reading (the developers' guide's 100 lines).
 import ast
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -136,15 +137,14 @@ def loss_file_imports(module: str, tree: ast.Module) -> list[str]:
             if "." not in name and name not in LOSS_FILE_IMPORTS]
 
 
-def layer_problems(rule) -> list[str]:
+def layer_problems(rule: Callable[[str, ast.Module], list[str]]) -> list[str]:
     """`rule`'s findings over every module of the project: the root's, the harness's and the tools' (their
-    __init__.py too)."""
+    __init__.py too, as PACKAGE.__init__, so that a relative import there resolves inside the package)."""
     files = [p.name for p in REPO.glob("*.py")] + [f"{package}/{p.name}" for package in (PACKAGE, TOOLS)
                                                    for p in (REPO / package).glob("*.py")]
     found = []
     for file in sorted(files):
-        module = module_name(file).removesuffix(".__init__")
-        found += rule(module, parsed(file))
+        found += rule(module_name(file), parsed(file))
     return found
 
 

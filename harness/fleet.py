@@ -12,8 +12,8 @@ and imports nothing of pipeline_rl (nor of train):
 - `GeneratorProcess`: the learner's end of the generator process (spawn, pipe, a death noticed, close and kill), and
   `generator_process_main`, that process's own start and end around the scheduler;
 - `WeightPush`: the learner's side of a weight update, through vLLM's weight-transfer API: which engine carries
-  the weights (chosen once at the start), the cast to the generator's dtype, and one trainer engine per replica, a
-  replica whose send fails named and dropped while the others finish.
+  the weights (chosen once at the start), the cast to the generator's dtype, and one trainer engine per replica, all
+  sending at once (a thread each), a replica whose send fails named and dropped while the others finish.
 
 What runs inside a replica (vLLM's engine, its logits processors, the handshake's other side) is
 harness/vllm_replica.py; docs/pipeline.md explains the design.
@@ -751,7 +751,7 @@ class WeightPush:
     """The learner's side of weight updates: the engine of vLLM's weight-transfer API that carries them (chosen at
     the start: `choose`), the cast of a full state dict to the generator's dtype (`tensors`), and for each replica a
     trainer engine of vLLM's factory (gloo on CPU, nccl or ipc on GPU) that makes init (once per replica), start,
-    update and finish with the version (`send`)."""
+    update and finish with the version, all replicas at once (`send`)."""
 
     def __init__(self, config: FleetConfig, model: str):
         self.cfg = config
@@ -776,8 +776,8 @@ class WeightPush:
 
     def send(self, tensors: dict[str, torch.Tensor], version: int, plan: list[tuple],
              relay: Callable[[tuple], None]) -> dict[int, str]:
-        """Weights `version` to every replica of `plan` (ReplicaPool.send_update's), one after the other, their calls
-        passed to `relay`. Returns {replica: why} for each whose send failed (its engine is dropped; the
+        """Weights `version` to every replica of `plan` (ReplicaPool.send_update's) at once, a thread each, their
+        calls passed to `relay`. Returns {replica: why} for each whose send failed (its engine is dropped; the
         others finish theirs). A GeneratorError (the generator process is gone) is raised once all have ended."""
         def locked(msg: tuple) -> None:
             with self.relay_lock:
@@ -797,8 +797,13 @@ class WeightPush:
                 with contextlib.suppress(Exception):
                     engine is not None and engine.shutdown()
 
-        for replica, _name, bind_host, workers, init, watch in plan:
-            one(replica, bind_host, workers, init, watch)
+        threads = [threading.Thread(target=one, args=(replica, bind_host, workers, init, watch),
+                                    name=f"scalerl-weights-{replica}", daemon=True)
+                   for replica, _name, bind_host, workers, init, watch in plan]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         if lost:
             raise lost[0]
         return failed

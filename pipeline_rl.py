@@ -169,7 +169,6 @@ class Group:
         return max(versions) if versions else self.admitted_version
 
 
-
 # --------------------------------------------------------------------------------------------------------------
 # The staleness rule: pure functions (unit-tested without vLLM)
 # --------------------------------------------------------------------------------------------------------------
@@ -296,7 +295,6 @@ def lag_stats(groups: list[Group], learner_version: int) -> dict[str, Any]:
     }
 
 
-
 MODES = ("pipeline", "sync")  # GeneratorConfig.mode; train.py's --mode
 
 
@@ -344,8 +342,6 @@ class _RequestError(ValueError):
     """A request the generator refuses (reported to the learner as GeneratorError; the generator keeps running)."""
 
 
-
-
 def sampling_seed(run_seed: int, kind: str, key: str, version: int, sample: int) -> int:
     """One completion's sampler seed, hashed from the run's seed, `kind` ("t" train, "e" eval), `key` (data index or
     problem id), the weights' version and the sample's index. vLLM gives a seeded request a generator of its own, and
@@ -363,7 +359,6 @@ def _make_task(task_factory: Any) -> Task:
     if isinstance(task_factory, type) or not (hasattr(task_factory, "reward") and hasattr(task_factory, "train_stream")):
         return task_factory()
     return task_factory
-
 
 
 @dataclass
@@ -421,7 +416,6 @@ class _GroupState:
 
     def mark_ready(self, done_order: int) -> None:
         self.done_order, self.min_version = done_order, self.to_group().min_version
-
 
 
 class _DataStream:
@@ -855,7 +849,6 @@ class _BatchChoice:
         return chosen
 
 
-
 class _ReplicaFaults:
     """A replica's death: the pool marks it dead and ends its processes, the group table frees its unfinished
     completions (admission places them on the others, or they wait for one), a line names it and the next batch's
@@ -892,7 +885,6 @@ class _ReplicaFaults:
 
     def total(self) -> int:
         return self.deaths_total
-
 
 
 class _Scheduler:
@@ -1115,8 +1107,8 @@ class _Scheduler:
         return stats
 
     def begin_update(self, version: int) -> None:
-        """Weights `version` are coming: tell the learner which replicas to send them to (fleet.ReplicaPool.send_update),
-        and wait for each to say it holds them."""
+        """Weights `version` are coming: tell the learner which replicas to send them to
+        (fleet.ReplicaPool.send_update), and wait for each to say it holds them."""
         plan = self.pool.send_update()
         self.update = {"version": version, "waiting": {p[0] for p in plan}, "seconds": {}, "sent": False}
         self.conn.send(("plan", plan))
@@ -1152,6 +1144,7 @@ class _Scheduler:
         if self.debug_wait is not None and not self.debug_wait["waiting"]:
             values, self.debug_wait = self.debug_wait["values"], None
             self.conn.send(("debug", values))
+
 
 def _scheduler_in_process(conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,
                           skip_indices: list[int], retired_ids: list[str], version: int, secret: bytes) -> _Scheduler:
@@ -1297,7 +1290,6 @@ class Generator:
         """"state": the scheduler's state (replicas included); "checksum:NAME": {replica: sum of parameter NAME}."""
         self._process.send(("debug", what))
         return self._process.recv("debug", timeout, what="debug")[1]
-
 
 
 def main(argv: list[str]) -> int:

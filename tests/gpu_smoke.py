@@ -82,8 +82,8 @@ def check_generator(model: str, gen_devices: str, learner_gpu: int) -> str:
 
     shared = str(learner_gpu) in gen_devices.split(",")
     config = pl.GeneratorConfig(model=model, group_size=4, temperature=0.7, max_tokens=64, think_budget=(2, 4),
-                                answer_budget=16, groups_per_batch=2, fleet=pl.FleetConfig(dtype="bfloat16",
-                                                     fp32_lm_head=True, gen_devices=gen_devices,
+                                answer_budget=16, groups_per_batch=2,
+                                fleet=pl.FleetConfig(dtype="bfloat16", fp32_lm_head=True, gen_devices=gen_devices,
                                                      gpu_memory_utilization=0.3 if shared else 0.6, max_model_len=512))
     torch.cuda.set_device(learner_gpu)
     learner = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(f"cuda:{learner_gpu}").eval()

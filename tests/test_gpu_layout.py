@@ -180,7 +180,8 @@ def test_a_push_is_gathered_once_per_weight_and_cast_before_any_copy():
     model.embed = torch.nn.Embedding(64, 8)
     model.lm_head = torch.nn.Linear(8, 64, bias=False)
     model.lm_head.weight = model.embed.weight  # tied, as SmolLM2's
-    generator = SimpleNamespace(config=SimpleNamespace(fleet=fleet.FleetConfig(dtype="bfloat16", weight_transport="gloo")))
+    config = fleet.FleetConfig(dtype="bfloat16", weight_transport="gloo")
+    generator = SimpleNamespace(config=SimpleNamespace(fleet=config))
     weights = runtime.push_state_dict(model, generator)
     assert set(weights) == {"embed.weight", "lm_head.weight"}
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in weights.values())

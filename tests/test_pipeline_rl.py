@@ -620,7 +620,8 @@ def test_the_group_table_counts_loads_frees_a_dead_replicas_completions_and_orde
 def test_the_replica_pool_starts_a_replica_that_says_hello_and_reports_one_it_cannot_reach():
     config = pl.GeneratorConfig(model="m", group_size=2, fleet=pl.FleetConfig(replicas=2))
     deaths = []
-    pool = fleet.ReplicaPool(config.replica_settings(), b"x" * 32, on_death=lambda slot, reason: deaths.append((slot.id, reason)))
+    pool = fleet.ReplicaPool(config.replica_settings(), b"x" * 32,
+                             on_death=lambda slot, reason: deaths.append((slot.id, reason)))
     conn = _FakeConn()
     pool.on_hello(conn, ("127.0.0.1", 5), ("hello", {"local_id": 1, "pid": 42}), 3, running=False)
     (kind, engine_config, replica, version), = conn.sent
@@ -853,8 +854,9 @@ def test_the_listener_says_in_one_line_when_it_stops_accepting(capfd):
 def test_a_replica_that_never_comes_is_named_with_the_command_that_starts_it(base_model_dir):
     """The learner waits for the remote replicas it was told to expect; the timeout names each missing one and how
     to start it (no local replica here: nothing but the scheduler starts)."""
-    config = pl.GeneratorConfig(model=str(base_model_dir), fleet=pl.FleetConfig(replicas=0, remote_replicas=1,
-                                                     secret=b"x" * 32, listen="127.0.0.2:0", join_timeout=3))
+    config = pl.GeneratorConfig(model=str(base_model_dir),
+                                fleet=pl.FleetConfig(replicas=0, remote_replicas=1, secret=b"x" * 32,
+                                                     listen="127.0.0.2:0", join_timeout=3))
     gen = pl.Generator(config, tasks.ArithmeticTask())
     t0 = time.monotonic()
     with pytest.raises(pl.GeneratorError, match=r"replica 0 \(remote\) never connected to 127\.0\.0\.2:\d+ within 3 s:"
@@ -993,8 +995,8 @@ def pipeline(base_model_dir, hf_model, tmp_path_factory):
                                    "--secret-file", str(secret_file), "--connect-timeout", "300"],
                                   cwd=Path(__file__).resolve().parent.parent, stdout=out, stderr=subprocess.STDOUT)
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE, max_off_policy=K,
-                                groups_per_batch=B, seed=1, buffer_steps=None, fleet=pl.FleetConfig(replicas=1,
-                                                     remote_replicas=1, listen=address,
+                                groups_per_batch=B, seed=1, buffer_steps=None,
+                                fleet=pl.FleetConfig(replicas=1, remote_replicas=1, listen=address,
                                                      secret=vllm_replica.read_secret(secret_file),
                                                      debug_slowdown=(1.0, 3.0)))
     try:

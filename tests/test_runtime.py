@@ -437,8 +437,9 @@ def test_ctrl_c_while_waiting_for_a_remote_replica_stops_at_once(base_model_dir)
     from harness import tasks
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    config = pl.GeneratorConfig(model=str(base_model_dir), fleet=pl.FleetConfig(replicas=0, remote_replicas=1,
-                                                     secret=b"x" * 32, listen="127.0.0.2:0", join_timeout=600))
+    config = pl.GeneratorConfig(model=str(base_model_dir),
+                                fleet=pl.FleetConfig(replicas=0, remote_replicas=1, secret=b"x" * 32,
+                                                     listen="127.0.0.2:0", join_timeout=600))
     gen = pl.Generator(config, tasks.ArithmeticTask())
     try:
         runtime.GracefulStop(announce=False, at_once=True)

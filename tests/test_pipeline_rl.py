@@ -1078,8 +1078,8 @@ def test_begin_close_returns_at_once_and_the_generator_shuts_down_meanwhile(slow
     assert time.monotonic() - t0 < 0.5
     with pytest.raises(pl.GeneratorError, match="closing"):
         gen.get_batch(1, 0)
-    gen._proc.join(60)
-    assert gen._proc.exitcode == 0
+    gen._process.proc.join(60)
+    assert gen._process.proc.exitcode == 0
     gen.close()
 
 
@@ -1228,7 +1228,7 @@ def test_killing_the_generator_raises_generator_error_quickly(pipeline):
     gen = pipeline.gen
     replica = next(r["pid"] for r in gen._debug("state")["replicas"] if r["local"])
     os.kill(gen.pid, signal.SIGKILL)
-    gen._proc.join(10)  # dead before the next request: sending it breaks the pipe, which must also say "died"
+    gen._process.proc.join(10)  # dead before the next request: sending it breaks the pipe, which must also say "died"
     t0 = time.monotonic()
     with pytest.raises(pl.GeneratorError, match="generator process died"):
         gen.get_batch(2, pipeline.V)

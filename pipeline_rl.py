@@ -1,5 +1,5 @@
-"""pipeline_rl.py: the generator's recipe. vLLM replicas under one bounded-staleness scheduler, in-flight weight
-updates, and a sync mode.
+"""pipeline_rl.py: the generator's recipe. The bounded-staleness rule, and the scheduler that applies it over vLLM
+replicas, with in-flight weight updates and a sync mode.
 
 The learner (train.py, rank 0) owns a `Generator`. `Generator.start()` spawns the generator process, which runs the
 scheduler over one vLLM replica or many, on this node or others. It moves prompts, completions, per-token logprobs,
@@ -13,16 +13,17 @@ steps' worth ahead of it (`should_admit`). Each batch takes the earliest deadlin
 learner waits instead of dropping. Sync mode: get_batch generates n fresh groups with the current weights (lag 0).
 
 The file, in order:
-  the data types       GeneratorConfig, Completion, Group, the errors
-  the staleness rule   admission_allowed, off_policy_problems, should_admit, mandatory_count, plan_batch, lag_stats
-  the scheduler        in the generator process, objects that own their state, in pipeline order: _DataStream
-                       (prompts in), _GroupTable (the groups), _ReplicaPool (the replicas), _ReplicaFaults (a
-                       replica's death), _Admission, _Rewards (completions out), _BatchChoice; _Scheduler routes the
-                       messages to them
-  the handle           Generator, the learner's side
-  the join command     main: `python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`
-Behind it, harness/vllm_replica.py, the replica runtime (a reader of the recipe may skip it): what runs inside vLLM's
-processes, the weight transport, the replica process, the handshake, the join command's body.
+  the settings and records   GeneratorConfig (the rule's knobs first), Completion, Group
+  the staleness rule         admission_allowed, off_policy_problems, should_admit, mandatory_count, plan_batch,
+                             lag_stats, and the checks of the settings (config_problems)
+  the scheduler              in the generator process, objects that own their state, in pipeline order: _DataStream
+                             (prompts in), _GroupTable (the groups), _Admission, _Rewards (completions out),
+                             _BatchChoice, _ReplicaFaults (a replica's death); _Scheduler routes the messages to them
+  the handle                 Generator, the learner's side
+  the join command           main: `python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`
+Beneath it, in the harness (a reader of the recipe may skip them): harness/fleet.py, the replica fleet (the
+replicas' settings, their processes, the listener and handshake, their ends, the generator process, the weight transport
+and its engines, all replicas at once), and harness/vllm_replica.py, what runs inside vLLM's processes.
 
 The design in full (sections 1-8: in-flight updates, the staleness rule and why it drops nothing, interruptions,
 sampler logprobs, the FP32 LM head, placement, faults, who may connect): docs/pipeline.md, "The generator's design
@@ -31,40 +32,50 @@ in full".
 
 from __future__ import annotations
 
-import atexit
 import collections
-import contextlib
+import dataclasses
 import hashlib
 import math
-import multiprocessing as mp
-import multiprocessing.connection as mpc
 import os
 import random
-import secrets
-import signal
 import sys
 import time
-import traceback
-import uuid
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from harness import tasks, vllm_replica, wire
+from harness import fleet, tasks, vllm_replica
+from harness.fleet import FleetConfig, GeneratorError, GeneratorTimeout  # noqa: F401  (the handle raises them)
+from harness.fleet import Fatal as _Fatal  # the generator cannot go on: its message says why in full
 from harness.tasks import Problem, Task
-from harness.vllm_replica import DTYPES, parse_address  # GeneratorConfig checks its listen and dtype with them
 
 # --------------------------------------------------------------------------------------------------------------
-# Public data types
+# The settings and the records
 # --------------------------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GeneratorConfig:
-    """Settings of the generator. train.py's flags of the same names take their defaults from here and are checked
-    by the same `config_problems` (harness/flags.py); runtime.generator_config maps the flags onto a GeneratorConfig."""
+    """Settings of the generator: the rule's knobs, then what is sampled, then the fleet that samples it
+    (harness/fleet.py's FleetConfig: replicas, devices, addresses, vLLM's engine settings). train.py's flags of the
+    same names share their defaults and are checked by the same `config_problems` (harness/flags.py's are handed
+    it); train.py's generator_config maps the flags onto a GeneratorConfig."""
 
+    # ---- the rule
+    # pipeline: stream continuously with in-flight weight updates (PipelineRL-k); sync: generate a batch, train, sync
+    mode: str = "pipeline"
+    # k: the learner never trains on a token sampled more than k optimizer steps ago (ScaleRL: 8)
+    max_off_policy: int = 8
+    # freshness: admit at most this many learner steps' worth of groups ahead of the learner's next request (1:
+    # generate the next batch while the learner trains on this one; None: only k limits it)
+    buffer_steps: int | None = 1
+    # groups the learner consumes per step, if known up front (else learned from get_batch)
+    groups_per_batch: int | None = None
+    # cap on groups in flight in the generator (default: vLLM's max_num_seqs / group_size); the staleness rule adds
+    # its own bound
+    max_concurrent_groups: int | None = None
+    # ---- what is sampled
     # HF model directory or name that the generator starts from
     model: str
     # completions per prompt (G)
@@ -80,92 +91,31 @@ class GeneratorConfig:
     answer_budget: int = 8
     # generation budget without interruptions, and the overall cap of a completion with them
     max_tokens: int = 48
-    # k: the learner never trains on a token sampled more than k optimizer steps ago (ScaleRL: 8)
-    max_off_policy: int = 8
-    # freshness: admit at most this many learner steps' worth of groups ahead of the learner's next request (1:
-    # generate the next batch while the learner trains on this one; None: only k limits it)
-    buffer_steps: int | None = 1
-    # pipeline: stream continuously with in-flight weight updates (PipelineRL-k); sync: generate a batch, train, sync
-    mode: str = "pipeline"
     # seed of the samplers and think budgets (one per completion: sampling_seed) and of the data (unless data_seed)
     seed: int = 0
-    # generator weights dtype (bfloat16 on GPU)
-    dtype: str = "float32"
-    # compute the LM head in float32 on the generator (automatic with float32 weights)
-    fp32_lm_head: bool = True
-    # GPU path: comma-separated CUDA device ids for the local replicas, e.g. '4,5,6,7' (None: CPU vLLM)
-    gen_devices: str | None = None
-    # vLLM tensor parallelism of each replica: the local replicas take gen_devices in runs of this many
-    tensor_parallel_size: int = 1
-    # vLLM engines on this node (GPU: len(gen_devices) / tensor_parallel_size of them; CPU: they share the machine)
-    replicas: int = 1
-    # replicas on other nodes to wait for (`python pipeline_rl.py replica --connect HOST:PORT`, docs/pipeline.md)
-    remote_replicas: int = 0
-    # HOST:PORT the generator listens on for replicas, local ones included (port 0: a free one); remote replicas
-    # need an address they reach
-    listen: str = "127.0.0.1:0"
-    # the secret every replica must prove (HMAC challenge); None: a random one, for local replicas only
-    secret: bytes | None = None
-    # seconds to wait for every replica to connect and start its engine (a missing one is named, then start fails)
-    join_timeout: float = 600.0
-    # the engine of vLLM's weight-transfer API that carries new weights to each replica: gloo (CPU, this project's:
-    # harness/weight_transfer.py), nccl (separate GPUs) or ipc (a replica on learner rank 0's GPU); auto: the one
-    # for the layout (vllm_replica.choose_weight_transport; start() settles it). An earlier version's "broadcast"
-    # reads as auto; its "file" is gone
-    weight_transport: str = "auto"
-    # bytes per packed broadcast of the gloo engine: the learner holds one packed chunk at a time, a replica one
-    weight_bucket_bytes: int = 256 << 20
-    # seconds a replica's weight group may take to form or to carry an update before the replica is given up
-    weight_timeout: float = 300.0
+    # seed of the task's train stream (default: seed); keep it fixed across a resume, since data_start and
+    # skip_indices are positions in this stream
+    data_seed: int | None = None
     # seconds one reward may take (past it the completion scores -1 and counts in reward_timeouts); seconds the
     # learner's get_batch waits for its groups before the generator is given up, naming the request
     reward_timeout: float = 10.0
     batch_timeout: float = 3600.0
-    # prompt + completion tokens the engine reserves per sequence
-    max_model_len: int = 256
-    # cap on groups in flight in the generator (default: vLLM's max_num_seqs / group_size); the staleness rule adds
-    # its own bound
-    max_concurrent_groups: int | None = None
-    # seed of the task's train stream (default: seed); keep it fixed across a resume, since data_start and
-    # skip_indices are positions in this stream
-    data_seed: int | None = None
-    # groups the learner consumes per step, if known up front (else learned from get_batch)
-    groups_per_batch: int | None = None
-    # GPU path: vLLM's share of each generator GPU
-    gpu_memory_utilization: float = 0.5
-    # vLLM enforce_eager (default: True on CPU)
-    enforce_eager: bool | None = None
-    # vLLM max_num_seqs (default: vLLM's)
-    max_num_seqs: int | None = None
-    # run vLLM's engine core in processes of its own (vLLM's default) rather than inside the generator process; None:
-    # own processes on GPU, inside on CPU, where the engine core's and the worker's busy-wait loops (vLLM spins up to
-    # 1 s after every step) take cores the learner needs
-    engine_process: bool | None = None
-    # CPU: torch threads of the engine when it runs inside the generator process (None: torch's default, one per
-    # core, or OMP_NUM_THREADS, which torchrun sets to 1 for train.py's ranks and so for their generator); fewer
-    # leave cores to a learner that shares the machine (two threads beside a busy learner stall each other)
-    num_threads: int | None = None
-    # VLLM_LOGGING_LEVEL in the generator process
-    vllm_log_level: str = "WARNING"
-    # debug knob: vLLM's engine sleeps (x - 1) times the duration of every step (SlowdownLogitsProcessor), to emulate
-    # a generator x times slower relative to its learner; a tuple gives each replica its own x (replica i: x[i])
-    debug_slowdown: float | tuple[float, ...] = 1.0
+    # ---- the fleet that samples it: where and how the replicas run (harness/fleet.py)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
 
     def __post_init__(self) -> None:
         self.think_budget = tuple(int(x) for x in self.think_budget)  # type: ignore[assignment]
-        if isinstance(self.debug_slowdown, (list, tuple)):
-            self.debug_slowdown = tuple(float(x) for x in self.debug_slowdown)
-        problems = config_problems({f.name: getattr(self, f.name) for f in fields(self)})
+        if isinstance(self.fleet, Mapping):  # as plain data
+            self.fleet = FleetConfig(**self.fleet)
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "fleet"}
+        problems = config_problems({**values, "max_model_len": self.fleet.max_model_len})
         if problems:
             raise ValueError("; ".join(problems))
 
-    def slowdowns(self) -> tuple[float, ...]:
-        return self.debug_slowdown if isinstance(self.debug_slowdown, tuple) else (float(self.debug_slowdown),)
-
-    def slowdown_of(self, replica: int) -> float:
-        """debug_slowdown of replica `replica` (a tuple gives one per replica, the last one for the rest)."""
-        factors = self.slowdowns()
-        return factors[min(replica, len(factors) - 1)]
+    def replica_settings(self) -> fleet.ReplicaSettings:
+        """What each replica's engine starts with: the fleet's settings, the model, the seed, the interruptions."""
+        return fleet.ReplicaSettings(**dataclasses.asdict(self.fleet), model=self.model, seed=self.seed,
+                                     interruptions=self.interruptions)
 
 
 @dataclass
@@ -219,20 +169,8 @@ class Group:
         return max(versions) if versions else self.admitted_version
 
 
-class GeneratorError(RuntimeError):
-    """The generator process failed to start, died, or reported an error."""
-
-
-class GeneratorTimeout(GeneratorError, TimeoutError):
-    """A call to the generator did not complete within its timeout (the generator is closed: start a new one)."""
-
-
-class _RequestError(ValueError):
-    """A request the generator refuses (reported to the learner as GeneratorError; the generator keeps running)."""
-
-
 # --------------------------------------------------------------------------------------------------------------
-# Pure logic: the staleness throttle, batch choice, lag histogram, interruption span (unit-tested without vLLM)
+# The staleness rule: pure functions (unit-tested without vLLM)
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -361,10 +299,11 @@ MODES = ("pipeline", "sync")  # GeneratorConfig.mode; train.py's --mode
 
 
 def config_problems(values: Mapping[str, Any], name: Callable[[str], str] = str) -> list[str]:
-    """What is wrong with these generator settings; [] when nothing is. The one place where each check is written:
-    GeneratorConfig raises on them, and train.py's flags report them before anything starts (flags.check_args).
-    `values` maps GeneratorConfig field names to values (a missing one is not checked); `name` spells a field as
-    the caller calls it (harness/flags.py: its command-line flag)."""
+    """What is wrong with the rule's and the sampling's settings; [] when nothing is. The one place where each check
+    is written: GeneratorConfig raises on them, and train.py's flags report them before anything starts (train.py
+    hands this to flags.parse_args). `values` maps GeneratorConfig field names to values (a missing one is not
+    checked; max_model_len, the fleet's, is checked against max_tokens); `name` spells a field as the caller calls
+    it (harness/flags.py: its command-line flag). The fleet's own settings: harness/fleet.py's fleet_problems."""
     v, problems = values, []
     if "mode" in v and v["mode"] not in MODES:
         problems.append(f"{name('mode')} must be 'pipeline' or 'sync', got {v['mode']!r}")
@@ -373,10 +312,10 @@ def config_problems(values: Mapping[str, Any], name: Callable[[str], str] = str)
     if v.get("buffer_steps") is not None and v["buffer_steps"] < 0:
         problems.append(f"{name('buffer_steps')} must be >= 0 (got {v['buffer_steps']})")
     problems += [f"{name(key)} must be >= 1 (got {v[key]})"
-                 for key in ("group_size", "answer_budget", "max_tokens", "tensor_parallel_size")
+                 for key in ("group_size", "answer_budget", "max_tokens")
                  if key in v and v[key] < 1]
     problems += [f"{name(key)} must be a number of seconds > 0 (got {v[key]})"
-                 for key in ("join_timeout", "reward_timeout", "batch_timeout")
+                 for key in ("reward_timeout", "batch_timeout")
                  if key in v and not 0 < v[key] < float("inf")]
     if "temperature" in v and not v["temperature"] > 0:
         problems.append(f"{name('temperature')} must be > 0 (got {v['temperature']}): RL samples, and greedy "
@@ -387,15 +326,20 @@ def config_problems(values: Mapping[str, Any], name: Callable[[str], str] = str)
     if "max_model_len" in v and "max_tokens" in v and v["max_model_len"] <= v["max_tokens"]:
         problems.append(f"{name('max_model_len')} ({v['max_model_len']}) must exceed {name('max_tokens')} "
                         f"({v['max_tokens']}): it holds the prompt and the completion")
-    if "dtype" in v and v["dtype"] is not None and v["dtype"] not in DTYPES:
-        problems.append(f"{name('dtype')} must be one of {sorted(DTYPES)}, got {v['dtype']!r}")
-    factors = v.get("debug_slowdown", ())
-    factors = tuple(factors) if isinstance(factors, (tuple, list)) else (factors,)
-    if not all(x >= 1 for x in factors):
-        shown = ",".join(f"{x:g}" for x in factors)
-        problems.append(f"{name('debug_slowdown')} {shown}: X or X,Y,... (one per replica), each must be >= 1 "
-                        "(1 = full speed)")
-    return problems + vllm_replica.replica_problems(v, name)
+    return problems
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The scheduler, in the generator process: its parts in pipeline order (prompts in, the groups, admission,
+# completions out, batch choice, a replica's death), then _Scheduler, which routes the messages to them. The
+# replicas themselves (processes, connections, the listener) are harness/fleet.py's ReplicaPool.
+# --------------------------------------------------------------------------------------------------------------
+# Each part is an object that owns its state (set in its own __init__) and is called through its methods; what one
+# needs of another it is handed, as an argument or as the other object.
+
+
+class _RequestError(ValueError):
+    """A request the generator refuses (reported to the learner as GeneratorError; the generator keeps running)."""
 
 
 def sampling_seed(run_seed: int, kind: str, key: str, version: int, sample: int) -> int:
@@ -472,83 +416,6 @@ class _GroupState:
 
     def mark_ready(self, done_order: int) -> None:
         self.done_order, self.min_version = done_order, self.to_group().min_version
-
-
-@dataclass
-class _ReplicaSlot:
-    """The scheduler's view of one replica: expected -> starting (connected) -> ready (engine up) -> dead, each step
-    one of its methods."""
-
-    id: int
-    local: bool
-    devices: list[int] | None = None  # a local GPU replica's CUDA devices (None on CPU)
-    proc: Any = None  # a local replica's process
-    conn: Any = None
-    pid: int | None = None
-    host: str = ""  # where its connection came from
-    bind_host: str = ""  # where its workers are reached (its end of the connection)
-    tensor_parallel_size: int = 1
-    state: str = "expected"
-    version: int | None = None  # the weights it holds; None: not yet the run's (a late joiner)
-    capacity: int = 1  # groups it takes at once: vLLM's max_num_seqs / group_size
-    group: dict | None = None  # its weight group, once formed
-    info: dict = field(default_factory=dict)
-    reason: str = ""  # why it died
-
-    @property
-    def name(self) -> str:
-        where = "local" if self.local else f"remote, {self.host or 'not connected'}"
-        return f"replica {self.id} ({where}{f', pid {self.pid}' if self.pid else ''})"
-
-    @property
-    def usable(self) -> bool:
-        return self.state == "ready" and self.version is not None
-
-    def spawned(self, proc: Any) -> None:
-        self.proc, self.pid = proc, proc.pid
-
-    def connect(self, conn: Any, host: str, pid: int | None, bind_host: str, tensor_parallel_size: int) -> None:
-        """Its hello came: it starts its engine, and holds none of the run's weights until it is told which."""
-        self.conn, self.host, self.pid, self.state = conn, host, pid, "starting"
-        self.bind_host, self.tensor_parallel_size = bind_host, tensor_parallel_size
-        self.version, self.group, self.reason = None, None, ""
-
-    def engine_up(self, info: dict, group_size: int) -> None:
-        self.info, self.state = info, "ready"
-        self.capacity = max(1, info["max_num_seqs"] // group_size)
-
-    def holds(self, version: int) -> None:
-        self.version = version
-
-    def join(self, group: dict) -> None:
-        self.group = group
-
-    def die(self, reason: str) -> str:
-        """Close its connection and kill its processes; the state it was in ("dead": it was already, and nothing is
-        done)."""
-        previous = self.state
-        if previous == "dead":
-            return previous
-        self.state, self.reason, self.version, self.group = "dead", reason, None, None
-        if self.conn is not None:
-            try:
-                self.conn.close()
-            except OSError:
-                pass
-            self.conn = None
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.kill()
-        if self.local:  # a remote replica's processes are on its own node
-            vllm_replica.kill_processes(self.info.get("vllm_processes", []))
-        return previous
-
-
-class _Fatal(RuntimeError):
-    """The generator cannot go on, for a reason its message says in full (no traceback needed)."""
-
-
-# The scheduler's parts, in pipeline order. Each is an object that owns its state (set in its own __init__) and is
-# called through its methods; what one needs of another it is handed, as an argument or as the other object.
 
 
 class _DataStream:
@@ -694,283 +561,6 @@ class _GroupTable:
             return None
         return [self.eval.pop(g).to_group() for g in gids]
 
-
-class _ReplicaPool:
-    """Replica bookkeeping, the one owner of the replica slots: the listener that replicas connect to, their hello and
-    start, the loads' replicas and the capacities admission reads, their weight groups, and their shutdown. A replica
-    that fails while the pool sends to it is handed to `on_death` (the scheduler's)."""
-
-    def __init__(self, config: GeneratorConfig, secret: bytes, on_death: Callable[[_ReplicaSlot, str], None]):
-        """A slot per replica: the local ones (with their devices) first, then the remote places."""
-        self.cfg, self.secret, self.on_death = config, secret, on_death
-        self.listener: vllm_replica.ReplicaListener | None = None
-        self.new_conns: list[tuple[Any, tuple]] = []  # authenticated, no hello yet
-        gen_ids = [int(x) for x in config.gen_devices.split(",") if x.strip()] if config.gen_devices else []
-        devices = (vllm_replica.replica_devices(gen_ids, config.tensor_parallel_size) if gen_ids
-                   else [None] * config.replicas)
-        self.replicas = {i: _ReplicaSlot(i, local=True, devices=devices[i],
-                                         tensor_parallel_size=config.tensor_parallel_size)
-                         for i in range(config.replicas)}
-        for j in range(config.remote_replicas):
-            i = config.replicas + j
-            self.replicas[i] = _ReplicaSlot(i, local=False)
-
-    # ---- start and connections ------------------------------------------------------------------------------------
-    def spawn(self) -> None:
-        """Listen, and spawn the local replicas (the scheduler then polls until `all_ready`)."""
-        self.listener = vllm_replica.ReplicaListener(self.cfg.listen, self.secret)
-        for slot in self.replicas.values():
-            if slot.local:
-                slot.spawned(vllm_replica.start_process(
-                    vllm_replica.replica_main, f"scalerl-replica-{slot.id}",
-                    (self.listener.address, self.secret, slot.id, slot.devices, os.getpid()),
-                    {"config_type": GeneratorConfig}))
-
-    def all_ready(self) -> bool:
-        return all(s.state == "ready" for s in self.replicas.values())
-
-    def check_start(self, deadline: float) -> None:
-        """_Fatal if a replica died while starting, or `deadline` (time.monotonic) passed with some not ready."""
-        dead = [s for s in self.replicas.values() if s.state == "dead"]
-        if dead:
-            raise _Fatal("; ".join(f"{s.name} failed to start: {s.reason}" for s in dead))
-        if time.monotonic() >= deadline:
-            raise _Fatal(self.missing_message())
-
-    def hand_version(self, version: int) -> None:
-        """Every replica started holds the run's weights `version`."""
-        for slot in self.replicas.values():
-            slot.holds(version)
-
-    def missing_message(self) -> str:
-        lines = []
-        for s in self.replicas.values():
-            if s.state == "ready":
-                continue
-            if s.local:
-                lines.append(f"{s.name} did not start its vLLM engine within {self.cfg.join_timeout:.0f} s")
-            elif s.state == "expected":
-                lines.append(f"replica {s.id} (remote) never connected to {self.listener.address} within "
-                             f"{self.cfg.join_timeout:.0f} s: start it on its node with `python pipeline_rl.py "
-                             f"replica --connect {self.listener.address} --secret-file FILE`")
-            else:
-                lines.append(f"{s.name} connected but did not start its vLLM engine within "
-                             f"{self.cfg.join_timeout:.0f} s")
-        return "; ".join(lines)
-
-    def connections(self) -> dict[Any, Any]:
-        """{connection: its slot, or ("new", peer) for one not yet said hello}, after taking what the listener
-        accepted."""
-        if self.listener is not None:
-            while not self.listener.accepted.empty():
-                self.new_conns.append(self.listener.accepted.get())
-        owners: dict[Any, Any] = {s.conn: s for s in self.replicas.values() if s.conn is not None}
-        owners.update({c: ("new", peer) for c, peer in self.new_conns})
-        return owners
-
-    def forget_new(self, conn: Any) -> None:
-        self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]
-
-    def refuse_frame(self, conn: Any, peer: tuple, reason: str) -> None:
-        """A new connection's first frame was refused (wire.FrameRefused): forget it, and name it in one line."""
-        self.forget_new(conn)
-        line = f"refused a frame from {peer[0]}:{peer[1]} before its hello: {reason}"
-        self.listener.refused.append(line)
-        print(f"[generator] {line}", file=sys.stderr, flush=True)
-
-    def engine_config(self) -> GeneratorConfig:
-        """The settings a replica's engine needs, without the secret or the run's replica layout."""
-        import dataclasses
-
-        return dataclasses.replace(self.cfg, secret=None, replicas=1, remote_replicas=0, listen="127.0.0.1:0")
-
-    def on_hello(self, conn: Any, peer: tuple, msg: tuple, version: int, running: bool) -> None:
-        """A new connection's first message: a replica takes its place and is told to start its engine with weights
-        `version` (unless the run is `running`: a late joiner's base weights are labelled only by its first update)."""
-        if msg[0] != "hello":
-            conn.close()
-            return
-        hello = msg[1]
-        local_id = hello.get("local_id")
-        if local_id is not None:
-            slot = self.replicas.get(local_id)
-            slot = slot if slot is not None and slot.local and slot.state == "expected" else None
-        else:  # a remote replica takes the first free remote place (one never filled, or one whose replica died)
-            slot = next((s for s in self.replicas.values() if not s.local and s.state in ("expected", "dead")), None)
-        if slot is None:
-            reason = (f"the run expects {self.cfg.remote_replicas} remote replica(s) and has them all" if local_id is
-                      None else f"no local replica {local_id} is expected")
-            line = f"refused replica pid {hello.get('pid')} from {peer[0]}: {reason}"
-            self.listener.refused.append(line)
-            print(f"[generator] {line}", file=sys.stderr, flush=True)
-            try:
-                conn.send(("refused", reason))
-            finally:
-                conn.close()
-            return
-        rejoin = slot.state == "dead"
-        slot.connect(conn, peer[0], hello.get("pid"), hello.get("bind_host") or peer[0],
-                     hello.get("tensor_parallel_size") or self.cfg.tensor_parallel_size)
-        # a replica that joins a running run holds the base weights: label them -1 until its first update. The
-        # settings go as plain data (the channel carries no objects); the replica builds its GeneratorConfig again
-        conn.send(("start", asdict(self.engine_config()), slot.id, None if (rejoin or running) else version))
-        if rejoin or running:
-            print(f"[generator] {slot.name} joined; it gets prompts once the next weight update reaches it",
-                  file=sys.stderr, flush=True)
-
-    def send_to(self, slot: _ReplicaSlot, msg: tuple) -> bool:
-        try:
-            slot.conn.send(msg)
-            return True
-        except (OSError, EOFError, BrokenPipeError, AttributeError) as e:
-            self.on_death(slot, f"sending to it failed ({type(e).__name__})")
-            return False
-
-    # ---- what the others read -------------------------------------------------------------------------------------
-    def slot(self, replica: int) -> _ReplicaSlot:
-        return self.replicas[replica]
-
-    def slots(self) -> list[_ReplicaSlot]:
-        return list(self.replicas.values())
-
-    def ready_slots(self) -> list[_ReplicaSlot]:
-        return [s for s in self.replicas.values() if s.state == "ready"]
-
-    def usable_ids(self) -> list[int]:
-        """The replicas admission may send to: engine up, holding the run's weights."""
-        return [s.id for s in self.replicas.values() if s.usable]
-
-    def capacities(self) -> dict[int, int]:
-        return {s.id: s.capacity for s in self.replicas.values()}
-
-    def max_in_flight(self) -> int:
-        return self.cfg.max_concurrent_groups or max(1, sum(s.capacity for s in self.replicas.values() if s.usable))
-
-    def describe(self, s: _ReplicaSlot) -> dict:
-        return {"id": s.id, "name": s.name, "local": s.local, "pid": s.pid, "host": s.host, "state": s.state,
-                "version": s.version, "devices": s.devices, "vllm_processes": s.info.get("vllm_processes", []),
-                "capacity": s.capacity, "reason": s.reason}
-
-    def describe_all(self) -> list[dict]:
-        return [self.describe(s) for s in self.replicas.values()]
-
-    def address(self) -> str:
-        return self.listener.address
-
-    def refused_lines(self) -> list[str]:
-        return list(self.listener.refused) if self.listener else []
-
-    def refused_count(self) -> int:
-        return len(self.listener.refused) if self.listener else 0
-
-    def head(self) -> Any:
-        """What the first replica's engine says of its LM head."""
-        return next(iter(self.replicas.values())).info.get("head")
-
-    def descendants(self) -> list[tuple]:
-        """(pid, create time, name) of the local replicas' processes and their vLLM processes, for the learner."""
-        import psutil
-
-        descendants = []
-        for slot in self.replicas.values():
-            if slot.local:
-                descendants.append((slot.pid, psutil.Process(slot.pid).create_time(), slot.proc.name))
-                descendants += slot.info.get("vllm_processes", [])
-        return descendants
-
-    # ---- weights, faults, shutdown ----------------------------------------------------------------------------------
-    def send_update(self) -> list[tuple]:
-        """The plan of a weight update for the learner: [(replica, name, its workers' address, its workers (the
-        tensor-parallel size), whether its weight-transfer engine must be initialized first, the processes to watch
-        while the learner sends)], one entry per ready replica. The learner's trainer engine for each then makes
-        vLLM's weight-transfer calls, which this process relays to the replica in order (relay_weight_call)."""
-        plan = []
-        for s in self.ready_slots():
-            init = s.group is None
-            s.join({"engine": self.cfg.weight_transport})
-            watch = vllm_replica.local_processes(s.pid, s.info.get("vllm_processes", [])) if s.local else []
-            plan.append((s.id, s.name, s.bind_host, s.tensor_parallel_size, init, watch))
-        return plan
-
-    def relay_weight_call(self, replica: int, method: str, payload: Any) -> None:
-        """One call of the learner's trainer engine on replica `replica`'s client (plain data), passed on; a replica
-        that is gone gets nothing (the learner's engine notices it gone)."""
-        slot = self.replicas.get(replica)
-        if slot is not None and slot.state == "ready":
-            self.send_to(slot, ("weights", method, payload))
-
-    def silent_exits(self) -> list[tuple[_ReplicaSlot, str]]:
-        """(slot, why) of each local replica whose process exited without a word (its connection may linger)."""
-        exits = []
-        for s in self.replicas.values():
-            if s.local and s.proc is not None and s.state != "dead" and not s.proc.is_alive():
-                if s.conn is not None and s.conn.poll(0):
-                    continue  # its last message first
-                exits.append((s, f"its process exited with code {s.proc.exitcode}"))
-        return exits
-
-    def dead_summary(self) -> str:
-        return "; ".join(f"{s.name}: {s.reason}" for s in self.replicas.values() if s.state == "dead")
-
-    def shutdown(self) -> None:
-        """Close every replica: ask, wait a little, then kill what is left (and its vLLM processes)."""
-        for s in self.replicas.values():
-            if s.conn is not None:
-                try:
-                    s.conn.send(("close",))
-                except (OSError, EOFError, BrokenPipeError):
-                    pass
-        deadline = time.monotonic() + 10
-        for s in self.replicas.values():
-            if s.proc is not None:
-                s.proc.join(max(0.1, deadline - time.monotonic()))
-                if s.proc.is_alive():
-                    s.proc.kill()
-                    s.proc.join(5)
-            if s.local:
-                vllm_replica.kill_processes(s.info.get("vllm_processes", []))
-        if self.listener is not None:
-            self.listener.close()
-
-
-class _ReplicaFaults:
-    """A replica's death: it is marked dead and its processes killed, the group table frees its unfinished
-    completions (admission places them on the others, or they wait for one), a line names it and the next batch's
-    stats count it; the last one gone stops the generator."""
-
-    def __init__(self, pool: _ReplicaPool, groups: _GroupTable):
-        self.pool, self.groups = pool, groups
-        self.deaths: list[str] = []  # since the last batch
-        self.deaths_total = 0
-
-    def bury(self, slot: _ReplicaSlot, reason: str) -> tuple[bool, int] | None:
-        """Mark `slot` dead and free its unfinished completions: (was it still starting, how many were freed), or
-        None if it was dead already."""
-        previous = slot.die(reason)
-        if previous == "dead":
-            return None
-        return previous != "ready", self.groups.free(slot.id)
-
-    def report(self, slot: _ReplicaSlot, reason: str, moved: int) -> None:
-        """Name the death on stderr and in the next batch's stats; _Fatal once no replica is left."""
-        left = len(self.pool.ready_slots())
-        line = (f"{slot.name} died: {reason}; " + (f"{moved} unfinished completion(s) go to the other replicas; "
-                                                    f"{left} replica(s) left" if left else "no replica left"))
-        self.deaths.append(line)
-        self.deaths_total += 1
-        print(f"[generator] {line}", file=sys.stderr, flush=True)
-        if not left:
-            raise _Fatal(f"no replica left: {self.pool.dead_summary()}")
-
-    def take_deaths(self) -> list[str]:
-        """The deaths since the last call (one batch's)."""
-        deaths, self.deaths = self.deaths, []
-        return deaths
-
-    def total(self) -> int:
-        return self.deaths_total
-
-
 MAX_UNUSABLE_PROMPTS = 100_000  # too long in a row, for a task with no list of prompts (a generated stream)
 
 
@@ -989,7 +579,7 @@ class _Admission:
     least-loaded replica, each completion with its seed and think budget; a dead replica's completions placed again."""
 
     def __init__(self, config: GeneratorConfig, task: Task, data: _DataStream, groups: _GroupTable,
-                 pool: _ReplicaPool, tokenizer: Any, phrase_ids: list[int], close_ids: list[int]):
+                 pool: fleet.ReplicaPool, tokenizer: Any, phrase_ids: list[int], close_ids: list[int]):
         self.cfg, self.task, self.data, self.groups, self.pool = config, task, data, groups, pool
         self.tokenizer, self.phrase_ids, self.close_ids = tokenizer, phrase_ids, close_ids
         self.skipped_long = 0  # training prompts too long for the context
@@ -1009,7 +599,7 @@ class _Admission:
             spec["interrupt"] = {"budget": budget, "phrase": self.phrase_ids, "close": self.close_ids}
         return spec
 
-    def submit(self, state: _GroupState, replica: _ReplicaSlot, indices: Iterable[int], prefix: str) -> None:
+    def submit(self, state: _GroupState, replica: fleet.ReplicaSlot, indices: Iterable[int], prefix: str) -> None:
         """Send completions `indices` of a group to `replica` (a group's completions go together: one prompt, one
         prefix-cache entry; after a replica's death, the missing ones of a group go to another)."""
         requests = []
@@ -1029,12 +619,13 @@ class _Admission:
     def new_group(self, problem: Problem, data_index: int, samples: int, version: int,
                   temperature: float) -> _GroupState:
         prompt_ids = tasks.chat_prompt_ids(self.tokenizer, problem.prompt)  # tokenized once: checked, then kept
-        if why := tasks.prompt_overflow(problem, len(prompt_ids), self.cfg.max_tokens, self.cfg.max_model_len):
+        if why := tasks.prompt_overflow(problem, len(prompt_ids), self.cfg.max_tokens,
+                                               self.cfg.fleet.max_model_len):
             raise _RequestError(why)
         return self.groups.new_state(problem, data_index, prompt_ids, version, version + self.cfg.max_off_policy,
                                      samples, temperature)
 
-    def admit_one(self, version: int, replica: _ReplicaSlot | None) -> None:
+    def admit_one(self, version: int, replica: fleet.ReplicaSlot | None) -> None:
         """Admit the stream's next usable prompt as a group with weights `version`, sent to `replica` (None: placed
         once a replica holds the run's weights)."""
         too_long: set[str] = set()  # this call's: once it holds every admissible prompt, none is usable
@@ -1167,7 +758,7 @@ class _Rewards:
             self.timeouts_total += 1
             self.errors_total += 1
             return -1.0, f"RewardTimeout: {e}"
-        except Exception as e:  # a broken verifier must not kill the run: count it, score the sample as failed
+        except Exception as e:  # a broken verifier must not end the run: count it, score the sample as failed
             self.errors_total += 1
             return -1.0, f"{type(e).__name__}: {e}"
 
@@ -1258,10 +849,48 @@ class _BatchChoice:
         return chosen
 
 
+class _ReplicaFaults:
+    """A replica's death: the pool marks it dead and ends its processes, the group table frees its unfinished
+    completions (admission places them on the others, or they wait for one), a line names it and the next batch's
+    stats count it; the last one gone stops the generator."""
+
+    def __init__(self, pool: fleet.ReplicaPool, groups: _GroupTable):
+        self.pool, self.groups = pool, groups
+        self.deaths: list[str] = []  # since the last batch
+        self.deaths_total = 0
+
+    def bury(self, slot: fleet.ReplicaSlot, reason: str) -> tuple[bool, int] | None:
+        """Mark `slot` dead and free its unfinished completions: (was it still starting, how many were freed), or
+        None if it was dead already."""
+        previous = slot.die(reason)
+        if previous == "dead":
+            return None
+        return previous != "ready", self.groups.free(slot.id)
+
+    def report(self, slot: fleet.ReplicaSlot, reason: str, moved: int) -> None:
+        """Name the death on stderr and in the next batch's stats; _Fatal once no replica is left."""
+        left = len(self.pool.ready_slots())
+        line = (f"{slot.name} died: {reason}; " + (f"{moved} unfinished completion(s) go to the other replicas; "
+                                                    f"{left} replica(s) left" if left else "no replica left"))
+        self.deaths.append(line)
+        self.deaths_total += 1
+        print(f"[generator] {line}", file=sys.stderr, flush=True)
+        if not left:
+            raise _Fatal(f"no replica left: {self.pool.dead_summary()}")
+
+    def take_deaths(self) -> list[str]:
+        """The deaths since the last call (one batch's)."""
+        deaths, self.deaths = self.deaths, []
+        return deaths
+
+    def total(self) -> int:
+        return self.deaths_total
+
+
 class _Scheduler:
     """Runs in the generator process: the loop over the learner's and the replicas' messages, which it routes to its
     parts, the weight updates and the debug requests. Its parts, each an object that owns its state: `data`
-    (_DataStream), `groups` (_GroupTable), `pool` (_ReplicaPool), `faults` (_ReplicaFaults), `admission`
+    (_DataStream), `groups` (_GroupTable), `pool` (fleet.ReplicaPool), `faults` (_ReplicaFaults), `admission`
     (_Admission), `rewards` (_Rewards), `batches` (_BatchChoice). It keeps the weights' version, the update and
     debug requests in progress, and the throughput since the last batch."""
 
@@ -1271,7 +900,7 @@ class _Scheduler:
         """`spawn_replicas`: listen and start the local replicas at once (the generator process does; a test builds
         a scheduler without them, and gives it fake connections)."""
         self.conn, self.cfg = conn, config
-        self.pool = _ReplicaPool(config, secret, self.on_death)
+        self.pool = fleet.ReplicaPool(config.replica_settings(), secret, self.on_death, config.max_concurrent_groups)
         if spawn_replicas:  # first: a replica's start (vLLM's import, 8 s on a CPU) then overlaps the rest of ours
             self.pool.spawn()  # (transformers' import, 2 s), which no longer delays it
         from transformers import AutoTokenizer
@@ -1299,7 +928,7 @@ class _Scheduler:
 
     def start(self) -> dict:
         """Wait until every replica (local and remote) has its engine up."""
-        deadline = time.monotonic() + self.cfg.join_timeout
+        deadline = time.monotonic() + self.cfg.fleet.join_timeout
         while not self.pool.all_ready():
             self.poll(0.2)
             if self.closing:
@@ -1327,40 +956,15 @@ class _Scheduler:
         self.pool.shutdown()
 
     def poll(self, timeout: float) -> None:
-        """Wait up to `timeout` for a message from the learner or any replica, and handle every one that came."""
-        owners: dict[Any, Any] = {self.conn: "learner"}
-        owners.update(self.pool.connections())
-        try:
-            ready = mpc.wait(list(owners), timeout)
-        except OSError:
-            ready = []
-        for conn in ready:
-            owner = owners[conn]
-            try:
-                msg = conn.recv()
-            except wire.FrameRefused as e:  # nothing of it was used; the connection is closed
-                if isinstance(owner, _ReplicaSlot):
-                    self.on_death(owner, f"refused a frame on its connection: {e}")
-                else:
-                    self.pool.refuse_frame(conn, owner[1], str(e))
-                continue
-            except (EOFError, OSError):
-                if owner == "learner":
-                    self.closing = True
-                elif isinstance(owner, _ReplicaSlot):
-                    self.on_death(owner, "its connection closed (process killed, or the network broke)")
-                else:
-                    self.pool.forget_new(conn)
-                continue
-            if owner == "learner":
-                self.handle_learner(msg)
-            elif isinstance(owner, _ReplicaSlot):
+        """Wait up to `timeout` for a message from the learner or any replica (fleet.ReplicaPool.poll), and handle
+        every one that came."""
+        for owner, msg in self.pool.poll(self.conn, timeout, self.version, running=self.started):
+            if owner != "learner":
                 self.handle_replica(owner, msg)
+            elif msg is None:  # the learner's end closed
+                self.closing = True
             else:
-                self.pool.forget_new(conn)
-                self.pool.on_hello(conn, owner[1], msg, self.version, running=self.started)
-        for slot, reason in self.pool.silent_exits():
-            self.on_death(slot, reason)
+                self.handle_learner(msg)
 
     def handle_learner(self, msg: tuple) -> None:
         kind = msg[0]
@@ -1393,7 +997,7 @@ class _Scheduler:
         except _RequestError as e:  # the learner's mistake: tell it, keep running
             self.conn.send(("fail", str(e)))
 
-    def handle_replica(self, slot: _ReplicaSlot, msg: tuple) -> None:
+    def handle_replica(self, slot: fleet.ReplicaSlot, msg: tuple) -> None:
         kind = msg[0]
         if kind == "outputs":
             _, outputs, busy_s = msg
@@ -1421,7 +1025,7 @@ class _Scheduler:
         elif kind == "closed":
             self.on_death(slot, "it closed")
 
-    def on_output(self, slot: _ReplicaSlot, out: dict) -> None:
+    def on_output(self, slot: fleet.ReplicaSlot, out: dict) -> None:
         """A finished request: scored into its group, unless that no longer awaits it from this replica."""
         awaited = self.groups.awaiting(out["rid"], slot.id)
         if awaited is None:
@@ -1432,7 +1036,7 @@ class _Scheduler:
         if self.groups.fill(state, index, completion):
             self.batches.changed()
 
-    def on_death(self, slot: _ReplicaSlot, reason: str) -> None:
+    def on_death(self, slot: fleet.ReplicaSlot, reason: str) -> None:
         """A replica is gone (_ReplicaFaults): nothing waits for it any longer, and the plans are made again. The
         last replica gone stops the generator."""
         buried = self.faults.bury(slot, reason)
@@ -1503,8 +1107,8 @@ class _Scheduler:
         return stats
 
     def begin_update(self, version: int) -> None:
-        """Weights `version` are coming: tell the learner which replicas to send them to (_ReplicaPool.send_update),
-        and wait for each to say it holds them."""
+        """Weights `version` are coming: tell the learner which replicas to send them to
+        (fleet.ReplicaPool.send_update), and wait for each to say it holds them."""
         plan = self.pool.send_update()
         self.update = {"version": version, "waiting": {p[0] for p in plan}, "seconds": {}, "sent": False}
         self.conn.send(("plan", plan))
@@ -1542,46 +1146,12 @@ class _Scheduler:
             self.conn.send(("debug", values))
 
 
-def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int, skip_indices: list[int],
-                    retired_ids: list[str], version: int, parent_pid: int, secret: bytes) -> None:
-    """Entry point of the generator process."""
-    try:
-        os.setsid()  # Ctrl-C in the terminal goes to the learner, which closes us in order
-    except OSError:
-        pass
-    vllm_replica.set_parent_death_signal(signal.SIGTERM)  # the learner died: shut the replicas down in order
-    if os.getppid() != parent_pid:  # the learner died before prctl took effect
-        return
-    vllm_replica.exit_on_sigterm()
-    for var in vllm_replica.TORCHRUN_VARS:
-        os.environ.pop(var, None)
-    scheduler = None
-    try:
-        scheduler = _Scheduler(conn, config, task_factory, data_start, skip_indices, retired_ids, version, secret,
-                               spawn_replicas=True)
-        info = scheduler.start()
-        conn.send(("ready", info))
-        scheduler.run()
-    except BaseException as e:  # report everything, including SystemExit from SIGTERM
-        try:
-            text = str(e) if isinstance(e, _Fatal) else f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            conn.send(("error", text))
-        except Exception:
-            pass
-        if not isinstance(e, (SystemExit, _Fatal, KeyboardInterrupt)):
-            raise
-    finally:
-        try:
-            if scheduler is not None:
-                scheduler.shutdown()
-        finally:  # whatever cut the shutdown short, no replica outlives us: multiprocessing would wait for it at exit
-            for child in mp.active_children():
-                child.kill()
-        try:
-            conn.send(("closed", None))
-        except Exception:
-            pass
-    vllm_replica.exit_at_once()  # closed in order (an error above propagates instead, with its exit status)
+def _scheduler_in_process(conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,
+                          skip_indices: list[int], retired_ids: list[str], version: int, secret: bytes) -> _Scheduler:
+    """The generator process's scheduler (fleet.generator_process_main builds it there): its replicas are spawned at
+    once."""
+    return _Scheduler(conn, config, task_factory, data_start, skip_indices, retired_ids, version, secret,
+                      spawn_replicas=True)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1590,7 +1160,9 @@ def _generator_main(conn: Any, config: GeneratorConfig, task_factory: Any, data_
 
 
 class Generator:
-    """Learner-side handle of the generator process. Use as a context manager, or call close()."""
+    """Learner-side handle of the generator process. Use as a context manager, or call close(). The process itself
+    (its start, the pipe, a death noticed, the close) is harness/fleet.py's GeneratorProcess, and the weights'
+    transport its WeightPush."""
 
     def __init__(self, config: GeneratorConfig, task_factory: Callable[[], Task] | Task, *, data_start: int = 0,
                  skip_indices: Iterable[int] = (), retired_ids: Iterable[str] = (), initial_version: int = 0):
@@ -1600,61 +1172,31 @@ class Generator:
         self._skip = sorted(int(i) for i in skip_indices)
         self._retired = sorted(str(i) for i in retired_ids)
         self._version = int(initial_version)
-        self._proc: Any = None
-        self._conn: Any = None
-        self._info: dict = {}
-        self._started_at = 0.0
-        self._closed = False
-        self._close_sent = False
-        self._dead_reason: str | None = None
-        self._tied = self._read_tie_flag(config.model)
-        self._secret = config.secret or secrets.token_bytes(32)  # local replicas only: nobody else needs it
-        self._engines: dict[int, Any] = {}  # replica id -> its trainer-side weight-transfer engine (vLLM's factory's)
+        self._weights = fleet.WeightPush(config.fleet, config.model)
+        self._process = fleet.GeneratorProcess(on_close=self._weights.shutdown)
+        self.transport_line = ""  # the weight transport, named once start() has settled it
         self.last_update_s = 0.0  # the last update_weights, in all
         self.last_broadcast_s = 0.0  # of which the transfer itself (init of new replicas' engines included)
         self.last_cast_s = 0.0  # of which the cast to the generator's dtype (vllm_replica.weight_tensors)
         self.last_update_info: dict = {}  # the last update's seconds per replica and replicas left
 
-    @staticmethod
-    def _read_tie_flag(model: str) -> bool:
-        try:
-            from transformers import AutoConfig
-
-            return bool(getattr(AutoConfig.from_pretrained(model), "tie_word_embeddings", False))
-        except Exception:
-            return False
-
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def start(self, timeout: float | None = None) -> None:
         """Start the generator process and its replicas; returns once every replica (local and remote) is ready.
         `timeout` (default: the config's join_timeout plus a minute) is fatal: GeneratorError, naming the missing."""
-        if self._proc is not None:
+        if self._process.pid is not None:
             raise GeneratorError("generator already started")
-        if self._closed:
+        if self._process.closed:
             raise GeneratorError("generator is closed")
-        self._started_at = time.time()  # vLLM's shared-memory segments are younger than this (close())
-        try:  # the transport train.py printed at its start (the same chooser); a ValueError names a wrong one
-            kind, self.transport_line = vllm_replica.config_weight_transport(self.config)
-        except ValueError as e:
-            raise GeneratorError(f"weight_transport {e}") from None
-        self.config = replace(self.config, weight_transport=kind)
-        parent_conn, child_conn = mp.get_context("spawn").Pipe(duplex=True)
-        self._proc = vllm_replica.start_process(
-            _generator_main, "scalerl-generator",
-            (child_conn, self.config, self._task_factory, self._data_start, self._skip, self._retired,
-             self._version, os.getpid(), self._secret))
-        child_conn.close()
-        self._conn = parent_conn
-        atexit.register(self.close)
-        try:
-            _, self._info = self._recv("ready", self.config.join_timeout + 60 if timeout is None else timeout,
-                                       what="start")
-        except BaseException:
-            self.close()
-            raise
+        settled, self.transport_line = self._weights.choose()  # the transport train.py printed at its start
+        self.config = replace(self.config, fleet=settled)
+        secret = fleet.run_secret(self.config.fleet)
+        self._process.start(_scheduler_in_process, (self.config, self._task_factory, self._data_start, self._skip,
+                                                    self._retired, self._version, secret),
+                            self.config.fleet.join_timeout + 60 if timeout is None else timeout)
 
     def __enter__(self) -> "Generator":
-        if self._proc is None:
+        if self._process.pid is None:
             self.start()
         return self
 
@@ -1667,113 +1209,20 @@ class Generator:
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._process.pid
 
     @property
     def info(self) -> dict:
-        return dict(self._info)
+        return dict(self._process.info)
 
     def begin_close(self) -> None:
         """Ask the generator process to shut down in order, and return at once: what the learner does next (its
         last checkpoint) overlaps the replicas' shutdown, about a second here. close() then waits for it."""
-        if self._closed or self._close_sent or self._proc is None or self._conn is None:
-            return
-        self._close_sent = True
-        try:
-            self._conn.send(("close",))
-        except (OSError, EOFError, BrokenPipeError):
-            pass
+        self._process.begin_close()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the generator process and everything vLLM started; idempotent."""
-        if self._closed:
-            return
-        try:
-            atexit.unregister(self.close)
-        except Exception:
-            pass
-        if self._proc is not None and self._proc.is_alive():
-            self.begin_close()
-        self._closed = True
-        proc, conn = self._proc, self._conn
-        if proc is not None:
-            proc.join(timeout)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        if conn is not None:
-            conn.close()
-        # the replicas and vLLM processes that outlived the generator process (e.g. after it was SIGKILLed): nothing
-        # can shut them down in order any more
-        vllm_replica.kill_processes(self._info.get("descendants", []))
-        if self._info.get("descendants"):
-            vllm_replica.remove_leaked_segments(self._started_at)
-        for engine in self._engines.values():  # their stores and groups
-            with contextlib.suppress(Exception):
-                engine.shutdown()
-        self._engines.clear()
-
-    # ---- messaging --------------------------------------------------------------------------------------------
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise GeneratorError("generator is closed" + (f": {self._dead_reason}" if self._dead_reason else ""))
-        if self._proc is None:
-            raise GeneratorError("generator not started: call start() first")
-        if self._close_sent:
-            raise GeneratorError("generator is closing")
-
-    def _send(self, msg: tuple) -> None:
-        self._check_usable()
-        try:
-            self._conn.send(msg)
-        except (OSError, EOFError, BrokenPipeError) as e:
-            self._proc.join(1.0)  # a broken pipe usually means the process is gone: say so, as _recv does
-            if self._proc.is_alive():
-                self._die(f"lost the connection to the generator process while sending {msg[0]!r} ({e})")
-            self._die(f"generator process died (noticed while sending {msg[0]!r}: {e})")
-
-    def _die(self, reason: str) -> None:
-        self._dead_reason = reason
-        code = self._proc.exitcode if self._proc is not None else None
-        self.close(timeout=2.0)
-        raise GeneratorError(f"{reason} (exit code {code})")
-
-    def _recv(self, expected: str, timeout: float | None, what: str) -> tuple:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            wait = 0.2 if deadline is None else max(0.0, min(0.2, deadline - time.monotonic()))
-            try:
-                has = self._conn.poll(wait)
-            except (OSError, EOFError):
-                has = False
-            if has:
-                try:
-                    msg = self._conn.recv()
-                except (EOFError, OSError):
-                    self._proc.join(1.0)
-                    self._die(f"generator process died during {what}")
-                if msg[0] == "error":  # a replica's death is handled there; this one is the generator's own end
-                    self._proc.join(5.0)
-                    self._die(f"generator process failed during {what}: {msg[1]}")
-                if msg[0] == "fail":
-                    raise GeneratorError(msg[1])
-                if msg[0] == "closed":
-                    self._die(f"generator process exited during {what}")
-                if msg[0] != expected:
-                    raise GeneratorError(f"protocol error: expected {expected!r}, got {msg[0]!r}")
-                return msg
-            if not self._proc.is_alive():
-                if self._conn.poll(0):  # a last message (its error) may still be in the pipe
-                    continue
-                self._die(f"generator process died during {what}")
-            if deadline is not None and time.monotonic() >= deadline:
-                # the request is still pending in the generator: its late answer would be taken for the next one's
-                self._dead_reason = f"no answer to {what} within {timeout} s"
-                self.close(timeout=5.0)
-                raise GeneratorTimeout(f"generator did not answer {what} within {timeout} s; it has been closed")
+        """Stop the generator process and everything vLLM started, and the weight engines; idempotent."""
+        self._process.close(timeout)
 
     # ---- the learner's API ------------------------------------------------------------------------------------
     def get_batch(self, num_groups: int, learner_version: int, timeout: float | None = None
@@ -1793,8 +1242,8 @@ class Generator:
         if num_groups < 1:
             raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         t0 = time.perf_counter()
-        self._send(("get_batch", int(num_groups), int(learner_version), t0))
-        _, groups, stats = self._recv("batch", timeout or self.config.batch_timeout,
+        self._process.send(("get_batch", int(num_groups), int(learner_version), t0))
+        _, groups, stats = self._process.recv("batch", timeout or self.config.batch_timeout,
                                       what=f"get_batch of {num_groups} groups for weights {learner_version}")
         stats["wait_s"] = time.perf_counter() - t0
         return groups, stats
@@ -1802,102 +1251,45 @@ class Generator:
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int,
                        timeout: float | None = 600) -> float:
         """Push a full HF-named state dict (lm_head.weight included) to every replica as weights `version`, through
-        vLLM's weight-transfer API: for each replica a trainer engine of vLLM's factory (gloo on CPU, nccl or ipc on
-        GPU: config.weight_transport) makes init (once per replica), start, update and finish with the version,
-        relayed to the replica, which makes the same calls on its vllm.LLM between two decoding steps. Returns the
-        seconds the learner spent in all; of those, `last_broadcast_s` went to the transfer, and `last_update_info`
-        has each replica's seconds. A replica whose update fails is taken out of the run (its work goes to the
-        others)."""
+        vLLM's weight-transfer API (harness/fleet.py's WeightPush): for each replica a trainer engine of vLLM's
+        factory (gloo on CPU, nccl or ipc on GPU) makes init (once per replica), start, update and finish with the
+        version, relayed to the replica, which makes the same calls on its vllm.LLM between two decoding steps; the
+        replicas receive at once. Returns the seconds the learner spent in all; of those, `last_broadcast_s` went to
+        the transfer, and `last_update_info` has each replica's seconds. A replica whose update fails is taken out
+        of the run (its work goes to the others)."""
         t0 = time.perf_counter()
-        tensors = vllm_replica.weight_tensors(state_dict, DTYPES.get(self.config.dtype, torch.float32), self._tied)
+        tensors = self._weights.tensors(state_dict)
         self.last_cast_s = time.perf_counter() - t0  # what cast was left (none for runtime.push_state_dict's weights)
-        self._send(("update", int(version)))
-        _, plan = self._recv("plan", timeout, what="update_weights")
+        self._process.send(("update", int(version)))
+        _, plan = self._process.recv("plan", timeout, what="update_weights")
         t_transfer = time.perf_counter()
-        failed: dict[int, str] = {}
-        for replica, _name, bind_host, workers, init, watch in plan:
-            try:
-                self._send_to_replica(tensors, version, replica, bind_host, workers, init, watch)
-            except GeneratorError:
-                raise
-            except Exception as e:  # this replica's engine is dropped; the others carry on
-                failed[replica] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-                engine = self._engines.pop(replica, None)
-                with contextlib.suppress(Exception):
-                    engine is not None and engine.shutdown()
+        failed = self._weights.send(tensors, version, plan, self._process.send)
         self.last_broadcast_s = time.perf_counter() - t_transfer
-        self._send(("sent", failed))
-        _, applied, self.last_update_info = self._recv("updated", timeout, what="update_weights")
+        self._process.send(("sent", failed))
+        _, applied, self.last_update_info = self._process.recv("updated", timeout, what="update_weights")
         self._version = int(applied)
         self.last_update_s = time.perf_counter() - t0
         return self.last_update_s
-
-    def _send_to_replica(self, tensors: dict[str, torch.Tensor], version: int, replica: int, bind_host: str,
-                         workers: int, init: bool, watch: list) -> None:
-        """One replica's round of vLLM's weight-transfer calls, from its trainer engine (made first if `init`)."""
-        from harness import weight_transfer  # vLLM's factory knows the gloo engine once this is imported
-
-        client = _ReplicaWeightClient(self, replica, version)
-        source = weight_transfer.StateDictSource(tensors)
-        engine = None if init else self._engines.get(replica)
-        if engine is None:
-            old = self._engines.pop(replica, None)
-            if old is not None:
-                old.shutdown()
-            engine = weight_transfer.trainer_engine(self.config.weight_transport, client=client, source=source,
-                                                    host=parse_address(self.config.listen)[0], worker_host=bind_host,
-                                                    world_size=1 + workers, timeout_s=self.config.weight_timeout,
-                                                    buffer_bytes=self.config.weight_bucket_bytes)
-            self._engines[replica] = engine
-        engine.client, engine.source = client, source
-        engine.gone = lambda: vllm_replica.dead_processes(watch)  # the gloo engine polls it while it broadcasts
-        engine.send_weights()
 
     def evaluate(self, problems: list[Problem], samples: int, temperature: float | None = None,
                  timeout: float | None = None) -> list[Group]:
         """`samples` completions of each problem with the current weights (data_index -1), in problem order."""
         if not problems:
             return []
-        self._send(("evaluate", list(problems), int(samples), temperature))
-        _, groups = self._recv("evaluated", timeout, what="evaluate")
+        self._process.send(("evaluate", list(problems), int(samples), temperature))
+        _, groups = self._process.recv("evaluated", timeout, what="evaluate")
         return groups
 
     def retire(self, problem_ids: Iterable[str]) -> None:
         """No-Positive-Resampling: never admit these prompts again (groups already in flight still arrive)."""
         ids = [str(i) for i in problem_ids]
         if ids:
-            self._send(("retire", ids))
+            self._process.send(("retire", ids))
 
     def _debug(self, what: str, timeout: float = 60) -> Any:
         """"state": the scheduler's state (replicas included); "checksum:NAME": {replica: sum of parameter NAME}."""
-        self._send(("debug", what))
-        return self._recv("debug", timeout, what="debug")[1]
-
-class _ReplicaWeightClient:
-    """vLLM's VLLMWeightSyncClient (vllm/distributed/weight_transfer/base.py) for one replica of this generator:
-    each call becomes one message of plain data that the generator process relays to the replica, which makes the
-    same call on its vllm.LLM, in the same order. A call does not wait for the replica's answer (the trainer engine
-    runs the transfer meanwhile); a replica whose call fails says so and is taken out of the run."""
-
-    def __init__(self, generator: Generator, replica: int, version: int):
-        self.generator, self.replica, self.version = generator, replica, version
-
-    def _call(self, method: str, payload: Any) -> None:
-        self.generator._send(("weights", self.replica, method, payload))
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call("init", dict(init_info))
-
-    def start_weight_update(self) -> None:
-        self._call("start", None)
-
-    def update_weights(self, update_info: Any) -> None:
-        from harness import weight_transfer
-
-        self._call("update", weight_transfer.plain_update_info(dict(update_info)))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("finish", int(weight_version) if weight_version is not None else self.version)
+        self._process.send(("debug", what))
+        return self._process.recv("debug", timeout, what="debug")[1]
 
 
 def main(argv: list[str]) -> int:
@@ -1906,7 +1298,7 @@ def main(argv: list[str]) -> int:
               "FILE [--replicas N] [--gen-devices 0,1,...] [--tensor-parallel-size T] [--model PATH]` (see replica "
               "--help)", file=sys.stderr)
         return 2
-    return vllm_replica.replica_command(argv[1:], GeneratorConfig)
+    return vllm_replica.replica_command(argv[1:], fleet.ReplicaSettings)
 
 
 __all__ = ["GeneratorConfig", "Completion", "Group", "Generator", "GeneratorError", "GeneratorTimeout",

@@ -82,13 +82,13 @@ from harness.checkpoints import (TrainerState, load_model_weights, migrate_check
                                 save_checkpoint)
 from harness.cli import positionals  # a subcommand's arguments, checked like flags: one error line
 from harness.flags import LOSSES  # --loss NAME -> the module name of its loss file; make_learner imports it
-from harness.flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, flags_markdown, lm_head_gemm,
-                           loss_arg_problems, parse_args, parse_literal, plan, read_args_json, reshard_layers,
-                           resolve_defaults)
+from harness.flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, flags_markdown,
+                           generator_values, lm_head_gemm, loss_arg_problems, parse_args, parse_literal, plan,
+                           read_args_json, reshard_layers, resolve_defaults)
 from harness.head_gemm import logits_entropy, logits_logprobs, target_logprobs
 from harness.packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
-                             completion_lengths, generator_config, idle_forward,
+                             completion_lengths, fleet_config, generator_position, idle_forward,
                              idle_forwards_needed, load_tasks, model_flops_utilisation, new_row, peak_flops_per_s,
                              push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks,
                              summary_line, this_ranks_share)
@@ -120,19 +120,24 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(migrate_checkpoint(Path(run_dir))))
         return
     if argv[:1] == ["plan"]:
-        print(plan(argv[1:]))
+        print(plan(argv[1:], pipeline_rl.config_problems))
         return
     if argv[:1] == ["evaluate"]:  # the training flags; nothing is written, so no output directory is claimed
         with tempfile.TemporaryDirectory(prefix="scalerl-evaluate-") as scratch:
             given = argv[1:] if "--resume" in argv else [*argv[1:], "--output-dir", str(Path(scratch) / "unused")]
-            print(json.dumps(evaluate_policy(parse_args(given, evaluating=True), Path(scratch))))
+            args = parse_args(given, evaluating=True, generator_checks=pipeline_rl.config_problems)
+            print(json.dumps(evaluate_policy(args, Path(scratch))))
         return
-    args = parse_args(argv)
+    args = parse_args(argv, generator_checks=pipeline_rl.config_problems)  # the rule's settings checked by the rule
     # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
     faulthandler.enable(all_threads=True)
     with rank0_speaks(), set_up(args) as setup:  # process groups, the output directory, data, the model's path
         learner = make_learner(args, setup.model_path, setup.device, setup.rank)
-        run, state = setup.begin(learner)  # resume into the learner, start the generator and the metrics log
+        state = setup.resume(learner)  # with --resume: the checkpoint's weights, optimizer and schedule
+        generator = start_generator(args, setup, state)  # rank 0's, from the base weights (None on the others)
+        if state.step > 0:  # give it the resumed weights before it samples anything
+            push_resumed_weights(learner, generator, state.step)
+        run = setup.begin(state)  # the metrics log and the progress bar
         train(args, learner, run, state)
     if run.is_main:  # the generator is closed by now: the fit has the CPU to itself
         fit = fit_and_plot(run.out / "metrics.jsonl", run.out / "scaling.png", f"{args.loss} ({args.mode})")
@@ -885,8 +890,54 @@ def fit_and_plot(metrics_file: Path, out_png: Path, label: str) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# The generator rank 0 owns (pipeline_rl.py): its settings from the flags, its start where the data stream left
+# off, and the resumed weights pushed to it before it samples anything
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def generator_config(args: Args, model_path: str) -> pipeline_rl.GeneratorConfig:
+    """The generator's settings for this run: the rule's and the sampling's flags, and the fleet's (where and how
+    the replicas run: runtime.fleet_config). Its seed is the run's own, resumed or not: each completion's sampler
+    seed holds the weights' version as well (sampling_seed), so a resume draws what the run would have drawn."""
+    round_steps = pipeline_rl.steps_per_round(args.mode, args.max_off_policy)
+    return pipeline_rl.GeneratorConfig(
+        model=model_path, **generator_values(args), seed=args.seed, data_seed=args.seed,
+        groups_per_batch=args.prompts_per_step * round_steps,  # a round's groups, in one request
+        fleet=fleet_config(args))
+
+
+def start_generator(args: Args, setup: Any, state: TrainerState) -> pipeline_rl.Generator | None:
+    """Rank 0: the generator and its vLLM replicas, started from the base weights where the data stream left off
+    (runtime.generator_position: the prompts the run consumed skipped, its retired ones never sampled); None on the
+    other ranks. set_up closes it, however the run ends."""
+    if setup.rank != 0:
+        return None
+    config = generator_config(args, setup.model_path)
+    setup.check_generator(config.max_tokens, config.fleet.max_model_len)  # the layout, the evaluation prompts
+    setup.generator = pipeline_rl.Generator(config, setup.task, **generator_position(state))
+    try:
+        setup.generator.start()
+    except pipeline_rl.GeneratorError as e:  # e.g. a remote replica that never joined: its line, no traceback
+        raise SystemExit(f"train.py: error: {e}") from None
+    if setup.device.type != "cuda":  # a GPU run printed it with the layout
+        print(setup.generator.transport_line, flush=True)
+    return setup.generator
+
+
+def push_resumed_weights(learner: Learner, generator: pipeline_rl.Generator | None, step: int) -> None:
+    """A resumed run's weights to the generator, which started from the base weights: gathered on every rank (a
+    collective), sent by rank 0 as version `step`. A failure is one line: nothing has been trained yet."""
+    weights = push_state_dict(learner.model, generator)
+    if generator is not None:
+        try:
+            generator.update_weights(weights, step)
+        except pipeline_rl.GeneratorError as e:  # a replica whose update failed, the last: one line
+            raise SystemExit(f"train.py: error: {e}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The learner a rank trains: its loss file, its seeds, the policy as FSDP2 with ScaleRL's FP32 LM head, AdamW and
-# its warm-up (main builds it once set_up knows the data and the model directory, and hands it to Setup.begin)
+# its warm-up (main builds it once set_up knows the data and the model directory, and resumes it with Setup.resume)
 # ----------------------------------------------------------------------------------------------------------------
 
 

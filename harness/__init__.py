@@ -10,6 +10,7 @@ pipeline_rl.py or scaling_fit.py (tests/test_layout.py checks it), and nothing h
     head_gemm     the LM head's log-probabilities in chunks, and the split-bf16 GEMM of the FP32 head
     memory_plan   the learner's GPU memory per rank, and the layout, printed before start
     vllm_replica  what runs inside vLLM: interruptions, a replica's process, the handshake
+    fleet         the generator's replicas: their settings, processes and connections, the weight push to them
     weight_transfer  the CPU engine of vLLM's weight-transfer API (gloo), registered in vLLM's factories
     wire          the replica channel: plain-data messages, the handshake's keys, authenticated frames
     vllm_internals   every use of vLLM outside its public API, checked against the installed vLLM

@@ -28,13 +28,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import torch
 
 from harness import memory_plan  # the learner's memory per rank, checked before a GPU run starts (train.py plan)
-import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
-from harness import base_model, tasks
+from harness import base_model, fleet, tasks  # fleet: the replicas' settings, their defaults and checks
 from harness import vllm_replica  # the replica runtime: the address and secret checks
 from harness.checkpoints import (LinkRefusedError, complete_checkpoints, newest_checkpoint_step, read_no_follow,
                                  write_atomically)
@@ -53,22 +52,34 @@ PROMPT_ALLOWANCE = 512  # prompt tokens a real model's context keeps beside --ma
                         # system prompt) around a GSM8K or Polaris problem fits with room to spare
 
 
-# The flags the learner shares with the generator take their defaults from pipeline_rl.GeneratorConfig and are
-# checked by pipeline_rl.config_problems, each written once there; this maps a field to its flag where the names differ.
+# The flags the learner shares with the generator. The fleet's (harness/fleet.py's FleetConfig: replicas, devices,
+# vLLM's engine settings) take their defaults from it and are checked by its fleet_problems. The rule's and the
+# sampling's are pipeline_rl.GeneratorConfig's, the recipe above this package, which it never imports: their defaults
+# are written in RULE_DEFAULTS as well (tests/test_flags.py holds the two equal), and their checks,
+# pipeline_rl.config_problems, are handed to parse_args and plan by train.py (`generator_checks`).
+RULE_DEFAULTS = {"mode": "pipeline", "max_off_policy": 8, "buffer_steps": 1, "group_size": 8, "temperature": 1.0,
+                 "think_budget": (34, 40), "answer_budget": 8, "max_tokens": 48, "seed": 0, "reward_timeout": 10.0,
+                 "batch_timeout": 3600.0}
+MODES = ("pipeline", "sync")  # pipeline_rl.MODES: --mode's choices
+# What checks the rule's and the sampling's settings: pipeline_rl.config_problems(values, name) -> its problems
+GeneratorChecks = Callable[[Mapping[str, Any], Callable[[str], str]], list[str]]
+# a field's flag where the names differ
 GENERATOR_FLAGS = {"replicas": "gen_replicas", "remote_replicas": "gen_remote_replicas", "listen": "gen_listen",
                    "secret": "gen_secret_file", "join_timeout": "gen_join_timeout",
                    "debug_slowdown": "debug_gen_slowdown"}
 
 
 def generator_flag(field_name: str) -> str:
-    """The command-line flag of a GeneratorConfig field: --max-off-policy for max_off_policy, --gen-listen for
-    listen."""
+    """The command-line flag of a GeneratorConfig or FleetConfig field: --max-off-policy for max_off_policy,
+    --gen-listen for listen."""
     return "--" + GENERATOR_FLAGS.get(field_name, field_name).replace("_", "-")
 
 
 def generator_default(field_name: str) -> Any:
-    """GeneratorConfig's default of a field: the one place a default the learner's flags share with it is written."""
-    return pipeline_rl.GeneratorConfig.__dataclass_fields__[field_name].default
+    """The default of a field the flags share with the generator: the rule's (RULE_DEFAULTS), else FleetConfig's."""
+    if field_name in RULE_DEFAULTS:
+        return RULE_DEFAULTS[field_name]
+    return fleet.FleetConfig.__dataclass_fields__[field_name].default
 
 
 TINY_THINK_BUDGET = ",".join(str(n) for n in generator_default("think_budget"))  # --think-budget's default, as typed
@@ -165,7 +176,7 @@ class Args:
 
     mode: str = _arg(HelpGroup.GENERATION, generator_default("mode"),
                      "pipeline: PipelineRL in-flight updates (ScaleRL); sync: "
-                     "generate, then train", choices=pipeline_rl.MODES)
+                     "generate, then train", choices=MODES)
     max_off_policy: int = _arg(HelpGroup.GENERATION, generator_default("max_off_policy"),
                                "k: pipeline: a sample's oldest token is at most k optimizer "
                                "steps old (ScaleRL: 8); sync: k optimizer steps per generation round "
@@ -378,8 +389,9 @@ class Args:
                                          "generator")
 
 
-def check_args(args: Args) -> list[str]:
-    """Incompatible flags, explained before anything starts."""
+def check_args(args: Args, generator_checks: GeneratorChecks | None = None) -> list[str]:
+    """Incompatible flags, explained before anything starts (the rule's and the sampling's settings by
+    `generator_checks`, pipeline_rl.config_problems, where given)."""
     problems = gpu_layout_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if args.gen_threads is not None and args.gen_threads < 1:
         problems.append(f"--gen-threads {args.gen_threads}: a replica needs at least one thread")
@@ -400,8 +412,8 @@ def check_args(args: Args) -> list[str]:
         problems.append("--weight-dir: the weight file is gone (weights travel through vLLM's weight-transfer "
                         "engines, never a file): drop --weight-dir")
     problems += report_to_problems(args.report_to, args.output_dir)
-    problems += pipeline_rl.config_problems(  # the checks of every setting the generator shares, written there
-        {**generator_values(args), "replicas": 1 if args.gen_replicas is None else args.gen_replicas,
+    problems += generator_problems(args, generator_checks) + fleet.fleet_problems(  # the checks, written there
+        {**fleet_values(args), "replicas": 1 if args.gen_replicas is None else args.gen_replicas,
          "secret": args.gen_secret_file}, generator_flag)
     problems += range_problems(args)
     if args.zero_variance == "drop" and args.group_size == 1:  # below 1 is refused with the generator's settings
@@ -588,9 +600,9 @@ def run_dir_problems(args: Args) -> list[str]:
 
 def replica_problems(args: Args) -> list[str]:
     """The replica flags' own checks, before anything starts (their number, address, secret and weight transport:
-    pipeline_rl.config_problems; their GPU layout: gpu_layout_problems)."""
+    fleet.fleet_problems; their GPU layout: gpu_layout_problems)."""
     problems = []
-    try:  # a malformed address, a wildcard: pipeline_rl.config_problems, with the generator's other settings
+    try:  # a malformed address, a wildcard: fleet.fleet_problems, with the fleet's other settings
         _, port = vllm_replica.parse_address(args.gen_listen)
         if args.gen_remote_replicas and port == 0:
             problems.append(f"--gen-listen {args.gen_listen}: remote replicas need a fixed port to connect to")
@@ -605,25 +617,41 @@ def replica_problems(args: Args) -> list[str]:
 
 
 def generator_values(args: Args) -> dict[str, Any]:
-    """The generator's settings this command line gives, by GeneratorConfig's field names: what check_args checks
-    with pipeline_rl.config_problems and runtime.generator_config passes on. A flag that does not parse
-    (--think-budget, --debug-gen-slowdown) is left out; check_args names it."""
+    """The rule's and the sampling's settings this command line gives, by GeneratorConfig's field names: what
+    check_args checks with pipeline_rl.config_problems and train.py's generator_config passes on. A --think-budget
+    that does not parse is left out; check_args names it."""
     values = {"group_size": args.group_size, "temperature": args.temperature, "answer_budget": args.answer_budget,
               "interruptions": args.length_control == "interruptions", "max_tokens": args.max_tokens,
-              "max_model_len": model_context(args), "max_off_policy": args.max_off_policy, "mode": args.mode,
-              "buffer_steps": args.buffer_steps, "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head,
+              "max_off_policy": args.max_off_policy, "mode": args.mode, "buffer_steps": args.buffer_steps,
+              "reward_timeout": args.reward_timeout, "batch_timeout": args.batch_timeout}
+    try:
+        values["think_budget"] = int_range(args.think_budget)
+    except ValueError:
+        pass
+    return values
+
+
+def fleet_values(args: Args) -> dict[str, Any]:
+    """The fleet's settings this command line gives, by FleetConfig's field names, but for those resolved at the
+    start (the replicas, the secret, the engine's threads and memory share: runtime.fleet_config): what check_args
+    checks with fleet.fleet_problems. A --debug-gen-slowdown that does not parse is left out; check_args names it."""
+    values = {"max_model_len": model_context(args), "dtype": args.dtype, "fp32_lm_head": args.fp32_lm_head,
               "gen_devices": args.gen_devices, "tensor_parallel_size": args.tensor_parallel_size,
               "remote_replicas": args.gen_remote_replicas, "listen": args.gen_listen,
-              "join_timeout": args.gen_join_timeout, "weight_transport": args.weight_transport,
-              "reward_timeout": args.reward_timeout,
-              "batch_timeout": args.batch_timeout}
-    for key, parse in (("think_budget", lambda: int_range(args.think_budget)),
-                       ("debug_slowdown", lambda: gen_slowdowns(args))):
-        try:
-            values[key] = parse()
-        except ValueError:
-            pass
+              "join_timeout": args.gen_join_timeout, "weight_transport": args.weight_transport}
+    try:
+        values["debug_slowdown"] = gen_slowdowns(args)
+    except ValueError:
+        pass
     return values
+
+
+def generator_problems(args: Args, generator_checks: GeneratorChecks | None) -> list[str]:
+    """What `generator_checks` (pipeline_rl.config_problems) finds wrong with the rule's and the sampling's flags,
+    the context (--max-model-len) checked against --max-tokens with them; [] without it."""
+    if generator_checks is None:
+        return []
+    return generator_checks({**generator_values(args), "max_model_len": model_context(args)}, generator_flag)
 
 
 def gen_slowdowns(args: Args) -> tuple[float, ...]:
@@ -810,16 +838,18 @@ class _Unset:
     """Marks a flag the command line did not give."""
 
 
-def parse_args(argv: list[str] | None = None, evaluating: bool = False) -> Args:
-    """The flags of a run, checked (check_args), and on a GPU its learner's memory plan (memory_problems); with
-    --resume, its own (resumed_values). `evaluating`: for `train.py evaluate --resume`, which trains nothing, so that
-    any flag may differ from the run's (another data set, more samples)."""
+def parse_args(argv: list[str] | None = None, evaluating: bool = False,
+               generator_checks: GeneratorChecks | None = None) -> Args:
+    """The flags of a run, checked (check_args, with `generator_checks`: pipeline_rl.config_problems, which train.py
+    hands in), and on a GPU its learner's memory plan (memory_problems); with --resume, its own (resumed_values).
+    `evaluating`: for `train.py evaluate --resume`, which trains nothing, so that any flag may differ from the run's
+    (another data set, more samples)."""
     parser = build_parser()
     values = vars(parser.parse_args(argv))
     if values["resume"]:
         values = resumed_values(parser, argv, values["resume"], evaluating)
     args = Args(**values)
-    problems = check_args(args)
+    problems = check_args(args, generator_checks)
     if not problems and not evaluating:  # evaluating trains nothing: no learner to fit
         problems = memory_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                    int(os.environ.get("WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -828,7 +858,7 @@ def parse_args(argv: list[str] | None = None, evaluating: bool = False) -> Args:
     return args
 
 
-def plan(argv: list[str]) -> str:
+def plan(argv: list[str], generator_checks: GeneratorChecks | None = None) -> str:
     """`train.py plan`: the learner's memory plan per rank for a model (--shape, or --model's config) and a layout
     given as on the command line of a run, printed without a GPU and without checking the flags against this
     machine. Returns the plan's parts and, when it does not fit, the flags that would make it fit."""
@@ -848,7 +878,8 @@ def plan(argv: list[str]) -> str:
     args = Args(**vars(build_parser().parse_args(rest)))
     if options.shape:
         args.model = args.model or options.shape  # a real model: its context is --max-tokens + a prompt
-    problems = range_problems(args) + pipeline_rl.config_problems(generator_values(args), generator_flag)
+    problems = (range_problems(args) + generator_problems(args, generator_checks)
+                + fleet.fleet_problems(fleet_values(args), generator_flag))
     if not options.gpu_memory_gib > 0:
         problems.append(f"--gpu-memory-gib must be > 0 (got {options.gpu_memory_gib:g})")
     if args.gen_devices and options.gpus:

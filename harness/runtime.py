@@ -1,10 +1,11 @@
 """harness/runtime.py: the learner's runtime, what makes the recipe survive real machines. A reader of the recipe may
-skip it. It never calls back into train.py: train.py builds its learner and hands it in (Setup.begin).
+skip it. It never calls back into train.py: train.py builds its learner and its generator and hands them in.
 
 It holds:
-  - `set_up`: everything before the first step, on every rank, around the learner train.py builds (process groups,
-    the OUTPUT_DIR lock, data; then `Setup.begin`: resume, the generator's start, the metrics log), and `Run`, the
-    run around the learner that the loop works with;
+  - `set_up`: everything before the first step, on every rank, around the learner and the generator train.py builds
+    (process groups, the OUTPUT_DIR lock, data; `Setup.resume`, `Setup.check_generator` and the generator's
+    settings from the flags (`fleet_config`, `generator_position`); then `Setup.begin`: the metrics log), and `Run`,
+    the run around the learner that the loop works with;
   - the collectives that keep the learner ranks in step (`broadcast_from_rank0`, `reduce_metrics`, the idle
     forwards of a rank with no micro-batch left, `full_state_dict`, `push_state_dict`);
   - signals (`GracefulStop`), the output-directory lock, the metrics file (`MetricsLog`) and a metrics row's
@@ -38,12 +39,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
-import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
-from harness import base_model, tasks
+from harness import base_model, fleet, tasks
 from harness import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
                                  open_no_follow, read_no_follow, refuse_unless_regular, write_atomically, write_failure)
-from harness.flags import (Args, generator_memory_fraction, generator_values, layout_lines, local_replicas,
+from harness.flags import (Args, fleet_values, generator_memory_fraction, layout_lines, local_replicas,
                            resolve_defaults, step_ranges, trackio_dir, trackio_dir_problem, write_args_json)
 from harness.packing import model_device
 
@@ -117,7 +117,7 @@ class Run:
     val_problems: list
     test_problems: list
     eval_hours: float = 0.0  # wall-clock hours spent evaluating so far, across resumes (train.evaluate adds)
-    generator: Any = None  # pipeline_rl.Generator
+    generator: Any = None  # pipeline_rl.Generator (train.py's start_generator)
     metrics: MetricsLog | None = None  # metrics.jsonl
     bar: Any = None  # tqdm progress bar (disabled off rank 0)
     recent: deque = field(default_factory=deque)  # the last --log-every rows, for the summary line
@@ -183,9 +183,10 @@ def summary_line(row: dict, recent: deque) -> str:
 
 @contextlib.contextmanager
 def set_up(args: Args) -> Iterator[Setup]:
-    """Everything before the first step, on every rank, in two halves around the learner that train.py builds: here
-    the process group, the OUTPUT_DIR lock, the data and the model's path, with the defaults they decide (a Setup);
-    then Setup.begin(learner): resume, generator, metrics log. On exit the generator is closed; a run that fails
+    """Everything before the first step, on every rank, around the learner and the generator that train.py builds:
+    here the process group, the OUTPUT_DIR lock, the data and the model's path, with the defaults they decide (a
+    Setup); then Setup.resume(learner), train.py's generator, and Setup.begin: the metrics log. On exit the generator
+    is closed; a run that fails
     before its first metrics row leaves OUTPUT_DIR as it found it (with --overwrite, the old run is deleted only
     once all of that has started)."""
     tasks.set_vllm_cpu_env()  # vLLM's CPU settings (offline hub, no dynamo); nothing on a machine with CUDA
@@ -223,8 +224,9 @@ def set_up(args: Args) -> Iterator[Setup]:
 
 @dataclass
 class Setup:
-    """A run between set_up's two halves: what train.py builds its learner with (this rank, its device, the model's
-    path, the data), then `begin`, which takes that learner and starts the rest. set_up closes what begin opens."""
+    """A run between set_up's two halves: what train.py builds its learner and its generator with (this rank, its
+    device, the model's path, the data), `resume` into that learner, `check_generator` before the generator starts,
+    then `begin`, which opens the rest. set_up closes the generator and what begin opens."""
 
     args: Args
     rank: int
@@ -238,43 +240,47 @@ class Setup:
     model_path: str = ""  # --model, or the embedded base model
     task: Any = None
     test_task: Any = None
-    generator: Any = None  # rank 0, once begin has started it
+    generator: Any = None  # rank 0, once train.py has started it (set_up closes it, however the run ends)
+    problems: tuple[list, list] | None = None  # evaluation_problems', once asked for
     log: MetricsLog | None = None  # rank 0, once begin has opened metrics.jsonl
 
-    def begin(self, learner: Any) -> tuple[Run, TrainerState]:
-        """Resume into `learner` (its model, optimizer and warm-up schedule), start the generator (rank 0) and give
-        it the resumed weights, open the metrics log: the Run and the TrainerState the loop starts from."""
+    def resume(self, learner: Any) -> TrainerState:
+        """The TrainerState the loop starts from: a fresh one, or with --resume the checkpoint's, its weights and
+        optimizer loaded into `learner` and the warm-up schedule stepped to where it was."""
+        return _resumed_state(self.args, self.out, learner, self.rank)
+
+    def check_generator(self, max_tokens: int, max_model_len: int) -> None:
+        """Rank 0, before the generator starts (train.py's start_generator): on a GPU, where everything goes and how
+        weights travel (`train.py plan --gpus N` prints the same); an evaluation prompt too long for the context
+        refused in one line; the remote replicas awaited, with the command that starts them."""
+        args = self.args
+        if self.device.type == "cuda":
+            print("\n".join(layout_lines(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                                        "1")))), flush=True)
+        val_problems, test_problems = self.evaluation_problems()
+        eval_prompts_fit(self.model_path, max_tokens, max_model_len, val_problems + test_problems)
+        if args.gen_remote_replicas:
+            print(f"[generator] waiting up to {args.gen_join_timeout:.0f} s for {args.gen_remote_replicas} "
+                  f"remote replica(s): on each generator node run `python pipeline_rl.py replica --connect "
+                  f"{args.gen_listen} --secret-file FILE`", file=sys.stderr, flush=True)
+
+    def evaluation_problems(self) -> tuple[list, list]:
+        """(the validation problems, --test-dataset's), as every evaluation of the run takes them."""
+        if self.problems is None:
+            test = self.test_task.validation(None) if self.test_task else []
+            self.problems = self.task.validation(self.args.eval_prompts), test
+        return self.problems
+
+    def begin(self, state: TrainerState) -> Run:
+        """Once the learner is resumed and rank 0's generator started (train.py): open the metrics log, and give the
+        Run the loop talks to."""
         args, is_main, out, task = self.args, self.rank == 0, self.out, self.task
-        state = _resumed_state(args, out, learner, self.rank)
         data_skipped = {}
         if not args.resume and is_main:
             data_skipped = {"data_skipped_rows": getattr(task, "skipped_rows", 0),
                             "data_skipped_reasons": getattr(task, "skipped_reasons", {})}
-
-        # The generator (rank 0 owns it; its process is vLLM's).
-        val_problems = task.validation(args.eval_prompts)
-        test_problems = self.test_task.validation(None) if self.test_task else []
-        gen_config = generator_config(args, self.model_path)
-        devices_in_use = _devices_in_use(args, self.world, gen_config)
-        if is_main:
-            if self.device.type == "cuda":  # where everything goes and how weights travel: `train.py plan --gpus N`
-                print("\n".join(layout_lines(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                                                            "1")))), flush=True)
-            eval_prompts_fit(self.model_path, gen_config, val_problems + test_problems)
-            self.generator = _generator(args, gen_config, task, state)  # set_up closes it, however begin ends
-            try:
-                self.generator.start()
-            except pipeline_rl.GeneratorError as e:  # e.g. a remote replica that never joined: its line, no traceback
-                raise SystemExit(f"train.py: error: {e}") from None
-            if self.device.type != "cuda":  # a GPU run printed it with the layout, above
-                print(self.generator.transport_line, flush=True)
-        if state.step > 0:  # the generator starts from the base weights: give it the resumed ones
-            weights = push_state_dict(learner.model, self.generator)
-            if is_main:
-                try:
-                    self.generator.update_weights(weights, state.step)
-                except pipeline_rl.GeneratorError as e:  # a replica whose update failed, the last: one line
-                    raise SystemExit(f"train.py: error: {e}") from None
+        val_problems, test_problems = self.evaluation_problems()
+        devices_in_use = _devices_in_use(args, self.world, fleet_config(args))
         eval_rows: list[dict] = []
         if is_main:  # the run's files appear only once it has started
             if args.overwrite:  # data, model and generator have all started: only now is the old run deleted
@@ -296,21 +302,16 @@ class Setup:
                   metrics=self.log, bar=bar, recent=deque(maxlen=args.log_every), eval_rows=eval_rows,
                   data_skipped=data_skipped, lock=self.lock)
         self.stopper.at_once = False  # from the first step on, a signal stops at a step boundary, with a checkpoint
-        return run, state
+        return run
 
 
-def _generator(args: Args, gen_config: pipeline_rl.GeneratorConfig, task: tasks.Task,
-               state: TrainerState) -> pipeline_rl.Generator:
-    """Rank 0: the generator, not started yet, where the data stream left off (the prompts the run has consumed
-    skipped, its retired prompts never sampled)."""
+def generator_position(state: TrainerState) -> dict[str, Any]:
+    """Where the generator's data stream starts (pipeline_rl.Generator's keywords): the prompts the run has consumed
+    skipped, its retired prompts never sampled."""
     consumed = state.consumed
     data_start = min(set(range(max(consumed, default=-1) + 2)) - consumed)
-    if args.gen_remote_replicas:
-        print(f"[generator] waiting up to {args.gen_join_timeout:.0f} s for {args.gen_remote_replicas} "
-              f"remote replica(s): on each generator node run `python pipeline_rl.py replica --connect "
-              f"{args.gen_listen} --secret-file FILE`", file=sys.stderr, flush=True)
-    return pipeline_rl.Generator(gen_config, task, data_start=data_start,
-                                 skip_indices={i for i in consumed if i >= data_start}, retired_ids=state.retired)
+    return {"data_start": data_start, "skip_indices": {i for i in consumed if i >= data_start},
+            "retired_ids": state.retired}
 
 
 def _data(args: Args, is_main: bool) -> tuple[tasks.Task, tasks.Task | None]:
@@ -340,7 +341,7 @@ def _model_path(args: Args, is_main: bool) -> str:
         raise SystemExit(2) from None
 
 
-def eval_prompts_fit(model_path: str, config: pipeline_rl.GeneratorConfig, problems: list[tasks.Problem]) -> None:
+def eval_prompts_fit(model_path: str, max_tokens: int, max_model_len: int, problems: list[tasks.Problem]) -> None:
     """Rank 0, before the generator starts: a validation or test prompt too long for the context is one line naming
     it and the limit (the first evaluation would fail on it); a training prompt that is too long is skipped."""
     if not problems:
@@ -350,7 +351,7 @@ def eval_prompts_fit(model_path: str, config: pipeline_rl.GeneratorConfig, probl
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     for problem in problems:
         n = len(tasks.chat_prompt_ids(tokenizer, problem.prompt))
-        if why := tasks.prompt_overflow(problem, n, config.max_tokens, config.max_model_len):
+        if why := tasks.prompt_overflow(problem, n, max_tokens, max_model_len):
             raise SystemExit(f"train.py: error: evaluation {why}; raise --max-model-len or lower --max-tokens")
 
 
@@ -368,7 +369,7 @@ def _resumed_state(args: Args, out: Path, learner: Any, rank: int) -> TrainerSta
     return state
 
 
-def _devices_in_use(args: Args, world: int, gen_config: pipeline_rl.GeneratorConfig) -> int:
+def _devices_in_use(args: Args, world: int, gen_config: fleet.FleetConfig) -> int:
     """learner ranks + the replicas (on CPU a replica counts as a device); on GPU: the GPUs either of them uses."""
     devices_in_use = world + gen_config.replicas + gen_config.remote_replicas
     if args.gen_devices:
@@ -494,14 +495,12 @@ def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
     return task, test_task
 
 
-def generator_config(args: Args, model_path: str) -> pipeline_rl.GeneratorConfig:
-    """The vLLM generator's settings for this run. Its seed is the run's own, resumed or not: each completion's
-    sampler seed holds the weights' version as well (sampling_seed), so a resume draws what the run would have
-    drawn."""
-    round_steps = pipeline_rl.steps_per_round(args.mode, args.max_off_policy)
-    return pipeline_rl.GeneratorConfig(
-        model=model_path, **generator_values(args), seed=args.seed, data_seed=args.seed,
-        groups_per_batch=args.prompts_per_step * round_steps,  # a round's groups, in one request
+def fleet_config(args: Args) -> fleet.FleetConfig:
+    """Where and how this run's replicas run (train.py's generator_config puts it into the GeneratorConfig): the
+    fleet's flags, and what the machine decides (the replicas by --gen-devices, vLLM's memory share, the engine's
+    threads, the secret read from --gen-secret-file)."""
+    return fleet.FleetConfig(
+        **fleet_values(args),
         gpu_memory_utilization=generator_memory_fraction(args, generator_shares_a_gpu(args)),
         replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
         secret=vllm_replica.read_secret(args.gen_secret_file) if args.gen_secret_file else None,
@@ -553,7 +552,7 @@ def push_state_dict(model: Any, generator: Any) -> dict:
     on the device it arrives on. Rank 0 keeps them on its GPU where vLLM's nccl or ipc engine sends them (no host
     round trip); for the gloo engine they go to host memory (in the generator's dtype: half the bytes of float32
     where it is bf16)."""
-    cfg = getattr(generator, "config", None)
+    cfg = generator.config.fleet if generator is not None else None
     on_gpu = cfg is not None and cfg.weight_transport in ("nccl", "ipc")  # vLLM's GPU engines send from the GPU
     dtype = vllm_replica.DTYPES.get(cfg.dtype, torch.float32) if cfg is not None else None
     weights: dict[str, torch.Tensor] = {}
@@ -665,7 +664,7 @@ class GracefulStop:
         if self.at_once:
             raise SystemExit(f"{name} during the start: stopped before the first step, nothing was trained")
         if self.waiting:  # the wait may last long: it ends now, and the run stops as after a generator failure
-            raise pipeline_rl.GeneratorError(f"stopped by {name} while waiting for the generator's groups")
+            raise fleet.GeneratorError(f"stopped by {name} while waiting for the generator's groups")
         if self.announce:
             print(f"\n[{self.signal}] stopping after this step, with a checkpoint (again to stop at once)",
                   file=sys.stderr, flush=True)

@@ -65,7 +65,7 @@ VLLM_CPU_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     # vLLM's engine inside the process that calls LLM(), not in an engine process and a worker process of its own:
     # one import of vLLM instead of three, and `build-base`'s measurement of the tiny model took 13 s instead of
-    # 31 s. A replica sets this for itself (pipeline_rl.GeneratorConfig.engine_process).
+    # 31 s. A replica sets this for itself (harness/fleet.py's FleetConfig.engine_process).
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 

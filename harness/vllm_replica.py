@@ -10,7 +10,7 @@ what makes it run on real machines, and it imports nothing of pipeline_rl (nor o
   weight-transfer engine of harness/weight_transfer.py);
 - placement and the replicas' own settings: which GPUs the replicas and the learner take (`split_devices`,
   `replica_devices`, `visible_devices`), and the checks of their number, address, secret and transport (`replica_problems`, called by
-  pipeline_rl.config_problems);
+  harness/fleet.py's fleet_problems);
 - which engine of vLLM's weight-transfer API carries the weights (`choose_weight_transport`: gloo on CPU, nccl
   between GPUs, ipc to a replica on the learner's GPU), and the replica's side of its calls (`_Replica.weight_call`);
 - the replica process: one vLLM engine, serving the scheduler over one connection;
@@ -19,8 +19,9 @@ what makes it run on real machines, and it imports nothing of pipeline_rl (nor o
 - the join command, `python pipeline_rl.py replica ...` (pipeline_rl.main hands it to `replica_command`);
 - process clean-up: the vLLM processes and shared-memory segments a killed replica leaves.
 
-Where this code needs the generator's settings it takes a `GeneratorConfig` as an argument (typed Any here, so that
-this module does not import pipeline_rl); docs/pipeline.md explains the design.
+Where this code needs the replicas' settings it takes harness/fleet.py's `ReplicaSettings` (or its `FleetConfig`) as an
+argument (typed Any here: fleet imports this module); the fleet around the replicas (their pool, the generator
+process, the weight push) is harness/fleet.py; docs/pipeline.md explains the design.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ from harness.cli import OneLineParser, int_at_least, number  # one error line fo
 # Small helpers that pipeline_rl.py uses too
 # --------------------------------------------------------------------------------------------------------------
 
-# the dtypes a generator may load its weights in (GeneratorConfig.dtype checks its value against these)
+# the dtypes a generator may load its weights in (FleetConfig.dtype checks its value against these)
 DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
@@ -102,7 +103,7 @@ def listen_address(text: str) -> tuple[str, int, socket.AddressFamily]:
     return sockaddr[0], port, family
 
 
-WEIGHT_TRANSPORTS = ("auto", "gloo", "nccl", "ipc")  # GeneratorConfig.weight_transport; train.py's --weight-transport
+WEIGHT_TRANSPORTS = ("auto", "gloo", "nccl", "ipc")  # FleetConfig.weight_transport; train.py's --weight-transport
 # values of an earlier version: "broadcast" is what auto now picks; "file" is gone (weight_transport_value)
 FILE_TRANSPORT_GONE = ("file: the weight file is gone; weights travel through vLLM's weight-transfer engines (auto: "
                        "gloo on CPU, nccl between GPUs, ipc to a replica on learner rank 0's GPU)")
@@ -156,7 +157,7 @@ def choose_weight_transport(requested: str, learner_gpu: int | None, replica_gpu
 
 
 def config_weight_transport(cfg: Any, learner_gpu: int | None = None) -> tuple[str, str]:
-    """choose_weight_transport for a GeneratorConfig `cfg`, its learner rank 0 on `learner_gpu` (default: this
+    """choose_weight_transport for a FleetConfig `cfg`, its learner rank 0 on `learner_gpu` (default: this
     process's GPU when the config is a GPU one); the learner's ranks are its default group's, if it has one."""
     on_gpu = cfg.gen_devices is not None and torch.cuda.is_available()
     if learner_gpu is None and on_gpu:
@@ -186,8 +187,8 @@ def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int],
 
 def replica_problems(values: Mapping[str, Any], name: Callable[[str], str]) -> list[str]:
     """What is wrong with the replicas' settings (their number, the address they connect to, the secret, the weight
-    transport); pipeline_rl.config_problems, where every generator setting is checked, calls it: `values` holds
-    GeneratorConfig's field names, `name` spells a field as the caller calls it."""
+    transport); harness/fleet.py's fleet_problems, where every fleet setting is checked, calls it: `values` holds
+    FleetConfig's field names, `name` spells a field as the caller calls it."""
     v, problems = values, []
     replicas, remote = v.get("replicas", 1), v.get("remote_replicas", 0)
     if replicas < 0 or remote < 0:
@@ -326,7 +327,7 @@ def _interruption_processor_class() -> type:
     return InterruptionLogitsProcessor
 
 
-_SLOWDOWN_ENV = "SCALERL_DEBUG_GEN_SLOWDOWN"  # GeneratorConfig.debug_slowdown, read inside vLLM's worker
+_SLOWDOWN_ENV = "SCALERL_DEBUG_GEN_SLOWDOWN"  # FleetConfig.debug_slowdown, read inside vLLM's worker
 
 
 class _Pace:
@@ -347,7 +348,7 @@ class _Pace:
 
 def _slowdown_processor_class() -> type:
     """A vLLM (V1) logits processor that changes no logit and paces the engine (_Pace): the debug knob behind
-    GeneratorConfig.debug_slowdown."""
+    FleetConfig.debug_slowdown."""
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
     class SlowdownLogitsProcessor(LogitsProcessor):
@@ -580,7 +581,7 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
 
 def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
     """The arguments of replica `replica`'s `vllm.LLM` (each replica samples with a seed of its own); `cfg` is a
-    pipeline_rl.GeneratorConfig. vLLM finds our classes by the names of this module."""
+    harness/fleet.py's ReplicaSettings. vLLM finds our classes by the names of this module."""
     on_gpu = cfg.gen_devices is not None
     kwargs: dict[str, Any] = dict(
         model=cfg.model, dtype=cfg.dtype, seed=cfg.seed + 7919 * replica, max_model_len=cfg.max_model_len,
@@ -640,7 +641,7 @@ class _Replica:
     """Runs in a replica process: one vLLM engine. It takes requests from the scheduler, steps the engine, sends
     back each finished completion as it comes, and applies weight updates between two engine steps."""
 
-    def __init__(self, conn: Any, replica_id: int, config: Any, version: int | None):  # config: a GeneratorConfig
+    def __init__(self, conn: Any, replica_id: int, config: Any, version: int | None):  # config: ReplicaSettings
         self.conn, self.id, self.cfg = conn, replica_id, config
         self.version = -1 if version is None else version  # -1: not the run's weights yet (a late joiner)
         self.send_lock = threading.Lock()  # the engine watcher thread sends too
@@ -903,7 +904,7 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
                   parent_pid: int | None, model: str | None = None, tensor_parallel_size: int | None = None,
                   connect_timeout: float = 60.0, config_type: Callable[..., Any] | None = None) -> None:
     """Entry point of a replica process: connect to the scheduler at `address`, prove the secret, start the engine
-    with the run's settings (which come over the connection as a dict: `config_type`, pipeline_rl's GeneratorConfig,
+    with the run's settings (which come over the connection as a dict: `config_type`, fleet.ReplicaSettings,
     builds them again and checks them) and serve. `local_id`: the place of a replica the generator process started
     itself; None for one that joined with `python pipeline_rl.py replica`."""
     if parent_pid is not None:  # started by the generator process (or the join command): die with it. SIGKILL, since
@@ -935,7 +936,7 @@ def replica_main(address: str, secret: bytes, local_id: int | None, devices: lis
         _, settings, replica_id, version = msg
         overrides = {k: v for k, v in (("model", model), ("tensor_parallel_size", tensor_parallel_size)) if v}
         if config_type is None:
-            raise TypeError("replica_main needs config_type (pipeline_rl.GeneratorConfig) to read the run's settings")
+            raise TypeError("replica_main needs config_type (fleet.ReplicaSettings) to read the run's settings")
         config = config_type(**{**settings, **overrides})  # checked again, with this node's values
         os.environ.setdefault("VLLM_LOGGING_LEVEL", config.vllm_log_level)
         os.environ[_SLOWDOWN_ENV] = str(config.slowdown_of(replica_id))
@@ -1333,7 +1334,7 @@ def replica_args(argv: list[str]) -> tuple[argparse.Namespace, bytes, list[list[
 
 def replica_command(argv: list[str], config_type: Callable[..., Any]) -> int:
     """`python pipeline_rl.py replica --connect HOST:PORT --secret-file FILE ...`: start replicas on this node for
-    a run whose learner listens at HOST:PORT (train.py --gen-listen). `config_type`: pipeline_rl's GeneratorConfig,
+    a run whose learner listens at HOST:PORT (train.py --gen-listen). `config_type`: fleet.ReplicaSettings,
     which each replica builds from the settings the generator sends. Returns the exit status."""
     args, secret, devices, n = replica_args(argv)
     on_gpu = devices != [None]

@@ -81,15 +81,15 @@ def check_generator(model: str, gen_devices: str, learner_gpu: int) -> str:
     from transformers import AutoModelForCausalLM
 
     shared = str(learner_gpu) in gen_devices.split(",")
-    config = pl.GeneratorConfig(model=model, group_size=4, temperature=0.7, dtype="bfloat16", fp32_lm_head=True,
-                                gen_devices=gen_devices, gpu_memory_utilization=0.3 if shared else 0.6,
-                                max_model_len=512, max_tokens=64, think_budget=(2, 4), answer_budget=16,
-                                groups_per_batch=2)
+    config = pl.GeneratorConfig(model=model, group_size=4, temperature=0.7, max_tokens=64, think_budget=(2, 4),
+                                answer_budget=16, groups_per_batch=2,
+                                fleet=pl.FleetConfig(dtype="bfloat16", fp32_lm_head=True, gen_devices=gen_devices,
+                                                     gpu_memory_utilization=0.3 if shared else 0.6, max_model_len=512))
     torch.cuda.set_device(learner_gpu)
     learner = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).to(f"cuda:{learner_gpu}").eval()
     with pl.Generator(config, tasks.ArithmeticTask()) as gen:
         engine = "ipc" if shared else "nccl"  # vLLM's weight-transfer engine for this layout
-        assert gen.config.weight_transport == engine and f"vLLM's {engine} engine" in gen.transport_line
+        assert gen.config.fleet.weight_transport == engine and f"vLLM's {engine} engine" in gen.transport_line
         groups, _ = gen.get_batch(2, 0)
         forced = [lp for g in groups for c in g.completions for lp, m in zip(c.sampler_logprobs, c.loss_mask) if not m]
         assert forced and max(abs(lp) for lp in forced) == 0.0, f"forced tokens' logprobs {forced[:8]}"

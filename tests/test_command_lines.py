@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import pipeline_rl
 import scaling_fit
 from harness import flags, vllm_replica
 from tools import bench, experiments, teach
@@ -63,10 +64,20 @@ def fuzz(parse, parser: argparse.ArgumentParser, capsys, before: list[str] = (),
     return seen
 
 
+def train_flags(argv: list[str]) -> flags.Args:
+    """train.py's flags as its main parses them: the rule's settings checked by pipeline_rl.config_problems."""
+    return flags.parse_args(argv, generator_checks=pipeline_rl.config_problems)
+
+
+def train_plan(argv: list[str]) -> str:
+    """`train.py plan`, as its main calls it: the rule's settings checked by pipeline_rl.config_problems."""
+    return flags.plan(argv, generator_checks=pipeline_rl.config_problems)
+
+
 def test_every_train_flag_is_accepted_or_refused_in_one_line_naming_it(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # --output-dir's default, runs/default, is made here if ever
-    assert outcome(flags.parse_args, [], capsys) is None  # the defaults pass
-    seen = fuzz(flags.parse_args, flags.build_parser(), capsys)
+    assert outcome(train_flags, [], capsys) is None  # the defaults pass
+    seen = fuzz(train_flags, flags.build_parser(), capsys)
     refused = {key for key, line in seen.items() if line is not None}
     # flags with a documented range refuse what lies outside it
     for flag in ("--max-steps", "--prompts-per-step", "--group-size", "--answer-budget", "--max-tokens",
@@ -189,6 +200,6 @@ def test_train_plan_checks_what_the_plan_divides_by(capsys):
                        (["--gpu-memory-gib", "-5"], "--gpu-memory-gib"), (["--gpus", "0"], "--gpus"),
                        (["--group-size", "0"], "--group-size"), (["--micro-batch-tokens", "0"], "--micro-batch-tokens"),
                        (["--gen-devices", "3", "--gpus", "1"], "--gen-devices"), (["--max-steps", "x"], "--max-steps")):
-        line = outcome(flags.plan, [*shape, *argv], capsys)
+        line = outcome(train_plan, [*shape, *argv], capsys)
         assert line and flag in line, (argv, line)
-    assert outcome(flags.plan, [*shape, "--max-tokens", "14336", "--think-budget", "10240,12288"], capsys) is None
+    assert outcome(train_plan, [*shape, "--max-tokens", "14336", "--think-budget", "10240,12288"], capsys) is None

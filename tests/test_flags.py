@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import pipeline_rl as pl
-from harness import checkpoints, flags, vllm_replica
+from harness import checkpoints, flags, fleet, vllm_replica
 from helpers import REPO
 
 
@@ -87,7 +87,7 @@ def test_the_flags_page_is_what_args_gives():
 ])
 def test_incompatible_flags_are_explained_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit):
-        flags.parse_args(argv)
+        flags.parse_args(argv, generator_checks=pl.config_problems)  # the rule's checks, as train.py hands them
     err = capsys.readouterr().err
     assert message in err
     assert "usage:" not in err and len(err.splitlines()) == 1  # one line, no usage block
@@ -99,9 +99,14 @@ RESOLVED_AT_START = {"model", "dtype", "max_model_len", "replicas"}
 
 
 def test_the_flags_the_generator_shares_take_its_defaults():
-    """Every flag that sets a GeneratorConfig field defaults to that field's default, written only there."""
+    """Every flag that sets a GeneratorConfig or FleetConfig field defaults to that field's default: the fleet's
+    written only there, the rule's in GeneratorConfig and in flags.RULE_DEFAULTS (flags never imports the recipe),
+    which must agree."""
+    rule_fields = dataclasses.fields(pl.GeneratorConfig)
+    assert {f.name: f.default for f in rule_fields if f.name in flags.RULE_DEFAULTS} == flags.RULE_DEFAULTS
+    assert flags.MODES == pl.MODES
     args, shared = flags.Args(), 0
-    for field in dataclasses.fields(pl.GeneratorConfig):
+    for field in [*rule_fields, *dataclasses.fields(fleet.FleetConfig)]:
         flag = flags.GENERATOR_FLAGS.get(field.name, field.name)
         if not hasattr(args, flag) or field.name in RESOLVED_AT_START:
             continue
@@ -124,13 +129,15 @@ def test_the_flags_the_generator_shares_take_its_defaults():
     (["--group-size", "0", "--zero-variance", "keep"], {"group_size": 0}),
 ])
 def test_the_flags_the_generator_shares_get_its_checks(argv, config, capsys):
-    """A bad value gives the same message from the command line as from GeneratorConfig, each spelling the setting
-    its own way: both come from pipeline_rl.config_problems."""
+    """A bad value gives the same message from the command line as from GeneratorConfig (or its FleetConfig), each
+    spelling the setting its own way: both come from pipeline_rl.config_problems (or fleet.fleet_problems)."""
     with pytest.raises(SystemExit):
-        flags.parse_args(argv)
+        flags.parse_args(argv, generator_checks=pl.config_problems)
     from_flags = capsys.readouterr().err
+    fleet_fields = {f.name for f in dataclasses.fields(fleet.FleetConfig)}
     with pytest.raises(ValueError) as raised:
-        pl.GeneratorConfig(model="m", **config)
+        pl.GeneratorConfig(model="m", **{k: v for k, v in config.items() if k not in fleet_fields},
+                           fleet=fleet.FleetConfig(**{k: v for k, v in config.items() if k in fleet_fields}))
     field = next(iter(config)) if len(config) == 1 else "max_off_policy"
     from_config = str(raised.value)
     assert from_config.startswith(field)

@@ -105,10 +105,11 @@ def setup():
     learner_ids, gen_ids = vllm_replica.split_devices(gen_devices, n)
     model = os.environ.get("SCALERL_GPU_MODEL") or str(base_model.embedded_base_model())
     shared = bool(set(learner_ids) & set(gen_ids)) or n == 1
-    config = pl.GeneratorConfig(model=model, group_size=4, temperature=0.7, dtype="bfloat16", fp32_lm_head=True,
-                                gen_devices=gen_devices, tensor_parallel_size=len(gen_ids),
-                                gpu_memory_utilization=0.3 if shared else 0.85, max_off_policy=2,
-                                groups_per_batch=2, max_model_len=512, max_tokens=64)
+    config = pl.GeneratorConfig(model=model, group_size=4, temperature=0.7, max_off_policy=2, groups_per_batch=2,
+                                max_tokens=64,
+                                fleet=pl.FleetConfig(dtype="bfloat16", fp32_lm_head=True, gen_devices=gen_devices,
+                                                     tensor_parallel_size=len(gen_ids),
+                                                     gpu_memory_utilization=0.3 if shared else 0.85, max_model_len=512))
     device = torch.device("cuda", learner_ids[0])
     from transformers import AutoModelForCausalLM
 

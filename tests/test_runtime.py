@@ -48,8 +48,8 @@ def test_mfu_is_six_n_tokens_over_the_ranks_peak_and_absent_without_a_peak(monke
 def test_generator_context_follows_the_flags(argv, max_model_len):
     args = flags.parse_args(argv)
     flags.resolve_defaults(args, embedded=args.model is None, on_gpu=False)
-    config = runtime.generator_config(args, "model-dir")  # builds the config only: nothing starts
-    assert config.max_model_len == max_model_len
+    config = train.generator_config(args, "model-dir")  # builds the config only: nothing starts
+    assert config.fleet.max_model_len == max_model_len
     assert config.max_tokens == args.max_tokens and config.think_budget == flags.int_range(args.think_budget)
     assert config.model == "model-dir" and config.seed == args.seed and config.data_seed == args.seed
 
@@ -79,12 +79,11 @@ def test_an_evaluation_prompt_longer_than_the_context_is_one_line_before_the_gen
             return list(range(len(messages[0]["content"])))
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: Chars())
-    config = pl.GeneratorConfig(model="m", max_tokens=8, max_model_len=32)
     fits, too_long = Problem("val.jsonl-0", "x" * 24, "1"), Problem("val.jsonl-1", "x" * 25, "1")
-    runtime.eval_prompts_fit("m", config, [fits])
+    runtime.eval_prompts_fit("m", 8, 32, [fits])  # max_tokens 8, max_model_len 32
     with pytest.raises(SystemExit, match=r"^train.py: error: evaluation prompt val.jsonl-1 has 25 tokens: with "
                                          r"max_tokens 8 it exceeds the context, max_model_len 32; raise"):
-        runtime.eval_prompts_fit("m", config, [fits, too_long])
+        runtime.eval_prompts_fit("m", 8, 32, [fits, too_long])
 
 
 def test_the_generator_gets_a_smaller_share_of_a_gpu_it_shares(monkeypatch):
@@ -94,9 +93,9 @@ def test_the_generator_gets_a_smaller_share_of_a_gpu_it_shares(monkeypatch):
         args.gen_devices = gen_devices
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
-        assert runtime.generator_config(args, "model-dir").gpu_memory_utilization == fraction
+        assert runtime.fleet_config(args).gpu_memory_utilization == fraction
     args.gen_memory_fraction = 0.6
-    assert runtime.generator_config(args, "model-dir").gpu_memory_utilization == 0.6
+    assert runtime.fleet_config(args).gpu_memory_utilization == 0.6
 
 
 def test_completion_lengths_of_a_batch_by_hand():
@@ -455,8 +454,9 @@ def test_ctrl_c_while_waiting_for_a_remote_replica_stops_at_once(base_model_dir)
     from harness import tasks
 
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    config = pl.GeneratorConfig(model=str(base_model_dir), replicas=0, remote_replicas=1, secret=b"x" * 32,
-                                listen="127.0.0.2:0", join_timeout=600)
+    config = pl.GeneratorConfig(model=str(base_model_dir),
+                                fleet=pl.FleetConfig(replicas=0, remote_replicas=1, secret=b"x" * 32,
+                                                     listen="127.0.0.2:0", join_timeout=600))
     gen = pl.Generator(config, tasks.ArithmeticTask())
     try:
         runtime.GracefulStop(announce=False, at_once=True)

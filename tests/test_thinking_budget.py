@@ -49,7 +49,7 @@ def _generate(model_dir: str, task_name: str, think_budget: tuple[int, int], ans
     assert all(p[-1] == prompts[0][-1] for p in prompts)
     assert tok.encode(start, add_special_tokens=False) == prompts[0][-1:]  # one token (docs/pipeline.md: why)
 
-    config = pl.GeneratorConfig(model=model_dir, interruptions=True, max_model_len=256)
+    config = pl.GeneratorConfig(model=model_dir, interruptions=True, fleet=pl.FleetConfig(max_model_len=256))
     kwargs = vllm_replica.vllm_engine_kwargs(config)  # the project's engine, with its interruption processor
     kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str=start, reasoning_end_str=task.interruption_phrase)
     llm = LLM(**kwargs)

@@ -265,7 +265,8 @@ def test_a_refused_frame_is_one_line_and_a_dead_replica_for_the_scheduler(base_m
     """Through the scheduler: replica 0's connection gets an injected pickle, replica 1's a replayed frame; each is
     taken out as a dead replica in one line naming why, nothing of either frame runs, and replica 2 goes on. A new
     connection whose first frame is injected is dropped before its hello, in one line and the refused count."""
-    config = pl.GeneratorConfig(model=str(base_model_dir), group_size=2, replicas=3, interruptions=False)
+    config = pl.GeneratorConfig(model=str(base_model_dir), group_size=2, interruptions=False,
+                                fleet=pl.FleetConfig(replicas=3))
     learner, _learner_end = mp.Pipe()
     scheduler = pl._Scheduler(learner, config, tasks.ArithmeticTask(), 0, [], [], 0, SECRET)
     planted = tmp_path / "planted"

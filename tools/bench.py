@@ -182,7 +182,7 @@ def _time_weight_transports(gen, state: dict, updates: int) -> dict:
         for replica, seconds in gen.last_update_info["seconds"].items():
             per_replica[f"r{replica}"].append(seconds)
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
-    engine = gen.config.weight_transport
+    engine = gen.config.fleet.weight_transport
     out = {"weight_bytes": nbytes, "weight_updates": updates, "weight_engine": engine,
            "weight_update_s": round(statistics.median(times), 4),
            "weight_update_s_range": [round(min(times), 4), round(max(times), 4)],
@@ -207,8 +207,9 @@ def bench_weights(args: argparse.Namespace) -> dict:
 
     model_dir = args.model or str(base_model.embedded_base_model())
     state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    config = pl.GeneratorConfig(model=model_dir, replicas=args.gen_replicas, seed=args.seed, max_model_len=1024,
-                                max_tokens=64, interruptions=False, num_threads=args.gen_threads)
+    config = pl.GeneratorConfig(model=model_dir, seed=args.seed, max_tokens=64, interruptions=False,
+                                fleet=pl.FleetConfig(replicas=args.gen_replicas, max_model_len=1024,
+                                                     num_threads=args.gen_threads))
     with pl.Generator(config, tasks.ArithmeticTask()) as gen:
         results = _time_weight_transports(gen, state, args.weight_updates)
     return {"bench": "pipeline", "only_weights": True, "model_dir": model_dir, "gen_replicas": args.gen_replicas,
@@ -353,8 +354,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     def config(mode: str) -> pl.GeneratorConfig:  # equal settings everywhere: no interruptions, max_tokens cap
         return pl.GeneratorConfig(model=model_dir, group_size=G, interruptions=False, max_tokens=args.max_tokens,
                                   temperature=1.0, mode=mode, seed=args.seed, max_off_policy=args.max_off_policy,
-                                  groups_per_batch=args.prompts_per_step, num_threads=args.gen_threads,
-                                  buffer_steps=args.buffer_steps, replicas=args.gen_replicas)
+                                  groups_per_batch=args.prompts_per_step, buffer_steps=args.buffer_steps,
+                                  fleet=pl.FleetConfig(num_threads=args.gen_threads, replicas=args.gen_replicas))
 
     # 1-2. vLLM's own LLM.generate against our generator (sync mode: get_batch(N) admits the same N prompts, the
     # stream in order), on the same prompts with the same sampling settings (processed logprobs of each token).

@@ -712,18 +712,26 @@ class _Rewards:
     def __init__(self, config: GeneratorConfig, task: Task, phrase_ids: list[int], close_ids: list[int]):
         self.cfg, self.task, self.phrase_ids, self.close_ids = config, task, phrase_ids, close_ids
         self.errors_total = self.timeouts_total = 0  # a timeout counts in both
-        self.start_rewards()  # with the generator (a math data set's math-verify server), before any deadline
+        start_s = self.start_rewards()  # with the generator (a math data set's math-verify server), before any deadline
+        refusal = None if start_s is None else tasks.reward_timeout_refusal(config.reward_timeout, start_s)
+        if refusal:  # before any step: a deadline too short for a restart would score answers as timeouts
+            raise _Fatal(refusal)
 
-    def start_rewards(self) -> None:
+    def start_rewards(self) -> float | None:
         """What the task's rewards need started (`start_rewards`: math-verify's server), started or restarted
-        here, outside any reward's deadline, which would otherwise cover the start and stop it."""
+        here, outside any reward's deadline, which would otherwise cover the start and stop it: the seconds its
+        start took, None for a task with nothing to start."""
         start = getattr(self.task, "start_rewards", None)
-        if callable(start):
-            start()
+        return float(start()) if callable(start) else None
 
     def totals(self) -> tuple[int, int]:
         """(reward errors, reward timeouts) since the start."""
         return self.errors_total, self.timeouts_total
+
+    def restarts(self) -> int:
+        """Reward servers replaced since the start (the task's `reward_restarts`: math-verify's that died)."""
+        count = getattr(self.task, "reward_restarts", None)
+        return int(count()) if callable(count) else 0
 
     def make_completion(self, state: _GroupState, index: int, out: dict, replica: int) -> Completion:
         token_ids, logprobs, versions = out["token_ids"], out["logprobs"], out["versions"]
@@ -747,6 +755,15 @@ class _Rewards:
                           truncated, budget, replica)
 
     def score(self, problem: Problem, text: str) -> tuple[float, str | None]:
+        restarts = self.restarts()
+        reward, error = self._score(problem, text)
+        if self.restarts() > restarts:  # died since the last reward, or during this one: started again, said here
+            print(f"[rewards] a reward server died and was started again ({self.restarts()} in this run: "
+                  f"reward_restarts_total); the answer then being scored: "
+                  f"{error if error else f'reward {reward:g}'}", file=sys.stderr, flush=True)
+        return reward, error
+
+    def _score(self, problem: Problem, text: str) -> tuple[float, str | None]:
         try:
             self.start_rewards()  # a server that died since the last reward starts again here, not under the deadline
             with tasks.reward_deadline(self.cfg.reward_timeout):
@@ -1084,6 +1101,7 @@ class _Scheduler:
             "reward_errors_total": reward_errors_total,
             "reward_timeouts": sum(str(c.reward_error).startswith("RewardTimeout") for c in completions),
             "reward_timeouts_total": reward_timeouts_total,
+            "reward_restarts_total": self.rewards.restarts(),
             "skipped_long_prompts": self.admission.skipped_long_prompts(),
             "groups_in_flight": self.groups.in_flight(),
             "groups_ready": groups_ready,
@@ -1236,7 +1254,8 @@ class Generator:
         loss-masked tokens}, frac_tokens_by_lag, lag_mean, lag_max, reward_errors, reward_timeouts, interrupted,
         truncated, multi_version_completions, gen_groups_by_replica; of the generator since the last call:
         gen_tokens_per_s, gen_busy_frac, gen_tokens_by_replica, replica_deaths (a line per replica that died); run
-        totals: stale_dropped, reward_errors_total, reward_timeouts_total, skipped_long_prompts, replica_deaths_total,
+        totals: stale_dropped, reward_errors_total, reward_timeouts_total, reward_restarts_total (reward servers
+        replaced), skipped_long_prompts, replica_deaths_total,
         replica_connections_refused; and its state: groups_in_flight, groups_ready, buffer_depth_steps,
         generator_version, groups_per_step, gen_replicas_alive."""
         if num_groups < 1:

@@ -1128,7 +1128,12 @@ def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
     task, test_task = load_tasks(args)
     problems = (test_task or task).validation(args.eval_prompts)
     config = dataclasses.replace(generator_config(args, model_path=model_dir), mode="sync")
-    with pipeline_rl.Generator(config, task) as generator:
+    generator = pipeline_rl.Generator(config, task)
+    try:
+        generator.start()
+    except pipeline_rl.GeneratorError as e:  # e.g. a --reward-timeout refused: one line, as a run's start says it
+        raise SystemExit(f"train.py evaluate: error: {e}") from None
+    with generator:
         groups = generator.evaluate(problems, args.eval_samples, args.temperature)
     n = args.eval_samples
     correct = [sum(r > 0 for r in g.rewards) for g in groups]

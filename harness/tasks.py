@@ -731,8 +731,14 @@ class MathDataset:
     def start_rewards(self) -> float:
         """Start math-verify's server, or replace one that died, before a reward needs it: the generator calls
         this outside any reward's deadline (a start takes 1.5-1.7 s on an idle 2-core AMD EPYC).
-        Returns the seconds it took, 0 when the server was running."""
-        return math_verifier().start()
+        Returns the seconds the running server's start took (`reward_timeout_refusal` weighs them)."""
+        verifier = math_verifier()
+        verifier.start()
+        return verifier.start_s or 0.0
+
+    def reward_restarts(self) -> int:
+        """math-verify servers replaced in this process: one that died, or one stuck on an answer."""
+        return math_verifier().restarts
 
     def reward(self, problem: Problem, completion: str) -> float:
         """+1 when math-verify finds the completion's final answer equal to the reference (`check_answer`), else -1.
@@ -1188,6 +1194,20 @@ class MathVerifier:
     def close(self) -> None:
         with self._lock:
             self._kill(restart=False)
+
+
+def reward_timeout_refusal(reward_timeout: float, start_s: float,
+                           answer_s: float = MATH_VERIFY_TIMEOUT_S) -> str | None:
+    """One line when a run's `--reward-timeout` is shorter than its reward server's start (`start_s`, measured as
+    the run started) plus one answer's bound, else None. A server that dies mid-answer is started again inside that
+    answer's deadline: a deadline shorter than a start and an answer scores that answer as a timeout."""
+    needed = start_s + answer_s
+    if reward_timeout >= needed:
+        return None
+    return (f"--reward-timeout {reward_timeout:g} s is shorter than the math-verify server's start ({start_s:.1f} s, "
+            f"measured as this run started) plus one answer's bound ({answer_s:g} s): a server that dies mid-run "
+            f"starts again inside a reward's deadline, which would then score that answer as a timeout; raise "
+            f"--reward-timeout to at least {math.ceil(needed)} s")
 
 
 _VERIFIER: tuple[int, MathVerifier] | None = None

@@ -3,9 +3,12 @@ decoder layer, the LM head's, the root), then in a loop for a number of seconds 
 (`train`) or none (`push`), and a weight push's gathers (runtime.push_state_dict, one full_tensor() all-gather per
 tensor, cast on rank 0 as for a generator). Each pushed tensor's sum is checked against the sum of the ranks' shards.
 `busy`: rank 0 also runs a thread that computes and allocates all the time, as its in-process generator does.
+`transfer`: rank 0 also sends each push through the weight transfer's gloo engines (harness/weight_transfer.py, made
+by vLLM's factories, as Generator.update_weights does), a second gloo group whose store rank 0 hosts, to a receiving
+engine in a thread of rank 0 (the replica's end), and checks that every tensor arrived whole.
 It looks for the native crash that FSDP2 over gloo has shown a few times (docs/runtime.md, "Native crashes"):
 
-    torchrun --standalone --nproc_per_node 2 tests/gloo_gather_loop.py MODEL_DIR SECONDS train|push [busy]
+    torchrun --standalone --nproc_per_node 2 tests/gloo_gather_loop.py MODEL_DIR SECONDS train|push [busy] [transfer]
 
 Rank 0 prints `done: N pushes ...` and the count of wrong tensors; a crash prints faulthandler's stacks."""
 
@@ -51,6 +54,50 @@ def push_is_right(model: torch.nn.Module, weights: dict, rank: int) -> int:
     return wrong
 
 
+class _Receiver:
+    """vLLM's VLLMWeightSyncClient over a worker engine of vLLM's factory in a thread of this process (the replica's
+    end of the weight transfer), loading into a stand-in model that keeps what it received."""
+
+    def __init__(self) -> None:
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+        model = torch.nn.Module()
+        model.loaded = {}
+        model.load_weights = lambda weights: model.loaded.update((n, t.clone()) for n, t in weights)
+        config = SimpleNamespace(parallel_config=SimpleNamespace(rank=0), model_config=None)
+        self.worker = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="gloo"), config,
+                                                                torch.device("cpu"), model)
+        self.thread: threading.Thread | None = None
+
+    def _in_thread(self, fn, *args) -> None:
+        self.thread = threading.Thread(target=fn, args=args, daemon=True)
+        self.thread.start()
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._in_thread(lambda: self.worker.init_transfer_engine(self.worker.parse_init_info(init_info)))
+
+    def start_weight_update(self) -> None:
+        self.thread.join()
+
+    def update_weights(self, update_info: dict) -> None:
+        self._in_thread(self.worker.update_weights, update_info)
+
+    def finish_weight_update(self, weight_version=None) -> None:
+        self.thread.join()
+
+
+def transfer_is_right(engine, receiver: _Receiver, weights: dict) -> int:
+    """Send `weights` through the trainer engine; how many tensors the receiver did not get bit for bit."""
+    from harness import weight_transfer
+
+    engine.source = weight_transfer.StateDictSource(weights)
+    receiver.worker.model.loaded.clear()
+    engine.send_weights()
+    loaded = receiver.worker.model.loaded
+    return sum(not (name in loaded and torch.equal(loaded[name], t)) for name, t in weights.items())
+
+
 def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
     faulthandler.enable(all_threads=True)
     dist.init_process_group("gloo")
@@ -63,6 +110,13 @@ def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     generator = SimpleNamespace(config=SimpleNamespace(weight_transport="file", gen_devices=None, dtype="float32"))
     torch.manual_seed(rank)
+    engine = receiver = None
+    if "transfer" in extra and rank == 0:
+        from harness import weight_transfer
+
+        receiver = _Receiver()
+        engine = weight_transfer.trainer_engine("gloo", client=receiver, source=None, host="127.0.0.1",
+                                                worker_host="127.0.0.1", world_size=2, timeout_s=120)
     start, pushes, wrong = time.time(), 0, 0
     while True:
         if mode == "train":
@@ -72,6 +126,8 @@ def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
             optimizer.zero_grad()
         weights = runtime.push_state_dict(model, generator if rank == 0 else None)
         wrong += push_is_right(model, weights, rank)
+        if engine is not None:
+            wrong += transfer_is_right(engine, receiver, weights)
         pushes += 1
         go_on = torch.tensor([float(time.time() - start < seconds)])
         dist.all_reduce(go_on, op=dist.ReduceOp.MIN)  # both ranks stop after the same push
@@ -80,8 +136,10 @@ def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
     stop.set()
     if worker.is_alive():
         worker.join()
+    if engine is not None:
+        engine.shutdown()
     if rank == 0:
-        print(f"done: {pushes} pushes ({mode}{', busy' if 'busy' in extra else ''}) in {time.time() - start:.0f} s, "
+        print(f"done: {pushes} pushes ({mode}{''.join(', ' + e for e in extra)}) in {time.time() - start:.0f} s, "
               f"{wrong} tensors wrong; torch {torch.__version__}", flush=True)
     dist.destroy_process_group()
 

@@ -675,6 +675,39 @@ def test_a_remote_replica_that_never_joins_is_one_line_once_under_torchrun(tmp_p
 
 
 @pytest.mark.slow
+def test_a_reward_timeout_shorter_than_the_math_verify_start_is_one_line_before_any_step(tmp_path, base_model_dir):
+    """The generator measures math-verify's start as it starts, and refuses a --reward-timeout shorter than that
+    start plus one answer's 1 s bound (0.5 s is, whatever the start): a server that dies mid-run starts again inside
+    a reward's deadline. One line naming both figures, before any step (no vLLM starts: the generator would wait for
+    a remote replica), and no output directory."""
+    import socket
+
+    secret = tmp_path / "secret"
+    secret.write_text("s" * 32)
+    secret.chmod(0o600)
+    with socket.socket() as s:  # a free port: remote replicas need a fixed one
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    flags = ["--dataset", "tests/data/gsm8k_small.jsonl", "--reward-timeout", "0.5", "--gen-replicas", "0",
+             "--gen-remote-replicas", "1", "--gen-secret-file", str(secret), "--gen-listen", f"127.0.0.1:{port}",
+             "--gen-join-timeout", "60"]
+    run = _train(out, *flags, "--max-steps", "1", nproc=1, timeout=300, retry=False)
+    assert run.returncode != 0
+    assert run.stderr.count("train.py: error:") == 1, run.stderr[-3000:]
+    assert re.search(r"\ntrain.py: error: generator process failed during start: --reward-timeout 0.5 s is shorter "
+                     r"than the math-verify server's start \(\d+\.\d s, measured as this run started\) plus one "
+                     r"answer's bound \(1 s\): .* raise --reward-timeout to at least \d+ s \(exit code 0\)\n",
+                     run.stderr), run.stderr[-3000:]
+    assert 'train.py", line' not in run.stderr and not out.exists()
+    evaluate = subprocess.run([sys.executable, "train.py", "evaluate", *flags], cwd=REPO, capture_output=True,
+                              text=True, timeout=300)  # `train.py evaluate` scores under the same deadline
+    assert evaluate.returncode != 0 and evaluate.stderr.count("train.py evaluate: error: ") == 1, why_failed(evaluate)
+    assert "error: generator process failed during start: --reward-timeout 0.5 s is shorter than" in evaluate.stderr
+    assert "Traceback" not in evaluate.stderr, evaluate.stderr[-3000:]
+
+
+@pytest.mark.slow
 def test_bad_data_rows_are_named_once_without_a_traceback(tmp_path, base_model_dir):
     data = tmp_path / "bad.jsonl"
     data.write_text('{"question": "1+1?", "answer": "2"}\nnot json\n{"question": 42, "answer": "3"}\n')

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import os
 import random
@@ -500,14 +501,19 @@ def test_a_hostile_math_answer_scores_wrong_within_1_5_s_where_rewards_run_and_s
     assert rewards.totals() == (2, 2)  # (errors, timeouts): a timeout counts in both
 
 
-def test_a_short_reward_deadline_scores_real_math_answers_the_server_started_before_any_deadline(monkeypatch):
-    """--reward-timeout 1.5: math-verify's server (1.5-1.7 s to start on an idle 2-core AMD EPYC) started inside
-    the first reward's deadline, which killed it, and the next reward started it again: every reward -1, for ever.
-    It starts with the generator's rewards now, outside any deadline, and the answers score."""
+GSM8K_SMALL = str(Path(__file__).parent / "data" / "gsm8k_small.jsonl")
+
+
+def test_math_verify_starts_with_the_rewards_and_a_server_that_died_starts_again_outside_the_deadline(monkeypatch):
+    """math-verify's server (1.5-1.7 s to start on an idle 2-core AMD EPYC) started inside the first reward's
+    deadline, which killed it when shorter, and the next reward started it again: every reward -1, for ever. It
+    starts with the generator's rewards now, and a server that died between two rewards starts again before the next
+    deadline: under a 1.5 s deadline (the case that scored -1 for ever) the answers score."""
     monkeypatch.setattr(tasks, "_VERIFIER", None)  # this process's server not started yet, as in a new generator
-    task = tasks.MathDataset(str(Path(__file__).parent / "data" / "gsm8k_small.jsonl"))
-    rewards = pl._Rewards(pl.GeneratorConfig(model="m", reward_timeout=1.5, interruptions=False), task, [], [])
+    task = tasks.MathDataset(GSM8K_SMALL)
+    rewards = pl._Rewards(pl.GeneratorConfig(model="m", interruptions=False), task, [], [])
     verifier = tasks.math_verifier()
+    rewards.cfg = dataclasses.replace(rewards.cfg, reward_timeout=1.5)  # a start would not fit: none runs under it
     try:
         results = [rewards.score(p, f"\\boxed{{{p.answer}}}") for p in task.problems[:4]]
         assert results == [(1.0, None)] * 4 and rewards.totals() == (0, 0)
@@ -516,7 +522,87 @@ def test_a_short_reward_deadline_scores_real_math_answers_the_server_started_bef
         verifier._proc.kill()  # a server that died between two rewards starts again before the next deadline
         verifier._proc.wait()
         assert rewards.score(task.problems[1], f"\\boxed{{{task.problems[1].answer}}}") == (1.0, None)
-        assert verifier.restarts == 1 and rewards.totals() == (0, 0)
+        assert verifier.restarts == rewards.restarts() == 1 and rewards.totals() == (0, 0)
+    finally:
+        verifier.close()
+
+
+class _MathStartingIn(tasks.MathDataset):
+    """A math data set whose reward server's start took `start_s` seconds: a figure given, not measured (the real
+    server's start is measured in the test above and in tests/test_tasks.py)."""
+
+    def __init__(self, path: str, start_s: float):
+        super().__init__(path)
+        self.start_s = start_s
+
+    def start_rewards(self) -> float:
+        return self.start_s
+
+
+def test_a_reward_timeout_shorter_than_the_measured_server_start_is_refused_in_one_line_before_any_reward(
+        base_model_dir):
+    """A server that dies mid-run starts again inside a reward's deadline: a --reward-timeout shorter than a start
+    (plus one answer's 1 s bound) would score that answer as a timeout, so the generator refuses it as it starts,
+    naming both figures, before it is ready (so before any step)."""
+    slow = _MathStartingIn(GSM8K_SMALL, start_s=7.5)
+    config = pl.GeneratorConfig(model=str(base_model_dir), reward_timeout=5.0, interruptions=False)
+    expected = ("--reward-timeout 5 s is shorter than the math-verify server's start (7.5 s, measured as this run "
+                "started) plus one answer's bound (1 s): a server that dies mid-run starts again inside a reward's "
+                "deadline, which would then score that answer as a timeout; raise --reward-timeout to at least 9 s")
+    with pytest.raises(pl._Fatal) as refused:
+        pl._Scheduler(_FakeConn(), config, slow, 0, [], [], 0, b"x" * 32)
+    assert str(refused.value) == expected
+    with pytest.raises(pl._Fatal, match=r"^--reward-timeout 8\.4 s .* at least 9 s$"):  # 8.5 s needed
+        pl._Rewards(dataclasses.replace(config, reward_timeout=8.4), slow, [], [])
+    assert pl._Rewards(dataclasses.replace(config, reward_timeout=8.5), slow, [], []).restarts() == 0
+    assert pl._Rewards(pl.GeneratorConfig(model="m", interruptions=False), slow, [], []).cfg.reward_timeout == 10.0
+
+
+class _MathServerDiesMidAnswer(tasks.MathDataset):
+    """Its math-verify server is killed inside the next reward (so inside its deadline), as one dying mid-answer."""
+
+    kill_next = False
+
+    def reward(self, problem, completion):
+        if self.kill_next:
+            self.kill_next = False
+            server = tasks.math_verifier()._proc
+            server.kill()
+            server.wait()
+        return super().reward(problem, completion)
+
+
+def test_a_server_that_dies_mid_answer_starts_again_and_the_restart_is_counted_said_and_in_the_metrics(
+        monkeypatch, capsys, base_model_dir):
+    monkeypatch.setattr(tasks, "_VERIFIER", None)
+    task = _MathServerDiesMidAnswer(GSM8K_SMALL)
+    config = pl.GeneratorConfig(model=str(base_model_dir), interruptions=False)
+    scheduler = pl._Scheduler(_FakeConn(), config, task, 0, [], [], 0, b"x" * 32)
+    rewards, verifier = scheduler.rewards, tasks.math_verifier()
+    problem, right = task.problems[0], f"\\boxed{{{task.problems[0].answer}}}"
+    try:
+        task.kill_next = True  # the default deadline, 10 s, holds a start and an answer: the answer scores
+        assert rewards.score(problem, right) == (1.0, None)
+        assert rewards.restarts() == verifier.restarts == 1 and rewards.totals() == (0, 0)
+        assert ("[rewards] a reward server died and was started again (1 in this run: reward_restarts_total); the "
+                "answer then being scored: reward 1\n") in capsys.readouterr().err
+        # A start slower than the deadline (a load spike mid-run; 0.3 s here): that answer is a counted timeout, the
+        # restart counted and said, and the next reward waits for the same server, outside its deadline.
+        rewards.cfg = dataclasses.replace(rewards.cfg, reward_timeout=0.3)
+        task.kill_next = True
+        reward, error = rewards.score(problem, right)
+        assert reward == -1.0 and error == "RewardTimeout: reward took longer than 0.3 s"
+        assert rewards.restarts() == 2 and rewards.totals() == (1, 1)
+        assert f"(2 in this run: reward_restarts_total); the answer then being scored: {error}\n" in \
+            capsys.readouterr().err
+        rewards.cfg = config
+        assert rewards.score(problem, right) == (1.0, None) and rewards.restarts() == 2
+
+        def completion(reward, error):
+            return pl.Completion([1], [0.0], [0], [True], "x", "stop", reward, error)
+
+        stats = scheduler.batch_stats([pl.Group(problem, 0, [1], [completion(-1.0, error), completion(1.0, None)])], 0)
+        assert stats["reward_restarts_total"] == 2 and stats["reward_timeouts_total"] == 1
     finally:
         verifier.close()
 

@@ -834,6 +834,28 @@ def test_a_deadline_shorter_than_the_server_start_leaves_it_starting_and_the_nex
         verifier.close()
 
 
+def test_a_reward_timeout_is_weighed_against_the_server_start_plus_one_answer():
+    """Hand-computed: a start of 4.2 s and an answer's 1 s bound need 5.2 s, advised as 6 s (rounded up)."""
+    assert tasks.reward_timeout_refusal(5.0, 4.2) == (
+        "--reward-timeout 5 s is shorter than the math-verify server's start (4.2 s, measured as this run started) "
+        "plus one answer's bound (1 s): a server that dies mid-run starts again inside a reward's deadline, which "
+        "would then score that answer as a timeout; raise --reward-timeout to at least 6 s")
+    assert tasks.reward_timeout_refusal(5.5, 4.2) is None and tasks.reward_timeout_refusal(10.0, 4.2) is None
+    assert "at least 3 s" in tasks.reward_timeout_refusal(2.0, 0.5, answer_s=2.0)  # 2.5 s needed
+
+
+def test_a_math_data_set_gives_its_running_server_s_measured_start(monkeypatch):
+    """The generator weighs --reward-timeout against this figure: the start's, also once the server runs."""
+    monkeypatch.setattr(tasks, "_VERIFIER", None)
+    ds = MathDataset(str(DATA / "polaris_small.jsonl"), val_size=0)
+    try:
+        started = ds.start_rewards()
+        assert started > 0 and started == tasks.math_verifier().start_s
+        assert ds.start_rewards() == started and ds.reward_restarts() == 0  # running: the same figure, no restart
+    finally:
+        tasks.math_verifier().close()
+
+
 def _under_deadline(where: str, reward: Callable[[], None], seconds: float = 0.3) -> tuple[str, float]:
     """reward() under reward_deadline(seconds) in the main thread or another: ("timeout" or "returned", seconds)."""
     import time

@@ -662,11 +662,12 @@ class GeneratorProcess:
                 self.die(f"lost the connection to the generator process while sending {msg[0]!r} ({e})")
             self.die(f"generator process died (noticed while sending {msg[0]!r}: {e})")
 
-    def die(self, reason: str) -> None:
+    def die(self, reason: str, exit_code: bool = True) -> None:
+        """Close and raise; `exit_code`: add the process's exit code (not where the process said why it ended)."""
         self.dead_reason = reason
         code = self.proc.exitcode if self.proc is not None else None
         self.close(timeout=2.0)
-        raise GeneratorError(f"{reason} (exit code {code})")
+        raise GeneratorError(f"{reason} (exit code {code})" if exit_code else reason)
 
     def recv(self, expected: str, timeout: float | None, what: str) -> tuple:
         """The next message, which must be `expected`; GeneratorError if the process failed, refused the request
@@ -686,7 +687,7 @@ class GeneratorProcess:
                     self.die(f"generator process died during {what}")
                 if msg[0] == "error":  # a replica's death is handled there; this one is the generator's own end
                     self.proc.join(5.0)
-                    self.die(f"generator process failed during {what}: {msg[1]}")
+                    self.die(f"generator process failed during {what}: {msg[1]}", exit_code=False)
                 if msg[0] == "fail":
                     raise GeneratorError(msg[1])
                 if msg[0] == "closed":

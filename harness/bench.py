@@ -1599,8 +1599,8 @@ def bench_generator(args: argparse.Namespace) -> dict:
     scheduler process, a replica process with vLLM inside, the wire between them, rewards) in sync mode with the run's
     sampler settings and one replica thread, each batch after a weight push of the base model as the next version,
     then one evaluation: wall seconds, and the CPU-seconds of the replica and of the scheduler, which other jobs on
-    the machine move less than the wall time. The completions' digest (token ids, logprobs, versions, texts, rewards)
-    tells whether a change of the generator left what it samples as it was: sync mode seeds every completion."""
+    the machine move less than the wall time. The completions' digests (of their token ids, logprobs, versions, texts
+    and rewards) tell whether a change of the generator left what it samples as it was: sync mode seeds every completion."""
     import dataclasses
     import hashlib
     import shlex
@@ -1618,13 +1618,15 @@ def bench_generator(args: argparse.Namespace) -> dict:
     config = dataclasses.replace(runtime.generator_config(cli, model_dir), mode="sync", num_threads=args.gen_threads)
     state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     B = cli.prompts_per_step
-    digest = hashlib.sha256()
+    parts = ("token_ids", "sampler_logprobs", "versions", "text", "reward")
+    digests = {part: hashlib.sha256() for part in parts}
 
-    def fold(groups: list) -> int:  # into the digest; returns the groups' sampled tokens
+    def fold(groups: list) -> int:  # into the digests, one per field; returns the groups' sampled tokens
         tokens = 0
         for g in groups:
             for c in g.completions:
-                digest.update(repr((c.token_ids, c.logprobs, c.versions, c.text, c.reward)).encode())
+                for part in parts:
+                    digests[part].update(repr(getattr(c, part)).encode())
                 tokens += len(c.token_ids)
         return tokens
 
@@ -1663,7 +1665,7 @@ def bench_generator(args: argparse.Namespace) -> dict:
         "eval_s": round(eval_wall, 4), "eval_tokens": eval_tokens,
         "eval_replica_cpu_s": round(cpu1["replicas"] - cpu0["replicas"], 4),
         "eval_scheduler_cpu_s": round(cpu1["scheduler"] - cpu0["scheduler"], 4),
-        "per_learner_step_s": round(per_step, 4), "completions_sha256": digest.hexdigest(),
+        "per_learner_step_s": round(per_step, 4), "completions_sha256": {part: d.hexdigest()[:16] for part, d in digests.items()},
         "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"), "load_avg_1m": os.getloadavg()[0],
     }
     if args.json:

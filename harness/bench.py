@@ -1623,7 +1623,7 @@ def bench_generator(args: argparse.Namespace) -> dict:
 
     def fold(groups: list) -> int:  # into the digests, one per field; returns the groups' sampled tokens
         tokens = 0
-        for g in groups:
+        for g in sorted(groups, key=lambda g: (g.data_index, g.problem.id)):  # a batch comes in order of finishing
             for c in g.completions:
                 for part in parts:
                     digests[part].update(repr(getattr(c, part)).encode())

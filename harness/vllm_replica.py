@@ -615,7 +615,7 @@ def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
 def completion_text(tokenizer: Any, prompt_ids: list[int], token_ids: list[int], stopped: bool) -> str:
     """A finished completion's text as vLLM's detokenizer writes it, decoded once at its end. The replica's requests
     skip vLLM's detokenizing (SamplingParams(detokenize=False)): it decodes every sampled token of every request at
-    every engine step, and each logprob's token too, which no one here reads; on the tiny model that took a tenth of
+    every engine step, and each logprob's token too, which no one here reads; on the tiny model that took 15% of
     the replica's time. vLLM's fast detokenizer steps a tokenizers DecodeStream primed with the prompt, without
     special tokens, over the completion less the token that stopped it; so does this (tests/test_thinking_budget.py
     compares the two on both models' completions). A tokenizer without a Rust backend: its plain decode."""

@@ -613,9 +613,27 @@ def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
     return kwargs
 
 
-def sampled_output(out: Any, version: int) -> dict[str, Any]:
+def completion_text(tokenizer: Any, prompt_ids: list[int], token_ids: list[int], stopped: bool) -> str:
+    """A finished completion's text as vLLM's detokenizer writes it, decoded once at its end. The replica's requests
+    skip vLLM's detokenizing (SamplingParams(detokenize=False)): it decodes every sampled token of every request at
+    every engine step, and each logprob's token too, which no one here reads; on the tiny model that took 15% of
+    the replica's time. vLLM's fast detokenizer steps a tokenizers DecodeStream primed with the prompt, without
+    special tokens, over the completion less the token that stopped it; so does this (tests/test_thinking_budget.py
+    compares the two on both models' completions). A tokenizer without a Rust backend: its plain decode."""
+    ids = token_ids[:-1] if stopped else token_ids
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(ids=list(prompt_ids), skip_special_tokens=True)
+    return "".join(stream.step(backend, i) or "" for i in ids)
+
+
+def sampled_output(out: Any, version: int, tokenizer: Any = None) -> dict[str, Any]:
     """What a replica sends back of one finished vLLM request: its tokens, the sampler's logprob of each, the
-    weight version that sampled each (vLLM's spans; `version` where it gives none), its text and finish reason."""
+    weight version that sampled each (vLLM's spans; `version` where it gives none), its text and finish reason.
+    `tokenizer`: decode the text here (completion_text), for a request vLLM did not detokenize; None: vLLM's text."""
     c = out.outputs[0]
     token_ids = list(c.token_ids)
     n = len(token_ids)
@@ -633,8 +651,11 @@ def sampled_output(out: Any, version: int) -> dict[str, Any]:
     for span in c.weight_versions or []:
         for i in range(span.start, min(span.end, n)):
             versions[i] = int(span.version)
+    finish = str(c.finish_reason)
+    text = c.text if tokenizer is None else completion_text(tokenizer, out.prompt_token_ids, token_ids,
+                                                              finish == "stop")
     return {"rid": out.request_id, "token_ids": token_ids, "logprobs": logprobs, "versions": versions,
-            "text": c.text, "finish_reason": str(c.finish_reason)}
+            "text": text, "finish_reason": finish}
 
 
 class _Replica:
@@ -658,6 +679,7 @@ class _Replica:
 
         self.llm = LLM(**vllm_engine_kwargs(self.cfg, self.id))
         self.engine = self.llm.llm_engine
+        self.tokenizer = self.llm.get_tokenizer()  # texts are decoded once a completion ends (completion_text)
         self.llm.update_weight_version(str(self.version))
         import psutil
 
@@ -712,7 +734,7 @@ class _Replica:
                 t0 = time.perf_counter()
                 outputs = self.engine.step()
                 busy_s += time.perf_counter() - t0
-                done = [sampled_output(out, self.version) for out in outputs if out.finished]
+                done = [sampled_output(out, self.version, self.tokenizer) for out in outputs if out.finished]
                 if done:
                     self.send(("outputs", done, busy_s))
                     busy_s = 0.0
@@ -737,14 +759,16 @@ class _Replica:
 
     @staticmethod
     def sampling_params(spec: dict) -> Any:
-        """A request's vLLM SamplingParams from the scheduler's spec (pipeline_rl's request spec)."""
+        """A request's vLLM SamplingParams from the scheduler's spec (pipeline_rl's request spec). Only the sampled
+        token's logprob, in vLLM's flat lists (no Logprob object and dict per token), and no detokenizing: the
+        replica decodes a completion's text once it ends (completion_text)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         extra = {_INTERRUPT_KEY: spec["interrupt"]} if spec.get("interrupt") else None
         return SamplingParams(temperature=spec["temperature"], top_p=1.0, top_k=0, max_tokens=spec["max_tokens"],
-                              logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra,
-                              seed=spec.get("seed"))
+                              logprobs=0, flat_logprobs=True, detokenize=False,
+                              output_kind=RequestOutputKind.FINAL_ONLY, extra_args=extra, seed=spec.get("seed"))
 
     def weight_call(self, method: str, payload: Any) -> None:
         """Make on this replica's vllm.LLM the call the learner's trainer engine made on its client (harness/

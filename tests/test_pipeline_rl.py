@@ -237,6 +237,36 @@ def test_multi_token_close_sequence():
     assert vllm_replica.interruption_start([5, 2, 1, 1, 1], 3, [2, 3]) == 3
 
 
+def test_a_replica_decodes_a_finished_completion_once_and_reads_vllms_flat_logprobs(base_model_dir):
+    """The replica's requests skip vLLM's detokenizing (SamplingParams(detokenize=False), flat logprobs): it decodes
+    the text itself when a completion ends, without the token that stopped it, and reads the sampled token's logprob
+    from vLLM's flat lists. (tests/test_thinking_budget.py checks the text against vLLM's own detokenizer.)"""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base_model_dir)
+    prompt = tok("12+30=", add_special_tokens=False)["input_ids"]
+    ids = tok("42", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    # FlatLogprobs with logprobs=0: one entry a position, the sampled token's
+    flat = SimpleNamespace(start_indices=[0, 1, 2], token_ids=list(ids), logprobs=[-0.5, -0.25, -1.0])
+
+    def output(finish: str) -> SimpleNamespace:
+        c = SimpleNamespace(token_ids=ids, logprobs=flat, weight_versions=None, text="", finish_reason=finish)
+        return SimpleNamespace(request_id="t0.0", prompt_token_ids=prompt, outputs=[c])
+
+    got = vllm_replica.sampled_output(output("stop"), 3, tok)
+    assert got["text"] == "42" and got["logprobs"] == [-0.5, -0.25, -1.0] and got["versions"] == [3, 3, 3]
+    assert got["finish_reason"] == "stop"
+    assert vllm_replica.sampled_output(output("stop"), 3)["text"] == ""  # no tokenizer: vLLM's text, as it came
+    # cut by max_tokens: its last token is text too (the end token is special: nothing to show)
+    assert vllm_replica.completion_text(tok, prompt, ids[:2], stopped=False) == "42"
+    assert vllm_replica.completion_text(tok, prompt, ids, stopped=False) == "42"
+    assert vllm_replica.completion_text(tok, prompt, ids[:2], stopped=True) == "4"
+    params = vllm_replica._Replica.sampling_params({"temperature": 1.0, "max_tokens": 8, "seed": 1, "interrupt": None})
+    assert params.detokenize is False and params.flat_logprobs is True and params.logprobs == 0
+
+
 def test_config_validation_and_device_split():
     with pytest.raises(ValueError, match="mode"):
         pl.GeneratorConfig(model="m", mode="async")

@@ -75,7 +75,13 @@ def _generate(model_dir: str, task_name: str, think_budget: tuple[int, int], ans
                 params.append(p)
                 requests.append({"prompt_token_ids": ids, "cache_salt": mode})  # no KV shared between the modes
         outputs = llm.generate(requests, params, use_tqdm=False)
-        out[mode] = [vllm_replica.sampled_output(o, 0) for o in outputs]
+        # the project's requests skip vLLM's detokenizing, and the replica decodes their texts (tokenizer given);
+        # vLLM's budget's requests keep it: its texts against the replica's decoding of the same tokens
+        out[mode] = [vllm_replica.sampled_output(o, 0, tok if mode == "processor" else None) for o in outputs]
+        if mode == "native":
+            out["texts"] = [(o.outputs[0].text, vllm_replica.completion_text(
+                tok, o.prompt_token_ids, list(o.outputs[0].token_ids), o.outputs[0].finish_reason == "stop"))
+                for o in outputs]
     return out
 
 
@@ -90,7 +96,8 @@ def test_vllm_thinking_budget_against_the_interruption_processor(which, request)
     """(a) the phrase at the budget, (b) logprob 0 on it, (c) the answer budget: vLLM's budget agrees token for token
     wherever the processor forced the phrase, up to a second forcing of its own (it starts a new thinking span where
     its start marker recurs, here after the phrase). (d) a completion that closed its thinking itself: the processor
-    leaves it alone, vLLM's V1 budget forces the phrase into its answer once it reaches the budget."""
+    leaves it alone, vLLM's V1 budget forces the phrase into its answer once it reaches the budget. (e) the texts the
+    replica decodes itself for its requests, which skip vLLM's detokenizing, are vLLM's detokenizer's texts."""
     model_dir = request.getfixturevalue({"tiny": "base_model_dir", "smollm2": "real_model_dir"}[which])
     think_budget, answer_budget = {"tiny": ((20, 40), 8), "smollm2": ((4, 30), 16)}[which]
     got = _run(model_dir, which, think_budget, answer_budget)
@@ -118,6 +125,9 @@ def test_vllm_thinking_budget_against_the_interruption_processor(which, request)
                 assert native[:b] == ids[:b] and native[b: b + n] == phrase[: len(native) - b], (b, new["text"])
                 counts["forced_after_close"] += 1
     print(f"\n{which}: {counts} of {len(got['budgets'])} completions")
+    # (e) the replica's decoding of a completion (vllm_replica.completion_text) is vLLM's detokenizer's text
+    assert all(ours == theirs for theirs, ours in got["texts"]), [t for t in got["texts"] if t[0] != t[1]][:3]
+    assert sum(bool(theirs) for theirs, _ in got["texts"]) >= len(got["texts"]) // 2  # texts, not empty strings
     assert counts["interrupted"] >= 8, counts  # enough forced phrases to compare
     if which == "tiny":  # its scratchpads close at token 30, inside budgets of 20-40: (d) is met often
         assert counts["forced_after_close"] >= 2, (

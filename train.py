@@ -27,8 +27,8 @@ and `export` and `evaluate`. What the loss sees and gives back are records with 
 LossOutputs). The runtime behind the recipe is in modules a reader of the recipe may skip: harness/flags.py (the flags,
 their checks, the resume rules, args.json), harness/runtime.py (set-up: process groups, the output-directory lock, the
 generator's start, signals, the collectives, the metrics log), harness/checkpoints.py (save, resume), harness/packing.py
-(rows and micro-batches) and harness/head_gemm.py (the LM head's log-probabilities in chunks, and its split-bf16 GEMM on
-a GPU).
+(rows and micro-batches) and harness/head_gemm.py (the FP32 LM head's log-probabilities in chunks, and its split-bf16
+GEMM on a GPU).
 
 How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (harness/tasks.py, harness/base_model.py), so it runs on 2 CPU cores
@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
 import dapo  # whatever --loss is, the recipe's data side: filter_groups (zero-variance filtering, DAPO's dynamic
@@ -82,10 +82,9 @@ from harness.checkpoints import (TrainerState, load_model_weights, migrate_check
                                 save_checkpoint)
 from harness.cli import positionals  # a subcommand's arguments, checked like flags: one error line
 from harness.flags import LOSSES  # --loss NAME -> the module name of its loss file; make_learner imports it
-from harness.flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, flags_markdown, lm_head_gemm,
-                           loss_arg_problems, parse_args, parse_literal, plan, read_args_json, reshard_layers,
-                           resolve_defaults)
-from harness.head_gemm import logits_entropy, logits_logprobs, target_logprobs
+from harness.flags import (Args, adamw_fused, flags_markdown, lm_head_gemm, loss_arg_problems, parse_args,
+                           parse_literal, plan, read_args_json, reshard_layers, resolve_defaults)
+from harness.head_gemm import install_target_logprobs, model_logprobs
 from harness.packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
                              completion_lengths, current_asymptote, generator_config, idle_forward,
@@ -730,7 +729,7 @@ def stop_if_signalled(learner: Learner, run: Run, state: TrainerState) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# What the steps use: logprobs through the FP32 LM head, pass rates, the sigmoid fit
+# What the steps use: logprobs through the FP32 LM head (harness/head_gemm.py), pass rates, the sigmoid fit
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -739,112 +738,27 @@ def token_logprobs(model: Any, rows: Rows, temperature: float) -> Any:
     return token_logprobs_and_entropy(model, rows, temperature, entropy=False)[0]
 
 
-@dataclass(frozen=True)
-class LogprobRequest:
-    """What a learner's LM head scores for token_logprobs_and_entropy, instead of returning logits."""
-
-    targets: torch.Tensor  # [R, W-1] the token each position of the model's rows predicts
-    temperature: float  # the sampler's: the logits are divided by it
-    scored: torch.Tensor | None = None  # [M] positions of the flattened [R * (W-1)] to score (0 elsewhere); None: all
-    entropy: bool = False  # the policy's entropy at each scored position too (a metric: no gradient)
-
-
 def token_logprobs_and_entropy(model: Any, rows: Rows, temperature: float, entropy: bool = True) -> tuple[Any, Any]:
     """log pi(token) for every next-token position [N, L-1], after dividing the logits by the sampling temperature,
     and with `entropy` the policy's entropy at each position [N, L-1] (a metric, without gradient; else None).
     Packed rows go through the model as they are, and their logprobs are gathered back into Rows' layout (0 beyond
     each sequence's end, where the loss files mask anyway).
 
-    A learner (build_learner) scores the tokens with `model.target_logprobs` (install_target_logprobs): its body's
-    hidden states go through head_gemm.target_logprobs in chunks, so the micro-batch's [N, L-1, V] float32 logits
-    never exist at once (for a 150k-token vocabulary and long completions they would be tens of GB), and only at the
-    positions that predict a completion token (Rows.scored; 0 at the prompt's); any other model goes through its
-    full logits."""
+    A learner (build_learner) scores the tokens through its FP32 head in chunks (head_gemm.model_logprobs), so the
+    micro-batch's [N, L-1, V] float32 logits never exist at once (for a 150k-token vocabulary and long completions
+    they would be tens of GB), and only at the positions that predict a completion token (Rows.scored; 0 at the
+    prompt's); any other model goes through its full logits."""
     if rows.packed is None:
         input_ids, layout = rows.input_ids, {"attention_mask": rows.attention.long()}          # [N, L]
         scored = rows.scored
     else:  # no attention mask: transformers then reads the sequences' boundaries from the position ids
         input_ids, layout = rows.packed.input_ids, {"position_ids": rows.packed.position_ids}  # [R, W]
         scored = rows.packed.scored
-    targets = input_ids[:, 1:]
-    if hasattr(model, "target_logprobs"):
-        request = LogprobRequest(targets, temperature, scored, entropy)
-        logprobs, entropies = model.target_logprobs(input_ids, request, **layout)
-    else:
-        logits = model(input_ids=input_ids, use_cache=False, **layout).logits[:, :-1]
-        logprobs = logits_logprobs(logits, targets, temperature)
-        entropies = logits_entropy(logits.detach().float() / temperature) if entropy else None
+    logprobs, entropies = model_logprobs(model, input_ids, temperature, scored, entropy, **layout)
     if rows.packed is None:
         return logprobs, entropies                                                            # [N, L-1] each
     unpack = lambda x: torch.where(rows.attention[:, 1:], x.reshape(-1)[rows.packed.index], 0.0)  # noqa: E731
     return unpack(logprobs), None if entropies is None else unpack(entropies)                # [R, W-1] -> [N, L-1]
-
-
-def install_target_logprobs(model: Any, chunk_tokens: int | None = None, gemm: str = "fp32") -> None:
-    """Give a learner's model `model.target_logprobs(input_ids, request, **layout)`: its body's hidden states
-    [R, W, H], then its LM head on them with the LogprobRequest, which returns (log pi(target) [R, W-1], the entropy
-    [R, W-1] or None) from head_gemm.target_logprobs rather than logits. Both run inside FSDP2's hooks: the model's
-    method is registered as a forward of its root unit (register_fsdp_forward_method), and the head is called as a
-    module, so its unit (the FP32 head's own, or the embedding's it is tied to) is gathered, cast and reduced as in
-    any forward, and an idle rank's plain forward (runtime.idle_forward) makes the same collectives. Without a
-    request the head is its plain linear layer. `chunk_tokens` (--logits-chunk-tokens) and `gemm` (--lm-head-gemm):
-    see head_forward. Not for models that transform the logits after the head (Gemma's soft-capping): those keep
-    the full logits."""
-    if getattr(model.config, "final_logit_softcapping", None):
-        return
-    install_head_logprobs(model.get_output_embeddings(), chunk_tokens, gemm)
-    model.target_logprobs = types.MethodType(policy_target_logprobs, model)
-    register_fsdp_forward_method(model, "target_logprobs")  # a no-op on a model that is not FSDP2's
-
-
-def policy_target_logprobs(model: Any, input_ids: Any, request: LogprobRequest, **layout: Any) -> tuple[Any, Any]:
-    """A learner's model.target_logprobs: its body on input_ids [R, W] (with the attention mask or the packed
-    position ids), then its LM head on the hidden states with `request`."""
-    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False, **layout).last_hidden_state  # [R, W, H]
-    return model.get_output_embeddings()(hidden, request)
-
-
-def install_head_logprobs(head: Any, chunk_tokens: int | None = None, gemm: str = "fp32") -> None:
-    """Make the LM head `head` (a linear layer) take an optional LogprobRequest: head_forward, with these settings.
-    Its own forward hooks (FSDP2's gathers, the FP32 head's cast) run as before: only its forward body changes."""
-    vocab = head.weight.shape[0]
-    if gemm == "split-bf16":
-        chunk = chunk_tokens or max(128, SPLIT_CHUNK_BYTES // (4 * vocab) // 128 * 128)
-    else:
-        chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * vocab))  # positions per chunk
-    head.forward = functools.partial(head_forward, head, chunk, gemm)
-
-
-def head_forward(head: Any, chunk: int, gemm: str, hidden: Any, request: LogprobRequest | None = None) -> Any:
-    """The learner's LM head on hidden states [R, W, H]: without a request, its linear layer (logits); with one,
-    (log pi(target) [R, W-1], the entropy [R, W-1] or None) at the request's positions, from
-    head_gemm.target_logprobs over chunks of `chunk` positions, so that only one chunk's logits exist at a time.
-    `gemm` (--lm-head-gemm): fp32, the head's own linear layer, each chunk recomputed in backward (default chunk:
-    as many positions as fit in LOGITS_CHUNK_BYTES of float32 logits); split-bf16, for bf16 hidden states,
-    float32's logprobs from bf16 tensor-core products (default chunk: SPLIT_CHUNK_BYTES).
-
-    The request's `scored` [M] (or None: all) names the positions of the flattened [R * (W-1)] to score; the others
-    get 0 and cost nothing. Only completion tokens enter a loss, and a chat template's prompt can be most of a short
-    completion's row: SmolLM2's system prompt and question (44 tokens) are about 60% of the small-arithmetic task's
-    tokens, and its head (49k-token vocabulary, 576 hidden) a fifth of its FLOPs per token."""
-    if request is None:  # logits, on hidden states of the weight's dtype (a bf16 trunk's, under split-bf16, too)
-        return torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
-    # split-bf16 takes bf16 hidden states as they are (its products are exact on them); the rest is float32
-    split = gemm == "split-bf16" and hidden.dtype == torch.bfloat16
-    hidden = hidden if split else hidden.to(head.weight.dtype)
-    n, length = request.targets.shape
-    flat_hidden = hidden[:, :-1].reshape(n * length, -1)                     # [R*(W-1), H]: the last predicts nothing
-    flat_targets = request.targets.reshape(-1)                               # [R*(W-1)]
-    if request.scored is not None:
-        flat_hidden, flat_targets = flat_hidden[request.scored], flat_targets[request.scored]   # [M, H], [M]
-    logprobs, entropies = target_logprobs(flat_hidden, flat_targets, head.weight, head.bias, request.temperature,
-                                          chunk, "split-bf16" if split else "fp32", request.entropy)  # [M] each
-    if request.scored is not None:  # back to every position, 0 where nothing was scored
-        logprobs = logprobs.new_zeros(n * length).index_copy(0, request.scored, logprobs)
-        if entropies is not None:
-            entropies = entropies.new_zeros(n * length).index_copy(0, request.scored, entropies)
-    # [R, W-1], a tensor of its own rather than a view: FSDP2 hooks its backward onto the module's output
-    return logprobs.view(n, length).clone(), None if entropies is None else entropies.view(n, length)
 
 
 def pass_rates(generator: Any, problems: list, samples: int, temperature: float) -> dict[str, float]:

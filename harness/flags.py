@@ -9,7 +9,7 @@ configures (docs/flags.md is generated from them: `python train.py --help-markdo
   - the resume rules: which flags a --resume may change (CHANGEABLE_ON_RESUME), the run's saved flags
     (`resumed_values`), and OUTPUT_DIR/args.json with its history of resumes (`read_args_json`, `write_args_json`);
   - what the flags resolve to once the machine and the model are known (`resolve_defaults`, `compute_dtype`,
-    `model_context`, `lm_head_gemm` with the LM head's chunk sizes, `generator_memory_fraction`),
+    `model_context`, `lm_head_gemm`, `generator_memory_fraction`),
     and LOSSES, the loss files' names (--loss picks one; train.py imports it, this file never does), and REPORT_TO,
     the packages --report-to may import.
 """
@@ -39,6 +39,7 @@ from harness import vllm_replica  # the replica runtime: the address and secret 
 from harness.checkpoints import (LinkRefusedError, complete_checkpoints, newest_checkpoint_step, read_no_follow,
                                  write_atomically)
 from harness.cli import OneLineParser, int_at_least, number  # one error line (rank 0 only); argparse types
+from harness.head_gemm import LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES  # --logits-chunk-tokens' defaults
 
 
 # --report-to NAME -> (the module the reporter imports, the pip package that provides it); "none" needs nothing.
@@ -1014,11 +1015,6 @@ def resolve_defaults(args: Args, embedded: bool, on_gpu: bool) -> None:
 def compute_dtype(args: Args, on_gpu: bool) -> str:
     """--dtype, else bfloat16 on GPU and float32 on CPU."""
     return args.dtype or ("bfloat16" if on_gpu else "float32")
-
-
-LOGITS_CHUNK_BYTES = 1 << 28  # default of --logits-chunk-tokens: 256 MiB of float32 logits held at once
-SPLIT_CHUNK_BYTES = 1 << 30  # its default under split-bf16, whose chunks are not recomputed: a GEMM of more rows
-                             # runs nearer the tensor cores' peak, and each chunk reads the whole weight again
 
 
 def lm_head_gemm(args: Args, device: Any) -> str:

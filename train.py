@@ -24,8 +24,8 @@ calls them (pull groups -> retire solved prompts -> filter zero-variance groups 
 logprobs -> advantages -> loss and backward -> optimizer step -> push weights -> evaluate -> log -> checkpoint), then
 the learner itself (make_learner: the loss file, seeds, the FSDP2 policy with its FP32 head, AdamW and its warm-up),
 and `export` and `evaluate`. What the loss sees and gives back are records with named fields (LossInputs,
-LossOutputs). The runtime behind the recipe is in modules a reader of the recipe may skip: harness/flags.py (the flags,
-their checks, the resume rules, args.json), harness/runtime.py (set-up: process groups, the output-directory lock, the
+LossOutputs): the loss files' compute_loss inputs and results, by name. The runtime behind the recipe is in modules
+a reader of the recipe may skip: harness/flags.py (the flags, their checks, the resume rules, args.json), harness/runtime.py (set-up: process groups, the output-directory lock, the
 generator's start, signals, the collectives, the metrics log), harness/checkpoints.py (save, resume), harness/packing.py
 (rows and micro-batches) and harness/head_gemm.py (the FP32 LM head's log-probabilities in chunks, and its split-bf16
 GEMM on a GPU).
@@ -50,7 +50,7 @@ import contextlib
 import dataclasses
 import faulthandler
 import functools
-import importlib
+import inspect
 import json
 import math
 import random
@@ -72,17 +72,20 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
+import cispo
 import dapo  # whatever --loss is, the recipe's data side: filter_groups (zero-variance filtering, DAPO's dynamic
              # sampling) and overlong_penalty (--length-control overlong) live in dapo.py, its paper's file
+import drgrpo
+import grpo
+import gspo
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import scaling_fit
-import tis
+import tis  # --tis's importance weights, and the sampler/learner mismatch metrics
 from harness import base_model
 from harness.checkpoints import (TrainerState, load_model_weights, migrate_checkpoint, read_checkpoint,
                                 save_checkpoint)
 from harness.cli import positionals  # a subcommand's arguments, checked like flags: one error line
-from harness.flags import LOSSES  # --loss NAME -> the module name of its loss file; make_learner imports it
-from harness.flags import (Args, adamw_fused, flags_markdown, lm_head_gemm, loss_arg_problems, parse_args,
+from harness.flags import (LOSS_FLAGS, Args, adamw_fused, flags_markdown, lm_head_gemm, loss_problems, parse_args,
                            parse_literal, plan, read_args_json, reshard_layers, resolve_defaults)
 from harness.head_gemm import install_target_logprobs, model_logprobs
 from harness.packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
@@ -92,6 +95,10 @@ from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_
                              push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks,
                              summary_line, this_ranks_share)
 from harness.vllm_replica import exit_at_once  # a finished rank's exit
+
+# --loss NAME -> its loss file. The flags take their choices and each file's hyper-parameters from this table
+# (parse_args reads the files' signatures), so the names and the defaults are written once.
+LOSSES = {"grpo": grpo, "dapo": dapo, "drgrpo": drgrpo, "gspo": gspo, "cispo": cispo}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     `train.py --help-markdown` prints the flags as docs/flags.md holds them (`flags_markdown`)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--help-markdown"]:
-        print(flags_markdown(), end="")
+        print(flags_markdown(LOSSES), end="")
         return
     if argv[:1] == ["export"]:
         run_dir, out_dir = positionals("train.py export", ("RUN_DIR", "OUT_DIR"), argv[1:], export.__doc__)
@@ -119,14 +126,15 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(migrate_checkpoint(Path(run_dir))))
         return
     if argv[:1] == ["plan"]:
-        print(plan(argv[1:]))
+        print(plan(argv[1:], LOSSES))
         return
     if argv[:1] == ["evaluate"]:  # the training flags; nothing is written, so no output directory is claimed
         with tempfile.TemporaryDirectory(prefix="scalerl-evaluate-") as scratch:
             given = argv[1:] if "--resume" in argv else [*argv[1:], "--output-dir", str(Path(scratch) / "unused")]
-            print(json.dumps(evaluate_policy(parse_args(given, evaluating=True), Path(scratch))))
+            args = parse_args(given, evaluating=True, losses=LOSSES)
+            print(json.dumps(evaluate_policy(args, Path(scratch))))
         return
-    args = parse_args(argv)
+    args = parse_args(argv, losses=LOSSES)
     # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
     faulthandler.enable(all_threads=True)
     with rank0_speaks(), set_up(args) as setup:  # process groups, the output directory, data, the model's path
@@ -242,7 +250,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
 class Loss:
     """The loss file --loss names, and what the run passes it beside the batch."""
 
-    file: types.ModuleType  # grpo, dapo, drgrpo, gspo or cispo
+    file: types.ModuleType  # one of LOSSES
     hyperparameters: dict[str, Any]  # compute_loss's keywords: flags over the file's paper defaults
     advantage_options: dict[str, Any]  # compute_advantages' keywords (--adv-norm)
 
@@ -429,24 +437,23 @@ def compute_advantages(args: Args, learner: Learner, batch: list, run: Run) -> t
 
 @dataclass
 class LossInputs:
-    """What the loss file sees for one micro-batch."""
+    """What the loss file sees for one micro-batch: its compute_loss's inputs, by their names there (the parameters
+    before its `*`; the keyword-only ones after it are the run's hyper-parameters, Loss.hyperparameters)."""
 
-    tokens: torch.Tensor  # [N, T] the token each position predicts
-    mask: torch.Tensor  # [N, T] bool: the completion tokens that count (not prompt, padding or an injected phrase)
     logprobs: torch.Tensor  # [N, T] the learner's log pi_theta(token), after temperature, with gradient
     old_logprobs: torch.Tensor  # [N, T] pi_old's: the sampler's (pipeline mode), else the learner's before the round
-    sampler_logprobs: torch.Tensor  # [N, T] the sampler's (vLLM's): --tis and the mismatch metrics
     advantages: torch.Tensor  # [N]
+    mask: torch.Tensor  # [N, T] bool: the completion tokens that count (not prompt, padding or an injected phrase)
     group_size: int  # completions per group in these rows: --group-size, or 1 where the micro-batch splits a group
+    is_weights: torch.Tensor | None  # [N, T] detached: --tis's weights against the sampler's logprobs, times each
+                                     # token's share of its prompt where the micro-batch splits its group (Aggregation)
     denominator: float  # the whole batch's aggregation units (loss_denominator), summed over ranks
-    is_weights: torch.Tensor | None = None  # [N, T] detached: --tis weights, times each token's share of its prompt
-                                            # where the micro-batch splits a prompt's group (Aggregation)
-    ref_logprobs: torch.Tensor | None = None  # [N, T] the reference policy's (--kl-coef)
+    ref_logprobs: torch.Tensor | None  # [N, T] the reference policy's (--kl-coef), else None
 
 
 @dataclass
 class LossOutputs:
-    """What the loss file gives back for one micro-batch."""
+    """What the loss file gives back for one micro-batch: its compute_loss's (loss, metrics)."""
 
     loss: torch.Tensor  # scalar: the micro-batch's share of the batch's loss (the whole batch's denominator)
     metrics: dict[str, float]  # the file's own: clip_frac, ratio_mean, kl_k3, num_tokens (masked tokens), ...
@@ -522,11 +529,9 @@ def micro_batch_loss(args: Args, learner: Learner, rows: Rows, step: Step,
     old = logprobs.detach() if step.old_is_current else rows.old_logprobs                 # [N, T]
     tis_weights = importance_weights(args, rows, old)                                     # [N, T] or None
     inputs = LossInputs(
-        tokens=rows.input_ids[:, 1:], mask=rows.loss_mask, logprobs=logprobs, old_logprobs=old,
-        sampler_logprobs=rows.sampler_logprobs, advantages=rows.advantages, group_size=aggregation.group_size,
-        denominator=aggregation.denominator,
-        is_weights=weighted(tis_weights, aggregation.token_weights, rows.loss_mask),
-        ref_logprobs=reference_logprobs(learner.ref_model, rows, args.temperature))
+        logprobs=logprobs, old_logprobs=old, advantages=rows.advantages, mask=rows.loss_mask,
+        group_size=aggregation.group_size, is_weights=weighted(tis_weights, aggregation.token_weights, rows.loss_mask),
+        denominator=aggregation.denominator, ref_logprobs=reference_logprobs(learner.ref_model, rows, args.temperature))
     outputs = compute_loss(learner.loss, inputs)
     weight = outputs.metrics.get("num_tokens", 0.0)
     totals = {"loss": outputs.loss.item(), **{k: v * weight for k, v in outputs.metrics.items() if k != "num_tokens"},
@@ -567,12 +572,8 @@ def reference_logprobs(ref_model: Any, rows: Rows, temperature: float) -> Any:
 
 
 def compute_loss(loss: Loss, inputs: LossInputs) -> LossOutputs:
-    """The loss file's compute_loss on what it sees, with the run's keywords."""
-    value, metrics = loss.file.compute_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask,
-                                            inputs.group_size, is_weights=inputs.is_weights,
-                                            denominator=inputs.denominator, ref_logprobs=inputs.ref_logprobs,
-                                            **loss.hyperparameters)
-    return LossOutputs(value, metrics)
+    """The loss file's compute_loss on what it sees, each input by its name, with the run's hyper-parameters."""
+    return LossOutputs(*loss.file.compute_loss(**vars(inputs), **loss.hyperparameters))
 
 
 def mismatch_totals(rows: Rows, logprobs: Any, version: int) -> dict[str, float]:
@@ -812,28 +813,32 @@ def make_learner(args: Args, model_path: str, device: Any, rank: int) -> Learner
 
 
 def loss_file(args: Args) -> Loss:
-    """The loss file --loss names, imported here by its module name (flags.LOSSES), with the run's keywords for its
-    compute_loss (loss_hyperparameters) and compute_advantages (--adv-norm)."""
-    return Loss(file=importlib.import_module(LOSSES[args.loss]), hyperparameters=loss_hyperparameters(args),
-                advantage_options={"normalization": args.adv_norm} if args.adv_norm else {})
+    """The loss file --loss names (LOSSES), with the run's keywords for its compute_loss (loss_hyperparameters) and
+    its compute_advantages (--adv-norm, where it takes a normalization)."""
+    return Loss(file=LOSSES[args.loss], hyperparameters=loss_hyperparameters(args),
+                advantage_options=flag_keywords(args, LOSSES[args.loss].compute_advantages))
 
 
 def loss_hyperparameters(args: Args) -> dict[str, Any]:
-    """Keyword overrides for the loss file's compute_loss; everything not named keeps the file's paper default."""
-    hp: dict[str, Any] = {}
-    if args.loss == "drgrpo":
-        hp["max_tokens"] = args.max_tokens  # Dr. GRPO's constant normaliser: the generation budget
-    if args.aggregation:
-        hp["aggregation"] = args.aggregation
-    if args.kl_coef:
-        hp["kl_coef"] = args.kl_coef  # with ref_logprobs from the reference model, per micro-batch
-    problems = loss_arg_problems(args)  # check_args refused these before the start; a caller may not have
+    """Keyword overrides for the loss file's compute_loss: the run's flags that its signature takes (flags.LOSS_FLAGS:
+    Dr. GRPO's max_tokens is the generation budget, CISPO's aggregation --aggregation, every file's kl_coef
+    --kl-coef, with ref_logprobs from the reference model), then --loss-arg's; everything not named keeps the
+    file's paper default."""
+    problems = loss_problems(args, LOSSES[args.loss])  # parse_args refused these before the start; a caller may not
     if problems:
         raise SystemExit("; ".join(problems))
+    hp = flag_keywords(args, LOSSES[args.loss].compute_loss)
     for item in args.loss_arg or []:
         key, value = item.split("=", 1)
         hp[key] = parse_literal(value)
     return hp
+
+
+def flag_keywords(args: Args, function: Any) -> dict[str, Any]:
+    """The flags of LOSS_FLAGS that are set and that the loss file's `function` takes, as its keywords."""
+    keywords = inspect.signature(function).parameters
+    return {keyword: getattr(args, name) for keyword, name in LOSS_FLAGS[function.__name__].items()
+            if keyword in keywords and getattr(args, name)}
 
 
 def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:

@@ -23,12 +23,13 @@ How to read this file: `main` and the loop (`train`), then one function per step
 calls them (pull groups -> retire solved prompts -> filter zero-variance groups -> overlong penalty and filter -> old
 logprobs -> advantages -> loss and backward -> optimizer step -> push weights -> evaluate -> log -> checkpoint), then
 the learner itself (make_learner: the loss file, seeds, the FSDP2 policy with its FP32 head, AdamW and its warm-up),
-and `export` and `evaluate`. What the loss sees and gives back are records with named fields (LossInputs,
-LossOutputs): the loss files' compute_loss inputs and results, by name. The runtime behind the recipe is in modules
-a reader of the recipe may skip: harness/flags.py (the flags, their checks, the resume rules, args.json), harness/runtime.py (set-up: process groups, the output-directory lock, the
-generator's start, signals, the collectives, the metrics log), harness/checkpoints.py (save, resume), harness/packing.py
-(rows and micro-batches) and harness/head_gemm.py (the FP32 LM head's log-probabilities in chunks, and its split-bf16
-GEMM on a GPU).
+and last the table of train.py's other commands (COMMANDS: export, evaluate, ...). What the loss sees and gives back
+are records with named fields (LossInputs, LossOutputs): the loss files' compute_loss inputs and results, by name. The
+runtime behind the recipe is in modules a reader of the recipe may skip: harness/flags.py (the flags, their checks, the
+resume rules, args.json), harness/runtime.py (set-up: process groups, the output-directory lock, the generator's
+start, signals, the collectives, the metrics log), harness/checkpoints.py (save, resume), harness/packing.py (rows and
+micro-batches), harness/head_gemm.py (the FP32 LM head's log-probabilities in chunks, and its split-bf16 GEMM on a
+GPU) and harness/commands.py (the other commands).
 
 How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (harness/tasks.py, harness/base_model.py), so it runs on 2 CPU cores
@@ -51,11 +52,9 @@ import dataclasses
 import faulthandler
 import functools
 import inspect
-import json
 import math
 import random
 import sys
-import tempfile
 import time
 import types
 from collections import defaultdict
@@ -81,17 +80,15 @@ import gspo
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import scaling_fit
 import tis  # --tis's importance weights, and the sampler/learner mismatch metrics
-from harness import base_model
-from harness.checkpoints import (TrainerState, load_model_weights, migrate_checkpoint, read_checkpoint,
-                                save_checkpoint)
-from harness.cli import positionals  # a subcommand's arguments, checked like flags: one error line
-from harness.flags import (LOSS_FLAGS, Args, adamw_fused, flags_markdown, lm_head_gemm, loss_problems, parse_args,
-                           parse_literal, plan, read_args_json, reshard_layers, resolve_defaults)
+from harness import commands  # train.py's other commands: export, evaluate, migrate-checkpoint, plan, --help-markdown
+from harness.checkpoints import TrainerState, save_checkpoint
+from harness.flags import (LOSS_FLAGS, Args, adamw_fused, lm_head_gemm, loss_problems, parse_args, parse_literal,
+                           reshard_layers)
 from harness.head_gemm import install_target_logprobs, model_logprobs
 from harness.packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
                              completion_lengths, current_asymptote, generator_config, idle_forward,
-                             idle_forwards_needed, load_tasks, model_flops_utilisation, new_row, peak_flops_per_s,
+                             idle_forwards_needed, model_flops_utilisation, new_row, peak_flops_per_s,
                              push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks,
                              summary_line, this_ranks_share)
 from harness.vllm_replica import exit_at_once  # a finished rank's exit
@@ -108,31 +105,10 @@ LOSSES = {"grpo": grpo, "dapo": dapo, "drgrpo": drgrpo, "gspo": gspo, "cispo": c
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, set up (harness/runtime.py), run the loop, then fit ScaleRL's sigmoid to the evaluation rows.
-    `train.py export RUN_DIR OUT_DIR` writes a run's policy as a Hugging Face model directory instead (`export`);
-    `train.py evaluate [flags]` prints a model's or a run's pass@k as one JSON line (`evaluate_policy`);
-    `train.py migrate-checkpoint RUN_DIR` converts an older run's checkpoints (`migrate_checkpoint`);
-    `train.py plan --shape NAME | --model DIR [flags]` prints the learner's memory per rank, no GPU needed (`plan`);
-    `train.py --help-markdown` prints the flags as docs/flags.md holds them (`flags_markdown`)."""
+    `train.py NAME ...` runs one of the other COMMANDS (end of this file) instead and prints what it returns."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--help-markdown"]:
-        print(flags_markdown(LOSSES), end="")
-        return
-    if argv[:1] == ["export"]:
-        run_dir, out_dir = positionals("train.py export", ("RUN_DIR", "OUT_DIR"), argv[1:], export.__doc__)
-        print(json.dumps(export(Path(run_dir), Path(out_dir))))
-        return
-    if argv[:1] == ["migrate-checkpoint"]:
-        run_dir, = positionals("train.py migrate-checkpoint", ("RUN_DIR",), argv[1:], migrate_checkpoint.__doc__)
-        print(json.dumps(migrate_checkpoint(Path(run_dir))))
-        return
-    if argv[:1] == ["plan"]:
-        print(plan(argv[1:], LOSSES))
-        return
-    if argv[:1] == ["evaluate"]:  # the training flags; nothing is written, so no output directory is claimed
-        with tempfile.TemporaryDirectory(prefix="scalerl-evaluate-") as scratch:
-            given = argv[1:] if "--resume" in argv else [*argv[1:], "--output-dir", str(Path(scratch) / "unused")]
-            args = parse_args(given, evaluating=True, losses=LOSSES)
-            print(json.dumps(evaluate_policy(args, Path(scratch))))
+    if argv[:1] and argv[0] in COMMANDS:
+        print(COMMANDS[argv[0]](argv[1:]), end="")
         return
     args = parse_args(argv, losses=LOSSES)
     # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
@@ -937,75 +913,23 @@ def pad_token_id(model_path: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Export and evaluation: a run's policy as a Hugging Face model directory, and its pass@k (`train.py export`,
-# `train.py evaluate`)
+# train.py's other commands: `train.py NAME ARGS...` (main) prints what COMMANDS[NAME](ARGS) returns; each is an
+# entry into harness/commands.py, handed what only the recipe has: the loss table, the generator it builds
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
-    """The policy of a run's newest readable checkpoint as a Hugging Face model directory (config, weights,
-    tokenizer, chat template) that transformers and vLLM load as they load the base model. Returns what it wrote."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # here, not at the top: see build_learner
-
-    if not (run_dir / "args.json").is_file():
-        raise SystemExit(f"export: {run_dir} holds no run (no args.json)")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise SystemExit(f"export: {out_dir} is a file; OUT_DIR must be a new or empty directory")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise SystemExit(f"export: {out_dir} is not empty")
-    try:
-        saved = read_args_json(run_dir)
-    except ValueError as e:
-        raise SystemExit(f"export: {e}") from None
-    state, shards, _, ckpt = read_checkpoint(run_dir, None, "export")  # before the base model: it may be built
-    base = saved.get("model") or str(base_model.embedded_base_model())
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    # the model's tensors alone, each assembled from the ranks' shards (FSDP2 keeps the HF names): the optimizer's
-    # are never read
-    load_model_weights(ckpt, shards, model.state_dict())
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
-    return {"model_dir": str(out_dir), "checkpoint": str(ckpt), "step": state["step"], "base_model": base}
+def evaluation_generator(args: Args, model_dir: str, task: Any) -> pipeline_rl.Generator:
+    """`train.py evaluate`'s generator: the run's, in sync mode, serving the model directory `model_dir`."""
+    return pipeline_rl.Generator(dataclasses.replace(generator_config(args, model_path=model_dir), mode="sync"), task)
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of one problem from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k) if n - c >= k else 1.0
-
-
-def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
-    """`train.py evaluate [--model DIR | --resume RUN_DIR] [--dataset ...] --eval-samples N`: the policy's pass@k
-    (k = 1, 2, 4 ... N) and mean reward on the data set's validation problems (--test-dataset's, if given), with the
-    run's sampler settings, and three of its completions. Without --model or --resume: the embedded base model."""
-    if args.resume:  # a run's checkpoint: export it, then evaluate it like any model directory
-        model_dir = export(Path(args.resume), scratch / "policy")["model_dir"]
-    else:
-        model_dir = args.model or str(base_model.embedded_base_model())
-    resolve_defaults(args, embedded=args.model is None and not args.resume, on_gpu=args.gen_devices is not None)
-    task, test_task = load_tasks(args)
-    problems = (test_task or task).validation(args.eval_prompts)
-    config = dataclasses.replace(generator_config(args, model_path=model_dir), mode="sync")
-    with pipeline_rl.Generator(config, task) as generator:
-        groups = generator.evaluate(problems, args.eval_samples, args.temperature)
-    n = args.eval_samples
-    correct = [sum(r > 0 for r in g.rewards) for g in groups]
-    ks = [k for k in (2 ** i for i in range(n.bit_length())) if k <= n]
-    scorer = test_task or task
-    checks = {}  # a task's other checks of the same completions (small-arithmetic: a strict and a lenient format)
-    if hasattr(scorer, "checks"):
-        results = [scorer.checks(g.problem, c.text) for g in groups for c in g.completions]
-        checks = {f"check_{name}": sum(r[name] for r in results) / len(results) for name in results[0]}
-    return {
-        "model": model_dir, "resume": args.resume, "dataset": args.test_dataset or args.dataset or "arithmetic",
-        "problems": len(groups), "samples": n,
-        **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks},
-        "mean_reward": sum(r for g in groups for r in g.rewards) / (n * len(groups)), **checks,
-        "temperature": args.temperature, "max_tokens": args.max_tokens, "length_control": args.length_control,
-        "think_budget": args.think_budget,
-        # what the policy writes: the first sample of the first three problems, as scored
-        "examples": [{"prompt": g.problem.prompt, "answer": g.problem.answer, "completion": g.completions[0].text,
-                      "reward": g.rewards[0]} for g in groups[:3]],
-    }
+COMMANDS = {
+    "export": commands.export_command,  # RUN_DIR OUT_DIR: a run's policy as a Hugging Face model directory
+    "evaluate": functools.partial(commands.evaluate_command, losses=LOSSES, generator=evaluation_generator),  # pass@k
+    "migrate-checkpoint": commands.migrate_command,  # RUN_DIR: an older run's checkpoints, converted
+    "plan": functools.partial(commands.plan_command, losses=LOSSES),  # the learner's memory per rank, no GPU needed
+    "--help-markdown": functools.partial(commands.help_markdown, losses=LOSSES),  # the flags as docs/flags.md has them
+}
 
 
 if __name__ == "__main__":  # vLLM on CPU spawns its workers: the entry point must be guarded

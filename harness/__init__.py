@@ -5,7 +5,7 @@ recipe (the nine files beside this package) may skip it and know what they skipp
     checkpoints   a run's checkpoint files: saving, loading, migrating
     runtime       the learner's run: process groups, the output-directory lock, signals, metrics, reporters
     packing       completions into rows and micro-batches
-    head_gemm     the LM head's log-probabilities in chunks, and the split-bf16 GEMM of the FP32 head
+    head_gemm     the learner's FP32 LM head: log-probabilities in chunks, and its split-bf16 GEMM
     memory_plan   the learner's GPU memory per rank, and the layout, printed before start
     vllm_replica  what runs inside vLLM: interruptions, a replica's process, the handshake
     weight_transfer  the CPU engine of vLLM's weight-transfer API (gloo), registered in vLLM's factories
@@ -14,6 +14,7 @@ recipe (the nine files beside this package) may skip it and know what they skipp
     tasks         the task: prompts, verifiers, data readers
     base_model    how the tiny base model is built, and a real one converted for the CPU tests
     cli           what every command line shares: one error line for a bad flag
+    commands      train.py's other commands: export, evaluate, migrate-checkpoint, plan, --help-markdown
     bench         benchmarks that print ratios from one run
     experiments   studies made of real train.py runs: staleness, ablations, reports
     teach         exercises graded by the tests, pictures of the losses

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import train
-from harness import checkpoints, flags, head_gemm, packing, runtime
+from harness import checkpoints, commands, flags, head_gemm, packing, runtime
 from helpers import REPO, assert_same_gradient, file_tree, head_weights, make_group, random_groups, saved_run
 from pipeline_rl import Group
 
@@ -682,11 +682,11 @@ def test_raw_tracebacks_became_one_line_each(tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and len(err.splitlines()) == 1, err
         with pytest.raises(SystemExit, match="export: .*" + re.escape(message)):
-            train.export(run, tmp_path / "exported")
+            commands.export(run, tmp_path / "exported")
     (tmp_path / "a-file").write_text("")
     (run / "args.json").write_text("{}")
     with pytest.raises(SystemExit, match="a-file is a file; OUT_DIR must be a new or empty directory"):
-        train.export(run, tmp_path / "a-file")
+        commands.export(run, tmp_path / "a-file")
     (tmp_path / "data.txt").write_text("1+1=2\n")
     with pytest.raises(SystemExit):
         parse(["--dataset", "data.txt"])
@@ -811,6 +811,6 @@ def test_fsdp_learner_keeps_a_tied_lm_head_tied(tmp_path):
 
 def test_pass_at_k_is_the_unbiased_estimator():
     # n = 4 samples, c correct: 1 - C(n - c, k) / C(n, k), by hand
-    pass_at_k = train.pass_at_k
+    pass_at_k = commands.pass_at_k
     assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 2) == 0.5 and pass_at_k(4, 1, 4) == 1.0
     assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 2, 2) == 1 - 1 / 6 and pass_at_k(4, 4, 1) == 1

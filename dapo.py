@@ -94,17 +94,17 @@ def compute_loss(
     advantages: Tensor,
     mask: Tensor,
     group_size: int,
-    *,
     is_weights: Tensor | None = None,
     denominator: float | None = None,
+    ref_logprobs: Tensor | None = None,
+    *,
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.28,
     kl_coef: float = 0.0,
-    ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss, -J, and its metrics.
 
-    Args:
+    Args (the batch's inputs first; the keyword-only ones after them are the hyper-parameters):
         logprobs: [N, T] log pi_theta of the sampled tokens; carries the gradient.
         old_logprobs: [N, T] log pi_old, the behaviour policy; treated as a constant.
         advantages: [N] from compute_advantages; treated as a constant.
@@ -113,10 +113,10 @@ def compute_loss(
         is_weights: [N, T] or None; detached per-token weights (e.g. TIS) multiplied into the per-token loss.
         denominator: None divides by this call's own loss_denominator (a plain mean). A micro-batch passes the full
             batch's loss_denominator instead, so that the micro-batch losses sum to the full-batch loss.
+        ref_logprobs: [N, T] log pi_ref or None; when given, metric kl_ref is its k3 estimate of KL(pi_theta || pi_ref).
         clip_eps_low: lower clip range, ratio clipped from below at 1 - clip_eps_low.
         clip_eps_high: upper clip range, ratio clipped from above at 1 + clip_eps_high (clip-higher).
         kl_coef: beta of the k3 KL penalty to the reference policy; needs ref_logprobs when non-zero.
-        ref_logprobs: [N, T] log pi_ref or None; when given, metric kl_ref is its k3 estimate of KL(pi_theta || pi_ref).
 
     Returns:
         loss: scalar to minimise.

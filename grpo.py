@@ -86,16 +86,16 @@ def compute_loss(
     advantages: Tensor,
     mask: Tensor,
     group_size: int,
-    *,
     is_weights: Tensor | None = None,
     denominator: float | None = None,
+    ref_logprobs: Tensor | None = None,
+    *,
     clip_eps: float = 0.2,
     kl_coef: float = 0.0,
-    ref_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss, -J, and its metrics.
 
-    Args:
+    Args (the batch's inputs first; the keyword-only ones after them are the hyper-parameters):
         logprobs: [N, T] log pi_theta of the sampled tokens; carries the gradient.
         old_logprobs: [N, T] log pi_old, the behaviour policy; treated as a constant.
         advantages: [N] from compute_advantages; treated as a constant.
@@ -104,9 +104,9 @@ def compute_loss(
         is_weights: [N, T] or None; detached per-token weights (e.g. TIS) multiplied into the per-token loss.
         denominator: None divides by this call's own loss_denominator (a plain mean). A micro-batch passes the full
             batch's loss_denominator instead, so that the micro-batch losses sum to the full-batch loss.
+        ref_logprobs: [N, T] log pi_ref or None; when given, metric kl_ref is its k3 estimate of KL(pi_theta || pi_ref).
         clip_eps: PPO clip range, ratio clipped to [1 - clip_eps, 1 + clip_eps].
         kl_coef: beta of the k3 KL penalty to the reference policy; needs ref_logprobs when non-zero.
-        ref_logprobs: [N, T] log pi_ref or None; when given, metric kl_ref is its k3 estimate of KL(pi_theta || pi_ref).
 
     Returns:
         loss: scalar to minimise.

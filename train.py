@@ -23,12 +23,13 @@ How to read this file: `main` and the loop (`train`), then one function per step
 calls them (pull groups -> retire solved prompts -> filter zero-variance groups -> overlong penalty and filter -> old
 logprobs -> advantages -> loss and backward -> optimizer step -> push weights -> evaluate -> log -> checkpoint), then
 the learner itself (make_learner: the loss file, seeds, the FSDP2 policy with its FP32 head, AdamW and its warm-up),
-and `export` and `evaluate`. What the loss sees and gives back are records with named fields (LossInputs,
-LossOutputs). The runtime behind the recipe is in modules a reader of the recipe may skip: harness/flags.py (the flags,
-their checks, the resume rules, args.json), harness/runtime.py (set-up: process groups, the output-directory lock, the
-generator's start, signals, the collectives, the metrics log), harness/checkpoints.py (save, resume), harness/packing.py
-(rows and micro-batches) and harness/head_gemm.py (the LM head's log-probabilities in chunks, and its split-bf16 GEMM on
-a GPU).
+and last the table of train.py's other commands (COMMANDS: export, evaluate, ...). What the loss sees and gives back
+are records with named fields (LossInputs, LossOutputs): the loss files' compute_loss inputs and results, by name. The
+runtime behind the recipe is in modules a reader of the recipe may skip: harness/flags.py (the flags, their checks, the
+resume rules, args.json), harness/runtime.py (set-up: process groups, the output-directory lock, the generator's
+start, signals, the collectives, the metrics log), harness/checkpoints.py (save, resume), harness/packing.py (rows and
+micro-batches), harness/head_gemm.py (the FP32 LM head's log-probabilities in chunks, and its split-bf16 GEMM on a
+GPU) and harness/commands.py (the other commands).
 
 How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (harness/tasks.py, harness/base_model.py), so it runs on 2 CPU cores
@@ -50,12 +51,10 @@ import contextlib
 import dataclasses
 import faulthandler
 import functools
-import importlib
-import json
+import inspect
 import math
 import random
 import sys
-import tempfile
 import time
 import types
 from collections import defaultdict
@@ -69,23 +68,23 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
+import cispo
 import dapo  # whatever --loss is, the recipe's data side: filter_groups (zero-variance filtering, DAPO's dynamic
              # sampling) and overlong_penalty (--length-control overlong) live in dapo.py, its paper's file
+import drgrpo
+import grpo
+import gspo
 import pipeline_rl  # imports vLLM only inside the generator process, never in a learner rank
 import scaling_fit
-import tis
-from harness import base_model
-from harness.checkpoints import (TrainerState, load_model_weights, migrate_checkpoint, read_checkpoint,
-                                save_checkpoint)
-from harness.cli import positionals  # a subcommand's arguments, checked like flags: one error line
-from harness.flags import LOSSES  # --loss NAME -> the module name of its loss file; make_learner imports it
-from harness.flags import (LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES, Args, adamw_fused, flags_markdown,
-                           generator_values, lm_head_gemm, loss_arg_problems, parse_args, parse_literal, plan,
-                           read_args_json, reshard_layers, resolve_defaults)
-from harness.head_gemm import logits_entropy, logits_logprobs, target_logprobs
+import tis  # --tis's importance weights, and the sampler/learner mismatch metrics
+from harness import commands  # train.py's other commands: export, evaluate, migrate-checkpoint, plan, --help-markdown
+from harness.checkpoints import TrainerState, save_checkpoint
+from harness.flags import (LOSS_FLAGS, Args, adamw_fused, generator_values, lm_head_gemm, loss_problems, parse_args,
+                           parse_literal, reshard_layers)
+from harness.head_gemm import install_target_logprobs, model_logprobs
 from harness.packing import Rows, micro_batch_groups, micro_batches, model_device, row_packing, to_rows
 from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_from_rank0, collective_device,
                              completion_lengths, fleet_config, generator_position, idle_forward,
@@ -93,6 +92,10 @@ from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_
                              push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks,
                              summary_line, this_ranks_share)
 from harness.vllm_replica import exit_at_once  # a finished rank's exit
+
+# --loss NAME -> its loss file. The flags take their choices and each file's hyper-parameters from this table
+# (parse_args reads the files' signatures), so the names and the defaults are written once.
+LOSSES = {"grpo": grpo, "dapo": dapo, "drgrpo": drgrpo, "gspo": gspo, "cispo": cispo}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -102,33 +105,12 @@ from harness.vllm_replica import exit_at_once  # a finished rank's exit
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, set up (harness/runtime.py), run the loop, then fit ScaleRL's sigmoid to the evaluation rows.
-    `train.py export RUN_DIR OUT_DIR` writes a run's policy as a Hugging Face model directory instead (`export`);
-    `train.py evaluate [flags]` prints a model's or a run's pass@k as one JSON line (`evaluate_policy`);
-    `train.py migrate-checkpoint RUN_DIR` converts an older run's checkpoints (`migrate_checkpoint`);
-    `train.py plan --shape NAME | --model DIR [flags]` prints the learner's memory per rank, no GPU needed (`plan`);
-    `train.py --help-markdown` prints the flags as docs/flags.md holds them (`flags_markdown`)."""
+    `train.py NAME ...` runs one of the other COMMANDS (end of this file) instead and prints what it returns."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--help-markdown"]:
-        print(flags_markdown(), end="")
+    if argv[:1] and argv[0] in COMMANDS:
+        print(COMMANDS[argv[0]](argv[1:]), end="")
         return
-    if argv[:1] == ["export"]:
-        run_dir, out_dir = positionals("train.py export", ("RUN_DIR", "OUT_DIR"), argv[1:], export.__doc__)
-        print(json.dumps(export(Path(run_dir), Path(out_dir))))
-        return
-    if argv[:1] == ["migrate-checkpoint"]:
-        run_dir, = positionals("train.py migrate-checkpoint", ("RUN_DIR",), argv[1:], migrate_checkpoint.__doc__)
-        print(json.dumps(migrate_checkpoint(Path(run_dir))))
-        return
-    if argv[:1] == ["plan"]:
-        print(plan(argv[1:], pipeline_rl.config_problems))
-        return
-    if argv[:1] == ["evaluate"]:  # the training flags; nothing is written, so no output directory is claimed
-        with tempfile.TemporaryDirectory(prefix="scalerl-evaluate-") as scratch:
-            given = argv[1:] if "--resume" in argv else [*argv[1:], "--output-dir", str(Path(scratch) / "unused")]
-            args = parse_args(given, evaluating=True, generator_checks=pipeline_rl.config_problems)
-            print(json.dumps(evaluate_policy(args, Path(scratch))))
-        return
-    args = parse_args(argv, generator_checks=pipeline_rl.config_problems)  # the rule's settings checked by the rule
+    args = parse_args(argv, generator_checks=pipeline_rl.config_problems, losses=LOSSES)  # the rule checked by the rule
     # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
     faulthandler.enable(all_threads=True)
     with rank0_speaks(), set_up(args) as setup:  # process groups, the output directory, data, the model's path
@@ -248,7 +230,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
 class Loss:
     """The loss file --loss names, and what the run passes it beside the batch."""
 
-    file: types.ModuleType  # grpo, dapo, drgrpo, gspo or cispo
+    file: types.ModuleType  # one of LOSSES
     hyperparameters: dict[str, Any]  # compute_loss's keywords: flags over the file's paper defaults
     advantage_options: dict[str, Any]  # compute_advantages' keywords (--adv-norm)
 
@@ -435,24 +417,23 @@ def compute_advantages(args: Args, learner: Learner, batch: list, run: Run) -> t
 
 @dataclass
 class LossInputs:
-    """What the loss file sees for one micro-batch."""
+    """What the loss file sees for one micro-batch: its compute_loss's inputs, by their names there (the parameters
+    before its `*`; the keyword-only ones after it are the run's hyper-parameters, Loss.hyperparameters)."""
 
-    tokens: torch.Tensor  # [N, T] the token each position predicts
-    mask: torch.Tensor  # [N, T] bool: the completion tokens that count (not prompt, padding or an injected phrase)
     logprobs: torch.Tensor  # [N, T] the learner's log pi_theta(token), after temperature, with gradient
     old_logprobs: torch.Tensor  # [N, T] pi_old's: the sampler's (pipeline mode), else the learner's before the round
-    sampler_logprobs: torch.Tensor  # [N, T] the sampler's (vLLM's): --tis and the mismatch metrics
     advantages: torch.Tensor  # [N]
+    mask: torch.Tensor  # [N, T] bool: the completion tokens that count (not prompt, padding or an injected phrase)
     group_size: int  # completions per group in these rows: --group-size, or 1 where the micro-batch splits a group
+    is_weights: torch.Tensor | None  # [N, T] detached: --tis's weights against the sampler's logprobs, times each
+                                     # token's share of its prompt where the micro-batch splits its group (Aggregation)
     denominator: float  # the whole batch's aggregation units (loss_denominator), summed over ranks
-    is_weights: torch.Tensor | None = None  # [N, T] detached: --tis weights, times each token's share of its prompt
-                                            # where the micro-batch splits a prompt's group (Aggregation)
-    ref_logprobs: torch.Tensor | None = None  # [N, T] the reference policy's (--kl-coef)
+    ref_logprobs: torch.Tensor | None  # [N, T] the reference policy's (--kl-coef), else None
 
 
 @dataclass
 class LossOutputs:
-    """What the loss file gives back for one micro-batch."""
+    """What the loss file gives back for one micro-batch: its compute_loss's (loss, metrics)."""
 
     loss: torch.Tensor  # scalar: the micro-batch's share of the batch's loss (the whole batch's denominator)
     metrics: dict[str, float]  # the file's own: clip_frac, ratio_mean, kl_k3, num_tokens (masked tokens), ...
@@ -528,11 +509,9 @@ def micro_batch_loss(args: Args, learner: Learner, rows: Rows, step: Step,
     old = logprobs.detach() if step.old_is_current else rows.old_logprobs                 # [N, T]
     tis_weights = importance_weights(args, rows, old)                                     # [N, T] or None
     inputs = LossInputs(
-        tokens=rows.input_ids[:, 1:], mask=rows.loss_mask, logprobs=logprobs, old_logprobs=old,
-        sampler_logprobs=rows.sampler_logprobs, advantages=rows.advantages, group_size=aggregation.group_size,
-        denominator=aggregation.denominator,
-        is_weights=weighted(tis_weights, aggregation.token_weights, rows.loss_mask),
-        ref_logprobs=reference_logprobs(learner.ref_model, rows, args.temperature))
+        logprobs=logprobs, old_logprobs=old, advantages=rows.advantages, mask=rows.loss_mask,
+        group_size=aggregation.group_size, is_weights=weighted(tis_weights, aggregation.token_weights, rows.loss_mask),
+        denominator=aggregation.denominator, ref_logprobs=reference_logprobs(learner.ref_model, rows, args.temperature))
     outputs = compute_loss(learner.loss, inputs)
     weight = outputs.metrics.get("num_tokens", 0.0)
     totals = {"loss": outputs.loss.item(), **{k: v * weight for k, v in outputs.metrics.items() if k != "num_tokens"},
@@ -573,12 +552,8 @@ def reference_logprobs(ref_model: Any, rows: Rows, temperature: float) -> Any:
 
 
 def compute_loss(loss: Loss, inputs: LossInputs) -> LossOutputs:
-    """The loss file's compute_loss on what it sees, with the run's keywords."""
-    value, metrics = loss.file.compute_loss(inputs.logprobs, inputs.old_logprobs, inputs.advantages, inputs.mask,
-                                            inputs.group_size, is_weights=inputs.is_weights,
-                                            denominator=inputs.denominator, ref_logprobs=inputs.ref_logprobs,
-                                            **loss.hyperparameters)
-    return LossOutputs(value, metrics)
+    """The loss file's compute_loss on what it sees, each input by its name, with the run's hyper-parameters."""
+    return LossOutputs(*loss.file.compute_loss(**vars(inputs), **loss.hyperparameters))
 
 
 def mismatch_totals(rows: Rows, logprobs: Any, version: int) -> dict[str, float]:
@@ -746,7 +721,7 @@ def stop_if_signalled(learner: Learner, run: Run, state: TrainerState) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# What the steps use: logprobs through the FP32 LM head, pass rates, the sigmoid fit
+# What the steps use: logprobs through the FP32 LM head (harness/head_gemm.py), pass rates, the sigmoid fit
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -755,112 +730,27 @@ def token_logprobs(model: Any, rows: Rows, temperature: float) -> Any:
     return token_logprobs_and_entropy(model, rows, temperature, entropy=False)[0]
 
 
-@dataclass(frozen=True)
-class LogprobRequest:
-    """What a learner's LM head scores for token_logprobs_and_entropy, instead of returning logits."""
-
-    targets: torch.Tensor  # [R, W-1] the token each position of the model's rows predicts
-    temperature: float  # the sampler's: the logits are divided by it
-    scored: torch.Tensor | None = None  # [M] positions of the flattened [R * (W-1)] to score (0 elsewhere); None: all
-    entropy: bool = False  # the policy's entropy at each scored position too (a metric: no gradient)
-
-
 def token_logprobs_and_entropy(model: Any, rows: Rows, temperature: float, entropy: bool = True) -> tuple[Any, Any]:
     """log pi(token) for every next-token position [N, L-1], after dividing the logits by the sampling temperature,
     and with `entropy` the policy's entropy at each position [N, L-1] (a metric, without gradient; else None).
     Packed rows go through the model as they are, and their logprobs are gathered back into Rows' layout (0 beyond
     each sequence's end, where the loss files mask anyway).
 
-    A learner (build_learner) scores the tokens with `model.target_logprobs` (install_target_logprobs): its body's
-    hidden states go through head_gemm.target_logprobs in chunks, so the micro-batch's [N, L-1, V] float32 logits
-    never exist at once (for a 150k-token vocabulary and long completions they would be tens of GB), and only at the
-    positions that predict a completion token (Rows.scored; 0 at the prompt's); any other model goes through its
-    full logits."""
+    A learner (build_learner) scores the tokens through its FP32 head in chunks (head_gemm.model_logprobs), so the
+    micro-batch's [N, L-1, V] float32 logits never exist at once (for a 150k-token vocabulary and long completions
+    they would be tens of GB), and only at the positions that predict a completion token (Rows.scored; 0 at the
+    prompt's); any other model goes through its full logits."""
     if rows.packed is None:
         input_ids, layout = rows.input_ids, {"attention_mask": rows.attention.long()}          # [N, L]
         scored = rows.scored
     else:  # no attention mask: transformers then reads the sequences' boundaries from the position ids
         input_ids, layout = rows.packed.input_ids, {"position_ids": rows.packed.position_ids}  # [R, W]
         scored = rows.packed.scored
-    targets = input_ids[:, 1:]
-    if hasattr(model, "target_logprobs"):
-        request = LogprobRequest(targets, temperature, scored, entropy)
-        logprobs, entropies = model.target_logprobs(input_ids, request, **layout)
-    else:
-        logits = model(input_ids=input_ids, use_cache=False, **layout).logits[:, :-1]
-        logprobs = logits_logprobs(logits, targets, temperature)
-        entropies = logits_entropy(logits.detach().float() / temperature) if entropy else None
+    logprobs, entropies = model_logprobs(model, input_ids, temperature, scored, entropy, **layout)
     if rows.packed is None:
         return logprobs, entropies                                                            # [N, L-1] each
     unpack = lambda x: torch.where(rows.attention[:, 1:], x.reshape(-1)[rows.packed.index], 0.0)  # noqa: E731
     return unpack(logprobs), None if entropies is None else unpack(entropies)                # [R, W-1] -> [N, L-1]
-
-
-def install_target_logprobs(model: Any, chunk_tokens: int | None = None, gemm: str = "fp32") -> None:
-    """Give a learner's model `model.target_logprobs(input_ids, request, **layout)`: its body's hidden states
-    [R, W, H], then its LM head on them with the LogprobRequest, which returns (log pi(target) [R, W-1], the entropy
-    [R, W-1] or None) from head_gemm.target_logprobs rather than logits. Both run inside FSDP2's hooks: the model's
-    method is registered as a forward of its root unit (register_fsdp_forward_method), and the head is called as a
-    module, so its unit (the FP32 head's own, or the embedding's it is tied to) is gathered, cast and reduced as in
-    any forward, and an idle rank's plain forward (runtime.idle_forward) makes the same collectives. Without a
-    request the head is its plain linear layer. `chunk_tokens` (--logits-chunk-tokens) and `gemm` (--lm-head-gemm):
-    see head_forward. Not for models that transform the logits after the head (Gemma's soft-capping): those keep
-    the full logits."""
-    if getattr(model.config, "final_logit_softcapping", None):
-        return
-    install_head_logprobs(model.get_output_embeddings(), chunk_tokens, gemm)
-    model.target_logprobs = types.MethodType(policy_target_logprobs, model)
-    register_fsdp_forward_method(model, "target_logprobs")  # a no-op on a model that is not FSDP2's
-
-
-def policy_target_logprobs(model: Any, input_ids: Any, request: LogprobRequest, **layout: Any) -> tuple[Any, Any]:
-    """A learner's model.target_logprobs: its body on input_ids [R, W] (with the attention mask or the packed
-    position ids), then its LM head on the hidden states with `request`."""
-    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False, **layout).last_hidden_state  # [R, W, H]
-    return model.get_output_embeddings()(hidden, request)
-
-
-def install_head_logprobs(head: Any, chunk_tokens: int | None = None, gemm: str = "fp32") -> None:
-    """Make the LM head `head` (a linear layer) take an optional LogprobRequest: head_forward, with these settings.
-    Its own forward hooks (FSDP2's gathers, the FP32 head's cast) run as before: only its forward body changes."""
-    vocab = head.weight.shape[0]
-    if gemm == "split-bf16":
-        chunk = chunk_tokens or max(128, SPLIT_CHUNK_BYTES // (4 * vocab) // 128 * 128)
-    else:
-        chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * vocab))  # positions per chunk
-    head.forward = functools.partial(head_forward, head, chunk, gemm)
-
-
-def head_forward(head: Any, chunk: int, gemm: str, hidden: Any, request: LogprobRequest | None = None) -> Any:
-    """The learner's LM head on hidden states [R, W, H]: without a request, its linear layer (logits); with one,
-    (log pi(target) [R, W-1], the entropy [R, W-1] or None) at the request's positions, from
-    head_gemm.target_logprobs over chunks of `chunk` positions, so that only one chunk's logits exist at a time.
-    `gemm` (--lm-head-gemm): fp32, the head's own linear layer, each chunk recomputed in backward (default chunk:
-    as many positions as fit in LOGITS_CHUNK_BYTES of float32 logits); split-bf16, for bf16 hidden states,
-    float32's logprobs from bf16 tensor-core products (default chunk: SPLIT_CHUNK_BYTES).
-
-    The request's `scored` [M] (or None: all) names the positions of the flattened [R * (W-1)] to score; the others
-    get 0 and cost nothing. Only completion tokens enter a loss, and a chat template's prompt can be most of a short
-    completion's row: SmolLM2's system prompt and question (44 tokens) are about 60% of the small-arithmetic task's
-    tokens, and its head (49k-token vocabulary, 576 hidden) a fifth of its FLOPs per token."""
-    if request is None:  # logits, on hidden states of the weight's dtype (a bf16 trunk's, under split-bf16, too)
-        return torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
-    # split-bf16 takes bf16 hidden states as they are (its products are exact on them); the rest is float32
-    split = gemm == "split-bf16" and hidden.dtype == torch.bfloat16
-    hidden = hidden if split else hidden.to(head.weight.dtype)
-    n, length = request.targets.shape
-    flat_hidden = hidden[:, :-1].reshape(n * length, -1)                     # [R*(W-1), H]: the last predicts nothing
-    flat_targets = request.targets.reshape(-1)                               # [R*(W-1)]
-    if request.scored is not None:
-        flat_hidden, flat_targets = flat_hidden[request.scored], flat_targets[request.scored]   # [M, H], [M]
-    logprobs, entropies = target_logprobs(flat_hidden, flat_targets, head.weight, head.bias, request.temperature,
-                                          chunk, "split-bf16" if split else "fp32", request.entropy)  # [M] each
-    if request.scored is not None:  # back to every position, 0 where nothing was scored
-        logprobs = logprobs.new_zeros(n * length).index_copy(0, request.scored, logprobs)
-        if entropies is not None:
-            entropies = entropies.new_zeros(n * length).index_copy(0, request.scored, entropies)
-    # [R, W-1], a tensor of its own rather than a view: FSDP2 hooks its backward onto the module's output
-    return logprobs.view(n, length).clone(), None if entropies is None else entropies.view(n, length)
 
 
 def pass_rates(generator: Any, problems: list, samples: int, temperature: float) -> dict[str, float]:
@@ -960,28 +850,32 @@ def make_learner(args: Args, model_path: str, device: Any, rank: int) -> Learner
 
 
 def loss_file(args: Args) -> Loss:
-    """The loss file --loss names, imported here by its module name (flags.LOSSES), with the run's keywords for its
-    compute_loss (loss_hyperparameters) and compute_advantages (--adv-norm)."""
-    return Loss(file=importlib.import_module(LOSSES[args.loss]), hyperparameters=loss_hyperparameters(args),
-                advantage_options={"normalization": args.adv_norm} if args.adv_norm else {})
+    """The loss file --loss names (LOSSES), with the run's keywords for its compute_loss (loss_hyperparameters) and
+    its compute_advantages (--adv-norm, where it takes a normalization)."""
+    return Loss(file=LOSSES[args.loss], hyperparameters=loss_hyperparameters(args),
+                advantage_options=flag_keywords(args, LOSSES[args.loss].compute_advantages))
 
 
 def loss_hyperparameters(args: Args) -> dict[str, Any]:
-    """Keyword overrides for the loss file's compute_loss; everything not named keeps the file's paper default."""
-    hp: dict[str, Any] = {}
-    if args.loss == "drgrpo":
-        hp["max_tokens"] = args.max_tokens  # Dr. GRPO's constant normaliser: the generation budget
-    if args.aggregation:
-        hp["aggregation"] = args.aggregation
-    if args.kl_coef:
-        hp["kl_coef"] = args.kl_coef  # with ref_logprobs from the reference model, per micro-batch
-    problems = loss_arg_problems(args)  # check_args refused these before the start; a caller may not have
+    """Keyword overrides for the loss file's compute_loss: the run's flags that its signature takes (flags.LOSS_FLAGS:
+    Dr. GRPO's max_tokens is the generation budget, CISPO's aggregation --aggregation, every file's kl_coef
+    --kl-coef, with ref_logprobs from the reference model), then --loss-arg's; everything not named keeps the
+    file's paper default."""
+    problems = loss_problems(args, LOSSES[args.loss])  # parse_args refused these before the start; a caller may not
     if problems:
         raise SystemExit("; ".join(problems))
+    hp = flag_keywords(args, LOSSES[args.loss].compute_loss)
     for item in args.loss_arg or []:
         key, value = item.split("=", 1)
         hp[key] = parse_literal(value)
     return hp
+
+
+def flag_keywords(args: Args, function: Any) -> dict[str, Any]:
+    """The flags of LOSS_FLAGS that are set and that the loss file's `function` takes, as its keywords."""
+    keywords = inspect.signature(function).parameters
+    return {keyword: getattr(args, name) for keyword, name in LOSS_FLAGS[function.__name__].items()
+            if keyword in keywords and getattr(args, name)}
 
 
 def build_learner(model_path: str, args: Args, device: Any) -> tuple[Any, Any]:
@@ -1080,80 +974,25 @@ def pad_token_id(model_path: str) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Export and evaluation: a run's policy as a Hugging Face model directory, and its pass@k (`train.py export`,
-# `train.py evaluate`)
+# train.py's other commands: `train.py NAME ARGS...` (main) prints what COMMANDS[NAME](ARGS) returns; each is an
+# entry into harness/commands.py, handed what only the recipe has: the loss table, the generator it builds
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
-    """The policy of a run's newest readable checkpoint as a Hugging Face model directory (config, weights,
-    tokenizer, chat template) that transformers and vLLM load as they load the base model. Returns what it wrote."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # here, not at the top: see build_learner
-
-    if not (run_dir / "args.json").is_file():
-        raise SystemExit(f"export: {run_dir} holds no run (no args.json)")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise SystemExit(f"export: {out_dir} is a file; OUT_DIR must be a new or empty directory")
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise SystemExit(f"export: {out_dir} is not empty")
-    try:
-        saved = read_args_json(run_dir)
-    except ValueError as e:
-        raise SystemExit(f"export: {e}") from None
-    state, shards, _, ckpt = read_checkpoint(run_dir, None, "export")  # before the base model: it may be built
-    base = saved.get("model") or str(base_model.embedded_base_model())
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    # the model's tensors alone, each assembled from the ranks' shards (FSDP2 keeps the HF names): the optimizer's
-    # are never read
-    load_model_weights(ckpt, shards, model.state_dict())
-    model.save_pretrained(out_dir)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
-    return {"model_dir": str(out_dir), "checkpoint": str(ckpt), "step": state["step"], "base_model": base}
+def evaluation_generator(args: Args, model_dir: str, task: Any) -> pipeline_rl.Generator:
+    """`train.py evaluate`'s generator: the run's, in sync mode, serving the model directory `model_dir`."""
+    return pipeline_rl.Generator(dataclasses.replace(generator_config(args, model_path=model_dir), mode="sync"), task)
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased pass@k of one problem from n samples with c correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k) if n - c >= k else 1.0
-
-
-def evaluate_policy(args: Args, scratch: Path) -> dict[str, Any]:
-    """`train.py evaluate [--model DIR | --resume RUN_DIR] [--dataset ...] --eval-samples N`: the policy's pass@k
-    (k = 1, 2, 4 ... N) and mean reward on the data set's validation problems (--test-dataset's, if given), with the
-    run's sampler settings, and three of its completions. Without --model or --resume: the embedded base model."""
-    if args.resume:  # a run's checkpoint: export it, then evaluate it like any model directory
-        model_dir = export(Path(args.resume), scratch / "policy")["model_dir"]
-    else:
-        model_dir = args.model or str(base_model.embedded_base_model())
-    resolve_defaults(args, embedded=args.model is None and not args.resume, on_gpu=args.gen_devices is not None)
-    task, test_task = load_tasks(args)
-    problems = (test_task or task).validation(args.eval_prompts)
-    config = dataclasses.replace(generator_config(args, model_path=model_dir), mode="sync")
-    generator = pipeline_rl.Generator(config, task)
-    try:
-        generator.start()
-    except pipeline_rl.GeneratorError as e:  # e.g. a --reward-timeout refused: one line, as a run's start says it
-        raise SystemExit(f"train.py evaluate: error: {e}") from None
-    with generator:
-        groups = generator.evaluate(problems, args.eval_samples, args.temperature)
-    n = args.eval_samples
-    correct = [sum(r > 0 for r in g.rewards) for g in groups]
-    ks = [k for k in (2 ** i for i in range(n.bit_length())) if k <= n]
-    scorer = test_task or task
-    checks = {}  # a task's other checks of the same completions (small-arithmetic: a strict and a lenient format)
-    if hasattr(scorer, "checks"):
-        results = [scorer.checks(g.problem, c.text) for g in groups for c in g.completions]
-        checks = {f"check_{name}": sum(r[name] for r in results) / len(results) for name in results[0]}
-    return {
-        "model": model_dir, "resume": args.resume, "dataset": args.test_dataset or args.dataset or "arithmetic",
-        "problems": len(groups), "samples": n,
-        **{f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / len(correct) for k in ks},
-        "mean_reward": sum(r for g in groups for r in g.rewards) / (n * len(groups)), **checks,
-        "temperature": args.temperature, "max_tokens": args.max_tokens, "length_control": args.length_control,
-        "think_budget": args.think_budget,
-        # what the policy writes: the first sample of the first three problems, as scored
-        "examples": [{"prompt": g.problem.prompt, "answer": g.problem.answer, "completion": g.completions[0].text,
-                      "reward": g.rewards[0]} for g in groups[:3]],
-    }
+RULE_CHECKS = {"generator_checks": pipeline_rl.config_problems}  # the rule's settings, checked by the rule
+COMMANDS = {
+    "export": commands.export_command,  # RUN_DIR OUT_DIR: a run's policy as a Hugging Face model directory
+    "evaluate": functools.partial(commands.evaluate_command, losses=LOSSES, **RULE_CHECKS,
+                                  generator=evaluation_generator),  # pass@k
+    "migrate-checkpoint": commands.migrate_command,  # RUN_DIR: an older run's checkpoints, converted
+    "plan": functools.partial(commands.plan_command, losses=LOSSES, **RULE_CHECKS),  # memory per rank, no GPU needed
+    "--help-markdown": functools.partial(commands.help_markdown, losses=LOSSES),  # the flags as docs/flags.md has them
+}
 
 
 if __name__ == "__main__":  # vLLM on CPU spawns its workers: the entry point must be guarded

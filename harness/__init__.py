@@ -7,7 +7,7 @@ pipeline_rl.py or scaling_fit.py (tests/test_layout.py checks it), and nothing h
     checkpoints   a run's checkpoint files: saving, loading, migrating
     runtime       the learner's run: process groups, the output-directory lock, signals, metrics, reporters
     packing       completions into rows and micro-batches
-    head_gemm     the LM head's log-probabilities in chunks, and the split-bf16 GEMM of the FP32 head
+    head_gemm     the learner's FP32 LM head: log-probabilities in chunks, and its split-bf16 GEMM
     memory_plan   the learner's GPU memory per rank, and the layout, printed before start
     vllm_replica  what runs inside vLLM: interruptions, a replica's process, the handshake
     fleet         the generator's replicas: their settings, processes and connections, the weight push to them
@@ -17,6 +17,7 @@ pipeline_rl.py or scaling_fit.py (tests/test_layout.py checks it), and nothing h
     tasks         the task: prompts, verifiers, data readers
     base_model    how the tiny base model is built, and a real one converted for the CPU tests
     cli           what every command line shares: one error line for a bad flag
+    commands      train.py's other commands: export, evaluate, migrate-checkpoint, plan, --help-markdown
 
 Its entry points run as modules from the repository root: `python -m harness.base_model build-base`,
 `python -m harness.tasks check-answer`. It imports nothing here, so that importing one module costs that module only.

@@ -3,29 +3,30 @@
 train.py's flags are the fields of `Args`, one per flag, grouped in --help by the step of the loop each one
 configures (docs/flags.md is generated from them: `python train.py --help-markdown`). This file holds:
   - `Args`, its --help groups and `build_parser`/`parse_args`, and `flags_markdown`;
-  - the checks run before anything starts (`check_args`, `range_problems`, `loss_arg_problems`, `replica_problems`,
+  - the checks run before anything starts (`check_args`, `range_problems`, `loss_problems`, `replica_problems`,
     `report_to_problems`, `gpu_layout_problems`, `memory_problems` with the learner's memory plan, which `python
     train.py plan` prints), and the argparse types of the flags' values (`text_value`; a float's is harness.cli.number);
   - the resume rules: which flags a --resume may change (CHANGEABLE_ON_RESUME), the run's saved flags
     (`resumed_values`), and OUTPUT_DIR/args.json with its history of resumes (`read_args_json`, `write_args_json`);
   - what the flags resolve to once the machine and the model are known (`resolve_defaults`, `compute_dtype`,
-    `model_context`, `lm_head_gemm` with the LM head's chunk sizes, `generator_memory_fraction`),
-    and LOSSES, the loss files' names (--loss picks one; train.py imports it, this file never does), and REPORT_TO,
-    the packages --report-to may import.
+    `model_context`, `lm_head_gemm`, `generator_memory_fraction`),
+    and REPORT_TO, the packages --report-to may import;
+  - the loss files' part (`LossFiles`, `LOSS_FLAGS`, `loss_problems`): train.py imports the loss files and hands
+    their table to `parse_args`; this file never imports one, and reads what it needs from their signatures.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib
-import importlib.util
+import inspect
 import json
 import math
 import os
 import sys
 import tempfile
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -38,15 +39,24 @@ from harness import vllm_replica  # the replica runtime: the address and secret 
 from harness.checkpoints import (LinkRefusedError, complete_checkpoints, newest_checkpoint_step, read_no_follow,
                                  write_atomically)
 from harness.cli import OneLineParser, int_at_least, number  # one error line (rank 0 only); argparse types
+from harness.head_gemm import LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES  # --logits-chunk-tokens' defaults
 
 
 # --report-to NAME -> (the module the reporter imports, the pip package that provides it); "none" needs nothing.
 # Imported only when asked for, so that a run without them never needs them installed.
 REPORT_TO = {"none": None, "tensorboard": ("torch.utils.tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
              "trackio": ("trackio", "trackio")}
-# --loss NAME -> the module name of its loss file, which train.py imports; harness/flags.py reads its compute_loss's
-# hyper-parameters from its source (loss_hyperparameter_defaults), so that their defaults stay written once, in the file
-LOSSES = {"grpo": "grpo", "dapo": "dapo", "drgrpo": "drgrpo", "gspo": "gspo", "cispo": "cispo"}
+# --loss NAME -> its loss file: train.py's table (LOSSES there), handed to build_parser and parse_args. The names are
+# --loss's choices; each file's signatures say which hyper-parameters and loss flags it takes (loss_problems).
+LossFiles = Mapping[str, types.ModuleType]
+# The flags that reach a loss file's function as a keyword of the same meaning, where its signature has that keyword:
+# {function: {keyword: Args field}}. The file decides which it takes, never its name: every compute_loss takes
+# --kl-coef, cispo.py's --aggregation and its compute_advantages --adv-norm. Set for a file without the keyword, the
+# flag is refused (loss_problems). The generation budget is the run's own setting, which a compute_loss takes where
+# it has max_tokens (Dr. GRPO's constant normaliser: "the trainer should pass its own"), and never refused.
+LOSS_FLAGS = {"compute_loss": {"max_tokens": "max_tokens", "aggregation": "aggregation", "kl_coef": "kl_coef"},
+              "compute_advantages": {"normalization": "adv_norm"}}
+RUN_SETTINGS = frozenset({"max_tokens"})  # LOSS_FLAGS' fields that every run sets: passed where taken, never refused
 EMBEDDED_MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings; its prompts are ~10 tokens
 PROMPT_ALLOWANCE = 512  # prompt tokens a real model's context keeps beside --max-tokens: a chat template (with its
                         # system prompt) around a GSM8K or Polaris problem fits with room to spare
@@ -145,8 +155,7 @@ RUN_FILES = ("args.json", "metrics.jsonl", "checkpoint", "checkpoint.old", "chec
 
 @dataclass
 class Args:
-    loss: str = _arg(HelpGroup.WHAT, "cispo", "the loss file: grpo, dapo, drgrpo, gspo or cispo (ScaleRL: cispo)",
-                     choices=LOSSES)
+    loss: str = _arg(HelpGroup.WHAT, "cispo", "the loss file: {} (ScaleRL: cispo)", losses=True)  # the table's names
     loss_arg: list[str] = _arg(HelpGroup.WHAT, None, "override a hyper-parameter of the loss, KEY=VALUE (repeatable), "
                                "e.g. --loss-arg eps_max=8; defaults are the loss file's paper values", action="append")
     model: str | None = _arg(HelpGroup.WHAT, None, "HF model name or directory (default: the embedded tiny model "
@@ -395,9 +404,6 @@ def check_args(args: Args, generator_checks: GeneratorChecks | None = None) -> l
     problems = gpu_layout_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if args.gen_threads is not None and args.gen_threads < 1:
         problems.append(f"--gen-threads {args.gen_threads}: a replica needs at least one thread")
-    if args.loss != "cispo" and (args.aggregation or args.adv_norm):
-        problems.append(f"--aggregation and --adv-norm are CISPO's options; --loss {args.loss} fixes its own "
-                        "(see its file's docstring)")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         problems.append(f"--peak-tflops must be > 0 (got {args.peak_tflops})")
     try:
@@ -531,47 +537,42 @@ def range_problems(args: Args) -> list[str]:
     if args.model is None and args.max_model_len is not None and args.max_model_len > EMBEDDED_MAX_MODEL_LEN:
         problems.append(f"--max-model-len {args.max_model_len} exceeds the embedded tiny model's context "
                         f"({EMBEDDED_MAX_MODEL_LEN} positions)")
-    return problems + loss_arg_problems(args)
+    return problems
 
 
-def loss_arg_problems(args: Args) -> list[str]:
-    """--loss-arg KEY=VALUE: KEY must be a hyper-parameter of --loss's compute_loss (loss_hyperparameter_defaults), and
-    VALUE a number where its default is one; refused before anything starts, not at the first step."""
-    defaults = loss_hyperparameter_defaults(args.loss)
-    names = list(defaults)
+def loss_problems(args: Args, loss_file: types.ModuleType) -> list[str]:
+    """The flags that reach the loss file (`loss_file`, --loss's), checked against its signatures before anything
+    starts, not at the first step: a loss flag it takes no keyword for (LOSS_FLAGS), and --loss-arg KEY=VALUE, whose
+    KEY must be a hyper-parameter of its compute_loss (hyperparameter_defaults) and VALUE a number where its
+    default is one."""
     problems = []
+    for function, fields in LOSS_FLAGS.items():
+        keywords = inspect.signature(getattr(loss_file, function)).parameters
+        for keyword, name in fields.items():
+            if getattr(args, name) and keyword not in keywords and name not in RUN_SETTINGS:
+                problems.append(f"--{name.replace('_', '-')}: {loss_file.__name__}.{function} takes no {keyword}; "
+                                f"--loss {args.loss} fixes its own (see its file's docstring)")
+    defaults = hyperparameter_defaults(loss_file)
+    names = list(defaults)
     for item in args.loss_arg or []:
         key, sep, value = item.partition("=")
         if not sep:
             problems.append(f"--loss-arg {item!r}: expected KEY=VALUE")
         elif key not in names:
-            problems.append(f"--loss-arg {key}: {args.loss}.compute_loss has no such hyper-parameter; it has {names}")
+            problems.append(f"--loss-arg {key}: {loss_file.__name__}.compute_loss has no such hyper-parameter; it has "
+                            f"{names}")
         elif isinstance(defaults[key], (int, float)) and not isinstance(defaults[key], bool) and \
                 not isinstance(parse_literal(value), (int, float)):
             problems.append(f"--loss-arg {item}: {key} is a number (default {defaults[key]})")
     return problems
 
 
-def loss_hyperparameter_defaults(loss: str) -> dict[str, Any]:
-    """The hyper-parameters of the loss file --loss `loss` names, {name: default} in its compute_loss's order: the
-    keyword-only parameters the recipe does not pass (LOSS_INPUTS). Read from the file's source, never imported: the
-    flags know the loss files by name only, and each default stays written once, in its file. A default is a literal
-    or a module constant of the file (cispo.py's aggregation defaults to AGGREGATION)."""
-    tree = ast.parse(Path(importlib.util.find_spec(LOSSES[loss]).origin).read_text())
-    constants = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
-                 for target in node.targets if isinstance(target, ast.Name)}
-    compute_loss = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "compute_loss")
-    defaults = {}
-    for arg, default in zip(compute_loss.args.kwonlyargs, compute_loss.args.kw_defaults):
-        if arg.arg not in LOSS_INPUTS:
-            value = constants.get(default.id, default) if isinstance(default, ast.Name) else default
-            defaults[arg.arg] = ast.literal_eval(value)
-    return defaults
-
-
-# compute_loss's arguments that the recipe passes, not hyper-parameters a --loss-arg may set
-LOSS_INPUTS = ("logprobs", "old_logprobs", "advantages", "mask", "group_size", "is_weights", "denominator",
-               "ref_logprobs")
+def hyperparameter_defaults(loss_file: types.ModuleType) -> dict[str, Any]:
+    """The hyper-parameters of a loss file's compute_loss, {name: default} in its order: its keyword-only parameters.
+    The loss files' contract: the batch's inputs come first, the hyper-parameters after the `*`; each default stays
+    written once, in its file, and is read here from the signature."""
+    parameters = inspect.signature(loss_file.compute_loss).parameters.values()
+    return {p.name: p.default for p in parameters if p.kind is p.KEYWORD_ONLY}
 
 
 def run_files(out: Path) -> list[str]:
@@ -779,28 +780,45 @@ def learner_gpu_memory(device_id: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def flags_markdown() -> str:
-    """Every flag of `Args` as a Markdown table per --help group: docs/flags.md, regenerated with
-    `python train.py --help-markdown > docs/flags.md` (a test fails when the page and Args disagree)."""
+def flags_markdown(losses: LossFiles) -> str:
+    """Every flag of `Args` as a Markdown table per --help group, --loss's choices from the loss table `losses`:
+    docs/flags.md, regenerated with `python train.py --help-markdown > docs/flags.md` (a test fails when the page
+    and Args disagree)."""
     out = ["# train.py flags", "",
            "Generated from `Args` in harness/flags.py by `python train.py --help-markdown > docs/flags.md`: the same",
            "text as `python train.py --help`, grouped the same way. Do not edit by hand."]
     group = None
     for f in dataclasses.fields(Args):
-        if f.metadata["group"] != group:
-            group = f.metadata["group"]
+        meta = flag_metadata(f, losses)
+        if meta["group"] != group:
+            group = meta["group"]
             out += ["", f"## {group}", "", "| flag | default | what it does |", "|---|---|---|"]
         flag = "--" + f.name.replace("_", "-")
-        if f.metadata.get("action") is argparse.BooleanOptionalAction:
+        if meta.get("action") is argparse.BooleanOptionalAction:
             flag += f" / --no-{f.name.replace('_', '-')}"
         default = "" if f.default is None else f"`{f.default}`"
-        text = f.metadata["help"] + (f" (one of: {', '.join(f.metadata['choices'])})" if "choices" in f.metadata
-                                     else "")
+        text = meta["help"] + (f" (one of: {', '.join(meta['choices'])})" if "choices" in meta else "")
         out.append(f"| `{flag}` | {default} | {text.replace('|', '/')} |")
     return "\n".join(out) + "\n"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def flag_metadata(f: dataclasses.Field, losses: LossFiles | None) -> dict[str, Any]:
+    """A field of Args as its flag's argparse settings; --loss (`losses=True`) takes its choices and the names in its
+    help from the loss table, where one is given."""
+    meta = dict(f.metadata)
+    if meta.pop("losses", False) and losses is not None:
+        names = list(losses)
+        meta["help"] = meta["help"].format(", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0])
+        meta["choices"] = names
+    elif "{}" in meta["help"]:
+        meta["help"] = meta["help"].format("one of train.py's loss table")
+    return meta
+
+
+def build_parser(losses: LossFiles | None = None) -> argparse.ArgumentParser:
+    """train.py's parser, --loss choosing from the loss table `losses` (train.py's LOSSES). Without it, --loss takes
+    any name and --loss-arg is unchecked: for a caller that only reads flags (a tool writing a command line for
+    train.py), since train.py, which runs them, checks both."""
     parser = OneLineParser(
         prog="train.py", description="The ScaleRL recipe: vLLM generator + FSDP2 learner. Run under torchrun.",
         epilog="Other commands: `train.py plan --shape NAME | --model DIR [flags]` prints the learner's GPU memory "
@@ -809,7 +827,7 @@ def build_parser() -> argparse.ArgumentParser:
         "[flags]`, `train.py migrate-checkpoint RUN_DIR`.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     groups: dict[str, Any] = {}  # title -> argparse argument group, in the order of Args
     for f in dataclasses.fields(Args):
-        meta = dict(f.metadata)
+        meta = flag_metadata(f, losses)
         group = meta.pop("group")
         if group not in groups:
             groups[group] = parser.add_argument_group(group)
@@ -839,17 +857,19 @@ class _Unset:
 
 
 def parse_args(argv: list[str] | None = None, evaluating: bool = False,
-               generator_checks: GeneratorChecks | None = None) -> Args:
+               generator_checks: GeneratorChecks | None = None, losses: LossFiles | None = None) -> Args:
     """The flags of a run, checked (check_args, with `generator_checks`: pipeline_rl.config_problems, which train.py
-    hands in), and on a GPU its learner's memory plan (memory_problems); with --resume, its own (resumed_values).
-    `evaluating`: for `train.py evaluate --resume`, which trains nothing, so that any flag may differ from the run's
-    (another data set, more samples)."""
-    parser = build_parser()
+    hands in; and against --loss's file in `losses`, train.py's loss table: loss_problems), and on a GPU its learner's
+    memory plan (memory_problems); with --resume, its own (resumed_values). `evaluating`: for `train.py evaluate
+    --resume`, which trains nothing, so that any flag may differ from the run's (another data set, more samples).
+    Without `losses`: see build_parser."""
+    parser = build_parser(losses)
     values = vars(parser.parse_args(argv))
     if values["resume"]:
         values = resumed_values(parser, argv, values["resume"], evaluating)
     args = Args(**values)
     problems = check_args(args, generator_checks)
+    problems += loss_problems(args, losses[args.loss]) if losses is not None else []
     if not problems and not evaluating:  # evaluating trains nothing: no learner to fit
         problems = memory_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                    int(os.environ.get("WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))
@@ -858,7 +878,7 @@ def parse_args(argv: list[str] | None = None, evaluating: bool = False,
     return args
 
 
-def plan(argv: list[str], generator_checks: GeneratorChecks | None = None) -> str:
+def plan(argv: list[str], generator_checks: GeneratorChecks | None = None, losses: LossFiles | None = None) -> str:
     """`train.py plan`: the learner's memory plan per rank for a model (--shape, or --model's config) and a layout
     given as on the command line of a run, printed without a GPU and without checking the flags against this
     machine. Returns the plan's parts and, when it does not fit, the flags that would make it fit."""
@@ -875,11 +895,12 @@ def plan(argv: list[str], generator_checks: GeneratorChecks | None = None) -> st
                         "learner ranks and replicas go and how weights travel (the lines a GPU run prints at its start), "
                         "and tells whether vLLM shares the learner's GPUs (default: it does not)")
     options, rest = parser.parse_known_args(argv)
-    args = Args(**vars(build_parser().parse_args(rest)))
+    args = Args(**vars(build_parser(losses).parse_args(rest)))
     if options.shape:
         args.model = args.model or options.shape  # a real model: its context is --max-tokens + a prompt
     problems = (range_problems(args) + generator_problems(args, generator_checks)
                 + fleet.fleet_problems(fleet_values(args), generator_flag))
+    problems += loss_problems(args, losses[args.loss]) if losses is not None else []
     if not options.gpu_memory_gib > 0:
         problems.append(f"--gpu-memory-gib must be > 0 (got {options.gpu_memory_gib:g})")
     if args.gen_devices and options.gpus:
@@ -1045,11 +1066,6 @@ def resolve_defaults(args: Args, embedded: bool, on_gpu: bool) -> None:
 def compute_dtype(args: Args, on_gpu: bool) -> str:
     """--dtype, else bfloat16 on GPU and float32 on CPU."""
     return args.dtype or ("bfloat16" if on_gpu else "float32")
-
-
-LOGITS_CHUNK_BYTES = 1 << 28  # default of --logits-chunk-tokens: 256 MiB of float32 logits held at once
-SPLIT_CHUNK_BYTES = 1 << 30  # its default under split-bf16, whose chunks are not recomputed: a GEMM of more rows
-                             # runs nearer the tensor cores' peak, and each chunk reads the whole weight again
 
 
 def lm_head_gemm(args: Args, device: Any) -> str:

@@ -5,18 +5,22 @@
 time, so that a micro-batch's [tokens, vocab] logits never exist at once: under --lm-head-gemm fp32 each chunk's
 float32 logits are recomputed in backward; under split-bf16, `split_bf16_logprobs` computes the same logprobs, at
 float32's accuracy, from bf16 tensor-core products (the float32 weight split into bf16 parts), with its own backward
-(_SplitBf16Head): a faster way to the same head, not a different one. train.py runs it inside the head's own FSDP2
-unit, where its weight is gathered (install_target_logprobs). `logits_logprobs` and `logits_entropy` are the same
-two quantities from full logits, for a model whose logits must exist whole (soft-capping) and for the tests.
-"""
+(_SplitBf16Head): a faster way to the same head, not a different one. `install_target_logprobs` makes a learner's
+model run it inside the head's own FSDP2 unit, where its weight is gathered, when asked with a `LogprobRequest`;
+`model_logprobs` is how train.py asks. `logits_logprobs` and `logits_entropy` are the same two quantities from full
+logits, for a model whose logits must exist whole (soft-capping) and for the tests."""
 
 from __future__ import annotations
 
+import functools
 import sys
+import types
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from torch.distributed.fsdp import register_fsdp_forward_method
 
 
 def target_logprobs(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int,
@@ -59,6 +63,109 @@ def logits_entropy(logits: Any) -> Any:
     with torch.no_grad():
         logp = torch.log_softmax(logits.float(), dim=-1)
         return -(logp.exp() * logp).sum(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The learner's LM head: a model whose head scores the rows' next tokens in chunks (install_target_logprobs), and
+# its logprobs as train.py's steps ask for them (model_logprobs)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+LOGITS_CHUNK_BYTES = 1 << 28  # default of --logits-chunk-tokens: 256 MiB of float32 logits held at once
+SPLIT_CHUNK_BYTES = 1 << 30  # its default under split-bf16, whose chunks are not recomputed: a GEMM of more rows
+                             # runs nearer the tensor cores' peak, and each chunk reads the whole weight again
+
+
+@dataclass(frozen=True)
+class LogprobRequest:
+    """What a learner's LM head scores for model_logprobs, instead of returning logits."""
+
+    targets: torch.Tensor  # [R, W-1] the token each position of the model's rows predicts
+    temperature: float  # the sampler's: the logits are divided by it
+    scored: torch.Tensor | None = None  # [M] positions of the flattened [R * (W-1)] to score (0 elsewhere); None: all
+    entropy: bool = False  # the policy's entropy at each scored position too (a metric: no gradient)
+
+
+def model_logprobs(model: Any, input_ids: Any, temperature: float, scored: Any = None, entropy: bool = False,
+                   **layout: Any) -> tuple[Any, Any]:
+    """log pi(token) [R, W-1] of each next token of input_ids [R, W] (with the attention mask or the packed position
+    ids, `layout`), after dividing the logits by the sampling temperature, and with `entropy` the policy's entropy
+    at each position [R, W-1] (a metric, without gradient; else None). A learner's model (install_target_logprobs)
+    scores only the `scored` positions [M] of the flattened [R * (W-1)] (None: all; 0 elsewhere) through its head
+    in chunks; any other model goes through its full logits."""
+    targets = input_ids[:, 1:]
+    if hasattr(model, "target_logprobs"):
+        return model.target_logprobs(input_ids, LogprobRequest(targets, temperature, scored, entropy), **layout)
+    logits = model(input_ids=input_ids, use_cache=False, **layout).logits[:, :-1]
+    entropies = logits_entropy(logits.detach().float() / temperature) if entropy else None
+    return logits_logprobs(logits, targets, temperature), entropies
+
+
+def install_target_logprobs(model: Any, chunk_tokens: int | None = None, gemm: str = "fp32") -> None:
+    """Give a learner's model `model.target_logprobs(input_ids, request, **layout)`: its body's hidden states
+    [R, W, H], then its LM head on them with the LogprobRequest, which returns (log pi(target) [R, W-1], the entropy
+    [R, W-1] or None) from target_logprobs rather than logits. Both run inside FSDP2's hooks: the model's
+    method is registered as a forward of its root unit (register_fsdp_forward_method), and the head is called as a
+    module, so its unit (the FP32 head's own, or the embedding's it is tied to) is gathered, cast and reduced as in
+    any forward, and an idle rank's plain forward (runtime.idle_forward) makes the same collectives. Without a
+    request the head is its plain linear layer. `chunk_tokens` (--logits-chunk-tokens) and `gemm` (--lm-head-gemm):
+    see head_forward. Not for models that transform the logits after the head (Gemma's soft-capping): those keep
+    the full logits."""
+    if getattr(model.config, "final_logit_softcapping", None):
+        return
+    install_head_logprobs(model.get_output_embeddings(), chunk_tokens, gemm)
+    model.target_logprobs = types.MethodType(policy_target_logprobs, model)
+    register_fsdp_forward_method(model, "target_logprobs")  # a no-op on a model that is not FSDP2's
+
+
+def policy_target_logprobs(model: Any, input_ids: Any, request: LogprobRequest, **layout: Any) -> tuple[Any, Any]:
+    """A learner's model.target_logprobs: its body on input_ids [R, W] (with the attention mask or the packed
+    position ids), then its LM head on the hidden states with `request`."""
+    hidden = model.get_decoder()(input_ids=input_ids, use_cache=False, **layout).last_hidden_state  # [R, W, H]
+    return model.get_output_embeddings()(hidden, request)
+
+
+def install_head_logprobs(head: Any, chunk_tokens: int | None = None, gemm: str = "fp32") -> None:
+    """Make the LM head `head` (a linear layer) take an optional LogprobRequest: head_forward, with these settings.
+    Its own forward hooks (FSDP2's gathers, the FP32 head's cast) run as before: only its forward body changes."""
+    vocab = head.weight.shape[0]
+    if gemm == "split-bf16":
+        chunk = chunk_tokens or max(128, SPLIT_CHUNK_BYTES // (4 * vocab) // 128 * 128)
+    else:
+        chunk = chunk_tokens or max(1, LOGITS_CHUNK_BYTES // (4 * vocab))  # positions per chunk
+    head.forward = functools.partial(head_forward, head, chunk, gemm)
+
+
+def head_forward(head: Any, chunk: int, gemm: str, hidden: Any, request: LogprobRequest | None = None) -> Any:
+    """The learner's LM head on hidden states [R, W, H]: without a request, its linear layer (logits); with one,
+    (log pi(target) [R, W-1], the entropy [R, W-1] or None) at the request's positions, from
+    target_logprobs over chunks of `chunk` positions, so that only one chunk's logits exist at a time.
+    `gemm` (--lm-head-gemm): fp32, the head's own linear layer, each chunk recomputed in backward (default chunk:
+    as many positions as fit in LOGITS_CHUNK_BYTES of float32 logits); split-bf16, for bf16 hidden states,
+    float32's logprobs from bf16 tensor-core products (default chunk: SPLIT_CHUNK_BYTES).
+
+    The request's `scored` [M] (or None: all) names the positions of the flattened [R * (W-1)] to score; the others
+    get 0 and cost nothing. Only completion tokens enter a loss, and a chat template's prompt can be most of a short
+    completion's row: SmolLM2's system prompt and question (44 tokens) are about 60% of the small-arithmetic task's
+    tokens, and its head (49k-token vocabulary, 576 hidden) a fifth of its FLOPs per token."""
+    if request is None:  # logits, on hidden states of the weight's dtype (a bf16 trunk's, under split-bf16, too)
+        return torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight, head.bias)
+    # split-bf16 takes bf16 hidden states as they are (its products are exact on them); the rest is float32
+    split = gemm == "split-bf16" and hidden.dtype == torch.bfloat16
+    hidden = hidden if split else hidden.to(head.weight.dtype)
+    n, length = request.targets.shape
+    flat_hidden = hidden[:, :-1].reshape(n * length, -1)                     # [R*(W-1), H]: the last predicts nothing
+    flat_targets = request.targets.reshape(-1)                               # [R*(W-1)]
+    if request.scored is not None:
+        flat_hidden, flat_targets = flat_hidden[request.scored], flat_targets[request.scored]   # [M, H], [M]
+    logprobs, entropies = target_logprobs(flat_hidden, flat_targets, head.weight, head.bias, request.temperature,
+                                          chunk, "split-bf16" if split else "fp32", request.entropy)  # [M] each
+    if request.scored is not None:  # back to every position, 0 where nothing was scored
+        logprobs = logprobs.new_zeros(n * length).index_copy(0, request.scored, logprobs)
+        if entropies is not None:
+            entropies = entropies.new_zeros(n * length).index_copy(0, request.scored, entropies)
+    # [R, W-1], a tensor of its own rather than a view: FSDP2 hooks its backward onto the module's output
+    return logprobs.view(n, length).clone(), None if entropies is None else entropies.view(n, length)
 
 
 def split_bf16_logprobs(hidden: Any, targets: Any, weight: Any, bias: Any, temperature: float, chunk: int,

@@ -450,7 +450,7 @@ def plan_memory(config: Any, args: Any, learner_ranks: int, gpu_memory: int, *, 
     The values train.py resolves itself, where its defaults live, come as keywords: the compute `dtype`, the longest
     sequence (vLLM's context), vLLM's share of a learner GPU (0 where they do not share one) and the LM head's
     default chunk in bytes; `push_gpu`: the weights reach the replicas from rank 0's GPU (vLLM's nccl or ipc)."""
-    from_chunk_bytes = max(1, logits_chunk_bytes // (4 * config.vocab_size))  # as train.install_head_logprobs
+    from_chunk_bytes = max(1, logits_chunk_bytes // (4 * config.vocab_size))  # as head_gemm.install_head_logprobs
     layout = Layout(
         learner_ranks=learner_ranks, gpu_memory=gpu_memory, micro_batch_tokens=args.micro_batch_tokens,
         sequence_tokens=sequence_tokens, group_size=args.group_size, prompts_per_step=args.prompts_per_step,

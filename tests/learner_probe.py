@@ -12,8 +12,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import importlib  # noqa: E402
-
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -77,8 +75,7 @@ def main() -> None:
     rank, world, device = runtime.init_distributed(cpu_offload=True)  # gloo beside NCCL for the offloaded layout
     model_dir = argv[3] if len(argv) > 3 else base_model.embedded_base_model()
     results = {}
-    for loss_name in flags.LOSSES:
-        loss_module = importlib.import_module(loss_name)
+    for loss_name, loss_module in train.LOSSES.items():
         for settings, layout in configs(loss_name):
             if reference_only and layout != tuple(sorted(LAYOUTS[0].items())):
                 continue

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train
-from harness import checkpoints, flags, runtime, vllm_replica
+from harness import checkpoints, commands, flags, runtime, vllm_replica
 from helpers import file_tree, saved_run
 
 SHARD = "shard-00001-model-00001-of-00001.safetensors"  # rank 0's shard of the model and optimizer
@@ -257,13 +257,13 @@ def test_a_planted_pickle_is_never_run(tmp_path, one_rank_group, capsys):
     with pytest.raises(SystemExit, match="no checkpoint could be read by every rank"):
         checkpoints.load_checkpoint(run, model, optimizer, rank=0)
     with pytest.raises(SystemExit, match="export .*: no checkpoint could be read"):
-        train.export(run, tmp_path / "exported")
+        commands.export(run, tmp_path / "exported")
     with pytest.raises(SystemExit, match="no checkpoint could be read"):
         train.main(["evaluate", "--resume", str(run)])
     for ckpt in checkpoints.complete_checkpoints(run):  # weights alone planted: what export and evaluate read
         checkpoints.write_atomically(ckpt / "trainer_state.json", json.dumps({"step": 2, "shards": [SHARD]}))
     with pytest.raises(SystemExit, match=f"{SHARD} is cut short or garbled"):
-        train.export(run, tmp_path / "exported")
+        commands.export(run, tmp_path / "exported")
     (run / "checkpoint" / "rng-0.json").unlink()
     with pytest.raises(SystemExit, match="rng-0.pt is refused .*nothing in it was run") as refused:
         train.main(["migrate-checkpoint", str(run)])
@@ -339,7 +339,7 @@ def test_a_checkpoint_of_the_older_format_is_migrated_into_shards(tmp_path, one_
     for index, name in enumerate(names):
         for key in ("step", "exp_avg", "exp_avg_sq"):
             assert torch.equal(loaded["state"][index][key], old["optimizer"]["state"][name][key]), (name, key)
-    exported = train.export(run, tmp_path / "exported")
+    exported = commands.export(run, tmp_path / "exported")
     assert exported["checkpoint"] == str(run / "checkpoint")
     from safetensors.torch import load_file
 

@@ -65,19 +65,26 @@ def fuzz(parse, parser: argparse.ArgumentParser, capsys, before: list[str] = (),
 
 
 def train_flags(argv: list[str]) -> flags.Args:
-    """train.py's flags as its main parses them: the rule's settings checked by pipeline_rl.config_problems."""
-    return flags.parse_args(argv, generator_checks=pipeline_rl.config_problems)
+    """train.py's flags as its main parses them: the rule's settings checked by pipeline_rl.config_problems, --loss
+    and --loss-arg against its loss table."""
+    from train import LOSSES
+
+    return flags.parse_args(argv, generator_checks=pipeline_rl.config_problems, losses=LOSSES)
 
 
 def train_plan(argv: list[str]) -> str:
     """`train.py plan`, as its main calls it: the rule's settings checked by pipeline_rl.config_problems."""
-    return flags.plan(argv, generator_checks=pipeline_rl.config_problems)
+    from train import LOSSES
+
+    return flags.plan(argv, generator_checks=pipeline_rl.config_problems, losses=LOSSES)
 
 
 def test_every_train_flag_is_accepted_or_refused_in_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    from train import LOSSES  # the parser as train.py builds it, checking --loss and --loss-arg against its table
+
     monkeypatch.chdir(tmp_path)  # --output-dir's default, runs/default, is made here if ever
     assert outcome(train_flags, [], capsys) is None  # the defaults pass
-    seen = fuzz(train_flags, flags.build_parser(), capsys)
+    seen = fuzz(train_flags, flags.build_parser(LOSSES), capsys)
     refused = {key for key, line in seen.items() if line is not None}
     # flags with a documented range refuse what lies outside it
     for flag in ("--max-steps", "--prompts-per-step", "--group-size", "--answer-budget", "--max-tokens",
@@ -176,6 +183,11 @@ def test_every_teach_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):
      "python -m harness.base_model: error: unrecognized arguments: --nosuch"),
     (["-m", "harness.base_model", "build-base", "--cpu-kernels", "native"],
      "python -m harness.base_model: error: --cpu-kernels native builds another base than the cached one"),
+    (["train.py", "--loss", "ppo"], "train.py: error: argument --loss: invalid choice: 'ppo' (choose from 'grpo', "
+                                    "'dapo', 'drgrpo', 'gspo', 'cispo')"),
+    (["train.py", "--loss", "gspo", "--aggregation", "token"], "--aggregation: gspo.compute_loss takes no aggregation"),
+    (["train.py", "plan", "--shape", "qwen3-8b", "--loss-arg", "eps=1"], "--loss-arg eps: cispo.compute_loss has no "
+                                                                       "such hyper-parameter"),
     (["train.py", "export"], "train.py export: error: the following arguments are required: RUN_DIR, OUT_DIR"),
     (["train.py", "export", "a", "b", "c"], "train.py export: error: unrecognized arguments: c"),
     (["train.py", "migrate-checkpoint", "--nosuch"], "train.py migrate-checkpoint: error: the following arguments "

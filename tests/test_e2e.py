@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from harness import checkpoints, flags
+from train import LOSSES  # --loss's table
 from helpers import REPO, TORCHRUN, assert_same_gradient, metrics_rows, run_torchrun, why_failed
 
 
@@ -36,7 +37,7 @@ def probe_results(tmp_path_factory, base_model_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", flags.LOSSES)
+@pytest.mark.parametrize("loss", LOSSES)
 def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, loss):
     """Every layout of the step (learner_probe.LAYOUTS: micro-batch budgets, the LM head in chunks, padded or packed
     rows), on 2 ranks, gives the loss and gradient of one padded micro-batch on one rank, for every setting that

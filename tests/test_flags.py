@@ -8,14 +8,16 @@ import sys
 import pytest
 
 import pipeline_rl as pl
+import train
 from harness import checkpoints, flags, fleet, vllm_replica
 from helpers import REPO
 
 
 def test_help_explains_every_flag(capsys):
     with pytest.raises(SystemExit):
-        flags.parse_args(["--help"])
+        flags.parse_args(["--help"], losses=train.LOSSES)
     text = capsys.readouterr().out
+    assert "--loss {grpo,dapo,drgrpo,gspo,cispo}" in text and "the loss file: grpo, dapo, drgrpo, gspo or cispo" in text
     for flag in ("--loss", "--mode", "--max-off-policy", "--max-steps", "--prompts-per-step", "--group-size",
                  "--eval-every", "--eval-samples", "--output-dir", "--resume", "--seed", "--model", "--dataset",
                  "--tis", "--tis-cap", "--zero-variance", "--aggregation", "--adv-norm", "--fp32-lm-head",
@@ -25,23 +27,26 @@ def test_help_explains_every_flag(capsys):
 
 
 def test_unknown_loss_lists_the_valid_ones(capsys):
+    """--loss chooses from the loss table train.py hands the parser (flags.py imports no loss file)."""
     with pytest.raises(SystemExit):
-        flags.parse_args(["--loss", "ppo"])
+        flags.parse_args(["--loss", "ppo"], losses=train.LOSSES)
     err = capsys.readouterr().err
-    assert "invalid choice: 'ppo'" in err and all(name in err for name in flags.LOSSES)
+    assert "invalid choice: 'ppo'" in err and all(name in err for name in train.LOSSES)
 
 
 def test_the_flags_page_is_what_args_gives():
     """docs/flags.md is generated from Args (`python train.py --help-markdown > docs/flags.md`), so it cannot drift
     from --help again: every flag, its default and its help, in --help's groups."""
     page = (REPO / "docs" / "flags.md").read_text()
-    assert page == flags.flags_markdown(), "docs/flags.md is stale: python train.py --help-markdown > docs/flags.md"
+    stale = "docs/flags.md is stale: python train.py --help-markdown > docs/flags.md"
+    assert page == flags.flags_markdown(train.LOSSES), stale
     for f in dataclasses.fields(flags.Args):
         assert f"`--{f.name.replace('_', '-')}" in page
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--loss", "grpo", "--aggregation", "token"], "CISPO's options"),
+    (["--loss", "grpo", "--aggregation", "token"], "--aggregation: grpo.compute_loss takes no aggregation"),
+    (["--loss", "dapo", "--adv-norm", "group"], "--adv-norm: dapo.compute_advantages takes no normalization"),
     (["--tis-cap", "3"], "no effect without --tis"),
     (["--think-budget", "40,60", "--max-tokens", "48"], "--think-budget must end below --max-tokens"),
     (["--resume", "/nonexistent/run"], "no complete checkpoint there"),
@@ -87,7 +92,7 @@ def test_the_flags_page_is_what_args_gives():
 ])
 def test_incompatible_flags_are_explained_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit):
-        flags.parse_args(argv, generator_checks=pl.config_problems)  # the rule's checks, as train.py hands them
+        flags.parse_args(argv, generator_checks=pl.config_problems, losses=train.LOSSES)  # as train.py hands them
     err = capsys.readouterr().err
     assert message in err
     assert "usage:" not in err and len(err.splitlines()) == 1  # one line, no usage block
@@ -159,7 +164,7 @@ def test_argument_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
 ])
 def test_algorithm_options_are_checked(argv, message, capsys):
     with pytest.raises(SystemExit):
-        flags.parse_args(argv)
+        flags.parse_args(argv, losses=train.LOSSES)
     assert message in capsys.readouterr().err
 
 

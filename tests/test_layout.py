@@ -342,8 +342,8 @@ def test_pipeline_rl_is_the_rule_and_its_scheduler_and_the_harness_never_imports
 
 
 def test_a_flag_passes_each_file_once() -> None:
-    """--loss goes from train.py to the loss file: harness/flags.py names the loss files (LOSSES) and reads their
-    hyper-parameters from source, but imports none of them, and harness/runtime.py never calls back into train.py:
+    """--loss goes from train.py to the loss file: train.py hands its loss table (LOSSES) to harness/flags.py, which
+    reads the files' signatures but imports none of them, and harness/runtime.py never calls back into train.py:
     set_up takes the flags only, and train.py builds its learner and hands it to Setup.begin."""
     flags_imports = imported_project_modules(f"{PACKAGE}/flags.py")
     assert not flags_imports & set(ALGORITHM_FILES), flags_imports

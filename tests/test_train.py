@@ -1,6 +1,7 @@
 """train.py's own steps: the data side of a round, the loss's inputs, the learner's step (invariant to micro-batches,
 memory flags, packing, world size), the tied head, evaluation's pass@k."""
 
+import ast
 import dataclasses
 import importlib
 import inspect
@@ -21,58 +22,98 @@ import pytest
 import torch
 
 import train
-from harness import checkpoints, flags, head_gemm, packing, runtime
+from harness import checkpoints, commands, flags, head_gemm, packing, runtime
 from helpers import REPO, assert_same_gradient, file_tree, head_weights, make_group, random_groups, saved_run
 from pipeline_rl import Group
+
+
+def parse(argv: list[str]) -> flags.Args:
+    """train.py's flags as train.py parses them: checked against its loss table."""
+    return flags.parse_args(argv, losses=train.LOSSES)
 
 
 def test_algorithm_options_reach_the_loss():
     import gspo
     import grpo
 
-    args = flags.parse_args(["--loss", "grpo", "--kl-coef", "0.04"])
+    args = parse(["--loss", "grpo", "--kl-coef", "0.04"])
     assert train.loss_hyperparameters(args) == {"kl_coef": 0.04} and train.loss_file(args).file is grpo
-    for loss in flags.LOSSES:  # every loss file takes GRPO's KL option
-        assert "ref_logprobs" in inspect.signature(importlib.import_module(loss).compute_loss).parameters, loss
-    args = flags.parse_args(["--loss", "gspo", "--loss-arg", "token_level=true"])  # GSPO-token
+    for loss in train.LOSSES.values():  # every loss file takes GRPO's KL option
+        assert "ref_logprobs" in inspect.signature(loss.compute_loss).parameters, loss
+    args = parse(["--loss", "gspo", "--loss-arg", "token_level=true"])  # GSPO-token
     assert train.loss_hyperparameters(args) == {"token_level": True} and train.loss_file(args).file is gspo
+    args = parse(["--aggregation", "token", "--adv-norm", "group"])  # CISPO's options, taken by its signatures
+    assert train.loss_file(args).hyperparameters == {"aggregation": "token"}
+    assert train.loss_file(args).advantage_options == {"normalization": "group"}
 
 
 def test_loss_arg_overrides_and_rejects_unknown_keys(capsys):
-    args = flags.parse_args(["--loss-arg", "eps_max=8", "--loss-arg", "aggregation=token"])
+    args = parse(["--loss-arg", "eps_max=8", "--loss-arg", "aggregation=token"])
     assert train.loss_hyperparameters(args) == {"eps_max": 8, "aggregation": "token"}
     for item, message in (("clip_eps=0.1", "--loss-arg clip_eps: cispo.compute_loss has no such hyper-parameter; it "
                            "has ['eps_max', 'eps_min', 'aggregation', 'kl_coef']"),
                           ("eps_max=abc", "--loss-arg eps_max=abc: eps_max is a number"),
                           ("ref_logprobs=1", "--loss-arg ref_logprobs: cispo.compute_loss has no such")):
         with pytest.raises(SystemExit):  # refused with the other flags, before anything starts
-            flags.parse_args(["--loss-arg", item])
+            parse(["--loss-arg", item])
         assert message in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no such hyper-parameter.*eps_max"):  # and by the learner, for any caller
         train.loss_hyperparameters(flags.Args(loss_arg=["clip_eps=0.1"]))
-    args = flags.parse_args(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
+    args = parse(["--loss", "drgrpo", "--max-tokens", "40", "--think-budget", "20,30"])
     assert train.loss_hyperparameters(args) == {"max_tokens": 40}  # Dr. GRPO's constant: the budget
     assert train.loss_file(args).file is importlib.import_module("drgrpo")
 
 
-def test_the_flags_read_each_loss_file_s_hyper_parameters_without_importing_it():
-    """harness/flags.py knows the loss files by name (LOSSES) and reads compute_loss's hyper-parameters and their
-    defaults from each file's source: the same names and defaults as the imported function's signature, in its order
-    (cispo.py's aggregation default is its AGGREGATION constant, read as such)."""
-    for loss, module in flags.LOSSES.items():
-        parameters = inspect.signature(importlib.import_module(module).compute_loss).parameters
-        expected = {name: p.default for name, p in parameters.items()
-                    if p.kind == p.KEYWORD_ONLY and name not in flags.LOSS_INPUTS}
-        assert flags.loss_hyperparameter_defaults(loss) == expected, loss
-        assert list(flags.loss_hyperparameter_defaults(loss)) == list(expected), loss
-    assert flags.loss_hyperparameter_defaults("cispo")["aggregation"] == "prompt"
+def test_the_loss_files_signatures_are_the_contract():
+    """What the loss sees is compute_loss's inputs, by name: LossInputs' fields are each file's parameters before its
+    `*`, in order. The keyword-only ones after it are its hyper-parameters, read from the signature by the flags
+    (which import no loss file: train.py hands them its table), with each file's paper defaults, in its order
+    (cispo.py's aggregation defaults to its AGGREGATION)."""
+    inputs = [f.name for f in dataclasses.fields(train.LossInputs)]
+    assert inputs == ["logprobs", "old_logprobs", "advantages", "mask", "group_size", "is_weights", "denominator",
+                      "ref_logprobs"]
+    assert [f.name for f in dataclasses.fields(train.LossOutputs)] == ["loss", "metrics"]
+    expected = {"grpo": {"clip_eps": 0.2, "kl_coef": 0.0},
+                "dapo": {"clip_eps_low": 0.2, "clip_eps_high": 0.28, "kl_coef": 0.0},
+                "drgrpo": {"clip_eps": 0.2, "max_tokens": 1024, "kl_coef": 0.0},
+                "gspo": {"clip_eps_low": 3e-4, "clip_eps_high": 4e-4, "token_level": False, "kl_coef": 0.0},
+                "cispo": {"eps_max": 5.0, "eps_min": None, "aggregation": "prompt", "kl_coef": 0.0}}
+    assert list(train.LOSSES) == list(expected)  # --loss's choices, in --help's order
+    for name, loss in train.LOSSES.items():
+        parameters = inspect.signature(loss.compute_loss).parameters.values()
+        assert [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD] == inputs, name
+        assert list(flags.hyperparameter_defaults(loss).items()) == list(expected[name].items()), name
+
+
+def test_no_loss_name_is_compared_and_train_py_imports_each_loss_file_by_name():
+    """What differs between the losses lives in their files (their signatures, AGGREGATION): neither train.py nor
+    harness/flags.py compares anything with a loss file's name (`args.loss == "drgrpo"`, `!= "cispo"`, `in (...)`),
+    and train.py imports the six files by name, not through importlib."""
+    assert loss_name_comparisons(train.__file__) == [] and loss_name_comparisons(flags.__file__) == []
+    assert loss_name_comparisons(source='if args.loss != "cispo" and args.aggregation:\n    pass') == [1]
+    assert loss_name_comparisons(source='x = args.loss in ("gspo", "dapo")') == [1]
+    assert loss_name_comparisons(source='x = args.loss == "sync"') == []
+    tree = ast.parse(Path(train.__file__).read_text())
+    imported = {alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    assert {"grpo", "dapo", "drgrpo", "gspo", "cispo", "tis"} <= imported
+    assert "importlib" not in imported
+    assert {name: loss.__name__ for name, loss in train.LOSSES.items()} == {name: name for name in train.LOSSES}
+
+
+def loss_name_comparisons(path: str | None = None, source: str | None = None) -> list[int]:
+    """The lines of `path` (or `source`) that compare something with a loss file's name, a string constant."""
+    names = {"grpo", "dapo", "drgrpo", "gspo", "cispo", "tis"}
+    tree = ast.parse(source if source is not None else Path(path).read_text())
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
+            and any(isinstance(c, ast.Constant) and c.value in names for side in [node.left, *node.comparators]
+                    for c in ast.walk(side))]
 
 
 def test_a_corrupt_parquet_data_set_stops_the_run_in_one_line_without_a_traceback(tmp_path, capsys):
     path = tmp_path / "data.parquet"
     path.write_bytes(b"PAR1 garbage PAR1")
     with pytest.raises(SystemExit) as stop:
-        runtime._data(flags.parse_args(["--dataset", str(path), "--output-dir", str(tmp_path / "run")]), True)
+        runtime._data(parse(["--dataset", str(path), "--output-dir", str(tmp_path / "run")]), True)
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"train.py: error: {path}: not a readable Parquet file (") and len(err.splitlines()) == 1
@@ -281,7 +322,7 @@ def test_tis_mode_and_cap_min_reach_the_weights(one_rank_group, base_model_dir, 
 
 # Each setting that changes how a loss normalises: its aggregation unit (a prompt's tokens, a completion's, every
 # token of the batch, Dr. GRPO's constant, GSPO's sequence ratio), the reference-policy KL and token TIS.
-SPLIT_SETTINGS = [(loss, {}) for loss in flags.LOSSES] + [
+SPLIT_SETTINGS = [(loss, {}) for loss in train.LOSSES] + [
     ("cispo", {"aggregation": "sample"}), ("cispo", {"aggregation": "token"}), ("cispo", {"kl_coef": 0.04}),
     ("dapo", {"tis": "token"}), ("gspo", {"tis": "sequence", "kl_coef": 0.04})]
 
@@ -567,67 +608,6 @@ def test_no_token_attends_across_a_packed_boundary(one_rank_group, base_model_di
             assert not torch.equal(lp_before[others], lp_after[others])
 
 
-def test_the_learner_s_head_is_a_plain_linear_layer_without_a_request():
-    """install_head_logprobs leaves the head's plain call its linear layer, so that any other forward of the model
-    (generation, the idle forward of a rank with no micro-batch left) gets logits; with a LogprobRequest it gives
-    (log pi(target), entropy) at the scored positions, 0 at the others, never logits."""
-    head = torch.nn.Linear(16, 32)
-    expected_logits = head(torch.ones(2, 5, 16)).detach()
-    train.install_head_logprobs(head, chunk_tokens=3)
-    hidden = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(head(torch.ones(2, 5, 16)), expected_logits)
-    targets = torch.randint(0, 32, (2, 4), generator=torch.Generator().manual_seed(1))
-    scored = torch.tensor([1, 2, 6])
-    logprobs, entropy = head(hidden, train.LogprobRequest(targets, 1.0, scored))
-    full = head_gemm.logits_logprobs(head(hidden)[:, :-1], targets, 1.0).reshape(-1)
-    expected = torch.zeros(8).index_copy(0, scored, full[scored]).view(2, 4)
-    torch.testing.assert_close(logprobs, expected)
-    assert entropy is None
-
-
-def test_split_bf16_head_gradients_are_float32_autograd_s_to_bf16_rounding():
-    """The learner's head under split-bf16, as token_logprobs drives it (a scored subset, temperature 0.7, chunks
-    of 17 of its 70 positions, a bias): log pi(target) within 1e-5 of autograd through a float32 log_softmax, 0
-    where nothing is scored, and the gradients of the hidden states, the weight and the bias within 1% in relative
-    norm (bf16-grade by design: D = softmax - onehot and the other factor of each product are rounded to bf16,
-    2^-9 = 0.2% each; measured 0.18-0.24%). Without grad it keeps nothing for backward and gives the same values."""
-    n, length, temperature = 3, 40, 0.7
-    weight, _, _ = head_weights(4096, 256, 1, logit_std=2.5)  # over T = 0.7: ~3.6, random targets at -10
-    head = torch.nn.Linear(256, 4096)
-    with torch.no_grad():
-        head.weight.copy_(weight)
-        head.bias.normal_(0, 0.5)
-    train.install_head_logprobs(head, chunk_tokens=17, gemm="split-bf16")
-    gen = torch.Generator().manual_seed(1)
-    hidden = torch.randn(n, length, 256, generator=gen).to(torch.bfloat16).requires_grad_()
-    targets = torch.randint(0, 4096, (n, length - 1), generator=gen)
-    scored = torch.randperm(n * (length - 1), generator=gen)[:70].sort().values
-    loss_weights = torch.randn(n, length - 1, generator=gen)
-    request = train.LogprobRequest(targets, temperature, scored, entropy=True)
-    logprobs, entropy = head(hidden, request)
-    (logprobs * loss_weights).sum().backward()
-
-    reference = dict(hidden=hidden.detach().float().requires_grad_(), weight=weight.clone().requires_grad_(),
-                     bias=head.bias.detach().clone().requires_grad_())
-    logits = (reference["hidden"][:, :-1] @ reference["weight"].T + reference["bias"]) / temperature
-    expected = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).reshape(-1)
-    expected = torch.zeros(n * (length - 1)).index_copy(0, scored, expected[scored]).view(n, length - 1)
-    (expected * loss_weights).sum().backward()
-    assert (logprobs - expected).abs().max() < 1e-5
-    assert torch.count_nonzero(logprobs) == len(scored)
-    with torch.no_grad():  # the policy's entropy at the scored positions, from the same chunks; 0 elsewhere
-        logp = torch.log_softmax(logits.detach().double(), -1)
-        expected_entropy = -(logp.exp() * logp).sum(-1).reshape(-1).float()
-        expected_entropy = torch.zeros(n * (length - 1)).index_copy(0, scored, expected_entropy[scored])
-    assert not entropy.requires_grad and (entropy.reshape(-1) - expected_entropy).abs().max() < 1e-4
-    assert expected_entropy[scored].min() > 0.1  # a test of something: far from 0 at every scored position
-    for name, grad in [("hidden", hidden.grad.float()), ("weight", head.weight.grad), ("bias", head.bias.grad)]:
-        ref = reference[name].grad
-        assert (grad - ref).norm() < 1e-2 * ref.norm(), (name, ((grad - ref).norm() / ref.norm()).item())
-    with torch.no_grad():
-        assert torch.equal(head(hidden, request)[0], logprobs)
-
-
 @pytest.mark.parametrize("name", ["checkpoint.tmp", "checkpoint.old"])
 def test_a_checkpoint_directory_of_another_user_is_refused_in_one_line_not_removed(tmp_path, one_rank_group, name):
     """A real checkpoint.tmp/ or checkpoint.old/ that another user owns was removed with rmtree (a PermissionError
@@ -698,18 +678,18 @@ def test_raw_tracebacks_became_one_line_each(tmp_path, capsys):
                              ("[1, 2]", "holds list '[1, 2]', not a run's flags")):
         (run / "args.json").write_text(content)
         with pytest.raises(SystemExit):
-            flags.parse_args(["--resume", str(run)])
+            parse(["--resume", str(run)])
         err = capsys.readouterr().err
         assert message in err and len(err.splitlines()) == 1, err
         with pytest.raises(SystemExit, match="export: .*" + re.escape(message)):
-            train.export(run, tmp_path / "exported")
+            commands.export(run, tmp_path / "exported")
     (tmp_path / "a-file").write_text("")
     (run / "args.json").write_text("{}")
     with pytest.raises(SystemExit, match="a-file is a file; OUT_DIR must be a new or empty directory"):
-        train.export(run, tmp_path / "a-file")
+        commands.export(run, tmp_path / "a-file")
     (tmp_path / "data.txt").write_text("1+1=2\n")
     with pytest.raises(SystemExit):
-        flags.parse_args(["--dataset", "data.txt"])
+        parse(["--dataset", "data.txt"])
     err = capsys.readouterr().err
     assert "--dataset data.txt: a local file of unknown kind (.txt); data files are .json" in err, err
 
@@ -731,7 +711,7 @@ def test_ctrl_c_while_rank_0_waits_for_a_batch_ends_the_wait_at_once_and_stops_w
                               stopper=runtime.GracefulStop(announce=False))
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         t0 = time.monotonic()
-        round_ = train.pull_round_or_error(flags.parse_args([]), run, checkpoints.TrainerState())
+        round_ = train.pull_round_or_error(parse([]), run, checkpoints.TrainerState())
         assert time.monotonic() - t0 < 5
         assert round_.stop_reason == "stopped by SIGINT while waiting for the generator's groups"
         assert round_.batches == []
@@ -831,5 +811,6 @@ def test_fsdp_learner_keeps_a_tied_lm_head_tied(tmp_path):
 
 def test_pass_at_k_is_the_unbiased_estimator():
     # n = 4 samples, c correct: 1 - C(n - c, k) / C(n, k), by hand
-    assert train.pass_at_k(4, 1, 1) == 0.25 and train.pass_at_k(4, 1, 2) == 0.5 and train.pass_at_k(4, 1, 4) == 1.0
-    assert train.pass_at_k(4, 0, 4) == 0.0 and train.pass_at_k(4, 2, 2) == 1 - 1 / 6 and train.pass_at_k(4, 4, 1) == 1
+    pass_at_k = commands.pass_at_k
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 1, 2) == 0.5 and pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 2, 2) == 1 - 1 / 6 and pass_at_k(4, 4, 1) == 1

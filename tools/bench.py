@@ -856,13 +856,12 @@ def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats:
     forward; the math and the kernels are the head's."""
     import torch
 
-    from harness import flags
-    import train
+    from harness import flags, head_gemm
 
     dtype = torch.float32 if cli.dtype == "float32" or cli.fp32_lm_head else torch.bfloat16
     head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device, dtype=dtype)
     gemm = flags.lm_head_gemm(cli, device)  # --lm-head-gemm as the learner runs it
-    train.install_head_logprobs(head, cli.logits_chunk_tokens, gemm)
+    head_gemm.install_head_logprobs(head, cli.logits_chunk_tokens, gemm)
     if gemm == "split-bf16":  # its hidden states are the bf16 trunk's, as they are
         dtype = torch.bfloat16
     seconds = {}
@@ -880,7 +879,7 @@ def _learner_head_seconds(config: Any, cli: Any, rows: dict[str, list], repeats:
             head.weight.grad = None
             for hidden, targets, scored in inputs:
                 hidden.grad = None
-                request = train.LogprobRequest(targets, 1.0, scored, entropy=True)  # as a learner's step asks
+                request = head_gemm.LogprobRequest(targets, 1.0, scored, entropy=True)  # as a learner's step asks
                 head(hidden, request)[0].sum().backward()                                 # [R, W-1] -> scalar
 
         seconds[name] = _seconds(step, repeats, device)
@@ -1266,14 +1265,14 @@ def _head_reference(weight, hidden, grad_logprobs, temperature: float, seed: int
 
 
 def _learner_head(weight, gemm: str, chunk_tokens: int | None):
-    """A head as train.py's learner runs it: an nn.Linear on `weight` with install_head_logprobs."""
+    """A head as train.py's learner runs it: an nn.Linear on `weight` with head_gemm.install_head_logprobs."""
     import torch
 
-    import train
+    from harness import head_gemm
 
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device)
     head.weight = weight
-    train.install_head_logprobs(head, chunk_tokens, gemm)
+    head_gemm.install_head_logprobs(head, chunk_tokens, gemm)
     return head
 
 
@@ -1289,7 +1288,6 @@ def bench_head(args: argparse.Namespace) -> dict:
     import torch
 
     from harness import head_gemm
-    import train
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -1333,7 +1331,7 @@ def bench_head(args: argparse.Namespace) -> dict:
 
         def step() -> None:
             weight.grad = leaf.grad = None
-            request = train.LogprobRequest(targets[None], temperature, None, entropy)  # as a learner's step asks
+            request = head_gemm.LogprobRequest(targets[None], temperature, None, entropy)  # as a learner's step asks
             logprobs, _ = head(leaf, request)                                           # [1, M]
             logprobs.backward(grad_logprobs[None])
             learner_logprobs[name] = logprobs.detach()[0]

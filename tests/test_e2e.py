@@ -223,9 +223,11 @@ os._exit(0)
 
 
 # On-policy RL with DeepSeekMath's KL to the reference model and IcePop's masked importance sampling, in sync mode
-# with a seed: a case of test_every_loss_runs_end_to_end and the first run the sync repeat test compares.
+# with a seed: a case of test_every_loss_runs_end_to_end and the first run the sync repeat test compares. An
+# evaluation at every step: then which steps a run evaluates does not depend on its --max-steps (an evaluation also
+# comes at a run's last step), so runs of this chain that stop at different steps compare step for step.
 SYNC_GRPO = ["--mode", "sync", "--max-off-policy", "1", "--kl-coef", "0.04", "--tis", "token", "--tis-mode", "mask",
-             "--tis-cap-min", "0.5", "--tis-cap", "5", "--seed", "4245", "--group-size", "4"]
+             "--tis-cap-min", "0.5", "--tis-cap", "5", "--seed", "4245", "--group-size", "4", "--eval-every", "1"]
 
 
 def _short_run(out: Path, loss: str, flags: list[str], *more: str) -> subprocess.CompletedProcess:
@@ -235,7 +237,7 @@ def _short_run(out: Path, loss: str, flags: list[str], *more: str) -> subprocess
 
 @pytest.fixture(scope="module")
 def sync_grpo_run(tmp_path_factory, base_model_dir) -> Path:
-    """grpo in sync mode (SYNC_GRPO), 3 steps, run once for the two tests that read it."""
+    """grpo in sync mode (SYNC_GRPO), 3 steps, run once for the three tests that read it."""
     out = tmp_path_factory.mktemp("sync") / "grpo"
     run = _short_run(out, "grpo", SYNC_GRPO)
     assert run.returncode == 0, why_failed(run)
@@ -320,15 +322,20 @@ SYNC_TRAINED = ("loss", "grad_norm", "entropy", "kl_ref", "is_weight_mean")
 
 @pytest.fixture(scope="module")
 def sync_grpo_split(tmp_path_factory, base_model_dir) -> Path:
-    """sync_grpo_run's run again, stopped after step 2 and resumed to step 3 on 2 ranks (split/); at-2/ is a copy of
-    its directory at step 2, a checkpoint saved by 2 learner ranks."""
+    """sync_grpo_run's run again, stopped after step 2 and resumed on 2 ranks to step 4 (split/: its steps 1-3 repeat
+    sync_grpo_run's, its step 4 is the 2-rank step that a resume from 1 rank must repeat); at-2/ is a copy of its
+    directory at step 2, a checkpoint saved by 2 learner ranks. The resume names the step it starts from and saves
+    one shard per rank (the 2 -> 2 case of test_a_checkpoint_resumes_on_another_number_of_ranks)."""
     root = tmp_path_factory.mktemp("split")
     split = root / "split"
     run = _short_run(split, "grpo", SYNC_GRPO, "--max-steps", "2")
     assert run.returncode == 0, why_failed(run)
     shutil.copytree(split, root / "at-2", symlinks=True)
-    run = _train(split, "--resume", str(split), "--max-steps", "3")
+    run = _train(split, "--resume", str(split), "--max-steps", "4")
     assert run.returncode == 0, why_failed(run)
+    assert f"[resume] {split / 'checkpoint'}: step 2" in run.stderr, run.stderr[-3000:]
+    state = json.loads((split / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and len(state["shards"]) == 2, state["shards"]
     return root
 
 
@@ -345,19 +352,19 @@ def _assert_same_steps(rows: dict, reference: dict, steps: range, where: str) ->
 def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, sync_grpo_run, sync_grpo_split):
     """Each rank saves its own shard; torch's distributed checkpoint reads them back on any number of ranks. The
     step-2 checkpoint of 2 ranks (sync_grpo_split's at-2/) resumes on 1 rank: step 3 repeats the uninterrupted
-    run's, and its checkpoint (1 shard) resumes on 2 ranks: step 4 repeats the 2-rank run's step 4 (a copy of split/,
-    itself resumed on 2). Each resume starts at the next step, with the same data position (the prompts consumed)."""
-    one, split = tmp_path / "one", tmp_path / "two"
+    run's, and its checkpoint (1 shard) resumes on 2 ranks: step 4 repeats the 2-rank run's step 4 (split/, resumed
+    on 2 ranks from step 2: that resume, 2 -> 2, is checked where sync_grpo_split makes it). Each resume starts at the
+    next step, with the same data position (the prompts consumed)."""
+    one, split = tmp_path / "one", sync_grpo_split / "split"  # split/ is read, not resumed
     shutil.copytree(sync_grpo_split / "at-2", one, symlinks=True)
-    shutil.copytree(sync_grpo_split / "split", split, symlinks=True)  # sync_grpo_split's stays at step 3
-    for where, out, nproc, start in (("2 -> 1", one, 1, 2), ("1 -> 2", one, 2, 3), ("2 -> 2", split, 2, 3)):
+    for where, out, nproc, start in (("2 -> 1", one, 1, 2), ("1 -> 2", one, 2, 3)):
         run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", str(start + 1), nproc=nproc)
         assert run.returncode == 0, (where, why_failed(run))
         assert f"[resume] {out / 'checkpoint'}: step {start}" in run.stderr, (where, run.stderr[-3000:])
         state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
         assert state["step"] == start + 1 and len(state["shards"]) == nproc, (where, state["shards"])
         if where == "2 -> 1":  # the same prompts consumed as the uninterrupted run's at step 3
-            assert state["consumed"] == json.loads((split / "checkpoint" / "trainer_state.json").read_text())[
+            assert state["consumed"] == json.loads((sync_grpo_run / "checkpoint" / "trainer_state.json").read_text())[
                 "consumed"]
     rows, reference = ({r["step"]: r for r in metrics_rows(out)} for out in (one, split))
     assert sorted(rows) == sorted(reference) == [0, 1, 2, 3, 4]  # every step once
@@ -393,12 +400,12 @@ def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(sync_gr
     step, the second stopped after step 2 and resumed: each completion samples with a seed of its own, and draws
     its think budget from it (pipeline_rl.sampling_seed), so neither which requests vLLM happened to batch together
     nor a restart changes what it draws (with vLLM's one generator per engine, two runs parted at step 2: loss
-    -0.03427 against -0.03637, and trained other completions). The evaluations at steps 0, 2 and 3 repeat too. The
+    -0.03427 against -0.03637, and trained other completions). The evaluations (at every step) repeat too. The
     runs are grpo's (SYNC_GRPO: the reference model's KL and masked importance weights in the loss as well); the
-    first is sync_grpo_run's."""
+    first is sync_grpo_run's, the second goes on to step 4 (for the checkpoint test), compared up to step 3."""
     split = sync_grpo_split / "split"
     first, second = ({r["step"]: r for r in metrics_rows(out)} for out in (sync_grpo_run, split))
-    assert sorted(first) == sorted(second) == [0, 1, 2, 3]
+    assert sorted(first) == [0, 1, 2, 3] and sorted(second) == [0, 1, 2, 3, 4]
     for step in (0, 1, 2, 3):
         assert {k: first[step].get(k) for k in SYNC_DRAWN} == {k: second[step].get(k) for k in SYNC_DRAWN}, step
     for step in (1, 2, 3):  # the same completions; their sampler logprobs may differ in float32's last bits with

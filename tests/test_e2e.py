@@ -228,6 +228,13 @@ os._exit(0)
 # comes at a run's last step), so runs of this chain that stop at different steps compare step for step.
 SYNC_GRPO = ["--mode", "sync", "--max-off-policy", "1", "--kl-coef", "0.04", "--tis", "token", "--tis-mode", "mask",
              "--tis-cap-min", "0.5", "--tis-cap", "5", "--seed", "4245", "--group-size", "4", "--eval-every", "1"]
+# GSPO-token with ScaleRL's clip ranges, and the per-token KL beside the sequence ratio: a case of
+# test_every_loss_runs_end_to_end, run by four_step_run.
+GSPO = ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "--loss-arg", "token_level=true",
+        "--kl-coef", "0.04"]
+# DAPO's dynamic sampling, overlong penalty and overlong filter, and an mfu in every step's row from a given peak (a
+# CPU has none of its own): a case of test_every_loss_runs_end_to_end, run by two_replica_run.
+DAPO = ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter", "--peak-tflops", "0.5"]
 
 
 def _short_run(out: Path, loss: str, flags: list[str], *more: str) -> subprocess.CompletedProcess:
@@ -248,19 +255,16 @@ def sync_grpo_run(tmp_path_factory, base_model_dir) -> Path:
 @pytest.mark.parametrize("loss, flags", [
     ("cispo", []),  # the ScaleRL recipe (pipeline mode, k = 8): the 6-step run of recipe_6_steps
     ("grpo", SYNC_GRPO),  # the run of sync_grpo_run
-    # ... and an mfu in every step's row from a given peak (a CPU has none of its own)
-    ("dapo", ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter",
-              "--peak-tflops", "0.5"]),
+    ("dapo", DAPO),  # the run of two_replica_run
     ("drgrpo", ["--mode", "sync", "--max-off-policy", "2", "--final-eval-samples", "3"]),  # PPO-off-policy-2
-    # GSPO-token with ScaleRL's clip ranges, and the per-token KL beside the sequence ratio
-    ("gspo", ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "--loss-arg", "token_level=true",
-              "--kl-coef", "0.04"]),
+    ("gspo", GSPO),  # the run of four_step_run
 ])
 def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, flags):
-    """Each loss's run: every step's row and evaluation, its metrics, the figures and a checkpoint. Two runs are
+    """Each loss's run: every step's row and evaluation, its metrics, the figures and a checkpoint. Four runs are
     shared with other tests (a start of torchrun and vLLM costs about 20 s here): cispo's is the 6-step recipe,
-    grpo's the sync run that the repeat test runs again."""
-    shared = {"cispo": "recipe_6_steps", "grpo": "sync_grpo_run"}
+    grpo's the sync run that the repeat test runs again, gspo's the 4-step run that the corrupt-checkpoint test
+    resumes, dapo's the 7-step run on two replicas."""
+    shared = {"cispo": "recipe_6_steps", "grpo": "sync_grpo_run", "gspo": "four_step_run", "dapo": "two_replica_run"}
     if loss in shared:
         out = request.getfixturevalue(shared[loss])
     else:
@@ -287,7 +291,7 @@ def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, fla
             assert r["mfu"] > 0 and r["mfu"] / r["train_tokens_per_s"] == pytest.approx(
                 rows[-1]["mfu"] / rows[-1]["train_tokens_per_s"], rel=1e-6)
     assert all(a["compute_hours"] < b["compute_hours"] for a, b in zip(rows, rows[1:]))
-    _assert_rl_compute_leaves_out_the_evaluations(rows)
+    _assert_rl_compute_leaves_out_the_evaluations(rows, devices=2 + (args["gen_replicas"] or 1))
     assert rows[-1]["flops"] > 0 and rows[-1]["tokens"] > 0
     if "--tis" in flags:
         assert "is_weight_mean" in rows[-1] and "mismatch_kl_k3" in rows[-1]
@@ -418,7 +422,7 @@ def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(sync_gr
 
 def _assert_rl_compute_leaves_out_the_evaluations(rows: list[dict], devices: int = 3) -> None:
     """Each row's rl_compute_hours is its compute_hours less every evaluation before it (eval_s), on every device
-    (2 ranks and the generator), and it grows from row to row."""
+    (2 ranks and each replica: 3 with one), and it grows from row to row."""
     evaluated = 0.0
     for r in rows:
         assert r["compute_hours"] - r["rl_compute_hours"] == pytest.approx(devices * evaluated / 3600, rel=1e-6,
@@ -603,10 +607,10 @@ def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_pat
 @pytest.fixture(scope="module")
 def four_step_run(tmp_path_factory, base_model_dir) -> Path:
     """A finished run of 4 steps with checkpoints at steps 2 and 4, reporting to TensorBoard: the tests that resume
-    it copy it first."""
+    it copy it first. Its loss is gspo's (GSPO), so that it is also gspo's case of test_every_loss_runs_end_to_end."""
     out = tmp_path_factory.mktemp("four") / "run"
-    run = _train(out, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4", "--report-to",
-                 "tensorboard", *SHORT)
+    run = _train(out, "--loss", "gspo", *GSPO, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4",
+                 "--report-to", "tensorboard", *SHORT)
     assert run.returncode == 0, why_failed(run)
     return out
 
@@ -769,15 +773,25 @@ def test_default_recipe_with_a_fast_generator_stays_fresh(recipe_6_steps):
     _assert_each_data_index_trained_once(recipe_6_steps)
 
 
-@pytest.mark.slow
-def test_two_replicas_produce_and_a_resume_may_change_their_number(tmp_path):
-    """The recipe's first 7 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast
-    over gloo): both replicas produce groups, the lag stays <= k with nothing dropped, no data index is trained
-    twice; then --resume continues the run with one replica."""
-    out = tmp_path / "two-replicas"
-    # At full learner speed: these invariants need no generator far ahead.
-    run = _train(out, "--max-steps", "7", "--eval-every", "7", "--gen-replicas", "2", timeout=1200)
+@pytest.fixture(scope="module")
+def two_replica_run(tmp_path_factory, base_model_dir) -> Path:
+    """7 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast over gloo), at the
+    default batch (32 prompts x 8) and full learner speed: the replicas' invariants need no generator far ahead. Its
+    loss is dapo's (DAPO), so that it is also dapo's case of test_every_loss_runs_end_to_end. The test that resumes
+    it copies it first."""
+    out = tmp_path_factory.mktemp("replicas") / "two-replicas"
+    run = _train(out, "--loss", "dapo", *DAPO, "--max-steps", "7", "--eval-every", "7", "--gen-replicas", "2",
+                 timeout=1200)
     assert run.returncode == 0, why_failed(run)
+    return out
+
+
+@pytest.mark.slow
+def test_two_replicas_produce_and_a_resume_may_change_their_number(tmp_path, two_replica_run):
+    """7 steps with --gen-replicas 2 (two_replica_run): both replicas produce groups, the lag stays <= k with
+    nothing dropped, no data index is trained twice; then --resume continues the run with one replica."""
+    out = tmp_path / "two-replicas"
+    shutil.copytree(two_replica_run, out, symlinks=True)
     _assert_each_data_index_trained_once(out)
     rows = metrics_rows(out)[1:]
     groups = collections.Counter()

@@ -224,9 +224,18 @@ os._exit(0)
 
 
 # On-policy RL with DeepSeekMath's KL to the reference model and IcePop's masked importance sampling, in sync mode
-# with a seed: a case of test_every_loss_runs_end_to_end and the first run the sync repeat test compares.
+# with a seed: a case of test_every_loss_runs_end_to_end and the first run the sync repeat test compares. An
+# evaluation at every step: then which steps a run evaluates does not depend on its --max-steps (an evaluation also
+# comes at a run's last step), so runs of this chain that stop at different steps compare step for step.
 SYNC_GRPO = ["--mode", "sync", "--max-off-policy", "1", "--kl-coef", "0.04", "--tis", "token", "--tis-mode", "mask",
-             "--tis-cap-min", "0.5", "--tis-cap", "5", "--seed", "4245", "--group-size", "4"]
+             "--tis-cap-min", "0.5", "--tis-cap", "5", "--seed", "4245", "--group-size", "4", "--eval-every", "1"]
+# GSPO-token with ScaleRL's clip ranges, and the per-token KL beside the sequence ratio: a case of
+# test_every_loss_runs_end_to_end, run by four_step_run.
+GSPO = ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "--loss-arg", "token_level=true",
+        "--kl-coef", "0.04"]
+# DAPO's dynamic sampling, overlong penalty and overlong filter, and an mfu in every step's row from a given peak (a
+# CPU has none of its own): a case of test_every_loss_runs_end_to_end, run by two_replica_run.
+DAPO = ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter", "--peak-tflops", "0.5"]
 
 
 def _short_run(out: Path, loss: str, flags: list[str], *more: str) -> subprocess.CompletedProcess:
@@ -236,7 +245,7 @@ def _short_run(out: Path, loss: str, flags: list[str], *more: str) -> subprocess
 
 @pytest.fixture(scope="module")
 def sync_grpo_run(tmp_path_factory, base_model_dir) -> Path:
-    """grpo in sync mode (SYNC_GRPO), 3 steps, run once for the two tests that read it."""
+    """grpo in sync mode (SYNC_GRPO), 3 steps, run once for the three tests that read it."""
     out = tmp_path_factory.mktemp("sync") / "grpo"
     run = _short_run(out, "grpo", SYNC_GRPO)
     assert run.returncode == 0, why_failed(run)
@@ -247,19 +256,16 @@ def sync_grpo_run(tmp_path_factory, base_model_dir) -> Path:
 @pytest.mark.parametrize("loss, flags", [
     ("cispo", []),  # the ScaleRL recipe (pipeline mode, k = 8): the 6-step run of recipe_6_steps
     ("grpo", SYNC_GRPO),  # the run of sync_grpo_run
-    # ... and an mfu in every step's row from a given peak (a CPU has none of its own)
-    ("dapo", ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter",
-              "--peak-tflops", "0.5"]),
+    ("dapo", DAPO),  # the run of two_replica_run
     ("drgrpo", ["--mode", "sync", "--max-off-policy", "2", "--final-eval-samples", "3"]),  # PPO-off-policy-2
-    # GSPO-token with ScaleRL's clip ranges, and the per-token KL beside the sequence ratio
-    ("gspo", ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "--loss-arg", "token_level=true",
-              "--kl-coef", "0.04"]),
+    ("gspo", GSPO),  # the run of four_step_run
 ])
 def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, flags):
-    """Each loss's run: every step's row and evaluation, its metrics, the figures and a checkpoint. Two runs are
+    """Each loss's run: every step's row and evaluation, its metrics, the figures and a checkpoint. Four runs are
     shared with other tests (a start of torchrun and vLLM costs about 20 s here): cispo's is the 6-step recipe,
-    grpo's the sync run that the repeat test runs again."""
-    shared = {"cispo": "recipe_6_steps", "grpo": "sync_grpo_run"}
+    grpo's the sync run that the repeat test runs again, gspo's the 4-step run that the corrupt-checkpoint test
+    resumes, dapo's the 7-step run on two replicas."""
+    shared = {"cispo": "recipe_6_steps", "grpo": "sync_grpo_run", "gspo": "four_step_run", "dapo": "two_replica_run"}
     if loss in shared:
         out = request.getfixturevalue(shared[loss])
     else:
@@ -286,7 +292,7 @@ def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, fla
             assert r["mfu"] > 0 and r["mfu"] / r["train_tokens_per_s"] == pytest.approx(
                 rows[-1]["mfu"] / rows[-1]["train_tokens_per_s"], rel=1e-6)
     assert all(a["compute_hours"] < b["compute_hours"] for a, b in zip(rows, rows[1:]))
-    _assert_rl_compute_leaves_out_the_evaluations(rows)
+    _assert_rl_compute_leaves_out_the_evaluations(rows, devices=2 + (args["gen_replicas"] or 1))
     assert rows[-1]["flops"] > 0 and rows[-1]["tokens"] > 0
     if "--tis" in flags:
         assert "is_weight_mean" in rows[-1] and "mismatch_kl_k3" in rows[-1]
@@ -321,15 +327,20 @@ SYNC_TRAINED = ("loss", "grad_norm", "entropy", "kl_ref", "is_weight_mean")
 
 @pytest.fixture(scope="module")
 def sync_grpo_split(tmp_path_factory, base_model_dir) -> Path:
-    """sync_grpo_run's run again, stopped after step 2 and resumed to step 3 on 2 ranks (split/); at-2/ is a copy of
-    its directory at step 2, a checkpoint saved by 2 learner ranks."""
+    """sync_grpo_run's run again, stopped after step 2 and resumed on 2 ranks to step 4 (split/: its steps 1-3 repeat
+    sync_grpo_run's, its step 4 is the 2-rank step that a resume from 1 rank must repeat); at-2/ is a copy of its
+    directory at step 2, a checkpoint saved by 2 learner ranks. The resume names the step it starts from and saves
+    one shard per rank (the 2 -> 2 case of test_a_checkpoint_resumes_on_another_number_of_ranks)."""
     root = tmp_path_factory.mktemp("split")
     split = root / "split"
     run = _short_run(split, "grpo", SYNC_GRPO, "--max-steps", "2")
     assert run.returncode == 0, why_failed(run)
     shutil.copytree(split, root / "at-2", symlinks=True)
-    run = _train(split, "--resume", str(split), "--max-steps", "3")
+    run = _train(split, "--resume", str(split), "--max-steps", "4")
     assert run.returncode == 0, why_failed(run)
+    assert f"[resume] {split / 'checkpoint'}: step 2" in run.stderr, run.stderr[-3000:]
+    state = json.loads((split / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and len(state["shards"]) == 2, state["shards"]
     return root
 
 
@@ -346,19 +357,19 @@ def _assert_same_steps(rows: dict, reference: dict, steps: range, where: str) ->
 def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, sync_grpo_run, sync_grpo_split):
     """Each rank saves its own shard; torch's distributed checkpoint reads them back on any number of ranks. The
     step-2 checkpoint of 2 ranks (sync_grpo_split's at-2/) resumes on 1 rank: step 3 repeats the uninterrupted
-    run's, and its checkpoint (1 shard) resumes on 2 ranks: step 4 repeats the 2-rank run's step 4 (a copy of split/,
-    itself resumed on 2). Each resume starts at the next step, with the same data position (the prompts consumed)."""
-    one, split = tmp_path / "one", tmp_path / "two"
+    run's, and its checkpoint (1 shard) resumes on 2 ranks: step 4 repeats the 2-rank run's step 4 (split/, resumed
+    on 2 ranks from step 2: that resume, 2 -> 2, is checked where sync_grpo_split makes it). Each resume starts at the
+    next step, with the same data position (the prompts consumed)."""
+    one, split = tmp_path / "one", sync_grpo_split / "split"  # split/ is read, not resumed
     shutil.copytree(sync_grpo_split / "at-2", one, symlinks=True)
-    shutil.copytree(sync_grpo_split / "split", split, symlinks=True)  # sync_grpo_split's stays at step 3
-    for where, out, nproc, start in (("2 -> 1", one, 1, 2), ("1 -> 2", one, 2, 3), ("2 -> 2", split, 2, 3)):
+    for where, out, nproc, start in (("2 -> 1", one, 1, 2), ("1 -> 2", one, 2, 3)):
         run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", str(start + 1), nproc=nproc)
         assert run.returncode == 0, (where, why_failed(run))
         assert f"[resume] {out / 'checkpoint'}: step {start}" in run.stderr, (where, run.stderr[-3000:])
         state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
         assert state["step"] == start + 1 and len(state["shards"]) == nproc, (where, state["shards"])
         if where == "2 -> 1":  # the same prompts consumed as the uninterrupted run's at step 3
-            assert state["consumed"] == json.loads((split / "checkpoint" / "trainer_state.json").read_text())[
+            assert state["consumed"] == json.loads((sync_grpo_run / "checkpoint" / "trainer_state.json").read_text())[
                 "consumed"]
     rows, reference = ({r["step"]: r for r in metrics_rows(out)} for out in (one, split))
     assert sorted(rows) == sorted(reference) == [0, 1, 2, 3, 4]  # every step once
@@ -394,12 +405,12 @@ def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(sync_gr
     step, the second stopped after step 2 and resumed: each completion samples with a seed of its own, and draws
     its think budget from it (pipeline_rl.sampling_seed), so neither which requests vLLM happened to batch together
     nor a restart changes what it draws (with vLLM's one generator per engine, two runs parted at step 2: loss
-    -0.03427 against -0.03637, and trained other completions). The evaluations at steps 0, 2 and 3 repeat too. The
+    -0.03427 against -0.03637, and trained other completions). The evaluations (at every step) repeat too. The
     runs are grpo's (SYNC_GRPO: the reference model's KL and masked importance weights in the loss as well); the
-    first is sync_grpo_run's."""
+    first is sync_grpo_run's, the second goes on to step 4 (for the checkpoint test), compared up to step 3."""
     split = sync_grpo_split / "split"
     first, second = ({r["step"]: r for r in metrics_rows(out)} for out in (sync_grpo_run, split))
-    assert sorted(first) == sorted(second) == [0, 1, 2, 3]
+    assert sorted(first) == [0, 1, 2, 3] and sorted(second) == [0, 1, 2, 3, 4]
     for step in (0, 1, 2, 3):
         assert {k: first[step].get(k) for k in SYNC_DRAWN} == {k: second[step].get(k) for k in SYNC_DRAWN}, step
     for step in (1, 2, 3):  # the same completions; their sampler logprobs may differ in float32's last bits with
@@ -412,7 +423,7 @@ def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(sync_gr
 
 def _assert_rl_compute_leaves_out_the_evaluations(rows: list[dict], devices: int = 3) -> None:
     """Each row's rl_compute_hours is its compute_hours less every evaluation before it (eval_s), on every device
-    (2 ranks and the generator), and it grows from row to row."""
+    (2 ranks and each replica: 3 with one), and it grows from row to row."""
     evaluated = 0.0
     for r in rows:
         assert r["compute_hours"] - r["rl_compute_hours"] == pytest.approx(devices * evaluated / 3600, rel=1e-6,
@@ -597,10 +608,10 @@ def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_pat
 @pytest.fixture(scope="module")
 def four_step_run(tmp_path_factory, base_model_dir) -> Path:
     """A finished run of 4 steps with checkpoints at steps 2 and 4, reporting to TensorBoard: the tests that resume
-    it copy it first."""
+    it copy it first. Its loss is gspo's (GSPO), so that it is also gspo's case of test_every_loss_runs_end_to_end."""
     out = tmp_path_factory.mktemp("four") / "run"
-    run = _train(out, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4", "--report-to",
-                 "tensorboard", *SHORT)
+    run = _train(out, "--loss", "gspo", *GSPO, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4",
+                 "--report-to", "tensorboard", *SHORT)
     assert run.returncode == 0, why_failed(run)
     return out
 
@@ -796,15 +807,25 @@ def test_default_recipe_with_a_fast_generator_stays_fresh(recipe_6_steps):
     _assert_each_data_index_trained_once(recipe_6_steps)
 
 
-@pytest.mark.slow
-def test_two_replicas_produce_and_a_resume_may_change_their_number(tmp_path):
-    """The recipe's first 7 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast
-    over gloo): both replicas produce groups, the lag stays <= k with nothing dropped, no data index is trained
-    twice; then --resume continues the run with one replica."""
-    out = tmp_path / "two-replicas"
-    # At full learner speed: these invariants need no generator far ahead.
-    run = _train(out, "--max-steps", "7", "--eval-every", "7", "--gen-replicas", "2", timeout=1200)
+@pytest.fixture(scope="module")
+def two_replica_run(tmp_path_factory, base_model_dir) -> Path:
+    """7 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast over gloo), at the
+    default batch (32 prompts x 8) and full learner speed: the replicas' invariants need no generator far ahead. Its
+    loss is dapo's (DAPO), so that it is also dapo's case of test_every_loss_runs_end_to_end. The test that resumes
+    it copies it first."""
+    out = tmp_path_factory.mktemp("replicas") / "two-replicas"
+    run = _train(out, "--loss", "dapo", *DAPO, "--max-steps", "7", "--eval-every", "7", "--gen-replicas", "2",
+                 timeout=1200)
     assert run.returncode == 0, why_failed(run)
+    return out
+
+
+@pytest.mark.slow
+def test_two_replicas_produce_and_a_resume_may_change_their_number(tmp_path, two_replica_run):
+    """7 steps with --gen-replicas 2 (two_replica_run): both replicas produce groups, the lag stays <= k with
+    nothing dropped, no data index is trained twice; then --resume continues the run with one replica."""
+    out = tmp_path / "two-replicas"
+    shutil.copytree(two_replica_run, out, symlinks=True)
     _assert_each_data_index_trained_once(out)
     rows = metrics_rows(out)[1:]
     groups = collections.Counter()

@@ -56,7 +56,8 @@ def assert_same_gradient(grads: list, reference_grads: list, where: object = Non
     the gradient's largest entry (measured on the default base model: GSPO's sequence ratios are the least exact), so
     the absolute tolerance is 1e-4 of it; an error of normalisation moves the entries it touches by tens of percent.
     A fixed tolerance would depend on the base model's weights: a base that fits its data better gives larger
-    gradients on the synthetic groups, and larger rounding."""
+    gradients on the synthetic groups, and larger rounding. Measured again over tests/test_train.py's split layouts:
+    at most 0.40 of this bound with torch's default kernels, 0.29 with ATEN_CPU_CAPABILITY=avx2: a margin of 2.5."""
     atol = 1e-4 * max(g.abs().max().item() for g in reference_grads)
     for grad, reference_grad in zip(grads, reference_grads):
         torch.testing.assert_close(grad, reference_grad, rtol=1e-4, atol=atol, msg=lambda m: f"{where}: {m}")
@@ -92,12 +93,12 @@ def fp32_logprob_error(config, seq_len: int, logit_scale: torch.Tensor) -> torch
 
 
 def assert_within(gap: torch.Tensor, bound: torch.Tensor | float, where: object = None) -> float:
-    """Every |gap| within its derived bound (same shape, or a scalar); returns the worst gap / bound, which the
+    """Every |gap| within its bound (same shape, or a scalar); returns the worst gap / bound, which the
     tests print and docs/benchmarks.md ("Comparison bounds in the tests") lists per kernel path."""
     ratio = gap.double().abs() / torch.as_tensor(bound, dtype=torch.float64)
     worst = ratio.max().item() if ratio.numel() else 0.0
-    assert (ratio <= 1).all(), f"{where}: {worst:.3g} of the derived bound"
-    print(f"{where}: worst {worst:.3g} of the derived bound")  # pytest -s shows it
+    assert (ratio <= 1).all(), f"{where}: {worst:.3g} of its bound"
+    print(f"{where}: worst {worst:.3g} of its bound")  # pytest -s shows it
     return worst
 
 

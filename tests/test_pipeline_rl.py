@@ -1622,7 +1622,8 @@ sys.path.insert(0, sys.argv[1])
 import pipeline_rl as pl
 from harness import tasks
 if __name__ == "__main__":  # the replica process is spawned: it imports this file again
-    config = pl.GeneratorConfig(model=sys.argv[2], mode="sync", group_size=2, engine_process=True)
+    config = pl.GeneratorConfig(model=sys.argv[2], mode="sync", group_size=2,
+                                fleet=pl.FleetConfig(engine_process=True))
     try:
         pl.Generator(config, tasks.load_task()).start()
     except pl.GeneratorError as e:

@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from tqdm import tqdm
 
 import cispo
@@ -398,6 +398,12 @@ def attach_learner_logprobs(model: Any, groups: list, args: Args, pad_id: int) -
             c.old_logprobs = logprobs[row, p - 1: p - 1 + len(c.token_ids)].tolist()
     for _ in range(idle):
         idle_forward(model, pad_id, backward=False)
+    # FSDP2 leaves its root unit's parameters gathered after a forward, for the backward it expects; after forwards
+    # without grad the next backward then reduced their gradient once more per such forward (measured: 2x the
+    # gradient on the round's first step). Resharding every unit makes that step's backward start as any other's.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def compute_advantages(args: Args, learner: Learner, batch: list, run: Run) -> tuple[torch.Tensor, torch.Tensor]:

@@ -180,8 +180,8 @@ def split_devices(gen_devices: str | None, num_devices: int) -> tuple[list[int],
     learner = [d for d in range(num_devices) if d not in gen]
     return (learner or list(range(num_devices))), gen
 # --------------------------------------------------------------------------------------------------------------
-# The generator process: one scheduler for all replicas, made of objects that own their state: _DataStream,
-# _GroupTable, _ReplicaPool (replica bookkeeping), _ReplicaFaults, _Admission, _Rewards, _BatchChoice, _Scheduler
+# A replica's settings and devices, and where an interruption starts (the fleet in harness/fleet.py checks them;
+# the generator process's scheduler is pipeline_rl.py's)
 # --------------------------------------------------------------------------------------------------------------
 
 

@@ -50,7 +50,8 @@ def _generate(model_dir: str, task_name: str, think_budget: tuple[int, int], ans
     assert tok.encode(start, add_special_tokens=False) == prompts[0][-1:]  # one token (docs/pipeline.md: why)
 
     config = pl.GeneratorConfig(model=model_dir, interruptions=True, fleet=pl.FleetConfig(max_model_len=256))
-    kwargs = vllm_replica.vllm_engine_kwargs(config)  # the project's engine, with its interruption processor
+    # the project's engine, with its interruption processor, as a replica of that generator builds it
+    kwargs = vllm_replica.vllm_engine_kwargs(config.replica_settings())
     kwargs["reasoning_config"] = ReasoningConfig(reasoning_start_str=start, reasoning_end_str=task.interruption_phrase)
     llm = LLM(**kwargs)
     llm.llm_engine.engine_core.set_weight_version("0")

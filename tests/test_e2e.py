@@ -662,11 +662,9 @@ def test_evaluate_prints_pass_at_k_of_the_base_model(base_model_dir):
     assert -1 <= result["mean_reward"] <= 1 and result["temperature"] == 1.0
 
 
-@pytest.mark.slow
-def test_a_remote_replica_that_never_joins_is_one_line_once_under_torchrun(tmp_path, base_model_dir):
-    """A start that fails on rank 0 (here the remote replica it waits for never connects) printed a rank-0
-    traceback, then rank 1's gloo "Connection closed by peer" traceback. Now: rank 0's one line, once, and the
-    output directory as it was (no vLLM starts: the generator waits for a remote replica only)."""
+def _remote_replica_only(tmp_path: Path) -> list[str]:
+    """Flags of a generator whose one replica is remote, on a free port with a secret file of its own: it starts no
+    vLLM and waits for a replica that never comes."""
     import socket
 
     secret = tmp_path / "secret"
@@ -675,9 +673,17 @@ def test_a_remote_replica_that_never_joins_is_one_line_once_under_torchrun(tmp_p
     with socket.socket() as s:  # a free port: remote replicas need a fixed one
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    return ["--gen-replicas", "0", "--gen-remote-replicas", "1", "--gen-secret-file", str(secret),
+            "--gen-listen", f"127.0.0.1:{port}"]
+
+
+@pytest.mark.slow
+def test_a_remote_replica_that_never_joins_is_one_line_once_under_torchrun(tmp_path, base_model_dir):
+    """A start that fails on rank 0 (here the remote replica it waits for never connects) printed a rank-0
+    traceback, then rank 1's gloo "Connection closed by peer" traceback. Now: rank 0's one line, once, and the
+    output directory as it was (no vLLM starts: the generator waits for a remote replica only)."""
     out = tmp_path / "run"
-    run = _train(out, "--gen-replicas", "0", "--gen-remote-replicas", "1", "--gen-secret-file", str(secret),
-                 "--gen-listen", f"127.0.0.1:{port}", "--gen-join-timeout", "3", "--max-steps", "1", timeout=300,
+    run = _train(out, *_remote_replica_only(tmp_path), "--gen-join-timeout", "3", "--max-steps", "1", timeout=300,
                  retry=False)
     assert run.returncode != 0
     assert run.stderr.count("train.py: error:") == 1, run.stderr[-3000:]
@@ -692,17 +698,8 @@ def test_a_reward_timeout_shorter_than_the_math_verify_start_is_one_line_before_
     start plus one answer's 1 s bound (0.5 s is, whatever the start): a server that dies mid-run starts again inside
     a reward's deadline. One line naming both figures, before any step (no vLLM starts: the generator would wait for
     a remote replica), and no output directory."""
-    import socket
-
-    secret = tmp_path / "secret"
-    secret.write_text("s" * 32)
-    secret.chmod(0o600)
-    with socket.socket() as s:  # a free port: remote replicas need a fixed one
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "run"
-    flags = ["--dataset", "tests/data/gsm8k_small.jsonl", "--reward-timeout", "0.5", "--gen-replicas", "0",
-             "--gen-remote-replicas", "1", "--gen-secret-file", str(secret), "--gen-listen", f"127.0.0.1:{port}",
+    flags = ["--dataset", "tests/data/gsm8k_small.jsonl", "--reward-timeout", "0.5", *_remote_replica_only(tmp_path),
              "--gen-join-timeout", "60"]
     run = _train(out, *flags, "--max-steps", "1", nproc=1, timeout=300, retry=False)
     assert run.returncode != 0

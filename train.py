@@ -695,13 +695,25 @@ def log_row(args: Args, run: Run, row: dict) -> None:
     run.bar.set_postfix(reward=f"{row['reward']:+.2f}", val=f"{run.eval_rows[-1]['val_pass_rate']:.2f}")
     if row["step"] % args.log_every == 0 or "val_pass_rate" in row:
         tqdm.write(summary_line(row, run.recent))
-    if "val_pass_rate" in row:
+    if "val_pass_rate" in row and dashboard_due(run.dashboard_drawn, time.time(), last=row["step"] == args.max_steps):
         draw_dashboard(run, f"{args.loss} ({args.mode})")
+        run.dashboard_drawn = time.time()
+
+
+DASHBOARD_EVERY_S = 60.0  # a drawing costs rank 0 about 1 CPU-second (2 cores), which the other rank waits out
+
+
+def dashboard_due(last_drawn: float | None, now: float, last: bool) -> bool:
+    """Whether this evaluation redraws dashboard.png: the first, the run's last, and any other at least
+    DASHBOARD_EVERY_S after the previous drawing. At every evaluation (then every 5 steps) the drawings took a tenth
+    of make run's time on 2 cores; once a minute they take about 2%, and the picture is never a minute old."""
+    return last or last_drawn is None or now - last_drawn >= DASHBOARD_EVERY_S
 
 
 def draw_dashboard(run: Run, label: str) -> None:
-    """Rank 0, at every evaluation: OUTPUT_DIR/dashboard.png redrawn from metrics.jsonl, the run at a glance
-    (scaling_fit.plot_dashboard: pass rate and its fit, reward, entropy, lengths, KL, clipping, lag, speed)."""
+    """Rank 0, at an evaluation that dashboard_due picks: OUTPUT_DIR/dashboard.png redrawn from metrics.jsonl, the run
+    at a glance (scaling_fit.plot_dashboard: pass rate and its fit, reward, entropy, lengths, KL, clipping, lag,
+    speed)."""
     try:
         scaling_fit.plot_dashboard([(label, read_run_metrics(run.metrics.path))], run.out / "dashboard.png")
     except Exception as error:  # a picture is not worth the run: say so, and train on

@@ -866,3 +866,14 @@ def test_old_logprobs_from_the_learner_leave_the_next_gradient_as_it_was(one_ran
     # 2^-20, far below the 2x it was)
     assert (after - before).norm() / before.norm() < 1e-6
     assert all(c.old_logprobs for g in groups for c in g.completions)
+
+
+def test_dashboard_is_redrawn_at_most_once_a_minute_and_always_at_the_end():
+    """Drawing dashboard.png costs rank 0 about a CPU-second that the other rank waits out: at every evaluation it
+    was a tenth of make run. An evaluation redraws it when none is drawn yet, at the run's last step, or a minute
+    after the previous drawing; the times are given, not measured."""
+    every = train.DASHBOARD_EVERY_S
+    assert train.dashboard_due(None, 1000.0, last=False)  # the run's first evaluation draws it
+    assert not train.dashboard_due(1000.0, 1000.0 + every - 0.5, last=False)
+    assert train.dashboard_due(1000.0, 1000.0 + every, last=False)
+    assert train.dashboard_due(1000.0, 1000.5, last=True)  # the last evaluation is always in the picture

@@ -323,7 +323,7 @@ def test_changes_on_resume_are_recorded_with_their_step_and_listed_in_help(tmp_p
     flags.write_args_json(tmp_path, flags.parse_args(["--resume", str(tmp_path), "--max-steps", "50"]), 40, [7, 8])
     record = json.loads((tmp_path / "args.json").read_text())
     assert record["max_steps"] == 50 and record["eval_every"] == 2 and record["loss"] == "cispo"
-    assert record["resumes"] == [{"step": 10, "changed": {"eval_every": [5, 2], "max_steps": [20, 40]}},
+    assert record["resumes"] == [{"step": 10, "changed": {"eval_every": [10, 2], "max_steps": [20, 40]}},
                                  {"step": 40, "changed": {"max_steps": [40, 50]}, "metrics_missing_steps": [[7, 8]]}]
     assert flags.CHANGEABLE_ON_RESUME <= {f.name for f in dataclasses.fields(flags.Args)}
     with pytest.raises(SystemExit):

@@ -35,7 +35,7 @@ How this departs from the paper, deliberately:
   - The embedded default is a 0.86M-parameter model on 3-digit addition (harness/tasks.py, harness/base_model.py), so it runs on 2 CPU cores
     in minutes. Its generator is held to one batch ahead of the learner (--buffer-steps 1): with k = 8 alone, a
     fast generator made every batch 8 steps stale, and at lr 1e-4 that made runs swing (docs/results.md: the
-    staleness experiment). Its settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 200 steps) are tuned for that
+    staleness experiment). Its settings (lr 1e-4, 32 prompts x 8 samples, no warm-up, 150 steps) are tuned for that
     model, as --help says; the paper's (lr 5e-7, AdamW eps 1e-15, weight decay 0.01, 100 warm-up steps, 48 x 16)
     apply to real models (--model).
   - compute_hours counts wall-clock hours x devices in use, where on CPU a "device" is a learner rank or the

@@ -770,7 +770,7 @@ def recipe_6_steps(tmp_path_factory, base_model_dir) -> Path:
     """The default recipe (cispo, pipeline, k = 8, buffer 1, one replica) on the tiny task, shortened to 6 steps,
     with the learner slowed 3x so that the generator is far ahead of it (as on a machine with a relatively faster
     generator). Run once for the tests that read it (this one and cispo's case of test_every_loss_runs_end_to_end).
-    How far the recipe learns is measured by runs of 200 steps on several seeds (docs/results.md,
+    How far the recipe learns is measured by runs of 150 steps on several seeds (docs/results.md,
     `python -m tools.experiments report`), not here: a short run's rise is a coin flip of noise."""
     out = tmp_path_factory.mktemp("recipe") / "one-replica"
     run = _train(out, *RECIPE_6, timeout=1200)

@@ -691,41 +691,9 @@ def experiment_study(args: argparse.Namespace) -> dict:
              f"| at A = {shared_a}: B [95%] | C_mid [95%] | B, C_mid against {names[0]} |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, reps in reports.items():
-        title, flags = VARIANTS[name]
-        fit = fits[name]
-        half_errors = {str(seed): rep["half_fit_error"] for seed, rep in zip(seeds, reps)}
-        errors_vs_fit = {str(seed): rep["half_fit_error_vs_fit"] for seed, rep in zip(seeds, reps)}
-        worst, worst_vs_fit = _worst(half_errors.values()), _worst(errors_vs_fit.values())
-        verdict = "(baseline)" if name == names[0] else compare_intervals(fit, baseline)
-        at_shared = shared.get(name, {"B": None})
-        b_verdict = "(baseline)" if name == names[0] else "A differs" if name not in shared else \
-            ", ".join(compare_intervals(at_shared, shared[names[0]], key=key) for key in ("B", "C_mid"))
-        b_shared_text = "- | -" if at_shared["B"] is None else \
-            (f"{at_shared['B']:.2f} [{at_shared['B_lo']:.2f}, {at_shared['B_hi']:.2f}] | {at_shared['C_mid']:{c_fmt}} "
-             f"[{at_shared['C_mid_lo']:{c_fmt}}, {at_shared['C_mid_hi']:{c_fmt}}]")
-        if fit["A"] is None:
-            a_text = b_text = c_text = r2_text = "no sigmoid"
-        else:
-            a_text = f"{fit['A']:.3f} [{fit['A_lo']:.3f}, {fit['A_hi']:.3f}]"
-            b_text = f"{fit['B']:.2f} [{fit['B_lo']:.2f}, {fit['B_hi']:.2f}]"
-            c_text, r2_text = f"{fit['C_mid']:{c_fmt}}", f"{fit['r2']:.3f}"
-        lines.append(f"| {title} ({name}) | {'`' + ' '.join(flags) + '`' if flags else ''} | "
-                     f"{_mean_spread([r['val_first'] for r in reps], '.3f')} -> "
-                     f"{_mean_spread([r['val_final'] for r in reps], '.3f')} | {a_text} | {b_text} | {c_text} | "
-                     f"{r2_text} | {'-' if worst is None else f'{worst:+.3f}'} | "
-                     f"{'-' if worst_vs_fit is None else f'{worst_vs_fit:+.3f}'} | {verdict} | {b_shared_text} | "
-                     f"{b_verdict} |")
-        summary_variants.append({
-            "name": name, "title": title, "flags": flags, "seeds": seeds,
-            **{key: fit[key] for key in ("A", "A_lo", "A_hi", "B", "B_lo", "B_hi", "C_mid", "C_mid_lo", "C_mid_hi",
-                                         "R0", "r2", "n_points")},
-            "half_fit_errors": half_errors, "half_fit_errors_vs_fit": errors_vs_fit,
-            "eval_sd_second_half": [rep["eval_sd_second_half"] for rep in reps],
-            "val_final": [rep["val_final"] for rep in reps],
-            "compute_hours": [rep["compute_hours"] for rep in reps], "against_baseline": verdict,
-            **{f"{key}_at_shared_A{end}": at_shared.get(f"{key}{end}") for key in ("B", "C_mid") for end in
-               ("", "_lo", "_hi")}, "B_C_mid_against_baseline": b_verdict,
-        })
+        line, variant = _study_row(name, reps, seeds, fits, shared, names[0], c_fmt)
+        lines.append(line)
+        summary_variants.append(variant)
     all_reports = [rep for reps in reports.values() for rep in reps]
     total_hours = sum(rep["compute_hours"] for rep in all_reports)
     total_wall = sum(rep["wall_s"] for rep in all_reports)
@@ -757,6 +725,48 @@ def experiment_study(args: argparse.Namespace) -> dict:
         plot_study(fits, path, title, args.ceiling, args.compute_axis)
     print(table)
     return {"benchmark": "study", **summary}
+
+
+def _study_row(name: str, reps: list[dict], seeds: list[int], fits: dict[str, dict], shared: dict[str, dict],
+               baseline_name: str, c_fmt: str) -> tuple[str, dict]:
+    """One variant's line of the study's table and its entry in study.json: its pooled fit, each seed's first-half
+    prediction error, and how its A (and, at the shared A, its B and C_mid) compare with the baseline's."""
+    title, flags = VARIANTS[name]
+    fit, baseline = fits[name], fits[baseline_name]
+    half_errors = {str(seed): rep["half_fit_error"] for seed, rep in zip(seeds, reps)}
+    errors_vs_fit = {str(seed): rep["half_fit_error_vs_fit"] for seed, rep in zip(seeds, reps)}
+    worst, worst_vs_fit = _worst(half_errors.values()), _worst(errors_vs_fit.values())
+    verdict = "(baseline)" if name == baseline_name else compare_intervals(fit, baseline)
+    at_shared = shared.get(name, {"B": None})
+    b_verdict = "(baseline)" if name == baseline_name else "A differs" if name not in shared else \
+        ", ".join(compare_intervals(at_shared, shared[baseline_name], key=key) for key in ("B", "C_mid"))
+    b_shared_text = "- | -" if at_shared["B"] is None else \
+        (f"{at_shared['B']:.2f} [{at_shared['B_lo']:.2f}, {at_shared['B_hi']:.2f}] | {at_shared['C_mid']:{c_fmt}} "
+         f"[{at_shared['C_mid_lo']:{c_fmt}}, {at_shared['C_mid_hi']:{c_fmt}}]")
+    if fit["A"] is None:
+        a_text = b_text = c_text = r2_text = "no sigmoid"
+    else:
+        a_text = f"{fit['A']:.3f} [{fit['A_lo']:.3f}, {fit['A_hi']:.3f}]"
+        b_text = f"{fit['B']:.2f} [{fit['B_lo']:.2f}, {fit['B_hi']:.2f}]"
+        c_text, r2_text = f"{fit['C_mid']:{c_fmt}}", f"{fit['r2']:.3f}"
+    line = (f"| {title} ({name}) | {'`' + ' '.join(flags) + '`' if flags else ''} | "
+            f"{_mean_spread([r['val_first'] for r in reps], '.3f')} -> "
+            f"{_mean_spread([r['val_final'] for r in reps], '.3f')} | {a_text} | {b_text} | {c_text} | "
+            f"{r2_text} | {'-' if worst is None else f'{worst:+.3f}'} | "
+            f"{'-' if worst_vs_fit is None else f'{worst_vs_fit:+.3f}'} | {verdict} | {b_shared_text} | "
+            f"{b_verdict} |")
+    variant = {
+        "name": name, "title": title, "flags": flags, "seeds": seeds,
+        **{key: fit[key] for key in ("A", "A_lo", "A_hi", "B", "B_lo", "B_hi", "C_mid", "C_mid_lo", "C_mid_hi",
+                                     "R0", "r2", "n_points")},
+        "half_fit_errors": half_errors, "half_fit_errors_vs_fit": errors_vs_fit,
+        "eval_sd_second_half": [rep["eval_sd_second_half"] for rep in reps],
+        "val_final": [rep["val_final"] for rep in reps],
+        "compute_hours": [rep["compute_hours"] for rep in reps], "against_baseline": verdict,
+        **{f"{key}_at_shared_A{end}": at_shared.get(f"{key}{end}") for key in ("B", "C_mid") for end in
+           ("", "_lo", "_hi")}, "B_C_mid_against_baseline": b_verdict,
+    }
+    return line, variant
 
 
 def _variant_names(text: str) -> str:

@@ -126,6 +126,23 @@ def test_train_bench_passes_the_learner_s_memory_flags_on():
     assert cli.activation_checkpointing and cli.cpu_offload and cli.micro_batch_tokens == 4096 and cli.packing
 
 
+def test_weights_bench_keeps_its_context_within_the_model_s_positions(base_model_dir, tmp_path):
+    """`pipeline --only-weights` on the default tiny model (256 positions) asks vLLM for no longer a context than the
+    model has (vLLM refuses one beyond max_position_embeddings, and the bench failed on its default model); a model
+    with more positions gets the bench's 1,024."""
+    from transformers import AutoConfig
+
+    parser = argparse.ArgumentParser()
+    bench._add_pipeline_args(parser)
+    args = parser.parse_args(["--only-weights"])
+    tiny = bench._weights_config(args, str(base_model_dir))
+    assert tiny.fleet.max_model_len == AutoConfig.from_pretrained(base_model_dir).max_position_embeddings == 256
+    long_config = AutoConfig.from_pretrained(base_model_dir)
+    long_config.max_position_embeddings = 8192
+    long_config.save_pretrained(tmp_path)
+    assert bench._weights_config(args, str(tmp_path)).fleet.max_model_len == bench.WEIGHTS_CONTEXT == 1024
+
+
 def test_a_method_out_of_gpu_memory_is_reported_and_the_methods_after_it_are_not_run():
     """_time_methods: a step that runs out of GPU memory is named with the error, the methods already timed keep
     their times, and the ones after it are not run (an FSDP2 step cut short may leave its model half gathered)."""

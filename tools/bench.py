@@ -196,6 +196,22 @@ def _time_weight_transports(gen, state: dict, updates: int) -> dict:
     return out
 
 
+WEIGHTS_CONTEXT = 1024  # --only-weights' vLLM context, or the model's own where shorter
+
+
+def _weights_config(args: argparse.Namespace, model_dir: str) -> pl.GeneratorConfig:
+    """--only-weights' generator settings. Its context is WEIGHTS_CONTEXT or the model's max_position_embeddings,
+    whichever is shorter: vLLM refuses a max_model_len beyond the model's (the tiny model has 256 positions)."""
+    from transformers import AutoConfig
+
+    import pipeline_rl as pl
+
+    positions = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None) or WEIGHTS_CONTEXT
+    fleet = pl.FleetConfig(replicas=args.gen_replicas, max_model_len=min(WEIGHTS_CONTEXT, positions),
+                           num_threads=args.gen_threads)
+    return pl.GeneratorConfig(model=model_dir, seed=args.seed, max_tokens=64, interruptions=False, fleet=fleet)
+
+
 def bench_weights(args: argparse.Namespace) -> dict:
     """--only-weights: the generator on --model with --gen-replicas replicas, then only the timed weight updates."""
     from harness import base_model, tasks
@@ -209,10 +225,7 @@ def bench_weights(args: argparse.Namespace) -> dict:
 
     model_dir = args.model or str(base_model.embedded_base_model())
     state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    config = pl.GeneratorConfig(model=model_dir, seed=args.seed, max_tokens=64, interruptions=False,
-                                fleet=pl.FleetConfig(replicas=args.gen_replicas, max_model_len=1024,
-                                                     num_threads=args.gen_threads))
-    with pl.Generator(config, tasks.ArithmeticTask()) as gen:
+    with pl.Generator(_weights_config(args, model_dir), tasks.ArithmeticTask()) as gen:
         results = _time_weight_transports(gen, state, args.weight_updates)
     return {"bench": "pipeline", "only_weights": True, "model_dir": model_dir, "gen_replicas": args.gen_replicas,
             "cpu_count": os.cpu_count(), **results}

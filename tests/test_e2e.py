@@ -806,13 +806,13 @@ def test_default_recipe_with_a_fast_generator_stays_fresh(recipe_6_steps):
 
 @pytest.fixture(scope="module")
 def two_replica_run(tmp_path_factory, base_model_dir) -> Path:
-    """7 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast over gloo), at the
-    default batch (32 prompts x 8) and full learner speed: the replicas' invariants need no generator far ahead. Its
-    loss is dapo's (DAPO), so that it is also dapo's case of test_every_loss_runs_end_to_end. The test that resumes
-    it copies it first."""
+    """7 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast over gloo), of 16
+    prompts x 8 (half the default batch: each group goes to the least-loaded replica, so each still gets about half)
+    at full learner speed: the replicas' invariants need no generator far ahead. Its loss is dapo's (DAPO), so that
+    it is also dapo's case of test_every_loss_runs_end_to_end. The test that resumes it copies it first."""
     out = tmp_path_factory.mktemp("replicas") / "two-replicas"
     run = _train(out, "--loss", "dapo", *DAPO, "--max-steps", "7", "--eval-every", "7", "--gen-replicas", "2",
-                 timeout=1200)
+                 "--prompts-per-step", "16", timeout=1200)
     assert run.returncode == 0, why_failed(run)
     return out
 

@@ -697,11 +697,28 @@ def test_a_reward_timeout_shorter_than_the_math_verify_start_is_one_line_before_
     """The generator measures math-verify's start as it starts, and refuses a --reward-timeout shorter than that
     start plus one answer's 1 s bound (0.5 s is, whatever the start): a server that dies mid-run starts again inside
     a reward's deadline. One line naming both figures, before any step (no vLLM starts: the generator would wait for
-    a remote replica), and no output directory."""
+    a remote replica), and no output directory. `train.py evaluate` runs beside the training run (each on a port of
+    its own): each is one process that fails in its start, which alone left a core idle."""
+
+    def flags(where: Path) -> list[str]:
+        where.mkdir()
+        return ["--dataset", "tests/data/gsm8k_small.jsonl", "--reward-timeout", "0.5", *_remote_replica_only(where),
+                "--gen-join-timeout", "60"]
+
     out = tmp_path / "run"
-    flags = ["--dataset", "tests/data/gsm8k_small.jsonl", "--reward-timeout", "0.5", *_remote_replica_only(tmp_path),
-             "--gen-join-timeout", "60"]
-    run = _train(out, *flags, "--max-steps", "1", nproc=1, timeout=300, retry=False)
+    evaluate_cmd = [sys.executable, "train.py", "evaluate", *flags(tmp_path / "evaluate")]
+    logs = [tmp_path / f"evaluate.{name}" for name in ("stdout", "stderr")]  # files: no pipe fills up unread
+    with logs[0].open("w") as stdout, logs[1].open("w") as stderr:
+        evaluating = subprocess.Popen(evaluate_cmd, cwd=REPO, stdout=stdout, stderr=stderr, text=True)
+        try:
+            run = _train(out, *flags(tmp_path / "train"), "--max-steps", "1", nproc=1, timeout=300, retry=False)
+            evaluating.wait(300)
+        finally:
+            if evaluating.poll() is None:
+                evaluating.kill()
+                evaluating.wait()
+    evaluate = subprocess.CompletedProcess(evaluate_cmd, evaluating.returncode, logs[0].read_text(),
+                                           logs[1].read_text())
     assert run.returncode != 0
     assert run.stderr.count("train.py: error:") == 1, run.stderr[-3000:]
     assert re.search(r"\ntrain.py: error: generator process failed during start: --reward-timeout 0.5 s is shorter "
@@ -709,8 +726,7 @@ def test_a_reward_timeout_shorter_than_the_math_verify_start_is_one_line_before_
                      r"answer's bound \(1 s\): .* raise --reward-timeout to at least \d+ s\n",
                      run.stderr), run.stderr[-3000:]
     assert 'train.py", line' not in run.stderr and not out.exists()
-    evaluate = subprocess.run([sys.executable, "train.py", "evaluate", *flags], cwd=REPO, capture_output=True,
-                              text=True, timeout=300)  # `train.py evaluate` scores under the same deadline
+    # `train.py evaluate` scores under the same deadline
     assert evaluate.returncode != 0 and evaluate.stderr.count("train.py evaluate: error: ") == 1, why_failed(evaluate)
     assert "error: generator process failed during start: --reward-timeout 0.5 s is shorter than" in evaluate.stderr
     assert "Traceback" not in evaluate.stderr, evaluate.stderr[-3000:]

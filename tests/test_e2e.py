@@ -446,12 +446,22 @@ def _export(out: Path, exported: Path, in_vllm: bool = True) -> dict:
 
 
 def _export_and_evaluate(out: Path, exported: Path, eval_prompts: int, *flags: str) -> tuple[dict, dict]:
-    """`_export`, then `train.py evaluate --resume` with 2 samples of `eval_prompts` problems (and `flags`). Returns
-    the two commands' JSON lines."""
-    written = _export(out, exported)
-    run = subprocess.run([sys.executable, "train.py", "evaluate", "--resume", str(out), "--eval-prompts",
-                          str(eval_prompts), "--eval-samples", "2", *flags], cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
+    """`_export`, and beside it `train.py evaluate --resume` with 2 samples of `eval_prompts` problems (and `flags`).
+    Both only read the finished run, and each is one process, mostly starting (imports, the models' loads, vLLM's
+    engine): one after the other they left the second core mostly idle. Returns the two commands' JSON lines."""
+    cmd = [sys.executable, "train.py", "evaluate", "--resume", str(out), "--eval-prompts", str(eval_prompts),
+           "--eval-samples", "2", *flags]
+    logs = [exported.parent / f"evaluate.{name}" for name in ("stdout", "stderr")]  # files: no pipe fills up unread
+    with logs[0].open("w") as stdout, logs[1].open("w") as stderr:
+        evaluating = subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=stderr, text=True)
+        try:
+            written = _export(out, exported)
+            evaluating.wait(600)
+        finally:
+            if evaluating.poll() is None:
+                evaluating.kill()
+                evaluating.wait()
+    run = subprocess.CompletedProcess(cmd, evaluating.returncode, logs[0].read_text(), logs[1].read_text())
     assert run.returncode == 0, why_failed(run)
     return written, json.loads(run.stdout.splitlines()[-1])
 

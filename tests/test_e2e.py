@@ -377,7 +377,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, sync_grpo_run
     _assert_same_steps(rows, reference, range(4, 5), "1 -> 2")
     states = [json.loads((out / "checkpoint" / "trainer_state.json").read_text()) for out in (one, split)]
     assert states[0]["consumed"] == states[1]["consumed"]  # the same data position at step 4
-    assert _export(split, tmp_path / "exported", in_vllm=False)["step"] == 4  # one model from the 2 ranks' shards
+    # (2 ranks' shards exported as one model: cispo's case of test_every_loss_runs_end_to_end checks that export)
 
 
 @pytest.mark.slow

@@ -26,13 +26,23 @@ from helpers import REPO, TORCHRUN, assert_same_gradient, metrics_rows, run_torc
 
 @pytest.fixture(scope="module")
 def probe_results(tmp_path_factory, base_model_dir):
-    """The probe's results on one rank (the reference layout alone) and on two (every layout)."""
+    """The probe's results on one rank (the reference layout alone) and on two (every layout). The two runs go at
+    once: torchrun gives each rank one thread, so the one-rank run alone left a core idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = {world: tmp_path_factory.mktemp("probe") / f"w{world}.pt" for world in (1, 2)}
+
+    def probe(world: int) -> subprocess.CompletedProcess:
+        only = ["--reference-only"] if world == 1 else []
+        return run_torchrun(TORCHRUN + ["--nproc_per_node", str(world), "tests/learner_probe.py", str(paths[world]),
+                                        *only])
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = dict(zip((1, 2), pool.map(probe, (1, 2))))
     out = {}
-    for world, only in ((1, ["--reference-only"]), (2, [])):
-        path = tmp_path_factory.mktemp("probe") / f"w{world}.pt"
-        run = run_torchrun(TORCHRUN + ["--nproc_per_node", str(world), "tests/learner_probe.py", str(path), *only])
+    for world, run in runs.items():
         assert run.returncode == 0, why_failed(run)
-        out[world] = torch.load(path, weights_only=False)
+        out[world] = torch.load(paths[world], weights_only=False)
     return out
 
 

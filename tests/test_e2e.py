@@ -254,12 +254,25 @@ def _short_run(out: Path, loss: str, flags: list[str], *more: str) -> subprocess
 
 
 @pytest.fixture(scope="module")
-def sync_grpo_run(tmp_path_factory, base_model_dir) -> Path:
+def sync_grpo_fresh_runs(tmp_path_factory, base_model_dir) -> tuple[Path, Path]:
+    """The sync chain's two fresh runs (SYNC_GRPO, one seed), at once: sync_grpo_run's 3 steps and the first 2 of
+    sync_grpo_split's. One run alone leaves a core mostly idle while rank 0 starts vLLM and while the learner waits
+    for a round; the runs draw the same either way (each completion's own seed, a round's groups in one request)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    run_dir, split_dir = tmp_path_factory.mktemp("sync") / "grpo", tmp_path_factory.mktemp("split") / "split"
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_short_run, run_dir, "grpo", SYNC_GRPO),
+                pool.submit(_short_run, split_dir, "grpo", SYNC_GRPO, "--max-steps", "2")]
+        for run in runs:
+            assert run.result().returncode == 0, why_failed(run.result())
+    return run_dir, split_dir
+
+
+@pytest.fixture(scope="module")
+def sync_grpo_run(sync_grpo_fresh_runs) -> Path:
     """grpo in sync mode (SYNC_GRPO), 3 steps, run once for the three tests that read it."""
-    out = tmp_path_factory.mktemp("sync") / "grpo"
-    run = _short_run(out, "grpo", SYNC_GRPO)
-    assert run.returncode == 0, why_failed(run)
-    return out
+    return sync_grpo_fresh_runs[0]
 
 
 @pytest.mark.slow
@@ -336,15 +349,14 @@ SYNC_TRAINED = ("loss", "grad_norm", "entropy", "kl_ref", "is_weight_mean")
 
 
 @pytest.fixture(scope="module")
-def sync_grpo_split(tmp_path_factory, base_model_dir) -> Path:
-    """sync_grpo_run's run again, stopped after step 2 and resumed on 2 ranks to step 4 (split/: its steps 1-3 repeat
-    sync_grpo_run's, its step 4 is the 2-rank step that a resume from 1 rank must repeat); at-2/ is a copy of its
-    directory at step 2, a checkpoint saved by 2 learner ranks. The resume names the step it starts from and saves
-    one shard per rank (the 2 -> 2 case of test_a_checkpoint_resumes_on_another_number_of_ranks)."""
-    root = tmp_path_factory.mktemp("split")
-    split = root / "split"
-    run = _short_run(split, "grpo", SYNC_GRPO, "--max-steps", "2")
-    assert run.returncode == 0, why_failed(run)
+def sync_grpo_split(sync_grpo_fresh_runs) -> Path:
+    """sync_grpo_run's run again, stopped after step 2 (sync_grpo_fresh_runs) and resumed on 2 ranks to step 4
+    (split/: its steps 1-3 repeat sync_grpo_run's, its step 4 is the 2-rank step that a resume from 1 rank must
+    repeat); at-2/ is a copy of its directory at step 2, a checkpoint saved by 2 learner ranks. The resume names the
+    step it starts from and saves one shard per rank (the 2 -> 2 case of
+    test_a_checkpoint_resumes_on_another_number_of_ranks)."""
+    split = sync_grpo_fresh_runs[1]
+    root = split.parent
     shutil.copytree(split, root / "at-2", symlinks=True)
     run = _train(split, "--resume", str(split), "--max-steps", "4")
     assert run.returncode == 0, why_failed(run)

@@ -246,6 +246,9 @@ GSPO = ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "
 # DAPO's dynamic sampling, overlong penalty and overlong filter, and an mfu in every step's row from a given peak (a
 # CPU has none of its own): a case of test_every_loss_runs_end_to_end, run by two_replica_run.
 DAPO = ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter", "--peak-tflops", "0.5"]
+# PPO-off-policy-2 (sync mode, a round of 2 steps) and a last evaluation of mean@3: drgrpo's case of
+# test_every_loss_runs_end_to_end, run by drgrpo_run.
+DRGRPO = ["--mode", "sync", "--max-off-policy", "2", "--final-eval-samples", "3"]
 
 
 def _short_run(out: Path, loss: str, flags: list[str], *more: str) -> subprocess.CompletedProcess:
@@ -280,21 +283,17 @@ def sync_grpo_run(sync_grpo_fresh_runs) -> Path:
     ("cispo", []),  # the ScaleRL recipe (pipeline mode, k = 8): the 6-step run of recipe_6_steps
     ("grpo", SYNC_GRPO),  # the run of sync_grpo_run
     ("dapo", DAPO),  # the run of two_replica_run
-    ("drgrpo", ["--mode", "sync", "--max-off-policy", "2", "--final-eval-samples", "3"]),  # PPO-off-policy-2
+    ("drgrpo", DRGRPO),  # the run of drgrpo_run
     ("gspo", GSPO),  # the run of four_step_run
 ])
 def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, flags):
-    """Each loss's run: every step's row and evaluation, its metrics, the figures and a checkpoint. Four runs are
-    shared with other tests (a start of torchrun and vLLM costs about 20 s here): cispo's is the 6-step recipe,
-    grpo's the sync run that the repeat test runs again, gspo's the 4-step run that the corrupt-checkpoint test
-    resumes, dapo's the 7-step run on two replicas."""
-    shared = {"cispo": "recipe_6_steps", "grpo": "sync_grpo_run", "gspo": "four_step_run", "dapo": "two_replica_run"}
-    if loss in shared:
-        out = request.getfixturevalue(shared[loss])
-    else:
-        out = tmp_path / loss
-        run = _short_run(out, loss, flags)
-        assert run.returncode == 0, why_failed(run)
+    """Each loss's run: every step's row and evaluation, its metrics, the figures and a checkpoint. Each run is a
+    module fixture, four of them shared with other tests (a start of torchrun and vLLM costs about 20 s here):
+    cispo's is the 6-step recipe, grpo's the sync run that the repeat test runs again, gspo's the 4-step run that
+    the corrupt-checkpoint test resumes (made beside drgrpo's), dapo's the 7-step run on two replicas."""
+    shared = {"cispo": "recipe_6_steps", "grpo": "sync_grpo_run", "gspo": "four_step_run", "dapo": "two_replica_run",
+              "drgrpo": "drgrpo_run"}
+    out = request.getfixturevalue(shared[loss])
     args = json.loads((out / "args.json").read_text())
     last, every, prompts, samples = args["max_steps"], args["eval_every"], args["eval_prompts"], args["eval_samples"]
     rows = metrics_rows(out)
@@ -638,14 +637,32 @@ def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_pat
 
 
 @pytest.fixture(scope="module")
-def four_step_run(tmp_path_factory, base_model_dir) -> Path:
+def four_step_and_drgrpo_runs(tmp_path_factory, base_model_dir) -> tuple[Path, Path]:
+    """four_step_run's run and drgrpo_run's, at once: two fresh runs of their own, and one alone leaves a core mostly
+    idle while rank 0 starts vLLM and while the learner waits for the generator."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    four, drgrpo = tmp_path_factory.mktemp("four") / "run", tmp_path_factory.mktemp("drgrpo") / "drgrpo"
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_train, four, "--loss", "gspo", *GSPO, "--max-steps", "4", "--checkpoint-every", "2",
+                            "--eval-every", "4", "--report-to", "tensorboard", *SHORT),
+                pool.submit(_short_run, drgrpo, "drgrpo", DRGRPO)]
+        for run in runs:
+            assert run.result().returncode == 0, why_failed(run.result())
+    return four, drgrpo
+
+
+@pytest.fixture(scope="module")
+def four_step_run(four_step_and_drgrpo_runs) -> Path:
     """A finished run of 4 steps with checkpoints at steps 2 and 4, reporting to TensorBoard: the tests that resume
     it copy it first. Its loss is gspo's (GSPO), so that it is also gspo's case of test_every_loss_runs_end_to_end."""
-    out = tmp_path_factory.mktemp("four") / "run"
-    run = _train(out, "--loss", "gspo", *GSPO, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4",
-                 "--report-to", "tensorboard", *SHORT)
-    assert run.returncode == 0, why_failed(run)
-    return out
+    return four_step_and_drgrpo_runs[0]
+
+
+@pytest.fixture(scope="module")
+def drgrpo_run(four_step_and_drgrpo_runs) -> Path:
+    """drgrpo's 3-step run (DRGRPO), its case of test_every_loss_runs_end_to_end."""
+    return four_step_and_drgrpo_runs[1]
 
 
 @pytest.mark.slow

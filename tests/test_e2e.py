@@ -401,17 +401,41 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, sync_grpo_run
     # (2 ranks' shards exported as one model: cispo's case of test_every_loss_runs_end_to_end checks that export)
 
 
-@pytest.mark.slow
-def test_a_migrated_checkpoint_of_the_older_format_resumes(tmp_path, base_model_dir):
-    """The run that the train.py before sharded checkpoints saved on 2 ranks (tests/data/checkpoint-v1: one
-    weights.pt per checkpoint), migrated, resumes at its next step on 2 ranks and saves one shard per rank."""
+def _migrate_and_resume(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """A copy of the older train.py's run (test_checkpoints._old_run_copy), `train.py migrate-checkpoint` on it, then
+    (if that succeeded) a resume to step 3 on 2 ranks: the run's directory and the two commands' results."""
     from test_checkpoints import _old_run_copy
 
     run = _old_run_copy(tmp_path)
     migrated = subprocess.run([sys.executable, "train.py", "migrate-checkpoint", str(run)], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
+    if migrated.returncode != 0:
+        return run, migrated, migrated
+    return run, migrated, _train(tmp_path / "ignored", "--resume", str(run), "--max-steps", "3")
+
+
+@pytest.fixture(scope="module")
+def migrated_and_non_finite_runs(tmp_path_factory, base_model_dir) -> dict:
+    """The migrated run's resume (_migrate_and_resume) and the non-finite run (NON_FINITE, which must fail), at once:
+    two runs of their own, and one alone leaves a core mostly idle while rank 0 starts vLLM and while the learner
+    waits for the generator."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    migrated_root, non_finite = tmp_path_factory.mktemp("migrated"), tmp_path_factory.mktemp("nan") / "nan"
+    with ThreadPoolExecutor(2) as pool:
+        migrating = pool.submit(_migrate_and_resume, migrated_root)
+        stopping = pool.submit(_train, non_finite, *NON_FINITE, retry=False)
+        run, migrated, resumed = migrating.result()
+        return {"run": run, "migrated": migrated, "resumed": resumed, "non_finite": non_finite,
+                "non_finite_run": stopping.result()}
+
+
+@pytest.mark.slow
+def test_a_migrated_checkpoint_of_the_older_format_resumes(migrated_and_non_finite_runs):
+    """The run that the train.py before sharded checkpoints saved on 2 ranks (tests/data/checkpoint-v1: one
+    weights.pt per checkpoint), migrated, resumes at its next step on 2 ranks and saves one shard per rank."""
+    run, migrated, resumed = (migrated_and_non_finite_runs[key] for key in ("run", "migrated", "resumed"))
     assert migrated.returncode == 0, why_failed(migrated)
-    resumed = _train(tmp_path / "ignored", "--resume", str(run), "--max-steps", "3")
     assert resumed.returncode == 0, why_failed(resumed)
     assert f"[resume] {run / 'checkpoint'}: step 2" in resumed.stderr, resumed.stderr[-3000:]
     assert [r["step"] for r in metrics_rows(run)] == [0, 1, 2, 3]
@@ -487,13 +511,16 @@ def _export_and_evaluate(out: Path, exported: Path, eval_prompts: int, *flags: s
     return written, json.loads(run.stdout.splitlines()[-1])
 
 
+# A NaN cap for CISPO's weights, and a stop after 2 bad steps in a row: the non-finite test's run.
+NON_FINITE = ["--max-steps", "6", "--eval-every", "10", "--max-bad-steps", "2", "--loss-arg", "eps_max=nan", *SHORT]
+
+
 @pytest.mark.slow
-def test_non_finite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(tmp_path, base_model_dir):
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(migrated_and_non_finite_runs):
     """A NaN cap makes every CISPO weight NaN (a real bad hyper-parameter, no fake): each step is skipped and
-    counted, and --max-bad-steps of them in a row stop the run with a message and a checkpoint to resume from."""
-    out = tmp_path / "nan"
-    run = _train(out, "--max-steps", "6", "--eval-every", "10", "--max-bad-steps", "2",
-                 "--loss-arg", "eps_max=nan", *SHORT, retry=False)
+    counted, and --max-bad-steps of them in a row stop the run with a message and a checkpoint to resume from. (The
+    run is made beside the migrated checkpoint's resume: migrated_and_non_finite_runs.)"""
+    out, run = migrated_and_non_finite_runs["non_finite"], migrated_and_non_finite_runs["non_finite_run"]
     assert run.returncode != 0
     assert "stopping: 2 consecutive steps had a non-finite loss or gradient" in run.stderr + run.stdout
     rows = metrics_rows(out)

@@ -26,13 +26,23 @@ from helpers import REPO, TORCHRUN, assert_same_gradient, metrics_rows, run_torc
 
 @pytest.fixture(scope="module")
 def probe_results(tmp_path_factory, base_model_dir):
-    """The probe's results on one rank (the reference layout alone) and on two (every layout)."""
+    """The probe's results on one rank (the reference layout alone) and on two (every layout). The two runs go at
+    once: torchrun gives each rank one thread, so the one-rank run alone left a core idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    paths = {world: tmp_path_factory.mktemp("probe") / f"w{world}.pt" for world in (1, 2)}
+
+    def probe(world: int) -> subprocess.CompletedProcess:
+        only = ["--reference-only"] if world == 1 else []
+        return run_torchrun(TORCHRUN + ["--nproc_per_node", str(world), "tests/learner_probe.py", str(paths[world]),
+                                        *only])
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = dict(zip((1, 2), pool.map(probe, (1, 2))))
     out = {}
-    for world, only in ((1, ["--reference-only"]), (2, [])):
-        path = tmp_path_factory.mktemp("probe") / f"w{world}.pt"
-        run = run_torchrun(TORCHRUN + ["--nproc_per_node", str(world), "tests/learner_probe.py", str(path), *only])
+    for world, run in runs.items():
         assert run.returncode == 0, why_failed(run)
-        out[world] = torch.load(path, weights_only=False)
+        out[world] = torch.load(paths[world], weights_only=False)
     return out
 
 
@@ -236,6 +246,9 @@ GSPO = ["--loss-arg", "clip_eps_low=3e-3", "--loss-arg", "clip_eps_high=5e-3", "
 # DAPO's dynamic sampling, overlong penalty and overlong filter, and an mfu in every step's row from a given peak (a
 # CPU has none of its own): a case of test_every_loss_runs_end_to_end, run by two_replica_run.
 DAPO = ["--zero-variance", "resample", "--length-control", "overlong", "--overlong-filter", "--peak-tflops", "0.5"]
+# PPO-off-policy-2 (sync mode, a round of 2 steps) and a last evaluation of mean@3: drgrpo's case of
+# test_every_loss_runs_end_to_end, run by drgrpo_run.
+DRGRPO = ["--mode", "sync", "--max-off-policy", "2", "--final-eval-samples", "3"]
 
 
 def _short_run(out: Path, loss: str, flags: list[str], *more: str) -> subprocess.CompletedProcess:
@@ -244,12 +257,25 @@ def _short_run(out: Path, loss: str, flags: list[str], *more: str) -> subprocess
 
 
 @pytest.fixture(scope="module")
-def sync_grpo_run(tmp_path_factory, base_model_dir) -> Path:
+def sync_grpo_fresh_runs(tmp_path_factory, base_model_dir) -> tuple[Path, Path]:
+    """The sync chain's two fresh runs (SYNC_GRPO, one seed), at once: sync_grpo_run's 3 steps and the first 2 of
+    sync_grpo_split's. One run alone leaves a core mostly idle while rank 0 starts vLLM and while the learner waits
+    for a round; the runs draw the same either way (each completion's own seed, a round's groups in one request)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    run_dir, split_dir = tmp_path_factory.mktemp("sync") / "grpo", tmp_path_factory.mktemp("split") / "split"
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_short_run, run_dir, "grpo", SYNC_GRPO),
+                pool.submit(_short_run, split_dir, "grpo", SYNC_GRPO, "--max-steps", "2")]
+        for run in runs:
+            assert run.result().returncode == 0, why_failed(run.result())
+    return run_dir, split_dir
+
+
+@pytest.fixture(scope="module")
+def sync_grpo_run(sync_grpo_fresh_runs) -> Path:
     """grpo in sync mode (SYNC_GRPO), 3 steps, run once for the three tests that read it."""
-    out = tmp_path_factory.mktemp("sync") / "grpo"
-    run = _short_run(out, "grpo", SYNC_GRPO)
-    assert run.returncode == 0, why_failed(run)
-    return out
+    return sync_grpo_fresh_runs[0]
 
 
 @pytest.mark.slow
@@ -257,21 +283,17 @@ def sync_grpo_run(tmp_path_factory, base_model_dir) -> Path:
     ("cispo", []),  # the ScaleRL recipe (pipeline mode, k = 8): the 6-step run of recipe_6_steps
     ("grpo", SYNC_GRPO),  # the run of sync_grpo_run
     ("dapo", DAPO),  # the run of two_replica_run
-    ("drgrpo", ["--mode", "sync", "--max-off-policy", "2", "--final-eval-samples", "3"]),  # PPO-off-policy-2
+    ("drgrpo", DRGRPO),  # the run of drgrpo_run
     ("gspo", GSPO),  # the run of four_step_run
 ])
 def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, flags):
-    """Each loss's run: every step's row and evaluation, its metrics, the figures and a checkpoint. Four runs are
-    shared with other tests (a start of torchrun and vLLM costs about 20 s here): cispo's is the 6-step recipe,
-    grpo's the sync run that the repeat test runs again, gspo's the 4-step run that the corrupt-checkpoint test
-    resumes, dapo's the 7-step run on two replicas."""
-    shared = {"cispo": "recipe_6_steps", "grpo": "sync_grpo_run", "gspo": "four_step_run", "dapo": "two_replica_run"}
-    if loss in shared:
-        out = request.getfixturevalue(shared[loss])
-    else:
-        out = tmp_path / loss
-        run = _short_run(out, loss, flags)
-        assert run.returncode == 0, why_failed(run)
+    """Each loss's run: every step's row and evaluation, its metrics, the figures and a checkpoint. Each run is a
+    module fixture, four of them shared with other tests (a start of torchrun and vLLM costs about 20 s here):
+    cispo's is the 6-step recipe, grpo's the sync run that the repeat test runs again, gspo's the 4-step run that
+    the corrupt-checkpoint test resumes (made beside drgrpo's), dapo's the 7-step run on two replicas."""
+    shared = {"cispo": "recipe_6_steps", "grpo": "sync_grpo_run", "gspo": "four_step_run", "dapo": "two_replica_run",
+              "drgrpo": "drgrpo_run"}
+    out = request.getfixturevalue(shared[loss])
     args = json.loads((out / "args.json").read_text())
     last, every, prompts, samples = args["max_steps"], args["eval_every"], args["eval_prompts"], args["eval_samples"]
     rows = metrics_rows(out)
@@ -326,15 +348,14 @@ SYNC_TRAINED = ("loss", "grad_norm", "entropy", "kl_ref", "is_weight_mean")
 
 
 @pytest.fixture(scope="module")
-def sync_grpo_split(tmp_path_factory, base_model_dir) -> Path:
-    """sync_grpo_run's run again, stopped after step 2 and resumed on 2 ranks to step 4 (split/: its steps 1-3 repeat
-    sync_grpo_run's, its step 4 is the 2-rank step that a resume from 1 rank must repeat); at-2/ is a copy of its
-    directory at step 2, a checkpoint saved by 2 learner ranks. The resume names the step it starts from and saves
-    one shard per rank (the 2 -> 2 case of test_a_checkpoint_resumes_on_another_number_of_ranks)."""
-    root = tmp_path_factory.mktemp("split")
-    split = root / "split"
-    run = _short_run(split, "grpo", SYNC_GRPO, "--max-steps", "2")
-    assert run.returncode == 0, why_failed(run)
+def sync_grpo_split(sync_grpo_fresh_runs) -> Path:
+    """sync_grpo_run's run again, stopped after step 2 (sync_grpo_fresh_runs) and resumed on 2 ranks to step 4
+    (split/: its steps 1-3 repeat sync_grpo_run's, its step 4 is the 2-rank step that a resume from 1 rank must
+    repeat); at-2/ is a copy of its directory at step 2, a checkpoint saved by 2 learner ranks. The resume names the
+    step it starts from and saves one shard per rank (the 2 -> 2 case of
+    test_a_checkpoint_resumes_on_another_number_of_ranks)."""
+    split = sync_grpo_fresh_runs[1]
+    root = split.parent
     shutil.copytree(split, root / "at-2", symlinks=True)
     run = _train(split, "--resume", str(split), "--max-steps", "4")
     assert run.returncode == 0, why_failed(run)
@@ -377,20 +398,44 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, sync_grpo_run
     _assert_same_steps(rows, reference, range(4, 5), "1 -> 2")
     states = [json.loads((out / "checkpoint" / "trainer_state.json").read_text()) for out in (one, split)]
     assert states[0]["consumed"] == states[1]["consumed"]  # the same data position at step 4
-    assert _export(split, tmp_path / "exported", in_vllm=False)["step"] == 4  # one model from the 2 ranks' shards
+    # (2 ranks' shards exported as one model: cispo's case of test_every_loss_runs_end_to_end checks that export)
 
 
-@pytest.mark.slow
-def test_a_migrated_checkpoint_of_the_older_format_resumes(tmp_path, base_model_dir):
-    """The run that the train.py before sharded checkpoints saved on 2 ranks (tests/data/checkpoint-v1: one
-    weights.pt per checkpoint), migrated, resumes at its next step on 2 ranks and saves one shard per rank."""
+def _migrate_and_resume(tmp_path: Path) -> tuple[Path, subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """A copy of the older train.py's run (test_checkpoints._old_run_copy), `train.py migrate-checkpoint` on it, then
+    (if that succeeded) a resume to step 3 on 2 ranks: the run's directory and the two commands' results."""
     from test_checkpoints import _old_run_copy
 
     run = _old_run_copy(tmp_path)
     migrated = subprocess.run([sys.executable, "train.py", "migrate-checkpoint", str(run)], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
+    if migrated.returncode != 0:
+        return run, migrated, migrated
+    return run, migrated, _train(tmp_path / "ignored", "--resume", str(run), "--max-steps", "3")
+
+
+@pytest.fixture(scope="module")
+def migrated_and_non_finite_runs(tmp_path_factory, base_model_dir) -> dict:
+    """The migrated run's resume (_migrate_and_resume) and the non-finite run (NON_FINITE, which must fail), at once:
+    two runs of their own, and one alone leaves a core mostly idle while rank 0 starts vLLM and while the learner
+    waits for the generator."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    migrated_root, non_finite = tmp_path_factory.mktemp("migrated"), tmp_path_factory.mktemp("nan") / "nan"
+    with ThreadPoolExecutor(2) as pool:
+        migrating = pool.submit(_migrate_and_resume, migrated_root)
+        stopping = pool.submit(_train, non_finite, *NON_FINITE, retry=False)
+        run, migrated, resumed = migrating.result()
+        return {"run": run, "migrated": migrated, "resumed": resumed, "non_finite": non_finite,
+                "non_finite_run": stopping.result()}
+
+
+@pytest.mark.slow
+def test_a_migrated_checkpoint_of_the_older_format_resumes(migrated_and_non_finite_runs):
+    """The run that the train.py before sharded checkpoints saved on 2 ranks (tests/data/checkpoint-v1: one
+    weights.pt per checkpoint), migrated, resumes at its next step on 2 ranks and saves one shard per rank."""
+    run, migrated, resumed = (migrated_and_non_finite_runs[key] for key in ("run", "migrated", "resumed"))
     assert migrated.returncode == 0, why_failed(migrated)
-    resumed = _train(tmp_path / "ignored", "--resume", str(run), "--max-steps", "3")
     assert resumed.returncode == 0, why_failed(resumed)
     assert f"[resume] {run / 'checkpoint'}: step 2" in resumed.stderr, resumed.stderr[-3000:]
     assert [r["step"] for r in metrics_rows(run)] == [0, 1, 2, 3]
@@ -446,23 +491,36 @@ def _export(out: Path, exported: Path, in_vllm: bool = True) -> dict:
 
 
 def _export_and_evaluate(out: Path, exported: Path, eval_prompts: int, *flags: str) -> tuple[dict, dict]:
-    """`_export`, then `train.py evaluate --resume` with 2 samples of `eval_prompts` problems (and `flags`). Returns
-    the two commands' JSON lines."""
-    written = _export(out, exported)
-    run = subprocess.run([sys.executable, "train.py", "evaluate", "--resume", str(out), "--eval-prompts",
-                          str(eval_prompts), "--eval-samples", "2", *flags], cwd=REPO, capture_output=True, text=True,
-                         timeout=600)
+    """`_export`, and beside it `train.py evaluate --resume` with 2 samples of `eval_prompts` problems (and `flags`).
+    Both only read the finished run, and each is one process, mostly starting (imports, the models' loads, vLLM's
+    engine): one after the other they left the second core mostly idle. Returns the two commands' JSON lines."""
+    cmd = [sys.executable, "train.py", "evaluate", "--resume", str(out), "--eval-prompts", str(eval_prompts),
+           "--eval-samples", "2", *flags]
+    logs = [exported.parent / f"evaluate.{name}" for name in ("stdout", "stderr")]  # files: no pipe fills up unread
+    with logs[0].open("w") as stdout, logs[1].open("w") as stderr:
+        evaluating = subprocess.Popen(cmd, cwd=REPO, stdout=stdout, stderr=stderr, text=True)
+        try:
+            written = _export(out, exported)
+            evaluating.wait(600)
+        finally:
+            if evaluating.poll() is None:
+                evaluating.kill()
+                evaluating.wait()
+    run = subprocess.CompletedProcess(cmd, evaluating.returncode, logs[0].read_text(), logs[1].read_text())
     assert run.returncode == 0, why_failed(run)
     return written, json.loads(run.stdout.splitlines()[-1])
 
 
+# A NaN cap for CISPO's weights, and a stop after 2 bad steps in a row: the non-finite test's run.
+NON_FINITE = ["--max-steps", "6", "--eval-every", "10", "--max-bad-steps", "2", "--loss-arg", "eps_max=nan", *SHORT]
+
+
 @pytest.mark.slow
-def test_non_finite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(tmp_path, base_model_dir):
+def test_non_finite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(migrated_and_non_finite_runs):
     """A NaN cap makes every CISPO weight NaN (a real bad hyper-parameter, no fake): each step is skipped and
-    counted, and --max-bad-steps of them in a row stop the run with a message and a checkpoint to resume from."""
-    out = tmp_path / "nan"
-    run = _train(out, "--max-steps", "6", "--eval-every", "10", "--max-bad-steps", "2",
-                 "--loss-arg", "eps_max=nan", *SHORT, retry=False)
+    counted, and --max-bad-steps of them in a row stop the run with a message and a checkpoint to resume from. (The
+    run is made beside the migrated checkpoint's resume: migrated_and_non_finite_runs.)"""
+    out, run = migrated_and_non_finite_runs["non_finite"], migrated_and_non_finite_runs["non_finite_run"]
     assert run.returncode != 0
     assert "stopping: 2 consecutive steps had a non-finite loss or gradient" in run.stderr + run.stdout
     rows = metrics_rows(out)
@@ -606,14 +664,32 @@ def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_pat
 
 
 @pytest.fixture(scope="module")
-def four_step_run(tmp_path_factory, base_model_dir) -> Path:
+def four_step_and_drgrpo_runs(tmp_path_factory, base_model_dir) -> tuple[Path, Path]:
+    """four_step_run's run and drgrpo_run's, at once: two fresh runs of their own, and one alone leaves a core mostly
+    idle while rank 0 starts vLLM and while the learner waits for the generator."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    four, drgrpo = tmp_path_factory.mktemp("four") / "run", tmp_path_factory.mktemp("drgrpo") / "drgrpo"
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(_train, four, "--loss", "gspo", *GSPO, "--max-steps", "4", "--checkpoint-every", "2",
+                            "--eval-every", "4", "--report-to", "tensorboard", *SHORT),
+                pool.submit(_short_run, drgrpo, "drgrpo", DRGRPO)]
+        for run in runs:
+            assert run.result().returncode == 0, why_failed(run.result())
+    return four, drgrpo
+
+
+@pytest.fixture(scope="module")
+def four_step_run(four_step_and_drgrpo_runs) -> Path:
     """A finished run of 4 steps with checkpoints at steps 2 and 4, reporting to TensorBoard: the tests that resume
     it copy it first. Its loss is gspo's (GSPO), so that it is also gspo's case of test_every_loss_runs_end_to_end."""
-    out = tmp_path_factory.mktemp("four") / "run"
-    run = _train(out, "--loss", "gspo", *GSPO, "--max-steps", "4", "--checkpoint-every", "2", "--eval-every", "4",
-                 "--report-to", "tensorboard", *SHORT)
-    assert run.returncode == 0, why_failed(run)
-    return out
+    return four_step_and_drgrpo_runs[0]
+
+
+@pytest.fixture(scope="module")
+def drgrpo_run(four_step_and_drgrpo_runs) -> Path:
+    """drgrpo's 3-step run (DRGRPO), its case of test_every_loss_runs_end_to_end."""
+    return four_step_and_drgrpo_runs[1]
 
 
 @pytest.mark.slow
@@ -697,11 +773,28 @@ def test_a_reward_timeout_shorter_than_the_math_verify_start_is_one_line_before_
     """The generator measures math-verify's start as it starts, and refuses a --reward-timeout shorter than that
     start plus one answer's 1 s bound (0.5 s is, whatever the start): a server that dies mid-run starts again inside
     a reward's deadline. One line naming both figures, before any step (no vLLM starts: the generator would wait for
-    a remote replica), and no output directory."""
+    a remote replica), and no output directory. `train.py evaluate` runs beside the training run (each on a port of
+    its own): each is one process that fails in its start, which alone left a core idle."""
+
+    def flags(where: Path) -> list[str]:
+        where.mkdir()
+        return ["--dataset", "tests/data/gsm8k_small.jsonl", "--reward-timeout", "0.5", *_remote_replica_only(where),
+                "--gen-join-timeout", "60"]
+
     out = tmp_path / "run"
-    flags = ["--dataset", "tests/data/gsm8k_small.jsonl", "--reward-timeout", "0.5", *_remote_replica_only(tmp_path),
-             "--gen-join-timeout", "60"]
-    run = _train(out, *flags, "--max-steps", "1", nproc=1, timeout=300, retry=False)
+    evaluate_cmd = [sys.executable, "train.py", "evaluate", *flags(tmp_path / "evaluate")]
+    logs = [tmp_path / f"evaluate.{name}" for name in ("stdout", "stderr")]  # files: no pipe fills up unread
+    with logs[0].open("w") as stdout, logs[1].open("w") as stderr:
+        evaluating = subprocess.Popen(evaluate_cmd, cwd=REPO, stdout=stdout, stderr=stderr, text=True)
+        try:
+            run = _train(out, *flags(tmp_path / "train"), "--max-steps", "1", nproc=1, timeout=300, retry=False)
+            evaluating.wait(300)
+        finally:
+            if evaluating.poll() is None:
+                evaluating.kill()
+                evaluating.wait()
+    evaluate = subprocess.CompletedProcess(evaluate_cmd, evaluating.returncode, logs[0].read_text(),
+                                           logs[1].read_text())
     assert run.returncode != 0
     assert run.stderr.count("train.py: error:") == 1, run.stderr[-3000:]
     assert re.search(r"\ntrain.py: error: generator process failed during start: --reward-timeout 0.5 s is shorter "
@@ -709,8 +802,7 @@ def test_a_reward_timeout_shorter_than_the_math_verify_start_is_one_line_before_
                      r"answer's bound \(1 s\): .* raise --reward-timeout to at least \d+ s\n",
                      run.stderr), run.stderr[-3000:]
     assert 'train.py", line' not in run.stderr and not out.exists()
-    evaluate = subprocess.run([sys.executable, "train.py", "evaluate", *flags], cwd=REPO, capture_output=True,
-                              text=True, timeout=300)  # `train.py evaluate` scores under the same deadline
+    # `train.py evaluate` scores under the same deadline
     assert evaluate.returncode != 0 and evaluate.stderr.count("train.py evaluate: error: ") == 1, why_failed(evaluate)
     assert "error: generator process failed during start: --reward-timeout 0.5 s is shorter than" in evaluate.stderr
     assert "Traceback" not in evaluate.stderr, evaluate.stderr[-3000:]
@@ -806,13 +898,13 @@ def test_default_recipe_with_a_fast_generator_stays_fresh(recipe_6_steps):
 
 @pytest.fixture(scope="module")
 def two_replica_run(tmp_path_factory, base_model_dir) -> Path:
-    """7 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast over gloo), at the
-    default batch (32 prompts x 8) and full learner speed: the replicas' invariants need no generator far ahead. Its
-    loss is dapo's (DAPO), so that it is also dapo's case of test_every_loss_runs_end_to_end. The test that resumes
-    it copies it first."""
+    """7 steps with --gen-replicas 2 (two vLLM engines under one scheduler, weights broadcast over gloo), of 16
+    prompts x 8 (half the default batch: each group goes to the least-loaded replica, so each still gets about half)
+    at full learner speed: the replicas' invariants need no generator far ahead. Its loss is dapo's (DAPO), so that
+    it is also dapo's case of test_every_loss_runs_end_to_end. The test that resumes it copies it first."""
     out = tmp_path_factory.mktemp("replicas") / "two-replicas"
     run = _train(out, "--loss", "dapo", *DAPO, "--max-steps", "7", "--eval-every", "7", "--gen-replicas", "2",
-                 timeout=1200)
+                 "--prompts-per-step", "16", timeout=1200)
     assert run.returncode == 0, why_failed(run)
     return out
 

@@ -6,9 +6,13 @@ tensor, cast on rank 0 as for a generator). Each pushed tensor's sum is checked 
 `transfer`: rank 0 also sends each push through the weight transfer's gloo engines (harness/weight_transfer.py, made
 by vLLM's factories, as Generator.update_weights does), a second gloo group whose store rank 0 hosts, to a receiving
 engine in a thread of rank 0 (the replica's end), and checks that every tensor arrived whole.
+`nograd`: each round starts with 1 to 3 forwards without grad that leave FSDP2's root unit gathered (no reshard
+after them: attach_learner_logprobs before its fix), then pushes before the training step on even rounds, after it
+on odd ones: gathers and steps in that half-gathered state.
 It looks for the native crash that FSDP2 over gloo has shown a few times (docs/runtime.md, "Native crashes"):
 
     torchrun --standalone --nproc_per_node 2 tests/gloo_gather_loop.py MODEL_DIR SECONDS train|push [busy] [transfer]
+                                                                       [nograd]
 
 Rank 0 prints `done: N pushes ...` and the count of wrong tensors; a crash prints faulthandler's stacks."""
 
@@ -98,6 +102,16 @@ def transfer_is_right(engine, receiver: _Receiver, weights: dict) -> int:
     return sum(not (name in loaded and torch.equal(loaded[name], t)) for name, t in weights.items())
 
 
+def forwards_without_grad(model: torch.nn.Module, n: int) -> bool:
+    """`n` forwards under torch.no_grad on random tokens (shapes set by `n`, the same on every rank: the collectives
+    must match), with no reshard after them. Returns whether the root unit was left gathered (its
+    parameters plain tensors, not DTensors)."""
+    with torch.no_grad():
+        for i in range(n):
+            model(input_ids=torch.randint(3, model.config.vocab_size, (1 + i, 2 + 7 * n)))
+    return not any(hasattr(p, "to_local") for p in model.model.norm.parameters())
+
+
 def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
     faulthandler.enable(all_threads=True)
     dist.init_process_group("gloo")
@@ -108,7 +122,8 @@ def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
         worker.start()
     model, _ = train.build_learner(model_path, flags.Args(model=model_path), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    generator = SimpleNamespace(config=SimpleNamespace(weight_transport="file", gen_devices=None, dtype="float32"))
+    fleet = SimpleNamespace(weight_transport="file", gen_devices=None, dtype="float32")  # what push_state_dict reads
+    generator = SimpleNamespace(config=SimpleNamespace(fleet=fleet))
     torch.manual_seed(rank)
     engine = receiver = None
     if "transfer" in extra and rank == 0:
@@ -117,15 +132,22 @@ def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
         receiver = _Receiver()
         engine = weight_transfer.trainer_engine("gloo", client=receiver, source=None, host="127.0.0.1",
                                                 worker_host="127.0.0.1", world_size=2, timeout_s=120)
-    start, pushes, wrong = time.time(), 0, 0
+    start, pushes, wrong, gathered = time.time(), 0, 0, 0
     while True:
+        if "nograd" in extra:
+            gathered += forwards_without_grad(model, 1 + pushes % 3)
+        push_first = "nograd" in extra and pushes % 2 == 0  # a push in the half-gathered state, then the step
+        if push_first:
+            weights = runtime.push_state_dict(model, generator if rank == 0 else None)
+            wrong += push_is_right(model, weights, rank)
         if mode == "train":
             ids = torch.randint(3, model.config.vocab_size, (2, 24))
             model(input_ids=ids).logits.float().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-        weights = runtime.push_state_dict(model, generator if rank == 0 else None)
-        wrong += push_is_right(model, weights, rank)
+        if not push_first:
+            weights = runtime.push_state_dict(model, generator if rank == 0 else None)
+            wrong += push_is_right(model, weights, rank)
         if engine is not None:
             wrong += transfer_is_right(engine, receiver, weights)
         pushes += 1
@@ -140,7 +162,9 @@ def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
         engine.shutdown()
     if rank == 0:
         print(f"done: {pushes} pushes ({mode}{''.join(', ' + e for e in extra)}) in {time.time() - start:.0f} s, "
-              f"{wrong} tensors wrong; torch {torch.__version__}", flush=True)
+              f"{wrong} tensors wrong; torch {torch.__version__}"
+              + (f"; root unit left gathered by forwards without grad {gathered} times" if "nograd" in extra else ""),
+              flush=True)
     dist.destroy_process_group()
 
 

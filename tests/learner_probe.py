@@ -19,6 +19,7 @@ import train  # noqa: E402
 from harness import base_model  # noqa: E402
 from harness import flags  # noqa: E402
 from harness import runtime  # noqa: E402
+from harness.vllm_replica import exit_at_once  # noqa: E402
 from tools.bench import synthetic_groups  # noqa: E402
 
 # The settings that change the loss (KL to the reference model, importance weights, CISPO's aggregation unit): each
@@ -105,3 +106,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # As train.py's ranks: no interpreter teardown once the results are saved. A gloo worker thread still releasing
+    # the last collective's tensors takes the GIL during that teardown, and CPython's ending of it aborts the rank
+    # (docs/runtime.md, "Native crashes": the crash at exit).
+    exit_at_once()

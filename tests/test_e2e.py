@@ -978,3 +978,13 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     assert result["max_tokens"] == 48 and len(result["examples"]) == 3, result
     questions = [json.loads(line)["question"] for line in (REPO / data).read_text().splitlines()]
     assert all(any(q in e["prompt"] for q in questions) for e in result["examples"]), result["examples"]
+
+
+def test_the_torchrun_entry_points_end_without_the_interpreters_teardown():
+    """train.py and the learner probe, the scripts the tests run under torchrun, end through exit_at_once once their
+    work is written: a gloo worker thread still releasing the last collective's tensors takes the GIL during the
+    interpreter's teardown, and CPython's ending of that thread aborts the rank (docs/runtime.md, "Native crashes":
+    the crash at exit, SIGABRT then SIGSEGV)."""
+    for script in ("train.py", "tests/learner_probe.py"):
+        entry = (REPO / script).read_text().split('if __name__ == "__main__":')[-1]
+        assert "exit_at_once()" in entry, f"{script} ends through the interpreter's teardown"

@@ -91,7 +91,7 @@ from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_
                              idle_forwards_needed, load_tasks, model_flops_utilisation, new_row, peak_flops_per_s,
                              push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks,
                              summary_line, this_ranks_share)
-from harness.vllm_replica import exit_at_once  # a finished rank's exit
+from harness.vllm_replica import exit_at_once, report_exit  # a rank's exit, finished or stopped
 
 # --loss NAME -> its loss file. The flags take their choices and each file's hyper-parameters from this table
 # (parse_args reads the files' signatures), so the names and the defaults are written once.
@@ -1014,5 +1014,8 @@ COMMANDS = {
 
 
 if __name__ == "__main__":  # vLLM on CPU spawns its workers: the entry point must be guarded
-    main()
+    try:
+        main()
+    except (SystemExit, Exception) as stop:  # a run that stops on an error skips the teardown as well: a gloo
+        exit_at_once(report_exit(stop))      # thread racing it would turn the error's exit into a crash
     exit_at_once()  # all is written and closed: skip the interpreter's teardown of torch (1.3 s a rank, each run)

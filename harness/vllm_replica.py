@@ -848,18 +848,31 @@ def engine_in_this_process() -> bool:
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1"
 
 
-def exit_at_once() -> None:
+def exit_at_once(code: int = 0) -> None:
     """End a process that has closed in order and told its parent so: its exit handlers (atexit's: a math-verify
-    server's close, multiprocessing's), then exit 0 without the interpreter's teardown of torch and vLLM, which took
-    1.7 s at the end of every run in a replica and 0.9 s in the generator process. Only where nothing outlives it
-    that the teardown would clean: a replica whose engine ran in its own process (GPUs) leaves vLLM's shared-memory
-    queues to that teardown, so it exits the usual way."""
+    server's close, multiprocessing's), then exit with `code` without the interpreter's teardown of torch and vLLM,
+    which took 1.7 s at the end of every run in a replica and 0.9 s in the generator process, and in which a gloo
+    worker thread still finishing a collective can crash the process (docs/runtime.md, "Native crashes"). Only
+    where nothing outlives it that the teardown would clean: a replica whose engine ran in its own process (GPUs)
+    leaves vLLM's shared-memory queues to that teardown, so it exits the usual way."""
     with contextlib.suppress(Exception):
         atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(0)
+    os._exit(code)
+
+
+def report_exit(stop: BaseException) -> int:
+    """What the interpreter would print and return for an exception that ended the program: SystemExit's message
+    (to stderr, status 1) or status, else the traceback (through sys.excepthook) and status 1."""
+    if isinstance(stop, SystemExit):
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    sys.excepthook(type(stop), stop, stop.__traceback__)
+    return 1
 
 
 class _MainReferences(pickle.Pickler):

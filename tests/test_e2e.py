@@ -988,3 +988,21 @@ def test_the_torchrun_entry_points_end_without_the_interpreters_teardown():
     for script in ("train.py", "tests/learner_probe.py"):
         entry = (REPO / script).read_text().split('if __name__ == "__main__":')[-1]
         assert "exit_at_once()" in entry, f"{script} ends through the interpreter's teardown"
+    entry = (REPO / "train.py").read_text().split('if __name__ == "__main__":')[-1]
+    assert "exit_at_once(report_exit(" in entry, "train.py's ranks that stop on an error end through the teardown"
+
+
+def test_a_rank_that_stops_on_an_error_exits_as_the_interpreter_would(capsys):
+    """report_exit gives the status and the message the interpreter gives for the exception that ended a program,
+    so that train.py's ranks can skip the teardown on an error too and still say the same."""
+    from harness.vllm_replica import report_exit
+
+    assert report_exit(SystemExit(None)) == 0 and report_exit(SystemExit(3)) == 3
+    assert report_exit(SystemExit("train.py: --lr: must be > 0")) == 1
+    assert capsys.readouterr().err == "train.py: --lr: must be > 0\n"
+    try:
+        raise ValueError("a malformed row")
+    except ValueError as error:
+        assert report_exit(error) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and err.rstrip().endswith("ValueError: a malformed row"), err

@@ -227,6 +227,10 @@ class Channel:
     def __init__(self, sock: socket.socket, key: bytes, role: str):
         peer = {"generator": "replica", "replica": "generator"}[role]
         self.sock = sock
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Nagle off: a small frame sent right after another (a weight update's "start", then "update") would
+            # otherwise wait for the peer's delayed ACK of the first, up to 40 ms on Linux
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._key = key
         self._send_key = _mac(key, b"frames from", role.encode())
         self._recv_key = _mac(key, b"frames from", peer.encode())

@@ -992,10 +992,14 @@ def test_the_torchrun_entry_points_end_without_the_interpreters_teardown():
     assert "exit_at_once(report_exit(" in entry, "train.py's ranks that stop on an error end through the teardown"
 
 
-def test_a_rank_that_stops_on_an_error_exits_as_the_interpreter_would(capsys):
+def test_a_rank_that_stops_on_an_error_exits_as_the_interpreter_would(capsys, monkeypatch):
     """report_exit gives the status and the message the interpreter gives for the exception that ended a program,
-    so that train.py's ranks can skip the teardown on an error too and still say the same."""
+    so that train.py's ranks can skip the teardown on an error too and still say the same. The traceback goes
+    through sys.excepthook, as the interpreter's does: torch's init_process_group wraps it to put "[rankN]: " before
+    each line (once per group made in this process), so the test puts Python's own back first."""
     from harness.vllm_replica import report_exit
+
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
 
     assert report_exit(SystemExit(None)) == 0 and report_exit(SystemExit(3)) == 3
     assert report_exit(SystemExit("train.py: --lr: must be > 0")) == 1

@@ -206,6 +206,17 @@ def recorded_reruns() -> list[dict]:
     return [json.loads(line) for line in Path(log).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def at_once(*calls: Callable[[], object]) -> list:
+    """Each call in a thread of its own, all started together; their results in the calls' order (the first
+    call's error is raised). Two runs of the tiny model at once: one alone leaves a core mostly idle while rank 0
+    starts vLLM and while the learner waits for the generator."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [future.result() for future in futures]
+
+
 def run_torchrun(cmd: list[str], state: list[Path] = (), timeout: float = 600) -> subprocess.CompletedProcess:
     """Run a torchrun command (or one that starts torchrun, as make run-real does); if a rank died in native code,
     run it once more from the state it started from.

@@ -21,15 +21,13 @@ import torch
 
 from harness import checkpoints, flags
 from train import LOSSES  # --loss's table
-from helpers import REPO, TORCHRUN, assert_same_gradient, metrics_rows, run_torchrun, why_failed
+from helpers import REPO, TORCHRUN, assert_same_gradient, at_once, metrics_rows, run_torchrun, why_failed
 
 
 @pytest.fixture(scope="module")
 def probe_results(tmp_path_factory, base_model_dir):
     """The probe's results on one rank (the reference layout alone) and on two (every layout). The two runs go at
     once: torchrun gives each rank one thread, so the one-rank run alone left a core idle."""
-    from concurrent.futures import ThreadPoolExecutor
-
     paths = {world: tmp_path_factory.mktemp("probe") / f"w{world}.pt" for world in (1, 2)}
 
     def probe(world: int) -> subprocess.CompletedProcess:
@@ -37,8 +35,7 @@ def probe_results(tmp_path_factory, base_model_dir):
         return run_torchrun(TORCHRUN + ["--nproc_per_node", str(world), "tests/learner_probe.py", str(paths[world]),
                                         *only])
 
-    with ThreadPoolExecutor(2) as pool:
-        runs = dict(zip((1, 2), pool.map(probe, (1, 2))))
+    runs = dict(zip((1, 2), at_once(lambda: probe(1), lambda: probe(2))))
     out = {}
     for world, run in runs.items():
         assert run.returncode == 0, why_failed(run)
@@ -261,14 +258,10 @@ def sync_grpo_fresh_runs(tmp_path_factory, base_model_dir) -> tuple[Path, Path]:
     """The sync chain's two fresh runs (SYNC_GRPO, one seed), at once: sync_grpo_run's 3 steps and the first 2 of
     sync_grpo_split's. One run alone leaves a core mostly idle while rank 0 starts vLLM and while the learner waits
     for a round; the runs draw the same either way (each completion's own seed, a round's groups in one request)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     run_dir, split_dir = tmp_path_factory.mktemp("sync") / "grpo", tmp_path_factory.mktemp("split") / "split"
-    with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(_short_run, run_dir, "grpo", SYNC_GRPO),
-                pool.submit(_short_run, split_dir, "grpo", SYNC_GRPO, "--max-steps", "2")]
-        for run in runs:
-            assert run.result().returncode == 0, why_failed(run.result())
+    for run in at_once(lambda: _short_run(run_dir, "grpo", SYNC_GRPO),
+                       lambda: _short_run(split_dir, "grpo", SYNC_GRPO, "--max-steps", "2")):
+        assert run.returncode == 0, why_failed(run)
     return run_dir, split_dir
 
 
@@ -419,15 +412,10 @@ def migrated_and_non_finite_runs(tmp_path_factory, base_model_dir) -> dict:
     """The migrated run's resume (_migrate_and_resume) and the non-finite run (NON_FINITE, which must fail), at once:
     two runs of their own, and one alone leaves a core mostly idle while rank 0 starts vLLM and while the learner
     waits for the generator."""
-    from concurrent.futures import ThreadPoolExecutor
-
     migrated_root, non_finite = tmp_path_factory.mktemp("migrated"), tmp_path_factory.mktemp("nan") / "nan"
-    with ThreadPoolExecutor(2) as pool:
-        migrating = pool.submit(_migrate_and_resume, migrated_root)
-        stopping = pool.submit(_train, non_finite, *NON_FINITE, retry=False)
-        run, migrated, resumed = migrating.result()
-        return {"run": run, "migrated": migrated, "resumed": resumed, "non_finite": non_finite,
-                "non_finite_run": stopping.result()}
+    (run, migrated, resumed), stopped = at_once(lambda: _migrate_and_resume(migrated_root),
+                                                lambda: _train(non_finite, *NON_FINITE, retry=False))
+    return {"run": run, "migrated": migrated, "resumed": resumed, "non_finite": non_finite, "non_finite_run": stopped}
 
 
 @pytest.mark.slow
@@ -667,15 +655,11 @@ def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_pat
 def four_step_and_drgrpo_runs(tmp_path_factory, base_model_dir) -> tuple[Path, Path]:
     """four_step_run's run and drgrpo_run's, at once: two fresh runs of their own, and one alone leaves a core mostly
     idle while rank 0 starts vLLM and while the learner waits for the generator."""
-    from concurrent.futures import ThreadPoolExecutor
-
     four, drgrpo = tmp_path_factory.mktemp("four") / "run", tmp_path_factory.mktemp("drgrpo") / "drgrpo"
-    with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(_train, four, "--loss", "gspo", *GSPO, "--max-steps", "4", "--checkpoint-every", "2",
-                            "--eval-every", "4", "--report-to", "tensorboard", *SHORT),
-                pool.submit(_short_run, drgrpo, "drgrpo", DRGRPO)]
-        for run in runs:
-            assert run.result().returncode == 0, why_failed(run.result())
+    for run in at_once(lambda: _train(four, "--loss", "gspo", *GSPO, "--max-steps", "4", "--checkpoint-every", "2",
+                                      "--eval-every", "4", "--report-to", "tensorboard", *SHORT),
+                       lambda: _short_run(drgrpo, "drgrpo", DRGRPO)):
+        assert run.returncode == 0, why_failed(run)
     return four, drgrpo
 
 

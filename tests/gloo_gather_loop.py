@@ -42,6 +42,19 @@ def busy(stop: threading.Event) -> None:
         _ = [bytearray(4096) for _ in range(64)]
 
 
+def stand_in_generator() -> SimpleNamespace:
+    """What runtime.push_state_dict reads of rank 0's generator: its fleet's transport, devices and dtype."""
+    fleet = SimpleNamespace(weight_transport="file", gen_devices=None, dtype="float32")
+    return SimpleNamespace(config=SimpleNamespace(fleet=fleet))
+
+
+def ranks_go_on(start: float, seconds: float) -> bool:
+    """Whether `seconds` since `start` have not yet passed on every rank: both ranks stop after the same round."""
+    go_on = torch.tensor([float(time.time() - start < seconds)])
+    dist.all_reduce(go_on, op=dist.ReduceOp.MIN)
+    return bool(go_on.item())
+
+
 def push_is_right(model: torch.nn.Module, weights: dict, rank: int) -> int:
     """How many pushed tensors' sums differ from their shards' (float64 sums; float32 pushes: only the summation
     order differs, far below 1e-9 of the sum of magnitudes)."""
@@ -122,8 +135,7 @@ def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
         worker.start()
     model, _ = train.build_learner(model_path, flags.Args(model=model_path), torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    fleet = SimpleNamespace(weight_transport="file", gen_devices=None, dtype="float32")  # what push_state_dict reads
-    generator = SimpleNamespace(config=SimpleNamespace(fleet=fleet))
+    generator = stand_in_generator()
     torch.manual_seed(rank)
     engine = receiver = None
     if "transfer" in extra and rank == 0:
@@ -151,9 +163,7 @@ def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
         if engine is not None:
             wrong += transfer_is_right(engine, receiver, weights)
         pushes += 1
-        go_on = torch.tensor([float(time.time() - start < seconds)])
-        dist.all_reduce(go_on, op=dist.ReduceOp.MIN)  # both ranks stop after the same push
-        if not go_on.item():
+        if not ranks_go_on(start, seconds):
             break
     stop.set()
     if worker.is_alive():

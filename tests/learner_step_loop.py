@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
-from gloo_gather_loop import busy, push_is_right  # noqa: E402
+from gloo_gather_loop import busy, push_is_right, ranks_go_on, stand_in_generator  # noqa: E402
 from harness import base_model, checkpoints, flags, runtime  # noqa: E402
 from tools.bench import synthetic_groups  # noqa: E402
 
@@ -78,8 +78,7 @@ def main(model_path: str, seconds: float, extra: list[str]) -> None:
     worker = threading.Thread(target=busy, args=(stop,), daemon=True)
     if "busy" in extra and run.rank == 0:
         worker.start()
-    fleet = SimpleNamespace(weight_transport="file", gen_devices=None, dtype="float32")  # what push_state_dict reads
-    generator = SimpleNamespace(config=SimpleNamespace(fleet=fleet)) if run.rank == 0 else None
+    generator = stand_in_generator() if run.rank == 0 else None
     rng = random.Random(0)  # the same draws on every rank: the same layouts and batches, so the same collectives
     learners: dict[tuple, train.Learner] = {}
     box = [tempfile.mkdtemp(prefix="learner-step-loop-") if run.rank == 0 and "ckpt" in extra else None]
@@ -102,9 +101,7 @@ def main(model_path: str, seconds: float, extra: list[str]) -> None:
         steps += 1
         if box[0] is not None and steps % 4 == 0:
             checkpoints.save_checkpoint(Path(box[0]), learner.model, learner.optimizer, {"step": steps}, run.rank)
-        go_on = torch.tensor([float(time.time() - start < seconds)])
-        dist.all_reduce(go_on, op=dist.ReduceOp.MIN)  # both ranks stop after the same step
-        if not go_on.item():
+        if not ranks_go_on(start, seconds):
             break
     stop.set()
     if worker.is_alive():

@@ -217,14 +217,30 @@ def _wandb_history(out: Path) -> list[tuple[int, dict]]:
     return found
 
 
+def _wandb_logs(out: Path) -> str:
+    """What a failed check shows: each offline run's files and the end of W&B's own log of it."""
+    parts = []
+    for run_dir in sorted(out.glob("wandb/offline-run-*")):
+        log = run_dir / "logs" / "debug-internal.log"
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.is_file() else ["(no debug-internal.log)"]
+        parts.append(f"{run_dir.name}: {sorted(p.name for p in run_dir.iterdir())}\n" + "\n".join(tail))
+    return "\n".join(parts) or "no offline run directory"
+
+
 def test_wandb_offline_gets_every_step_once_across_a_resume(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is not installed: pip install wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")  # no network: the run stays in OUTPUT_DIR/wandb
     monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
+    # Each attempt is a process of its own in a real run, so each gets W&B's service of its own: the attempts here
+    # tear the in-process one down as a process's exit would (wandb.teardown waits for the service to stop).
     _metrics_rows_reported(tmp_path, "wandb", range(0, 5))
+    wandb.teardown()
     _metrics_rows_reported(tmp_path, "wandb", range(3, 7), offset=1.0, keep_lines=3, covers_step=2)
+    wandb.teardown()
     history = _wandb_history(tmp_path)
-    assert [step for step, _ in history] == list(range(7))  # steps 3 and 4 with their first attempt's values
+    assert [step for step, _ in history] == list(range(7)), _wandb_logs(tmp_path)  # 3 and 4: their first values
     assert [items["train/reward"] for _, items in history] == pytest.approx([0, .1, .2, .3, .4, 1.5, 1.6])
     assert history[2][1]["eval/val_pass_rate"] == pytest.approx(0.1) and "eval/val_pass_rate" not in history[1][1]
     run_id = (tmp_path / "wandb" / "run_id").read_text().strip()  # both attempts are one W&B run

@@ -992,6 +992,15 @@ def _shown(value: Any) -> str:
 _JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list[str]": (list,)}
 
 
+def upgraded_args(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run's args.json as today's flags spell its values: --debug-gen-slowdown, once one number (a JSON float),
+    is text now ("X", or "X,Y,..." with one factor per replica). So a run made before reads as the run it was."""
+    slowdown = saved.get("debug_gen_slowdown")
+    if isinstance(slowdown, (int, float)) and not isinstance(slowdown, bool):
+        saved = {**saved, "debug_gen_slowdown": f"{slowdown:g}"}
+    return saved
+
+
 def read_args_json(run_dir: Path) -> dict[str, Any]:
     """A run's args.json: its flags (and "resumes", the history of its resumes). ValueError, in one line, for a file
     that is not JSON, not an object, or holds a flag of the wrong type (a file edited by hand, or cut short), and for
@@ -1006,6 +1015,7 @@ def read_args_json(run_dir: Path) -> dict[str, Any]:
                          "afresh with --overwrite") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("resumes", []), list):
         raise ValueError(f"{path} holds {type(saved).__name__} {str(saved)[:40]!r}, not a run's flags")
+    saved = upgraded_args(saved)
     for f in dataclasses.fields(Args):
         value = saved.get(f.name)
         if f.name not in saved or value is None and (f.default is None or "None" in f.type):

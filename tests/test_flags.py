@@ -279,6 +279,21 @@ def test_args_json_is_never_written_through_a_planted_link(tmp_path, victim, mon
     assert victim.read_text() == "precious\n" and (tmp_path / "args.json").is_symlink()
 
 
+def test_an_args_json_of_an_earlier_version_reads_as_the_run_it_was(tmp_path):
+    """--debug-gen-slowdown was one number, written as a JSON float; it is text now (one factor per replica). An
+    args.json written before (the 250-step study's runs, docs/study-runs) was refused as "not a str", so such a run
+    could neither be resumed nor reused by a study; it reads now as the run it was, with "1" where it held 1.0."""
+    started = flags.parse_args(["--output-dir", str(tmp_path), "--debug-gen-slowdown", "1.5"])
+    flags.write_args_json(tmp_path, started, 0, [])
+    older = json.loads((tmp_path / "args.json").read_text())
+    for number, text in ((1.0, "1"), (1.5, "1.5"), (3, "3")):
+        (tmp_path / "args.json").write_text(json.dumps({**older, "debug_gen_slowdown": number}))
+        assert flags.read_args_json(tmp_path)["debug_gen_slowdown"] == text
+    (tmp_path / "args.json").write_text(json.dumps({**older, "debug_gen_slowdown": True}))
+    with pytest.raises(ValueError, match="debug_gen_slowdown is True, not a str"):  # still checked, as before
+        flags.read_args_json(tmp_path)
+
+
 def test_a_resume_refuses_a_changed_recipe_and_keeps_args_json(tmp_path, capsys):
     started = flags.parse_args(["--output-dir", str(tmp_path), "--loss", "cispo", "--max-steps", "20"])
     flags.write_args_json(tmp_path, started, 0, [])

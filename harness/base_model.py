@@ -380,8 +380,9 @@ UNSCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "dee
 def model_positions(model: str) -> tuple[int, str] | None:
     """The longest context (max_model_len) vLLM accepts for a local model directory, as vLLM derives it from its
     config.json (the smallest of CONTEXT_KEYS, then the tokenizer's model_max_length, times a RoPE scaling factor),
-    and where it came from ("max_position_embeddings in its config.json"). None where this cannot tell: a hub name, no readable config, none of the keys, or a
-    model whose context vLLM derives otherwise (gemma3); vLLM then checks it as its engine starts."""
+    and where it came from ("max_position_embeddings in its config.json"). None where this cannot tell: a hub name,
+    no readable config, none of the keys, or a model whose context vLLM derives otherwise (gemma3); vLLM then checks
+    it as its engine starts."""
     path = Path(model).expanduser()
     try:
         config = json.loads((path / "config.json").read_text())

@@ -61,7 +61,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -145,9 +145,8 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
         # PPO-off-policy-k). Every rank receives the same round and trains on its share of each batch.
         round_ = broadcast_from_rank0(pull_round_or_error(args, run, state) if run.is_main else None)
         if round_.stop_reason:  # the generator (or vLLM's engine) died, the disk is full: keep what was learned
-            checkpoint(learner, run, state)
-            raise SystemExit(f"stopping after step {state.step}: {round_.stop_reason}; checkpoint saved in "
-                             f"{run.out / 'checkpoint'}: continue with --resume {run.out}")
+            stop_with_checkpoint(args, learner, run, state, f"stopping after step {state.step}: {round_.stop_reason}; "
+                                 f"checkpoint saved in {run.out / 'checkpoint'}: continue with --resume {run.out}")
         my_batches = [this_ranks_share(batch, run) for batch in round_.batches]
         # Old logprobs: the sampler's (pipeline mode, ScaleRL), or the learner's before the round's first update
         # (sync mode, and --tis, whose weights are min(pi_learner_old / pi_sampler, cap)). A round of one batch is
@@ -162,7 +161,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
         for batch, my_groups in zip(round_.batches, my_batches):
             if state.step >= args.max_steps:
                 break
-            stop_if_signalled(learner, run, state)
+            stop_if_signalled(args, learner, run, state)
             step_start, version = time.time(), state.step
             rewards, my_advantages = compute_advantages(args, learner, batch, run)
             learner.optimizer.zero_grad(set_to_none=True)
@@ -207,14 +206,14 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                 log_row(args, run, row)
             if run.is_main and state.step == args.max_steps:  # the generator's work is done: it shuts down while
                 run.generator.begin_close()  # the last checkpoint is written (set_up's exit waits for it)
-            stop_bad = consecutive_bad >= args.max_bad_steps
-            if state.step % args.checkpoint_every == 0 or state.step == args.max_steps or stop_bad:
+            if consecutive_bad >= args.max_bad_steps:
+                stop_with_checkpoint(args, learner, run, state, f"stopping: {consecutive_bad} consecutive steps had a "
+                                     f"non-finite loss or gradient (last at step {state.step}); checkpoint saved in "
+                                     f"{run.out / 'checkpoint'}. Lower --lr or check the data, then --resume.")
+            if state.step % args.checkpoint_every == 0 or state.step == args.max_steps:
                 checkpoint(learner, run, state)
-            if stop_bad:
-                raise SystemExit(f"stopping: {consecutive_bad} consecutive steps had a non-finite loss or gradient "
-                                 f"(last at step {state.step}); checkpoint saved in {run.out / 'checkpoint'}. Lower "
-                                 "--lr or check the data, then --resume.")
     run.bar.close()
+    redraw_dashboard_if_behind(args, run)  # a last step whose evaluation failed drew none
     if run.stop_reason:  # rank 0: the last step's row was not written (its checkpoint was, at --max-steps)
         raise SystemExit(f"stopping after step {state.step}: {run.stop_reason}; checkpoint saved in "
                          f"{run.out / 'checkpoint'}")
@@ -696,8 +695,7 @@ def log_row(args: Args, run: Run, row: dict) -> None:
     if row["step"] % args.log_every == 0 or "val_pass_rate" in row:
         tqdm.write(summary_line(row, run.recent))
     if "val_pass_rate" in row and dashboard_due(run.dashboard_drawn, time.time(), last=row["step"] == args.max_steps):
-        draw_dashboard(run, f"{args.loss} ({args.mode})")
-        run.dashboard_drawn = time.time()
+        draw_dashboard(args, run)
 
 
 DASHBOARD_EVERY_S = 60.0  # a drawing costs rank 0 about 1 CPU-second (2 cores), which the other rank waits out
@@ -710,14 +708,25 @@ def dashboard_due(last_drawn: float | None, now: float, last: bool) -> bool:
     return last or last_drawn is None or now - last_drawn >= DASHBOARD_EVERY_S
 
 
-def draw_dashboard(run: Run, label: str) -> None:
-    """Rank 0, at an evaluation that dashboard_due picks: OUTPUT_DIR/dashboard.png redrawn from metrics.jsonl, the run
-    at a glance (scaling_fit.plot_dashboard: pass rate and its fit, reward, entropy, lengths, KL, clipping, lag,
-    speed)."""
+def draw_dashboard(args: Args, run: Run) -> None:
+    """Rank 0, at an evaluation that dashboard_due picks, and as the run ends (redraw_dashboard_if_behind):
+    OUTPUT_DIR/dashboard.png redrawn from metrics.jsonl, the run at a glance (scaling_fit.plot_dashboard: pass rate
+    and its fit, reward, entropy, lengths, KL, clipping, lag, speed)."""
+    lines = run.metrics.lines
     try:
-        scaling_fit.plot_dashboard([(label, read_run_metrics(run.metrics.path))], run.out / "dashboard.png")
+        scaling_fit.plot_dashboard([(f"{args.loss} ({args.mode})", read_run_metrics(run.metrics.path))],
+                                   run.out / "dashboard.png")
     except Exception as error:  # a picture is not worth the run: say so, and train on
         tqdm.write(f"[dashboard] not drawn: {type(error).__name__}: {error}")
+    run.dashboard_drawn, run.dashboard_lines = time.time(), lines
+
+
+def redraw_dashboard_if_behind(args: Args, run: Run) -> None:
+    """Rank 0, as the run ends cleanly (at --max-steps, or stopped with a checkpoint): dashboard.png drawn once more
+    if metrics.jsonl has rows that its last drawing did not, since it is drawn at most once a minute; a run stopped
+    early (Ctrl-C, SIGTERM, a dead generator, non-finite steps) would otherwise leave a picture up to a minute old."""
+    if run.is_main and run.metrics.lines > run.dashboard_lines:
+        draw_dashboard(args, run)
 
 
 def checkpoint(learner: Learner, run: Run, state: TrainerState) -> None:
@@ -728,14 +737,21 @@ def checkpoint(learner: Learner, run: Run, state: TrainerState) -> None:
     save_checkpoint(run.out, learner.model, learner.optimizer, state.to_json(), run.rank)
 
 
-def stop_if_signalled(learner: Learner, run: Run, state: TrainerState) -> None:
+def stop_if_signalled(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
     """Ctrl-C or SIGTERM to any rank, or a failure rank 0 noted in the middle of a round (a full disk): stop here,
     at a step boundary, with a checkpoint (a --resume redoes nothing)."""
     if run.stopper.agreed(also=run.stop_reason is not None):
-        checkpoint(learner, run, state)
         why = run.stop_reason or f"stopped by {run.stopper.signal or 'a signal to another rank or rank 0'}"
-        raise SystemExit(f"stopping after step {state.step}: {why}; checkpoint saved in {run.out / 'checkpoint'}: "
-                         f"continue with --resume {run.out}")
+        stop_with_checkpoint(args, learner, run, state, f"stopping after step {state.step}: {why}; checkpoint saved "
+                             f"in {run.out / 'checkpoint'}: continue with --resume {run.out}")
+
+
+def stop_with_checkpoint(args: Args, learner: Learner, run: Run, state: TrainerState, line: str) -> NoReturn:
+    """Every stop before --max-steps that keeps what was learned (a signal, a dead generator, a full disk, non-finite
+    steps): the checkpoint, dashboard.png brought up to date, then SystemExit with the `line` that says why."""
+    checkpoint(learner, run, state)
+    redraw_dashboard_if_behind(args, run)
+    raise SystemExit(line)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -370,6 +370,43 @@ def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
     return problems
 
 
+# The config.json keys vLLM derives a model's longest context from, the smallest present winning (vLLM 0.32's
+# derive_max_model_len_and_key), and the RoPE types whose `factor` it does not apply to that context again.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+UNSCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def model_positions(model: str) -> tuple[int, str] | None:
+    """The longest context (max_model_len) vLLM accepts for a local model directory, as vLLM derives it from its
+    config.json (the smallest of CONTEXT_KEYS, then the tokenizer's model_max_length, times a RoPE scaling factor),
+    and where it came from ("max_position_embeddings in its config.json"). None where this cannot tell: a hub name,
+    no readable config, none of the keys, or a model whose context vLLM derives otherwise (gemma3); vLLM then checks
+    it as its engine starts."""
+    path = Path(model).expanduser()
+    try:
+        config = json.loads((path / "config.json").read_text())
+        text = config.get("text_config") or config
+        found = [(int(text[key]), key) for key in CONTEXT_KEYS if isinstance(text.get(key), (int, float))]
+        tokenizer = json.loads((path / "tokenizer_config.json").read_text()) \
+            if (path / "tokenizer_config.json").is_file() else {}
+    except (OSError, ValueError, TypeError, AttributeError, OverflowError):
+        return None
+    if not found or "gemma3" in str(config.get("model_type")):
+        return None
+    positions, key = min(found)
+    source = f"{key} in its config.json"
+    if isinstance(tokenizer.get("model_max_length"), int) and tokenizer["model_max_length"] < positions:
+        positions, source = tokenizer["model_max_length"], "model_max_length in its tokenizer_config.json"
+    factor = 1.0
+    for rope in (text.get("rope_scaling"), text.get("rope_parameters")):
+        for params in (rope.values() if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values())
+                       else [rope]):
+            if isinstance(params, dict) and params.get("rope_type", params.get("type")) not in UNSCALED_ROPE_TYPES:
+                factor = params.get("factor") or factor
+    return int(positions * factor), source if factor == 1.0 else f"{source}, times its RoPE factor {factor:g}"
+
+
 def safetensors_problem(file: Path) -> str | None:
     """Why `file` is no safetensors file that a rank could load (empty, cut short, not safetensors, unreadable), in
     one line naming it; None when its header reads and covers the file. Reads the header only (milliseconds)."""

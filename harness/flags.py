@@ -462,6 +462,7 @@ def check_args(args: Args, generator_checks: GeneratorChecks | None = None) -> l
         problems.append(f"--model {args.model}: no such directory (a hub model is named ORG/NAME)")
     elif args.model is not None:  # a local directory: config, weights, tokenizer, a head size vLLM supports here
         problems += [f"--model {p}" for p in base_model.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]
+        problems += context_problems(args)
     if args.dataset and tasks.is_local_data_file(args.dataset) and not Path(args.dataset).is_file():
         problems.append(f"--dataset {args.dataset}: no such file")
     for flag in ("dataset", "test_dataset"):  # an existing data.txt is a file of unknown kind, not a hub name
@@ -992,6 +993,15 @@ def _shown(value: Any) -> str:
 _JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "list[str]": (list,)}
 
 
+def upgraded_args(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run's args.json as today's flags spell its values: --debug-gen-slowdown, once one number (a JSON float),
+    is text now ("X", or "X,Y,..." with one factor per replica). So a run made before reads as the run it was."""
+    slowdown = saved.get("debug_gen_slowdown")
+    if isinstance(slowdown, (int, float)) and not isinstance(slowdown, bool):
+        saved = {**saved, "debug_gen_slowdown": f"{slowdown:g}"}
+    return saved
+
+
 def read_args_json(run_dir: Path) -> dict[str, Any]:
     """A run's args.json: its flags (and "resumes", the history of its resumes). ValueError, in one line, for a file
     that is not JSON, not an object, or holds a flag of the wrong type (a file edited by hand, or cut short), and for
@@ -1006,6 +1016,7 @@ def read_args_json(run_dir: Path) -> dict[str, Any]:
                          "afresh with --overwrite") from None
     if not isinstance(saved, dict) or not isinstance(saved.get("resumes", []), list):
         raise ValueError(f"{path} holds {type(saved).__name__} {str(saved)[:40]!r}, not a run's flags")
+    saved = upgraded_args(saved)
     for f in dataclasses.fields(Args):
         value = saved.get(f.name)
         if f.name not in saved or value is None and (f.default is None or "None" in f.type):
@@ -1038,6 +1049,24 @@ def model_context(args: Args) -> int:
     if args.max_model_len is not None:
         return args.max_model_len
     return EMBEDDED_MAX_MODEL_LEN if args.model is None else args.max_tokens + PROMPT_ALLOWANCE
+
+
+def context_problems(args: Args) -> list[str]:
+    """vLLM's context (model_context) beyond the positions of --model, a local directory (base_model.model_positions:
+    its config.json's max_position_embeddings, as vLLM reads it): vLLM refuses it only as its engine starts, in a
+    validation traceback; here it is one line naming the flag, its value and the model's limit. (The embedded tiny
+    model's limit is range_problems'.) VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM go beyond it, and this check too."""
+    if args.model is None or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").lower() in ("1", "true"):
+        return []
+    limit, context = base_model.model_positions(args.model), model_context(args)
+    if limit is None or context <= limit[0]:
+        return []
+    positions, source = limit
+    beyond = f"the {positions} positions of {args.model} ({source})"
+    if args.max_model_len is not None:
+        return [f"--max-model-len {context} exceeds {beyond}"]
+    return [f"--max-tokens {args.max_tokens} and a prompt's {PROMPT_ALLOWANCE} tokens make vLLM's context {context} "
+            f"(--max-model-len unset), beyond {beyond}: give --max-model-len {positions} or less, above --max-tokens"]
 
 
 def int_range(text: str) -> tuple[int, int]:

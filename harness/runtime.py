@@ -123,6 +123,7 @@ class Run:
     recent: deque = field(default_factory=deque)  # the last --log-every rows, for the summary line
     eval_rows: list[dict] = field(default_factory=list)  # the evaluation rows so far, for the running sigmoid fit
     dashboard_drawn: float | None = None  # time.time() of the last dashboard.png drawn (train.dashboard_due)
+    dashboard_lines: int = 0  # metrics.jsonl's lines at that drawing (train.redraw_dashboard_if_behind)
     data_skipped: dict[str, Any] = field(default_factory=dict)  # a fresh run's first row: bad data rows skipped
     lock: Any = None  # the open OUTPUT_DIR/.lock (rank 0), held as long as this object lives
     stop_reason: str | None = None  # rank 0: why the run must stop (the generator failed, a full disk), once noted

@@ -143,6 +143,18 @@ def test_weights_bench_keeps_its_context_within_the_model_s_positions(base_model
     assert bench._weights_config(args, str(tmp_path)).fleet.max_model_len == bench.WEIGHTS_CONTEXT == 1024
 
 
+def test_the_generator_bench_refuses_a_context_beyond_the_models_positions_in_one_line(base_model_dir, capsys):
+    """`generator --train-args` takes train.py's flags: a context beyond the model's positions is train.py's one line
+    before anything starts, not vLLM's validation traceback once its engine starts. (`pipeline` asks for the tiny
+    model's own 256 positions, and `pipeline --only-weights` for at most its model's, above.)"""
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["generator", "--train-args", f"--model {base_model_dir} --max-model-len 300"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+    assert (f"--max-model-len 300 exceeds the 256 positions of {base_model_dir} (max_position_embeddings in its "
+            "config.json)") in err
+
+
 def test_a_method_out_of_gpu_memory_is_reported_and_the_methods_after_it_are_not_run():
     """_time_methods: a step that runs out of GPU memory is named with the error, the methods already timed keep
     their times, and the ones after it are not run (an FSDP2 step cut short may leave its model half gathered)."""

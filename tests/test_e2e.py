@@ -619,6 +619,8 @@ def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_pat
     assert f"[resume] {out / 'checkpoint'}: step {first_stop}" in output, output[-3000:]
     assert re.search(r"stopping after step \d+: stopped by SIGINT", output), output[-3000:]
     assert stop_s < 30  # a step of the tiny model and a checkpoint, well inside torchrun's 30 s grace
+    # the dashboard, drawn at most once a minute, is drawn once more at the stop: it holds every row written
+    assert (out / "dashboard.png").stat().st_mtime >= (out / "metrics.jsonl").stat().st_mtime
     second_stop = _stopped_state(out)["step"]
     assert first_stop + 2 <= second_stop < 16
 

@@ -299,7 +299,8 @@ def test_staleness_runs_every_k_on_every_seed_and_reports_mean_and_range(tmp_pat
         return rows
 
     monkeypatch.setattr(experiments, "_train_run", fake_run)
-    args = argparse.Namespace(ks="0,2", seeds="0,1", steps=50, learner_slowdown=2.0, out_dir=str(tmp_path), figure=None)
+    args = argparse.Namespace(ks="0,2", seeds="0,1", steps=50, learner_slowdown=2.0, out_dir=str(tmp_path), figure=None,
+                              eval_every=5)
     result = experiments.experiment_staleness(args)
     assert [name for name, _ in asked] == ["k0-s0", "k0-s1", "k2-s0", "k2-s1"]
     assert "--buffer-steps" in asked[2][1] and "--mode" in asked[0][1]
@@ -383,7 +384,7 @@ def test_a_study_continues_from_its_records_without_run_directories_and_cuts_the
     assert experiments.main([*study, "--steps", "50", "--out-dir", str(tmp_path / "a")]) == 0
     assert ran == [("scalerl-s0", 50), ("scalerl-s1", 50), ("keep-s0", 50), ("keep-s1", 50)]
     record = json.loads((records / "keep-s1.json").read_text())
-    assert record["flags"] == ["--seed", "1", "--zero-variance", "keep"] and record["steps"] == 50
+    assert record["flags"] == ["--seed", "1", "--eval-every", "5", "--zero-variance", "keep"] and record["steps"] == 50
     assert record["args"] is None  # the fake run leaves no args.json
     assert record["rows"] == [{**row, "clip_frac": 0.25} for row in _sigmoid_run(0.9, 1, 50)]
     first = json.loads((tmp_path / "a" / "study.json").read_text())
@@ -616,3 +617,86 @@ def test_a_resume_after_a_failure_is_counted_among_the_sessions_reruns(tmp_path,
     recorded = [json.loads(line) for line in (tmp_path / "faked-reruns.jsonl").read_text().splitlines()]
     assert recorded == [{"what": f"study run {run}", "why": "it exited 1 after a checkpoint and was resumed from it",
                          "story": ""}]
+
+
+def _documented_experiment_commands() -> list[tuple[str, list[str]]]:
+    """Each `python -m tools.experiments study|staleness` command in a code block of the docs: (page, its argv)."""
+    found = []
+    for page in sorted((REPO / "docs").glob("*.md")):
+        for block in page.read_text().split("```")[1::2]:
+            for line in block.replace("\\\n", " ").splitlines():
+                if line.startswith(("python -m tools.experiments study", "python -m tools.experiments staleness")):
+                    found.append((page.name, shlex.split(line, comments=True)[3:]))
+    return found
+
+
+def _runs_of(argv: list[str]) -> list[tuple[str, int, list[str]]]:
+    """(run name, steps, train.py flags) of each run a documented experiment command gives, as it gives them; nothing
+    runs."""
+    args = experiments.build_parser().parse_args(argv)
+    seeds = [int(x) for x in args.seeds.split(",")]
+    if argv[0] == "staleness":
+        return [(f"k{k}-s{seed}", args.steps, experiments.staleness_run_flags(int(k), seed, args))
+                for k in args.ks.split(",") for seed in seeds]
+    names = experiments.VARIANT_SETS.get(args.variants, args.variants).split(",")
+    return [(f"{name}-s{seed}", args.steps, experiments.study_run_flags(name, seed, args)) for name in names
+            for seed in seeds]
+
+
+@pytest.mark.parametrize("page, argv", _documented_experiment_commands(),
+                         ids=lambda v: " ".join(v[:3]) if isinstance(v, list) else v)
+def test_each_documented_study_gives_its_runs_the_documented_runs_flags(page, argv, monkeypatch):
+    """train.py's default went from 200 steps evaluated every 5 to 150 every 10 (make run's). The studies built their
+    runs' flags on the defaults, so a 50-step run got 6 evaluations instead of 11 and no documented command made its
+    documented runs again. Each study now gives its runs their cadence in their own flags: a command whose runs are
+    committed as records gives each run exactly the flags its record's args.json holds (the defaults of its day
+    resolved); the others (the staleness experiment, the leave-one-out table) give the documented 50 steps, every 5."""
+    monkeypatch.chdir(REPO)  # records and --model are named relative to the checkout, as the docs run them
+    records = argv[argv.index("--records") + 1] if "--records" in argv else None
+    runs = _runs_of(argv)
+    assert runs
+    for name, steps, run_flags in runs:
+        if records:
+            record = json.loads((REPO / records / f"{name}.json").read_text())
+            assert experiments.flag_differences(flags.upgraded_args(record["args"]), run_flags) == [], name
+            assert steps == record["args"]["max_steps"] == record["steps"], name
+        else:
+            assert experiments.parsed_flags(run_flags)["eval_every"] == 5 and steps == 50, (page, name)
+
+
+def test_the_committed_study_records_are_read_by_their_documented_command_and_cut_at_its_steps(monkeypatch):
+    """The records of docs/study-runs and docs/real-study-runs were made under the old defaults (every 5) or with
+    their own cadence: each is read by the flags its documented command gives it (compared with the run's args.json
+    that the record keeps, not with its flags read under today's defaults), so the command refits without training."""
+    monkeypatch.chdir(REPO)
+    commands = [argv for _, argv in _documented_experiment_commands() if "--records" in argv]
+    assert len(commands) >= 2
+    for argv in commands:
+        records = REPO / argv[argv.index("--records") + 1]
+        for name, steps, run_flags in _runs_of(argv):
+            rows = experiments._read_record(records / f"{name}.json", steps, run_flags)
+            assert rows is not None and rows[-1]["step"] == steps, name
+            evaluated = [row["step"] for row in rows if "val_pass_rate" in row]
+            cadence = experiments.parsed_flags(run_flags)["eval_every"]
+            assert evaluated[:3] == [0, cadence, 2 * cadence], name
+
+
+def test_a_run_made_with_the_old_defaults_is_reused_when_the_study_pins_them_and_refused_otherwise(tmp_path):
+    """A run directory is reused only if its args.json holds the flags the study gives it. A run of the 250-step study
+    (its args.json as the record keeps it: made every 5 steps under the old default, its --debug-gen-slowdown still a
+    number) is finished for the study's command now that it pins --eval-every 5; a run made every 10, today's default,
+    is refused, naming the flag."""
+    record = json.loads((REPO / "docs" / "study-runs" / "scalerl-s0.json").read_text())
+    assert record["args"]["eval_every"] == 5 and isinstance(record["args"]["debug_gen_slowdown"], float)
+    argv = next(argv for _, argv in _documented_experiment_commands() if "docs/study-runs" in argv)
+    name, steps, run_flags = next(run for run in _runs_of(argv) if run[0] == "scalerl-s0")
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    (run_dir / "args.json").write_text(json.dumps(record["args"]))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in record["rows"]))
+    action, rows = experiments._run_at(run_dir, tmp_path / f"{name}.command.json", steps, run_flags)
+    assert action == "finished" and rows[-1]["step"] == steps == 250
+    (run_dir / "args.json").write_text(json.dumps({**record["args"], "eval_every": 10}))
+    with pytest.raises(SystemExit, match=f"{run_dir} holds a run made with other flags than this experiment gives it: "
+                                         r"--eval-every 10, where the experiment gives 5; nothing was run or deleted"):
+        experiments._run_at(run_dir, tmp_path / f"{name}.command.json", steps, run_flags)

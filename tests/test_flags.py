@@ -9,7 +9,7 @@ import pytest
 
 import pipeline_rl as pl
 import train
-from harness import checkpoints, flags, fleet, vllm_replica
+from harness import base_model, checkpoints, flags, fleet, vllm_replica
 from helpers import REPO
 
 
@@ -96,6 +96,54 @@ def test_incompatible_flags_are_explained_before_anything_starts(argv, message, 
     err = capsys.readouterr().err
     assert message in err
     assert "usage:" not in err and len(err.splitlines()) == 1  # one line, no usage block
+
+
+def test_a_context_beyond_the_models_positions_is_one_line_before_anything_starts(base_model_dir, capsys, monkeypatch):
+    """vLLM refuses a max_model_len beyond the model's max_position_embeddings only as its engine starts, in a
+    pydantic validation traceback. With --model (the real tiny model's config: 256 positions) it is one line naming
+    the flag, its value and the model's limit, from train.py and from `train.py evaluate`: --max-model-len given, or
+    the context --max-tokens and the prompt allowance make without it."""
+    model = str(base_model_dir)
+    assert base_model.model_positions(model) == (256, "max_position_embeddings in its config.json")
+    beyond = f"the 256 positions of {model} (max_position_embeddings in its config.json)"
+    for argv, message in [
+        (["--model", model, "--max-model-len", "300"], f"--max-model-len 300 exceeds {beyond}"),
+        (["--model", model], f"--max-tokens 48 and a prompt's 512 tokens make vLLM's context 560 (--max-model-len "
+                             f"unset), beyond {beyond}: give --max-model-len 256 or less, above --max-tokens"),
+        (["evaluate", "--model", model, "--max-model-len", "257"], f"--max-model-len 257 exceeds {beyond}"),
+    ]:
+        with pytest.raises(SystemExit) as stop:
+            train.main(argv)
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert flags.context_problems(flags.Args(model=model, max_model_len=256)) == []  # its whole context
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own way past the limit passes here too
+    assert flags.context_problems(flags.Args(model=model, max_model_len=300)) == []
+
+
+def test_the_models_positions_are_read_as_vllm_derives_them(tmp_path):
+    """base_model.model_positions follows vLLM's reading of config.json: the smallest of its position keys, then the
+    tokenizer's model_max_length, times a RoPE scaling factor (not for the types whose positions are scaled already);
+    None where it cannot tell, so that nothing is refused by a guess."""
+    def positions(config: dict, tokenizer: dict | None = None):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        (tmp_path / "tokenizer_config.json").unlink(missing_ok=True)
+        if tokenizer is not None:
+            (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer))
+        return base_model.model_positions(str(tmp_path))
+
+    assert positions({"max_position_embeddings": 8192, "seq_length": 4096}) == (4096, "seq_length in its config.json")
+    assert positions({"max_position_embeddings": 8192}, {"model_max_length": 2048}) == (
+        2048, "model_max_length in its tokenizer_config.json")
+    assert positions({"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}) == (
+        8192, "max_position_embeddings in its config.json, times its RoPE factor 2")
+    assert positions({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}) == (
+        131072, "max_position_embeddings in its config.json")
+    assert positions({"text_config": {"max_position_embeddings": 512}}) == (512, "max_position_embeddings in its "
+                                                                                "config.json")
+    assert positions({"hidden_size": 64}) is None and base_model.model_positions("ORG/NAME") is None
+    (tmp_path / "config.json").write_text("{not json")
+    assert base_model.model_positions(str(tmp_path)) is None
 
 
 # The generator's fields whose flag starts unset and is resolved at start-up (the model directory, dtype by device,
@@ -277,6 +325,21 @@ def test_args_json_is_never_written_through_a_planted_link(tmp_path, victim, mon
     with pytest.raises(checkpoints.LinkRefusedError, match=f"{tmp_path / 'args.json'} is a symbolic link"):
         checkpoints.write_atomically(tmp_path / "args.json", "{}")
     assert victim.read_text() == "precious\n" and (tmp_path / "args.json").is_symlink()
+
+
+def test_an_args_json_of_an_earlier_version_reads_as_the_run_it_was(tmp_path):
+    """--debug-gen-slowdown was one number, written as a JSON float; it is text now (one factor per replica). An
+    args.json written before (the 250-step study's runs, docs/study-runs) was refused as "not a str", so such a run
+    could neither be resumed nor reused by a study; it reads now as the run it was, with "1" where it held 1.0."""
+    started = flags.parse_args(["--output-dir", str(tmp_path), "--debug-gen-slowdown", "1.5"])
+    flags.write_args_json(tmp_path, started, 0, [])
+    older = json.loads((tmp_path / "args.json").read_text())
+    for number, text in ((1.0, "1"), (1.5, "1.5"), (3, "3")):
+        (tmp_path / "args.json").write_text(json.dumps({**older, "debug_gen_slowdown": number}))
+        assert flags.read_args_json(tmp_path)["debug_gen_slowdown"] == text
+    (tmp_path / "args.json").write_text(json.dumps({**older, "debug_gen_slowdown": True}))
+    with pytest.raises(ValueError, match="debug_gen_slowdown is True, not a str"):  # still checked, as before
+        flags.read_args_json(tmp_path)
 
 
 def test_a_resume_refuses_a_changed_recipe_and_keeps_args_json(tmp_path, capsys):

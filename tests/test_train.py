@@ -270,7 +270,8 @@ def test_a_metrics_row_that_does_not_fit_is_cut_back_and_stops_every_rank_with_a
 
     monkeypatch.setattr(runtime.os, "fsync", full)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    run = SimpleNamespace(metrics=log, stop_reason=None, out=tmp_path, stopper=runtime.GracefulStop(announce=False))
+    run = SimpleNamespace(metrics=log, stop_reason=None, out=tmp_path, stopper=runtime.GracefulStop(announce=False),
+                          is_main=True, dashboard_lines=3)  # (its dashboard is up to date: none is drawn)
     try:
         assert not train.write_row(run, {"step": 3, "loss": 0.5})
         monkeypatch.undo()  # the disk has room again: still no row after the gap
@@ -281,7 +282,7 @@ def test_a_metrics_row_that_does_not_fit_is_cut_back_and_stops_every_rank_with_a
         saved = []
         monkeypatch.setattr(train, "checkpoint", lambda learner, run, state: saved.append(state.step))
         with pytest.raises(SystemExit) as stop:
-            train.stop_if_signalled(None, run, checkpoints.TrainerState(step=4))
+            train.stop_if_signalled(parse([]), None, run, checkpoints.TrainerState(step=4))
         assert saved == [4]
         assert str(stop.value.code).startswith(f"stopping after step 4: {run.stop_reason}; checkpoint saved in ")
     finally:
@@ -877,3 +878,37 @@ def test_dashboard_is_redrawn_at_most_once_a_minute_and_always_at_the_end():
     assert not train.dashboard_due(1000.0, 1000.0 + every - 0.5, last=False)
     assert train.dashboard_due(1000.0, 1000.0 + every, last=False)
     assert train.dashboard_due(1000.0, 1000.5, last=True)  # the last evaluation is always in the picture
+
+
+def test_a_run_stopped_early_draws_its_dashboard_once_more_with_every_row(tmp_path, monkeypatch):
+    """dashboard.png is drawn at most once a minute, and was forced only at --max-steps: a run stopped by Ctrl-C or
+    SIGTERM, a dead generator or non-finite steps left a picture up to a minute old. Every clean stop (a checkpoint,
+    then the one line) now draws it once more if metrics.jsonl has rows its last drawing lacked, and not otherwise."""
+    from types import SimpleNamespace
+
+    drawn = []
+    monkeypatch.setattr(train.scaling_fit, "plot_dashboard",
+                        lambda runs, out: drawn.append((runs[0][0], [row["step"] for row in runs[0][1]], out)))
+    monkeypatch.setattr(train, "checkpoint", lambda learner, run, state: None)
+    log = runtime.MetricsLog(tmp_path / "metrics.jsonl", None)
+    run = SimpleNamespace(metrics=log, stop_reason=None, out=tmp_path, is_main=True, dashboard_drawn=None,
+                          dashboard_lines=0, stopper=SimpleNamespace(agreed=lambda also: True, signal="SIGTERM"))
+    args = parse(["--loss", "grpo", "--mode", "sync"])
+    for step in range(3):
+        log.write({"step": step, "compute_hours": 0.01 * step, "val_pass_rate": 0.5})
+    train.draw_dashboard(args, run)  # an evaluation's drawing (dashboard_due's), then two more rows within the minute
+    for step in range(3, 5):
+        log.write({"step": step, "compute_hours": 0.01 * step})
+    with pytest.raises(SystemExit, match=r"^stopping after step 4: stopped by SIGTERM; checkpoint saved in "):
+        train.stop_if_signalled(args, None, run, checkpoints.TrainerState(step=4))
+    assert drawn == [("grpo (sync)", [0, 1, 2], tmp_path / "dashboard.png"),
+                     ("grpo (sync)", [0, 1, 2, 3, 4], tmp_path / "dashboard.png")]
+    with pytest.raises(SystemExit, match="non-finite"):  # nothing written since: the picture stands
+        train.stop_with_checkpoint(args, None, run, checkpoints.TrainerState(step=4), "stopping: non-finite")
+    train.redraw_dashboard_if_behind(args, run)  # the loop's end, with the picture up to date
+    assert len(drawn) == 2
+    log.write({"step": 5, "compute_hours": 0.05})  # a last step whose evaluation failed: the loop's end draws it
+    train.redraw_dashboard_if_behind(args, run)
+    assert drawn[-1][1] == [0, 1, 2, 3, 4, 5]
+    train.redraw_dashboard_if_behind(args, SimpleNamespace(is_main=False))  # the other ranks draw nothing
+    assert len(drawn) == 3

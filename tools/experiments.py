@@ -214,6 +214,7 @@ def _read_record(record_path, steps: int, flags: list[str]) -> list[dict] | None
     same flags; None when there is none yet or it holds fewer steps. A record is the run's rows with RECORD_KEYS
     only (about 40 kB for 200 steps), so a study's records can be committed, and the study refitted or continued
     where its run directories are gone."""
+    from harness import flags as train_flags
     from harness.checkpoints import LinkRefusedError, read_no_follow
 
     record_path = Path(record_path)
@@ -226,7 +227,10 @@ def _read_record(record_path, steps: int, flags: list[str]) -> list[dict] | None
     if record["flags"] is None:
         raise SystemExit(f"{record_path} holds the record of a run made outside a study, not one of this study's "
                          "runs: give the study another --out-dir and another --records")
-    differences = [] if record["flags"] == flags else flag_differences(parsed_flags(record["flags"]), flags)
+    # What the run was: its args.json, which the record keeps (train.py's defaults of the day resolved in it), not its
+    # flags read with today's defaults, which may have changed since (--eval-every did); a record without it, its flags.
+    ran_with = train_flags.upgraded_args(record["args"]) if record.get("args") else parsed_flags(record["flags"])
+    differences = flag_differences(ran_with, flags)
     if differences:
         raise SystemExit(f"{record_path} holds a run made with other flags than this experiment gives it: "
                          f"{'; '.join(differences)}: a study with other flags needs another --out-dir and another "
@@ -414,6 +418,29 @@ def experiment_report(args: argparse.Namespace) -> dict:
                                             for run, rep in reports.items()}}
 
 
+# How often each run of an experiment evaluates: the cadence of every study documented in docs/results.md, written in
+# the runs' own flags. train.py's default (10 since make run became 150 steps) is make run's, and a study that took it
+# would give a 50-step run 6 evaluations instead of 11, and no longer make the runs its documented command made.
+STUDY_EVAL_EVERY = 5
+
+
+def _add_eval_every_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--eval-every", type=_count(1), default=STUDY_EVAL_EVERY,
+                        help=f"train.py --eval-every of every run (default {STUDY_EVAL_EVERY}, the documented runs'; "
+                             "given in each run's own flags, so that train.py's default, make run's, changes no "
+                             "study's runs)")
+
+
+def staleness_run_flags(k: int, seed: int, args: argparse.Namespace) -> list[str]:
+    """train.py's flags of the staleness experiment's run at bound `k` on `seed` (--max-steps aside: _train_run's):
+    k = 0 is synchronous on-policy RL, k >= 1 PipelineRL-k with only k limiting the lag (--buffer-steps k + 1), the
+    learner slowed so that the generator is ahead."""
+    mode = ["--mode", "sync", "--max-off-policy", "1"] if k == 0 else \
+        ["--mode", "pipeline", "--max-off-policy", str(k), "--buffer-steps", str(k + 1)]
+    return ["--seed", str(seed), "--eval-every", str(args.eval_every), "--debug-learner-slowdown",
+            str(args.learner_slowdown), *mode]
+
+
 def _add_staleness_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ks", type=_int_list(0), default="0,1,2,4,8",
                         help="staleness bounds k to compare; 0 is synchronous on-policy RL (--mode sync "
@@ -423,6 +450,7 @@ def _add_staleness_args(parser: argparse.ArgumentParser) -> None:
                         help="train.py --debug-learner-slowdown: a generator this much faster relative to the learner "
                              "than the machine's own ratio (default 2)")
     parser.add_argument("--seeds", type=_int_list(0), default="0,1", help="seeds: every k runs on each (default 0,1)")
+    _add_eval_every_arg(parser)
     parser.add_argument("--out-dir", default="runs/staleness",
                         help="one run directory per k and seed under it (kK-sSEED), plus staleness.png and "
                              "staleness.md; finished runs are not run again (default runs/staleness)")
@@ -444,11 +472,8 @@ def experiment_staleness(args: argparse.Namespace) -> dict:
     seeds = [int(x) for x in args.seeds.split(",")]
     results: dict[int, list[dict]] = {}  # k -> one report per seed
     for k in (int(k) for k in args.ks.split(",")):
-        mode = ["--mode", "sync", "--max-off-policy", "1"] if k == 0 else \
-            ["--mode", "pipeline", "--max-off-policy", str(k), "--buffer-steps", str(k + 1)]
         for seed in seeds:
-            rows = _train_run(out_dir / f"k{k}-s{seed}", args.steps, ["--seed", str(seed), "--debug-learner-slowdown",
-                                                                      str(args.learner_slowdown), *mode])
+            rows = _train_run(out_dir / f"k{k}-s{seed}", args.steps, staleness_run_flags(k, seed, args))
             results.setdefault(k, []).append(run_report(rows))
 
     fig, (ax_curve, ax_lag) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -616,8 +641,10 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
                              "baseline the others are compared with")
     parser.add_argument("--seeds", type=_int_list(0), default="0,1,2", help="seeds of every variant (default 0,1,2)")
     parser.add_argument("--steps", type=_count(1), default=50, help="optimizer steps per run (default 50)")
+    _add_eval_every_arg(parser)
     parser.add_argument("--common", type=_shell_words, default="",
-                        help="train.py flags added to every run, e.g. \"--model DIR --dataset FILE\" for another task")
+                        help="train.py flags added to every run, after the variant's (so they win where both name one "
+                             "flag, --eval-every's too), e.g. \"--model DIR --dataset FILE\" for another task")
     _add_curve_fit_args(parser)
     parser.add_argument("--bootstrap", type=_count(0), default=200,
                         help="residual-bootstrap replicates of each pooled fit, for the 95%% intervals (default 200)")
@@ -666,7 +693,7 @@ def experiment_study(args: argparse.Namespace) -> dict:
     progress = StudyProgress(len(names) * len(seeds))
     for name in names:
         for seed in seeds:
-            record, flags = records / f"{name}-s{seed}.json", ["--seed", str(seed), *VARIANTS[name][1], *common]
+            record, flags = records / f"{name}-s{seed}.json", study_run_flags(name, seed, args)
             rows = _read_record(record, args.steps, flags)
             progress.next(f"{name}, seed {seed}", recorded=rows is not None)
             if rows is None:
@@ -725,6 +752,12 @@ def experiment_study(args: argparse.Namespace) -> dict:
         plot_study(fits, path, title, args.ceiling, args.compute_axis)
     print(table)
     return {"benchmark": "study", **summary}
+
+
+def study_run_flags(name: str, seed: int, args: argparse.Namespace) -> list[str]:
+    """train.py's flags of the study's run of variant `name` on `seed` (--max-steps aside: _train_run's): the seed and
+    the evaluation cadence, the variant's own flags, then --common's, which win where they name the same flag."""
+    return ["--seed", str(seed), "--eval-every", str(args.eval_every), *VARIANTS[name][1], *shlex.split(args.common)]
 
 
 def _study_row(name: str, reps: list[dict], seeds: list[int], fits: dict[str, dict], shared: dict[str, dict],

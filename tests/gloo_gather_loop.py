@@ -9,10 +9,13 @@ engine in a thread of rank 0 (the replica's end), and checks that every tensor a
 `nograd`: each round starts with 1 to 3 forwards without grad that leave FSDP2's root unit gathered (no reshard
 after them: attach_learner_logprobs before its fix), then pushes before the training step on even rounds, after it
 on odd ones: gathers and steps in that half-gathered state.
+`rounds=N`: stop after N rounds if SECONDS have not passed first (tests/test_e2e.py runs every path once so).
+`teardown`: end through the interpreter's teardown, where a gloo worker thread can crash the rank (the crash at
+exit); without it the ranks skip it, as train.py's do, so that a crash is one made during the loop.
 It looks for the native crash that FSDP2 over gloo has shown a few times (docs/runtime.md, "Native crashes"):
 
     torchrun --standalone --nproc_per_node 2 tests/gloo_gather_loop.py MODEL_DIR SECONDS train|push [busy] [transfer]
-                                                                       [nograd]
+                                                                       [nograd] [rounds=N] [teardown]
 
 Rank 0 prints `done: N pushes ...` and the count of wrong tensors; a crash prints faulthandler's stacks."""
 
@@ -30,6 +33,7 @@ import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
 from harness import flags, runtime  # noqa: E402
+from harness.vllm_replica import exit_at_once  # noqa: E402
 
 
 def busy(stop: threading.Event) -> None:
@@ -48,9 +52,15 @@ def stand_in_generator() -> SimpleNamespace:
     return SimpleNamespace(config=SimpleNamespace(fleet=fleet))
 
 
-def ranks_go_on(start: float, seconds: float) -> bool:
-    """Whether `seconds` since `start` have not yet passed on every rank: both ranks stop after the same round."""
-    go_on = torch.tensor([float(time.time() - start < seconds)])
+def rounds_asked(extra: list[str]) -> float:
+    """The N of a `rounds=N` word, else no bound."""
+    return next((int(word.split("=", 1)[1]) for word in extra if word.startswith("rounds=")), float("inf"))
+
+
+def ranks_go_on(start: float, seconds: float, done: int = 0, rounds: float = float("inf")) -> bool:
+    """Whether `seconds` since `start` have not yet passed on every rank and fewer than `rounds` rounds are `done`:
+    both ranks stop after the same round."""
+    go_on = torch.tensor([float(time.time() - start < seconds and done < rounds)])
     dist.all_reduce(go_on, op=dist.ReduceOp.MIN)
     return bool(go_on.item())
 
@@ -163,7 +173,7 @@ def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
         if engine is not None:
             wrong += transfer_is_right(engine, receiver, weights)
         pushes += 1
-        if not ranks_go_on(start, seconds):
+        if not ranks_go_on(start, seconds, pushes, rounds_asked(extra)):
             break
     stop.set()
     if worker.is_alive():
@@ -180,3 +190,5 @@ def main(model_path: str, seconds: float, mode: str, extra: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4:])
+    if "teardown" not in sys.argv[4:]:
+        exit_at_once()  # as train.py's ranks: the crash at exit (docs/runtime.md, "Native crashes") is not this loop's

@@ -3,15 +3,17 @@ loop runs it (train.make_learner; the learner's old logprobs, train.attach_learn
 advantages, loss_and_backward through the chunked FP32 head, optimizer_step, reduce_metrics), then the weight push's
 gathers (runtime.push_state_dict, each pushed tensor's sum checked against its shards'), on synthetic groups of 2 to
 6 prompts. `vary`: each step takes one of several layouts (micro-batch budgets, packing, LM-head chunks of 3
-positions), the same on every rank. `kl`: with --kl-coef (the frozen reference's forwards without grad). `gathered`:
-after the old logprobs, one more forward without grad and no reshard, which leaves FSDP2's root unit gathered as
-attach_learner_logprobs did before its fix; every third step also pushes in that state. `busy`: a thread of rank 0
-computes and allocates all the time, as tests/gloo_gather_loop.py's. `ckpt`: every fourth step also saves a checkpoint
-(harness/checkpoints.save_checkpoint: torch's distributed checkpoint, read back, rotated), as runs do. It looks for the native crash of FSDP2 over gloo
-(docs/runtime.md, "Native crashes") on the path gloo_gather_loop.py does not take (its steps call the model's forward):
+positions), the same on every rank: each once in turn, then drawn at random. `kl`: with --kl-coef (the frozen
+reference's forwards without grad). `gathered`: after the old logprobs, one more forward without grad and no reshard,
+which leaves FSDP2's root unit gathered as attach_learner_logprobs did before its fix; every third step also pushes in
+that state. `busy`: a thread of rank 0 computes and allocates all the time, as tests/gloo_gather_loop.py's. `ckpt`:
+every fourth step also saves a checkpoint (harness/checkpoints.save_checkpoint: torch's distributed checkpoint, read
+back, rotated), as runs do. `rounds=N` and `teardown` as in tests/gloo_gather_loop.py (stop after N steps; end
+through the interpreter's teardown). It looks for the native crash of FSDP2 over gloo (docs/runtime.md, "Native
+crashes") on the path gloo_gather_loop.py does not take (its steps call the model's forward):
 
     torchrun --standalone --nproc_per_node 2 tests/learner_step_loop.py MODEL_DIR SECONDS [vary] [kl] [gathered] [busy]
-                                                                        [ckpt]
+                                                                        [ckpt] [rounds=N] [teardown]
 
 Rank 0 prints `done: N steps ...` and the count of wrong tensors; a crash prints faulthandler's stacks."""
 
@@ -31,8 +33,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import train  # noqa: E402
-from gloo_gather_loop import busy, push_is_right, ranks_go_on, stand_in_generator  # noqa: E402
+from gloo_gather_loop import busy, push_is_right, ranks_go_on, rounds_asked, stand_in_generator  # noqa: E402
 from harness import base_model, checkpoints, flags, runtime  # noqa: E402
+from harness.vllm_replica import exit_at_once  # noqa: E402
 from tools.bench import synthetic_groups  # noqa: E402
 
 # How a step is cut up (tests/learner_probe.py's layouts): one micro-batch or several, padded or packed rows, the LM
@@ -85,7 +88,10 @@ def main(model_path: str, seconds: float, extra: list[str]) -> None:
     dist.broadcast_object_list(box, src=0)  # one run directory for both ranks' checkpoints
     start, steps, wrong, left = time.time(), 0, 0, 0
     while True:
-        layout = LAYOUTS[rng.randrange(len(LAYOUTS)) if "vary" in extra else 0]
+        layout = LAYOUTS[0]
+        if "vary" in extra:  # every layout once, then at random (drawn at every step: the later draws are as before)
+            drawn = rng.randrange(len(LAYOUTS))
+            layout = LAYOUTS[steps if steps < len(LAYOUTS) else drawn]
         args = step_args(model_path, layout, "kl" in extra)
         key = tuple(sorted((k, v) for k, v in layout.items() if k != "micro_batch_tokens"))  # what the build reads
         if key not in learners:
@@ -101,7 +107,7 @@ def main(model_path: str, seconds: float, extra: list[str]) -> None:
         steps += 1
         if box[0] is not None and steps % 4 == 0:
             checkpoints.save_checkpoint(Path(box[0]), learner.model, learner.optimizer, {"step": steps}, run.rank)
-        if not ranks_go_on(start, seconds):
+        if not ranks_go_on(start, seconds, steps, rounds_asked(extra)):
             break
     stop.set()
     if worker.is_alive():
@@ -117,3 +123,5 @@ def main(model_path: str, seconds: float, extra: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], float(sys.argv[2]), sys.argv[3:])
+    if "teardown" not in sys.argv[3:]:
+        exit_at_once()  # as train.py's ranks: the crash at exit (docs/runtime.md, "Native crashes") is not this loop's

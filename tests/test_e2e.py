@@ -965,8 +965,9 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
              "--eval-every", "2", "--eval-prompts", "4", "--eval-samples", "1", "--max-tokens", "48",
              "--think-budget", "16,24", "--answer-budget", "8", "--zero-variance", "keep", "--log-every", "1"]
     venv = Path(sys.prefix)  # this interpreter's environment, taken as set up (-o: make does not install into it)
-    run = run_torchrun(["make", "--no-print-directory", "-o", str(venv / ".installed-cpu"), "run-real", f"VENV={venv}",
-                        "NPROC=2", "ARGS=" + " ".join(short)], [out], timeout=1500)  # make's torchrun, its ranks
+    run = run_torchrun(["make", "--no-print-directory", "-o", str(venv / ".installed-cpu"), "-o",
+                        str(venv / ".installed-real-model"), "run-real", f"VENV={venv}", "NPROC=2",
+                        "ARGS=" + " ".join(short)], [out], timeout=1500)  # make's torchrun, its ranks
     assert run.returncode == 0, why_failed(run)
     assert "--loss cispo --model \"$model\"" in run.stdout and "--dataset mixed-arithmetic" in run.stdout  # make's echo
     rows = metrics_rows(out)

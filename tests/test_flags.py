@@ -102,14 +102,15 @@ def test_a_context_beyond_the_models_positions_is_one_line_before_anything_start
     """vLLM refuses a max_model_len beyond the model's max_position_embeddings only as its engine starts, in a
     pydantic validation traceback. With --model (the real tiny model's config: 256 positions) it is one line naming
     the flag, its value and the model's limit, from train.py and from `train.py evaluate`: --max-model-len given, or
-    the context --max-tokens and the prompt allowance make without it."""
+    a --max-tokens that leaves no room for a prompt without it (else the model's whole context is taken)."""
     model = str(base_model_dir)
     assert base_model.model_positions(model) == (256, "max_position_embeddings in its config.json")
     beyond = f"the 256 positions of {model} (max_position_embeddings in its config.json)"
     for argv, message in [
         (["--model", model, "--max-model-len", "300"], f"--max-model-len 300 exceeds {beyond}"),
-        (["--model", model], f"--max-tokens 48 and a prompt's 512 tokens make vLLM's context 560 (--max-model-len "
-                             f"unset), beyond {beyond}: give --max-model-len 256 or less, above --max-tokens"),
+        (["--model", model, "--max-tokens", "256"], f"--max-tokens 256 leaves no room for a prompt within {beyond} "
+                                                    f"(--max-model-len unset, vLLM's context would be 768): give a "
+                                                    f"--max-tokens below 256"),
         (["evaluate", "--model", model, "--max-model-len", "257"], f"--max-model-len 257 exceeds {beyond}"),
     ]:
         with pytest.raises(SystemExit) as stop:
@@ -117,6 +118,8 @@ def test_a_context_beyond_the_models_positions_is_one_line_before_anything_start
         err = capsys.readouterr().err
         assert stop.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     assert flags.context_problems(flags.Args(model=model, max_model_len=256)) == []  # its whole context
+    # Unset, the context is the model's own 256 where --max-tokens 48 and the 512-token allowance would make 560
+    assert flags.model_context(flags.Args(model=model)) == 256 and flags.context_problems(flags.Args(model=model)) == []
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own way past the limit passes here too
     assert flags.context_problems(flags.Args(model=model, max_model_len=300)) == []
 

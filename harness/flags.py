@@ -904,6 +904,7 @@ def plan(argv: list[str], generator_checks: GeneratorChecks | None = None, losse
     problems = (range_problems(args) + generator_problems(args, generator_checks)
                 + fleet.fleet_problems(fleet_values(args), generator_flag))
     problems += loss_problems(args, losses[args.loss]) if losses is not None else []
+    problems += [] if options.shape else context_problems(args)  # a plan for a context vLLM would refuse is no plan
     if not options.gpu_memory_gib > 0:
         problems.append(f"--gpu-memory-gib must be > 0 (got {options.gpu_memory_gib:g})")
     if args.gen_devices and options.gpus:

@@ -101,8 +101,8 @@ def test_incompatible_flags_are_explained_before_anything_starts(argv, message, 
 def test_a_context_beyond_the_models_positions_is_one_line_before_anything_starts(base_model_dir, capsys, monkeypatch):
     """vLLM refuses a max_model_len beyond the model's max_position_embeddings only as its engine starts, in a
     pydantic validation traceback. With --model (the real tiny model's config: 256 positions) it is one line naming
-    the flag, its value and the model's limit, from train.py and from `train.py evaluate`: --max-model-len given, or
-    a --max-tokens that leaves no room for a prompt without it (else the model's whole context is taken)."""
+    the flag, its value and the model's limit, from train.py, `train.py evaluate` and `train.py plan`: --max-model-len
+    given, or a --max-tokens that leaves no room for a prompt without it (else the model's whole context is taken)."""
     model = str(base_model_dir)
     assert base_model.model_positions(model) == (256, "max_position_embeddings in its config.json")
     beyond = f"the 256 positions of {model} (max_position_embeddings in its config.json)"
@@ -112,6 +112,7 @@ def test_a_context_beyond_the_models_positions_is_one_line_before_anything_start
                                                     f"(--max-model-len unset, vLLM's context would be 768): give a "
                                                     f"--max-tokens below 256"),
         (["evaluate", "--model", model, "--max-model-len", "257"], f"--max-model-len 257 exceeds {beyond}"),
+        (["plan", "--model", model, "--max-model-len", "300"], f"--max-model-len 300 exceeds {beyond}"),
     ]:
         with pytest.raises(SystemExit) as stop:
             train.main(argv)

@@ -145,8 +145,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
         # PPO-off-policy-k). Every rank receives the same round and trains on its share of each batch.
         round_ = broadcast_from_rank0(pull_round_or_error(args, run, state) if run.is_main else None)
         if round_.stop_reason:  # the generator (or vLLM's engine) died, the disk is full: keep what was learned
-            stop_with_checkpoint(args, learner, run, state, f"stopping after step {state.step}: {round_.stop_reason}; "
-                                 f"checkpoint saved in {run.out / 'checkpoint'}: continue with --resume {run.out}")
+            stop_with_checkpoint(args, learner, run, state, resumable_stop(run, state, round_.stop_reason))
         my_batches = [this_ranks_share(batch, run) for batch in round_.batches]
         # Old logprobs: the sampler's (pipeline mode, ScaleRL), or the learner's before the round's first update
         # (sync mode, and --tis, whose weights are min(pi_learner_old / pi_sampler, cap)). A round of one batch is
@@ -742,8 +741,13 @@ def stop_if_signalled(args: Args, learner: Learner, run: Run, state: TrainerStat
     at a step boundary, with a checkpoint (a --resume redoes nothing)."""
     if run.stopper.agreed(also=run.stop_reason is not None):
         why = run.stop_reason or f"stopped by {run.stopper.signal or 'a signal to another rank or rank 0'}"
-        stop_with_checkpoint(args, learner, run, state, f"stopping after step {state.step}: {why}; checkpoint saved "
-                             f"in {run.out / 'checkpoint'}: continue with --resume {run.out}")
+        stop_with_checkpoint(args, learner, run, state, resumable_stop(run, state, why))
+
+
+def resumable_stop(run: Run, state: TrainerState, why: str) -> str:
+    """The line of a stop that --resume continues: after which step, why, where the checkpoint is."""
+    return (f"stopping after step {state.step}: {why}; checkpoint saved in {run.out / 'checkpoint'}: continue with "
+            f"--resume {run.out}")
 
 
 def stop_with_checkpoint(args: Args, learner: Learner, run: Run, state: TrainerState, line: str) -> NoReturn:

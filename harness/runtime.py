@@ -417,18 +417,21 @@ def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False,
     `cpu_offload` (--cpu-offload) adds gloo for the collectives over the parameters and gradients FSDP2 keeps on
     the host (the gradient norm's). `timeout`: of every NCCL collective (process_group_timeout; None: torch's
     default)."""
-    if "RANK" not in os.environ:  # plain `python train.py`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    # plain `python train.py`: a world of one, its store in this process. A TCP store needs a port, and one derived
+    # from the pid (29500 + pid % 1000, as before) was taken now and then by another run or test on the machine.
+    alone = {} if "RANK" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+    if alone:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         learner_ids, _ = vllm_replica.split_devices(gen_devices, torch.cuda.device_count())
         device = torch.device("cuda", learner_ids[int(os.environ["LOCAL_RANK"]) % len(learner_ids)])
         torch.cuda.set_device(device)
-        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device, timeout=timeout)
+        dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device, timeout=timeout,
+                                **alone)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")  # gloo's own 30 minutes: a CPU run's dead peer is not waited for longer
+        dist.init_process_group("gloo", **alone)  # gloo's own 30 minutes: a CPU run's dead peer is not waited longer
         # Two cores are shared by the learner ranks and the generator: oversubscribing threads only slows all down.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)))
     return rank, world, device

@@ -1183,7 +1183,7 @@ class MathVerifier:
                     if attempt == 2:
                         raise
                     continue
-                if reply is None:  # the server itself stuck: never seen, but no run should wait on it
+                if reply is None:  # the server itself stuck or, on a loaded machine, late: no run waits on it
                     self._kill()
                     reply = {"match": False, "error": f"timeout after {self.timeout_s:g} s (server restarted)"}
                 if str(reply.get("error", "")).startswith("timeout"):

@@ -906,15 +906,27 @@ def start_process(target: Callable[..., Any], name: str, args: tuple, kwargs: di
         finder.found = True
     main = sys.modules["__main__"]
     if finder.found or not hasattr(main, "__file__"):
-        proc.start()
-        return proc
+        return _start_or_kill(proc)
     main_file, main_spec = main.__file__, getattr(main, "__spec__", None)
     del main.__file__  # spawn's preparation data then names no main script (nor module) to run again
     main.__spec__ = None
     try:
-        proc.start()
+        return _start_or_kill(proc)
     finally:
         main.__file__, main.__spec__ = main_file, main_spec
+
+
+def _start_or_kill(proc: Any) -> Any:
+    """proc.start(); if it is interrupted (a Ctrl-C or SIGTERM during a run's start raises SystemExit wherever the
+    main thread is; a spawn on a loaded machine takes seconds), a child already spawned is killed, not left behind.
+    A child spawned before its preparation data was sent exits by itself on the pipe's end."""
+    try:
+        proc.start()
+    except BaseException:
+        if proc.pid is not None:
+            proc.kill()
+            proc.join(5)
+        raise
     return proc
 
 

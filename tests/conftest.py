@@ -14,6 +14,8 @@ import pytest  # noqa: E402
 
 from harness import base_model, tasks  # noqa: E402
 
+import workers  # noqa: E402 (pytest -n N: how many workers, and which tests go together)
+
 tasks.set_vllm_cpu_env()  # before any test imports vllm
 
 # Teaching kit (`python -m tools.teach grade`): SCALERL_STUDENT_FILE names a student's copy of one algorithm file,
@@ -26,19 +28,28 @@ if STUDENT_FILE is not None:
     _spec.loader.exec_module(sys.modules[STUDENT_FILE.stem])
 
 
+def _is_worker(config: pytest.Config) -> bool:
+    """A pytest-xdist worker (`-n N`): the controller reports, each worker runs its share of the tests."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """A file of this session's reruns after a native crash (helpers.record_rerun), inherited by every subprocess;
-    and faulthandler in every Python process the tests start, so that a rank dying in native code prints its stack."""
+    """A file of this session's reruns after a native crash (helpers.record_rerun), inherited by every subprocess
+    and, under `-n N`, by every worker, so the controller's summary counts them all; and faulthandler in every Python
+    process the tests start, so that a rank dying in native code prints its stack."""
     from helpers import RERUN_LOG
 
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
-    os.environ[RERUN_LOG] = str(Path(tempfile.mkdtemp(prefix="scalerl-reruns-")) / "reruns.jsonl")
+    if not _is_worker(config):
+        os.environ[RERUN_LOG] = str(Path(tempfile.mkdtemp(prefix="scalerl-reruns-")) / "reruns.jsonl")
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(workers, "scalerl-workers")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     from helpers import RERUN_LOG
 
-    if os.environ.get(RERUN_LOG, "").endswith("reruns.jsonl"):
+    if not _is_worker(config) and os.environ.get(RERUN_LOG, "").endswith("reruns.jsonl"):
         shutil.rmtree(Path(os.environ[RERUN_LOG]).parent, ignore_errors=True)
 
 

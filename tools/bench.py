@@ -667,7 +667,6 @@ def bench_train(args: argparse.Namespace) -> dict:
     from transformers import AutoConfig
 
     cli = _learner_cli(args)  # before anything starts: a flag this train.py lacks stops the bench here
-    os.environ.setdefault("MASTER_PORT", "29517")
     _, world, device = runtime.init_distributed()
     try:
         with tempfile.TemporaryDirectory(prefix="scalerl-bench-") as scratch:

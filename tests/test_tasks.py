@@ -716,7 +716,11 @@ HOSTILE = ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{2^{2^{2^{2^{2^{2}}}}}}", "\\boxed{
 
 
 def _agreement(path: Path, verifier: str) -> tuple[float, float | None, int]:
-    records = list(tasks.check_answer_rows(tasks.read_answer_pairs(str(path)), verifier))
+    """The verifier's agreement with the labels, each pair given 30 s: what is measured is the verifier, not a loaded
+    machine's clock. Every pair takes under 0.35 s on one core of a quiet 2-core machine, but the reward's 1 s
+    deadline was reached under load (two test workers and vLLM: 0.987 instead of 0.991, one pair timed out)."""
+    records = list(tasks.check_answer_rows(tasks.read_answer_pairs(str(path)), verifier, timeout_s=30.0))
+    assert not [r for r in records if r.get("error", "").startswith("timeout")], "a pair overran even 30 s"
     new = sum(r["match"] == r["equivalent"] for r in records) / len(records)
     old = sum(r["text_match"] == r["equivalent"] for r in records) / len(records) if verifier == "both" else None
     return new, old, len(records)

@@ -14,8 +14,14 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any, Callable
+
+
+# How long a rank other than 0 waits before it exits on a bad flag: all ranks check the same flags, and rank 0, which
+# says what is wrong, may come to the same error seconds later on a loaded machine.
+QUIET_RANK_GRACE_S = 20.0
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -35,6 +41,8 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         if os.environ.get("RANK", "0") == "0":
             print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        else:  # a quiet rank that exited first would have torchrun end rank 0 before it has said why: rank 0's exit
+            time.sleep(QUIET_RANK_GRACE_S)  # ends this wait (torchrun then stops every rank)
         raise SystemExit(2)
 
 

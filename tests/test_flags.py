@@ -202,10 +202,20 @@ def test_the_flags_the_generator_shares_get_its_checks(argv, config, capsys):
 
 
 def test_argument_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
+    """Another rank says nothing, and waits before it exits: had it exited first, torchrun would have ended rank 0
+    before rank 0 printed why (seen on CI: a run ended with torchrun's traceback only); rank 0's exit ends the wait."""
+    from harness import cli
+
+    waits = []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit_info:
         flags.parse_args(["--lr", "-1"])
-    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
+    assert exit_info.value.code == 2 and capsys.readouterr().err == "" and waits == [cli.QUIET_RANK_GRACE_S]
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--lr", "-1"])
+    assert "--lr must be > 0" in capsys.readouterr().err and waits == [cli.QUIET_RANK_GRACE_S]  # rank 0: no wait
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -28,11 +28,6 @@ if STUDENT_FILE is not None:
     _spec.loader.exec_module(sys.modules[STUDENT_FILE.stem])
 
 
-def _is_worker(config: pytest.Config) -> bool:
-    """A pytest-xdist worker (`-n N`): the controller reports, each worker runs its share of the tests."""
-    return hasattr(config, "workerinput")
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """A file of this session's reruns after a native crash (helpers.record_rerun), inherited by every subprocess
     and, under `-n N`, by every worker, so the controller's summary counts them all; and faulthandler in every Python
@@ -40,7 +35,7 @@ def pytest_configure(config: pytest.Config) -> None:
     from helpers import RERUN_LOG
 
     os.environ.setdefault("PYTHONFAULTHANDLER", "1")
-    if not _is_worker(config):
+    if not workers.is_worker(config):
         os.environ[RERUN_LOG] = str(Path(tempfile.mkdtemp(prefix="scalerl-reruns-")) / "reruns.jsonl")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(workers, "scalerl-workers")
@@ -49,7 +44,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     from helpers import RERUN_LOG
 
-    if not _is_worker(config) and os.environ.get(RERUN_LOG, "").endswith("reruns.jsonl"):
+    if not workers.is_worker(config) and os.environ.get(RERUN_LOG, "").endswith("reruns.jsonl"):
         shutil.rmtree(Path(os.environ[RERUN_LOG]).parent, ignore_errors=True)
 
 

@@ -58,13 +58,14 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return auto_workers()
 
 
-def _is_worker(config: pytest.Config) -> bool:
+def is_worker(config: pytest.Config) -> bool:
+    """A pytest-xdist worker (`-n N`): the controller reports, each worker runs its share of the tests."""
     return hasattr(config, "workerinput")
 
 
 def _grouping(config: pytest.Config) -> bool:
     """The controller of a run this plugin schedules."""
-    return not _is_worker(config) and bool(getattr(config.option, "tx", None)) and config.option.dist in GROUPED
+    return not is_worker(config) and bool(getattr(config.option, "tx", None)) and config.option.dist in GROUPED
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -13,15 +13,48 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 
-# How long a rank other than 0 waits before it exits on a bad flag: all ranks check the same flags, and rank 0, which
-# says what is wrong, may come to the same error seconds later on a loaded machine.
+# How long a rank other than 0 waits before it exits on an error that rank 0 reports (a bad flag, a bad data row, a
+# refused output directory): every rank meets the same error, and rank 0, which says what is wrong, may come to it
+# seconds later on a loaded machine.
 QUIET_RANK_GRACE_S = 20.0
+
+
+def wait_for_a_signal(seconds: float) -> bool:
+    """Sleep up to `seconds`; a SIGTERM or SIGINT ends the sleep early (True), the previous handlers back after.
+    Polls, since a signal may be delivered to another thread (gloo's), where it would not interrupt a sleep here.
+    Outside the main thread, where no handler can be set, it sleeps the whole time."""
+    deadline = time.monotonic() + seconds
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(seconds)
+        return False
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not received and time.monotonic() < deadline:
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return bool(received)
+
+
+def quiet_rank_exit(code: int, wait: bool = True) -> NoReturn:
+    """How a rank other than 0 exits, with status `code`, on an error that rank 0 reports. Had it exited first,
+    torchrun would have ended rank 0 before rank 0 had said why (seen on CI: a run ended with torchrun's traceback
+    only), so it first waits, up to QUIET_RANK_GRACE_S, for the SIGTERM that torchrun sends every rank once rank 0
+    has exited. `wait=False` where a signal stopped the run: torchrun is then ending every rank itself."""
+    if wait:
+        wait_for_a_signal(QUIET_RANK_GRACE_S)
+    raise SystemExit(code)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -39,10 +72,9 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        else:  # a quiet rank that exited first would have torchrun end rank 0 before it has said why: rank 0's exit
-            time.sleep(QUIET_RANK_GRACE_S)  # ends this wait (torchrun then stops every rank)
+        if os.environ.get("RANK", "0") != "0":
+            quiet_rank_exit(2)
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
 
 

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tqdm import tqdm
 
 from harness import base_model, fleet, tasks
+from harness.cli import quiet_rank_exit
 from harness import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
                                  open_no_follow, read_no_follow, refuse_unless_regular, write_atomically, write_failure)
@@ -649,6 +650,8 @@ class GracefulStop:
     and exit, so that a --resume redoes nothing. A second signal stops at once, and so does the first while
     `at_once` (the start: nothing is trained yet, and the wait for remote replicas may last --gen-join-timeout)."""
 
+    first_signal: str | None = None  # the first signal any instance received in this process (read by rank0_speaks)
+
     def __init__(self, announce: bool, at_once: bool = False):
         self.signal: str | None = None
         self.announce = announce
@@ -666,6 +669,7 @@ class GracefulStop:
             raise SystemExit(f"second {label}: stopping at once, without the checkpoint of this step (the previous "
                              "one is intact)")
         self.signal = name
+        GracefulStop.first_signal = GracefulStop.first_signal or name
         if self.at_once:
             raise SystemExit(f"{name} during the start: stopped before the first step, nothing was trained")
         if self.waiting:  # the wait may last long: it ends now, and the run stops as after a generator failure
@@ -698,18 +702,20 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 
 @contextlib.contextmanager
 def rank0_speaks() -> Iterator[None]:
-    """A run that stops says why once, on rank 0. Another rank exits with status 1 and prints nothing for what
-    rank 0 reports: a SystemExit message that every rank raises together (a refused output directory, a failed
-    start, a stop), or a collective that failed because rank 0 left (gloo's "Connection closed by peer")."""
+    """A run that stops says why once, on rank 0. Another rank prints nothing for what rank 0 reports: a SystemExit
+    that every rank raises together (a message: a refused output directory, a failed start, a stop; or a status: a
+    bad data row), which it leaves through cli.`quiet_rank_exit` (status 1 for a message), or a collective that failed
+    because rank 0 left (gloo's "Connection closed by peer"), status 1 at once."""
     if os.environ.get("RANK", "0") == "0":
         yield
         return
     try:
         yield
     except SystemExit as e:
-        if isinstance(e.code, str):
-            raise SystemExit(1) from None
-        raise
+        if e.code in (None, 0):
+            raise
+        # after a signal torchrun is ending every rank itself: no need to wait for rank 0
+        quiet_rank_exit(1 if isinstance(e.code, str) else e.code, wait=GracefulStop.first_signal is None)
     except RuntimeError as e:
         if any(text in str(e) for text in PEER_GONE):
             raise SystemExit(1) from None

@@ -500,19 +500,56 @@ def psutil_alive(pid: int) -> bool:
 
 def test_other_ranks_leave_what_rank_0_reports_to_rank_0(monkeypatch, capsys):
     """A failed start printed its line on every rank, then rank 1's gloo traceback ("Connection closed by
-    peer") once rank 0 had left. Off rank 0 both are a quiet exit with status 1; anything else still surfaces."""
+    peer") once rank 0 had left. Off rank 0 both are a quiet exit with status 1; anything else still surfaces. An
+    exit that rank 0 reports waits first for torchrun's SIGTERM (seen on CI: rank 1 left at once on a bad data row,
+    and torchrun ended rank 0 before it had named the rows); a stop by a signal, or rank 0 gone, does not wait."""
+    from harness import cli
+
+    waits = []
+    monkeypatch.setattr(cli, "wait_for_a_signal", waits.append)
+    monkeypatch.setattr(runtime.GracefulStop, "first_signal", None)
     monkeypatch.setenv("RANK", "1")
-    for raised in (SystemExit("out is in use by another train.py"),
-                   RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:3254. This is typically ...")):
+    for raised, code, waited in ((SystemExit("out is in use by another train.py"), 1, 1),
+                                 (SystemExit(2), 2, 1),  # a status of its own is kept
+                                 (RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:3254. This is"), 1, 0)):
+        waits.clear()
         with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks():
             raise raised
-        assert exit_info.value.code == 1
+        assert (exit_info.value.code, len(waits)) == (code, waited), raised
+    assert waits == [] and cli.QUIET_RANK_GRACE_S >= 10
+    monkeypatch.setattr(runtime.GracefulStop, "first_signal", "SIGINT")
     with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks():
-        raise SystemExit(2)  # a status of its own is kept
-    assert exit_info.value.code == 2
+        raise SystemExit("SIGINT during the start: stopped before the first step, nothing was trained")
+    assert exit_info.value.code == 1 and waits == []
+    with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks():
+        raise SystemExit(0)
+    assert exit_info.value.code == 0 and waits == []
     with pytest.raises(RuntimeError, match="a bug"), runtime.rank0_speaks():
         raise RuntimeError("a bug")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(SystemExit, match="in use"), runtime.rank0_speaks():  # rank 0 says it
         raise SystemExit("out is in use by another train.py")
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "" and waits == []
+
+
+def test_a_quiet_ranks_wait_ends_on_torchruns_signal_and_puts_the_handlers_back():
+    """The wait of cli.quiet_rank_exit: a SIGTERM (torchrun's, once rank 0 has exited) ends it at once, even when
+    another thread receives the signal; without one it lasts its time; the handlers in place before are restored."""
+    from harness import cli
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        started = time.monotonic()
+        assert cli.wait_for_a_signal(60.0) is True
+        assert time.monotonic() - started < 30.0  # ended by the signal, not by its 60 s
+        started = time.monotonic()
+        assert cli.wait_for_a_signal(0.3) is False and time.monotonic() - started >= 0.3
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler in place before is back
+        deadline = time.monotonic() + 10.0
+        while not seen and time.monotonic() < deadline:  # Python runs a handler between bytecodes, on the main thread
+            time.sleep(0.01)
+        assert seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -39,6 +39,11 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[RERUN_LOG] = str(Path(tempfile.mkdtemp(prefix="scalerl-reruns-")) / "reruns.jsonl")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(workers, "scalerl-workers")
+    workers.register_recorder(config)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    workers.add_options(parser)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

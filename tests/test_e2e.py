@@ -221,6 +221,40 @@ def test_two_workers_keep_each_group_on_one_worker_and_the_controller_counts_eve
     assert worker["one_b"] == worker["two_b"], worker
 
 
+def test_groups_go_longest_first_by_the_stored_durations(tmp_path):
+    """`--store-durations PATH` writes every test's seconds (setup, call and teardown), merged with the tests the file
+    already held; a group's expected seconds are its tests' stored ones, a guess by marker where none is stored."""
+    import workers
+
+    (tmp_path / "test_timed.py").write_text(
+        "import time, pytest\n@pytest.fixture\ndef slow_setup():\n    time.sleep(0.3)\n"
+        "def test_quick():\n    pass\ndef test_sleeps(slow_setup):\n    time.sleep(0.4)\n")
+    stored = tmp_path / "durations.json"
+    stored.write_text(json.dumps({"test_gone.py::test_kept": 12.5, "test_timed.py::test_sleeps": 99.0}))
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    cmd = [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-n", "0", "test_timed.py",
+           "--store-durations", str(stored)]
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    durations = workers.read_durations(stored)
+    assert durations["test_gone.py::test_kept"] == 12.5 and durations["test_timed.py::test_quick"] < 0.3, durations
+    assert 0.7 <= durations["test_timed.py::test_sleeps"] < 30.0, durations  # this run's, not the 99 s it held
+
+    class Item:  # what group_seconds reads of a pytest item
+        def __init__(self, nodeid: str, slow: bool = False, group: str | None = None):
+            self.nodeid, self.slow, self.group = nodeid, slow, group
+
+        def get_closest_marker(self, name: str):
+            if name == "slow" and self.slow:
+                return pytest.mark.slow.mark
+            return pytest.mark.xdist_group(self.group).mark if name == "xdist_group" and self.group else None
+
+    items = [Item("a.py::t1"), Item("a.py::t2", slow=True), Item("b.py::t1", group="run"), Item("c.py::t1", group="run")]
+    assert workers.group_seconds(items, {"a.py::t1": 2.0, "c.py::t1": 40.0}) == {
+        "a.py": 2.0 + workers.UNKNOWN_SLOW_S, "run": workers.UNKNOWN_FAST_S + 40.0}
+    assert workers.read_durations(tmp_path / "missing.json") == {}
+
+
 def test_auto_workers_are_at_most_the_cores_the_memory_and_four(monkeypatch):
     """`-n auto` (make test's default WORKERS): a worker per core, as many as the memory holds at 6 GiB each (a
     worker may run vLLM and two torchrun ranks), at most 4, at least 1."""

@@ -861,13 +861,16 @@ def test_the_weight_group_store_listens_on_the_named_address_alone(host):
     from harness import weight_transfer
 
     before = set(listening_sockets())
-    joined = []
+    joined, worker_groups = [], []
+
+    def worker_joins(info):  # the group is kept: a freed one closes its connections, which the trainer's rank may
+        # still be reading as it finishes the mesh ("Connection closed by peer" on a loaded machine)
+        worker_groups.append(weight_transfer.open_group(info["master_address"], info["master_port"], 1, 2, host, 10))
 
     class Client:  # the replica's worker joins in a thread of this process
         def init_weight_transfer_engine(self, info):
             joined.append(info)
-            threading.Thread(target=weight_transfer.open_group, daemon=True,
-                             args=(info["master_address"], info["master_port"], 1, 2, host, 10)).start()
+            threading.Thread(target=worker_joins, args=(info,), daemon=True).start()
 
     engine = weight_transfer.trainer_engine("gloo", client=Client(), source=weight_transfer.StateDictSource({}),
                                             host=host, worker_host=host, world_size=2, timeout_s=10)

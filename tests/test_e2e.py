@@ -445,21 +445,25 @@ SYNC_TRAINED = ("loss", "grad_norm", "entropy", "kl_ref", "is_weight_mean")
 
 
 @pytest.fixture(scope="module")
-def sync_grpo_split(sync_grpo_fresh_runs) -> Path:
+def sync_grpo_split(sync_grpo_fresh_runs) -> dict:
     """sync_grpo_run's run again, stopped after step 2 (sync_grpo_fresh_runs) and resumed on 2 ranks to step 4
-    (split/: its steps 1-3 repeat sync_grpo_run's, its step 4 is the 2-rank step that a resume from 1 rank must
-    repeat); at-2/ is a copy of its directory at step 2, a checkpoint saved by 2 learner ranks. The resume names the
-    step it starts from and saves one shard per rank (the 2 -> 2 case of
-    test_a_checkpoint_resumes_on_another_number_of_ranks)."""
+    ("split": its steps 1-3 repeat sync_grpo_run's, its step 4 is the 2-rank step that a resume from 1 rank must
+    repeat). The resume names the step it starts from and saves one shard per rank (the 2 -> 2 case of
+    test_a_checkpoint_resumes_on_another_number_of_ranks). Beside it, at once, a copy of its directory at step 2 (a
+    checkpoint saved by 2 learner ranks) resumes on 1 rank to step 3 ("one", and that command's result,
+    "two_to_one": the 2 -> 1 case, which the test checks): two runs of their own, and one alone leaves a core mostly
+    idle while rank 0 starts vLLM."""
     split = sync_grpo_fresh_runs[1]
-    root = split.parent
-    shutil.copytree(split, root / "at-2", symlinks=True)
-    run = _train(split, "--resume", str(split), "--max-steps", "4")
+    one = split.parent / "one"
+    shutil.copytree(split, one, symlinks=True)
+    run, two_to_one = at_once(
+        lambda: _train(split.parent / "ignored", "--resume", str(split), "--max-steps", "4"),
+        lambda: _train(split.parent / "ignored-2-1", "--resume", str(one), "--max-steps", "3", nproc=1))
     assert run.returncode == 0, why_failed(run)
     assert f"[resume] {split / 'checkpoint'}: step 2" in run.stderr, run.stderr[-3000:]
     state = json.loads((split / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == 4 and len(state["shards"]) == 2, state["shards"]
-    return root
+    return {"split": split, "one": one, "two_to_one": two_to_one}
 
 
 def _assert_same_steps(rows: dict, reference: dict, steps: range, where: str) -> None:
@@ -475,17 +479,17 @@ def _assert_same_steps(rows: dict, reference: dict, steps: range, where: str) ->
 @pytest.mark.xdist_group("e2e-sync-chain")
 def test_a_checkpoint_resumes_on_another_number_of_ranks(tmp_path, sync_grpo_run, sync_grpo_split):
     """Each rank saves its own shard; torch's distributed checkpoint reads them back on any number of ranks. The
-    step-2 checkpoint of 2 ranks (sync_grpo_split's at-2/) resumes on 1 rank: step 3 repeats the uninterrupted
-    run's, and its checkpoint (1 shard) resumes on 2 ranks: step 4 repeats the 2-rank run's step 4 (split/, resumed
-    on 2 ranks from step 2: that resume, 2 -> 2, is checked where sync_grpo_split makes it). Each resume starts at the
-    next step, with the same data position (the prompts consumed)."""
-    one, split = tmp_path / "one", sync_grpo_split / "split"  # split/ is read, not resumed
-    shutil.copytree(sync_grpo_split / "at-2", one, symlinks=True)
-    for where, out, nproc, start in (("2 -> 1", one, 1, 2), ("1 -> 2", one, 2, 3)):
-        run = _train(tmp_path / "ignored", "--resume", str(out), "--max-steps", str(start + 1), nproc=nproc)
+    step-2 checkpoint of 2 ranks resumes on 1 rank (sync_grpo_split's "one", resumed there beside the 2 -> 2 case):
+    step 3 repeats the uninterrupted run's, and its checkpoint (1 shard) resumes on 2 ranks: step 4 repeats the
+    2-rank run's step 4 (sync_grpo_split's "split", resumed on 2 ranks from step 2). Each resume starts at the next
+    step, with the same data position (the prompts consumed)."""
+    one, split = sync_grpo_split["one"], sync_grpo_split["split"]  # split is read, not resumed
+    for where, nproc, start in (("2 -> 1", 1, 2), ("1 -> 2", 2, 3)):
+        run = sync_grpo_split["two_to_one"] if where == "2 -> 1" else _train(
+            tmp_path / "ignored", "--resume", str(one), "--max-steps", str(start + 1), nproc=nproc)
         assert run.returncode == 0, (where, why_failed(run))
-        assert f"[resume] {out / 'checkpoint'}: step {start}" in run.stderr, (where, run.stderr[-3000:])
-        state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+        assert f"[resume] {one / 'checkpoint'}: step {start}" in run.stderr, (where, run.stderr[-3000:])
+        state = json.loads((one / "checkpoint" / "trainer_state.json").read_text())
         assert state["step"] == start + 1 and len(state["shards"]) == nproc, (where, state["shards"])
         if where == "2 -> 1":  # the same prompts consumed as the uninterrupted run's at step 3
             assert state["consumed"] == json.loads((sync_grpo_run / "checkpoint" / "trainer_state.json").read_text())[
@@ -548,7 +552,7 @@ def test_sync_mode_with_one_seed_repeats_run_for_run_and_across_a_resume(sync_gr
     -0.03427 against -0.03637, and trained other completions). The evaluations (at every step) repeat too. The
     runs are grpo's (SYNC_GRPO: the reference model's KL and masked importance weights in the loss as well); the
     first is sync_grpo_run's, the second goes on to step 4 (for the checkpoint test), compared up to step 3."""
-    split = sync_grpo_split / "split"
+    split = sync_grpo_split["split"]
     first, second = ({r["step"]: r for r in metrics_rows(out)} for out in (sync_grpo_run, split))
     assert sorted(first) == [0, 1, 2, 3] and sorted(second) == [0, 1, 2, 3, 4]
     for step in (0, 1, 2, 3):
@@ -823,10 +827,25 @@ def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, fo
     assert "vllm" not in run.stderr.lower()
 
 
+@pytest.fixture(scope="module")
+def evaluate_and_unjoined_runs(tmp_path_factory, base_model_dir) -> dict:
+    """`train.py evaluate` of the base model, and beside it, at once, a training run whose one (remote) replica never
+    joins ("unjoined": its output directory is "out"): each is mostly a start on one core (imports, a generator, the
+    evaluation's vLLM engine), which alone left the other core idle."""
+    unjoined = tmp_path_factory.mktemp("unjoined")
+    out = unjoined / "run"
+    evaluate, run = at_once(
+        lambda: subprocess.run([sys.executable, "train.py", "evaluate", "--eval-prompts", "16", "--eval-samples", "4"],
+                               cwd=REPO, capture_output=True, text=True, timeout=600),
+        lambda: _train(out, *_remote_replica_only(unjoined), "--gen-join-timeout", "3", "--max-steps", "1",
+                       timeout=300, retry=False))
+    return {"evaluate": evaluate, "unjoined": run, "out": out}
+
+
 @pytest.mark.slow
-def test_evaluate_prints_pass_at_k_of_the_base_model(base_model_dir):
-    run = subprocess.run([sys.executable, "train.py", "evaluate", "--eval-prompts", "16", "--eval-samples", "4"],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+@pytest.mark.xdist_group("e2e-evaluate-unjoined")
+def test_evaluate_prints_pass_at_k_of_the_base_model(base_model_dir, evaluate_and_unjoined_runs):
+    run = evaluate_and_unjoined_runs["evaluate"]
     assert run.returncode == 0, why_failed(run)
     result = json.loads(run.stdout.splitlines()[-1])
     assert result["model"] == str(base_model_dir) and result["problems"] == 16 and result["samples"] == 4
@@ -850,13 +869,13 @@ def _remote_replica_only(tmp_path: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_remote_replica_that_never_joins_is_one_line_once_under_torchrun(tmp_path, base_model_dir):
+@pytest.mark.xdist_group("e2e-evaluate-unjoined")
+def test_a_remote_replica_that_never_joins_is_one_line_once_under_torchrun(evaluate_and_unjoined_runs):
     """A start that fails on rank 0 (here the remote replica it waits for never connects) printed a rank-0
     traceback, then rank 1's gloo "Connection closed by peer" traceback. Now: rank 0's one line, once, and the
-    output directory as it was (no vLLM starts: the generator waits for a remote replica only)."""
-    out = tmp_path / "run"
-    run = _train(out, *_remote_replica_only(tmp_path), "--gen-join-timeout", "3", "--max-steps", "1", timeout=300,
-                 retry=False)
+    output directory as it was (no vLLM starts: the generator waits for a remote replica only). (The run is made
+    beside test_evaluate_prints_pass_at_k_of_the_base_model's command: evaluate_and_unjoined_runs.)"""
+    run, out = evaluate_and_unjoined_runs["unjoined"], evaluate_and_unjoined_runs["out"]
     assert run.returncode != 0
     assert run.stderr.count("train.py: error:") == 1, run.stderr[-3000:]
     assert "replica 0 (remote) never connected to" in run.stderr

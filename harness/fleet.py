@@ -264,10 +264,8 @@ class ReplicaPool:
         self.listener = vllm_replica.ReplicaListener(self.cfg.listen, self.secret)
         for slot in self.replicas.values():
             if slot.local:
-                slot.spawned(vllm_replica.start_process(
-                    vllm_replica.replica_main, f"scalerl-replica-{slot.id}",
-                    (self.listener.address, self.secret, slot.id, slot.devices, os.getpid()),
-                    {"config_type": ReplicaSettings}))
+                slot.spawned(vllm_replica.start_replica(self.listener.address, self.secret, slot.id, slot.devices,
+                                                        ReplicaSettings))
 
     def all_ready(self) -> bool:
         return all(s.state == "ready" for s in self.replicas.values())

@@ -42,12 +42,52 @@ def pytest_configure(config: pytest.Config) -> None:
     workers.register_recorder(config)
 
 
+ZYGOTE_FILES = {"test_e2e.py"}  # where train.py runs start their replicas (tests/replica_zygote.py)
+_zygote: dict = {}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the tests to run include train.py runs, start the replica zygote (tests/replica_zygote.py) in the
+    background: it imports vLLM once while the first tests run, and each run's generator then forks its replicas from
+    it instead of importing vLLM again. SCALERL_REPLICA_ZYGOTE=0 keeps multiprocessing's spawn for every replica."""
+    from harness.vllm_replica import REPLICA_ZYGOTE_ENV
+
+    if os.environ.get("SCALERL_REPLICA_ZYGOTE", "1") == "0" or REPLICA_ZYGOTE_ENV in os.environ:
+        return
+    if session.config.getoption("collectonly") or not any(Path(str(item.fspath)).name in ZYGOTE_FILES
+                                                            for item in session.items):
+        return
+    home = Path(tempfile.mkdtemp(prefix="scalerl-zygote-"))  # 0700: only this user reaches the socket
+    socket_path = home / "replicas.sock"
+    log = open(home / "zygote.log", "w")
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("replica_zygote.py")), str(socket_path)],
+                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    _zygote.update(proc=proc, home=home)
+    os.environ[REPLICA_ZYGOTE_ENV] = str(socket_path)
+
+
+def _stop_zygote() -> None:
+    proc, home = _zygote.pop("proc", None), _zygote.pop("home", None)
+    if proc is not None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if home is not None:
+        shutil.rmtree(home, ignore_errors=True)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     workers.add_options(parser)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     from helpers import RERUN_LOG
+
+    _stop_zygote()
 
     if not workers.is_worker(config) and os.environ.get(RERUN_LOG, "").endswith("reruns.jsonl"):
         shutil.rmtree(Path(os.environ[RERUN_LOG]).parent, ignore_errors=True)
@@ -67,6 +107,10 @@ def pytest_terminal_summary(terminalreporter) -> object:
         terminalreporter.write_line(f"  why: {rerun['why']}")
         for line in rerun["story"].splitlines()[-80:]:
             terminalreporter.write_line(f"  | {line}")
+    if "home" in _zygote:  # what the zygote saved: each replica it forked skipped an import of vLLM
+        log = (_zygote["home"] / "zygote.log").read_text(errors="replace")
+        forked = sum(line.startswith("forked ") for line in log.splitlines())
+        terminalreporter.write_line(f"replica zygote (tests/replica_zygote.py): {forked} replica(s) forked")
     return result
 
 

@@ -676,7 +676,7 @@ def _stopped_state(out: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("e2e-stopped-three-ways")
-def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_path, base_model_dir):
+def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_path, base_model_dir, monkeypatch):
     """One run (so that torchrun and vLLM start 4 times, not 7), stopped three ways and resumed each time:
     1. `kill -9` of the generator process (the scheduler; its replica goes with it) mid-run: rank 0 learns of it
        within seconds, every rank saves a checkpoint of the steps done and the run stops with a message. Meanwhile
@@ -687,8 +687,13 @@ def test_a_run_stopped_three_ways_resumes_each_time_with_every_step_once(tmp_pat
     3. `kill -9` of torchrun alone (its ranks run in sessions of their own) between two checkpoints: the ranks and
        the generator die with it, and the resume redoes the steps after the last checkpoint.
     In the end metrics.jsonl holds every step exactly once, and the evaluations' hours come back with each
-    checkpoint."""
+    checkpoint. The replicas are spawned, as in a user's run, not forked from the test session's zygote: the
+    processes' tree and their deaths are what this test proves."""
     import ipaddress
+
+    from harness.vllm_replica import REPLICA_ZYGOTE_ENV
+
+    monkeypatch.delenv(REPLICA_ZYGOTE_ENV, raising=False)
 
     out, logs = tmp_path / "run", [tmp_path / f"log{i}" for i in range(3)]
     resume = ["--resume", str(out)]
@@ -1129,3 +1134,69 @@ def test_a_rank_that_stops_on_an_error_exits_as_the_interpreter_would(capsys, mo
         assert report_exit(error) == 1
     err = capsys.readouterr().err
     assert err.startswith("Traceback") and err.rstrip().endswith("ValueError: a malformed row"), err
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The test session's replica zygote (tests/replica_zygote.py): the runs above fork their replicas from it
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def zygote() -> str:
+    from harness.vllm_replica import REPLICA_ZYGOTE_ENV
+
+    if not os.environ.get(REPLICA_ZYGOTE_ENV):
+        pytest.skip("SCALERL_REPLICA_ZYGOTE=0: this session spawns every replica")
+    return os.environ[REPLICA_ZYGOTE_ENV]
+
+
+@pytest.mark.slow
+def test_a_forked_replica_writes_to_its_generators_streams_reports_its_exit_and_is_killed_as_a_spawned_one(
+        zygote, capfd):
+    """What the replica pool reads of a replica's process holds for one the zygote forked: its lines reach the
+    generator's stderr, its exit code comes back (1: a wrong secret is refused), and kill() ends it with SIGKILL."""
+    from harness import fleet, vllm_replica
+
+    listener = vllm_replica.ReplicaListener("127.0.0.1:0", b"s" * 32)
+    try:
+        refused = vllm_replica.start_replica(listener.address, b"w" * 32, 0, None, fleet.ReplicaSettings)
+        assert isinstance(refused, vllm_replica.ForkedReplica)
+        refused.join(120)
+        assert refused.exitcode == 1
+        assert "refused this replica: wrong secret?" in capfd.readouterr().err
+        waiting = vllm_replica.start_replica(listener.address, b"s" * 32, 0, None, fleet.ReplicaSettings)
+        channel, _ = listener.accepted.get(timeout=120)  # it proved the secret; its hello waits for an answer
+        assert channel.recv()[0] == "hello" and waiting.is_alive() and waiting.exitcode is None
+        waiting.kill()
+        waiting.join(30)
+        assert waiting.exitcode == -signal.SIGKILL and not waiting.is_alive()
+    finally:
+        listener.close()
+
+
+@pytest.mark.slow
+def test_a_forked_replica_dies_with_its_generator_process(zygote):
+    """A spawned replica dies with the process that started it (the parent-death signal); a forked one's parent is
+    the zygote, so the zygote's child watches the generator instead. The replica here is connected to this test's
+    listener, not the generator's, so nothing but that watch ends it when the generator is killed with SIGKILL."""
+    import psutil
+
+    from harness import vllm_replica
+
+    listener = vllm_replica.ReplicaListener("127.0.0.1:0", b"s" * 32)
+    script = ("import sys, time\nfrom harness import fleet, vllm_replica\n"
+              "proc = vllm_replica.start_replica(sys.argv[1], b's' * 32, 0, None, fleet.ReplicaSettings)\n"
+              "print(proc.pid, flush=True)\ntime.sleep(600)\n")
+    generator = subprocess.Popen([sys.executable, "-c", script, listener.address], cwd=REPO, stdout=subprocess.PIPE,
+                                 text=True)
+    try:
+        replica = psutil.Process(int(generator.stdout.readline()))
+        channel, _ = listener.accepted.get(timeout=120)
+        assert channel.recv()[0] == "hello" and replica.ppid() != generator.pid
+        generator.kill()
+        generator.wait()
+        gone, _ = psutil.wait_procs([replica], timeout=30)
+        assert gone, f"the forked replica {replica.pid} outlived its generator"
+    finally:
+        generator.kill()
+        listener.close()

@@ -30,6 +30,16 @@ import pipeline_rl as pl
 from harness import fleet, tasks, vllm_replica, wire
 from helpers import REPO, run_where
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _replicas_spawned():
+    """This module's generators spawn their replicas as a user's run does, not from the test session's zygote
+    (tests/replica_zygote.py): their starts, kills and deaths are what these tests prove."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(vllm_replica.REPLICA_ZYGOTE_ENV, raising=False)
+        yield
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Fast: pure logic
 # --------------------------------------------------------------------------------------------------------------

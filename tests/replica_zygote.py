@@ -103,8 +103,13 @@ def fork_replica(conn: socket.socket, listener: socket.socket, children: dict) -
 
 def run_child(request: dict, fds: list[int]) -> None:
     """In the forked child: the generator's streams, directory and environment, a watch on the generator, then
-    replica_main; exit with its status as multiprocessing's child would (1 and the traceback for an exception)."""
-    code = 1
+    replica_main; an exception that ends it is told and gives the exit status as in multiprocessing's child, and
+    the child ends through exit_at_once as a spawned replica does."""
+    import multiprocessing
+
+    from harness import vllm_replica  # imported by the zygote already
+
+    code = 0
     try:
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
@@ -116,10 +121,6 @@ def run_child(request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         watch(request["watch_pid"])
-        import multiprocessing
-
-        from harness import vllm_replica
-
         multiprocessing.current_process().name = request["name"]
         module, _, qualname = request["config_type"].partition(":")
         if not module.startswith("harness."):
@@ -127,19 +128,11 @@ def run_child(request: dict, fds: list[int]) -> None:
         config_type = getattr(importlib.import_module(module), qualname)
         vllm_replica.replica_main(request["address"], bytes.fromhex(request["secret"]), request["local_id"], None,
                                   os.getppid(), config_type=config_type)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        print(f"Process {request.get('name', 'replica')}:", file=sys.stderr)
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(code)
+    except BaseException as stop:
+        if not isinstance(stop, SystemExit):
+            print(f"Process {request['name']}:", file=sys.stderr)
+        code = vllm_replica.report_exit(stop)
+    vllm_replica.exit_at_once(code)
 
 
 def watch(pid: int) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import importlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -768,6 +769,19 @@ class WeightPush:
             raise GeneratorError(f"weight_transport {e}") from None
         self.cfg = dataclasses.replace(self.cfg, weight_transport=kind)
         return self.cfg, line
+
+    def prepare(self) -> threading.Thread:
+        """Import vLLM's weight-transfer engines (harness/weight_transfer.py) in a thread, while the generator
+        starts: the first push needs them, and their import (vLLM's config and engine classes, 5-6 s on a CPU core)
+        came at step 1's push, where rank 0, and every rank behind it, waited for it. Started here, it runs while
+        rank 0 waits for the replicas. A failed import is left to the push's own import, which raises it there."""
+        def import_engines() -> None:
+            with contextlib.suppress(Exception):
+                importlib.import_module("harness.weight_transfer")
+
+        thread = threading.Thread(target=import_engines, name="scalerl-weights-import", daemon=True)
+        thread.start()
+        return thread
 
     def tensors(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The state dict as the replicas load it (vllm_replica.weight_tensors): what cast is left is done here (none

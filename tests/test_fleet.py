@@ -3,10 +3,14 @@
 The fleet's processes, connections and handshake are exercised through the scheduler in test_pipeline_rl.py and
 test_wire.py; the push's real engines in test_weight_transfer.py and the end-to-end runs."""
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
+import pipeline_rl
 from harness import fleet
 
 WAIT_S = 20.0  # far longer than a thread takes to start: reached only when the sends run one after the other
@@ -55,6 +59,26 @@ def test_a_generator_lost_during_a_push_is_raised_once_every_send_has_ended(monk
     with pytest.raises(fleet.GeneratorError, match="generator process died"):
         push.send({}, 1, _plan(0, 1), lambda msg: None)
     assert ended == [1]
+
+
+def test_the_engines_are_imported_while_the_generator_starts_not_at_the_first_push(monkeypatch):
+    """vLLM's weight-transfer engines (harness/weight_transfer.py: 5-6 s of imports on a CPU core) were imported by
+    step 1's push, which every rank waited for. Generator.start now has WeightPush.prepare import them in a thread,
+    before it spawns the generator process (the process start faked here); `prepare` imports them in a fresh
+    interpreter, where nothing had (a subprocess: this session may have imported them already)."""
+    order = []
+    monkeypatch.setattr(fleet.WeightPush, "prepare", lambda self: order.append("prepare"))
+    monkeypatch.setattr(fleet.GeneratorProcess, "start", lambda self, *a, **k: order.append("spawn"))
+    pipeline_rl.Generator(pipeline_rl.GeneratorConfig(model="m"), None).start()
+    assert order == ["prepare", "spawn"]
+    code = ("import sys; from harness import fleet; assert 'harness.weight_transfer' not in sys.modules; "
+            "thread = fleet.WeightPush(fleet.FleetConfig(), model='m').prepare(); thread.join(120); "
+            "print(thread.name, 'harness.weight_transfer' in sys.modules, 'vllm.distributed.weight_transfer.base' "
+            "in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["scalerl-weights-import", "True", "True"]
 
 
 def test_the_fleet_settings_are_checked_where_they_are_written():

@@ -33,6 +33,7 @@ in full".
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import hashlib
 import math
@@ -919,11 +920,9 @@ class _Scheduler:
         self.conn, self.cfg = conn, config
         self.pool = fleet.ReplicaPool(config.replica_settings(), secret, self.on_death, config.max_concurrent_groups)
         if spawn_replicas:  # first: a replica's start (vLLM's import, 8 s on a CPU) then overlaps the rest of ours
-            self.pool.spawn()  # (transformers' import, 2 s), which no longer delays it
-        from transformers import AutoTokenizer
-
+            self.pool.spawn()
+        tokenizer = _load_tokenizer(config.model, self.pool if spawn_replicas else None, version)
         task = _make_task(task_factory)
-        tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.phrase_ids = list(tokenizer(task.interruption_phrase, add_special_tokens=False)["input_ids"])
         self.close_ids = list(tokenizer(tasks.THINK_CLOSE, add_special_tokens=False)["input_ids"])
         self.version = version  # the weights every usable replica holds
@@ -1162,6 +1161,25 @@ class _Scheduler:
         if self.debug_wait is not None and not self.debug_wait["waiting"]:
             values, self.debug_wait = self.debug_wait["values"], None
             self.conn.send(("debug", values))
+
+
+def _load_tokenizer(model: str, greeting: fleet.ReplicaPool | None, version: int) -> Any:
+    """AutoTokenizer.from_pretrained(model), with transformers' import: 3-5 s on a CPU core. Given the pool that has
+    just spawned its replicas (`greeting`), it loads in a thread while this one answers their hellos (weights
+    `version`): a replica then builds its engine meanwhile, where it waited for its settings until the scheduler was
+    built."""
+    def load() -> Any:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model)
+
+    if greeting is None:
+        return load()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="scalerl-tokenizer") as loader:
+        loading = loader.submit(load)
+        while not loading.done():
+            greeting.greet(0.05, version)
+        return loading.result()
 
 
 def _scheduler_in_process(conn: Any, config: GeneratorConfig, task_factory: Any, data_start: int,

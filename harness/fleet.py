@@ -325,30 +325,52 @@ class ReplicaPool:
         messages: list[tuple[Any, tuple | None]] = []
         for conn in ready:
             owner = owners[conn]
+            if isinstance(owner, tuple):  # ("new", peer)
+                self.answer_hello(conn, owner[1], version, running)
+                continue
             try:
                 msg = conn.recv()
             except wire.FrameRefused as e:  # nothing of it was used; the connection is closed
-                if isinstance(owner, ReplicaSlot):
-                    self.on_death(owner, f"refused a frame on its connection: {e}")
-                else:
-                    self.refuse_frame(conn, owner[1], str(e))
+                self.on_death(owner, f"refused a frame on its connection: {e}")
                 continue
             except (EOFError, OSError):
                 if owner == "learner":
                     messages.append(("learner", None))
-                elif isinstance(owner, ReplicaSlot):
-                    self.on_death(owner, "its connection closed (process killed, or the network broke)")
                 else:
-                    self.forget_new(conn)
+                    self.on_death(owner, "its connection closed (process killed, or the network broke)")
                 continue
-            if owner == "learner" or isinstance(owner, ReplicaSlot):
-                messages.append((owner, msg))
-            else:
-                self.forget_new(conn)
-                self.on_hello(conn, owner[1], msg, version, running=running)
+            messages.append((owner, msg))
         for slot, reason in self.silent_exits():
             self.on_death(slot, reason)
         return messages
+
+    def greet(self, timeout: float, version: int) -> None:
+        """Answer the hellos of new connections that come within `timeout` (weights `version`), and read nothing
+        else: what the replicas and the learner send waits for `poll`. The scheduler calls it while it is still being
+        built, so that a replica spawned at its start gets its settings and builds its engine meanwhile."""
+        new = {conn: owner[1] for conn, owner in self.connections().items() if isinstance(owner, tuple)}
+        if not new:  # the listener's thread accepts into a queue, which no wait can watch
+            time.sleep(timeout)
+            return
+        try:
+            ready = mpc.wait(list(new), timeout)
+        except OSError:
+            ready = []
+        for conn in ready:
+            self.answer_hello(conn, new[conn], version, running=False)
+
+    def answer_hello(self, conn: Any, peer: tuple, version: int, running: bool) -> None:
+        """A new connection's first message (`on_hello`); one whose frame is refused is named, a closed one forgotten."""
+        try:
+            msg = conn.recv()
+        except wire.FrameRefused as e:  # nothing of it was used; the connection is closed
+            self.refuse_frame(conn, peer, str(e))
+            return
+        except (EOFError, OSError):
+            self.forget_new(conn)
+            return
+        self.forget_new(conn)
+        self.on_hello(conn, peer, msg, version, running=running)
 
     def forget_new(self, conn: Any) -> None:
         self.new_conns = [(c, p) for c, p in self.new_conns if c is not conn]

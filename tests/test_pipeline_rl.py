@@ -775,6 +775,41 @@ def test_the_replica_pool_starts_a_replica_that_says_hello_and_reports_one_it_ca
     assert deaths == [(0, "sending to it failed (AttributeError)")]
 
 
+def test_a_replica_is_told_its_settings_while_the_schedulers_tokenizer_loads(monkeypatch):
+    """The generator process spawns its replicas, then loads its tokenizer (transformers' import: 3-5 s on a CPU). A
+    replica's hello is answered meanwhile (pipeline_rl._load_tokenizer, through the pool's `greet`), so that it builds
+    its engine then; it was answered only once the scheduler was built. Here the tokenizer's load waits until the
+    replica has its settings: before, it waited in vain."""
+    import transformers
+
+    config = pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(replicas=1))
+    secret = b"s" * 32
+    pool = fleet.ReplicaPool(config.replica_settings(), secret, on_death=lambda slot, reason: None)
+    pool.listener = vllm_replica.ReplicaListener("127.0.0.1:0", secret)
+    told, replies = threading.Event(), []
+
+    def load_when_told(model, *args, **kwargs):
+        assert told.wait(30), "the replica's hello was not answered while the tokenizer loaded"
+        return f"the tokenizer of {model}"
+
+    def replica() -> None:
+        channel, _ = vllm_replica.connect_to_generator(pool.listener.address, secret, 30)
+        channel.send(("hello", {"pid": 42, "local_id": 0}))
+        replies.append(channel.recv())
+        told.set()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", load_when_told)
+    thread = threading.Thread(target=replica, daemon=True)
+    thread.start()
+    try:
+        assert pl._load_tokenizer("m", pool, 7) == "the tokenizer of m"
+    finally:
+        pool.listener.close()
+    thread.join(10)
+    (kind, _settings, replica_id, version), = replies
+    assert (kind, replica_id, version) == ("start", 0, 7) and pool.slot(0).state == "starting"
+
+
 def test_replica_faults_free_a_dead_replicas_work_name_it_and_stop_at_the_last(capsys):
     config = pl.GeneratorConfig(model="m", fleet=pl.FleetConfig(replicas=2))
     groups = pl._GroupTable()

@@ -1227,10 +1227,12 @@ class Generator:
         settled, self.transport_line = self._weights.choose()  # the transport train.py printed at its start
         self.config = replace(self.config, fleet=settled)
         secret = fleet.run_secret(self.config.fleet)
-        self._weights.prepare()  # the first push's import of vLLM's engines, while we wait for the replicas
+        importing = self._weights.prepare()  # the first push's import of vLLM's engines, while we wait for the replicas
         self._process.start(_scheduler_in_process, (self.config, self._task_factory, self._data_start, self._skip,
                                                     self._retired, self._version, secret),
                             self.config.fleet.join_timeout + 60 if timeout is None else timeout)
+        importing.join()  # done before the caller goes on: no import of its own runs beside it (a concurrent
+        # circular import, as a package's modules importing each other, can fail in one of two threads)
 
     def __enter__(self) -> "Generator":
         if self._process.pid is None:

@@ -64,13 +64,19 @@ def test_a_generator_lost_during_a_push_is_raised_once_every_send_has_ended(monk
 def test_the_engines_are_imported_while_the_generator_starts_not_at_the_first_push(monkeypatch):
     """vLLM's weight-transfer engines (harness/weight_transfer.py: 5-6 s of imports on a CPU core) were imported by
     step 1's push, which every rank waited for. Generator.start now has WeightPush.prepare import them in a thread,
-    before it spawns the generator process (the process start faked here); `prepare` imports them in a fresh
-    interpreter, where nothing had (a subprocess: this session may have imported them already)."""
+    before it spawns the generator process (the process start faked here), and waits for the thread before it
+    returns, so that no import of the caller's runs beside it. `prepare` imports them in a fresh interpreter, where
+    nothing had (a subprocess: this session may have imported them already)."""
     order = []
-    monkeypatch.setattr(fleet.WeightPush, "prepare", lambda self: order.append("prepare"))
+
+    class Importing:
+        def join(self) -> None:
+            order.append("joined")
+
+    monkeypatch.setattr(fleet.WeightPush, "prepare", lambda self: order.append("prepare") or Importing())
     monkeypatch.setattr(fleet.GeneratorProcess, "start", lambda self, *a, **k: order.append("spawn"))
     pipeline_rl.Generator(pipeline_rl.GeneratorConfig(model="m"), None).start()
-    assert order == ["prepare", "spawn"]
+    assert order == ["prepare", "spawn", "joined"]
     code = ("import sys; from harness import fleet; assert 'harness.weight_transfer' not in sys.modules; "
             "thread = fleet.WeightPush(fleet.FleetConfig(), model='m').prepare(); thread.join(120); "
             "print(thread.name, 'harness.weight_transfer' in sys.modules, 'vllm.distributed.weight_transfer.base' "

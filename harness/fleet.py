@@ -330,8 +330,8 @@ class ReplicaPool:
                 continue
             try:
                 msg = conn.recv()
-            except wire.FrameRefused as e:  # nothing of it was used; the connection is closed
-                self.on_death(owner, f"refused a frame on its connection: {e}")
+            except wire.FrameRefused as e:  # a replica's channel (the learner's pipe has no frames to refuse):
+                self.on_death(owner, f"refused a frame on its connection: {e}")  # nothing of it was used, it is closed
                 continue
             except (EOFError, OSError):
                 if owner == "learner":
@@ -360,7 +360,8 @@ class ReplicaPool:
             self.answer_hello(conn, new[conn], version, running=False)
 
     def answer_hello(self, conn: Any, peer: tuple, version: int, running: bool) -> None:
-        """A new connection's first message (`on_hello`); one whose frame is refused is named, a closed one forgotten."""
+        """A new connection's first message (`on_hello`); one whose frame is refused is named, a closed one is
+        forgotten."""
         try:
             msg = conn.recv()
         except wire.FrameRefused as e:  # nothing of it was used; the connection is closed

@@ -132,6 +132,17 @@ def _graded_module_is_the_students_copy(request: pytest.FixtureRequest) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _vllm_reads_the_environment_afresh() -> None:
+    """An engine started in this process (an earlier test's, on the same pytest-xdist worker) froze vLLM's reading of
+    the environment (EngineCore calls envs.enable_envs_cache), so a test that sets a variable would read the old
+    value. Each test starts as a fresh process does: vLLM's own reset, made to isolate unit tests (nothing to reset
+    where vLLM is not imported yet)."""
+    envs = sys.modules.get("vllm.envs")
+    if envs is not None:
+        envs.disable_envs_cache()
+
+
+@pytest.fixture(autouse=True)
 def _away_from_the_checkout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every test runs in an empty directory of its own, so that what a user left in the checkout (the default
     --output-dir runs/default after `make run`, runs/real, a stray file) never meets a test; a test that needs the

@@ -19,13 +19,8 @@ INTERRUPT = {"budget": 4, "phrase": [7, 8, 9], "close": [5, 6]}
 
 def _gpu_machine(monkeypatch: pytest.MonkeyPatch, triton: bool = True) -> None:
     """What vllm_replica reads of a GPU machine: Triton installed, no VLLM_USE_V2_MODEL_RUNNER set."""
-    import vllm.envs
     import vllm.triton_utils
 
-    # An engine started earlier in this process (another test's, on the same pytest-xdist worker) froze vLLM's reading
-    # of the environment (EngineCore calls enable_envs_cache). A replica reads its runner before its engine starts, so
-    # the test does too: vLLM's own reset, made to isolate unit tests.
-    vllm.envs.disable_envs_cache()
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
     monkeypatch.setattr(vllm.triton_utils, "HAS_TRITON", triton)
 

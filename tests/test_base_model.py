@@ -308,7 +308,7 @@ def test_a_base_built_elsewhere_says_what_it_means_for_the_numbers(tmp_path, mon
 
 # A 10-step build: enough to tell kernels apart. Measured: a portable build with 5 threads, and a native build with
 # MKL held to AVX2, each give other bytes than the portable build at 10 steps, as at 40 (most of a build's time
-# is its child's start: 4-6 s at 10 steps against 8-10 s at 40).
+# is its child's start: a portable build took 5-6 s at 10 steps against 8-11 s at 40).
 SMALL_CONFIG = base_model.BaseModelConfig(sft_examples=160, sft_batch_size=16, sft_epochs=1)
 
 

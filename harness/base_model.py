@@ -377,27 +377,47 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 UNSCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
 
-def model_positions(model: str) -> tuple[int, str] | None:
-    """The longest context (max_model_len) vLLM accepts for a local model directory, as vLLM derives it from its
-    config.json (the smallest of CONTEXT_KEYS, then the tokenizer's model_max_length, times a RoPE scaling factor),
-    and where it came from ("max_position_embeddings in its config.json"). None where this cannot tell: a hub name,
-    no readable config, none of the keys, or a model whose context vLLM derives otherwise (gemma3); vLLM then checks
-    it as its engine starts."""
+def model_file(model: str, name: str) -> Path | None:
+    """The file `name` of --model: in its directory, or, for a hub name ("ORG/NAME") that is no local path, in the
+    Hugging Face cache where an earlier download left it (huggingface_hub's own lookup, `HF_HUB_CACHE` or `HF_HOME`
+    honoured; no network). None where neither holds it."""
     path = Path(model).expanduser()
+    if path.is_dir():
+        return path / name if (path / name).is_file() else None
+    if path.exists() or model.count("/") > 1:  # hub names: "NAME" or "ORG/NAME"
+        return None
+    from huggingface_hub import try_to_load_from_cache  # transformers' own dependency, imported only for hub names
+
     try:
-        config = json.loads((path / "config.json").read_text())
+        cached = try_to_load_from_cache(model, name)
+    except ValueError:  # not a valid repository id (huggingface_hub's HFValidationError)
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
+def model_positions(model: str) -> tuple[int, str] | None:
+    """The longest context (max_model_len) vLLM accepts for --model, as vLLM derives it from its config.json (the
+    smallest of CONTEXT_KEYS, then the tokenizer's model_max_length, times a RoPE scaling factor), and where it came
+    from ("max_position_embeddings in its config.json"): a local directory's, or a hub name's copy in the Hugging
+    Face cache (`model_file`). None where this cannot tell: a hub name not downloaded yet, no readable config, none
+    of the keys, or a model whose context vLLM derives otherwise (gemma3); vLLM then checks it as its engine starts."""
+    config_file, tokenizer_file = model_file(model, "config.json"), model_file(model, "tokenizer_config.json")
+    if config_file is None:
+        return None
+    try:
+        config = json.loads(config_file.read_text())
         text = config.get("text_config") or config
         found = [(int(text[key]), key) for key in CONTEXT_KEYS if isinstance(text.get(key), (int, float))]
-        tokenizer = json.loads((path / "tokenizer_config.json").read_text()) \
-            if (path / "tokenizer_config.json").is_file() else {}
+        tokenizer = json.loads(tokenizer_file.read_text()) if tokenizer_file is not None else {}
     except (OSError, ValueError, TypeError, AttributeError, OverflowError):
         return None
     if not found or "gemma3" in str(config.get("model_type")):
         return None
     positions, key = min(found)
-    source = f"{key} in its config.json"
+    cached = "" if Path(model).expanduser().is_dir() else ", from the Hugging Face cache"
+    source = f"{key} in its config.json{cached}"
     if isinstance(tokenizer.get("model_max_length"), int) and tokenizer["model_max_length"] < positions:
-        positions, source = tokenizer["model_max_length"], "model_max_length in its tokenizer_config.json"
+        positions, source = tokenizer["model_max_length"], f"model_max_length in its tokenizer_config.json{cached}"
     factor = 1.0
     for rope in (text.get("rope_scaling"), text.get("rope_parameters")):
         for params in (rope.values() if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values())

@@ -3,6 +3,7 @@ the GPU layouts refused, and the resume rules with args.json."""
 
 import dataclasses
 import json
+import shutil
 import sys
 
 import pytest
@@ -123,6 +124,31 @@ def test_a_context_beyond_the_models_positions_is_one_line_before_anything_start
     assert flags.model_context(flags.Args(model=model)) == 256 and flags.context_problems(flags.Args(model=model)) == []
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM's own way past the limit passes here too
     assert flags.context_problems(flags.Args(model=model, max_model_len=300)) == []
+
+
+def test_a_hub_names_context_is_read_from_the_hugging_face_cache(base_model_dir, tmp_path, capsys, monkeypatch):
+    """A hub name (--model ORG/NAME) already downloaded is checked as a local directory is: its config.json is read
+    from the Hugging Face cache (huggingface_hub's lookup, no network), so a context beyond its positions is one line,
+    and an unset --max-model-len shrinks to the model's own context as it does for a directory. Not downloaded yet,
+    it cannot be told here, and vLLM checks it as its engine starts."""
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--ORG--NAME" / "snapshots" / ("0" * 40)  # huggingface_hub's cache layout
+    snapshot.mkdir(parents=True)
+    shutil.copy(base_model_dir / "config.json", snapshot / "config.json")  # 256 positions
+    (tmp_path / "hub" / "models--ORG--NAME" / "refs").mkdir()
+    (tmp_path / "hub" / "models--ORG--NAME" / "refs" / "main").write_text("0" * 40)
+    assert base_model.model_positions("ORG/NAME") is None  # not in this machine's cache
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # as HF_HUB_CACHE sets it
+    source = "max_position_embeddings in its config.json, from the Hugging Face cache"
+    assert base_model.model_positions("ORG/NAME") == (256, source)
+    assert base_model.model_positions("ORG/OTHER") is None and base_model.model_file("ORG/NAME", "x.json") is None
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--model", "ORG/NAME", "--max-model-len", "300"])
+    err = capsys.readouterr().err
+    message = f"--max-model-len 300 exceeds the 256 positions of ORG/NAME ({source})"
+    assert stop.value.code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert flags.model_context(flags.Args(model="ORG/NAME")) == 256  # 48 + the 512-token allowance would be 560
 
 
 def test_the_models_positions_are_read_as_vllm_derives_them(tmp_path):

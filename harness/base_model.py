@@ -344,10 +344,12 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
     """What keeps a local model directory from working here, in words (empty: nothing found). A hub name that is
-    not a local path is not checked (the hub may be unreachable from here)."""
+    not a local path is checked only for its attention head size, and only once in the Hugging Face cache
+    (`model_file`): the hub may be unreachable from here, and its files are the hub's."""
     path = Path(model).expanduser()
     if not path.exists():
-        return []
+        cached = model_file(model, "config.json")
+        return [] if cached is None else head_size_problems(model, cached, on_gpu)
     if not path.is_dir():
         return [f"{model} is a file; expected a Hugging Face model directory (config.json, weights, tokenizer)"]
     config_file = path / "config.json"
@@ -359,15 +361,21 @@ def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
     problems += filter(None, map(safetensors_problem, sorted(path.glob("*.safetensors"))))
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         problems.append(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    return problems + head_size_problems(model, config_file, on_gpu)
+
+
+def head_size_problems(model: str, config_file: Path, on_gpu: bool) -> list[str]:
+    """The model's attention head size (from `config_file`, its config.json) where vLLM's CPU attention has no
+    kernel for it, or where the config does not say it."""
     try:
         config = json.loads(config_file.read_text())
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:
-        return problems + [f"{config_file}: cannot read the attention head size ({type(e).__name__}: {e})"]
+        return [f"{config_file}: cannot read the attention head size ({type(e).__name__}: {e})"]
     if not on_gpu and head_dim not in VLLM_CPU_HEAD_SIZES:
-        problems.append(f"{model}: attention head size {head_dim}; vLLM's CPU attention supports "
-                        f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}")
-    return problems
+        return [f"{model}: attention head size {head_dim}; vLLM's CPU attention supports "
+                f"{', '.join(map(str, VLLM_CPU_HEAD_SIZES))}"]
+    return []
 
 
 # The config.json keys vLLM derives a model's longest context from, the smallest present winning (vLLM 0.32's

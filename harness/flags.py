@@ -1058,10 +1058,11 @@ def model_context(args: Args) -> int:
 
 
 def context_problems(args: Args) -> list[str]:
-    """vLLM's context (model_context) beyond the positions of --model, a local directory (base_model.model_positions:
-    its config.json's max_position_embeddings, as vLLM reads it): vLLM refuses it only as its engine starts, in a
-    validation traceback; here it is one line naming the flag, its value and the model's limit. (The embedded tiny
-    model's limit is range_problems'.) VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM go beyond it, and this check too."""
+    """vLLM's context (model_context) beyond the positions of --model, a local directory or a hub name in the Hugging
+    Face cache (base_model.model_positions: its config.json's max_position_embeddings, as vLLM reads it): vLLM
+    refuses it only as its engine starts, in a validation traceback; here it is one line naming the flag, its value
+    and the model's limit. (The embedded tiny model's limit is range_problems'.) VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets
+    vLLM go beyond it, and this check too."""
     if args.model is None or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").lower() in ("1", "true"):
         return []
     limit, context = base_model.model_positions(args.model), model_context(args)

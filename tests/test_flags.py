@@ -128,9 +128,9 @@ def test_a_context_beyond_the_models_positions_is_one_line_before_anything_start
 
 def test_a_hub_names_context_is_read_from_the_hugging_face_cache(base_model_dir, tmp_path, capsys, monkeypatch):
     """A hub name (--model ORG/NAME) already downloaded is checked as a local directory is: its config.json is read
-    from the Hugging Face cache (huggingface_hub's lookup, no network), so a context beyond its positions is one line,
-    and an unset --max-model-len shrinks to the model's own context as it does for a directory. Not downloaded yet,
-    it cannot be told here, and vLLM checks it as its engine starts."""
+    from the Hugging Face cache (huggingface_hub's lookup, no network), so a context beyond its positions or a head
+    size vLLM's CPU attention lacks is one line, and an unset --max-model-len shrinks to the model's own context as
+    it does for a directory. Not downloaded yet, it cannot be told here, and vLLM checks it as its engine starts."""
     import huggingface_hub.constants
 
     snapshot = tmp_path / "hub" / "models--ORG--NAME" / "snapshots" / ("0" * 40)  # huggingface_hub's cache layout
@@ -149,6 +149,13 @@ def test_a_hub_names_context_is_read_from_the_hugging_face_cache(base_model_dir,
     message = f"--max-model-len 300 exceeds the 256 positions of ORG/NAME ({source})"
     assert stop.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     assert flags.model_context(flags.Args(model="ORG/NAME")) == 256  # 48 + the 512-token allowance would be 560
+    # vLLM's CPU attention has no kernel for a head size of 40: said before anything starts, as for a directory
+    config = json.loads((snapshot / "config.json").read_text())
+    (snapshot / "config.json").write_text(json.dumps({**config, "head_dim": 40}))
+    sizes = ", ".join(map(str, base_model.VLLM_CPU_HEAD_SIZES))
+    assert base_model.model_dir_problems("ORG/NAME") == [
+        f"ORG/NAME: attention head size 40; vLLM's CPU attention supports {sizes}"]
+    assert base_model.model_dir_problems("ORG/NAME", on_gpu=True) == []
 
 
 def test_the_models_positions_are_read_as_vllm_derives_them(tmp_path):

@@ -344,12 +344,12 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
     """What keeps a local model directory from working here, in words (empty: nothing found). A hub name that is
-    not a local path is checked only for its attention head size, and only once in the Hugging Face cache
-    (`model_file`): the hub may be unreachable from here, and its files are the hub's."""
+    not a local path is checked for its config.json (`hub_config_problems`: the hub's answer, in one line) and its
+    attention head size; its other files are the hub's."""
     path = Path(model).expanduser()
     if not path.exists():
-        cached = model_file(model, "config.json")
-        return [] if cached is None else head_size_problems(model, cached, on_gpu)
+        problems, cached = hub_config_problems(model), model_file(model, "config.json")
+        return problems if problems or cached is None else head_size_problems(model, cached, on_gpu)
     if not path.is_dir():
         return [f"{model} is a file; expected a Hugging Face model directory (config.json, weights, tokenizer)"]
     config_file = path / "config.json"
@@ -362,6 +362,50 @@ def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         problems.append(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json)")
     return problems + head_size_problems(model, config_file, on_gpu)
+
+
+def hub_config_problems(model: str) -> list[str]:
+    """For --model naming a hub model (no local path) whose config.json is not in the Hugging Face cache yet: that
+    file fetched into the cache now, with huggingface_hub's download, as transformers and vLLM would fetch it a moment
+    later. What the hub answers instead (no such model, a gated one, a hub that cannot be reached) is then one line
+    before anything starts, where it was a traceback from every rank once the processes had started. Empty for a
+    local path, or once the config is in the cache."""
+    if Path(model).expanduser().exists() or model.count("/") > 1 or model_file(model, "config.json") is not None:
+        return []
+    import logging
+
+    import huggingface_hub.constants
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RemoteEntryNotFoundError,
+                                        RepositoryNotFoundError)
+
+    hub_log = logging.getLogger("huggingface_hub")  # its "Retrying in 1s" lines: the one line below says it all
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)
+    try:
+        hf_hub_download(model, "config.json")
+    except GatedRepoError:
+        return [f"{model} is gated on the Hugging Face hub: accept its terms on its page, then log in (hf auth login, "
+                "or HF_TOKEN)"]
+    except RepositoryNotFoundError:
+        return [f"{model}: no such local directory, and no such model on the Hugging Face hub (a private one needs "
+                "hf auth login, or HF_TOKEN)"]
+    except RemoteEntryNotFoundError:
+        return [f"{model} has no config.json on the Hugging Face hub: not a transformers model"]
+    except LocalEntryNotFoundError:
+        cache = huggingface_hub.constants.HF_HUB_CACHE
+        offline = (" (HF_HUB_OFFLINE=1, which train.py sets on a machine without CUDA unless HF_HUB_OFFLINE is "
+                   "given)") if huggingface_hub.constants.is_offline_mode() else ""
+        return [f"{model}: no such local directory, not in the Hugging Face cache ({cache}), and the hub could not "
+                f"be reached{offline}: download it where it can be (hf download {model}), or give the model's "
+                "directory"]
+    except ValueError as e:  # huggingface_hub's HFValidationError: no name the hub could hold
+        return [f"{model}: no such local directory, nor a Hugging Face hub name ({e})"]
+    except OSError as e:  # any other answer of the hub's (a server error, a refused token)
+        return [f"{model}: the Hugging Face hub did not give its config.json ({type(e).__name__}: {e})"]
+    finally:
+        hub_log.setLevel(level)
+    return []
 
 
 def head_size_problems(model: str, config_file: Path, on_gpu: bool) -> list[str]:

@@ -460,7 +460,7 @@ def check_args(args: Args, generator_checks: GeneratorChecks | None = None) -> l
     if args.model is not None and not Path(args.model).exists() and (
             args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1):
         problems.append(f"--model {args.model}: no such directory (a hub model is named ORG/NAME)")
-    elif args.model is not None:  # a local directory: config, weights, tokenizer, a head size vLLM supports here
+    elif args.model is not None:  # a directory's config, weights, tokenizer; a hub name's config; a head size here
         problems += [f"--model {p}" for p in base_model.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]
         problems += context_problems(args)
     if args.dataset and tasks.is_local_data_file(args.dataset) and not Path(args.dataset).is_file():
@@ -871,6 +871,9 @@ def parse_args(argv: list[str] | None = None, evaluating: bool = False,
     if values["resume"]:
         values = resumed_values(parser, argv, values["resume"], evaluating)
     args = Args(**values)
+    # The environment the run will have (on a machine without CUDA: vLLM's CPU settings, the hub offline unless
+    # HF_HUB_OFFLINE is given), before a check of --model's reads the Hugging Face cache or the hub
+    tasks.set_vllm_cpu_env()
     problems = check_args(args, generator_checks)
     problems += loss_problems(args, losses[args.loss]) if losses is not None else []
     if not problems and not evaluating:  # evaluating trains nothing: no learner to fit
@@ -904,6 +907,8 @@ def plan(argv: list[str], generator_checks: GeneratorChecks | None = None, losse
     problems = (range_problems(args) + generator_problems(args, generator_checks)
                 + fleet.fleet_problems(fleet_values(args), generator_flag))
     problems += loss_problems(args, losses[args.loss]) if losses is not None else []
+    if args.model and not options.shape:  # a hub name the hub cannot give (the plan reads its config)
+        problems += [f"--model {p}" for p in base_model.hub_config_problems(args.model)]
     problems += [] if options.shape else context_problems(args)  # a plan for a context vLLM would refuse is no plan
     if not options.gpu_memory_gib > 0:
         problems.append(f"--gpu-memory-gib must be > 0 (got {options.gpu_memory_gib:g})")

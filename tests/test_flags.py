@@ -2,9 +2,13 @@
 the GPU layouts refused, and the resume rules with args.json."""
 
 import dataclasses
+import http.server
 import json
+import os
 import shutil
+import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -149,6 +153,14 @@ def test_a_hub_names_context_is_read_from_the_hugging_face_cache(base_model_dir,
     message = f"--max-model-len 300 exceeds the 256 positions of ORG/NAME ({source})"
     assert stop.value.code == 2 and message in err and len(err.splitlines()) == 1, err
     assert flags.model_context(flags.Args(model="ORG/NAME")) == 256  # 48 + the 512-token allowance would be 560
+    # Read at the flags' check, the cache's huggingface_hub is imported after the run's environment is set: on a
+    # machine without CUDA the rank's transformers stays offline, as it was before these checks read the cache
+    env = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
+    script = ("from harness import flags; flags.parse_args(['--model', 'ORG/NAME', '--output-dir', 'out']); "
+              "import huggingface_hub.constants as c; print(c.HF_HUB_OFFLINE)")
+    run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={**env, "HF_HUB_CACHE": str(tmp_path / "hub"), "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0 and run.stdout.split() == ["True"], run.stderr
     # vLLM's CPU attention has no kernel for a head size of 40: said before anything starts, as for a directory
     config = json.loads((snapshot / "config.json").read_text())
     (snapshot / "config.json").write_text(json.dumps({**config, "head_dim": 40}))
@@ -156,6 +168,82 @@ def test_a_hub_names_context_is_read_from_the_hugging_face_cache(base_model_dir,
     assert base_model.model_dir_problems("ORG/NAME") == [
         f"ORG/NAME: attention head size 40; vLLM's CPU attention supports {sizes}"]
     assert base_model.model_dir_problems("ORG/NAME", on_gpu=True) == []
+
+
+class _FakeHub(http.server.BaseHTTPRequestHandler):
+    """The Hugging Face hub's answers for a file, as huggingface_hub reads them (its X-Error-Code header): ORG/GATED
+    is gated, ORG/MISSING is no repository, ORG/NOCONFIG has no config.json, any other name serves CONFIG."""
+    CONFIG = json.dumps({"model_type": "llama", "hidden_size": 80, "num_attention_heads": 2,  # head size 40
+                         "max_position_embeddings": 256}).encode()
+    ERRORS = {"GATED": (401, "GatedRepo"), "MISSING": (404, "RepoNotFound"), "NOCONFIG": (404, "EntryNotFound")}
+
+    def answer(self, body: bool) -> None:
+        status, error = self.ERRORS.get(self.path.split("/")[2] if self.path.count("/") > 2 else "", (200, None))
+        self.send_response(status)
+        if error:
+            self.send_header("X-Error-Code", error)
+        else:
+            self.send_header("X-Repo-Commit", "1" * 40)
+            self.send_header("ETag", '"config"')
+        self.send_header("Content-Length", str(len(self.CONFIG) if status == 200 else 0))
+        self.end_headers()
+        if body and status == 200:
+            self.wfile.write(self.CONFIG)
+
+    def do_HEAD(self) -> None:
+        self.answer(body=False)
+
+    def do_GET(self) -> None:
+        self.answer(body=True)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_a_hub_name_the_hub_cannot_give_is_one_line_before_anything_starts(tmp_path):
+    """--model ORG/NAME not in the cache was fetched only by transformers in each rank, after the processes had
+    started: no such model, a gated one or an unreachable hub was a traceback per rank. Now its config.json is
+    fetched at the flags' check (huggingface_hub's own download, from a local server that answers as the hub does,
+    through HF_ENDPOINT), and what the hub says is one line; once fetched, the head-size and context checks read it."""
+    hub = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeHub)
+    threading.Thread(target=hub.serve_forever, daemon=True).start()
+    env = {**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{hub.server_port}", "HF_HUB_CACHE": str(tmp_path / "hub"),
+           "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1"}
+    script = ("import json; from harness import base_model as b; print(json.dumps({n: [b.model_dir_problems(n), "
+              "b.model_positions(n)] for n in ('ORG/GATED', 'ORG/MISSING', 'ORG/NOCONFIG', 'ORG/GOOD')}))")
+    try:
+        checked = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                                 timeout=120)
+        run = subprocess.run([sys.executable, "train.py", "plan", "--model", "ORG/MISSING"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        hub.shutdown()
+    answers = json.loads(checked.stdout)
+    assert answers["ORG/GATED"] == [["ORG/GATED is gated on the Hugging Face hub: accept its terms on its page, then "
+                                     "log in (hf auth login, or HF_TOKEN)"], None]
+    assert answers["ORG/MISSING"] == [["ORG/MISSING: no such local directory, and no such model on the Hugging Face "
+                                       "hub (a private one needs hf auth login, or HF_TOKEN)"], None]
+    assert answers["ORG/NOCONFIG"] == [["ORG/NOCONFIG has no config.json on the Hugging Face hub: not a "
+                                        "transformers model"], None]
+    sizes = ", ".join(map(str, base_model.VLLM_CPU_HEAD_SIZES))  # fetched on its first check, then read as a dir's
+    assert answers["ORG/GOOD"] == [[f"ORG/GOOD: attention head size 40; vLLM's CPU attention supports {sizes}"],
+                                   [256, "max_position_embeddings in its config.json, from the Hugging Face cache"]]
+    assert (run.returncode, run.stderr) == (2, "train.py plan: error: --model ORG/MISSING: no such local directory, "
+                                               "and no such model on the Hugging Face hub (a private one needs hf "
+                                               "auth login, or HF_TOKEN) (see --help)\n"), run.stderr
+
+
+def test_a_hub_name_with_no_hub_to_reach_is_one_line(monkeypatch):
+    """With no hub (HF_HUB_OFFLINE, or no network) and nothing in the cache, the line says so and how to get it."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 sets it
+    cache = huggingface_hub.constants.HF_HUB_CACHE
+    assert base_model.model_dir_problems("ORG/NOWHERE") == [
+        f"ORG/NOWHERE: no such local directory, not in the Hugging Face cache ({cache}), and the hub could not be "
+        "reached (HF_HUB_OFFLINE=1, which train.py sets on a machine without CUDA unless HF_HUB_OFFLINE is given): "
+        "download it where it can be (hf download ORG/NOWHERE), or give the model's directory"]
+    assert base_model.hub_config_problems(str(REPO / "models" / "tiny-arith")) == []  # a directory: nothing to fetch
 
 
 def test_the_models_positions_are_read_as_vllm_derives_them(tmp_path):

@@ -45,7 +45,9 @@ def test_mfu_is_six_n_tokens_over_the_ranks_peak_and_absent_without_a_peak(monke
     (["--model", "m", "--max-tokens", "64", "--think-budget", "40,48", "--max-model-len", "200"], 200),
     (["--max-model-len", "128"], 128),
 ])
-def test_generator_context_follows_the_flags(argv, max_model_len):
+def test_generator_context_follows_the_flags(argv, max_model_len, monkeypatch):
+    # "m": a hub model whose config the hub gives (its check, which would fetch it: test_flags.py)
+    monkeypatch.setattr(flags.base_model, "hub_config_problems", lambda model: [])
     args = flags.parse_args(argv)
     flags.resolve_defaults(args, embedded=args.model is None, on_gpu=False)
     config = train.generator_config(args, "model-dir")  # builds the config only: nothing starts

@@ -342,6 +342,24 @@ def _train_base_model(out_dir: Path, config: BaseModelConfig, progress: bool) ->
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
+def model_file(model: str, name: str) -> Path | None:
+    """The file `name` of --model: in its directory, or, for a hub name ("ORG/NAME") that is no local path, in the
+    Hugging Face cache where an earlier download left it (huggingface_hub's own lookup, `HF_HUB_CACHE` or `HF_HOME`
+    honoured; no network). None where neither holds it."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path / name if (path / name).is_file() else None
+    if path.exists() or model.count("/") > 1:  # hub names: "NAME" or "ORG/NAME"
+        return None
+    from huggingface_hub import try_to_load_from_cache  # transformers' own dependency, imported only for hub names
+
+    try:
+        cached = try_to_load_from_cache(model, name)
+    except ValueError:  # not a valid repository id (huggingface_hub's HFValidationError)
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
 def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
     """What keeps a local model directory from working here, in words (empty: nothing found). A hub name that is
     not a local path is checked for its config.json (`hub_config_problems`: the hub's answer, in one line) and its
@@ -427,24 +445,6 @@ def head_size_problems(model: str, config_file: Path, on_gpu: bool) -> list[str]
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
                 "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
 UNSCALED_ROPE_TYPES = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
-
-
-def model_file(model: str, name: str) -> Path | None:
-    """The file `name` of --model: in its directory, or, for a hub name ("ORG/NAME") that is no local path, in the
-    Hugging Face cache where an earlier download left it (huggingface_hub's own lookup, `HF_HUB_CACHE` or `HF_HOME`
-    honoured; no network). None where neither holds it."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path / name if (path / name).is_file() else None
-    if path.exists() or model.count("/") > 1:  # hub names: "NAME" or "ORG/NAME"
-        return None
-    from huggingface_hub import try_to_load_from_cache  # transformers' own dependency, imported only for hub names
-
-    try:
-        cached = try_to_load_from_cache(model, name)
-    except ValueError:  # not a valid repository id (huggingface_hub's HFValidationError)
-        return None
-    return Path(cached) if isinstance(cached, str) else None
 
 
 def model_positions(model: str) -> tuple[int, str] | None:

@@ -829,7 +829,8 @@ def test_a_deadline_shorter_than_the_server_start_leaves_it_starting_and_the_nex
     verifier = tasks.MathVerifier()
     try:
         # launched first, as a reward's own restart launches it: a 50 ms deadline around the launch as well could
-        # pass before it on a loaded machine (seen with four runs beside the suite), and prove nothing then
+        # pass before it on a loaded machine (seen with a training run and a busy loop beside the tests), and prove
+        # nothing then
         verifier._start()
         with pytest.raises(tasks.RewardTimeout):
             with tasks.reward_deadline(0.05):

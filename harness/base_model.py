@@ -342,6 +342,11 @@ def _train_base_model(out_dir: Path, config: BaseModelConfig, progress: bool) ->
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
+def is_hub_name(model: str) -> bool:
+    """--model read as a hub name ("NAME" or "ORG/NAME"): no local path holds it, and it has at most one slash."""
+    return not Path(model).expanduser().exists() and model.count("/") <= 1
+
+
 def model_file(model: str, name: str) -> Path | None:
     """The file `name` of --model: in its directory, or, for a hub name ("ORG/NAME") that is no local path, in the
     Hugging Face cache where an earlier download left it (huggingface_hub's own lookup, `HF_HUB_CACHE` or `HF_HOME`
@@ -349,7 +354,7 @@ def model_file(model: str, name: str) -> Path | None:
     path = Path(model).expanduser()
     if path.is_dir():
         return path / name if (path / name).is_file() else None
-    if path.exists() or model.count("/") > 1:  # hub names: "NAME" or "ORG/NAME"
+    if not is_hub_name(model):
         return None
     from huggingface_hub import try_to_load_from_cache  # transformers' own dependency, imported only for hub names
 
@@ -388,7 +393,7 @@ def hub_config_problems(model: str) -> list[str]:
     later. What the hub answers instead (no such model, a gated one, a hub that cannot be reached) is then one line
     before anything starts, where it was a traceback from every rank once the processes had started. Empty for a
     local path, or once the config is in the cache."""
-    if Path(model).expanduser().exists() or model.count("/") > 1 or model_file(model, "config.json") is not None:
+    if not is_hub_name(model) or model_file(model, "config.json") is not None:
         return []
     import logging
 
@@ -466,7 +471,7 @@ def model_positions(model: str) -> tuple[int, str] | None:
     if not found or "gemma3" in str(config.get("model_type")):
         return None
     positions, key = min(found)
-    cached = "" if Path(model).expanduser().is_dir() else ", from the Hugging Face cache"
+    cached = ", from the Hugging Face cache" if is_hub_name(model) else ""
     source = f"{key} in its config.json{cached}"
     if isinstance(tokenizer.get("model_max_length"), int) and tokenizer["model_max_length"] < positions:
         positions, source = tokenizer["model_max_length"], f"model_max_length in its tokenizer_config.json{cached}"

@@ -113,6 +113,20 @@ def head_weights(vocab: int, hidden: int, rows: int, logit_std: float, seed: int
     return weight, hidden_states, torch.multinomial(probs, 1, generator=gen).squeeze(1)
 
 
+def tied_llama(out: Path) -> Path:
+    """A small random Llama saved at `out` whose LM head is its input embedding, as SmolLM2's is: with the FP32
+    head, the embedding joins the head's float32 FSDP2 unit (train.build_learner), a path the embedded model never
+    takes."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # here: most tests need no transformers
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
 def saved_run(out: Path, steps: tuple[int, ...] = (1, 2), size: int = 4) -> tuple:
     """A run directory with a checkpoint per step of `steps` (a Linear layer and its AdamW state), its args.json and
     a metrics row per step. Returns (model, optimizer)."""

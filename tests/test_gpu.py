@@ -29,6 +29,7 @@ import torch
 
 import pipeline_rl as pl
 from harness import base_model, tasks, vllm_replica
+from helpers import tied_llama
 
 pytestmark = [
     pytest.mark.slow,
@@ -51,19 +52,6 @@ def _learner_probe(path: Path, dtype: str, on_gpu: bool, model_dir: Path) -> dic
     return torch.load(path, weights_only=False)
 
 
-def _tied_model(out: Path) -> Path:
-    """A small random Llama whose LM head is its input embedding, as SmolLM2's is: with the FP32 head, the
-    embedding joins the head's float32 FSDP2 unit (train.build_learner), a path the embedded model never takes."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
-
-
 @pytest.mark.parametrize("model", ["embedded", "tied"])
 def test_learner_step_on_gpu_matches_cpu(tmp_path, model):
     """The learner alone (no vLLM): one step of every loss on synthetic groups, for one and several micro-batches,
@@ -77,7 +65,7 @@ def test_learner_step_on_gpu_matches_cpu(tmp_path, model):
     0.07%), gradient cosines above 0.997 (tied: 0.99998), the lowest with the KL. Seen again on one H100 (torch
     2.11, 2026-11-27), the embedded model with the learner in its present modules: float32 gradients within 4e-6
     relative, bf16 gradient cosines above 0.998 (the lowest with --aggregation sample)."""
-    model_dir = base_model.embedded_base_model() if model == "embedded" else _tied_model(tmp_path / "tied")
+    model_dir = base_model.embedded_base_model() if model == "embedded" else tied_llama(tmp_path / "tied")
     cpu = _learner_probe(tmp_path / "cpu.pt", "float32", on_gpu=False, model_dir=model_dir)
     gpu = _learner_probe(tmp_path / "gpu.pt", "float32", on_gpu=True, model_dir=model_dir)
     bf16 = _learner_probe(tmp_path / "bf16.pt", "bfloat16", on_gpu=True, model_dir=model_dir)

@@ -24,7 +24,7 @@ import torch
 import train
 from harness import checkpoints, commands, flags, head_gemm, packing, runtime
 from helpers import (REPO, U_BF16, assert_same_gradient, assert_within, file_tree, fp32_logprob_error, fp32_sum_error,
-                     head_weights, make_group, random_groups, saved_run)
+                     head_weights, make_group, random_groups, saved_run, tied_llama)
 from pipeline_rl import Group
 
 
@@ -549,18 +549,6 @@ def test_mismatch_is_reported_per_replica_on_completions_sampled_wholly_by_the_t
     assert kl[0] <= bound**2 < kl[1], (kl, bound)
 
 
-def _tied_llama(out: Path) -> Path:
-    """A small random Llama whose LM head is its input embedding, as SmolLM2's is (tests/test_gpu.py's shape)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
-                         tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
-
-
 @pytest.mark.parametrize("which", ["embedded", "tied", "smollm2"])
 def test_packed_rows_give_the_padded_rows_logprobs_and_gradient(one_rank_group, base_model_dir, tmp_path, request,
                                                                 which):
@@ -569,7 +557,7 @@ def test_packed_rows_give_the_padded_rows_logprobs_and_gradient(one_rank_group, 
     within float32 rounding: for the embedded model, a tied head, and SmolLM2-135M (tied, 30 layers). On SmolLM2,
     measured against a float64 copy, padded and packed rows alike are off by up to 3.5e-5 in a logprob and 4-7e-5 in
     the gradient's relative norm; here they differ from each other by 3e-5 in both (the tiny models: 1e-6 or less)."""
-    model_dir = {"embedded": lambda: base_model_dir, "tied": lambda: _tied_llama(tmp_path / "tied"),
+    model_dir = {"embedded": lambda: base_model_dir, "tied": lambda: tied_llama(tmp_path / "tied"),
                  "smollm2": lambda: request.getfixturevalue("real_model_dir")}[which]()
     args = flags.Args(dtype="float32", logits_chunk_tokens=7)
     model, _ = train.build_learner(str(model_dir), args, torch.device("cpu"))

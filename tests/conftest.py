@@ -100,6 +100,8 @@ def pytest_terminal_summary(terminalreporter) -> object:
     from helpers import recorded_reruns
 
     result = yield
+    if STUDENT_FILE is not None:  # grading a student's file (tools/teach.py) runs no torchrun: nothing to count
+        return result
     reruns = recorded_reruns()
     terminalreporter.write_sep("=", f"reruns after a native crash: {len(reruns)}", bold=bool(reruns))
     for i, rerun in enumerate(reruns, 1):

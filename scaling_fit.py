@@ -49,7 +49,9 @@ step, appended in order, each line ending with a newline. Evaluation rows carry 
 Other rows (training steps) carry whatever the trainer logs and lack ``val_pass_rate``; a reader keeps only
 the rows that have the chosen y field. The x field must strictly increase across the kept rows. Every line
 must be a JSON object: an empty or malformed line (including a partial last line left by a killed writer)
-is an error that names the file and line number.
+is an error that names the file and line number. A run's record (a ``.json`` file: one object whose ``rows`` are
+the run's rows, with the fields above) is read as its metrics file: a study keeps its runs so (``python -m
+tools.experiments``, docs/study-runs), and the fit reads them as committed.
 
 This module knows nothing about training; it needs only numpy, scipy and matplotlib.
 """
@@ -591,7 +593,8 @@ def record_points(compute: ArrayLike, reward: ArrayLike, n_bins: int) -> tuple[n
 
 
 def metrics_path(path: str | Path) -> Path:
-    """The metrics file of a run directory (``RUN_DIR/metrics.jsonl``), or ``path`` itself if it is a file."""
+    """The metrics file of a run directory (``RUN_DIR/metrics.jsonl``), or ``path`` itself if it is a file (a
+    metrics file, or a run's record: ``_record_rows``)."""
     path = Path(path)
     file = path / METRICS_FILENAME if path.is_dir() else path
     if not file.is_file():
@@ -599,9 +602,28 @@ def metrics_path(path: str | Path) -> Path:
     return file
 
 
-def _read_numbered_rows(path: str | Path, text: str | None = None) -> tuple[Path, list[tuple[int, dict]]]:
+def _record_rows(file: Path, text: str) -> list[tuple[str, dict]]:
+    """The rows of a run's record, a ``.json`` file: one JSON object whose ``rows`` are the run's metrics rows (with
+    the fields a fit reads), as ``python -m tools.experiments`` keeps a study's runs so that they can be committed
+    and refitted (docs/study-runs). Each row comes with where it is: ``FILE: rows[i]``."""
+    what = ("a .json file is read as a run's record, one object whose \"rows\" is a list of objects (python -m "
+            "tools.experiments writes them); a metrics file is JSON Lines, named .jsonl")
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{file}: malformed JSON at line {err.lineno} ({err.msg}): {what}") from None
+    rows = record.get("rows") if isinstance(record, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(row, dict) for row in rows):
+        raise ValueError(f"{file}: {what}")
+    return [(f"{file}: rows[{i}]", row) for i, row in enumerate(rows)]
+
+
+def _read_numbered_rows(path: str | Path, text: str | None = None) -> tuple[Path, list[tuple[str, dict]]]:
+    """The rows of a metrics file (or of a run's record), each with where it is: ``FILE:LINE`` in a metrics file."""
     file = Path(path) if text is not None else metrics_path(path)
     text = file.read_text() if text is None else text
+    if file.suffix == ".json":
+        return file, _record_rows(file, text)
     lines = text.split("\n")
     complete_last_line = text.endswith("\n")
     if complete_last_line or text == "":
@@ -618,13 +640,14 @@ def _read_numbered_rows(path: str | Path, text: str | None = None) -> tuple[Path
             raise ValueError(f"{file}:{number}: malformed JSON: {err.msg}{hint}") from None
         if not isinstance(row, dict):
             raise ValueError(f"{file}:{number}: expected a JSON object, got {type(row).__name__}")
-        rows.append((number, row))
+        rows.append((f"{file}:{number}", row))
     return file, rows
 
 
 def read_metrics(path: str | Path, text: str | None = None) -> list[dict]:
-    """All rows of a metrics file (a run directory holding metrics.jsonl, or the .jsonl file itself); `text`: the
-    file's text, already read (a run reads its own without following links), `path` then only names it.
+    """All rows of a metrics file (a run directory holding metrics.jsonl, or the .jsonl file itself), or of a run's
+    record (a .json file); `text`: the file's text, already read (a run reads its own without following links),
+    `path` then only names it.
 
     Strict: an empty or malformed line, a partial last line included, raises ValueError naming the line.
     """
@@ -653,10 +676,9 @@ def load_curve(
     lo, hi = value_range_for(y)
     file, rows = _read_numbered_rows(path)
     xs, ys, previous_x = [], [], None
-    for number, row in rows:
+    for where, row in rows:
         if row.get(y) is None:
             continue
-        where = f"{file}:{number}"
         if x not in row:
             raise ValueError(f"{where}: row has {y} but no {x}")
         values = []
@@ -900,7 +922,9 @@ def build_parser() -> argparse.ArgumentParser:
         "could not be written (a full disk).",
     )
     parser.add_argument("paths", nargs="+", type=_text, metavar="RUN_DIR_OR_METRICS.jsonl",
-                        help="run directories holding metrics.jsonl, or metrics .jsonl files; one curve each")
+                        help="run directories holding metrics.jsonl, metrics .jsonl files, or runs' records (.json, "
+                        "as python -m tools.experiments keeps a study's runs, e.g. docs/study-runs/*.json); one curve "
+                        "each")
     parser.add_argument("--x", default="compute_hours", choices=X_FIELDS,
                         help="compute axis field of the metrics file (default: compute_hours, i.e. GPU-hours; "
                         "rl_compute_hours: the same without the hours spent evaluating)")

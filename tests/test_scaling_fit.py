@@ -216,6 +216,40 @@ def test_load_curve_rejects_bad_rows_with_their_line_number(tmp_path, rows, mess
         sf.load_curve(path)
 
 
+def test_a_runs_record_is_read_as_its_metrics_file(tmp_path):
+    """A study's record of a run (docs/study-runs/*.json: one object whose rows are the run's) gives the rows, the
+    curve and the CLI's fit that the same rows give as a metrics.jsonl; a row's error names where it is."""
+    committed = Path(__file__).resolve().parent.parent / "docs" / "study-runs" / "scalerl-s0.json"
+    rows = json.loads(committed.read_text())["rows"]
+    as_jsonl = tmp_path / "scalerl-s0" / "metrics.jsonl"
+    as_jsonl.parent.mkdir()
+    as_jsonl.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert sf.read_metrics(committed) == rows
+    for got, expected in zip(sf.load_curve(committed, x="flops"), sf.load_curve(as_jsonl, x="flops"), strict=True):
+        np.testing.assert_array_equal(got, expected)
+    printed = [subprocess.run([sys.executable, str(Path(sf.__file__)), str(path), "--bootstrap", "0", "--fit-until",
+                               "0.2", "--out", str(tmp_path / "fit.png")], capture_output=True, text=True, timeout=120)
+               for path in (committed, as_jsonl.parent)]
+    assert [run.returncode for run in printed] == [0, 0], printed
+    assert printed[0].stdout == printed[1].stdout and "run scalerl-s0: " in printed[0].stdout
+
+    record = tmp_path / "r.json"
+    record.write_text(json.dumps({"rows": [{"compute_hours": 1.0, "val_pass_rate": 0.2}, {"val_pass_rate": 0.3}]}))
+    with pytest.raises(ValueError, match=re.escape(f"{record}: rows[1]: row has val_pass_rate but no compute_hours")):
+        sf.load_curve(record)
+
+
+@pytest.mark.parametrize("text", ['{"step": 0}\n{"step": 1}\n', "[1, 2]", '{"rows": [1]}', '{"flags": null}'])
+def test_a_json_file_that_is_no_record_is_one_line_that_says_a_metrics_file_is_jsonl(tmp_path, text):
+    path = tmp_path / "metrics.json"
+    path.write_text(text)
+    run = subprocess.run([sys.executable, str(Path(sf.__file__)), str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and run.stdout == "", run
+    assert run.stderr.startswith(f"error: {path}: ") and len(run.stderr.splitlines()) == 1, run.stderr
+    assert "run's record" in run.stderr and "JSON Lines, named .jsonl" in run.stderr, run.stderr
+
+
 def test_load_curve_checks_reward_range(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"compute_hours": 1.0, "val_reward": -0.5}) + "\n"

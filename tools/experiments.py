@@ -204,8 +204,6 @@ def load_rows(path) -> list[dict]:
     """A run's metrics rows, from its run directory (or metrics.jsonl) or from its record (a .json file)."""
     import scaling_fit as sf
 
-    if str(path).endswith(".json"):
-        return json.loads(Path(path).read_text())["rows"]
     return sf.read_metrics(path)
 
 

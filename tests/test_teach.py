@@ -208,3 +208,45 @@ def test_the_workshop_quotes_the_diff_sizes_of_the_files_as_they_are():
     lines = len((REPO / "grpo.py").read_text().splitlines())
     assert f"`grpo.py` ({lines} lines)" in text
     assert f"`diff dapo.py cispo.py | wc -l` counts {diff_lines('dapo.py', 'cispo.py')} lines" in text
+
+
+def _same_but_for_the_last_digit(quoted: str, printed: str) -> bool:
+    """Whether two outputs say the same, blank lines aside, each number to within one unit of the last digit it is
+    quoted with (a fit on another CPU may round its last digit the other way)."""
+    import re
+
+    quoted, printed = ("\n".join(line for line in text.splitlines() if line.strip()) for text in (quoted, printed))
+    number = re.compile(r"-?\d+\.\d+|-?\d+")
+    if number.sub("#", quoted) != number.sub("#", printed):
+        return False
+    for a, b in zip(number.findall(quoted), number.findall(printed), strict=True):
+        unit = 10.0 ** -len(a.partition(".")[2])
+        if abs(float(a) - float(b)) > 1.01 * unit:
+            return False
+    return True
+
+
+def test_the_workshops_fit_is_what_its_command_prints_on_the_committed_runs(tmp_path):
+    """Section 6 of docs/WORKSHOP.md fits the first half of two default runs that every clone has (their records in
+    docs/default-runs), with the command it shows: the command prints what the section quotes, and the compute it
+    fits until is half of the first run's, which the section gives."""
+    import json
+    import re
+    import shlex
+
+    section = (REPO / "docs" / "WORKSHOP.md").read_text().split("## 6. ")[1].split("\n## 7. ")[0]
+    command_block, output_block = re.findall(r"```(?:bash)?\n(.*?)```", section, flags=re.S)[:2]
+    argv = shlex.split(command_block.strip().removeprefix("time "))
+    assert argv[:2] == ["python", "scaling_fit.py"], argv
+    records = [REPO / arg for arg in argv[2:argv.index("--fit-until")]]
+    assert len(records) == 2 and all(record.parent.name == "default-runs" for record in records), records
+    total = json.loads(records[0].read_text())["rows"][-1]["compute_hours"]
+    fit_until = float(argv[argv.index("--fit-until") + 1])
+    assert fit_until == pytest.approx(total / 2, abs=1e-4), (fit_until, total)
+    assert f"{total:.4f} device-hours" in section, total
+    rest = argv[argv.index("--fit-until"):]
+    run = subprocess.run([sys.executable, str(REPO / "scaling_fit.py"), *map(str, records), *rest], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert _same_but_for_the_last_digit(output_block, run.stdout), run.stdout
+    assert (tmp_path / "scaling_fit.png").stat().st_size > 0  # where the section says the figure goes

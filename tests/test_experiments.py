@@ -559,6 +559,21 @@ def test_the_run_length_table_is_what_the_committed_records_give():
             assert cell in line, (record.stem, steps, cell)
 
 
+def test_the_default_runs_table_is_what_the_committed_records_give():
+    """The table of the two default runs on a third CPU kind (docs/results.md) must be what
+    `python -m tools.experiments report` gives on their committed records (docs/default-runs), cell for cell."""
+    section = _results_section("200 steps, an evaluation every 5")
+    for seed in (0, 1):
+        rows = experiments.load_rows(REPO / "docs" / "default-runs" / f"default-s{seed}.json")
+        rep = experiments.run_report(rows)
+        at = [experiments.run_report(experiments.cut_rows(rows, steps))["val_final"] for steps in (100, 150)]
+        cells = [f"{rep['val_first']:.3f} -> {rep['val_final']:.3f} ({rep['val_best']:.3f})",
+                 f"{at[0]:.3f}, {at[1]:.3f}", f"{rep['largest_fall_after_0.8']:.3f}",
+                 f"{rep['lag_mean']:.2f} ({rep['lag_max']})", f"{rep['fit']['A']:.3f}, {rep['fit']['r2']:.3f}",
+                 f"{rep['half_fit_error']:+.3f}", f"{rep['wall_s']:.0f} s"]
+        assert f"| seed {seed} | " + " | ".join(cells) + " |" in section.splitlines(), (seed, cells)
+
+
 def test_help_lists_every_experiment_and_each_has_its_own():
     """`python -m tools.experiments --help` and each experiment's --help print."""
     top = subprocess.run([sys.executable, "-m", "tools.experiments", "--help"], cwd=REPO, capture_output=True,

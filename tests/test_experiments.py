@@ -574,6 +574,26 @@ def test_the_default_runs_table_is_what_the_committed_records_give():
         assert f"| seed {seed} | " + " | ".join(cells) + " |" in section.splitlines(), (seed, cells)
 
 
+@pytest.mark.parametrize("what, said", [
+    ("missing", "no metrics file at {run}"),
+    ("empty.jsonl", "{run}: no metrics rows: a run that never logged a step"),
+    ("no-record.json", "{run}: a .json file is read as a run's record"),
+    ("cut", "{run}: this run has no evaluation at step 101; cut it at one of its evaluated steps [0, 5, 10]"),
+])
+def test_report_says_what_is_wrong_with_a_run_in_one_line(tmp_path, what, said):
+    """A run that is not there, one that logged nothing, a .json that is no record, a cut at a step the run never
+    evaluated: `report` ends on one line naming the run (before, each was a traceback)."""
+    run = tmp_path / what
+    if what == "cut":
+        run = REPO / "docs" / "default-runs" / "default-s0.json"
+    elif what != "missing":
+        run.write_text('{"step": 0}\n' if what.endswith(".json") else "")
+    argv = ["-m", "tools.experiments", "report", str(run)] + (["--at-steps", "101"] if what == "cut" else [])
+    result = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == "", result
+    assert result.stderr.startswith(said.format(run=run)) and len(result.stderr.splitlines()) == 1, result.stderr
+
+
 def test_help_lists_every_experiment_and_each_has_its_own():
     """`python -m tools.experiments --help` and each experiment's --help print."""
     top = subprocess.run([sys.executable, "-m", "tools.experiments", "--help"], cwd=REPO, capture_output=True,

@@ -383,13 +383,19 @@ def experiment_report(args: argparse.Namespace) -> dict:
     and against the full fit's end, the wall time; then the mean and range over the runs."""
     reports = {}
     for run in args.runs:
-        rows = load_rows(run)
+        try:  # a run that is not there, an empty or malformed one, a cut at a step never evaluated: one line
+            rows = load_rows(run)
+            if not rows:
+                raise ValueError("no metrics rows: a run that never logged a step")
+            cuts = [int(s) for s in args.at_steps.split(",")] if args.at_steps else [rows[-1]["step"]]
+            cut = {steps: cut_rows(rows, steps) for steps in cuts}
+        except (OSError, ValueError) as e:
+            raise SystemExit(str(e) if str(run) in str(e) else f"{run}: {e}") from None
         if args.save_records and not str(run).endswith(".json"):
             write_record(Path(args.save_records) / f"{Path(run).name}.json", rows, run)
-        cuts = [int(s) for s in args.at_steps.split(",")] if args.at_steps else [rows[-1]["step"]]
         for steps in cuts:
             name = run if steps == rows[-1]["step"] else f"{run} @ {steps}"
-            reports[name] = run_report(cut_rows(rows, steps), args.devices, fit_from_step=args.fit_from_step,
+            reports[name] = run_report(cut[steps], args.devices, fit_from_step=args.fit_from_step,
                                        axis=args.compute_axis)
     print("| run | val pass 0 -> end (best) | largest fall after 0.8 | mean lag (max) | final fit A, R^2 "
           "| first-half fit: predicted - final | predicted - full fit's end | weight sync / step (median) | wall |")

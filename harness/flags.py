@@ -400,6 +400,26 @@ class Args:
                                          "generator")
 
 
+def missing_model_dir(model: str) -> str | None:
+    """For --model written as a local path (it starts with / . or ~, or has two slashes) where nothing is: what is
+    wrong, in words. None for a path that exists, or for a name that may be a hub model's (ORG/NAME)."""
+    if Path(model).exists() or not (model.startswith(("/", ".", "~")) or model.count("/") > 1):
+        return None
+    return f"{model}: no such directory (a hub model is named ORG/NAME)"
+
+
+def plan_model_problems(model: str) -> list[str]:
+    """What keeps `train.py plan` from reading --model's config.json, the one file it needs, in words: a local path
+    where nothing is, a file or a directory without it, or what the hub answers for a hub name."""
+    if missing_model_dir(model):
+        return [missing_model_dir(model)]
+    if Path(model).is_file():
+        return [f"{model} is a file; expected a Hugging Face model directory (the plan reads its config.json)"]
+    if Path(model).exists() and base_model.model_file(model, "config.json") is None:
+        return [f"{model} has no config.json: not a Hugging Face model directory (the plan reads only that file)"]
+    return base_model.hub_config_problems(model)
+
+
 def check_args(args: Args, generator_checks: GeneratorChecks | None = None) -> list[str]:
     """Incompatible flags, explained before anything starts (the rule's and the sampling's settings by
     `generator_checks`, pipeline_rl.config_problems, where given)."""
@@ -457,9 +477,8 @@ def check_args(args: Args, generator_checks: GeneratorChecks | None = None) -> l
         problems.append(f"--logits-chunk-tokens must be >= 1 (got {args.logits_chunk_tokens})")
     if not args.grad_clip > 0:
         problems.append(f"--grad-clip must be > 0 (got {args.grad_clip})")
-    if args.model is not None and not Path(args.model).exists() and (
-            args.model.startswith(("/", ".", "~")) or args.model.count("/") > 1):
-        problems.append(f"--model {args.model}: no such directory (a hub model is named ORG/NAME)")
+    if args.model is not None and missing_model_dir(args.model):
+        problems.append(f"--model {missing_model_dir(args.model)}")
     elif args.model is not None:  # a directory's config, weights, tokenizer; a hub name's config; a head size here
         problems += [f"--model {p}" for p in base_model.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]
         problems += context_problems(args)
@@ -907,8 +926,8 @@ def plan(argv: list[str], generator_checks: GeneratorChecks | None = None, losse
     problems = (range_problems(args) + generator_problems(args, generator_checks)
                 + fleet.fleet_problems(fleet_values(args), generator_flag))
     problems += loss_problems(args, losses[args.loss]) if losses is not None else []
-    if args.model and not options.shape:  # a hub name the hub cannot give (the plan reads its config)
-        problems += [f"--model {p}" for p in base_model.hub_config_problems(args.model)]
+    if args.model and not options.shape:  # the plan reads its config.json: a path or a hub name that has none
+        problems += [f"--model {p}" for p in plan_model_problems(args.model)]
     problems += [] if options.shape else context_problems(args)  # a plan for a context vLLM would refuse is no plan
     if not options.gpu_memory_gib > 0:
         problems.append(f"--gpu-memory-gib must be > 0 (got {options.gpu_memory_gib:g})")

@@ -218,6 +218,30 @@ def test_train_plan_prints_the_plan_without_a_gpu():
         flags.plan([])
 
 
+@pytest.mark.parametrize("where, said", [
+    ("missing", "no such directory (a hub model is named ORG/NAME)"),
+    ("empty", "has no config.json: not a Hugging Face model directory (the plan reads only that file)"),
+    ("a-file", "is a file; expected a Hugging Face model directory (the plan reads its config.json)"),
+])
+def test_train_plan_says_in_one_line_why_a_local_model_has_no_config_to_read(tmp_path, capsys, where, said):
+    """`train.py plan --model PATH` reads only PATH's config.json: a path where nothing is, a directory without it,
+    or a file is one error line naming the flag (before, each was transformers' traceback), and a directory with
+    only a config.json is planned."""
+    path = tmp_path / where
+    if where == "empty":
+        path.mkdir()
+    elif where == "a-file":
+        path.write_text("{}")
+    with pytest.raises(SystemExit) as stopped:
+        flags.plan(["--model", str(path)])
+    assert stopped.value.code == 2
+    named = f"--model {path}:" if where == "missing" else f"--model {path}"
+    assert capsys.readouterr().err == f"train.py plan: error: {named} {said} (see --help)\n"
+    only_config = tmp_path / "only-config"
+    mp.shape_config("smollm2-135m").save_pretrained(only_config)
+    assert "per GPU: fits" in flags.plan(["--model", str(only_config)])
+
+
 def model_dir(tmp_path, shape: str):
     """A directory that passes train.py's model checks: the shape's config.json, a safetensors file of no tensors
     (its header is checked) and an empty tokenizer file (nothing reads them before the memory plan refuses or

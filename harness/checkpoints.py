@@ -647,7 +647,11 @@ def migrate_checkpoint(run_dir: Path) -> dict[str, Any]:
     (gathered on rank 0) into a shard file (as one rank would write it; any number of ranks resumes from it), its
     optimizer hyper-parameters into trainer_state.json. Both are read with torch's weights_only loader (numpy's
     array and dtype allowed in the RNG files): a file that holds any other object is refused, never run. The old
-    files are deleted once the new ones read back. Returns the files written."""
+    files are deleted once the new ones read back. Returns the files written (none for a run already converted).
+    A directory that holds no checkpoint, a mistyped one say, is one line."""
+    if not complete_checkpoints(run_dir):
+        raise SystemExit(f"migrate-checkpoint: {run_dir} holds no checkpoint to convert (checkpoint/ or "
+                         "checkpoint.old/ with a trainer_state.json): is it a run's output directory?")
     print(f"[migrate-checkpoint] reading the pickled files of {run_dir} with torch.load(weights_only=True) "
           "(numpy arrays allowed); a file holding any other object is refused", file=sys.stderr)
     written = []

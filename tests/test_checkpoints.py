@@ -347,6 +347,9 @@ def test_a_checkpoint_of_the_older_format_is_migrated_into_shards(tmp_path, one_
     assert all(torch.equal(written[n], old["model"][n]) for n in written) and set(written) <= set(old["model"])
     assert train.main(["migrate-checkpoint", str(run)]) is None  # once migrated, nothing more to convert
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["converted"] == []
+    for where in (tmp_path / "no-such-run", tmp_path / "exported"):  # a mistyped directory, one that is no run's
+        with pytest.raises(SystemExit, match=f"^migrate-checkpoint: {where} holds no checkpoint to convert"):
+            train.main(["migrate-checkpoint", str(where)])
 
 
 def test_a_large_shard_is_split_into_files_and_reads_back_whole(tmp_path, one_rank_group, monkeypatch, capsys):

@@ -537,12 +537,10 @@ def range_problems(args: Args) -> list[str]:
     """The documented ranges of the flags that check_args's other checks do not cover; they hold on any machine
     (train.py plan checks them too)."""
     problems = []
-    for flag in ("eval_samples", "eval_prompts", "checkpoint_every",
+    for flag in ("eval_every", "max_steps", "prompts_per_step", "eval_samples", "eval_prompts", "checkpoint_every",
                  "log_every", "micro_batch_tokens", "max_bad_steps", "final_eval_samples"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             problems.append(f"--{flag.replace('_', '-')} must be >= 1 (got {getattr(args, flag)})")
-    if args.eval_every < 1 or args.max_steps < 1 or args.prompts_per_step < 1:
-        problems.append("--eval-every, --max-steps and --prompts-per-step must be >= 1")
     if not 0 <= args.seed < SEED_LIMIT:
         problems.append(f"--seed must lie in [0, 2**31) (got {args.seed}): each rank seeds numpy with --seed + rank")
     if not 0 <= args.retire_pass_rate <= 1:

@@ -66,6 +66,7 @@ def test_the_flags_page_is_what_args_gives():
     (["--output-dir", "/proc/version/run"], "/proc/version is a file, not a directory"),
     (["--output-dir", "/proc/scalerl-run"], "/proc is not writable"),
     (["--eval-samples", "0"], "--eval-samples must be >= 1"),
+    (["--max-steps", "0"], "error: --max-steps must be >= 1 (got 0) (see --help)"),  # that flag alone, and its value
     (["--final-eval-samples", "0"], "--final-eval-samples must be >= 1"),
     (["--group-size", "1"], "no group variance"),
     (["--loss-arg", "eps_max"], "expected KEY=VALUE"),

@@ -50,7 +50,7 @@ Other rows (training steps) carry whatever the trainer logs and lack ``val_pass_
 the rows that have the chosen y field. The x field must strictly increase across the kept rows. Every line
 must be a JSON object: an empty or malformed line (including a partial last line left by a killed writer)
 is an error that names the file and line number. A run's record (a ``.json`` file: one object whose ``rows`` are
-the run's rows, with the fields above) is read as its metrics file: a study keeps its runs so (``python -m
+the run's rows, with the fields a fit reads) is read as its metrics file: a study keeps its runs so (``python -m
 tools.experiments``, docs/study-runs), and the fit reads them as committed.
 
 This module knows nothing about training; it needs only numpy, scipy and matplotlib.

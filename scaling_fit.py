@@ -76,6 +76,7 @@ from scipy.special import expit
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block
 from harness.cli import int_at_least as _count  # the argparse type of a count
 from harness.cli import number  # the argparse type of a finite number
+from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 
 
 ArrayLike = Sequence[float] | np.ndarray
@@ -1050,4 +1051,4 @@ def _not_written(path: str | Path, err: OSError) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

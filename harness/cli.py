@@ -1,6 +1,6 @@
-"""harness/cli.py: what every command line of the project shares: a bad flag is one error line (`OneLineParser`), and
-the argparse types of a count, a number and a list of integers (`int_at_least`, `number`, `int_list`). A runtime
-module: a reader of the recipe may skip it.
+"""harness/cli.py: what every command line of the project shares: a bad flag is one error line (`OneLineParser`),
+the argparse types of a count, a number and a list of integers (`int_at_least`, `number`, `int_list`), and a quiet
+end when the reader of the output stops reading (`exit_with`). A runtime module: a reader of the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
 replica`, scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py) can use it
@@ -55,6 +55,19 @@ def quiet_rank_exit(code: int, wait: bool = True) -> NoReturn:
     if wait:
         wait_for_a_signal(QUIET_RANK_GRACE_S)
     raise SystemExit(code)
+
+
+def exit_with(main: Callable[[], int | None]) -> NoReturn:
+    """Run a command's `main` and exit with its status. When the reader of its output stops reading (`| head`), the
+    command ends there, quietly and with status 1, as Python's documentation advises, instead of with a
+    BrokenPipeError traceback (or, when the closed pipe is met only as the interpreter flushes at exit, a message)."""
+    try:
+        status = main()
+        sys.stdout.flush()  # here, inside the try: a closed pipe met by the interpreter's own flush is not caught
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush then writes nowhere
+        status = 1
+    sys.exit(status)
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -250,6 +250,19 @@ def test_a_json_file_that_is_no_record_is_one_line_that_says_a_metrics_file_is_j
     assert "run's record" in run.stderr and "JSON Lines, named .jsonl" in run.stderr, run.stderr
 
 
+@pytest.mark.parametrize("records", [2, 30])
+def test_a_reader_that_stops_reading_ends_the_fit_quietly(tmp_path, records):
+    """`python scaling_fit.py RUNS | head`: the reader closes the pipe before the fit prints. The command ends with
+    status 1 and nothing on stderr (harness/cli.exit_with), where it ended in a BrokenPipeError: a traceback when a
+    print met the closed pipe (30 runs' tables overflow the pipe's buffer), a message when the exit's flush did (2)."""
+    paths = sorted((Path(__file__).resolve().parent.parent / "docs" / "study-runs").glob("*.json"))[:records]
+    proc = subprocess.Popen([sys.executable, str(Path(sf.__file__)), *map(str, paths), "--bootstrap", "0", "--out",
+                             str(tmp_path / "fit.png")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the first line
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=300) == 1 and stderr == "", stderr
+
+
 def test_load_curve_checks_reward_range(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"compute_hours": 1.0, "val_reward": -0.5}) + "\n"

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 from harness.cli import run_subcommand, subcommand_parser  # one subcommand per experiment, one error line for a bad flag
 from harness.cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
 from harness.cli import int_list as _int_list, number as _number  # argparse types of a list of integers, a number
@@ -845,4 +846,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

@@ -549,7 +549,7 @@ def test_the_run_length_table_is_what_the_committed_records_give():
     assert len(records) >= 4
     lengths = [100, 150, 200, 250, 300]
     for record in records:
-        rows = experiments.load_rows(record)
+        rows = sf.read_metrics(record)
         assert rows[-1]["step"] == 300
         line = next(line for line in section.splitlines() if line.startswith(f"| {record.stem} |"))
         for steps in lengths:
@@ -564,7 +564,7 @@ def test_the_default_runs_table_is_what_the_committed_records_give():
     `python -m tools.experiments report` gives on their committed records (docs/default-runs), cell for cell."""
     section = _results_section("200 steps, an evaluation every 5")
     for seed in (0, 1):
-        rows = experiments.load_rows(REPO / "docs" / "default-runs" / f"default-s{seed}.json")
+        rows = sf.read_metrics(REPO / "docs" / "default-runs" / f"default-s{seed}.json")
         rep = experiments.run_report(rows)
         at = [experiments.run_report(experiments.cut_rows(rows, steps))["val_final"] for steps in (100, 150)]
         cells = [f"{rep['val_first']:.3f} -> {rep['val_final']:.3f} ({rep['val_best']:.3f})",

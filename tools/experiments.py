@@ -201,13 +201,6 @@ def cut_rows(rows: list[dict], steps: int) -> list[dict]:
     return kept
 
 
-def load_rows(path) -> list[dict]:
-    """A run's metrics rows, from its run directory (or metrics.jsonl) or from its record (a .json file)."""
-    import scaling_fit as sf
-
-    return sf.read_metrics(path)
-
-
 def _read_record(record_path, steps: int, flags: list[str]) -> list[dict] | None:
     """A study run's metrics rows cut at `steps`, from its record when one holds at least that many steps with the
     same flags; None when there is none yet or it holds fewer steps. A record is the run's rows with RECORD_KEYS
@@ -382,10 +375,12 @@ def experiment_report(args: argparse.Namespace) -> dict:
     """One line per run (and per --at-steps length): the pass rate from step 0 to the end, its largest fall once
     past 0.8, the mean lag, the final fit's R^2, the first-half fit's prediction error against the last evaluation
     and against the full fit's end, the wall time; then the mean and range over the runs."""
+    import scaling_fit as sf
+
     reports = {}
     for run in args.runs:
         try:  # a run that is not there, an empty or malformed one, a cut at a step never evaluated: one line
-            rows = load_rows(run)
+            rows = sf.read_metrics(run)  # its directory, its metrics.jsonl, or its record (a .json file)
             if not rows:
                 raise ValueError("no metrics rows: a run that never logged a step")
             cuts = [int(s) for s in args.at_steps.split(",")] if args.at_steps else [rows[-1]["step"]]

@@ -219,7 +219,7 @@ def test_load_curve_rejects_bad_rows_with_their_line_number(tmp_path, rows, mess
 def test_a_runs_record_is_read_as_its_metrics_file(tmp_path):
     """A study's record of a run (docs/study-runs/*.json: one object whose rows are the run's) gives the rows, the
     curve and the CLI's fit that the same rows give as a metrics.jsonl; a row's error names where it is."""
-    committed = Path(__file__).resolve().parent.parent / "docs" / "study-runs" / "scalerl-s0.json"
+    committed = REPO / "docs" / "study-runs" / "scalerl-s0.json"
     rows = json.loads(committed.read_text())["rows"]
     as_jsonl = tmp_path / "scalerl-s0" / "metrics.jsonl"
     as_jsonl.parent.mkdir()
@@ -255,7 +255,7 @@ def test_a_reader_that_stops_reading_ends_the_fit_quietly(tmp_path, records):
     """`python scaling_fit.py RUNS | head`: the reader closes the pipe before the fit prints. The command ends with
     status 1 and nothing on stderr (harness/cli.exit_with), where it ended in a BrokenPipeError: a traceback when a
     print met the closed pipe (30 runs' tables overflow the pipe's buffer), a message when the exit's flush did (2)."""
-    paths = sorted((Path(__file__).resolve().parent.parent / "docs" / "study-runs").glob("*.json"))[:records]
+    paths = sorted((REPO / "docs" / "study-runs").glob("*.json"))[:records]
     proc = subprocess.Popen([sys.executable, str(Path(sf.__file__)), *map(str, paths), "--bootstrap", "0", "--out",
                              str(tmp_path / "fit.png")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # the reader is gone before the first line

@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
+from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 from harness.tasks import (REPO_DIR, SCALERL_INTERRUPTION, THINK_CLOSE, THINK_OPEN, ArithmeticTask, Problem, Task,
                            chat_prompt_ids, parse_answer, scratchpad, scratchpad_answer, set_vllm_cpu_env)
 
@@ -711,4 +712,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # vLLM on CPU spawns workers: the entry point must be guarded
-    main()
+    exit_with(main)

@@ -3,8 +3,8 @@ the argparse types of a count, a number and a list of integers (`int_at_least`, 
 end when the reader of the output stops reading (`exit_with`). A runtime module: a reader of the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
-replica`, scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py) can use it
-without pulling in torch or making an import cycle.
+replica`, scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py,
+harness/base_model.py) can use it without pulling in torch or making an import cycle.
 """
 
 from __future__ import annotations

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
+from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 
 REPO_DIR = Path(__file__).resolve().parent.parent  # the repository root: this module lives in harness/
 
@@ -1601,4 +1602,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":  # vLLM on CPU spawns workers: the entry point must be guarded
-    main()
+    exit_with(main)

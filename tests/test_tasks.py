@@ -1017,6 +1017,20 @@ def test_check_answer_command_names_bad_rows_before_checking_any(tmp_path):
         assert flag in help_text
 
 
+def test_a_reader_that_stops_reading_ends_check_answer_quietly(tmp_path):
+    """`check-answer --pairs FILE | head`: the reader closes the pipe before the first row. The command ends with
+    status 1 and nothing on stderr (harness/cli.exit_with), where a print met the closed pipe and ended in a
+    BrokenPipeError traceback. 3,000 rows overflow the pipe's buffer, so a print meets it, not only the exit's flush."""
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"predicted": str(i), "reference": str(i)}) + "\n" for i in range(3000)))
+    proc = subprocess.Popen([sys.executable, "-m", "harness.tasks", "check-answer", "--pairs", str(pairs),
+                             "--verifier", "text"], cwd=tasks.REPO_DIR, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and stderr == "", stderr
+
+
 def test_the_smollm2_gsm8k_completions_score_as_the_docs_say():
     """docs/real-models.md: SmolLM2-135M-Instruct's completions of gsm8k_small.jsonl, rewarded before and after."""
     found = {}

@@ -113,6 +113,17 @@ def test_exercise_refuses_to_overwrite_and_grade_needs_the_file(tmp_path):
     assert missing.returncode == 1 and "python -m tools.teach exercise grpo" in missing.stderr
 
 
+def test_a_reader_that_stops_reading_ends_the_list_quietly():
+    """`python -m tools.teach list | head -0`: the command ends with status 1 and nothing on stderr
+    (harness/cli.exit_with), where it ended in a BrokenPipeError traceback, or a message when only the exit's flush
+    met the closed pipe."""
+    proc = subprocess.Popen([sys.executable, "-m", "tools.teach", "list"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and stderr == "", stderr
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The picture curves, at hand-computed points: d loss / d log pi of one one-token completion
 # ----------------------------------------------------------------------------------------------------------------

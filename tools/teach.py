@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
+from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 
 REPO = Path(__file__).resolve().parent.parent  # the repository root: this module lives in tools/
 LOSS_FUNCTIONS = ("compute_advantages", "loss_denominator", "compute_loss")
@@ -465,4 +466,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main)

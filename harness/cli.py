@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import os
+import select
 import signal
 import sys
 import threading
@@ -60,14 +61,33 @@ def quiet_rank_exit(code: int, wait: bool = True) -> NoReturn:
 def exit_with(main: Callable[[], int | None]) -> NoReturn:
     """Run a command's `main` and exit with its status. When the reader of its output stops reading (`| head`), the
     command ends there, quietly and with status 1, as Python's documentation advises, instead of with a
-    BrokenPipeError traceback (or, when the closed pipe is met only as the interpreter flushes at exit, a message)."""
+    BrokenPipeError traceback (or, when the closed pipe is met only as the interpreter flushes at exit, a message).
+    A BrokenPipeError of another pipe (a child process that died) keeps its traceback."""
     try:
         status = main()
         sys.stdout.flush()  # here, inside the try: a closed pipe met by the interpreter's own flush is not caught
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush then writes nowhere
+    except BrokenPipeError as error:
+        if not quiet_if_reader_gone(error):
+            raise
         status = 1
     sys.exit(status)
+
+
+def quiet_if_reader_gone(error: BaseException) -> bool:
+    """Whether `error` is a BrokenPipeError met because the reader of stdout is gone (the pipe's read end closed:
+    poll says POLLERR), not one of another pipe or socket. If so, stdout is pointed at /dev/null, so that the
+    exit's flush of what is left in its buffer writes nowhere instead of failing again."""
+    if not isinstance(error, BrokenPipeError):
+        return False
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll on this system, or a stdout without a descriptor
+        return False
+    if gone:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return gone
 
 
 class OneLineParser(argparse.ArgumentParser):

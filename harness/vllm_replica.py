@@ -57,6 +57,7 @@ import torch
 
 from harness import tasks, vllm_internals, wire  # vllm_internals imports no vLLM until a call needs it
 from harness.cli import OneLineParser, int_at_least, number  # one error line for a bad flag; argparse types
+from harness.cli import quiet_if_reader_gone  # a closed stdout (`| head`) ends a process quietly
 
 # --------------------------------------------------------------------------------------------------------------
 # Small helpers that pipeline_rl.py uses too
@@ -866,7 +867,10 @@ def exit_at_once(code: int = 0) -> None:
 
 def report_exit(stop: BaseException) -> int:
     """What the interpreter would print and return for an exception that ended the program: SystemExit's message
-    (to stderr, status 1) or status, else the traceback (through sys.excepthook) and status 1."""
+    (to stderr, status 1) or status, else the traceback (through sys.excepthook) and status 1; but nothing, status 1,
+    when stdout's reader is gone (`train.py plan ... | head`), as harness/cli.exit_with ends a command."""
+    if quiet_if_reader_gone(stop):
+        return 1
     if isinstance(stop, SystemExit):
         if stop.code is None or isinstance(stop.code, int):
             return stop.code or 0

@@ -1,7 +1,8 @@
 """The command lines, fuzzed: every flag of train.py, `pipeline_rl.py replica`, scaling_fit.py, tools/bench.py,
 tools/experiments.py and tools/teach.py, given out-of-range, wrong-type and empty values, is either accepted or
 refused with exit status 2 and one error line that names it: no usage block above it, never a traceback. Parse and
-check only, in-process: nothing trains, connects, fits or writes."""
+check only, in-process: nothing trains, connects, fits or writes. And a closed stdout (`| head`) ends a command
+quietly, while a broken pipe of another kind keeps its traceback."""
 
 from __future__ import annotations
 
@@ -217,3 +218,37 @@ def test_train_plan_checks_what_the_plan_divides_by(capsys):
         line = outcome(train_plan, [*shape, *argv], capsys)
         assert line and flag in line, (argv, line)
     assert outcome(train_plan, [*shape, "--max-tokens", "14336", "--think-budget", "10240,12288"], capsys) is None
+
+
+# ------------------------------------------------------------------------------------------------ a closed stdout
+
+
+def _closed_reader(command: list[str], cwd: Path) -> tuple[int, str]:
+    """Run `command` with its stdout's reader gone before the first line (`| head -0`): its status and stderr."""
+    proc = subprocess.Popen([sys.executable, *command], cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    return proc.wait(timeout=120), stderr
+
+
+def test_a_reader_that_stops_reading_ends_train_py_quietly():
+    """`train.py --help-markdown | head -0`: status 1 and nothing on stderr (harness/vllm_replica.report_exit, through
+    harness/cli.quiet_if_reader_gone), where it ended in a BrokenPipeError traceback. Its 15 kB overflow print's buffer,
+    so a print meets the closed pipe, not only the exit's flush."""
+    status, stderr = _closed_reader([str(REPO / "train.py"), "--help-markdown"], REPO)
+    assert status == 1 and stderr == "", stderr
+
+
+def test_a_broken_pipe_that_is_not_stdouts_keeps_its_traceback(tmp_path):
+    """harness/cli.exit_with is quiet only when stdout's reader is gone: a BrokenPipeError of another pipe (a child
+    process that died) is an error to show, with its traceback, whether stdout is open or a file."""
+    script = tmp_path / "child_died.py"
+    script.write_text("import subprocess, sys\nfrom harness.cli import exit_with\n\n\ndef main():\n"
+                      "    child = subprocess.Popen([sys.executable, '-c', ''], stdin=subprocess.PIPE)\n"
+                      "    child.wait()\n    print('reading')\n    child.stdin.write(b'x' * 1_000_000)\n\n\n"
+                      "exit_with(main)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stdout == "reading\n", run
+    assert run.stderr.rstrip().endswith("BrokenPipeError: [Errno 32] Broken pipe"), run.stderr

@@ -76,6 +76,7 @@ from scipy.special import expit
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block
 from harness.cli import int_at_least as _count  # the argparse type of a count
 from harness.cli import number  # the argparse type of a finite number
+from harness.cli import path_text  # the argparse type of a path: not empty, its ~ the home directory
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 
 
@@ -922,7 +923,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit status: 0 all fitted, 1 some run is flat (no sigmoid can be identified), 2 bad input, 3 a figure "
         "could not be written (a full disk).",
     )
-    parser.add_argument("paths", nargs="+", type=_text, metavar="RUN_DIR_OR_METRICS.jsonl",
+    parser.add_argument("paths", nargs="+", type=path_text, metavar="RUN_DIR_OR_METRICS.jsonl",
                         help="run directories holding metrics.jsonl, metrics .jsonl files, or runs' records (.json, "
                         "as python -m tools.experiments keeps a study's runs, e.g. docs/study-runs/*.json); one curve "
                         "each")
@@ -944,20 +945,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--record-bins", type=_count(0), default=0,
                         help="fit only IsoCompute's record-breaking points with this many reward bins (0: all points)")
     parser.add_argument("--seed", type=_count(0), default=0, help="random seed of the bootstrap")
-    parser.add_argument("--out", type=_text, default="scaling_fit.png",
+    parser.add_argument("--out", type=path_text, default="scaling_fit.png",
                         help="where to write the figure (default: scaling_fit.png)")
-    parser.add_argument("--dashboard", type=_text, default=None, metavar="PNG",
+    parser.add_argument("--dashboard", type=path_text, default=None, metavar="PNG",
                         help="also draw the runs' dashboards, overlaid, into PNG: pass rate with its fit, reward, "
                         "entropy, lengths, KL and mismatch, clip and truncation, lag, throughput, gradient norm "
                         "against the step (train.py draws OUTPUT_DIR/dashboard.png for its own run)")
     return parser
-
-
-def _text(text: str) -> str:
-    """An argparse type: a path that is not empty (an empty one would mean the current directory)."""
-    if not text.strip() or "\x00" in text:
-        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
-    return text
 
 
 def main(argv: Sequence[str] | None = None) -> int:

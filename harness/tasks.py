@@ -53,6 +53,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
+from harness.cli import path_text, path_value  # the argparse types of a path: not empty, its ~ the home directory
+from harness.cli import int_at_least, number  # the argparse types of a count and a finite number
 
 REPO_DIR = Path(__file__).resolve().parent.parent  # the repository root: this module lives in harness/
 
@@ -1562,8 +1564,9 @@ def _add_answer_commands(sub: Any) -> None:
     """The subcommands about a math data set's answers: check-answer and sample."""
     check = sub.add_parser("check-answer", help="say whether answers match their references as a math data set's "
                            "reward scores them (math-verify), and why: one JSON object per pair")
-    check.add_argument("--pairs", default=None, help="a .jsonl (or .json, .csv) file of {\"predicted\": completion or "
-                       "answer, \"reference\": answer or worked solution} rows, with an optional boolean label "
+    check.add_argument("--pairs", type=path_text, default=None,
+                       help="a .jsonl (or .json, .csv) file of {\"predicted\": completion or answer, \"reference\": "
+                       "answer or worked solution} rows, with an optional boolean label "
                        "\"equivalent\" (then the summary gives the agreement with the labels)")
     check.add_argument("--predicted", default=None, help="one completion or answer to check (with --reference)")
     check.add_argument("--reference", default=None, help="its reference: an answer, or a solution with \\boxed{} or "
@@ -1579,19 +1582,26 @@ def _add_answer_commands(sub: Any) -> None:
                        f"{MATH_VERIFY_TIMEOUT_S:g}, as in a run)")
     sample = sub.add_parser("sample", help="write a model's completions of every problem of a math data set, as "
                             "check-answer --pairs rows (what a run's rewards would score), with vLLM")
-    sample.add_argument("--model", type=Path, required=True, help="a Hugging Face model directory")
-    sample.add_argument("--dataset", required=True, help="a math data file, as --dataset of train.py")
-    sample.add_argument("--out", type=Path, required=True, help="the .jsonl file to write")
-    sample.add_argument("--samples", type=int, default=4, help="completions per problem (default 4)")
-    sample.add_argument("--max-tokens", type=int, default=256, help="tokens per completion at most (default 256)")
-    sample.add_argument("--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (default 1)")
-    sample.add_argument("--seed", type=int, default=0, help="vLLM's seed (default 0)")
+    sample.add_argument("--model", type=path_value, required=True, help="a Hugging Face model directory")
+    sample.add_argument("--dataset", type=path_text, required=True, help="a math data file, as --dataset of train.py")
+    sample.add_argument("--out", type=path_value, required=True, help="the .jsonl file to write")
+    sample.add_argument("--samples", type=int_at_least(1), default=4, help="completions per problem (default 4)")
+    sample.add_argument("--max-tokens", type=int_at_least(1), default=256,
+                        help="tokens per completion at most (default 256)")
+    sample.add_argument("--temperature", type=number(0.0), default=1.0,
+                        help="sampling temperature; 0 is greedy (default 1)")
+    sample.add_argument("--seed", type=int_at_least(0), default=0, help="vLLM's seed (default 0)")
+
+
+def build_parser() -> OneLineParser:
+    """`python -m harness.tasks`'s parser: check-answer and sample."""
+    parser = OneLineParser(description="The tasks' answer checker of scalerl, and a model's completions to check.")
+    _add_answer_commands(parser.add_subparsers(dest="command", required=True))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = OneLineParser(description="The tasks' answer checker of scalerl, and a model's completions to check.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_answer_commands(sub)
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "check-answer":
         check_answer_main(args, parser)

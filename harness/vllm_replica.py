@@ -58,6 +58,7 @@ import torch
 from harness import tasks, vllm_internals, wire  # vllm_internals imports no vLLM until a call needs it
 from harness.cli import OneLineParser, int_at_least, number  # one error line for a bad flag; argparse types
 from harness.cli import quiet_if_reader_gone  # a closed stdout (`| head`) ends a process quietly
+from harness.cli import path_text  # the argparse type of a path: not empty, its ~ the home directory
 
 # --------------------------------------------------------------------------------------------------------------
 # Small helpers that pipeline_rl.py uses too
@@ -1439,16 +1440,16 @@ def replica_parser() -> argparse.ArgumentParser:
                     "many.")
     parser.add_argument("--connect", required=True, help="HOST:PORT the run's generator listens on (train.py "
                         "--gen-listen)")
-    parser.add_argument("--secret-file", required=True, help="file holding the run's shared secret (train.py "
-                        "--gen-secret-file), readable by its owner only")
+    parser.add_argument("--secret-file", type=path_text, required=True, help="file holding the run's shared secret "
+                        "(train.py --gen-secret-file), readable by its owner only")
     parser.add_argument("--replicas", type=int_at_least(1), default=None, help="replicas to start (default: 1 on CPU; "
                         "on GPU, the number of --gen-devices / --tensor-parallel-size)")
     parser.add_argument("--gen-devices", default=None, help="GPU: comma-separated CUDA devices of this node for the "
                         "replicas, taken in runs of --tensor-parallel-size")
     parser.add_argument("--tensor-parallel-size", type=int_at_least(1), default=1,
                         help="vLLM tensor parallelism of each replica")
-    parser.add_argument("--model", default=None, help="the run's model as a path on this node (default: the "
-                        "learner's --model, which must then be a hub name or the same path here)")
+    parser.add_argument("--model", type=path_text, default=None, help="the run's model as a path on this node "
+                        "(default: the learner's --model, which must then be a hub name or the same path here)")
     parser.add_argument("--connect-timeout", type=number(0.0, above=True), default=600.0,
                         help="seconds to keep trying to reach the learner (a replica may be started before it)")
     return parser

@@ -16,7 +16,7 @@ import pytest
 
 import pipeline_rl
 import scaling_fit
-from harness import flags, vllm_replica
+from harness import base_model, flags, tasks, vllm_replica
 from tools import bench, experiments, teach
 
 REPO = Path(__file__).resolve().parent.parent
@@ -169,6 +169,64 @@ def test_every_teach_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):
     assert outcome(parser.parse_args, ["exercise", "grpo", str(tmp_path)], capsys) is None
 
 
+@pytest.mark.parametrize("module", [tasks, base_model], ids=["tasks", "base_model"])
+def test_every_task_and_base_model_flag_is_accepted_or_refused_in_one_line(module, capsys):
+    """`python -m harness.tasks` and `python -m harness.base_model`: --samples 0 or --val-prompts 0 was taken, and
+    build-base failed on it after its seven-minute build; counts and the temperature now refuse in one line."""
+    parser = module.build_parser()
+    [subparsers] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, sub in subparsers.choices.items():
+        required = ["--model", "m", "--dataset", "d", "--out", "o"] if name == "sample" else []  # a fuzzed one wins
+        seen = fuzz(parser.parse_args, sub, capsys, before=[name, *required])
+        for flag in ("--samples", "--max-tokens", "--val-prompts", "--max-new-tokens"):
+            if any(key[0] == flag for key in seen):
+                assert all(seen[flag, v] for v in ("0", "-5", "abc", "1.5")), (name, flag)
+        if name == "sample":
+            assert all(seen["--temperature", v] for v in ("-5", "nan", "inf", "abc"))
+
+
+def entry_point_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
+    """Every parser and subparser of every entry point: train.py (run and plan), `pipeline_rl.py replica`,
+    scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py, harness/base_model.py."""
+    from train import LOSSES
+
+    found = [("train.py", flags.build_parser(LOSSES)), ("replica", vllm_replica.replica_parser()),
+             ("scaling_fit.py", scaling_fit.build_parser())]
+    for module in (bench, experiments, teach, tasks, base_model):
+        parser = module.build_parser()
+        [subparsers] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        found += [(f"{module.__name__} {name}", sub) for name, sub in subparsers.choices.items()]
+    return found
+
+
+# The last word of a flag's name that makes it a path (--output-dir, --gen-secret-file, --save-records, ...)
+PATH_WORDS = {"dir", "out", "file", "path", "paths", "model", "dataset", "records", "json", "profile", "figure",
+              "resume", "pairs", "dashboard", "runs"}
+
+
+def test_every_path_flag_reads_a_tilde_as_the_home_directory(tmp_path, monkeypatch, capsys):
+    """`--output-dir=~/runs/a`: the shell leaves ~ as it is after `=` (it expands `--output-dir ~/runs/a`), and the
+    run was made in a directory named ~ under the current one. Every path flag of every entry point now reads a
+    leading ~ as the home directory (harness/cli.path_text); a flag named as a path without that type fails here."""
+    from harness.cli import path_text, path_value
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    checked = []
+    for prog, parser in entry_point_parsers():
+        for action in parser._actions:
+            if action.nargs == 0 or action.dest == "help" or isinstance(action, argparse._SubParsersAction):
+                continue
+            if action.dest.split("_")[-1] in PATH_WORDS:
+                assert action.type in (path_text, path_value), (prog, action.dest, action.type)
+            if action.type in (path_text, path_value):
+                assert str(action.type("~/x")) == str(tmp_path / "home" / "x"), (prog, action.dest)
+                checked.append((prog, action.dest))
+    assert len(checked) >= 25, checked
+    monkeypatch.chdir(tmp_path)
+    args = train_flags(["--output-dir=~/runs/a", "--max-steps", "3"])
+    assert args.output_dir == str(tmp_path / "home" / "runs" / "a") and not (tmp_path / "~").exists()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["train.py", "--gen-join-timeout", "-5"], "train.py: error: --gen-join-timeout must be a number of seconds > 0"),
     (["pipeline_rl.py", "replica", "--connect", "h:1", "--secret-file", "x", "--replicas", "0"],
@@ -176,7 +234,7 @@ def test_every_teach_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):
     (["scaling_fit.py", "x", "--bootstrap", "-1"], "error: argument --bootstrap: must be >= 0 (got -1)"),
     (["-m", "tools.experiments", "staleness", "--ks", "1,x"],
      "error: argument --ks: expected comma-separated integers"),
-    (["-m", "tools.teach", "exercise", "grpo", ""], "error: argument DIR: expected a directory, got ''"),
+    (["-m", "tools.teach", "exercise", "grpo", ""], "error: argument DIR: expected a value, got ''"),
     (["-m", "tools.teach", "nosuch"], "python -m tools.teach: error: argument command: invalid choice: 'nosuch'"),
     (["-m", "tools.bench"], "python -m tools.bench: error: the following arguments are required: BENCHMARK"),
     (["pipeline_rl.py", "nosuch"], "pipeline_rl.py: error: its one command is `pipeline_rl.py replica"),

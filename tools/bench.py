@@ -34,6 +34,7 @@ from harness.cli import exit_with  # a closed stdout (`| head`) ends the command
 from harness.cli import run_subcommand, subcommand_parser  # one subcommand per benchmark, one error line for a bad flag
 from harness.cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
 from harness.cli import int_list as _int_list, number as _number  # argparse types of a list of integers, a number
+from harness.cli import path_text  # the argparse type of a path: not empty, its ~ the home directory
 from harness import memory_plan  # SHAPES: model shapes in code (no hub); it imports neither torch nor transformers
 
 
@@ -172,7 +173,7 @@ def _add_pipeline_args(parser: argparse.ArgumentParser) -> None:
                         help="timed weight updates (default 8)")
     parser.add_argument("--only-weights", action="store_true",
                         help="time the weight updates alone (with --model, e.g. a real model), nothing else")
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model", type=path_text, default=None,
                         help="model directory of --only-weights (default: the embedded tiny model)")
 
 
@@ -580,7 +581,7 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", default="cispo", help="loss file used by the learner (default cispo)")
     parser.add_argument("--micro-batch-tokens", type=_count(1), default=None,
                         help="the learner's micro-batch token budget (default: train.py's --micro-batch-tokens)")
-    parser.add_argument("--model", default=None,
+    parser.add_argument("--model", type=path_text, default=None,
                         help="HF model name or directory to time (default: the embedded tiny model, built on "
                              "first use)")
     parser.add_argument("--shape", default=None,
@@ -616,9 +617,9 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-tflops", type=_number(0.0, above=True), default=None,
                         help="dense peak TFLOP/s of the GPU in --dtype, for MFU, as train.py's --peak-tflops "
                              "(default: harness/runtime.py's table of GPUs; none on CPU, and then no MFU)")
-    parser.add_argument("--json", default=None, metavar="PATH",
+    parser.add_argument("--json", type=path_text, default=None, metavar="PATH",
                         help="also write the results (the JSON object of the last line printed) to PATH")
-    parser.add_argument("--profile", default=None, metavar="PATH",
+    parser.add_argument("--profile", type=path_text, default=None, metavar="PATH",
                         help="also profile one packed learner step after the timed ones (torch.profiler) and write "
                              "its operators, the most time-consuming first, to PATH: where the step's time goes")
 
@@ -1281,7 +1282,7 @@ def _add_head_args(parser: argparse.ArgumentParser) -> None:
                         help="timed runs of each, after a warm-up; the median is reported (default 5; fewer for "
                              "one that has taken a second)")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the random head, hidden states and targets")
-    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--json", type=path_text, default=None, help="also write the results to this file")
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int, cuda: bool) -> float:
@@ -1643,7 +1644,7 @@ def _add_generator_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-threads", type=_count(1), default=1,
                         help="torch threads of the replica (default 1: what train.py's generator inherits from "
                              "torchrun)")
-    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--json", type=path_text, default=None, help="also write the results to this file")
 
 
 def _tree_cpu_seconds(pid: int) -> dict[str, float]:

@@ -162,7 +162,9 @@ class Args:
                                "e.g. --loss-arg eps_max=8; defaults are the loss file's paper values", action="append")
     model: str | None = _arg(HelpGroup.WHAT, None, "HF model name or directory (default: the embedded tiny model "
                              "shipped in models/tiny-arith, checked by its sha256 before use)", type=path_text)
-    dataset: str | None = _arg(HelpGroup.WHAT, None, "HF data set name or local .json/.jsonl/.parquet (default: the "
+    dataset: str | None = _arg(HelpGroup.WHAT, None, "HF data set name, or a local .json/.jsonl/.csv/.parquet file or "
+                               "a directory of them (those datasets puts in the train split: train*, or all when none "
+                               "is named so; default: the "
                                "embedded 3-digit addition task; arithmetic-verified: the same with its scratchpad "
                                "verified too, so a tight --think-budget is a hard ceiling; small-arithmetic and "
                                "mixed-arithmetic: tasks for a small real chat model, make run-real's; see "

@@ -333,8 +333,11 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
     a pyarrow message that names neither, and fills the keys a row lacks with None. A .json file holds one list
     of row objects (a row is named by the line it starts on and its list index from 0) or JSON Lines, as datasets
     accepts. CSV: the header line names the fields and every cell is text. Parquet files and hub sets go through
-    `datasets.load_dataset`; their rows are named "row N", counted from 0 as `dataset[N]` counts them.
+    `datasets.load_dataset`; their rows are named "row N", counted from 0 as `dataset[N]` counts them. A local
+    directory is read as its data files of the split (`_directory_rows`).
     """
+    if Path(name_or_path).is_dir() and not is_local_data_file(name_or_path) and not config:  # not a data.jsonl/
+        return _directory_rows(Path(name_or_path), split)
     if not is_local_data_file(name_or_path):
         import datasets
 
@@ -369,6 +372,27 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         # Most likely one pretty-printed object: say so rather than list each of its lines as "not JSON".
         raise DataFileError(f"{source}: neither a list of row objects nor one JSON object per line")
     return _some_rows(rows, data)
+
+
+def _directory_rows(path: Path, split: str) -> DataRows:
+    """A local directory of data files: the files of `split` as `datasets` finds them (from their names: train*,
+    test*, validation*; without such names all are train), each read as `read_rows` reads a file, so that a bad row
+    is named by its file and line (through `datasets.load_dataset`, one bad line failed the whole directory with a
+    traceback). The rows are indexed on across the files, in the files' order."""
+    import datasets
+
+    try:
+        files = datasets.load_dataset_builder(str(path)).config.data_files or {}
+    except FileNotFoundError:  # datasets' EmptyDatasetError
+        raise DataFileError(f"{path}: a directory with no data files (data files are "
+                            f"{', '.join(_LOCAL_SUFFIXES)})") from None
+    if split not in files:
+        raise DataFileError(f"{path}: no {split} split among its data files (it has {', '.join(map(str, files))}: "
+                            f"name a file {split}*, or give the file itself)")
+    rows = DataRows(f"{path}:{split}")
+    for file in files[split]:
+        rows.rows += [(len(rows.rows) + i, where, row) for i, where, row in read_rows(str(file)).rows]
+    return rows
 
 
 def _some_rows(rows: DataRows, data: bytes | None = None) -> DataRows:

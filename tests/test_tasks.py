@@ -397,6 +397,40 @@ def test_an_existing_file_of_unknown_kind_is_named_not_taken_for_a_hub_name(tmp_
     assert tasks.data_file_kind_problem("openai/gsm8k") is None and tasks.data_file_kind_problem("x.csv") is None
 
 
+def test_a_directory_of_data_files_is_read_file_by_file_with_the_same_checks(tmp_path):
+    """--dataset DIR: `datasets` finds the split's files (train*, test*; two shards of train here), and each is read
+    as a file is, so that a bad line is named by its file and line. Through `datasets.load_dataset` alone, one bad
+    line failed the whole directory with a DatasetGenerationError traceback on every rank."""
+    data = tmp_path / "data"
+    data.mkdir()
+    _lines(data / "train-00000-of-00002.jsonl", GSM8K_ROWS[:10])
+    _lines(data / "train-00001-of-00002.jsonl", GSM8K_ROWS[10:20])
+    _lines(data / "test.jsonl", GSM8K_ROWS[20:])
+    train = MathDataset(str(data), val_size=0)
+    assert [p.answer for p in train.problems] == [str(i + 2) for i in range(20)]  # both shards, in order
+    assert {p.id for p in train.problems} == {f"{data}-{i}" for i in range(20)}  # indexed on across the files
+    test = MathDataset(str(data), split="test", val_size=0)
+    assert [p.answer for p in test.problems] == [str(i + 2) for i in range(20, 30)]
+    _lines(data / "train-00001-of-00002.jsonl", [*GSM8K_ROWS[10:12], "not json", {"question": "q?"}])
+    with pytest.raises(tasks.DataFileError) as error:
+        MathDataset(str(data))
+    shard = data / "train-00001-of-00002.jsonl"
+    assert str(error.value).splitlines()[1:] == [f"  {shard} line 3: not JSON (Expecting value at column 1: "
+                                                 "'not json')",
+                                                 f"  {shard} line 4: missing field 'answer' (row has ['question'])"]
+    assert MathDataset(str(data), skip_bad_rows=True, val_size=0).skipped_rows == 2
+    for number, (files, message) in enumerate((([], "a directory with no data files (data files are .json, .jsonl, .csv, .parquet)"),
+                           (["test.jsonl"], "no train split among its data files (it has test: name a file train*, "
+                                            "or give the file itself)"),
+                           (["a.txt"], "a.txt: a local file of unknown kind (.txt)"))):
+        other = tmp_path / f"other{number}"
+        other.mkdir()
+        for name in files:
+            _lines(other / name, GSM8K_ROWS[:3])
+        with pytest.raises(tasks.DataFileError, match=re.escape(message)):
+            MathDataset(str(other))
+
+
 def test_csv_files_are_read_with_the_same_checks_and_line_numbers(tmp_path):
     """A .csv file used to be taken for a hub name ("Couldn't find any data file"). It is read with the csv module:
     the header names the fields, every cell is text, a row is named by the file line it starts on."""

@@ -171,8 +171,10 @@ class Args:
                                "harness/tasks.py)", type=path_text)
     dataset_config: str | None = _arg(HelpGroup.WHAT, None, "configuration (subset) of a hub --dataset, passed on as "
                                       "datasets.load_dataset(NAME, CONFIG); e.g. main for openai/gsm8k")
-    test_dataset: str | None = _arg(HelpGroup.WHAT, None, "optional test set (local file or HF name), evaluated with "
-                                    "the validation", type=path_text)
+    test_dataset: str | None = _arg(HelpGroup.WHAT, None, "optional test set, evaluated whole beside the "
+                                    "validation (test_* metrics): a local file, a directory's test* files, or a hub "
+                                    "data set's test split (in --dataset-config's configuration when it is "
+                                    "--dataset's set)", type=path_text)
     question_field: str | None = _arg(HelpGroup.WHAT, None, "question field of --dataset (default: question, problem "
                                       "or prompt)")
     answer_field: str | None = _arg(HelpGroup.WHAT, None, "answer field of --dataset (default: answer, solution or "

@@ -493,9 +493,12 @@ def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
     except tasks.DataNotFoundError as e:
         raise tasks.DataNotFoundError(f"--dataset {e}") from None
     try:
+        # A test set is evaluated whole: a file's every row, a directory's test* files, a hub set's test split
+        # (in --dataset-config's configuration when it is --dataset's set)
         test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
-                                    answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows) \
-            if args.test_dataset else None
+                                    answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows, split="test",
+                                    test_set=True, dataset_config=args.dataset_config
+                                    if args.test_dataset == args.dataset else None) if args.test_dataset else None
     except tasks.DataNotFoundError as e:
         raise tasks.DataNotFoundError(f"--test-dataset {e}") from None
     return task, test_task

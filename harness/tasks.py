@@ -347,6 +347,10 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         except (ConnectionError, FileNotFoundError) as e:  # offline: ConnectionError; online: DatasetNotFoundError
             raise DataNotFoundError(f"{name_or_path}: not a local file and not found on the hub (offline?): "
                                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        except ValueError as e:  # a split the set does not have: 'Unknown split "test". Should be one of [...]'
+            if not str(e).startswith("Unknown split"):
+                raise
+            raise DataNotFoundError(f"{label}: {str(e).splitlines()[0]}") from None
         return _dataset_rows(hub_rows, label)
     path, source = Path(name_or_path), name_or_path
     if config:
@@ -686,6 +690,7 @@ class MathDataset:
     dataset_config: str | None = None  # hub configuration name, e.g. "main" for openai/gsm8k
     val_split: str | None = None  # a split name of the same source, or a local file; else a held-out slice
     val_size: int = 500
+    test_set: bool = False  # --test-dataset's: every row is evaluated (validation() gives them all), none trained on
     skip_bad_rows: bool = False
     instruction: str = "Please reason step by step, and put your final answer within \\boxed{}."
     name: str = "math"
@@ -701,7 +706,9 @@ class MathDataset:
             raise MathVerifyUnavailableError(f"a math data set is scored with math-verify, not installed: "
                                              f"{MATH_VERIFY_PIP}")
         problems = self._problems(self.name_or_path, self.split, self.dataset_config, self.name_or_path)
-        if self.val_split:
+        if self.test_set:  # a test set is evaluated whole, not a held-out slice of it
+            self.val_problems = problems
+        elif self.val_split:
             val_source = self.val_split if Path(self.val_split).suffix else self.name_or_path
             val_config = self.dataset_config if val_source == self.name_or_path else None
             self.val_problems = self._problems(val_source, self.val_split, val_config, f"{val_source}:{self.val_split}")
@@ -714,8 +721,9 @@ class MathDataset:
             self.val_problems = [problems[i] for i in sorted(held)]
             self.problems = [p for i, p in enumerate(problems) if i not in held]
         self.skipped_rows = len(self.skipped)
-        if not self.problems:  # every row skipped as bad: one line, as a bad row is (train.py prints it)
-            raise DataFileError(f"{self.name_or_path}: no usable training rows ({self.skipped_summary or 'no rows'})")
+        if not (self.val_problems if self.test_set else self.problems):  # every row skipped as bad: one line
+            raise DataFileError(f"{self.name_or_path}: no usable {'test' if self.test_set else 'training'} rows "
+                                f"({self.skipped_summary or 'no rows'})")
 
     def _problems(self, name_or_path: str, split: str, config: str | None, id_prefix: str) -> list[Problem]:
         rows, skipped = load_rows(name_or_path, split, config, self.question_field, self.answer_field,

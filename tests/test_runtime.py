@@ -73,6 +73,38 @@ def test_dataset_config_reaches_load_dataset(monkeypatch, argv, config):
     assert test_task is None and len(task.problems) + len(task.validation()) == 10
 
 
+def test_a_test_set_is_evaluated_whole(tmp_path, monkeypatch):
+    """--test-dataset FILE: every row is a test problem. It was read as a training set, and only its held-out slice
+    (a fifth, at most 500) was evaluated: 6 of these 30 rows. A hub name gives its test split (it gave its train
+    split), in --dataset-config's configuration when it is --dataset's set; a set without one is one line."""
+    import datasets
+
+    rows = [{"question": f"What is {i} + 2?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(30)]
+    test_file = tmp_path / "test.jsonl"
+    test_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    _, test_task = runtime.load_tasks(flags.parse_args(["--test-dataset", str(test_file)]))
+    assert sorted(p.answer for p in test_task.validation()) == sorted(str(i + 2) for i in range(30))
+
+    calls, splits = [], ["train", "test"]
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):  # the plumbing is under test, not the hub
+        calls.append((path, name, split))
+        if split not in splits:  # datasets' words
+            raise ValueError(f'Unknown split "{split}". Should be one of {splits}.')
+        return rows[:20] if split == "train" else rows[20:]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    hub = ["--dataset", "openai/gsm8k", "--dataset-config", "main", "--test-dataset", "openai/gsm8k"]
+    _, test_task = runtime.load_tasks(flags.parse_args(hub))
+    assert calls == [("openai/gsm8k", "main", "train"), ("openai/gsm8k", "main", "test")]
+    assert [p.answer for p in test_task.validation()] == [str(i + 2) for i in range(20, 30)]
+    splits.remove("test")
+    with pytest.raises(runtime.tasks.DataNotFoundError) as error:
+        runtime.load_tasks(flags.parse_args(hub))
+    assert str(error.value) == "--test-dataset openai/gsm8k (main):test: Unknown split \"test\". Should be one of " \
+                               "['train']."
+
+
 def test_an_evaluation_prompt_longer_than_the_context_is_one_line_before_the_generator_starts(monkeypatch):
     import transformers
 

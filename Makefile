@@ -23,6 +23,10 @@
 
 PYTHON ?= python3
 DEVICE ?= cpu
+ifeq ($(filter cpu gpu,$(DEVICE)),)
+# any other word (DEVICE=cuda) installed the CPU build, kept vLLM's CUDA extras that break it, and stamped it done
+$(error DEVICE=$(DEVICE): give DEVICE=cpu (the default: the CPU build, into .venv) or DEVICE=gpu (CUDA, into .venv-gpu))
+endif
 VENV   ?= $(if $(filter gpu,$(DEVICE)),.venv-gpu,.venv)
 NPROC  ?= 2
 ARGS   ?=

@@ -1,5 +1,5 @@
 """`make gpu-smoke` on a machine without a GPU: one line saying it needs one, and exit status 2 (nothing was checked,
-so a CI job that runs it without a GPU does not pass)."""
+so a CI job that runs it without a GPU does not pass); and make's DEVICE, cpu or gpu, checked before anything runs."""
 
 from __future__ import annotations
 
@@ -27,6 +27,17 @@ def test_make_gpu_smoke_says_so_before_installing_anything():
     run = subprocess.run(["make", "-s", "gpu-smoke"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stdout.strip().splitlines() == [
         "make gpu-smoke: no NVIDIA GPU here (nvidia-smi finds none); it checks the GPU path on one or two GPUs"], run
+
+
+def test_make_refuses_a_device_it_does_not_know_before_installing_anything():
+    """`make setup DEVICE=cuda` installed the CPU build into .venv, kept the CUDA extras vLLM pulls (which break its
+    CPU import), and stamped it .installed-cuda. A DEVICE other than cpu or gpu is now one line, nothing run."""
+    run = subprocess.run(["make", "-n", "setup", "DEVICE=cuda"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == "", run
+    assert "DEVICE=cuda: give DEVICE=cpu (the default: the CPU build, into .venv) or DEVICE=gpu" in run.stderr, run
+    for device in ("cpu", "gpu"):
+        assert subprocess.run(["make", "-n", "setup", f"DEVICE={device}"], cwd=REPO, capture_output=True,
+                              timeout=60).returncode == 0
 
 
 # ---- what_is_wrong: each reason the GPU path cannot run, faked on this CPU machine ----

@@ -23,10 +23,6 @@
 
 PYTHON ?= python3
 DEVICE ?= cpu
-ifeq ($(filter cpu gpu,$(DEVICE)),)
-# any other word (DEVICE=cuda) installed the CPU build, kept vLLM's CUDA extras that break it, and stamped it done
-$(error DEVICE=$(DEVICE): give DEVICE=cpu (the default: the CPU build, into .venv) or DEVICE=gpu (CUDA, into .venv-gpu))
-endif
 VENV   ?= $(if $(filter gpu,$(DEVICE)),.venv-gpu,.venv)
 NPROC  ?= 2
 ARGS   ?=
@@ -41,6 +37,22 @@ SITE_PACKAGES := import sysconfig; print(sysconfig.get_path('purelib'))
 # exit status 1 where the environment holds a torch without CUDA (a CPU build)
 NO_CPU_TORCH := import importlib.util, sys; sys.exit(bool(importlib.util.find_spec('torch')) and \
 	__import__('torch').version.cuda is None)
+
+ifeq ($(filter cpu gpu,$(DEVICE)),)
+# any other word (DEVICE=cuda) installed the CPU build, kept vLLM's CUDA extras that break it, and stamped it done
+$(error DEVICE=$(DEVICE): give DEVICE=cpu (the default: the CPU build, into .venv) or DEVICE=gpu (CUDA, into .venv-gpu))
+endif
+# Checked before the set-up runs, as torchrun and tools/teach.py would only say it after, and torchrun in a traceback
+ifneq ($(filter run run-real,$(MAKECMDGOALS)),)
+ifeq ($(shell echo '$(NPROC)' | grep -Ex '[1-9][0-9]*'),)
+$(error NPROC=$(NPROC): give the number of learner ranks, a whole number >= 1 (default 2))
+endif
+endif
+ifneq ($(filter exercise grade,$(MAKECMDGOALS)),)
+ifeq ($(and $(ALGO),$(DIR)),)
+$(error make $(filter exercise grade,$(MAKECMDGOALS)) takes ALGO=NAME DIR=PATH, e.g. ALGO=grpo DIR=$$HOME/rl-lab)
+endif
+endif
 
 .PHONY: setup setup-real run run-real test exercise grade pictures clean gpu-smoke
 setup: $(STAMP)

@@ -1,5 +1,6 @@
 """`make gpu-smoke` on a machine without a GPU: one line saying it needs one, and exit status 2 (nothing was checked,
-so a CI job that runs it without a GPU does not pass); and make's DEVICE, cpu or gpu, checked before anything runs."""
+so a CI job that runs it without a GPU does not pass); and make's variables (DEVICE, NPROC, ALGO and DIR) checked
+before anything runs."""
 
 from __future__ import annotations
 
@@ -29,15 +30,27 @@ def test_make_gpu_smoke_says_so_before_installing_anything():
         "make gpu-smoke: no NVIDIA GPU here (nvidia-smi finds none); it checks the GPU path on one or two GPUs"], run
 
 
-def test_make_refuses_a_device_it_does_not_know_before_installing_anything():
+@pytest.mark.parametrize("argv, message", [
+    (["setup", "DEVICE=cuda"], "DEVICE=cuda: give DEVICE=cpu (the default: the CPU build, into .venv) or DEVICE=gpu"),
+    (["run", "NPROC=0"], "NPROC=0: give the number of learner ranks, a whole number >= 1 (default 2)"),
+    (["run-real", "NPROC=x"], "NPROC=x: give the number of learner ranks"),
+    (["exercise"], "make exercise takes ALGO=NAME DIR=PATH, e.g. ALGO=grpo DIR=$HOME/rl-lab"),
+    (["grade", "ALGO=grpo"], "make grade takes ALGO=NAME DIR=PATH"),
+])
+def test_make_refuses_a_variable_it_cannot_use_before_installing_anything(argv, message):
     """`make setup DEVICE=cuda` installed the CPU build into .venv, kept the CUDA extras vLLM pulls (which break its
-    CPU import), and stamped it .installed-cuda. A DEVICE other than cpu or gpu is now one line, nothing run."""
-    run = subprocess.run(["make", "-n", "setup", "DEVICE=cuda"], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and run.stdout == "", run
-    assert "DEVICE=cuda: give DEVICE=cpu (the default: the CPU build, into .venv) or DEVICE=gpu" in run.stderr, run
-    for device in ("cpu", "gpu"):
-        assert subprocess.run(["make", "-n", "setup", f"DEVICE={device}"], cwd=REPO, capture_output=True,
-                              timeout=60).returncode == 0
+    CPU import), and stamped it .installed-cuda; `make run NPROC=0` ended in torchrun's AssertionError traceback after
+    the set-up; `make exercise` without ALGO and DIR named the arguments of the Python command. Each is now one line
+    from make, before anything runs (-n: were anything to run, it would be printed)."""
+    run = subprocess.run(["make", "-n", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == "" and message in run.stderr, run
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+@pytest.mark.parametrize("argv", [["setup", "DEVICE=cpu"], ["setup", "DEVICE=gpu"], ["run", "NPROC=4"], ["run-real"],
+                                  ["exercise", "ALGO=grpo", "DIR=lab"], ["test"]])
+def test_make_takes_the_variables_its_header_documents(argv):
+    assert subprocess.run(["make", "-n", *argv], cwd=REPO, capture_output=True, timeout=60).returncode == 0, argv
 
 
 # ---- what_is_wrong: each reason the GPU path cannot run, faked on this CPU machine ----

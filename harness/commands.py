@@ -25,6 +25,7 @@ from harness.fleet import GeneratorError
 from harness.flags import (Args, GeneratorChecks, LossFiles, flags_markdown, parse_args, plan, read_args_json,
                            resolve_defaults)
 from harness.runtime import load_tasks
+from harness.tasks import BadRowError
 
 # `train.py evaluate`'s generator, built by train.py: (the flags, the model directory, the task) -> a generator to
 # start() and then use as a context manager, whose evaluate(problems, samples, temperature) returns the scored groups
@@ -110,12 +111,15 @@ def evaluate_policy(args: Args, scratch: Path, generator: MakeGenerator) -> dict
     (k = 1, 2, 4 ... N) and mean reward on the data set's validation problems (--test-dataset's, if given), with the
     run's sampler settings, and three of its completions. Without --model or --resume: the embedded base model.
     `generator(args, model_dir, task)`: the generator that samples them, as train.py builds it."""
+    resolve_defaults(args, embedded=args.model is None and not args.resume, on_gpu=args.gen_devices is not None)
+    try:  # first: a data set with bad rows, or none there, is one line before a checkpoint is exported
+        task, test_task = load_tasks(args)
+    except (BadRowError, FileNotFoundError) as e:  # as a run's start says it (runtime._data)
+        raise SystemExit(f"train.py evaluate: error: {e}") from None
     if args.resume:  # a run's checkpoint: export it, then evaluate it like any model directory
         model_dir = export(Path(args.resume), scratch / "policy")["model_dir"]
     else:
         model_dir = args.model or str(base_model.embedded_base_model())
-    resolve_defaults(args, embedded=args.model is None and not args.resume, on_gpu=args.gen_devices is not None)
-    task, test_task = load_tasks(args)
     problems = (test_task or task).validation(args.eval_prompts)
     sampler = generator(args, model_dir, task)
     try:

@@ -105,6 +105,24 @@ def test_a_test_set_is_evaluated_whole(tmp_path, monkeypatch):
                                "['train']."
 
 
+def test_evaluate_names_a_bad_data_set_in_one_line_before_it_exports_the_run(tmp_path, monkeypatch, one_rank_group):
+    """`train.py evaluate --resume RUN --dataset FILE` with bad rows in FILE (or an empty directory) ended in a
+    DataFileError traceback, after the run's checkpoint had been exported; now one line, before any export."""
+    from harness import commands
+
+    run = tmp_path / "run"
+    saved_run(run)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "What is 1 + 1?", "answer": "2"}\nnot json\n')
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    monkeypatch.setattr(commands, "export", lambda *a, **k: pytest.fail("exported before the data set was read"))
+    for data, why in ((bad, f"{bad} line 2: not JSON"), (empty, f"{empty}: a directory with no data files")):
+        with pytest.raises(SystemExit) as stop:
+            train.main(["evaluate", "--resume", str(run), "--dataset", str(data)])
+        assert str(stop.value).startswith("train.py evaluate: error: ") and why in str(stop.value), stop.value
+
+
 def test_an_evaluation_prompt_longer_than_the_context_is_one_line_before_the_generator_starts(monkeypatch):
     import transformers
 

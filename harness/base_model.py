@@ -367,10 +367,20 @@ def model_file(model: str, name: str) -> Path | None:
     return Path(cached) if isinstance(cached, str) else None
 
 
+def missing_model_dir(model: str) -> str | None:
+    """For a model (--model) written as a local path (it starts with / . or ~, or has two slashes) where nothing is:
+    what is wrong, in words. None for a path that exists, or for a name that may be a hub model's (ORG/NAME)."""
+    if Path(model).exists() or not (model.startswith(("/", ".", "~")) or model.count("/") > 1):
+        return None
+    return f"{model}: no such directory (a hub model is named ORG/NAME)"
+
+
 def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
     """What keeps a local model directory from working here, in words (empty: nothing found). A hub name that is
     not a local path is checked for its config.json (`hub_config_problems`: the hub's answer, in one line) and its
-    attention head size; its other files are the hub's."""
+    attention head size; its other files are the hub's. A local path where nothing is: `missing_model_dir`."""
+    if missing := missing_model_dir(model):
+        return [missing]
     path = Path(model).expanduser()
     if not path.exists():
         problems, cached = hub_config_problems(model), model_file(model, "config.json")

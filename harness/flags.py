@@ -407,18 +407,10 @@ class Args:
                                          "generator")
 
 
-def missing_model_dir(model: str) -> str | None:
-    """For --model written as a local path (it starts with / . or ~, or has two slashes) where nothing is: what is
-    wrong, in words. None for a path that exists, or for a name that may be a hub model's (ORG/NAME)."""
-    if Path(model).exists() or not (model.startswith(("/", ".", "~")) or model.count("/") > 1):
-        return None
-    return f"{model}: no such directory (a hub model is named ORG/NAME)"
-
-
 def plan_model_problems(model: str) -> list[str]:
     """What keeps `train.py plan` from reading --model's config.json, the one file it needs, in words: a local path
     where nothing is, a file or a directory without it, or what the hub answers for a hub name."""
-    if missing := missing_model_dir(model):
+    if missing := base_model.missing_model_dir(model):
         return [missing]
     if Path(model).is_file():
         return [f"{model} is a file; expected a Hugging Face model directory (the plan reads its config.json)"]
@@ -484,7 +476,7 @@ def check_args(args: Args, generator_checks: GeneratorChecks | None = None) -> l
         problems.append(f"--logits-chunk-tokens must be >= 1 (got {args.logits_chunk_tokens})")
     if not args.grad_clip > 0:
         problems.append(f"--grad-clip must be > 0 (got {args.grad_clip})")
-    if args.model is not None and (missing := missing_model_dir(args.model)):
+    if args.model is not None and (missing := base_model.missing_model_dir(args.model)):
         problems.append(f"--model {missing}")
     elif args.model is not None:  # a directory's config, weights, tokenizer; a hub name's config; a head size here
         problems += [f"--model {p}" for p in base_model.model_dir_problems(args.model, on_gpu=args.gen_devices is not None)]

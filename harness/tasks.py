@@ -1420,17 +1420,17 @@ def check_answer_main(args: Any, parser: Any) -> None:
     print(_agreement_line(records), file=sys.stderr, flush=True)
 
 
-def sample_completions(model_dir: Path, dataset: str, samples: int = 4, max_tokens: int = 256,
+def sample_completions(model_dir: Path, task: MathDataset, samples: int = 4, max_tokens: int = 256,
                        temperature: float = 1.0, seed: int = 0) -> list[dict[str, Any]]:
-    """`samples` completions of every problem of a data set (train and validation) from a model with vLLM, as rows
-    {"id", "sample", "predicted", "reference"} that `check-answer --pairs` reads: what a run's rewards would score."""
+    """`samples` completions of every problem of a math data set (train and validation) from a model with vLLM, as
+    rows {"id", "sample", "predicted", "reference"} that `check-answer --pairs` reads: what a run's rewards would
+    score."""
     set_vllm_cpu_env()
     from vllm import LLM, SamplingParams
 
     from harness import vllm_internals
     from transformers import AutoTokenizer
 
-    task = MathDataset(dataset, val_size=0)
     problems = task.problems + task.validation()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # Whole prompts prefilled at once, as the replicas do on CPU: a seeded request's generator cannot be rewound
@@ -1638,7 +1638,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "check-answer":
         check_answer_main(args, parser)
         return
-    rows = sample_completions(args.model, args.dataset, args.samples, args.max_tokens, args.temperature, args.seed)
+    try:  # before vLLM's import (10 s): a bad data set or model directory is one line
+        task = MathDataset(args.dataset, val_size=0)
+    except (BadRowError, FileNotFoundError) as e:
+        parser.exit(2, f"{parser.prog} sample: error: {e}\n")
+    from harness.base_model import model_dir_problems  # here: harness.base_model imports this module
+
+    if problems := model_dir_problems(str(args.model)):  # a path where nothing is, a directory without a model
+        parser.exit(2, f"{parser.prog} sample: error: --model {'; '.join(problems)}\n")
+    rows = sample_completions(args.model, task, args.samples, args.max_tokens, args.temperature, args.seed)
     args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print(json.dumps({"out": str(args.out), "rows": len(rows)}))
 

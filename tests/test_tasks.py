@@ -1051,6 +1051,22 @@ def test_check_answer_command_names_bad_rows_before_checking_any(tmp_path):
         assert flag in help_text
 
 
+def test_sample_names_a_bad_data_set_or_model_in_one_line(tmp_path):
+    """`python -m harness.tasks sample`: bad rows in --dataset, or a --model path where nothing is, ended in a
+    traceback once vLLM had been imported. Each is now said as a run says it, before vLLM's import, status 2."""
+    bad = _lines(tmp_path / "bad.jsonl", [GSM8K_ROWS[0], "not json"])
+    good = _lines(tmp_path / "good.jsonl", GSM8K_ROWS[:5])
+    for model, dataset, why in ((tasks.REPO_DIR / "models" / "tiny-arith", bad, f"{bad} line 2: not JSON"),
+                                (tmp_path / "nosuch", good, f"--model {tmp_path / 'nosuch'}: no such directory"),
+                                (tmp_path, good, f"--model {tmp_path} has no config.json")):
+        run = subprocess.run([sys.executable, "-m", "harness.tasks", "sample", "--model", str(model), "--dataset",
+                              str(dataset), "--out", str(tmp_path / "out.jsonl")], cwd=tasks.REPO_DIR,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and run.stdout == "" and "Traceback" not in run.stderr, run.stderr[-2000:]
+        assert run.stderr.startswith("python -m harness.tasks sample: error: ") and why in run.stderr, run.stderr
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_a_reader_that_stops_reading_ends_check_answer_quietly(tmp_path):
     """`check-answer --pairs FILE | head`: the reader closes the pipe before the first row. The command ends with
     status 1 and nothing on stderr (harness/cli.exit_with), where a print met the closed pipe and ended in a

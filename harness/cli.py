@@ -168,9 +168,10 @@ def number(low: float = -math.inf, high: float = math.inf, above: bool = False) 
     return number
 
 
-def int_list(minimum: int, pair: bool = False) -> Callable[[str], str]:
+def int_list(minimum: int, pair: bool = False, distinct: bool = False) -> Callable[[str], str]:
     """An argparse type that checks a comma-separated list of integers >= minimum (`pair`: LOW,HIGH with LOW <=
-    HIGH) and keeps its text, which the command reads."""
+    HIGH; `distinct`: none twice, for a list of seeds or runs, where a repeat would count one run twice) and keeps
+    its text, which the command reads."""
     def int_list(text: str) -> str:
         try:
             values = [int(x) for x in text.split(",")]
@@ -180,6 +181,8 @@ def int_list(minimum: int, pair: bool = False) -> Callable[[str], str]:
             raise argparse.ArgumentTypeError(f"expected LOW,HIGH with LOW <= HIGH, got {text!r}")
         if min(values) < minimum:
             raise argparse.ArgumentTypeError(f"each must be >= {minimum} (got {text!r})")
+        if distinct and (twice := sorted({v for v in values if values.count(v) > 1})):
+            raise argparse.ArgumentTypeError(f"{', '.join(map(str, twice))} given twice (got {text!r})")
         return text
     return int_list
 

@@ -159,6 +159,12 @@ def test_every_bench_and_experiment_flag_is_accepted_or_refused_in_one_line(modu
         for flag in ("--seeds", "--ks", "--at-steps", "--completion-tokens"):
             if any(key[0] == flag for key in seen):
                 assert all(seen[flag, v] for v in ("-5", "abc", "1,x", "")), (name, flag)
+        for flag in ("--seeds", "--ks", "--at-steps"):  # a seed, k or cut given twice would count one run twice
+            if any(key[0] == flag for key in seen):
+                assert seen[flag, "0,0"] and "0 given twice (got '0,0')" in seen[flag, "0,0"], (name, flag)
+        if name == "study":
+            line = outcome(parser.parse_args, ["study", "--variants", "scalerl,dapo,scalerl"], capsys)
+            assert line and "--variants: scalerl given twice" in line, line
 
 
 def test_every_teach_flag_is_accepted_or_refused_in_one_line(tmp_path, capsys):

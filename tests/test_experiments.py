@@ -579,16 +579,19 @@ def test_the_default_runs_table_is_what_the_committed_records_give():
     ("empty.jsonl", "{run}: no metrics rows: a run that never logged a step"),
     ("no-record.json", "{run}: a .json file is read as a run's record"),
     ("cut", "{run}: this run has no evaluation at step 101; cut it at one of its evaluated steps [0, 5, 10]"),
+    ("twice", "{run} and ./docs/default-runs/default-s0.json are one run: give each run once"),
 ])
 def test_report_says_what_is_wrong_with_a_run_in_one_line(tmp_path, what, said):
     """A run that is not there, one that logged nothing, a .json that is no record, a cut at a step the run never
-    evaluated: `report` ends on one line naming the run (before, each was a traceback)."""
+    evaluated: `report` ends on one line naming the run (before, each was a traceback). One run given twice (under
+    two spellings) would weigh twice in the mean and range over the runs: also one line."""
     run = tmp_path / what
-    if what == "cut":
+    if what in ("cut", "twice"):
         run = REPO / "docs" / "default-runs" / "default-s0.json"
     elif what != "missing":
         run.write_text('{"step": 0}\n' if what.endswith(".json") else "")
-    argv = ["-m", "tools.experiments", "report", str(run)] + (["--at-steps", "101"] if what == "cut" else [])
+    argv = ["-m", "tools.experiments", "report", str(run)] + (["--at-steps", "101"] if what == "cut" else []) \
+        + (["./docs/default-runs/default-s0.json"] if what == "twice" else [])
     result = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stdout == "", result
     assert result.stderr.startswith(said.format(run=run)) and len(result.stderr.splitlines()) == 1, result.stderr

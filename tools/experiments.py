@@ -361,7 +361,7 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
                         help="run directories (train.py --output-dir) or a study's run records (.json) to report")
     parser.add_argument("--devices", type=_count(1), default=3,
                         help="learner ranks + generator of the runs (default 3)")
-    parser.add_argument("--at-steps", type=_int_list(0), default=None,
+    parser.add_argument("--at-steps", type=_int_list(0, distinct=True), default=None,
                         help="comma list of evaluated steps: report each run as if it had stopped there too, to see "
                              "from which length on its first half predicts its end, e.g. 100,150,200 (default: the "
                              "whole run only)")
@@ -378,8 +378,13 @@ def experiment_report(args: argparse.Namespace) -> dict:
     and against the full fit's end, the wall time; then the mean and range over the runs."""
     import scaling_fit as sf
 
-    reports = {}
+    reports, seen = {}, {}
     for run in args.runs:
+        where = Path(run).resolve()
+        where = where.parent if where.name == "metrics.jsonl" else where  # a run's directory, or its record
+        if where in seen:  # counted twice, it would weigh twice in the mean and range over the runs
+            raise SystemExit(f"{seen[where]} and {run} are one run: give each run once")
+        seen[where] = run
         try:  # a run that is not there, an empty or malformed one, a cut at a step never evaluated: one line
             rows = sf.read_metrics(run)  # its directory, its metrics.jsonl, or its record (a .json file)
             if not rows:
@@ -443,14 +448,14 @@ def staleness_run_flags(k: int, seed: int, args: argparse.Namespace) -> list[str
 
 
 def _add_staleness_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ks", type=_int_list(0), default="0,1,2,4,8",
+    parser.add_argument("--ks", type=_int_list(0, distinct=True), default="0,1,2,4,8",
                         help="staleness bounds k to compare; 0 is synchronous on-policy RL (--mode sync "
                              "--max-off-policy 1), k >= 1 PipelineRL-k with only k limiting the lag (default 0,1,2,4,8)")
     parser.add_argument("--steps", type=_count(1), default=50, help="optimizer steps per run (default 50)")
     parser.add_argument("--learner-slowdown", type=_number(1.0), default=2.0,
                         help="train.py --debug-learner-slowdown: a generator this much faster relative to the learner "
                              "than the machine's own ratio (default 2)")
-    parser.add_argument("--seeds", type=_int_list(0), default="0,1", help="seeds: every k runs on each (default 0,1)")
+    parser.add_argument("--seeds", type=_int_list(0, distinct=True), default="0,1", help="seeds: every k runs on each (default 0,1)")
     _add_eval_every_arg(parser)
     parser.add_argument("--out-dir", type=path_text, default="runs/staleness",
                         help="one run directory per k and seed under it (kK-sSEED), plus staleness.png and "
@@ -640,7 +645,7 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
                         help=f"a named set ({', '.join(f'{k}: {v}' for k, v in VARIANT_SETS.items())}) or a comma "
                              f"list of variants from: {', '.join(VARIANTS)} (default: study). The first is the "
                              "baseline the others are compared with")
-    parser.add_argument("--seeds", type=_int_list(0), default="0,1,2", help="seeds of every variant (default 0,1,2)")
+    parser.add_argument("--seeds", type=_int_list(0, distinct=True), default="0,1,2", help="seeds of every variant (default 0,1,2)")
     parser.add_argument("--steps", type=_count(1), default=50, help="optimizer steps per run (default 50)")
     _add_eval_every_arg(parser)
     parser.add_argument("--common", type=_shell_words, default="",
@@ -805,10 +810,13 @@ def _study_row(name: str, reps: list[dict], seeds: list[int], fits: dict[str, di
 
 def _variant_names(text: str) -> str:
     """An argparse type that checks --variants (a named set, or variants by name) and keeps its text."""
-    unknown = [name for name in VARIANT_SETS.get(text, text).split(",") if name not in VARIANTS]
+    names = VARIANT_SETS.get(text, text).split(",")
+    unknown = [name for name in names if name not in VARIANTS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown variants {unknown}; known: {list(VARIANTS)}, or a set: "
                                           f"{list(VARIANT_SETS)}")
+    if twice := sorted({name for name in names if names.count(name) > 1}):  # one run would count as two
+        raise argparse.ArgumentTypeError(f"{', '.join(twice)} given twice (got {text!r})")
     return text
 
 

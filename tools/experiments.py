@@ -455,7 +455,8 @@ def _add_staleness_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--learner-slowdown", type=_number(1.0), default=2.0,
                         help="train.py --debug-learner-slowdown: a generator this much faster relative to the learner "
                              "than the machine's own ratio (default 2)")
-    parser.add_argument("--seeds", type=_int_list(0, distinct=True), default="0,1", help="seeds: every k runs on each (default 0,1)")
+    parser.add_argument("--seeds", type=_int_list(0, distinct=True), default="0,1",
+                        help="seeds: every k runs on each (default 0,1)")
     _add_eval_every_arg(parser)
     parser.add_argument("--out-dir", type=path_text, default="runs/staleness",
                         help="one run directory per k and seed under it (kK-sSEED), plus staleness.png and "
@@ -645,7 +646,8 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
                         help=f"a named set ({', '.join(f'{k}: {v}' for k, v in VARIANT_SETS.items())}) or a comma "
                              f"list of variants from: {', '.join(VARIANTS)} (default: study). The first is the "
                              "baseline the others are compared with")
-    parser.add_argument("--seeds", type=_int_list(0, distinct=True), default="0,1,2", help="seeds of every variant (default 0,1,2)")
+    parser.add_argument("--seeds", type=_int_list(0, distinct=True), default="0,1,2",
+                        help="seeds of every variant (default 0,1,2)")
     parser.add_argument("--steps", type=_count(1), default=50, help="optimizer steps per run (default 50)")
     _add_eval_every_arg(parser)
     parser.add_argument("--common", type=_shell_words, default="",

@@ -347,10 +347,13 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         except (ConnectionError, FileNotFoundError) as e:  # offline: ConnectionError; online: DatasetNotFoundError
             raise DataNotFoundError(f"{name_or_path}: not a local file and not found on the hub (offline?): "
                                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        except ValueError as e:  # a split the set does not have: 'Unknown split "test". Should be one of [...]'
-            if not str(e).startswith("Unknown split"):
-                raise
-            raise DataNotFoundError(f"{label}: {str(e).splitlines()[0]}") from None
+        except ValueError as e:  # datasets' words for a split or a configuration the set does not have
+            lines = str(e).splitlines() or [""]
+            if lines[0].startswith("Unknown split"):  # 'Unknown split "test". Should be one of [...]'
+                raise DataNotFoundError(f"{label}: {lines[0]}") from None
+            if lines[0] == "Config name is missing." or lines[0].startswith("BuilderConfig '"):
+                raise DataNotFoundError(f"{label}: {' '.join(lines[:2])} (--dataset-config NAME)") from None
+            raise
         return _dataset_rows(hub_rows, label)
     path, source = Path(name_or_path), name_or_path
     if config:

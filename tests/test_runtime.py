@@ -76,7 +76,8 @@ def test_dataset_config_reaches_load_dataset(monkeypatch, argv, config):
 def test_a_test_set_is_evaluated_whole(tmp_path, monkeypatch):
     """--test-dataset FILE: every row is a test problem. It was read as a training set, and only its held-out slice
     (a fifth, at most 500) was evaluated: 6 of these 30 rows. A hub name gives its test split (it gave its train
-    split), in --dataset-config's configuration when it is --dataset's set; a set without one is one line."""
+    split), in --dataset-config's configuration when it is --dataset's set; a set without one is one line, as is a
+    configuration missing or unknown (datasets' ValueError, a traceback before)."""
     import datasets
 
     rows = [{"question": f"What is {i} + 2?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(30)]
@@ -103,6 +104,17 @@ def test_a_test_set_is_evaluated_whole(tmp_path, monkeypatch):
         runtime.load_tasks(flags.parse_args(hub))
     assert str(error.value) == "--test-dataset openai/gsm8k (main):test: Unknown split \"test\". Should be one of " \
                                "['train']."
+    for words in ("Config name is missing.\nPlease pick one among the available configs: ['main', 'socratic']\n"
+                  "Example of usage:\n\t`load_dataset('openai/gsm8k', 'main')`",
+                  "BuilderConfig 'mian' not found. Available: ['main', 'socratic']"):
+        def no_such_config(path, name=None, split=None, words=words, **kwargs):  # datasets' words, without the hub
+            raise ValueError(words)
+
+        monkeypatch.setattr(datasets, "load_dataset", no_such_config)
+        with pytest.raises(runtime.tasks.DataNotFoundError) as error:
+            runtime.load_tasks(flags.parse_args(["--dataset", "openai/gsm8k"]))
+        assert str(error.value) == f"--dataset openai/gsm8k:train: {' '.join(words.splitlines()[:2])} " \
+                                   "(--dataset-config NAME)"
 
 
 def test_evaluate_names_a_bad_data_set_in_one_line_before_it_exports_the_run(tmp_path, monkeypatch, one_rank_group):

@@ -76,7 +76,7 @@ from scipy.special import expit
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block
 from harness.cli import int_at_least as _count  # the argparse type of a count
 from harness.cli import number  # the argparse type of a finite number
-from harness.cli import path_text  # the argparse type of a path: not empty, its ~ the home directory
+from harness.cli import figure_path, path_text  # argparse types of a path (its ~ the home directory), a figure's
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 
 
@@ -945,9 +945,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--record-bins", type=_count(0), default=0,
                         help="fit only IsoCompute's record-breaking points with this many reward bins (0: all points)")
     parser.add_argument("--seed", type=_count(0), default=0, help="random seed of the bootstrap")
-    parser.add_argument("--out", type=path_text, default="scaling_fit.png",
+    parser.add_argument("--out", type=figure_path, default="scaling_fit.png",
                         help="where to write the figure (default: scaling_fit.png)")
-    parser.add_argument("--dashboard", type=path_text, default=None, metavar="PNG",
+    parser.add_argument("--dashboard", type=figure_path, default=None, metavar="PNG",
                         help="also draw the runs' dashboards, overlaid, into PNG: pass rate with its fit, reward, "
                         "entropy, lengths, KL and mismatch, clip and truncation, lag, throughput, gradient norm "
                         "against the step (train.py draws OUTPUT_DIR/dashboard.png for its own run)")

@@ -1,7 +1,7 @@
 """harness/cli.py: what every command line of the project shares: a bad flag is one error line (`OneLineParser`),
-the argparse types of a text, a path, a count, a number and a list of integers (`text_value`, `path_text`,
-`path_value`, `int_at_least`, `number`, `int_list`), and a quiet
-end when the reader of the output stops reading (`exit_with`). A runtime module: a reader of the recipe may skip it.
+the argparse types of a text, a path, a figure's file, a count, a number and a list of integers (`text_value`,
+`path_text`, `path_value`, `figure_path`, `int_at_least`, `number`, `int_list`), and a quiet end when the reader of
+the output stops reading (`exit_with`). A runtime module: a reader of the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
 replica`, scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py,
@@ -128,6 +128,19 @@ def path_text(text: str) -> str:
     directory. The shell reads ~ so in `--out ~/x`, but not in `--out=~/x`, where the word stays as it is: a
     directory named ~ would be made here, one `rm -rf ~` away from deleting the home directory."""
     return os.path.expanduser(text_value(text))
+
+
+def figure_path(text: str) -> str:
+    """An argparse type of a figure's file: path_text, ending in a kind matplotlib writes (.png, .pdf, .svg, ...),
+    so that a figure drawn after minutes of work is not refused then, in a traceback (`--out fit.txt`)."""
+    path = path_text(text)
+    from matplotlib.backend_bases import FigureCanvasBase  # here: the commands that draw import it anyway
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if Path(path).suffix.lower().removeprefix(".") not in kinds:
+        raise argparse.ArgumentTypeError(f"expected a figure file ending in .png, .pdf, .svg or another kind "
+                                         f"matplotlib writes ({', '.join(sorted(kinds))}), got {text!r}")
+    return path
 
 
 def path_value(text: str) -> Path:

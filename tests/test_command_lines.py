@@ -191,6 +191,23 @@ def test_every_task_and_base_model_flag_is_accepted_or_refused_in_one_line(modul
             assert all(seen["--temperature", v] for v in ("-5", "nan", "inf", "abc"))
 
 
+def test_a_figure_flag_takes_only_a_kind_of_file_matplotlib_writes(capsys):
+    """`scaling_fit.py RUN --out fit.txt` fitted, then ended in matplotlib's ValueError traceback; a study's --figure
+    would have done so after its runs. Each figure flag now refuses such a name in one line, before any work."""
+    parser = scaling_fit.build_parser()
+    for value in ("fit.txt", "fit", "fit.png.bak"):
+        line = outcome(parser.parse_args, ["run", "--out", value], capsys)
+        assert line and "--out: expected a figure file ending in .png, .pdf, .svg" in line, line
+    assert outcome(parser.parse_args, ["run", "--out", "fit.PDF", "--dashboard", "d.svg"], capsys) is None
+    line = outcome(parser.parse_args, ["run", "--dashboard", "d.html"], capsys)
+    assert line and "--dashboard: expected a figure file" in line, line
+    parser = experiments.build_parser()
+    for name in ("study", "staleness"):
+        line = outcome(parser.parse_args, [name, "--figure", "f.doc"], capsys)
+        assert line and "--figure: expected a figure file" in line, line
+        assert outcome(parser.parse_args, [name, "--figure", "docs/f.png"], capsys) is None
+
+
 def entry_point_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     """Every parser and subparser of every entry point: train.py (run and plan), `pipeline_rl.py replica`,
     scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py, harness/base_model.py."""
@@ -214,7 +231,9 @@ def test_every_path_flag_reads_a_tilde_as_the_home_directory(tmp_path, monkeypat
     """`--output-dir=~/runs/a`: the shell leaves ~ as it is after `=` (it expands `--output-dir ~/runs/a`), and the
     run was made in a directory named ~ under the current one. Every path flag of every entry point now reads a
     leading ~ as the home directory (harness/cli.path_text); a flag named as a path without that type fails here."""
-    from harness.cli import path_text, path_value
+    from harness.cli import figure_path, path_text, path_value
+
+    path_types = (path_text, path_value, figure_path)
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     checked = []
@@ -223,9 +242,9 @@ def test_every_path_flag_reads_a_tilde_as_the_home_directory(tmp_path, monkeypat
             if action.nargs == 0 or action.dest == "help" or isinstance(action, argparse._SubParsersAction):
                 continue
             if action.dest.split("_")[-1] in PATH_WORDS:
-                assert action.type in (path_text, path_value), (prog, action.dest, action.type)
-            if action.type in (path_text, path_value):
-                assert str(action.type("~/x")) == str(tmp_path / "home" / "x"), (prog, action.dest)
+                assert action.type in path_types, (prog, action.dest, action.type)
+            if action.type in path_types:
+                assert str(action.type("~/x.png")) == str(tmp_path / "home" / "x.png"), (prog, action.dest)
                 checked.append((prog, action.dest))
     assert len(checked) >= 25, checked
     monkeypatch.chdir(tmp_path)

@@ -32,7 +32,7 @@ from harness.cli import exit_with  # a closed stdout (`| head`) ends the command
 from harness.cli import run_subcommand, subcommand_parser  # one subcommand per experiment, one error line for a bad flag
 from harness.cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
 from harness.cli import int_list as _int_list, number as _number  # argparse types of a list of integers, a number
-from harness.cli import path_text  # the argparse type of a path: not empty, its ~ the home directory
+from harness.cli import figure_path, path_text  # argparse types of a path (its ~ the home directory), a figure's
 
 
 def _count_rerun(run_dir: Path, exit_status: int) -> None:
@@ -461,7 +461,7 @@ def _add_staleness_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=path_text, default="runs/staleness",
                         help="one run directory per k and seed under it (kK-sSEED), plus staleness.png and "
                              "staleness.md; finished runs are not run again (default runs/staleness)")
-    parser.add_argument("--figure", type=path_text, default=None,
+    parser.add_argument("--figure", type=figure_path, default=None,
                         help="also save the figure here, e.g. docs/staleness.png (make pictures does)")
 
 
@@ -674,7 +674,7 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
                         help="the task's known ceiling, drawn beside the fitted asymptotes and kept in the summary "
                              "(arithmetic-verified with --think-budget 27,36: 0.7, see tasks.VerifiedArithmeticTask)")
     parser.add_argument("--summary", default=None, help="also write the summary JSON here, e.g. docs/study.json")
-    parser.add_argument("--figure", type=path_text, default=None, help="also save the figure here, e.g. docs/study.png")
+    parser.add_argument("--figure", type=figure_path, default=None, help="also save the figure here, e.g. docs/study.png")
 
 
 def _worst(errors: Iterable[float | None]) -> float | None:

@@ -1645,10 +1645,11 @@ def main(argv: list[str] | None = None) -> None:
         task = MathDataset(args.dataset, val_size=0)
     except (BadRowError, FileNotFoundError) as e:
         parser.exit(2, f"{parser.prog} sample: error: {e}\n")
-    from harness.base_model import model_dir_problems  # here: harness.base_model imports this module
-
-    if problems := model_dir_problems(str(args.model)):  # a path where nothing is, a directory without a model
-        parser.exit(2, f"{parser.prog} sample: error: --model {'; '.join(problems)}\n")
+    if not args.model.exists():  # the model: a path where nothing is, or a directory that holds no model
+        parser.exit(2, f"{parser.prog} sample: error: --model {args.model}: no such directory\n")
+    if not (args.model / "config.json").is_file():
+        parser.exit(2, f"{parser.prog} sample: error: --model {args.model} has no config.json: not a Hugging Face "
+                    "model directory\n")
     rows = sample_completions(args.model, task, args.samples, args.max_tokens, args.temperature, args.seed)
     args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print(json.dumps({"out": str(args.out), "rows": len(rows)}))

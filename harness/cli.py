@@ -1,7 +1,8 @@
 """harness/cli.py: what every command line of the project shares: a bad flag is one error line (`OneLineParser`),
-the argparse types of a text, a path, a figure's file, a count, a number and a list of integers (`text_value`,
-`path_text`, `path_value`, `figure_path`, `int_at_least`, `number`, `int_list`), and a quiet end when the reader of
-the output stops reading (`exit_with`). A runtime module: a reader of the recipe may skip it.
+the argparse types of a text, a path, a figure's file, a file written after the work, a count, a number and a list
+of integers (`text_value`, `path_text`, `path_value`, `figure_path`, `output_file`, `int_at_least`, `number`,
+`int_list`), and a quiet end when the reader of the output stops reading (`exit_with`). A runtime module: a reader
+of the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
 replica`, scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py,
@@ -141,6 +142,25 @@ def figure_path(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected a figure file ending in .png, .pdf, .svg or another kind "
                                          f"matplotlib writes ({', '.join(sorted(kinds))}), got {text!r}")
     return path
+
+
+def output_file(text: str) -> str:
+    """An argparse type of a file a command writes once its work is done (a benchmark's results): path_text, not a
+    directory nor under a file, refused before the work rather than in a traceback after it. `write_output` writes it,
+    making its directory first."""
+    path = Path(path_text(text))
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory; expected a file to write")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} lies under {parent}, a file; expected a file to write")
+    return str(path)
+
+
+def write_output(path: str | Path, text: str) -> None:
+    """Write `text` to an output_file's path, making its directory first."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text)
 
 
 def path_value(text: str) -> Path:

@@ -55,6 +55,7 @@ from harness.cli import OneLineParser  # one error line for a bad flag, no usage
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 from harness.cli import path_text, path_value  # the argparse types of a path: not empty, its ~ the home directory
 from harness.cli import int_at_least, number  # the argparse types of a count and a finite number
+from harness.cli import output_file, write_output  # a file written after the work: checked before it
 
 REPO_DIR = Path(__file__).resolve().parent.parent  # the repository root: this module lives in harness/
 
@@ -1619,7 +1620,7 @@ def _add_answer_commands(sub: Any) -> None:
                             "check-answer --pairs rows (what a run's rewards would score), with vLLM")
     sample.add_argument("--model", type=path_value, required=True, help="a Hugging Face model directory")
     sample.add_argument("--dataset", type=path_text, required=True, help="a math data file, as --dataset of train.py")
-    sample.add_argument("--out", type=path_value, required=True, help="the .jsonl file to write")
+    sample.add_argument("--out", type=output_file, required=True, help="the .jsonl file to write")
     sample.add_argument("--samples", type=int_at_least(1), default=4, help="completions per problem (default 4)")
     sample.add_argument("--max-tokens", type=int_at_least(1), default=256,
                         help="tokens per completion at most (default 256)")
@@ -1651,7 +1652,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"{parser.prog} sample: error: --model {args.model} has no config.json: not a Hugging Face "
                     "model directory\n")
     rows = sample_completions(args.model, task, args.samples, args.max_tokens, args.temperature, args.seed)
-    args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_output(args.out, "".join(json.dumps(row) + "\n" for row in rows))
     print(json.dumps({"out": str(args.out), "rows": len(rows)}))
 
 

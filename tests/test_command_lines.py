@@ -208,6 +208,29 @@ def test_a_figure_flag_takes_only_a_kind_of_file_matplotlib_writes(capsys):
         assert outcome(parser.parse_args, [name, "--figure", "docs/f.png"], capsys) is None
 
 
+def test_a_file_written_after_the_work_is_checked_before_it(tmp_path, capsys):
+    """`tools/bench.py ... --json runs/bench/x.json` wrote its results once the benchmark had run, and a directory
+    not there yet (or a directory given as the file) ended in a traceback then, the measurement lost. Each such flag
+    now refuses a directory or a path under a file in one line, and the write makes the file's directory."""
+    from harness.cli import write_output
+
+    (tmp_path / "a_file").write_text("")
+    checked = 0
+    for prog, parser in entry_point_parsers():
+        for action in parser._actions:
+            if action.dest not in ("json", "profile") and not (prog.endswith("sample") and action.dest == "out"):
+                continue
+            for value, why in ((str(tmp_path), "is a directory; expected a file to write"),
+                               (str(tmp_path / "a_file" / "x.json"), f"lies under {tmp_path / 'a_file'}, a file")):
+                with pytest.raises(argparse.ArgumentTypeError, match=why):
+                    action.type(value)
+            assert action.type(str(tmp_path / "new" / "x.json")) == str(tmp_path / "new" / "x.json")
+            checked += 1
+    assert checked == 5, checked  # bench's three --json and --profile, tasks sample's --out
+    write_output(tmp_path / "new" / "deeper" / "x.json", "{}\n")
+    assert (tmp_path / "new" / "deeper" / "x.json").read_text() == "{}\n"
+
+
 def entry_point_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     """Every parser and subparser of every entry point: train.py (run and plan), `pipeline_rl.py replica`,
     scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py, harness/base_model.py."""
@@ -231,9 +254,9 @@ def test_every_path_flag_reads_a_tilde_as_the_home_directory(tmp_path, monkeypat
     """`--output-dir=~/runs/a`: the shell leaves ~ as it is after `=` (it expands `--output-dir ~/runs/a`), and the
     run was made in a directory named ~ under the current one. Every path flag of every entry point now reads a
     leading ~ as the home directory (harness/cli.path_text); a flag named as a path without that type fails here."""
-    from harness.cli import figure_path, path_text, path_value
+    from harness.cli import figure_path, output_file, path_text, path_value
 
-    path_types = (path_text, path_value, figure_path)
+    path_types = (path_text, path_value, figure_path, output_file)
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     checked = []

@@ -35,6 +35,7 @@ from harness.cli import run_subcommand, subcommand_parser  # one subcommand per 
 from harness.cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
 from harness.cli import int_list as _int_list, number as _number  # argparse types of a list of integers, a number
 from harness.cli import path_text  # the argparse type of a path: not empty, its ~ the home directory
+from harness.cli import output_file, write_output  # a file written after the work: checked before it
 from harness import memory_plan  # SHAPES: model shapes in code (no hub); it imports neither torch nor transformers
 
 
@@ -617,9 +618,9 @@ def _add_train_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peak-tflops", type=_number(0.0, above=True), default=None,
                         help="dense peak TFLOP/s of the GPU in --dtype, for MFU, as train.py's --peak-tflops "
                              "(default: harness/runtime.py's table of GPUs; none on CPU, and then no MFU)")
-    parser.add_argument("--json", type=path_text, default=None, metavar="PATH",
+    parser.add_argument("--json", type=output_file, default=None, metavar="PATH",
                         help="also write the results (the JSON object of the last line printed) to PATH")
-    parser.add_argument("--profile", type=path_text, default=None, metavar="PATH",
+    parser.add_argument("--profile", type=output_file, default=None, metavar="PATH",
                         help="also profile one packed learner step after the timed ones (torch.profiler) and write "
                              "its operators, the most time-consuming first, to PATH: where the step's time goes")
 
@@ -694,7 +695,7 @@ def bench_train(args: argparse.Namespace) -> dict:
         dist.destroy_process_group()
     results = _train_report(args, cli, groups, learner, bare, runtime.peak_flops_per_s(args.dtype, args.peak_tflops))
     if args.json:
-        Path(args.json).write_text(json.dumps(results) + "\n")
+        write_output(args.json, json.dumps(results) + "\n")
     return results
 
 
@@ -859,7 +860,7 @@ def _profile(step: Callable[[], None], path: str, device: Any) -> None:
         if cuda:
             torch.cuda.synchronize()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    Path(path).write_text(prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90) + "\n")
+    write_output(path, prof.key_averages().table(sort_by=key, row_limit=60, max_name_column_width=90) + "\n")
     print(f"[bench] profile of one learner step: {path}", file=sys.stderr, flush=True)
 
 
@@ -1282,7 +1283,7 @@ def _add_head_args(parser: argparse.ArgumentParser) -> None:
                         help="timed runs of each, after a warm-up; the median is reported (default 5; fewer for "
                              "one that has taken a second)")
     parser.add_argument("--seed", type=_count(0), default=0, help="seed of the random head, hidden states and targets")
-    parser.add_argument("--json", type=path_text, default=None, help="also write the results to this file")
+    parser.add_argument("--json", type=output_file, default=None, help="also write the results to this file")
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int, cuda: bool) -> float:
@@ -1418,7 +1419,7 @@ def bench_head(args: argparse.Namespace) -> dict:
     summary = _head_summary(results, learner_logprobs, device, tokens, vocab, hidden_size, temperature,
                             max_logit, args)
     if args.json:
-        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+        write_output(args.json, json.dumps(summary, indent=1) + "\n")
     return summary
 
 
@@ -1644,7 +1645,7 @@ def _add_generator_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-threads", type=_count(1), default=1,
                         help="torch threads of the replica (default 1: what train.py's generator inherits from "
                              "torchrun)")
-    parser.add_argument("--json", type=path_text, default=None, help="also write the results to this file")
+    parser.add_argument("--json", type=output_file, default=None, help="also write the results to this file")
 
 
 def _tree_cpu_seconds(pid: int) -> dict[str, float]:
@@ -1741,7 +1742,7 @@ def bench_generator(args: argparse.Namespace) -> dict:
         "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"), "load_avg_1m": os.getloadavg()[0],
     }
     if args.json:
-        Path(args.json).write_text(json.dumps(result) + "\n")
+        write_output(args.json, json.dumps(result) + "\n")
     return result
 
 

@@ -1320,7 +1320,10 @@ def text_answers_match(completion: str, reference: str) -> bool:
 def read_answer_pairs(path: str) -> list[tuple[str, dict[str, Any]]]:
     """(where, row) of a file of {"predicted", "reference"} rows, with an optional boolean label "equivalent" (and
     any other fields, passed through). Bad rows (not JSON or UTF-8, a missing or non-text field, a reference with no
-    final answer) raise one DataFileError naming each, before anything is compared."""
+    final answer) raise one DataFileError naming each, before anything is compared. A file, or a directory of
+    them: never a hub data set's name (a path where nothing is would have been looked up on the hub)."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"data file not found: {path}")
     rows, bad, out = read_rows(path), [], []
     for _, where, row in rows.rows:
         try:

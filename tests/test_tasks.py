@@ -1046,6 +1046,8 @@ def test_check_answer_command_names_bad_rows_before_checking_any(tmp_path):
                          (6, "field 'predicted' is not UTF-8 text (a lone surrogate '\\ud800' at character 1)")):
         assert f"bad.jsonl line {line}: {reason}" in out.stderr, out.stderr
     assert _check_answer_cli("--predicted", "1").returncode == 2
+    missing = _check_answer_cli("--pairs", "pairs.txt")  # no such file: not looked up on the hub (it was)
+    assert missing.returncode == 2 and missing.stderr == "error: data file not found: pairs.txt\n", missing.stderr
     help_text = _check_answer_cli("--help").stdout
     for flag in ("--pairs", "--predicted", "--reference", "--verifier", "--show", "--timeout"):
         assert flag in help_text

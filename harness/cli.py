@@ -1,8 +1,8 @@
 """harness/cli.py: what every command line of the project shares: a bad flag is one error line (`OneLineParser`),
-the argparse types of a text, a path, a figure's file, a file written after the work, a count, a number and a list
-of integers (`text_value`, `path_text`, `path_value`, `figure_path`, `output_file`, `int_at_least`, `number`,
-`int_list`), and a quiet end when the reader of the output stops reading (`exit_with`). A runtime module: a reader
-of the recipe may skip it.
+the argparse types of a text, a path, a directory and a file written into, a figure's file, a count, a number and a
+list of integers (`text_value`, `path_text`, `path_value`, `directory_path`, `output_file`, `figure_path`,
+`int_at_least`, `number`, `int_list`), and a quiet end when the reader of the output stops reading (`exit_with`). A
+runtime module: a reader of the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
 replica`, scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py,
@@ -161,6 +161,16 @@ def write_output(path: str | Path, text: str) -> None:
     """Write `text` to an output_file's path, making its directory first."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(text)
+
+
+def directory_path(text: str) -> Path:
+    """An argparse type of a directory a command writes into (made if missing): path_value, refused in one line where
+    a file is, or lies on its way, rather than met by mkdir's FileExistsError traceback after the work."""
+    path = path_value(text)
+    blocker = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {blocker} is a file; expected a directory")
+    return path
 
 
 def path_value(text: str) -> Path:

@@ -218,7 +218,8 @@ def test_a_file_written_after_the_work_is_checked_before_it(tmp_path, capsys):
     checked = 0
     for prog, parser in entry_point_parsers():
         for action in parser._actions:
-            if action.dest not in ("json", "profile") and not (prog.endswith("sample") and action.dest == "out"):
+            if action.dest not in ("json", "profile", "summary") and not (prog.endswith("sample")
+                                                                         and action.dest == "out"):
                 continue
             for value, why in ((str(tmp_path), "is a directory; expected a file to write"),
                                (str(tmp_path / "a_file" / "x.json"), f"lies under {tmp_path / 'a_file'}, a file")):
@@ -226,9 +227,29 @@ def test_a_file_written_after_the_work_is_checked_before_it(tmp_path, capsys):
                     action.type(value)
             assert action.type(str(tmp_path / "new" / "x.json")) == str(tmp_path / "new" / "x.json")
             checked += 1
-    assert checked == 5, checked  # bench's three --json and --profile, tasks sample's --out
+    assert checked == 6, checked  # bench's three --json and --profile, tasks sample's --out, a study's --summary
     write_output(tmp_path / "new" / "deeper" / "x.json", "{}\n")
     assert (tmp_path / "new" / "deeper" / "x.json").read_text() == "{}\n"
+
+
+def test_a_directory_written_into_is_refused_where_a_file_is(tmp_path):
+    """`python -m tools.teach pictures --out FILE` ended in mkdir's FileExistsError traceback, `exercise grpo FILE`
+    in "[Errno 17] File exists"; a study's --out-dir would have failed so after its first run. Each directory flag
+    now refuses a file in its place, or on its way, in one line."""
+    (tmp_path / "a_file").write_text("")
+    checked = []
+    for prog, parser in entry_point_parsers():
+        for action in parser._actions:
+            if action.dest in ("dir", "out_dir", "records", "save_records") or (prog.endswith("pictures")
+                                                                               and action.dest == "out"):
+                for value in (tmp_path / "a_file", tmp_path / "a_file" / "below"):
+                    with pytest.raises(argparse.ArgumentTypeError, match=f"{tmp_path / 'a_file'} is a file; "
+                                                                         "expected a directory"):
+                        action.type(str(value))
+                assert action.type(str(tmp_path / "new" / "dir")) == tmp_path / "new" / "dir"
+                checked.append((prog, action.dest))
+    assert len(checked) == 7, checked  # exercise's and grade's DIR, pictures' --out, report's --save-records,
+    # staleness's --out-dir, the study's --out-dir and --records (train.py's --output-dir: check_args says it)
 
 
 def entry_point_parsers() -> list[tuple[str, argparse.ArgumentParser]]:
@@ -254,9 +275,9 @@ def test_every_path_flag_reads_a_tilde_as_the_home_directory(tmp_path, monkeypat
     """`--output-dir=~/runs/a`: the shell leaves ~ as it is after `=` (it expands `--output-dir ~/runs/a`), and the
     run was made in a directory named ~ under the current one. Every path flag of every entry point now reads a
     leading ~ as the home directory (harness/cli.path_text); a flag named as a path without that type fails here."""
-    from harness.cli import figure_path, output_file, path_text, path_value
+    from harness.cli import directory_path, figure_path, output_file, path_text, path_value
 
-    path_types = (path_text, path_value, figure_path, output_file)
+    path_types = (path_text, path_value, directory_path, figure_path, output_file)
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     checked = []

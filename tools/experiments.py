@@ -32,6 +32,7 @@ from harness.cli import exit_with  # a closed stdout (`| head`) ends the command
 from harness.cli import run_subcommand, subcommand_parser  # one subcommand per experiment, one error line for a bad flag
 from harness.cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
 from harness.cli import int_list as _int_list, number as _number  # argparse types of a list of integers, a number
+from harness.cli import directory_path, output_file  # argparse types of a directory and a file written into
 from harness.cli import figure_path, path_text  # argparse types of a path (its ~ the home directory), a figure's
 
 
@@ -366,7 +367,7 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
                              "from which length on its first half predicts its end, e.g. 100,150,200 (default: the "
                              "whole run only)")
     _add_curve_fit_args(parser)
-    parser.add_argument("--save-records", type=path_text, default=None,
+    parser.add_argument("--save-records", type=directory_path, default=None,
                         help="also write each run directory's record (NAME.json, as `study` keeps them: the "
                              "rows run_report reads and the run's args.json) into this directory, to commit what a "
                              "table was made from")
@@ -458,7 +459,7 @@ def _add_staleness_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=_int_list(0, distinct=True), default="0,1",
                         help="seeds: every k runs on each (default 0,1)")
     _add_eval_every_arg(parser)
-    parser.add_argument("--out-dir", type=path_text, default="runs/staleness",
+    parser.add_argument("--out-dir", type=directory_path, default="runs/staleness",
                         help="one run directory per k and seed under it (kK-sSEED), plus staleness.png and "
                              "staleness.md; finished runs are not run again (default runs/staleness)")
     parser.add_argument("--figure", type=figure_path, default=None,
@@ -656,14 +657,14 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
     _add_curve_fit_args(parser)
     parser.add_argument("--bootstrap", type=_count(0), default=200,
                         help="residual-bootstrap replicates of each pooled fit, for the 95%% intervals (default 200)")
-    parser.add_argument("--out-dir", type=path_text, default="runs/study",
+    parser.add_argument("--out-dir", type=directory_path, default="runs/study",
                         help="runs go to OUT_DIR/VARIANT-sSEED; a finished run is not run again and an unfinished "
                              "one that this study started (the start token of OUT_DIR/VARIANT-sSEED.command.json in "
                              "its args.json) goes on from its checkpoint, so a killed study continues where it "
                              "stopped; a run there whose args.json holds other flags, or an unfinished one the study "
                              "did not start, is refused, never deleted; the table, figure and summary go to "
                              "OUT_DIR/study.{md,png,json} (default runs/study)")
-    parser.add_argument("--records", type=path_text, default=None,
+    parser.add_argument("--records", type=directory_path, default=None,
                         help="one small JSON record per finished run (VARIANT-sSEED.json: its flags and metrics rows) "
                              "goes here, and a run whose record holds at least --steps steps with the same flags is "
                              "not run again but cut at --steps. Committed (e.g. docs/study-runs), they let a study be "
@@ -673,7 +674,8 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ceiling", type=_number(0.0, 1.0), default=None,
                         help="the task's known ceiling, drawn beside the fitted asymptotes and kept in the summary "
                              "(arithmetic-verified with --think-budget 27,36: 0.7, see tasks.VerifiedArithmeticTask)")
-    parser.add_argument("--summary", default=None, help="also write the summary JSON here, e.g. docs/study.json")
+    parser.add_argument("--summary", type=output_file, default=None,
+                        help="also write the summary JSON here, e.g. docs/study.json")
     parser.add_argument("--figure", type=figure_path, default=None, help="also save the figure here, e.g. docs/study.png")
 
 

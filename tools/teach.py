@@ -32,7 +32,7 @@ from typing import Any
 
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
-from harness.cli import path_value  # the argparse type of a path: not empty, its ~ the home directory
+from harness.cli import directory_path  # the argparse type of a directory written into: no file in its way
 
 REPO = Path(__file__).resolve().parent.parent  # the repository root: this module lives in tools/
 LOSS_FUNCTIONS = ("compute_advantages", "loss_denominator", "compute_loss")
@@ -418,10 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     grade_parser = commands.add_parser("grade", help="run tests/test_ALGO.py against DIR/ALGO.py")
     for sub in (exercise_parser, grade_parser):
         sub.add_argument("algo", choices=list(EXERCISE_BY_ALGO), metavar="ALGO", help=", ".join(EXERCISE_BY_ALGO))
-        sub.add_argument("dir", type=path_value, metavar="DIR", help="the student's directory")
+        sub.add_argument("dir", type=directory_path, metavar="DIR", help="the student's directory")
     exercise_parser.add_argument("--force", action="store_true", help="overwrite an existing DIR/ALGO.py")
     pictures_parser = commands.add_parser("pictures", help="draw gradients.png and aggregation.png")
-    pictures_parser.add_argument("--out", type=path_value, default=REPO / "docs", help="output directory (default "
+    pictures_parser.add_argument("--out", type=directory_path, default=REPO / "docs", help="output directory (default "
                                  "docs/)")
     return parser
 

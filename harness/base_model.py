@@ -253,10 +253,26 @@ def _train_in_child(out_dir: Path, config: BaseModelConfig, progress: bool, kern
         raise RuntimeError("the base model's build failed: its error is printed above")
 
 
+# What a build leaves in its directory besides the model (build-base's and build-real-model's): only a directory that
+# holds one of these, or nothing, is replaced by a build
+BUILT_HERE = ("scalerl_base.json", "scalerl_source.json")
+
+
+class OutDirError(ValueError):
+    """A build's directory holds something else than a model built here: refused before the build, never deleted."""
+
+
 def _build_cached(out_dir: Path, build: Any, force: bool) -> Path:
-    """Run `build(tmp_dir)` unless `out_dir` already holds a model, then move the result into place."""
+    """Run `build(tmp_dir)` unless `out_dir` already holds a model, then move the result into place. A directory
+    that holds anything but a model built here (a user's --out DIR with their files) or a file is refused first:
+    the move replaces the directory whole."""
     if (out_dir / "model.safetensors").exists() and not force:
         return out_dir
+    if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
+        raise OutDirError(f"{out_dir} is a file or a link; expected a directory for the model")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not any((out_dir / name).is_file() for name in BUILT_HERE):
+        raise OutDirError(f"{out_dir} holds files of no model built here, which the build would delete: give a new "
+                          "or empty directory")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time (parallel test sessions, a run and its tests): the others wait, then reuse the result.
     with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
@@ -699,7 +715,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "build-real-model":
         try:
             model_dir = build_real_model(args.out, force=args.force)
-        except RealModelUnavailableError as e:
+        except (RealModelUnavailableError, OutDirError) as e:
             parser.exit(2, f"error: {e}\n")
         if args.print_dir:
             print(model_dir)
@@ -714,7 +730,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.cpu_kernels != "portable" and args.out is None and "SCALERL_CACHE" not in os.environ:
         parser.error(f"--cpu-kernels {args.cpu_kernels} builds another base than the cached one: give --out DIR or "
                      "SCALERL_CACHE=DIR")
-    model_dir = build_base_model(args.out, force=args.force, kernels=args.cpu_kernels)
+    try:
+        model_dir = build_base_model(args.out, force=args.force, kernels=args.cpu_kernels)
+    except OutDirError as e:
+        parser.exit(2, f"error: {e}\n")
     result = {"model_dir": str(model_dir), "params": count_parameters(model_dir),
               "weights_sha256": weights_checksum(model_dir)}
     result["documented"] = result["weights_sha256"] == DOCUMENTED_BASE[1]

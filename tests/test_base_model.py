@@ -245,6 +245,26 @@ def test_every_file_that_shapes_the_shipped_base_is_checked_and_a_changed_one_na
     assert message.startswith(expected.get(name, f"{file} was changed (sha256 ")), message
 
 
+@pytest.mark.parametrize("command", ["build-base", "build-real-model"])
+def test_a_build_never_replaces_a_directory_that_holds_no_model_built_here(tmp_path, command, capsys):
+    """`build-base --out DIR` (or build-real-model's) on a directory of the user's: the build replaced DIR whole
+    (rmtree, then a rename), deleting its files, once the 7-minute build was done; on a file it failed then. Each is
+    now refused in one line before the build, and nothing of it is touched."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    (tmp_path / "a_file").write_text("also precious")
+    (tmp_path / "a_link").symlink_to(mine)
+    not_a_dir = "is a file or a link; expected a directory for the model"
+    for out, why in ((mine, "holds files of no model built here, which the build would delete: give a new or empty "
+                            "directory"), (tmp_path / "a_file", not_a_dir), (tmp_path / "a_link", not_a_dir)):
+        with pytest.raises(SystemExit) as stop:
+            base_model.main([command, "--out", str(out), *(["--no-measure"] if command == "build-base" else [])])
+        assert stop.value.code == 2 and capsys.readouterr().err == f"error: {out} {why}\n", out
+    assert (mine / "notes.txt").read_text() == "precious" and (tmp_path / "a_file").read_text() == "also precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "a_link", "mine"]  # no lock or scratch left
+
+
 def test_build_base_says_a_shipped_copy_with_a_changed_tokenizer_is_not_the_documented_one(tmp_path, monkeypatch,
                                                                                            capsys):
     """The workshop's setup check (`build-base --out models/tiny-arith --no-measure`, docs/WORKSHOP.md): its

@@ -42,7 +42,9 @@ def test_make_refuses_a_variable_it_cannot_use_before_installing_anything(argv, 
     CPU import), and stamped it .installed-cuda; `make run NPROC=0` ended in torchrun's AssertionError traceback after
     the set-up; `make exercise` without ALGO and DIR named the arguments of the Python command. Each is now one line
     from make, before anything runs (-n: were anything to run, it would be printed)."""
-    run = subprocess.run(["make", "-n", *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+    # --no-print-directory: under `make test` this make is nested, and would print "Entering directory" lines
+    run = subprocess.run(["make", "--no-print-directory", "-n", *argv], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
     assert run.returncode == 2 and run.stdout == "" and message in run.stderr, run
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
 
@@ -50,7 +52,8 @@ def test_make_refuses_a_variable_it_cannot_use_before_installing_anything(argv, 
 @pytest.mark.parametrize("argv", [["setup", "DEVICE=cpu"], ["setup", "DEVICE=gpu"], ["run", "NPROC=4"], ["run-real"],
                                   ["exercise", "ALGO=grpo", "DIR=lab"], ["test"]])
 def test_make_takes_the_variables_its_header_documents(argv):
-    assert subprocess.run(["make", "-n", *argv], cwd=REPO, capture_output=True, timeout=60).returncode == 0, argv
+    assert subprocess.run(["make", "--no-print-directory", "-n", *argv], cwd=REPO, capture_output=True,
+                          timeout=60).returncode == 0, argv
 
 
 # ---- what_is_wrong: each reason the GPU path cannot run, faked on this CPU machine ----

@@ -151,8 +151,7 @@ def output_file(text: str) -> str:
     path = Path(path_text(text))
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; expected a file to write")
-    parent = next((p for p in path.absolute().parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
+    if (parent := _nearest_existing(path.parent)) is not None and not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} lies under {parent}, a file; expected a file to write")
     return str(path)
 
@@ -167,10 +166,19 @@ def directory_path(text: str) -> Path:
     """An argparse type of a directory a command writes into (made if missing): path_value, refused in one line where
     a file is, or lies on its way, rather than met by mkdir's FileExistsError traceback after the work."""
     path = path_value(text)
-    blocker = next((p for p in (path, *path.absolute().parents) if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
+    if (blocker := _nearest_existing(path)) is not None and not blocker.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {blocker} is a file; expected a directory")
     return path
+
+
+def _nearest_existing(path: Path) -> Path | None:
+    """`path`, or its nearest ancestor, whichever exists first: what mkdir would meet on the way to `path`."""
+    return next((p for p in (path, *path.absolute().parents) if p.exists()), None)
+
+
+def repeated(items: list) -> list:
+    """The items given more than once, sorted: a seed or a variant given twice would count one run twice."""
+    return sorted({item for item in items if items.count(item) > 1})
 
 
 def path_value(text: str) -> Path:
@@ -224,7 +232,7 @@ def int_list(minimum: int, pair: bool = False, distinct: bool = False) -> Callab
             raise argparse.ArgumentTypeError(f"expected LOW,HIGH with LOW <= HIGH, got {text!r}")
         if min(values) < minimum:
             raise argparse.ArgumentTypeError(f"each must be >= {minimum} (got {text!r})")
-        if distinct and (twice := sorted({v for v in values if values.count(v) > 1})):
+        if distinct and (twice := repeated(values)):
             raise argparse.ArgumentTypeError(f"{', '.join(map(str, twice))} given twice (got {text!r})")
         return text
     return int_list

@@ -33,7 +33,8 @@ from harness.cli import run_subcommand, subcommand_parser  # one subcommand per 
 from harness.cli import int_at_least as _count  # the argparse type of a count (`none`: or the word none)
 from harness.cli import int_list as _int_list, number as _number  # argparse types of a list of integers, a number
 from harness.cli import directory_path, output_file  # argparse types of a directory and a file written into
-from harness.cli import figure_path, path_text  # argparse types of a path (its ~ the home directory), a figure's
+from harness.cli import figure_path, path_text  # argparse types of a figure's file and a path (~: the home directory)
+from harness.cli import repeated  # what a list gives twice: one run counted twice
 
 
 def _count_rerun(run_dir: Path, exit_status: int) -> None:
@@ -819,7 +820,7 @@ def _variant_names(text: str) -> str:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown variants {unknown}; known: {list(VARIANTS)}, or a set: "
                                           f"{list(VARIANT_SETS)}")
-    if twice := sorted({name for name in names if names.count(name) > 1}):  # one run would count as two
+    if twice := repeated(names):  # one run would count as two
         raise argparse.ArgumentTypeError(f"{', '.join(twice)} given twice (got {text!r})")
     return text
 

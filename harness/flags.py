@@ -173,8 +173,10 @@ class Args:
                                       "datasets.load_dataset(NAME, CONFIG); e.g. main for openai/gsm8k")
     test_dataset: str | None = _arg(HelpGroup.WHAT, None, "optional test set, evaluated whole beside the "
                                     "validation (test_* metrics): a local file, a directory's test* files, or a hub "
-                                    "data set's test split (in --dataset-config's configuration when it is "
-                                    "--dataset's set)", type=path_text)
+                                    "data set's test split (in --test-dataset-config's configuration, by "
+                                    "default --dataset-config's when it is --dataset's set)", type=path_text)
+    test_dataset_config: str | None = _arg(HelpGroup.WHAT, None, "configuration (subset) of a hub --test-dataset, "
+                                           "as --dataset-config is --dataset's")
     question_field: str | None = _arg(HelpGroup.WHAT, None, "question field of --dataset (default: question, problem "
                                       "or prompt)")
     answer_field: str | None = _arg(HelpGroup.WHAT, None, "answer field of --dataset (default: answer, solution or "
@@ -492,6 +494,10 @@ def check_args(args: Args, generator_checks: GeneratorChecks | None = None) -> l
                                     and not tasks.is_local_data_file(args.dataset)):
         problems.append("--dataset-config names a configuration of a hub data set: give --dataset NAME too, not a "
                         "local file or the embedded task")
+    if args.test_dataset_config and not (args.test_dataset and not tasks.is_local_data_file(args.test_dataset)
+                                         and not Path(args.test_dataset).is_dir()):
+        problems.append("--test-dataset-config names a configuration of a hub data set: give --test-dataset NAME too, "
+                        "not a local file or directory")
     return problems
 
 

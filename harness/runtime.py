@@ -491,17 +491,22 @@ def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
                                                                     ("skip_bad_rows", args.skip_bad_rows),
                                                                     ("dataset_config", args.dataset_config)) if v})
     except tasks.DataNotFoundError as e:
-        raise tasks.DataNotFoundError(f"--dataset {e}") from None
+        raise tasks.DataNotFoundError(f"--dataset {e}{_config_hint(e, '--dataset-config')}") from None
     try:
         # A test set is evaluated whole: a file's every row, a directory's test* files, a hub set's test split
-        # (in --dataset-config's configuration when it is --dataset's set)
+        # (in --test-dataset-config's configuration, else --dataset-config's when it is --dataset's set)
+        test_config = args.test_dataset_config or (args.dataset_config if args.test_dataset == args.dataset else None)
         test_task = tasks.load_task(args.test_dataset, question_field=args.question_field,
                                     answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows, split="test",
-                                    test_set=True, dataset_config=args.dataset_config
-                                    if args.test_dataset == args.dataset else None) if args.test_dataset else None
+                                    test_set=True, dataset_config=test_config) if args.test_dataset else None
     except tasks.DataNotFoundError as e:
-        raise tasks.DataNotFoundError(f"--test-dataset {e}") from None
+        raise tasks.DataNotFoundError(f"--test-dataset {e}{_config_hint(e, '--test-dataset-config')}") from None
     return task, test_task
+
+
+def _config_hint(error: Exception, flag: str) -> str:
+    """The flag that gives a hub set its configuration, where the error is a missing or unknown one."""
+    return f" ({flag} NAME)" if isinstance(error, tasks.DataConfigError) else ""
 
 
 def fleet_config(args: Args) -> fleet.FleetConfig:

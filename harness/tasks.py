@@ -276,6 +276,10 @@ class DataNotFoundError(FileNotFoundError):
     """A data set that is neither a local file nor on a reachable hub; the message names it and says so."""
 
 
+class DataConfigError(DataNotFoundError):
+    """A hub data set's configuration missing or not one of the set's (datasets' words); the caller names its flag."""
+
+
 class DataFileError(BadRowError):
     """Every bad row of one data source at once (the first BAD_ROWS_SHOWN listed, then a count of the rest, by
     reason), or a file that cannot be read as rows at all. `bad_rows` holds all of them (empty for a whole file)."""
@@ -353,7 +357,7 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
             if lines[0].startswith("Unknown split"):  # 'Unknown split "test". Should be one of [...]'
                 raise DataNotFoundError(f"{label}: {lines[0]}") from None
             if lines[0] == "Config name is missing." or lines[0].startswith("BuilderConfig '"):
-                raise DataNotFoundError(f"{label}: {' '.join(lines[:2])} (--dataset-config NAME)") from None
+                raise DataConfigError(f"{label}: {' '.join(lines[:2])}") from None
             raise
         return _dataset_rows(hub_rows, label)
     path, source = Path(name_or_path), name_or_path

@@ -115,6 +115,37 @@ def test_a_test_set_is_evaluated_whole(tmp_path, monkeypatch):
             runtime.load_tasks(flags.parse_args(["--dataset", "openai/gsm8k"]))
         assert str(error.value) == f"--dataset openai/gsm8k:train: {' '.join(words.splitlines()[:2])} " \
                                    "(--dataset-config NAME)"
+        with pytest.raises(runtime.tasks.DataNotFoundError) as error:
+            runtime.load_tasks(flags.parse_args(["--test-dataset", "EleutherAI/hendrycks_math"]))
+        assert str(error.value) == f"--test-dataset EleutherAI/hendrycks_math:test: " \
+                                   f"{' '.join(words.splitlines()[:2])} (--test-dataset-config NAME)"
+
+
+def test_a_test_set_of_another_hub_set_takes_its_own_configuration(monkeypatch, tmp_path, capsys):
+    """--test-dataset of a hub set other than --dataset's could be given no configuration (--dataset-config is
+    --dataset's), so a set that needs one could not be a test set; --test-dataset-config gives it one. On a local
+    file or directory it is one line, as --dataset-config's is."""
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):  # the plumbing is under test, not the hub
+        calls.append((path, name, split))
+        return [{"question": f"What is {i} + 2?", "answer": f"{i} + 2 = {i + 2}\n#### {i + 2}"} for i in range(10)]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    runtime.load_tasks(flags.parse_args(["--dataset", "openai/gsm8k", "--dataset-config", "main", "--test-dataset",
+                                         "EleutherAI/hendrycks_math", "--test-dataset-config", "algebra"]))
+    assert calls == [("openai/gsm8k", "main", "train"), ("EleutherAI/hendrycks_math", "algebra", "test")]
+    test_file = tmp_path / "test.jsonl"
+    test_file.write_text("")
+    for test_set in (str(test_file), str(tmp_path)):
+        with pytest.raises(SystemExit) as stop:
+            flags.parse_args(["--test-dataset", test_set, "--test-dataset-config", "algebra",
+                              "--output-dir", str(tmp_path / "out")])
+        assert stop.value.code == 2
+        assert "--test-dataset-config names a configuration of a hub data set: give --test-dataset NAME too, not a " \
+               "local file or directory" in capsys.readouterr().err
 
 
 def test_evaluate_names_a_bad_data_set_in_one_line_before_it_exports_the_run(tmp_path, monkeypatch, one_rank_group):

@@ -59,6 +59,7 @@ This module knows nothing about training; it needs only numpy, scipy and matplot
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
@@ -1034,12 +1035,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _not_written(path: str | Path, err: OSError) -> int:
-    """A figure that could not be written (a full disk, a directory that cannot be made): one line naming it and the
-    free space where it was to go, instead of a traceback; exit status 3. The fits printed above stand."""
-    try:
-        free = f" ({shutil.disk_usage(Path(path).parent).free / 2**20:.1f} MB free there)"
-    except OSError:
-        free = ""
+    """A figure that could not be written (a full disk, a directory that cannot be made): one line naming it and,
+    for a full disk, the free space where it was to go, instead of a traceback; exit status 3. The fits printed above
+    stand."""
+    free = ""
+    if err.errno in (errno.ENOSPC, errno.EDQUOT):  # the free space says nothing of a permission or a path
+        try:
+            free = f" ({shutil.disk_usage(Path(path).parent).free / 2**20:.1f} MB free there)"
+        except OSError:
+            pass
     print(f"error: could not write {path}: {err.strerror or err}{free}", file=sys.stderr)
     return 3
 

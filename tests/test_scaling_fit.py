@@ -421,6 +421,23 @@ def test_dashboard_overlays_runs_and_says_which_panels_have_no_data(tmp_path, ca
     assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG" and "dashboard:" in capsys.readouterr().out
 
 
+def test_a_figure_refused_for_another_reason_says_no_free_space(tmp_path, monkeypatch, capsys):
+    """A figure that could not be written for a reason other than a full disk (permission denied) named the free
+    space where it was to go too, as if the disk were the cause."""
+    import errno
+
+    compute = np.linspace(100.0, 16000.0, 20)
+    run = write_metrics(tmp_path / "metrics.jsonl", compute, noisy_curve(0, compute))
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(sf, "plot_fits", refused)
+    figure = tmp_path / "fit.png"
+    assert sf.main([str(run), "--out", str(figure), "--bootstrap", "0"]) == 3
+    assert capsys.readouterr().err == f"error: could not write {figure}: Permission denied\n"
+
+
 def test_a_figure_on_a_full_disk_is_one_line_after_the_fits(full_tmpfs, tmp_path, capsys):
     """--out and --dashboard on a full disk were tracebacks after the fit had been printed; now the fit stands and the
     figure is one line naming it and the free space, exit status 3, with no half-written figure left behind."""

@@ -36,6 +36,7 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import itertools
 import json
@@ -393,6 +394,9 @@ def _directory_rows(path: Path, split: str) -> DataRows:
     traceback). The rows are indexed on across the files, in the files' order."""
     import datasets
 
+    if glob.has_magic(resolved := path.resolve().as_posix()):  # datasets globs below it: it would find no file
+        raise DataFileError(f"{path}: its path ({resolved}) holds *, ? or [, and datasets reads a directory's path "
+                            "as a pattern, which matches other directories or none: rename it, or give a file")
     try:
         files = datasets.load_dataset_builder(str(path)).config.data_files or {}
     except FileNotFoundError:  # datasets' EmptyDatasetError

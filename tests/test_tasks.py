@@ -431,6 +431,22 @@ def test_a_directory_of_data_files_is_read_file_by_file_with_the_same_checks(tmp
             MathDataset(str(other))
 
 
+def test_a_directory_whose_path_holds_glob_characters_is_one_line_not_another_directory(tmp_path):
+    """datasets reads a local directory's path as a glob pattern: `--dataset data[1]` said "a directory with no data
+    files" of a directory holding train.jsonl, and would have read data1/'s files were there a data1/. Now one line
+    that says why, before datasets is asked."""
+    for name in ("data[1]", "data*", "da?a"):
+        data = tmp_path / name
+        data.mkdir()
+        _lines(data / "train.jsonl", GSM8K_ROWS[:10])
+        with pytest.raises(tasks.DataFileError) as error:
+            MathDataset(str(data))
+        assert str(error.value) == (f"{data}: its path ({data}) holds *, ? or [, and datasets reads a directory's "
+                                    "path as a pattern, which matches other directories or none: rename it, or give "
+                                    "a file")
+        assert len(MathDataset(str(data / "train.jsonl"), val_size=0).problems) == 10  # a file there is read
+
+
 def test_csv_files_are_read_with_the_same_checks_and_line_numbers(tmp_path):
     """A .csv file used to be taken for a hub name ("Couldn't find any data file"). It is read with the csv module:
     the header names the fields, every cell is text, a row is named by the file line it starts on."""

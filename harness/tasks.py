@@ -428,7 +428,8 @@ def _parquet_rows(path: Path, source: str) -> DataRows:
     verbosity = datasets.logging.get_verbosity()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its reader logs the failure too: one line is ours
     try:
-        return _dataset_rows(datasets.load_dataset("parquet", data_files=str(path), split="train"), source)
+        # data_files is a glob pattern: escaped, a path holding [, * or ? names this file and no other
+        return _dataset_rows(datasets.load_dataset("parquet", data_files=glob.escape(str(path)), split="train"), source)
     except Exception as e:  # pyarrow's ArrowInvalid/OSError, datasets' DatasetGenerationError wrapping them
         cause = e.__cause__ or e
         why = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]

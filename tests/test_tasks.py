@@ -431,14 +431,19 @@ def test_a_directory_of_data_files_is_read_file_by_file_with_the_same_checks(tmp
             MathDataset(str(other))
 
 
-def test_a_directory_whose_path_holds_glob_characters_is_one_line_not_another_directory(tmp_path):
+def test_a_path_that_holds_glob_characters_is_read_or_one_line_never_another_path(tmp_path):
     """datasets reads a local directory's path as a glob pattern: `--dataset data[1]` said "a directory with no data
     files" of a directory holding train.jsonl, and would have read data1/'s files were there a data1/. Now one line
-    that says why, before datasets is asked."""
+    that says why, before datasets is asked. A Parquet file in such a directory, whose path datasets took for a
+    pattern too ("not a readable Parquet file"), is read."""
+    import datasets
+
     for name in ("data[1]", "data*", "da?a"):
         data = tmp_path / name
         data.mkdir()
         _lines(data / "train.jsonl", GSM8K_ROWS[:10])
+        datasets.Dataset.from_list(POLARIS_ROWS).to_parquet(str(data / "polaris.parquet"))
+        assert len(MathDataset(str(data / "polaris.parquet"), val_size=0).problems) == len(POLARIS_ROWS)
         with pytest.raises(tasks.DataFileError) as error:
             MathDataset(str(data))
         assert str(error.value) == (f"{data}: its path ({data}) holds *, ? or [, and datasets reads a directory's "

@@ -958,7 +958,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point. Returns 0, 1 if some run had no identifiable sigmoid, 2 on bad input, 3 if a figure could not
     be written."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.fit_until is not None and args.min_compute > args.fit_until:
+        parser.error(f"--min-compute {args.min_compute:g} is above --fit-until {args.fit_until:g}: no point is left "
+                     "to fit")
     value_range = value_range_for(args.y)
     grids = dict(a_grid=PAPER_A_GRID, c_mid_grid=PAPER_C_MID_GRID) if args.paper_grids else {}
     try:
@@ -986,6 +990,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             C, R = record_points(C, R, args.record_bins)
         return C, R
 
+    def cut(C: np.ndarray, Cf: np.ndarray) -> str:
+        """What --fit-until and --record-bins left of a run's points, where they left fewer, for an error."""
+        flags = " and ".join(flag for flag, on in (("--fit-until", args.fit_until is not None),
+                                                   ("--record-bins", args.record_bins)) if on)
+        return f" ({flags} left {len(Cf)} of the run's {len(C)} points)" if len(Cf) < len(C) else ""
+
     shared_a = None
     if args.shared_A:
         own = []
@@ -995,7 +1005,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 fit = fit_sigmoid(Cf, Rf, r0=R[0], min_compute=args.min_compute, value_range=value_range, **grids)
                 own.append(fit.A)
             except ValueError as err:
-                print(f"run {label}: excluded from the shared A: {err}")
+                print(f"run {label}: excluded from the shared A: {err}{cut(C, Cf)}")
         shared_a = float(np.mean(own)) if own else None
         print(f"shared A = {shared_a:.4f} (mean of the runs' own fits)\n" if own else "no run gave an A to share\n")
 
@@ -1017,7 +1027,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = 1
             continue
         except ValueError as err:
-            print(f"error: run {label}: {err}", file=sys.stderr)
+            print(f"error: run {label}: {err}{cut(C, Cf)}", file=sys.stderr)
             return 2
         _print_fit_table(label, args, C, R, fit, boot)
         print()

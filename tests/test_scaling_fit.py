@@ -421,6 +421,21 @@ def test_dashboard_overlays_runs_and_says_which_panels_have_no_data(tmp_path, ca
     assert (tmp_path / "cli.png").read_bytes()[:4] == b"\x89PNG" and "dashboard:" in capsys.readouterr().out
 
 
+def test_too_few_points_left_by_the_cuts_says_which_cut_left_them(tmp_path, capsys):
+    """`--fit-until` or `--record-bins` that left too few points said "got 2 of 2", as if the run had 2; now the
+    error names the cut and the run's count. A --min-compute above --fit-until leaves no point: one line first."""
+    compute = np.linspace(100.0, 16000.0, 20)
+    run = write_metrics(tmp_path / "metrics.jsonl", compute, noisy_curve(0, compute))
+    out = ["--bootstrap", "0", "--out", str(tmp_path / "fit.png")]
+    assert sf.main([str(run), "--fit-until", "1000", *out]) == 2
+    assert capsys.readouterr().err.endswith("got 2 of 2 (--fit-until left 2 of the run's 20 points)\n")
+    with pytest.raises(SystemExit) as stop:
+        sf.main([str(run), "--fit-until", "1000", "--min-compute", "2000", *out])
+    assert stop.value.code == 2
+    assert "error: --min-compute 2000 is above --fit-until 1000: no point is left to fit" in capsys.readouterr().err
+    assert not (tmp_path / "fit.png").exists()
+
+
 def test_a_figure_refused_for_another_reason_says_no_free_space(tmp_path, monkeypatch, capsys):
     """A figure that could not be written for a reason other than a full disk (permission denied) named the free
     space where it was to go too, as if the disk were the cause."""

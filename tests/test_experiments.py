@@ -512,16 +512,24 @@ def test_the_results_page_quotes_the_committed_study_as_it_is(summary_file, head
     assert f"{summary['worst_half_fit_error']:+.3f}" in section
 
 
-def test_the_real_model_study_is_refitted_from_its_committed_records_by_its_documented_command(tmp_path,
-                                                                                             monkeypatch):
-    """The command beside the real-model study in docs/results.md, on the committed records (docs/real-study-runs),
-    trains nothing and gives the committed summary: the figure and the table can be redrawn without the 9 runs."""
-    block = _results_section("ScaleRL's loss comparison on a real model").split("```bash\n")[1].split("```")[0]
+@pytest.mark.parametrize("summary_file, heading, runs", [  # the miniature study's 19 pooled fits take 20-30 s
+    pytest.param("study.json", "A miniature ScaleRL study", 30, marks=pytest.mark.slow),
+    ("real-study.json", "ScaleRL's loss comparison on a real model", 9)])
+def test_a_study_is_refitted_from_its_committed_records_by_its_documented_command(tmp_path, monkeypatch,
+                                                                                  summary_file, heading, runs):
+    """The command beside each study in docs/results.md, on the committed records (docs/study-runs,
+    docs/real-study-runs), trains nothing and gives the committed summary: the figure and the table can be redrawn
+    without the runs, as the page says."""
+    block = next(part.split("```")[0] for part in _results_section(heading).split("```bash\n")[1:]
+                 if "python -m tools.experiments study" in part.split("```")[0] and "--records" in part.split("```")[0])
     command = next(line for line in block.replace("\\\n", " ").splitlines()
                    if line.startswith("python -m tools.experiments study"))
     argv = shlex.split(command)[3:]
     for flag, name in (("--out-dir", "out"), ("--summary", "study.json"), ("--figure", "study.png")):
-        argv[argv.index(flag) + 1] = str(tmp_path / name)
+        if flag in argv:
+            argv[argv.index(flag) + 1] = str(tmp_path / name)
+        else:  # the study's default, under the checkout: here, the test's own directory
+            argv += [flag, str(tmp_path / name)]
 
     def no_training(run_dir, steps, flags):
         raise AssertionError(f"{run_dir} was trained: its record is missing or holds other flags")
@@ -529,9 +537,9 @@ def test_the_real_model_study_is_refitted_from_its_committed_records_by_its_docu
     monkeypatch.setattr(experiments, "_train_run", no_training)
     monkeypatch.chdir(REPO)  # the records and --model are named relative to the checkout, as the docs run them
     assert experiments.main(argv) == 0
-    committed = json.loads((REPO / "docs" / "real-study.json").read_text())
+    committed = json.loads((REPO / "docs" / summary_file).read_text())
     again = json.loads((tmp_path / "study.json").read_text())
-    assert again["runs"] == committed["runs"] == 9 and again["records"] == committed["records"]
+    assert again["runs"] == committed["runs"] == runs and again["records"] == committed["records"]
     for ours, theirs in zip(again["variants"], committed["variants"], strict=True):
         assert ours["name"] == theirs["name"] and ours["val_final"] == theirs["val_final"]
         for key in ("A", "A_lo", "A_hi", "B", "B_lo", "B_hi", "C_mid", "r2"):  # a fit on another CPU: its last bits

@@ -68,6 +68,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.envs:VLLM_USE_V2_MODEL_RUNNER", "model_runner_v2"),
     Internal("vllm.triton_utils:HAS_TRITON", "model_runner_v2"),
     Internal("vllm.distributed.device_communicators.shm_broadcast:check_shm_free_space", "shm_problem"),
+    # how vLLM's loader finds a local model's weights: a glob of its path (loadable_model_path below)
+    Internal("vllm.model_executor.model_loader.default_loader:DefaultModelLoader._prepare_weights",
+             "loadable_model_path: the model of every vLLM engine the project builds"),
 )
 
 
@@ -130,3 +133,27 @@ def shutdown_engine_core(llm: Any, timeout: float | None = None) -> None:
     """Stop an LLM's engine core now (its processes, if it has any), rather than when the LLM is collected."""
     core = llm.llm_engine.engine_core
     core.shutdown() if timeout is None else core.shutdown(timeout=timeout)
+
+
+def loadable_model_path(model: str) -> str:
+    """`model` (LLM's model=) as vLLM can load it. vLLM's loader finds a local model's weights with
+    glob.glob(os.path.join(PATH, "*.safetensors")) (DefaultModelLoader._prepare_weights), which reads *, ? and [ in
+    PATH as a pattern: in a directory such as runs/export[2] it found "no model weights", and a runs/export2 beside it
+    would have been read instead. Such a directory is given through a link of a plain name under the temp directory,
+    made once and kept (a few bytes); a hub name, and any other path, as it is."""
+    import glob
+    import hashlib
+    import os
+    import tempfile
+
+    path = os.path.abspath(os.path.expanduser(model))
+    links = os.path.join(tempfile.gettempdir(), "scalerl-model-links")
+    if not os.path.isdir(path) or not glob.has_magic(path) or glob.has_magic(links):
+        return model
+    os.makedirs(links, exist_ok=True)
+    link = os.path.join(links, hashlib.sha1(path.encode()).hexdigest()[:16])
+    if os.path.realpath(link) != os.path.realpath(path):
+        made = f"{link}.{os.getpid()}"  # then renamed over: another process making the same link races harmlessly
+        os.symlink(path, made)
+        os.replace(made, link)
+    return link

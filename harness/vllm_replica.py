@@ -587,7 +587,8 @@ def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
     harness/fleet.py's ReplicaSettings. vLLM finds our classes by the names of this module."""
     on_gpu = cfg.gen_devices is not None
     kwargs: dict[str, Any] = dict(
-        model=cfg.model, dtype=cfg.dtype, seed=cfg.seed + 7919 * replica, max_model_len=cfg.max_model_len,
+        model=vllm_internals.loadable_model_path(cfg.model), dtype=cfg.dtype, seed=cfg.seed + 7919 * replica,
+        max_model_len=cfg.max_model_len,
         enforce_eager=(not on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
         logprobs_mode="processed_logprobs",  # logprobs after temperature: what the sampler really used
         worker_extension_cls=f"{__name__}.WeightSyncExtension",

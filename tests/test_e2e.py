@@ -836,24 +836,30 @@ def test_ranks_agree_on_a_checkpoint_when_one_ranks_file_is_corrupt(tmp_path, fo
 def evaluate_and_unjoined_runs(tmp_path_factory, base_model_dir) -> dict:
     """`train.py evaluate` of the base model, and beside it, at once, a training run whose one (remote) replica never
     joins ("unjoined": its output directory is "out"): each is mostly a start on one core (imports, a generator, the
-    evaluation's vLLM engine), which alone left the other core idle."""
+    evaluation's vLLM engine), which alone left the other core idle. The base model evaluated is a copy in a
+    directory whose path vLLM's loader would read as a glob pattern ("export [2]"), where it found no weights."""
+    import shutil
+
     unjoined = tmp_path_factory.mktemp("unjoined")
     out = unjoined / "run"
+    model = tmp_path_factory.mktemp("model") / "export [2]"
+    shutil.copytree(base_model_dir, model)
     evaluate, run = at_once(
-        lambda: subprocess.run([sys.executable, "train.py", "evaluate", "--eval-prompts", "16", "--eval-samples", "4"],
-                               cwd=REPO, capture_output=True, text=True, timeout=600),
+        lambda: subprocess.run([sys.executable, "train.py", "evaluate", "--model", str(model), "--eval-prompts", "16",
+                                "--eval-samples", "4"], cwd=REPO, capture_output=True, text=True, timeout=600),
         lambda: _train(out, *_remote_replica_only(unjoined), "--gen-join-timeout", "3", "--max-steps", "1",
                        timeout=300, retry=False))
-    return {"evaluate": evaluate, "unjoined": run, "out": out}
+    return {"evaluate": evaluate, "unjoined": run, "out": out, "model": model}
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("e2e-evaluate-unjoined")
-def test_evaluate_prints_pass_at_k_of_the_base_model(base_model_dir, evaluate_and_unjoined_runs):
+def test_evaluate_prints_pass_at_k_of_the_base_model(evaluate_and_unjoined_runs):
     run = evaluate_and_unjoined_runs["evaluate"]
     assert run.returncode == 0, why_failed(run)
     result = json.loads(run.stdout.splitlines()[-1])
-    assert result["model"] == str(base_model_dir) and result["problems"] == 16 and result["samples"] == 4
+    model = str(evaluate_and_unjoined_runs["model"])
+    assert result["model"] == model and result["problems"] == 16 and result["samples"] == 4
     assert 0 < result["pass@1"] <= result["pass@2"] <= result["pass@4"] <= 1  # the base model solves ~40%
     assert -1 <= result["mean_reward"] <= 1 and result["temperature"] == 1.0
 

@@ -24,7 +24,7 @@ from harness.cli import positionals  # a subcommand's arguments, checked like fl
 from harness.fleet import GeneratorError
 from harness.flags import (Args, GeneratorChecks, LossFiles, flags_markdown, parse_args, plan, read_args_json,
                            resolve_defaults)
-from harness.runtime import load_tasks
+from harness.runtime import check_eval_prompts, load_tasks
 from harness.tasks import BadRowError
 
 # `train.py evaluate`'s generator, built by train.py: (the flags, the model directory, the task) -> a generator to
@@ -122,6 +122,9 @@ def evaluate_policy(args: Args, scratch: Path, generator: MakeGenerator) -> dict
         model_dir = args.model or str(base_model.embedded_base_model())
     problems = (test_task or task).validation(args.eval_prompts)
     sampler = generator(args, model_dir, task)
+    # as a run's start checks them: a prompt too long for the context, a data set the model cannot read
+    check_eval_prompts(model_dir, sampler.config.max_tokens, sampler.config.fleet.max_model_len, problems,
+                       "train.py evaluate")
     try:
         sampler.start()
     except GeneratorError as e:  # e.g. a --reward-timeout refused: one line, as a run's start says it

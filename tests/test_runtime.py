@@ -16,7 +16,7 @@ import torch
 
 import pipeline_rl as pl
 import train
-from harness import checkpoints, flags, runtime, vllm_replica
+from harness import checkpoints, flags, runtime, tasks, vllm_replica
 from harness.tasks import Problem
 from helpers import file_tree, make_group, metrics_rows, saved_run
 
@@ -175,10 +175,27 @@ def test_an_evaluation_prompt_longer_than_the_context_is_one_line_before_the_gen
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda path: Chars())
     fits, too_long = Problem("val.jsonl-0", "x" * 24, "1"), Problem("val.jsonl-1", "x" * 25, "1")
-    runtime.eval_prompts_fit("m", 8, 32, [fits])  # max_tokens 8, max_model_len 32
+    runtime.check_eval_prompts("m", 8, 32, [fits])  # max_tokens 8, max_model_len 32
     with pytest.raises(SystemExit, match=r"^train.py: error: evaluation prompt val.jsonl-1 has 25 tokens: with "
                                          r"max_tokens 8 it exceeds the context, max_model_len 32; raise"):
-        runtime.eval_prompts_fit("m", 8, 32, [fits, too_long])
+        runtime.check_eval_prompts("m", 8, 32, [fits, too_long])
+
+
+def test_a_data_set_the_models_tokenizer_cannot_read_is_named_before_the_generator_starts(base_model_dir, capsys):
+    """`train.py --dataset gsm8k.jsonl` without --model: the embedded tiny model's word-level tokenizer knows only
+    its task's symbols, so GSM8K's prompts were 40% <|unk|>, and the run trained on them and scored 0 without a word.
+    Now a warning naming the share, the tokenizer and a prompt, from a run's start and from train.py evaluate (before
+    its vLLM starts); the embedded task's own prompts pass without one."""
+    gsm8k = tasks.load_task(str(Path(__file__).parent / "data" / "gsm8k_small.jsonl")).validation(None)
+    runtime.check_eval_prompts(str(base_model_dir), 48, 256, gsm8k, "train.py evaluate")
+    warning = capsys.readouterr().err
+    assert re.fullmatch(rf"train.py evaluate: warning: (\d+)% of the evaluation prompts' tokens are unknown to the "
+                        rf"tokenizer of {re.escape(str(base_model_dir))} \(<\|unk\|>; prompt .*gsm8k_small.jsonl-\d+: "
+                        r"'.+'\): the model cannot read this data set, and its pass rate will stay near 0; give --model "
+                        r"one whose tokenizer covers it \(docs/real-models.md\)\n", warning), warning
+    assert int(warning.split("warning: ")[1].split("%")[0]) > 100 * runtime.UNKNOWN_TOKENS_NOTED
+    runtime.check_eval_prompts(str(base_model_dir), 48, 256, tasks.ArithmeticTask().validation(64))
+    assert capsys.readouterr().err == ""
 
 
 def test_the_generator_gets_a_smaller_share_of_a_gpu_it_shares(monkeypatch):

@@ -198,6 +198,20 @@ def test_a_data_set_the_models_tokenizer_cannot_read_is_named_before_the_generat
     assert capsys.readouterr().err == ""
 
 
+def test_evaluate_refuses_a_prompt_too_long_for_the_context_before_its_vllm_starts(tmp_path, monkeypatch):
+    """`train.py evaluate` did not check its prompts against the context, as a run's start does: vLLM refused the
+    first one as the evaluation began. Now the same line, before the generator starts."""
+    long = tmp_path / "long.jsonl"
+    long.write_text("".join(json.dumps({"question": " ".join(["add 12 34"] * 30), "answer": "46"}) + "\n"
+                            for _ in range(10)))
+    monkeypatch.setattr(pl.Generator, "start", lambda self: pytest.fail("the generator started"))
+    with pytest.raises(SystemExit) as stop:
+        train.main(["evaluate", "--dataset", str(long), "--max-model-len", "128"])
+    assert re.fullmatch(r"train.py evaluate: error: evaluation prompt .*long.jsonl-\d+ has \d+ tokens: with max_tokens "
+                        r"48 it exceeds the context, max_model_len 128; raise --max-model-len or lower --max-tokens",
+                        str(stop.value)), stop.value
+
+
 def test_the_generator_gets_a_smaller_share_of_a_gpu_it_shares(monkeypatch):
     args = flags.Args(gen_devices="0")
     flags.resolve_defaults(args, embedded=True, on_gpu=True)

@@ -67,6 +67,7 @@ class TrainerState:
     history: dict[str, list[float]] = field(default_factory=dict)  # prompt id -> pass rate of each of its groups
     retired: set[str] = field(default_factory=set)  # prompt ids retired for good (No-Positive-Resampling)
     bad_steps_total: int = 0  # steps skipped for a non-finite loss or gradient
+    data_digest: str = ""  # tasks.data_digest of the run's data sets as it started: a resume on other data is refused
 
     def count_tokens(self, gen_tokens: int, batch: list, n_params: int) -> int:
         """Add a step's generated and trained tokens and their FLOPs (2N per generated, 6N per trained token);

@@ -250,7 +250,7 @@ class Setup:
     def resume(self, learner: Any) -> TrainerState:
         """The TrainerState the loop starts from: a fresh one, or with --resume the checkpoint's, its weights and
         optimizer loaded into `learner` and the warm-up schedule stepped to where it was."""
-        return _resumed_state(self.args, self.out, learner, self.rank)
+        return _resumed_state(self.args, self.out, learner, self.rank, tasks.data_digest(self.task, self.test_task))
 
     def check_generator(self, max_tokens: int, max_model_len: int) -> None:
         """Rank 0, before the generator starts (train.py's start_generator): on a GPU, where everything goes and how
@@ -376,13 +376,25 @@ def check_eval_prompts(model_path: str, max_tokens: int, max_model_len: int, pro
               "covers it (docs/real-models.md)", file=sys.stderr, flush=True)
 
 
-def _resumed_state(args: Args, out: Path, learner: Any, rank: int) -> TrainerState:
+def _resumed_state(args: Args, out: Path, learner: Any, rank: int, data_digest: str) -> TrainerState:
     """A fresh TrainerState, or with --resume the checkpoint's, its weights and optimizer loaded into `learner`
-    and the learning-rate schedule stepped to where it was."""
-    state = TrainerState()
+    and the learning-rate schedule stepped to where it was. A resume whose data sets give other problems than the
+    run started with (`data_digest`: a file edited, rows added, a hub set updated) is refused in one line: the
+    checkpoint's data position and prompt history would point at other problems, and its validation curve would
+    change mid-run. A checkpoint from before the digest was kept takes today's."""
+    state = TrainerState(data_digest=data_digest)
     if args.resume:
         saved, ckpt = load_checkpoint(out, learner.model, learner.optimizer, rank)
         state = TrainerState.from_json(saved)
+        if state.data_digest not in ("", data_digest):
+            if rank == 0:
+                data = " and ".join(f"--{flag.replace('_', '-')} {getattr(args, flag)}"
+                                    for flag in ("dataset", "test_dataset") if getattr(args, flag))
+                print(f"train.py: error: --resume {out}: the run's data changed since it started ({data}): its "
+                      "checkpoint's data position and its validation would point at other problems; restore the "
+                      "data as it was, or start a new run (another --output-dir)", file=sys.stderr, flush=True)
+            raise SystemExit(2)
+        state.data_digest = data_digest
         if rank == 0:
             print(f"[resume] {ckpt}: step {state.step}", file=sys.stderr)
         for _ in range(state.step):

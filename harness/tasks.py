@@ -1597,6 +1597,15 @@ EMBEDDED_TASKS: dict[str, type] = {"arithmetic": ArithmeticTask, "arithmetic-ver
                                    "small-arithmetic": SmallArithmeticTask, "mixed-arithmetic": MixedArithmeticTask}
 
 
+def data_digest(*sets: Task | None) -> str:
+    """The sha256 of the problems data sets give (each MathDataset's training and validation problems, in order), for
+    a resumed run to check that it trains and evaluates on what it started with; "" where none is a MathDataset (a
+    task generated here: its problems are its code's)."""
+    problems = [[[p.id, p.prompt, p.answer] for p in t.problems + t.val_problems] if isinstance(t, MathDataset)
+                else None for t in sets]
+    return hashlib.sha256(json.dumps(problems).encode()).hexdigest() if any(problems) else ""
+
+
 def load_task(dataset: str | None = None, **kwargs: Any) -> Task:
     """The task behind `--dataset`: None or 'arithmetic' is the embedded task, 'arithmetic-verified' the same with
     its scratchpad verified, 'small-arithmetic' one-digit arithmetic for a small real chat model, 'mixed-arithmetic'

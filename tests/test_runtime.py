@@ -679,3 +679,42 @@ def test_a_quiet_ranks_wait_ends_on_torchruns_signal_and_puts_the_handlers_back(
         assert seen == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_resume_on_data_that_changed_since_the_run_started_is_one_line(tmp_path, one_rank_group, capsys):
+    """A run resumed after its data file was edited (a row changed, rows added) trained on: its checkpoint's data
+    position and prompt history then pointed at other problems, and its validation set changed mid-run, without a
+    word. The checkpoint keeps the digest of the problems the run started with; a resume on others is one line, exit
+    2. The same data resumes; a checkpoint from before the digest takes today's; generated tasks have none."""
+    import types
+
+    from harness import checkpoints
+
+    data = tmp_path / "data.jsonl"
+    rows = [{"question": f"What is {i} + 2?", "answer": str(i + 2)} for i in range(30)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    started = tasks.data_digest(tasks.load_task(str(data)))
+    assert len(started) == 64 and tasks.data_digest(tasks.load_task(None), None) == ""
+    out = tmp_path / "run"
+    model, optimizer = saved_run(out, steps=(1,))
+    checkpoints.save_checkpoint(out, model, optimizer, {"step": 2, "metrics_lines": 3, "data_digest": started},
+                                rank=0)
+    scheduler = types.SimpleNamespace(step=lambda: None)
+    learner = types.SimpleNamespace(model=model, optimizer=optimizer, scheduler=scheduler)
+    args = flags.Args(output_dir=str(out), resume=str(out), dataset=str(data))
+    assert runtime._resumed_state(args, out, learner, 0, started).data_digest == started
+    rows[7]["answer"] = "10"  # a reference fixed in place
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    changed = tasks.data_digest(tasks.load_task(str(data)))
+    assert changed != started
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        runtime._resumed_state(args, out, learner, 0, changed)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == (f"train.py: error: --resume {out}: the run's data changed since it started "
+                                       f"(--dataset {data}): its checkpoint's data position and its validation would "
+                                       "point at other problems; restore the data as it was, or start a new run "
+                                       "(another --output-dir)\n")
+    checkpoints.save_checkpoint(out, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)  # an older format
+    assert runtime._resumed_state(args, out, learner, 0, changed).data_digest == changed
+    assert runtime._resumed_state(flags.Args(output_dir=str(out)), out, learner, 0, changed).step == 0  # a new run

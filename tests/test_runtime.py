@@ -718,3 +718,18 @@ def test_a_resume_on_data_that_changed_since_the_run_started_is_one_line(tmp_pat
     checkpoints.save_checkpoint(out, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)  # an older format
     assert runtime._resumed_state(args, out, learner, 0, changed).data_digest == changed
     assert runtime._resumed_state(flags.Args(output_dir=str(out)), out, learner, 0, changed).step == 0  # a new run
+
+
+def test_a_test_set_that_shares_problems_with_the_training_set_is_named_in_a_warning(tmp_path, capsys):
+    """--test-dataset naming --dataset's own file (or a file sharing its rows): its test_* metrics measured the
+    problems the run trains on, without a word. Now a warning with the count; a test set held out gets none."""
+    rows = [{"question": f"What is {i} + 2?", "answer": str(i + 2)} for i in range(40)]
+    train_file, test_file = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in rows[:30]))
+    test_file.write_text("".join(json.dumps(r) + "\n" for r in rows[30:]))
+    runtime._data(flags.Args(dataset=str(train_file), test_dataset=str(train_file)), is_main=True)
+    assert capsys.readouterr().err == ("train.py: warning: 24 of --test-dataset's 30 problems are training problems "
+                                       "of --dataset too: its test_* metrics measure problems the run trains on, not "
+                                       "held out ones\n")  # 24: the 6 of the 30 held out for validation are not
+    runtime._data(flags.Args(dataset=str(train_file), test_dataset=str(test_file)), is_main=True)
+    assert capsys.readouterr().err == ""

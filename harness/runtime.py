@@ -328,10 +328,11 @@ def _data(args: Args, is_main: bool) -> tuple[tasks.Task, tasks.Task | None]:
     for t in (task, test_task):
         if is_main and getattr(t, "skipped_summary", ""):
             print(f"[data] {t.name_or_path}: {t.skipped_summary}", file=sys.stderr)
-    if is_main and (trained := tasks.trained_test_problems(task, test_task)):
-        print(f"train.py: warning: {trained} of --test-dataset's {len(test_task.validation(None))} problems are "
-              "training problems of --dataset too: its test_* metrics measure problems the run trains on, not held "
-              "out ones", file=sys.stderr, flush=True)
+    for evaluated, what, metrics in ((task, "validation", "val_*"), (test_task, "--test-dataset", "test_*")):
+        if is_main and (trained := tasks.trained_eval_problems(task, evaluated)):
+            print(f"train.py: warning: {trained} of the {len(evaluated.validation(None))} {what} problems are also "
+                  f"training problems of --dataset: the {metrics} metrics measure problems the run trains on, not "
+                  "held out ones", file=sys.stderr, flush=True)
     return task, test_task
 
 

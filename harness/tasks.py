@@ -1606,14 +1606,14 @@ def data_digest(*sets: Task | None) -> str:
     return hashlib.sha256(json.dumps(problems).encode()).hexdigest() if any(problems) else ""
 
 
-def trained_test_problems(task: Task, test_task: Task | None) -> int:
-    """How many of a test set's problems are training problems of `task` too (the same prompt): a test set that is not
-    held out (--test-dataset naming --dataset's own file, or a file that shares rows with it). 0 for a task
-    generated here."""
-    if not isinstance(task, MathDataset) or not isinstance(test_task, MathDataset):
+def trained_eval_problems(task: Task, eval_task: Task | None) -> int:
+    """How many of the problems `eval_task` evaluates (`task` itself: its validation) are training problems of `task`
+    too (the same prompt): a validation from a file that repeats rows, a test set that is not held out (--test-dataset
+    naming --dataset's own file, or a file that shares rows with it). 0 for a task generated here."""
+    if not isinstance(task, MathDataset) or not isinstance(eval_task, MathDataset):
         return 0
     trained = {p.prompt for p in task.problems}
-    return sum(p.prompt in trained for p in test_task.val_problems)
+    return sum(p.prompt in trained for p in eval_task.val_problems)
 
 
 def load_task(dataset: str | None = None, **kwargs: Any) -> Task:

@@ -722,14 +722,21 @@ def test_a_resume_on_data_that_changed_since_the_run_started_is_one_line(tmp_pat
 
 def test_a_test_set_that_shares_problems_with_the_training_set_is_named_in_a_warning(tmp_path, capsys):
     """--test-dataset naming --dataset's own file (or a file sharing its rows): its test_* metrics measured the
-    problems the run trains on, without a word. Now a warning with the count; a test set held out gets none."""
+    problems the run trains on, without a word. Now a warning with the count; a test set held out gets none. A
+    data file that repeats rows gets one for its validation, which holds some of its training problems then."""
     rows = [{"question": f"What is {i} + 2?", "answer": str(i + 2)} for i in range(40)]
     train_file, test_file = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
     train_file.write_text("".join(json.dumps(r) + "\n" for r in rows[:30]))
     test_file.write_text("".join(json.dumps(r) + "\n" for r in rows[30:]))
     runtime._data(flags.Args(dataset=str(train_file), test_dataset=str(train_file)), is_main=True)
-    assert capsys.readouterr().err == ("train.py: warning: 24 of --test-dataset's 30 problems are training problems "
-                                       "of --dataset too: its test_* metrics measure problems the run trains on, not "
-                                       "held out ones\n")  # 24: the 6 of the 30 held out for validation are not
+    assert capsys.readouterr().err == ("train.py: warning: 24 of the 30 --test-dataset problems are also training "
+                                       "problems of --dataset: the test_* metrics measure problems the run trains on, "
+                                       "not held out ones\n")  # 24: the 6 of the 30 held out for validation are not
     runtime._data(flags.Args(dataset=str(train_file), test_dataset=str(test_file)), is_main=True)
     assert capsys.readouterr().err == ""
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in rows[:30] * 2))  # each row twice
+    runtime._data(flags.Args(dataset=str(train_file)), is_main=True)
+    warning = capsys.readouterr().err
+    assert re.fullmatch(r"train.py: warning: (\d+) of the 12 validation problems are also training problems of "
+                        r"--dataset: the val_\* metrics measure problems the run trains on, not held out ones\n",
+                        warning) and int(warning.split()[2]) > 0, warning

@@ -527,6 +527,9 @@ def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
                                                                     ("dataset_config", args.dataset_config)) if v})
     except tasks.DataNotFoundError as e:
         raise tasks.DataNotFoundError(f"--dataset {e}{_config_hint(e, '--dataset-config')}") from None
+    if isinstance(task, tasks.MathDataset) and not task.val_problems:  # the first evaluation would divide by 0
+        raise tasks.DataFileError(f"--dataset {args.dataset}: its {len(task.problems)} problems leave none to hold "
+                                  "out for validation (a fifth is): give at least 5")
     try:
         # A test set is evaluated whole: a file's every row, a directory's test* files, a hub set's test split
         # (in --test-dataset-config's configuration, else --dataset-config's when it is --dataset's set)

@@ -740,3 +740,22 @@ def test_a_test_set_that_shares_problems_with_the_training_set_is_named_in_a_war
     assert re.fullmatch(r"train.py: warning: (\d+) of the 12 validation problems are also training problems of "
                         r"--dataset: the val_\* metrics measure problems the run trains on, not held out ones\n",
                         warning) and int(warning.split()[2]) > 0, warning
+
+
+def test_a_data_set_too_small_to_hold_out_a_validation_is_one_line(tmp_path, monkeypatch):
+    """A data file of 4 rows: a fifth held out for validation is none, and the run's first evaluation, after vLLM's
+    start, ended in a ZeroDivisionError traceback. Now one line as the data set is read (run and evaluate)."""
+    data = tmp_path / "four.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n"
+                            for i in range(4)))
+    with pytest.raises(tasks.DataFileError) as error:
+        runtime.load_tasks(flags.Args(dataset=str(data)))
+    assert str(error.value) == (f"--dataset {data}: its 4 problems leave none to hold out for validation (a fifth "
+                                "is): give at least 5")
+    monkeypatch.setattr(pl.Generator, "start", lambda self: pytest.fail("the generator started"))
+    with pytest.raises(SystemExit) as stop:
+        train.main(["evaluate", "--dataset", str(data)])
+    assert str(stop.value) == f"train.py evaluate: error: {error.value}"
+    data.write_text(data.read_text() + json.dumps({"question": "What is 9 + 2?", "answer": "11"}) + "\n")
+    task, _ = runtime.load_tasks(flags.Args(dataset=str(data)))
+    assert len(task.validation(None)) == 1 and len(task.problems) == 4

@@ -871,6 +871,15 @@ class _Unset:
     """Marks a flag the command line did not give."""
 
 
+def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> dict[str, Any]:
+    """The fields of Args that `argv` gives, with their values, the defaults left out (build_parser's `parser`)."""
+    # Parse into a namespace that already holds every field, so argparse leaves out the defaults; append actions
+    # need a list-like start, hence None for them.
+    blank = {f.name: None if f.metadata.get("action") == "append" else _Unset for f in dataclasses.fields(Args)}
+    return {k: v for k, v in vars(parser.parse_args(argv, namespace=argparse.Namespace(**blank))).items()
+            if v is not _Unset and not (v is None and blank[k] is None)}
+
+
 def parse_args(argv: list[str] | None = None, evaluating: bool = False,
                generator_checks: GeneratorChecks | None = None, losses: LossFiles | None = None) -> Args:
     """The flags of a run, checked (check_args, with `generator_checks`: pipeline_rl.config_problems, which train.py
@@ -961,11 +970,7 @@ def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_
     another value is refused, naming each with the run's value and the new one, and so is a --max-steps below the
     run's (upwards only) or below its step; a --max-steps equal to its step has nothing to do. Its output directory
     is `run_dir`, whatever --output-dir says. `evaluating` (evaluate --resume) skips these checks: it trains nothing."""
-    # Parse again into a namespace that already holds every field, so argparse leaves out the defaults; append
-    # actions need a list-like start, hence None for them.
-    blank = {f.name: None if f.metadata.get("action") == "append" else _Unset for f in dataclasses.fields(Args)}
-    given = {k: v for k, v in vars(parser.parse_args(argv, namespace=argparse.Namespace(**blank))).items()
-             if v is not _Unset and not (v is None and blank[k] is None)}
+    given = given_flags(parser, argv)
     saved: dict[str, Any] = {}
     if os.path.lexists(Path(run_dir) / "args.json"):  # a dangling link too: refused by name, not taken for none
         try:

@@ -480,6 +480,27 @@ def test_a_study_names_unknown_variants(tmp_path, capsys):
     assert stop.value.code == 2 and "argument --variants: unknown variants ['cispoo']" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("common, why", [
+    ("--lossarg x", "'--lossarg x': train.py: unrecognized arguments: --lossarg x"),
+    ("--lr abc", "'--lr abc': train.py: argument --lr: expected a number, got 'abc'"),
+    ("--seed 3", "'--seed 3': --seed: the study gives each run its own (--seeds, --out-dir, --steps)"),
+    ("--output-dir x --max-steps 9", "'--output-dir x --max-steps 9': --output-dir, --max-steps: the study gives each "
+                                     "run its own (--seeds, --out-dir, --steps)"),
+    ("'unclosed", "\"'unclosed\": No closing quotation")])
+def test_a_studys_common_flags_are_train_pys_and_not_its_own(tmp_path, capsys, monkeypatch, common, why):
+    """--common with a flag train.py does not know, or a value it refuses, failed every run of the study, each after
+    its torchrun had started (a traceback of the study's after the first); one that the study gives each run itself
+    (--seed: one seed for all would pool one run as three; the run's directory or steps) overrode it. Each is now one
+    line as the study's flags are parsed, before any run."""
+    monkeypatch.setattr(experiments, "_train_run", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as stop:
+        experiments.main(["study", "--variants", "scalerl", "--seeds", "0", "--common", common,
+                          "--out-dir", str(tmp_path)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err  # the program's name is pytest's here
+    assert err.endswith(f" study: error: argument --common: {why} (see --help)\n") and err.count("\n") == 1, err
+
+
 def test_compare_intervals_needs_intervals_that_do_not_overlap():
     base = {"A": 0.9, "A_lo": 0.88, "A_hi": 0.92}
     assert experiments.compare_intervals({"A": 0.95, "A_lo": 0.93, "A_hi": 0.97}, base) == "higher"

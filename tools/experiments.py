@@ -652,9 +652,11 @@ def _add_study_args(parser: argparse.ArgumentParser) -> None:
                         help="seeds of every variant (default 0,1,2)")
     parser.add_argument("--steps", type=_count(1), default=50, help="optimizer steps per run (default 50)")
     _add_eval_every_arg(parser)
-    parser.add_argument("--common", type=_shell_words, default="",
+    parser.add_argument("--common", type=_common_flags, default="",
                         help="train.py flags added to every run, after the variant's (so they win where both name one "
-                             "flag, --eval-every's too), e.g. \"--model DIR --dataset FILE\" for another task")
+                             "flag, --eval-every's too), e.g. \"--model DIR --dataset FILE\" for another task; checked "
+                             "by train.py's parser before any run, and never --seed, --output-dir, --max-steps, "
+                             "--resume or --overwrite, which the study gives each run")
     _add_curve_fit_args(parser)
     parser.add_argument("--bootstrap", type=_count(0), default=200,
                         help="residual-bootstrap replicates of each pooled fit, for the 95%% intervals (default 200)")
@@ -825,12 +827,29 @@ def _variant_names(text: str) -> str:
     return text
 
 
-def _shell_words(text: str) -> str:
-    """An argparse type that checks shell-quoted words (train.py flags) and keeps their text."""
+def _common_flags(text: str) -> str:
+    """--common's argparse type: shell-quoted train.py flags, each one train.py knows, with a value it takes (a typo
+    failed every run of the study, each after its torchrun's start), and none of those the study gives each run
+    itself: its seed (--seeds: one seed given to all would pool one run as three), its directory, its steps."""
     try:
-        shlex.split(text)
-    except ValueError as e:
+        words = shlex.split(text)
+    except ValueError as e:  # an unclosed quote
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if not words:
+        return text
+    from harness import flags as train_flags
+
+    def refuse(message: str) -> None:
+        raise argparse.ArgumentTypeError(f"{text!r}: train.py: {message}")
+
+    parser = train_flags.build_parser()
+    parser.error = refuse  # type: ignore[method-assign]  # its one error line, as --common's
+    if {"-h", "--help"} & set(words):
+        refuse("--help is not a flag of a run")
+    given = train_flags.given_flags(parser, words)
+    if ours := [name for name in ("seed", *BOOKKEEPING_FLAGS) if name in given]:
+        raise argparse.ArgumentTypeError(f"{text!r}: {', '.join('--' + name.replace('_', '-') for name in ours)}: the "
+                                         "study gives each run its own (--seeds, --out-dir, --steps)")
     return text
 
 

@@ -253,7 +253,8 @@ def test_a_killed_study_resumes_or_restarts_only_the_run_it_started(tmp_path, to
 
 def test_a_run_that_crashes_after_a_checkpoint_is_resumed_from_it_once(tmp_path, monkeypatch):
     """A study's run whose rank crashed (torchrun's exit status 1) goes on from its checkpoint with --resume, once;
-    a run that failed before any checkpoint, or fails again, stops the study with the error."""
+    a run that failed before any checkpoint, or fails again, stops the study in one line (it was a traceback of the
+    subprocess call), below the run's own error."""
     import shutil
 
     run, calls, statuses, checkpointed = tmp_path / "run", [], [], []
@@ -269,8 +270,10 @@ def test_a_run_that_crashes_after_a_checkpoint_is_resumed_from_it_once(tmp_path,
 
     monkeypatch.setattr(subprocess, "run", fake_run)
     statuses[:] = [1]
-    with pytest.raises(subprocess.CalledProcessError):  # no checkpoint: it never started, so no resume
+    with pytest.raises(SystemExit) as stop:  # no checkpoint: it never started, so no resume; one line, no traceback
         experiments._train_run(run, 10 + 5, ["--seed", "1"])
+    assert str(stop.value) == (f"[run] {run} failed before its first checkpoint (exit status 1): its error is printed "
+                               "above; the runs made so far are kept, and the same command goes on from them")
     assert len(calls) == 1
     checkpointed.append(True)
     calls.clear()
@@ -280,7 +283,7 @@ def test_a_run_that_crashes_after_a_checkpoint_is_resumed_from_it_once(tmp_path,
     shutil.rmtree(run)
     calls.clear()
     statuses[:] = [1, 1]  # the resumed run fails too: the study stops there
-    with pytest.raises(subprocess.CalledProcessError):
+    with pytest.raises(SystemExit, match=r"failed again as it resumed \(exit status 1\): its error is printed above"):
         experiments._train_run(run, 15, ["--seed", "1"])
     assert len(calls) == 2
 

@@ -75,7 +75,9 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     if action == "resume":
         print(f"[run] {run_dir}: resuming it from its checkpoint (this experiment started it with these flags)",
               flush=True)
-        subprocess.run([*torchrun, "--resume", str(run_dir), "--max-steps", str(value)], check=True, cwd=repo)
+        if status := subprocess.run([*torchrun, "--resume", str(run_dir), "--max-steps", str(value)],
+                                    cwd=repo).returncode:
+            _stop(run_dir, status, "failed as it resumed")
         return sf.read_metrics(run_dir)
     token, own_unfinished = value
     cmd = [*torchrun, "--output-dir", str(run_dir), *(["--overwrite"] if own_unfinished else []),
@@ -84,12 +86,21 @@ def _train_run(run_dir, steps: int, flags: list[str], nproc: int = 2) -> list[di
     _write_text(command_file, json.dumps({"token": token, "steps": steps, "flags": flags}) + "\n")
     failed = subprocess.run(cmd, cwd=repo).returncode
     if failed:
-        if not complete_checkpoints(run_dir):  # it failed to start: a real error
-            raise subprocess.CalledProcessError(failed, cmd)
+        if not complete_checkpoints(run_dir):  # it failed before its first checkpoint: a real error
+            _stop(run_dir, failed, "failed before its first checkpoint")
         _count_rerun(run_dir, failed)
         print(f"[run] {run_dir} failed (exit status {failed}): resuming it from its checkpoint, once", flush=True)
-        subprocess.run([*torchrun, "--resume", str(run_dir), "--max-steps", str(steps)], check=True, cwd=repo)
+        if status := subprocess.run([*torchrun, "--resume", str(run_dir), "--max-steps", str(steps)],
+                                    cwd=repo).returncode:
+            _stop(run_dir, status, "failed again as it resumed")
     return sf.read_metrics(run_dir)
+
+
+def _stop(run_dir: Path, status: int, what: str) -> None:
+    """Stop the experiment in one line where a run failed (train.py's own error is above it), rather than in a
+    traceback of the subprocess call: what it made so far is kept, and the same command goes on from there."""
+    raise SystemExit(f"[run] {run_dir} {what} (exit status {status}): its error is printed above; the runs made so "
+                     "far are kept, and the same command goes on from them")
 
 
 def _run_at(run_dir: Path, command_file: Path, steps: int, flags: list[str]) -> tuple[str, object]:

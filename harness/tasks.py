@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterator, Protocol
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 from harness.cli import path_text, path_value  # the argparse types of a path: not empty, its ~ the home directory
+from harness.cli import text_value  # the argparse type of a name: not empty
 from harness.cli import int_at_least, number  # the argparse types of a count and a finite number
 from harness.cli import output_file, write_output  # a file written after the work: checked before it
 
@@ -1651,6 +1652,12 @@ def _add_answer_commands(sub: Any) -> None:
                             "check-answer --pairs rows (what a run's rewards would score), with vLLM")
     sample.add_argument("--model", type=path_value, required=True, help="a Hugging Face model directory")
     sample.add_argument("--dataset", type=path_text, required=True, help="a math data file, as --dataset of train.py")
+    sample.add_argument("--dataset-config", type=text_value, default=None,
+                        help="configuration (subset) of a hub --dataset, e.g. main for openai/gsm8k")
+    sample.add_argument("--question-field", type=text_value, default=None,
+                        help="question field of --dataset (default: question, problem or prompt)")
+    sample.add_argument("--answer-field", type=text_value, default=None,
+                        help="answer field of --dataset (default: answer, solution or final_answer)")
     sample.add_argument("--out", type=output_file, required=True, help="the .jsonl file to write")
     sample.add_argument("--samples", type=int_at_least(1), default=4, help="completions per problem (default 4)")
     sample.add_argument("--max-tokens", type=int_at_least(1), default=256,
@@ -1673,10 +1680,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "check-answer":
         check_answer_main(args, parser)
         return
+    if args.dataset_config and (is_local_data_file(args.dataset) or Path(args.dataset).is_dir()):
+        parser.error("--dataset-config names a configuration of a hub data set, not of a local file or directory")
     try:  # before vLLM's import (10 s): a bad data set or model directory is one line
-        task = MathDataset(args.dataset, val_size=0)
+        task = MathDataset(args.dataset, question_field=args.question_field, answer_field=args.answer_field,
+                           dataset_config=args.dataset_config, val_size=0)
     except (BadRowError, FileNotFoundError) as e:
-        parser.exit(2, f"{parser.prog} sample: error: {e}\n")
+        hint = " (--dataset-config NAME)" if isinstance(e, DataConfigError) else ""
+        parser.exit(2, f"{parser.prog} sample: error: {e}{hint}\n")
     if not args.model.exists():  # the model: a path where nothing is, or a directory that holds no model
         parser.exit(2, f"{parser.prog} sample: error: --model {args.model}: no such directory\n")
     if not (args.model / "config.json").is_file():

@@ -1090,6 +1090,39 @@ def test_sample_names_a_bad_data_set_or_model_in_one_line(tmp_path):
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_tasks_sample_takes_a_hub_sets_configuration_and_fields(tmp_path, monkeypatch, capsys):
+    """`python -m harness.tasks sample --dataset openai/gsm8k` could not name GSM8K's configuration ("Config name is
+    missing", with no flag to give it), nor the fields of another layout, as train.py can: --dataset-config,
+    --question-field and --answer-field. A missing configuration names the flag; one for a local file is one line."""
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):  # the plumbing is under test, not the hub
+        calls.append((path, name, split))
+        if name is None:
+            raise ValueError("Config name is missing.\nPlease pick one among the available configs: ['main']")
+        return [{"q": f"What is {i} + 2?", "a": str(i + 2)} for i in range(5)]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    sampled = []
+    monkeypatch.setattr(tasks, "sample_completions", lambda model, task, *a: sampled.append(task) or [])
+    out = tmp_path / "out.jsonl"
+    sample = ["sample", "--model", str(tasks.REPO_DIR / "models" / "tiny-arith"), "--out", str(out)]
+    with pytest.raises(SystemExit) as stop:
+        tasks.main([*sample, "--dataset", "openai/gsm8k"])
+    assert stop.value.code == 2 and capsys.readouterr().err.endswith(
+        "sample: error: openai/gsm8k:train: Config name is missing. Please pick one among the available configs: "
+        "['main'] (--dataset-config NAME)\n")
+    tasks.main([*sample, "--dataset", "openai/gsm8k", "--dataset-config", "main", "--question-field", "q",
+                "--answer-field", "a"])
+    assert calls[-1] == ("openai/gsm8k", "main", "train") and len(sampled[0].problems) == 5
+    with pytest.raises(SystemExit) as stop:
+        tasks.main([*sample, "--dataset", str(_lines(tmp_path / "d.jsonl", GSM8K_ROWS[:5])), "--dataset-config", "x"])
+    assert stop.value.code == 2 and "error: --dataset-config names a configuration of a hub data set, not of a " \
+                                    "local file or directory" in capsys.readouterr().err
+
+
 def test_a_reader_that_stops_reading_ends_check_answer_quietly(tmp_path):
     """`check-answer --pairs FILE | head`: the reader closes the pipe before the first row. The command ends with
     status 1 and nothing on stderr (harness/cli.exit_with), where a print met the closed pipe and ended in a

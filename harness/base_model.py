@@ -51,6 +51,7 @@ from typing import Any
 
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
+from harness.cli import no_model_config  # a --model directory without config.json, a run's named as one
 from harness.cli import int_at_least, path_value  # argparse types: a count; a path, not empty, its ~ the home directory
 from harness.tasks import (REPO_DIR, SCALERL_INTERRUPTION, THINK_CLOSE, THINK_OPEN, ArithmeticTask, Problem, Task,
                            chat_prompt_ids, parse_answer, scratchpad, scratchpad_answer, set_vllm_cpu_env)
@@ -428,7 +429,7 @@ def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
         return [f"{model} is a file; expected a Hugging Face model directory (config.json, weights, tokenizer)"]
     config_file = path / "config.json"
     if not config_file.is_file():
-        return [f"{model} has no config.json: not a Hugging Face model directory"]
+        return [no_model_config(model)]
     problems = []
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         problems.append(f"{model} has no weights (*.safetensors or *.bin)")

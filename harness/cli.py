@@ -171,6 +171,15 @@ def directory_path(text: str) -> Path:
     return path
 
 
+def no_model_config(model: str | Path) -> str:
+    """The words for a local --model directory without config.json: a run's output directory (args.json, a checkpoint)
+    is named as one, with the command that makes its policy a model directory."""
+    run = any((Path(model).expanduser() / name).exists() for name in ("args.json", "checkpoint", "checkpoint.old"))
+    return f"{model} has no config.json: not a Hugging Face model directory" + (
+        "; it is a run's directory: `python train.py export RUN_DIR OUT_DIR` makes its policy one, and `python "
+        "train.py evaluate --resume RUN_DIR` evaluates it" if run else "")
+
+
 def _nearest_existing(path: Path) -> Path | None:
     """`path`, or its nearest ancestor, whichever exists first: what mkdir would meet on the way to `path`."""
     return next((p for p in (path, *path.absolute().parents) if p.exists()), None)

@@ -56,6 +56,7 @@ from harness.cli import OneLineParser  # one error line for a bad flag, no usage
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 from harness.cli import path_text, path_value  # the argparse types of a path: not empty, its ~ the home directory
 from harness.cli import text_value  # the argparse type of a name: not empty
+from harness.cli import no_model_config  # a --model directory without config.json, a run's named as one
 from harness.cli import int_at_least, number  # the argparse types of a count and a finite number
 from harness.cli import output_file, write_output  # a file written after the work: checked before it
 
@@ -1691,8 +1692,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.model.exists():  # the model: a path where nothing is, or a directory that holds no model
         parser.exit(2, f"{parser.prog} sample: error: --model {args.model}: no such directory\n")
     if not (args.model / "config.json").is_file():
-        parser.exit(2, f"{parser.prog} sample: error: --model {args.model} has no config.json: not a Hugging Face "
-                    "model directory\n")
+        parser.exit(2, f"{parser.prog} sample: error: --model {no_model_config(args.model)}\n")
     rows = sample_completions(args.model, task, args.samples, args.max_tokens, args.temperature, args.seed)
     write_output(args.out, "".join(json.dumps(row) + "\n" for row in rows))
     print(json.dumps({"out": str(args.out), "rows": len(rows)}))

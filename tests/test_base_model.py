@@ -421,3 +421,24 @@ def test_weights_checksum_sees_every_bit_of_the_weights_and_nothing_else(tmp_pat
     save_file({**weights, "a.weight": flipped}, str(tmp_path / "three" / "model.safetensors"))
     assert base_model.weights_checksum(tmp_path / "three") != base_model.weights_checksum(tmp_path / "one")
     assert len(base_model.weights_checksum(tmp_path / "one")) == 64
+
+
+def test_a_run_directory_given_as_a_model_says_how_to_make_its_policy_one(tmp_path, capsys):
+    """--model runs/default (a run's directory, not its exported policy) said only "no config.json"; it now names it
+    as a run's and gives the commands that export or evaluate it (train.py's checks and `tasks sample`'s)."""
+    from harness import tasks
+
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "args.json").write_text("{}")
+    hint = ("; it is a run's directory: `python train.py export RUN_DIR OUT_DIR` makes its policy one, and `python "
+            "train.py evaluate --resume RUN_DIR` evaluates it")
+    assert base_model.model_dir_problems(str(run)) == [f"{run} has no config.json: not a Hugging Face model "
+                                                       f"directory{hint}"]
+    assert base_model.model_dir_problems(str(tmp_path)) == [f"{tmp_path} has no config.json: not a Hugging Face "
+                                                             "model directory"]
+    data = tasks.REPO_DIR / "tests" / "data" / "gsm8k_small.jsonl"
+    with pytest.raises(SystemExit):
+        tasks.main(["sample", "--model", str(run), "--dataset", str(data), "--out", str(tmp_path / "o.jsonl")])
+    assert capsys.readouterr().err.endswith(f"sample: error: --model {run} has no config.json: not a Hugging Face "
+                                            f"model directory{hint}\n")

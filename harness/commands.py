@@ -22,8 +22,8 @@ from harness import base_model
 from harness.checkpoints import load_model_weights, migrate_checkpoint, read_checkpoint
 from harness.cli import positionals  # a subcommand's arguments, checked like flags: one error line
 from harness.fleet import GeneratorError
-from harness.flags import (Args, GeneratorChecks, LossFiles, flags_markdown, parse_args, plan, read_args_json,
-                           resolve_defaults)
+from harness.flags import (Args, GeneratorChecks, LossFiles, flags_markdown, misplaced_run_dir, parse_args, plan,
+                           read_args_json, resolve_defaults)
 from harness.runtime import check_eval_prompts, load_tasks
 from harness.tasks import BadRowError
 
@@ -80,6 +80,8 @@ def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
     tokenizer, chat template) that transformers and vLLM load as they load the base model. Returns what it wrote."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # here, not at the top: see train.py's build_learner
 
+    if misplaced := misplaced_run_dir(run_dir):
+        raise SystemExit(f"export: {misplaced}")
     if not (run_dir / "args.json").is_file():
         raise SystemExit(f"export: {run_dir} holds no run (no args.json)")
     if out_dir.exists() and not out_dir.is_dir():

@@ -607,11 +607,21 @@ def run_files(out: Path) -> list[str]:
             and not (name == "metrics.jsonl" and not (out / name).is_symlink() and (out / name).stat().st_size == 0)]
 
 
+def misplaced_run_dir(path: Path) -> str | None:
+    """Where a run's directory is asked for (--resume, export's RUN_DIR): one of the run's checkpoints, or a file,
+    named as such, with the run's directory to give instead; None otherwise."""
+    if (path / "trainer_state.json").is_file() and (path.parent / "args.json").is_file():
+        return f"{path} is a checkpoint of the run {path.parent}: give the run's directory"
+    return f"{path} is a file: give the run's directory" if path.is_file() else None
+
+
 def run_dir_problems(args: Args) -> list[str]:
     """--resume needs a complete checkpoint to continue from; a new run does not start over an old one (or any of
     its files: another run's args.json would be taken for this one's) unasked."""
     problems = []
-    if args.resume and not complete_checkpoints(Path(args.resume)):
+    if args.resume and (misplaced := misplaced_run_dir(Path(args.resume))):  # the advice below would not fit it
+        problems.append(f"--resume {misplaced}")
+    elif args.resume and not complete_checkpoints(Path(args.resume)):
         problems.append(f"--resume {args.resume}: no complete checkpoint there (expected {args.resume}/checkpoint/ "
                         f"or checkpoint.old/ with trainer_state.json); a run killed before its first checkpoint "
                         f"cannot be continued: start it afresh with --output-dir {args.resume} --overwrite")

@@ -191,8 +191,8 @@ def test_a_data_set_the_models_tokenizer_cannot_read_is_named_before_the_generat
     warning = capsys.readouterr().err
     assert re.fullmatch(rf"train.py evaluate: warning: (\d+)% of the evaluation prompts' tokens are unknown to the "
                         rf"tokenizer of {re.escape(str(base_model_dir))} \(<\|unk\|>; prompt .*gsm8k_small.jsonl-\d+: "
-                        r"'.+'\): the model cannot read this data set, and its pass rate will stay near 0; give --model "
-                        r"one whose tokenizer covers it \(docs/real-models.md\)\n", warning), warning
+                        r"'.+'\): the model cannot read this data set, and its pass rate will stay near 0; give "
+                        r"--model one whose tokenizer covers it \(docs/real-models.md\)\n", warning), warning
     assert int(warning.split("warning: ")[1].split("%")[0]) > 100 * runtime.UNKNOWN_TOKENS_NOTED
     runtime.check_eval_prompts(str(base_model_dir), 48, 256, tasks.ArithmeticTask().validation(64))
     assert capsys.readouterr().err == ""
@@ -759,3 +759,30 @@ def test_a_data_set_too_small_to_hold_out_a_validation_is_one_line(tmp_path, mon
     data.write_text(data.read_text() + json.dumps({"question": "What is 9 + 2?", "answer": "11"}) + "\n")
     task, _ = runtime.load_tasks(flags.Args(dataset=str(data)))
     assert len(task.validation(None)) == 1 and len(task.problems) == 4
+
+
+def test_a_checkpoint_or_a_file_given_as_the_run_is_named_with_the_run_to_give(tmp_path, capsys,
+                                                                                one_rank_group):
+    """--resume RUN/checkpoint (or export's RUN_DIR so) said "no complete checkpoint there" and advised starting it
+    afresh with --output-dir RUN/checkpoint --overwrite, a run inside the old one's checkpoint; a file said "holds no
+    run". Each now names what it is and the run's directory to give."""
+    from harness import commands
+
+    run = tmp_path / "run"
+    saved_run(run)
+    for given in (run / "checkpoint", run / "checkpoint.old"):
+        with pytest.raises(SystemExit) as stop:
+            flags.parse_args(["--resume", str(given)])
+        assert stop.value.code == 2
+        assert capsys.readouterr().err.endswith(f"error: --resume {given} is a checkpoint of the run {run}: give the "
+                                                "run's directory (see --help)\n")
+        with pytest.raises(SystemExit) as stop:
+            commands.export(given, tmp_path / "out")
+        assert str(stop.value) == f"export: {given} is a checkpoint of the run {run}: give the run's directory"
+    with pytest.raises(SystemExit) as stop:
+        commands.export(run / "args.json", tmp_path / "out")
+    assert str(stop.value) == f"export: {run / 'args.json'} is a file: give the run's directory"
+    with pytest.raises(SystemExit):
+        flags.parse_args(["--resume", str(run / "metrics.jsonl")])
+    assert f"--resume {run / 'metrics.jsonl'} is a file: give the run's directory" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -139,18 +139,23 @@ def loadable_model_path(model: str) -> str:
     """`model` (LLM's model=) as vLLM can load it. vLLM's loader finds a local model's weights with
     glob.glob(os.path.join(PATH, "*.safetensors")) (DefaultModelLoader._prepare_weights), which reads *, ? and [ in
     PATH as a pattern: in a directory such as runs/export[2] it found "no model weights", and a runs/export2 beside it
-    would have been read instead. Such a directory is given through a link of a plain name under the temp directory,
-    made once and kept (a few bytes); a hub name, and any other path, as it is."""
+    would have been read instead. Such a directory is given through a link of a plain name in a directory of this
+    user's under the temp directory, made once and kept (a few bytes); a hub name, and any other path, as it is."""
     import glob
     import hashlib
     import os
     import tempfile
 
     path = os.path.abspath(os.path.expanduser(model))
-    links = os.path.join(tempfile.gettempdir(), "scalerl-model-links")
+    links = os.path.join(tempfile.gettempdir(), f"scalerl-model-links-{os.getuid()}")  # one per user: its own
     if not os.path.isdir(path) or not glob.has_magic(path) or glob.has_magic(links):
         return model
-    os.makedirs(links, exist_ok=True)
+    try:
+        os.makedirs(links, mode=0o700, exist_ok=True)
+    except OSError:  # something else is there
+        return model
+    if os.path.islink(links) or os.stat(links).st_uid != os.getuid():  # not made here: vLLM's own error, then
+        return model
     link = os.path.join(links, hashlib.sha1(path.encode()).hexdigest()[:16])
     if os.path.realpath(link) != os.path.realpath(path):
         made = f"{link}.{os.getpid()}"  # then renamed over: another process making the same link races harmlessly

@@ -61,6 +61,10 @@ def test_a_model_whose_path_vllm_would_glob_is_given_through_a_plain_link(tmp_pa
     monkeypatch.chdir(tmp_path)
     assert vllm_internals.loadable_model_path("export[2]") == link  # a relative path: the same directory
     assert vllm_internals.loadable_model_path(str(other)) == str(other)
+    links = os.path.dirname(link)  # another's directory (here: a link planted in its place) is not used
+    os.rename(links, links + ".moved")
+    os.symlink(links + ".moved", links)
+    assert vllm_internals.loadable_model_path(str(globbed)) == str(globbed)
 
 
 def test_every_llm_the_project_builds_gets_its_model_through_loadable_model_path():

@@ -114,6 +114,18 @@ class OneLineParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, as argparse's formatter writes it, except where there is none to give (None:
+    "(default: None)" under a required flag, or one whose default is worked out) or where the help already says it
+    (it read "(default: the embedded tiny model ...) (default: None)")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or "default" in text.lower():
+            return text
+        return super()._get_help_string(action) or text
+
+
 def text_value(text: str) -> str:
     """An argparse type of a text flag (a path, a name, a list): not empty, since an empty value would silently mean
     the default (or, for a path, the current directory), and no NUL byte, which no path or name may hold."""

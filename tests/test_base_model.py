@@ -442,3 +442,16 @@ def test_a_run_directory_given_as_a_model_says_how_to_make_its_policy_one(tmp_pa
         tasks.main(["sample", "--model", str(run), "--dataset", str(data), "--out", str(tmp_path / "o.jsonl")])
     assert capsys.readouterr().err.endswith(f"sample: error: --model {run} has no config.json: not a Hugging Face "
                                             f"model directory{hint}\n")
+
+
+@pytest.mark.parametrize("command", ["build-base", "build-real-model"])
+def test_a_file_on_the_builds_way_is_one_line(tmp_path, monkeypatch, capsys, command):
+    """SCALERL_CACHE (or --out's parent) naming a file: the build's mkdir ended in a FileExistsError traceback."""
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("SCALERL_CACHE", str(tmp_path / "a_file" / "deeper"))
+    with pytest.raises(SystemExit) as stop:
+        base_model.main([command, *(["--no-measure"] if command == "build-base" else ["--no-check"])])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'a_file' / 'deeper'}/") and err.endswith(
+        f": {tmp_path / 'a_file'} is a file; expected a directory on the model's way\n"), err

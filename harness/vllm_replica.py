@@ -1467,7 +1467,9 @@ def replica_args(argv: list[str]) -> tuple[argparse.Namespace, bytes, list[list[
     except ValueError as e:
         parser.error(f"--secret-file: {e}")
     try:
-        parse_address(args.connect)
+        if not parse_address(args.connect)[0]:  # ':5000' was taken, and reached this node only
+            raise ValueError(f"no host in {args.connect!r}: give the address of the run's generator node, as "
+                             "train.py --gen-listen names it")
     except ValueError as e:
         parser.error(f"--connect: {e}")
     try:

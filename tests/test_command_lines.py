@@ -131,6 +131,8 @@ def test_every_replica_flag_is_checked_before_it_connects(tmp_path, monkeypatch,
         assert seen["--connect-timeout", value]
     for argv, message in ((["--connect", "nohost"], "--connect: expected HOST:PORT"),
                           (["--connect", "h:70000"], "--connect: port 70000"),
+                          (["--connect", ":5000"], "--connect: no host in ':5000': give the address of the run's "
+                                                   "generator node, as train.py --gen-listen names it"),
                           (["--secret-file", str(tmp_path / "none")], "--secret-file: secret file"),
                           (["--gen-devices", "0,1,2", "--tensor-parallel-size", "2"], "--gen-devices 0,1,2: 3")):
         line = outcome(vllm_replica.replica_args, [*required, *argv], capsys)

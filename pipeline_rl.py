@@ -426,6 +426,8 @@ class _DataStream:
     def __init__(self, task: Task, seed: int, start: int, skip: Iterable[int], retired: Iterable[str]):
         self.stream = task.train_stream(seed, start=start)
         self.skip, self.retired = set(skip), set(retired)
+        listed = getattr(task, "problems", None)  # a data set's list (a generated task may have a method)
+        self.listed = {p.id for p in listed} if isinstance(listed, (list, tuple)) else set()
         self.requeue: collections.deque[tuple[int, Problem]] = collections.deque()  # generated again, first
         self.admitted = 0  # prompts of the stream admitted (a requeued one counts once)
         self.last_fresh = False  # the prompt `next` gave last came from the stream, not the requeue
@@ -434,12 +436,15 @@ class _DataStream:
         self.last_fresh = not self.requeue
         if self.requeue:
             return self.requeue.popleft()
-        for _ in range(1_000_000):
+        for _ in range(0 if self.listed and self.listed <= self.retired else 1_000_000):
             index, problem = next(self.stream)
             if index in self.skip or problem.id in self.retired:
                 continue
             return index, problem
-        raise RuntimeError("no admissible prompt in the last 1,000,000 of the stream (all retired?)")
+        raise _Fatal(f"no training prompt left: {len(self.retired)} are retired (No-Positive-Resampling: a prompt "
+                     "whose group passed at --retire-pass-rate or more is never drawn again), and the stream's "
+                     "draws were all retired or trained on; a larger data set, a higher --retire-pass-rate or fewer "
+                     "--max-steps")
 
     def count_admitted(self) -> None:
         """The prompt `next` gave last is admitted: count it, unless it was requeued (counted when first admitted)."""
@@ -630,9 +635,7 @@ class _Admission:
         """Admit the stream's next usable prompt as a group with weights `version`, sent to `replica` (None: placed
         once a replica holds the run's weights)."""
         too_long: set[str] = set()  # this call's: once it holds every admissible prompt, none is usable
-        listed = getattr(self.task, "problems", None)  # a data set's list (a generated task may have a method)
-        known = len(listed) if isinstance(listed, (list, tuple)) else 0
-        limit = max(0, known - self.data.retired_count()) or MAX_UNUSABLE_PROMPTS
+        limit = max(0, len(self.data.listed) - self.data.retired_count()) or MAX_UNUSABLE_PROMPTS
         while True:
             index, problem = self.data.next()
             try:

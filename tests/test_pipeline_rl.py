@@ -10,6 +10,7 @@ import collections
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 import random
 import re
@@ -742,6 +743,21 @@ def test_the_data_stream_gives_a_dropped_prompt_first_and_counts_it_once():
     again = pl._DataStream(tasks.ArithmeticTask(), 0, 0, skip=[], retired=[])
     again.retire([first[1].id])  # No-Positive-Resampling: a retired prompt is not given again
     assert again.next()[1].id != first[1].id and again.retired_count() == 1
+
+
+def test_a_data_set_whose_every_prompt_is_retired_stops_the_generator_saying_why(tmp_path):
+    """Every training prompt of a small data set retired (No-Positive-Resampling): the stream said "no admissible
+    prompt in the last 1,000,000 of the stream (all retired?)" as a RuntimeError with its traceback. Now the
+    generator's Fatal, whose message is shown whole: how many are retired, by which rule, and what would help."""
+    data = tmp_path / "five.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {i} + 2?", "answer": str(i + 2)}) + "\n"
+                            for i in range(10)))
+    task = tasks.load_task(str(data))
+    stream = pl._DataStream(task, 0, 0, skip=[], retired=[p.id for p in task.problems])
+    with pytest.raises(fleet.Fatal) as fatal:
+        stream.next()
+    assert str(fatal.value).startswith("no training prompt left: 8 are retired (No-Positive-Resampling: a prompt "
+                                       "whose group passed at --retire-pass-rate or more is never drawn again)")
 
 
 def test_the_group_table_counts_loads_frees_a_dead_replicas_completions_and_orders_ready_groups():

@@ -808,7 +808,9 @@ def fit_and_plot(metrics_file: Path, out_png: Path, label: str) -> Any:
     try:
         fit = scaling_fit.fit_sigmoid(compute, reward)
     except ValueError as err:  # too few points, or a flat curve: plot the points anyway
-        print(f"[scaling fit] {err}")
+        few = f"skipped: {len(rows)} evaluations, and the sigmoid needs {scaling_fit.MIN_POINTS} (more --max-steps, " \
+              "or a lower --eval-every)"
+        print(f"[scaling fit] {few if len(rows) < scaling_fit.MIN_POINTS else err}")
     try:
         scaling_fit.plot_fits([(label, compute, reward, fit, None)], out_png, x_label="compute_hours",
                               y_label="val_pass_rate")

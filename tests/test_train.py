@@ -303,6 +303,19 @@ def test_the_end_of_run_figure_on_a_full_disk_is_one_line_and_the_fit_still_retu
     assert sorted(p.name for p in full_tmpfs.iterdir()) == ["filler"]
 
 
+def test_a_run_too_short_to_fit_says_what_would_give_a_fit(tmp_path, capsys):
+    """A 3-step run ended with "[scaling fit] need at least 4 points with compute >= min_compute (0) and > 0 to fit
+    a sigmoid; got 2 of 2", the fitter's own words (min_compute is no flag of train.py); now what the run had, what
+    the fit needs, and which flags give it. The points are drawn still."""
+    rows = [{"step": s, "compute_hours": 0.01 * (s + 1), "val_pass_rate": 0.4 + 0.1 * s} for s in (0, 3)]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert train.fit_and_plot(metrics, tmp_path / "scaling.png", "cispo (pipeline)") is None
+    assert capsys.readouterr().out == ("[scaling fit] skipped: 2 evaluations, and the sigmoid needs 4 (more "
+                                       "--max-steps, or a lower --eval-every)\n")
+    assert (tmp_path / "scaling.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("mode, zeroed", [("truncate", False), ("mask", True)])
 def test_tis_mode_and_cap_min_reach_the_weights(one_rank_group, base_model_dir, mode, zeroed):
     """Importance ratios of e^3 and e^-3, outside [0.5, 5]: TIS caps them (no zero weight), MIS/IcePop zeroes them."""

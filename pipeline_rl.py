@@ -466,6 +466,10 @@ class _DataStream:
     def retired_count(self) -> int:
         return len(self.retired)
 
+    def unretired_count(self) -> int:
+        """A data set's training prompts not retired; 0 for a task generated here (its prompts are not listed)."""
+        return len(self.listed - self.retired)
+
 
 class _GroupTable:
     """The groups in the generator, the one owner of their records: training groups until the learner consumes
@@ -635,7 +639,7 @@ class _Admission:
         """Admit the stream's next usable prompt as a group with weights `version`, sent to `replica` (None: placed
         once a replica holds the run's weights)."""
         too_long: set[str] = set()  # this call's: once it holds every admissible prompt, none is usable
-        limit = max(0, len(self.data.listed) - self.data.retired_count()) or MAX_UNUSABLE_PROMPTS
+        limit = self.data.unretired_count() or MAX_UNUSABLE_PROMPTS
         while True:
             index, problem = self.data.next()
             try:

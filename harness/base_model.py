@@ -52,6 +52,7 @@ from typing import Any
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 from harness.cli import no_model_config  # a --model directory without config.json, a run's named as one
+from harness.cli import nearest_existing  # what mkdir meets first on the way to a directory
 from harness.cli import int_at_least, path_value  # argparse types: a count; a path, not empty, its ~ the home directory
 from harness.tasks import (REPO_DIR, SCALERL_INTERRUPTION, THINK_CLOSE, THINK_OPEN, ArithmeticTask, Problem, Task,
                            chat_prompt_ids, parse_answer, scratchpad, scratchpad_answer, set_vllm_cpu_env)
@@ -270,21 +271,20 @@ def _build_cached(out_dir: Path, build: Any, force: bool, marker: str, wanted: d
     --out DIR with their files) or a file is refused first: the move replaces the directory whole. One that holds
     another model built here (the tiny base where SmolLM2 was asked for, other kernels) is refused too, unless
     `force`: reused, it would stand for what was not built."""
-    if not force and _other_build(out_dir, marker, wanted) is None:
+    other = _other_build(out_dir, marker, wanted)
+    if not force and other is None:
         return out_dir
     if out_dir.is_symlink() or (out_dir.exists() and not out_dir.is_dir()):
         raise OutDirError(f"{out_dir} is a file or a link; expected a directory for the model")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not any((out_dir / name).is_file() for name in BUILT_HERE):
         raise OutDirError(f"{out_dir} holds files of no model built here, which the build would delete: give a new "
                           "or empty directory")
-    if not force and (other := _other_build(out_dir, marker, wanted)) != "no model":
+    if not force and other != "no model":
         raise OutDirError(f"{out_dir} holds {other}, not what this build makes: give a new or empty directory, or "
                           "--force to replace it")
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):  # a file on the way (--out, or SCALERL_CACHE naming one)
-        blocker = next(parent for parent in out_dir.parents if parent.exists())
-        raise OutDirError(f"{out_dir}: {blocker} is a file; expected a directory on the model's way") from None
+    if (blocker := nearest_existing(out_dir.parent)) is not None and not blocker.is_dir():  # SCALERL_CACHE a file
+        raise OutDirError(f"{out_dir}: {blocker} is a file; expected a directory on the model's way")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
     # One builder at a time (parallel test sessions, a run and its tests): the others wait, then reuse the result.
     with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -163,7 +163,7 @@ def output_file(text: str) -> str:
     path = Path(path_text(text))
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is a directory; expected a file to write")
-    if (parent := _nearest_existing(path.parent)) is not None and not parent.is_dir():
+    if (parent := nearest_existing(path.parent)) is not None and not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} lies under {parent}, a file; expected a file to write")
     return str(path)
 
@@ -178,7 +178,7 @@ def directory_path(text: str) -> Path:
     """An argparse type of a directory a command writes into (made if missing): path_value, refused in one line where
     a file is, or lies on its way, rather than met by mkdir's FileExistsError traceback after the work."""
     path = path_value(text)
-    if (blocker := _nearest_existing(path)) is not None and not blocker.is_dir():
+    if (blocker := nearest_existing(path)) is not None and not blocker.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {blocker} is a file; expected a directory")
     return path
 
@@ -192,7 +192,7 @@ def no_model_config(model: str | Path) -> str:
         "train.py evaluate --resume RUN_DIR` evaluates it" if run else "")
 
 
-def _nearest_existing(path: Path) -> Path | None:
+def nearest_existing(path: Path) -> Path | None:
     """`path`, or its nearest ancestor, whichever exists first: what mkdir would meet on the way to `path`."""
     return next((p for p in (path, *path.absolute().parents) if p.exists()), None)
 

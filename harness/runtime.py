@@ -526,7 +526,7 @@ def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
                                                                     ("skip_bad_rows", args.skip_bad_rows),
                                                                     ("dataset_config", args.dataset_config)) if v})
     except tasks.DataNotFoundError as e:
-        raise tasks.DataNotFoundError(f"--dataset {e}{_config_hint(e, '--dataset-config')}") from None
+        raise tasks.DataNotFoundError(f"--dataset {e}{tasks.config_hint(e, '--dataset-config')}") from None
     if isinstance(task, tasks.MathDataset) and not task.val_problems:  # the first evaluation would divide by 0
         raise tasks.DataFileError(f"--dataset {args.dataset}: its {len(task.problems)} problems leave none to hold "
                                   "out for validation (a fifth is): give at least 5")
@@ -538,13 +538,8 @@ def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
                                     answer_field=args.answer_field, skip_bad_rows=args.skip_bad_rows, split="test",
                                     test_set=True, dataset_config=test_config) if args.test_dataset else None
     except tasks.DataNotFoundError as e:
-        raise tasks.DataNotFoundError(f"--test-dataset {e}{_config_hint(e, '--test-dataset-config')}") from None
+        raise tasks.DataNotFoundError(f"--test-dataset {e}{tasks.config_hint(e, '--test-dataset-config')}") from None
     return task, test_task
-
-
-def _config_hint(error: Exception, flag: str) -> str:
-    """The flag that gives a hub set its configuration, where the error is a missing or unknown one."""
-    return f" ({flag} NAME)" if isinstance(error, tasks.DataConfigError) else ""
 
 
 def fleet_config(args: Args) -> fleet.FleetConfig:

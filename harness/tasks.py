@@ -283,6 +283,12 @@ class DataConfigError(DataNotFoundError):
     """A hub data set's configuration missing or not one of the set's (datasets' words); the caller names its flag."""
 
 
+def config_hint(error: Exception, flag: str) -> str:
+    """The flag that gives a hub set its configuration, for an error message, where the error is a missing or unknown
+    configuration (DataConfigError)."""
+    return f" ({flag} NAME)" if isinstance(error, DataConfigError) else ""
+
+
 class DataFileError(BadRowError):
     """Every bad row of one data source at once (the first BAD_ROWS_SHOWN listed, then a count of the rest, by
     reason), or a file that cannot be read as rows at all. `bad_rows` holds all of them (empty for a whole file)."""
@@ -1687,8 +1693,7 @@ def main(argv: list[str] | None = None) -> None:
         task = MathDataset(args.dataset, question_field=args.question_field, answer_field=args.answer_field,
                            dataset_config=args.dataset_config, val_size=0)
     except (BadRowError, FileNotFoundError) as e:
-        hint = " (--dataset-config NAME)" if isinstance(e, DataConfigError) else ""
-        parser.exit(2, f"{parser.prog} sample: error: {e}{hint}\n")
+        parser.exit(2, f"{parser.prog} sample: error: {e}{config_hint(e, '--dataset-config')}\n")
     if not args.model.exists():  # the model: a path where nothing is, or a directory that holds no model
         parser.exit(2, f"{parser.prog} sample: error: --model {args.model}: no such directory\n")
     if not (args.model / "config.json").is_file():

@@ -492,14 +492,11 @@ def check_args(args: Args, generator_checks: GeneratorChecks | None = None) -> l
             problems.append(f"--{flag.replace('_', '-')} {tasks.data_file_kind_problem(getattr(args, flag))}")
     problems += _output_dir_problems(Path(args.output_dir))
     problems += run_dir_problems(args)
-    if args.dataset_config and not (args.dataset and args.dataset not in tasks.EMBEDDED_TASKS
-                                    and not tasks.is_local_data_file(args.dataset)):
-        problems.append("--dataset-config names a configuration of a hub data set: give --dataset NAME too, not a "
-                        "local file or the embedded task")
-    if args.test_dataset_config and not (args.test_dataset and not tasks.is_local_data_file(args.test_dataset)
-                                         and not Path(args.test_dataset).is_dir()):
-        problems.append("--test-dataset-config names a configuration of a hub data set: give --test-dataset NAME too, "
-                        "not a local file or directory")
+    for flag in ("dataset", "test_dataset"):  # a hub set or a directory that clones one, not a file or a task
+        if getattr(args, f"{flag}_config") and not (getattr(args, flag) and tasks.takes_config(getattr(args, flag))):
+            problems.append(f"--{flag.replace('_', '-')}-config names a configuration of a hub data set (or of a "
+                            f"directory that clones one): give --{flag.replace('_', '-')} NAME too, not a data file "
+                            "or an embedded task")
     return problems
 
 

@@ -311,6 +311,12 @@ def is_local_data_file(name_or_path: str) -> bool:
     return Path(name_or_path).suffix.lower() in _LOCAL_SUFFIXES or Path(name_or_path).is_file()
 
 
+def takes_config(name_or_path: str) -> bool:
+    """Whether a data set has configurations to choose from (`--dataset-config`): a hub set, or a local directory,
+    which may be a clone of one (its README names the configurations, as openai/gsm8k's does); a data file does not."""
+    return name_or_path not in EMBEDDED_TASKS and not is_local_data_file(name_or_path)
+
+
 def data_file_kind_problem(name_or_path: str) -> str | None:
     """Why a local file cannot be read as data whatever it holds: its suffix is none of the kinds read here."""
     suffix = Path(name_or_path).suffix.lower()
@@ -361,13 +367,8 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         except (ConnectionError, FileNotFoundError) as e:  # offline: ConnectionError; online: DatasetNotFoundError
             raise DataNotFoundError(f"{name_or_path}: not a local file and not found on the hub (offline?): "
                                     f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-        except ValueError as e:  # datasets' words for a split or a configuration the set does not have
-            lines = str(e).splitlines() or [""]
-            if lines[0].startswith("Unknown split"):  # 'Unknown split "test". Should be one of [...]'
-                raise DataNotFoundError(f"{label}: {lines[0]}") from None
-            if lines[0] == "Config name is missing." or lines[0].startswith("BuilderConfig '"):
-                raise DataConfigError(f"{label}: {' '.join(lines[:2])}") from None
-            raise
+        except ValueError as e:
+            raise _datasets_words(e, label) from None
         return _dataset_rows(hub_rows, label)
     path, source = Path(name_or_path), name_or_path
     if config:
@@ -395,6 +396,17 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
     return _some_rows(rows, data)
 
 
+def _datasets_words(error: ValueError, label: str) -> Exception:
+    """datasets' ValueError for a split or a configuration the set does not have, as one line naming the set (a
+    DataConfigError, whose caller names its flag); any other ValueError as it came."""
+    lines = str(error).splitlines() or [""]
+    if lines[0].startswith("Unknown split"):  # 'Unknown split "test". Should be one of [...]'
+        return DataNotFoundError(f"{label}: {lines[0]}")
+    if lines[0] == "Config name is missing." or lines[0].startswith("BuilderConfig '"):
+        return DataConfigError(f"{label}: {' '.join(lines[:2])}")
+    return error
+
+
 def _directory_rows(path: Path, split: str) -> DataRows:
     """A local directory of data files: the files of `split` as `datasets` finds them (from their names: train*,
     test*, validation*; without such names all are train), each read as `read_rows` reads a file, so that a bad row
@@ -410,6 +422,8 @@ def _directory_rows(path: Path, split: str) -> DataRows:
     except FileNotFoundError:  # datasets' EmptyDatasetError
         raise DataFileError(f"{path}: a directory with no data files (data files are "
                             f"{', '.join(_LOCAL_SUFFIXES)})") from None
+    except ValueError as e:  # a hub set's clone whose README names several configurations, none the default
+        raise _datasets_words(e, f"{path}:{split}") from None
     if split not in files:
         raise DataFileError(f"{path}: no {split} split among its data files (it has {', '.join(map(str, files))}: "
                             f"name a file {split}*, or give the file itself)")
@@ -1687,8 +1701,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "check-answer":
         check_answer_main(args, parser)
         return
-    if args.dataset_config and (is_local_data_file(args.dataset) or Path(args.dataset).is_dir()):
-        parser.error("--dataset-config names a configuration of a hub data set, not of a local file or directory")
+    if args.dataset_config and not takes_config(args.dataset):
+        parser.error("--dataset-config names a configuration of a hub data set (or of a directory that clones one), "
+                     "not of a data file")
     try:  # before vLLM's import (10 s): a bad data set or model directory is one line
         task = MathDataset(args.dataset, question_field=args.question_field, answer_field=args.answer_field,
                            dataset_config=args.dataset_config, val_size=0)

@@ -95,8 +95,8 @@ def test_the_flags_page_is_what_args_gives():
     (["--max-model-len", "48"], "--max-model-len (48) must exceed --max-tokens (48)"),
     (["--max-tokens", "300", "--think-budget", "200,250"], "--max-model-len (256) must exceed --max-tokens (300)"),
     (["--dataset-config", "main"], "--dataset-config names a configuration of a hub data set"),
-    (["--dataset", "tests/data/gsm8k_small.jsonl", "--dataset-config", "main"], "not a local file"),
-    (["--dataset", "arithmetic-verified", "--dataset-config", "main"], "or the embedded task"),
+    (["--dataset", "tests/data/gsm8k_small.jsonl", "--dataset-config", "main"], "not a data file"),
+    (["--dataset", "arithmetic-verified", "--dataset-config", "main"], "or an embedded task"),
 ])
 def test_incompatible_flags_are_explained_before_anything_starts(argv, message, capsys):
     with pytest.raises(SystemExit):

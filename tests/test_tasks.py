@@ -1119,8 +1119,49 @@ def test_tasks_sample_takes_a_hub_sets_configuration_and_fields(tmp_path, monkey
     assert calls[-1] == ("openai/gsm8k", "main", "train") and len(sampled[0].problems) == 5
     with pytest.raises(SystemExit) as stop:
         tasks.main([*sample, "--dataset", str(_lines(tmp_path / "d.jsonl", GSM8K_ROWS[:5])), "--dataset-config", "x"])
-    assert stop.value.code == 2 and "error: --dataset-config names a configuration of a hub data set, not of a " \
-                                    "local file or directory" in capsys.readouterr().err
+    assert stop.value.code == 2 and "error: --dataset-config names a configuration of a hub data set (or of a " \
+                                    "directory that clones one), not of a data file" in capsys.readouterr().err
+
+
+def _hub_clone(root: Path) -> Path:
+    """A local clone of a hub set laid out as openai/gsm8k's repository is: a README whose front matter names two
+    configurations (neither the default), each a directory of Parquet files per split."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for config in ("main", "socratic"):
+        (root / config).mkdir(parents=True)
+        for split in ("train", "test"):
+            pq.write_table(pa.Table.from_pylist(GSM8K_ROWS[:6]), root / config / f"{split}-00000-of-00001.parquet")
+    parts = "".join(f"- config_name: {c}\n  data_files:\n" + "".join(
+        f"  - split: {s}\n    path: {c}/{s}-*\n" for s in ("train", "test")) for c in ("main", "socratic"))
+    (root / "README.md").write_text(f"---\nconfigs:\n{parts}---\n")
+    return root
+
+
+def test_a_clone_of_a_hub_set_is_read_with_its_configuration_by_every_flag(tmp_path, monkeypatch, capsys):
+    """Offline, a hub set is used as a clone of its repository (a directory). Without --dataset-config such a clone
+    of several configurations was datasets' ValueError traceback from every rank; --test-dataset-config and `tasks
+    sample --dataset-config` refused a directory outright, so its test split and samples could not be had. Read
+    through datasets itself (no fake): the configuration is given to each, its absence is one line naming the flag."""
+    from harness import flags, runtime
+
+    clone = str(_hub_clone(tmp_path / "gsm8k"))
+    with pytest.raises(tasks.DataConfigError, match=r"gsm8k:train: Config name is missing\. Please pick one among "
+                                                     r"the available configs: \['main', 'socratic'\]"):
+        tasks.read_rows(clone)
+    args = flags.parse_args(["--dataset", clone, "--dataset-config", "main", "--test-dataset", clone,
+                             "--test-dataset-config", "socratic", "--output-dir", str(tmp_path / "out")])
+    train_task, test_task = runtime.load_tasks(args)
+    assert len(train_task.problems) + len(train_task.val_problems) == 6 and len(test_task.val_problems) == 6
+    monkeypatch.setattr(tasks, "sample_completions", lambda model, task, *a: [])
+    tasks.main(["sample", "--model", str(tasks.REPO_DIR / "models" / "tiny-arith"), "--out",
+                str(tmp_path / "s.jsonl"), "--dataset", clone, "--dataset-config", "main"])
+    with pytest.raises(SystemExit) as stop:
+        tasks.main(["sample", "--model", str(tasks.REPO_DIR / "models" / "tiny-arith"), "--out",
+                    str(tmp_path / "s.jsonl"), "--dataset", clone])
+    assert stop.value.code == 2 and capsys.readouterr().err.endswith(
+        "['main', 'socratic'] (--dataset-config NAME)\n")
 
 
 def test_a_reader_that_stops_reading_ends_check_answer_quietly(tmp_path):

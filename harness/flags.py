@@ -171,7 +171,8 @@ class Args:
                                "mixed-arithmetic: tasks for a small real chat model, make run-real's; see "
                                "harness/tasks.py)", type=path_text)
     dataset_config: str | None = _arg(HelpGroup.WHAT, None, "configuration (subset) of a hub --dataset, passed on as "
-                                      "datasets.load_dataset(NAME, CONFIG); e.g. main for openai/gsm8k")
+                                      "datasets.load_dataset(NAME, CONFIG), or of a directory that clones one (as "
+                                      "its README names them); e.g. main for openai/gsm8k")
     test_dataset: str | None = _arg(HelpGroup.WHAT, None, "optional test set, evaluated whole beside the "
                                     "validation (test_* metrics): a local file, a directory's test* files, or a hub "
                                     "data set's test split (in --test-dataset-config's configuration, by "

@@ -20,7 +20,7 @@ vLLM scheduling or FSDP. `pipeline_rl.py` draws prompts from a `Task` and scores
      budget is a hard ceiling known in advance: the task of the miniature ScaleRL study
      (`python -m tools.experiments study`).
 
-2. Real data (`MathDataset`): math problems from a hub name or a Parquet file (through `datasets`) or a local
+2. Real data (`MathDataset`): math problems from a hub name (through `datasets`), a Parquet file (pyarrow) or a local
    JSONL/JSON/CSV file (read line by line with the standard library, so that every row keeps its file line), with
    configurable question/answer fields (GSM8K: question/answer with "#### 42"; Polaris-53K: problem/answer).
    The reward is math-verify's verdict (`check_answer`): each side's final answer (\\boxed{} first, then GSM8K's
@@ -352,12 +352,12 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
     line and a line that is not JSON is a bad row of its own: datasets' JSON reader fails on the whole file with
     a pyarrow message that names neither, and fills the keys a row lacks with None. A .json file holds one list
     of row objects (a row is named by the line it starts on and its list index from 0) or JSON Lines, as datasets
-    accepts. CSV: the header line names the fields and every cell is text. Parquet files and hub sets go through
-    `datasets.load_dataset`; their rows are named "row N", counted from 0 as `dataset[N]` counts them. A local
-    directory is read as its data files of the split (`_directory_rows`).
+    accepts. CSV: the header line names the fields and every cell is text. Parquet files are read by pyarrow, hub
+    sets through `datasets.load_dataset`; their rows are named "row N", counted from 0 as `dataset[N]` counts them.
+    A local directory, a hub set's clone among them, is read as its data files of the split (`_directory_rows`).
     """
-    if Path(name_or_path).is_dir() and not is_local_data_file(name_or_path) and not config:  # not a data.jsonl/
-        return _directory_rows(Path(name_or_path), split)
+    if Path(name_or_path).is_dir() and not is_local_data_file(name_or_path):  # not a data.jsonl/
+        return _directory_rows(Path(name_or_path), split, config)
     if not is_local_data_file(name_or_path):
         import datasets
 
@@ -407,27 +407,31 @@ def _datasets_words(error: ValueError, label: str) -> Exception:
     return error
 
 
-def _directory_rows(path: Path, split: str) -> DataRows:
+def _directory_rows(path: Path, split: str, config: str | None = None) -> DataRows:
     """A local directory of data files: the files of `split` as `datasets` finds them (from their names: train*,
-    test*, validation*; without such names all are train), each read as `read_rows` reads a file, so that a bad row
-    is named by its file and line (through `datasets.load_dataset`, one bad line failed the whole directory with a
-    traceback). The rows are indexed on across the files, in the files' order."""
+    test*, validation*; without such names all are train; in a hub set's clone, as its README's configuration
+    `config` names them), each read as `read_rows` reads a file, so that a bad row is named by its file and line
+    (through `datasets.load_dataset`, one bad line failed the whole directory with a traceback). The rows are indexed
+    on across the files, in the files' order.
+
+    Not `datasets.load_dataset(path, config)`: datasets 5.2 caches a clone's rows under its directory's name and its
+    README alone, so a second clone of that name (another version, an edited copy) was given the first one's rows."""
     import datasets
 
     if glob.has_magic(resolved := path.resolve().as_posix()):  # datasets globs below it: it would find no file
         raise DataFileError(f"{path}: its path ({resolved}) holds *, ? or [, and datasets reads a directory's path "
                             "as a pattern, which matches other directories or none: rename it, or give a file")
     try:
-        files = datasets.load_dataset_builder(str(path)).config.data_files or {}
+        files = datasets.load_dataset_builder(str(path), config).config.data_files or {}
     except FileNotFoundError:  # datasets' EmptyDatasetError
         raise DataFileError(f"{path}: a directory with no data files (data files are "
                             f"{', '.join(_LOCAL_SUFFIXES)})") from None
-    except ValueError as e:  # a hub set's clone whose README names several configurations, none the default
-        raise _datasets_words(e, f"{path}:{split}") from None
+    except ValueError as e:  # a clone's configuration missing (its README names several) or not one of its own
+        raise _datasets_words(e, f"{path}{f' ({config})' if config else ''}:{split}") from None
     if split not in files:
         raise DataFileError(f"{path}: no {split} split among its data files (it has {', '.join(map(str, files))}: "
                             f"name a file {split}*, or give the file itself)")
-    rows = DataRows(f"{path}:{split}")
+    rows = DataRows(f"{path}{f' ({config})' if config else ''}:{split}")
     for file in files[split]:
         rows.rows += [(len(rows.rows) + i, where, row) for i, where, row in read_rows(str(file)).rows]
     return rows
@@ -443,21 +447,19 @@ def _some_rows(rows: DataRows, data: bytes | None = None) -> DataRows:
 
 
 def _parquet_rows(path: Path, source: str) -> DataRows:
-    """A Parquet file's rows through `datasets`; a file it cannot read (corrupt, cut short, not Parquet, not
-    readable) is DataFileError naming it, with the first line of pyarrow's reason rather than its traceback."""
-    import datasets
+    """A Parquet file's rows, read by pyarrow (datasets' own Parquet reader); a file it cannot read (corrupt, cut
+    short, not Parquet, not readable) is DataFileError naming it, with the first line of pyarrow's reason rather
+    than its traceback.
 
-    verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its reader logs the failure too: one line is ours
+    Not `datasets.load_dataset("parquet", ...)`: its cache knows a local file by its path and modification time, so
+    a file replaced by another of the same time (`cp -p`, `rsync -t`, an archive) was given the first one's rows."""
+    import pyarrow.parquet
+
     try:
-        # data_files is a glob pattern: escaped, a path holding [, * or ? names this file and no other
-        return _dataset_rows(datasets.load_dataset("parquet", data_files=glob.escape(str(path)), split="train"), source)
-    except Exception as e:  # pyarrow's ArrowInvalid/OSError, datasets' DatasetGenerationError wrapping them
-        cause = e.__cause__ or e
-        why = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
-        raise DataFileError(f"{source}: not a readable Parquet file ({type(cause).__name__}: {why})") from None
-    finally:
-        datasets.logging.set_verbosity(verbosity)
+        return _dataset_rows(pyarrow.parquet.read_table(path).to_pylist(), source)
+    except Exception as e:  # pyarrow's ArrowInvalid, OSError
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DataFileError(f"{source}: not a readable Parquet file ({type(e).__name__}: {why})") from None
 
 
 def prompt_overflow(problem: Problem, n: int, max_tokens: int, max_model_len: int) -> str | None:
@@ -1679,6 +1681,12 @@ def _add_answer_commands(sub: Any) -> None:
                         help="question field of --dataset (default: question, problem or prompt)")
     sample.add_argument("--answer-field", type=text_value, default=None,
                         help="answer field of --dataset (default: answer, solution or final_answer)")
+    sample.add_argument("--split", type=text_value, default="train",
+                        help="the split of a hub --dataset or of a directory's files (test: its test* files); a data "
+                             "file is one split whatever this says (default train)")
+    sample.add_argument("--skip-bad-rows", action="store_true",
+                        help="skip the rows that cannot be read as a problem (counted on stderr), as train.py's "
+                             "--skip-bad-rows does, rather than refuse the data set")
     sample.add_argument("--out", type=output_file, required=True, help="the .jsonl file to write")
     sample.add_argument("--samples", type=int_at_least(1), default=4, help="completions per problem (default 4)")
     sample.add_argument("--max-tokens", type=int_at_least(1), default=256,
@@ -1706,9 +1714,12 @@ def main(argv: list[str] | None = None) -> None:
                      "not of a data file")
     try:  # before vLLM's import (10 s): a bad data set or model directory is one line
         task = MathDataset(args.dataset, question_field=args.question_field, answer_field=args.answer_field,
-                           dataset_config=args.dataset_config, val_size=0)
+                           split=args.split, dataset_config=args.dataset_config, val_size=0,
+                           skip_bad_rows=args.skip_bad_rows)
     except (BadRowError, FileNotFoundError) as e:
         parser.exit(2, f"{parser.prog} sample: error: {e}{config_hint(e, '--dataset-config')}\n")
+    if task.skipped_rows:
+        print(f"{parser.prog} sample: {task.skipped_summary}", file=sys.stderr)
     if not args.model.exists():  # the model: a path where nothing is, or a directory that holds no model
         parser.exit(2, f"{parser.prog} sample: error: --model {args.model}: no such directory\n")
     if not (args.model / "config.json").is_file():

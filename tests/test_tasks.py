@@ -1123,16 +1123,18 @@ def test_tasks_sample_takes_a_hub_sets_configuration_and_fields(tmp_path, monkey
                                     "directory that clones one), not of a data file" in capsys.readouterr().err
 
 
-def _hub_clone(root: Path) -> Path:
+def _hub_clone(root: Path, version: str = "") -> Path:
     """A local clone of a hub set laid out as openai/gsm8k's repository is: a README whose front matter names two
-    configurations (neither the default), each a directory of Parquet files per split."""
+    configurations (neither the default), each a directory of Parquet files per split, its questions marked with
+    their configuration, split and `version`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     for config in ("main", "socratic"):
         (root / config).mkdir(parents=True)
         for split in ("train", "test"):
-            pq.write_table(pa.Table.from_pylist(GSM8K_ROWS[:6]), root / config / f"{split}-00000-of-00001.parquet")
+            rows = [{**row, "question": f"{row['question']} ({config} {split}{version})"} for row in GSM8K_ROWS[:6]]
+            pq.write_table(pa.Table.from_pylist(rows), root / config / f"{split}-00000-of-00001.parquet")
     parts = "".join(f"- config_name: {c}\n  data_files:\n" + "".join(
         f"  - split: {s}\n    path: {c}/{s}-*\n" for s in ("train", "test")) for c in ("main", "socratic"))
     (root / "README.md").write_text(f"---\nconfigs:\n{parts}---\n")
@@ -1153,15 +1155,51 @@ def test_a_clone_of_a_hub_set_is_read_with_its_configuration_by_every_flag(tmp_p
     args = flags.parse_args(["--dataset", clone, "--dataset-config", "main", "--test-dataset", clone,
                              "--test-dataset-config", "socratic", "--output-dir", str(tmp_path / "out")])
     train_task, test_task = runtime.load_tasks(args)
-    assert len(train_task.problems) + len(train_task.val_problems) == 6 and len(test_task.val_problems) == 6
-    monkeypatch.setattr(tasks, "sample_completions", lambda model, task, *a: [])
+    assert [p.prompt.count("(main train)") for p in train_task.problems + train_task.val_problems] == [1] * 6
+    assert [p.prompt.count("(socratic test)") for p in test_task.val_problems] == [1] * 6
+    sampled = []
+    monkeypatch.setattr(tasks, "sample_completions", lambda model, task, *a: sampled.append(task) or [])
     tasks.main(["sample", "--model", str(tasks.REPO_DIR / "models" / "tiny-arith"), "--out",
-                str(tmp_path / "s.jsonl"), "--dataset", clone, "--dataset-config", "main"])
+                str(tmp_path / "s.jsonl"), "--dataset", clone, "--dataset-config", "main", "--split", "test"])
+    assert [p.prompt.count("(main test)") for p in sampled[0].problems] == [1] * 6
+    other = str(_hub_clone(tmp_path / "v2" / "gsm8k", " v2"))  # another version of the same name and README
+    assert [r["question"].endswith("(main train v2)") for *_, r in tasks.read_rows(other, "train", "main").rows] \
+        == [True] * 6  # datasets' cache gave it the first clone's rows
     with pytest.raises(SystemExit) as stop:
         tasks.main(["sample", "--model", str(tasks.REPO_DIR / "models" / "tiny-arith"), "--out",
                     str(tmp_path / "s.jsonl"), "--dataset", clone])
     assert stop.value.code == 2 and capsys.readouterr().err.endswith(
         "['main', 'socratic'] (--dataset-config NAME)\n")
+
+
+def test_tasks_sample_skips_bad_rows_when_asked_as_its_refusal_advises(tmp_path, monkeypatch, capsys):
+    """`tasks sample` on a data file with a bad row was refused with "to skip bad rows, set --skip-bad-rows", a flag
+    it did not have: train.py trains on such a file with --skip-bad-rows, and its completions could not be had."""
+    data = _lines(tmp_path / "d.jsonl", [*GSM8K_ROWS[:5], {"question": "no answer"}])
+    sampled = []
+    monkeypatch.setattr(tasks, "sample_completions", lambda model, task, *a: sampled.append(task) or [])
+    sample = ["sample", "--model", str(tasks.REPO_DIR / "models" / "tiny-arith"), "--out", str(tmp_path / "s.jsonl"),
+              "--dataset", str(data)]
+    with pytest.raises(SystemExit) as stop:
+        tasks.main(sample)
+    assert stop.value.code == 2 and "--skip-bad-rows" in capsys.readouterr().err and not sampled
+    tasks.main([*sample, "--skip-bad-rows"])
+    assert len(sampled[0].problems) == 5
+    assert "sample: skipped 1 bad row (1 missing field 'answer'); first: " in capsys.readouterr().err
+
+
+def test_a_parquet_file_replaced_by_one_of_the_same_time_is_read_anew(tmp_path):
+    """datasets' cache knew a local Parquet file by its path and modification time: a file replaced by another
+    version with the same time (`cp -p`, `rsync -t`, an archive's) was read as the first one was, without a word."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "d.parquet"
+    for version in ("v1", "v2"):
+        pq.write_table(pa.Table.from_pylist([{**row, "question": f"{row['question']} {version}"}
+                                             for row in GSM8K_ROWS[:5]]), data)
+        os.utime(data, (1e9, 1e9))
+        assert [row["question"].endswith(version) for *_, row in tasks.read_rows(str(data)).rows] == [True] * 5
 
 
 def test_a_reader_that_stops_reading_ends_check_answer_quietly(tmp_path):

@@ -274,16 +274,21 @@ def complete_checkpoints(out: Path) -> list[Path]:
     return [out / name for name in CHECKPOINT_DIRS if (out / name / "trainer_state.json").is_file()]
 
 
-def newest_checkpoint_step(run_dir: Path) -> int | None:
-    """The step of the newest complete checkpoint whose trainer_state.json reads (None if none does)."""
+def newest_trainer_state(run_dir: Path) -> dict | None:
+    """The trainer_state.json of the newest complete checkpoint whose file reads and holds a step (None if none
+    does): what a resume will most likely start from, read before anything is loaded."""
     for ckpt in complete_checkpoints(run_dir):
         try:
-            step = json.loads(read_no_follow(ckpt / "trainer_state.json")).get("step")  # a link: no step
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+            return read_trainer_state(ckpt)
+        except CheckpointError:  # a link, unreadable, no step: the previous checkpoint's
             continue
-        if isinstance(step, int):
-            return step
     return None
+
+
+def newest_checkpoint_step(run_dir: Path) -> int | None:
+    """The step of the newest complete checkpoint whose trainer_state.json reads (None if none does)."""
+    state = newest_trainer_state(run_dir)
+    return None if state is None else state["step"]
 
 
 def read_trainer_state(ckpt: Path) -> dict:

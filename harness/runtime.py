@@ -43,7 +43,8 @@ from harness import base_model, fleet, tasks
 from harness.cli import quiet_rank_exit
 from harness import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
-                                 open_no_follow, read_no_follow, refuse_unless_regular, write_atomically, write_failure)
+                                 newest_trainer_state, open_no_follow, read_no_follow, refuse_unless_regular,
+                                 write_atomically, write_failure)
 from harness.flags import (Args, fleet_values, generator_memory_fraction, layout_lines, local_replicas,
                            resolve_defaults, step_ranges, trackio_dir, trackio_dir_problem, write_args_json)
 from harness.packing import model_device
@@ -210,6 +211,8 @@ def set_up(args: Args) -> Iterator[Setup]:
     try:  # until the first metrics row, a failure leaves the output directory as it was found
         # Data and model (without --model: the base model shipped with the repository).
         setup.task, setup.test_task = _data(args, is_main)
+        if args.resume and (newest := newest_trainer_state(out)) is not None:  # before the learner is built
+            _refuse_changed_data(args, out, newest, tasks.data_digest(setup.task, setup.test_task), rank)
         setup.model_path = _model_path(args, is_main)
         resolve_defaults(args, args.model is None, device.type == "cuda")
         yield setup
@@ -390,21 +393,28 @@ def _resumed_state(args: Args, out: Path, learner: Any, rank: int, data_digest: 
     state = TrainerState(data_digest=data_digest)
     if args.resume:
         saved, ckpt = load_checkpoint(out, learner.model, learner.optimizer, rank)
+        _refuse_changed_data(args, out, saved, data_digest, rank)  # set_up asked the newest; this one may be older
         state = TrainerState.from_json(saved)
-        if state.data_digest not in ("", data_digest):
-            if rank == 0:
-                data = " and ".join(f"--{flag.replace('_', '-')} {getattr(args, flag)}"
-                                    for flag in ("dataset", "test_dataset") if getattr(args, flag))
-                print(f"train.py: error: --resume {out}: the run's data changed since it started ({data}): its "
-                      "checkpoint's data position and its validation would point at other problems; restore the "
-                      "data as it was, or start a new run (another --output-dir)", file=sys.stderr, flush=True)
-            raise SystemExit(2)
         state.data_digest = data_digest
         if rank == 0:
             print(f"[resume] {ckpt}: step {state.step}", file=sys.stderr)
         for _ in range(state.step):
             learner.scheduler.step()
     return state
+
+
+def _refuse_changed_data(args: Args, out: Path, saved_state: dict, data_digest: str, rank: int) -> None:
+    """A resume whose data sets give other problems than the checkpoint's run started with is one line (rank 0)
+    and SystemExit(2) on every rank. A checkpoint from before the digest was kept (none saved) passes."""
+    if saved_state.get("data_digest", "") in ("", data_digest):
+        return
+    if rank == 0:
+        data = " and ".join(f"--{flag.replace('_', '-')} {getattr(args, flag)}"
+                            for flag in ("dataset", "test_dataset") if getattr(args, flag))
+        print(f"train.py: error: --resume {out}: the run's data changed since it started ({data}): its "
+              "checkpoint's data position and its validation would point at other problems; restore the "
+              "data as it was, or start a new run (another --output-dir)", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def _devices_in_use(args: Args, world: int, gen_config: fleet.FleetConfig) -> int:

@@ -680,11 +680,14 @@ def test_a_quiet_ranks_wait_ends_on_torchruns_signal_and_puts_the_handlers_back(
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_a_resume_on_data_that_changed_since_the_run_started_is_one_line(tmp_path, one_rank_group, capsys):
+def test_a_resume_on_data_that_changed_since_the_run_started_is_one_line(tmp_path, one_rank_group, capsys,
+                                                                         monkeypatch):
     """A run resumed after its data file was edited (a row changed, rows added) trained on: its checkpoint's data
     position and prompt history then pointed at other problems, and its validation set changed mid-run, without a
     word. The checkpoint keeps the digest of the problems the run started with; a resume on others is one line, exit
-    2. The same data resumes; a checkpoint from before the digest takes today's; generated tasks have none."""
+    2, said as the data is read (set_up), before the learner is built and the checkpoint loaded, and again after
+    the load for the checkpoint the ranks agreed on. The same data resumes; a checkpoint from before the digest
+    takes today's; generated tasks have none."""
     import types
 
     from harness import checkpoints
@@ -714,6 +717,15 @@ def test_a_resume_on_data_that_changed_since_the_run_started_is_one_line(tmp_pat
                                        f"(--dataset {data}): its checkpoint's data position and its validation would "
                                        "point at other problems; restore the data as it was, or start a new run "
                                        "(another --output-dir)\n")
+    monkeypatch.setattr(runtime, "init_distributed", lambda *_: (0, 1, torch.device("cpu")))
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as stop, runtime.set_up(args):
+            pytest.fail("set_up yielded: the learner is built and the checkpoint read before the refusal")
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert stop.value.code == 2 and "the run's data changed since it started" in capsys.readouterr().err
     checkpoints.save_checkpoint(out, model, optimizer, {"step": 3, "metrics_lines": 4}, rank=0)  # an older format
     assert runtime._resumed_state(args, out, learner, 0, changed).data_digest == changed
     assert runtime._resumed_state(flags.Args(output_dir=str(out)), out, learner, 0, changed).step == 0  # a new run

@@ -53,6 +53,7 @@ from harness.cli import OneLineParser  # one error line for a bad flag, no usage
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 from harness.cli import no_model_config  # a --model directory without config.json, a run's named as one
 from harness.cli import nearest_existing  # what mkdir meets first on the way to a directory
+from harness.cli import git_lfs_pointers  # a clone made without git-lfs: its large files are pointers
 from harness.cli import int_at_least, path_value  # argparse types: a count; a path, not empty, its ~ the home directory
 from harness.tasks import (REPO_DIR, SCALERL_INTERRUPTION, THINK_CLOSE, THINK_OPEN, ArithmeticTask, Problem, Task,
                            chat_prompt_ids, parse_answer, scratchpad, scratchpad_answer, set_vllm_cpu_env)
@@ -431,6 +432,8 @@ def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
         return problems if problems or cached is None else head_size_problems(model, cached, on_gpu)
     if not path.is_dir():
         return [f"{model} is a file; expected a Hugging Face model directory (config.json, weights, tokenizer)"]
+    if pointers := git_lfs_pointers(list(path.iterdir())):  # each would be "not safetensors", "not JSON", ...
+        return [pointers]
     config_file = path / "config.json"
     if not config_file.is_file():
         return [no_model_config(model)]

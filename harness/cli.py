@@ -192,6 +192,27 @@ def no_model_config(model: str | Path) -> str:
         "train.py evaluate --resume RUN_DIR` evaluates it" if run else "")
 
 
+GIT_LFS_POINTER = b"version https://git-lfs.github.com/spec/v1"  # how a Git LFS pointer file begins
+
+
+def git_lfs_pointers(files: list[Path]) -> str | None:
+    """For `files` of which some are Git LFS pointers, the words that say so: a hub repository cloned without git-lfs
+    holds a text file of about 130 bytes in place of each large file (weights, a big tokenizer.json, Parquet data),
+    which each reader then calls corrupt in its own words. None when none is one."""
+    pointers = []
+    for file in files:
+        try:
+            if file.is_file() and file.stat().st_size < 1024 and file.read_bytes().startswith(GIT_LFS_POINTER):
+                pointers.append(str(file))
+        except OSError:  # unreadable: its reader will say so
+            continue
+    if not pointers:
+        return None
+    return (f"{', '.join(sorted(pointers))} {'is a Git LFS pointer' if len(pointers) == 1 else 'are Git LFS pointers'}"
+            ", not the file itself: the repository was cloned without git-lfs; run `git lfs install && git lfs pull`"
+            " in the clone")
+
+
 def nearest_existing(path: Path) -> Path | None:
     """`path`, or its nearest ancestor, whichever exists first: what mkdir would meet on the way to `path`."""
     return next((p for p in (path, *path.absolute().parents) if p.exists()), None)

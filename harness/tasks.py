@@ -59,6 +59,7 @@ from harness.cli import text_value  # the argparse type of a name: not empty
 from harness.cli import no_model_config  # a --model directory without config.json, a run's named as one
 from harness.cli import int_at_least, number  # the argparse types of a count and a finite number
 from harness.cli import output_file, write_output  # a file written after the work: checked before it
+from harness.cli import git_lfs_pointers  # a clone made without git-lfs: its data files are pointers
 
 REPO_DIR = Path(__file__).resolve().parent.parent  # the repository root: this module lives in harness/
 
@@ -378,6 +379,8 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
         raise FileNotFoundError(f"data file not found: {path}")
     if problem := data_file_kind_problem(name_or_path):
         raise DataFileError(problem)
+    if pointer := git_lfs_pointers([path]):  # a hub set's clone without git-lfs: its lines would be "not JSON"
+        raise DataFileError(pointer)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return _some_rows(_parquet_rows(path, source))
@@ -1724,6 +1727,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"{parser.prog} sample: error: --model {args.model}: no such directory\n")
     if not (args.model / "config.json").is_file():
         parser.exit(2, f"{parser.prog} sample: error: --model {no_model_config(args.model)}\n")
+    if pointers := git_lfs_pointers(list(args.model.iterdir())):  # vLLM's words would be a header error
+        parser.exit(2, f"{parser.prog} sample: error: --model {pointers}\n")
     rows = sample_completions(args.model, task, args.samples, args.max_tokens, args.temperature, args.seed)
     write_output(args.out, "".join(json.dumps(row) + "\n" for row in rows))
     print(json.dumps({"out": str(args.out), "rows": len(rows)}))

@@ -267,3 +267,7 @@ def run_torchrun(cmd: list[str], state: list[Path] = (), timeout: float = 600) -
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
     return run
+
+
+LFS_POINTER = ("version https://git-lfs.github.com/spec/v1\noid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258d"
+               "aaa5e2ca24d17e2393\nsize 1234567\n")  # what a hub clone made without git-lfs holds for a large file

@@ -352,6 +352,28 @@ def test_a_model_directory_with_cut_short_or_empty_weights_is_one_line_before_an
     assert base_model.model_dir_problems(str(base_model.BASE_MODEL_DIR)) == []
 
 
+def test_a_model_cloned_without_git_lfs_is_named_so(tmp_path, capsys):
+    """A hub model cloned without git-lfs holds ~130-byte pointer files in place of its weights (and of a large
+    tokenizer.json): each was "not a readable safetensors file (header too large)", or transformers' JSON error, which
+    sent a user hunting a corrupt download. Named as pointers, with the command that fetches the files."""
+    import shutil
+
+    from harness import flags
+    from helpers import LFS_POINTER
+
+    model = tmp_path / "Qwen3-0.6B"
+    shutil.copytree(base_model.BASE_MODEL_DIR, model)
+    for name in ("model.safetensors", "tokenizer.json"):
+        (model / name).write_text(LFS_POINTER)
+    problems = base_model.model_dir_problems(str(model))
+    assert problems == [f"{model / 'model.safetensors'}, {model / 'tokenizer.json'} are Git LFS pointers, not the "
+                        "file itself: the repository was cloned without git-lfs; run `git lfs install && git lfs "
+                        "pull` in the clone"]
+    with pytest.raises(SystemExit) as exit_info:
+        flags.parse_args(["--model", str(model), "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and f"error: --model {problems[0]}" in capsys.readouterr().err
+
+
 def test_a_base_built_elsewhere_says_what_it_means_for_the_numbers(tmp_path, monkeypatch):
     """A base built with other kernels has other bytes (an AVX2 machine's native build went from 0.367 to about 0.9
     where the documented base went from 0.389 to 0.965): build-base's note names both checksums, what it means and

@@ -1188,6 +1188,34 @@ def test_tasks_sample_skips_bad_rows_when_asked_as_its_refusal_advises(tmp_path,
     assert "sample: skipped 1 bad row (1 missing field 'answer'); first: " in capsys.readouterr().err
 
 
+def test_a_data_set_cloned_without_git_lfs_is_named_so(tmp_path, monkeypatch, capsys):
+    """A hub set cloned without git-lfs holds pointer files in place of its Parquet (or JSON Lines) files: they were
+    "not a readable Parquet file (ArrowInvalid ...)" and three lines "not JSON". Named as pointers, with the command
+    that fetches them; so is a model that `tasks sample` is given (vLLM's words were a header error)."""
+    from helpers import LFS_POINTER
+
+    clone = _hub_clone(tmp_path / "gsm8k")
+    parquet = clone / "main" / "train-00000-of-00001.parquet"
+    parquet.write_text(LFS_POINTER)
+    words = "is a Git LFS pointer, not the file itself: the repository was cloned without git-lfs; run `git lfs " \
+            "install && git lfs pull` in the clone"
+    with pytest.raises(tasks.DataFileError) as error:
+        tasks.read_rows(str(clone), "train", "main")
+    assert str(error.value) == f"{parquet} {words}"
+    (tmp_path / "d.jsonl").write_text(LFS_POINTER)
+    with pytest.raises(tasks.DataFileError, match=re.escape(f"{tmp_path / 'd.jsonl'} {words}")):
+        MathDataset(str(tmp_path / "d.jsonl"))
+    model = tmp_path / "model"
+    import shutil
+    shutil.copytree(tasks.REPO_DIR / "models" / "tiny-arith", model)
+    (model / "model.safetensors").write_text(LFS_POINTER)
+    monkeypatch.setattr(tasks, "sample_completions", lambda *a: pytest.fail("vLLM was started on a pointer"))
+    with pytest.raises(SystemExit) as stop:
+        tasks.main(["sample", "--model", str(model), "--out", str(tmp_path / "s.jsonl"), "--dataset", str(clone),
+                    "--dataset-config", "socratic"])
+    assert stop.value.code == 2 and capsys.readouterr().err.endswith(f"{model / 'model.safetensors'} {words}\n")
+
+
 def test_a_parquet_file_replaced_by_one_of_the_same_time_is_read_anew(tmp_path):
     """datasets' cache knew a local Parquet file by its path and modification time: a file replaced by another
     version with the same time (`cp -p`, `rsync -t`, an archive's) was read as the first one was, without a word."""

@@ -374,6 +374,34 @@ def test_a_model_cloned_without_git_lfs_is_named_so(tmp_path, capsys):
     assert exit_info.value.code == 2 and f"error: --model {problems[0]}" in capsys.readouterr().err
 
 
+def test_a_model_without_a_chat_template_is_one_line_before_any_rank_loads_it(tmp_path, capsys, monkeypatch):
+    """--model naming a base model saved without a chat template (Llama's and Mistral's bases): the run built its
+    learner, then failed on its first prompt with transformers' ValueError traceback; `tasks sample` the same. Every
+    prompt is chat-templated, so it is one line before anything starts, asked of transformers itself."""
+    import shutil
+
+    from harness import flags, tasks
+
+    model = tmp_path / "base-without-template"
+    shutil.copytree(base_model.BASE_MODEL_DIR, model)
+    (model / "chat_template.jinja").unlink()
+    assert "chat_template" not in json.loads((model / "tokenizer_config.json").read_text())
+    problems = base_model.model_dir_problems(str(model))
+    assert problems == [f"{model}: its tokenizer has no chat template, and every prompt is chat-templated (the user "
+                        "turn, then the assistant's header): give an instruct model or one whose base has a template "
+                        "(Qwen3's), or save a template into it (chat_template.jinja)"]
+    with pytest.raises(SystemExit) as exit_info:
+        flags.parse_args(["--model", str(model), "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and f"error: --model {problems[0]}" in capsys.readouterr().err
+    monkeypatch.setattr(tasks, "sample_completions", lambda *a: pytest.fail("vLLM was started"))
+    with pytest.raises(SystemExit) as exit_info:
+        tasks.main(["sample", "--model", str(model), "--out", str(tmp_path / "s.jsonl"), "--dataset",
+                    str(tasks.REPO_DIR / "tests" / "data" / "gsm8k_small.jsonl")])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.endswith(f"--model {problems[0]}\n")
+    shutil.copy(base_model.BASE_MODEL_DIR / "chat_template.jinja", model)
+    assert base_model.model_dir_problems(str(model)) == []
+
+
 def test_a_base_built_elsewhere_says_what_it_means_for_the_numbers(tmp_path, monkeypatch):
     """A base built with other kernels has other bytes (an AVX2 machine's native build went from 0.367 to about 0.9
     where the documented base went from 0.389 to 0.965): build-base's note names both checksums, what it means and

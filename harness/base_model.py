@@ -441,7 +441,7 @@ def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
     problems = []
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         problems.append(f"{model} has no weights (*.safetensors or *.bin)")
-    problems += filter(None, map(safetensors_problem, sorted(path.glob("*.safetensors"))))
+    problems += filter(None, [*map(safetensors_problem, sorted(path.glob("*.safetensors"))), missing_shards(path)])
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         problems.append(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json)")
     elif not problems and (why := chat_template_problem(path)):  # the first prompt would be transformers' traceback
@@ -558,6 +558,23 @@ def safetensors_problem(file: Path) -> str | None:
         size = file.stat().st_size if file.is_file() else None
         why = "it is empty" if size == 0 else f"{e}; cut short, or not safetensors"
         return f"{file}: not a readable safetensors file ({why})"
+
+
+def missing_shards(model_dir: Path) -> str | None:
+    """The weight files that a sharded model's index (model.safetensors.index.json) names and the directory lacks (a
+    download cut short), in one line naming them; None when it has all of them, or no index."""
+    index = model_dir / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    try:
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{index}: not a readable index of the weight files ({type(e).__name__}: {str(e)[:120]})"
+    missing = [shard for shard in shards if not (model_dir / shard).is_file()]
+    if not missing:
+        return None
+    return (f"{model_dir}: {len(missing)} of the {len(shards)} weight files its index names are missing "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): a download cut short? Fetch them again")
 
 
 def count_parameters(model_dir: Path) -> int:

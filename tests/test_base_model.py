@@ -402,6 +402,35 @@ def test_a_model_without_a_chat_template_is_one_line_before_any_rank_loads_it(tm
     assert base_model.model_dir_problems(str(model)) == []
 
 
+def test_a_sharded_model_missing_a_weight_file_is_one_line_before_any_rank_loads_it(tmp_path, capsys):
+    """A sharded model (model-0000N-of-0000M.safetensors and their index, as 8B models come) whose download was cut
+    short: every rank failed with transformers' FileNotFoundError traceback once the processes had started. The
+    files the index names and the directory lacks are named; an index that does not read is one line too."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from harness import flags
+
+    model = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(base_model.BASE_MODEL_DIR).save_pretrained(model, max_shard_size="200KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(base_model.BASE_MODEL_DIR / name, model)
+    shards = sorted(model.glob("model-*.safetensors"))
+    assert len(shards) > 4 and base_model.model_dir_problems(str(model)) == []
+    for shard in shards[2:6]:
+        shard.unlink()
+    problems = base_model.model_dir_problems(str(model))
+    assert problems == [f"{model}: 4 of the {len(shards)} weight files its index names are missing "
+                        f"({', '.join(s.name for s in shards[2:5])}, ...): a download cut short? Fetch them again"]
+    with pytest.raises(SystemExit) as exit_info:
+        flags.parse_args(["--model", str(model), "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and f"error: --model {problems[0]}" in capsys.readouterr().err
+    (model / "model.safetensors.index.json").write_text('{"weight_map": ')
+    assert base_model.model_dir_problems(str(model))[0].startswith(
+        f"{model / 'model.safetensors.index.json'}: not a readable index of the weight files (JSONDecodeError: ")
+
+
 def test_a_base_built_elsewhere_says_what_it_means_for_the_numbers(tmp_path, monkeypatch):
     """A base built with other kernels has other bytes (an AVX2 machine's native build went from 0.367 to about 0.9
     where the documented base went from 0.389 to 0.965): build-base's note names both checksums, what it means and

@@ -56,8 +56,8 @@ from harness.cli import nearest_existing  # what mkdir meets first on the way to
 from harness.cli import git_lfs_pointers  # a clone made without git-lfs: its large files are pointers
 from harness.cli import int_at_least, path_value  # argparse types: a count; a path, not empty, its ~ the home directory
 from harness.tasks import (REPO_DIR, SCALERL_INTERRUPTION, THINK_CLOSE, THINK_OPEN, ArithmeticTask, Problem, Task,
-                           chat_prompt_ids, chat_template_problem, parse_answer, scratchpad, scratchpad_answer,
-                           set_vllm_cpu_env)
+                           chat_prompt_ids, parse_answer, scratchpad, scratchpad_answer,
+                           set_vllm_cpu_env, tokenizer_problem)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -444,9 +444,10 @@ def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
     problems += filter(None, [*map(safetensors_problem, sorted(path.glob("*.safetensors"))), missing_shards(path)])
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
         problems.append(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json)")
-    elif not problems and (why := chat_template_problem(path)):  # the first prompt would be transformers' traceback
+    problems += head_size_problems(model, config_file, on_gpu)
+    if not problems and (why := tokenizer_problem(path)):  # the first prompt would be transformers' traceback
         problems.append(why)
-    return problems + head_size_problems(model, config_file, on_gpu)
+    return problems
 
 
 def hub_config_problems(model: str) -> list[str]:

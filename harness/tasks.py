@@ -125,13 +125,27 @@ def chat_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     return list(ids)
 
 
-def chat_template_problem(model_dir: str | Path) -> str | None:
-    """Why the tokenizer of a local model directory cannot template a prompt (`chat_prompt_ids`), in one line: it has
-    no chat template (a base model saved without one: Llama's and Mistral's bases). None when it has one. Asked of
-    transformers itself (a template may sit in chat_template.jinja, chat_template.json or tokenizer_config.json)."""
+def tokenizer_problem(model_dir: str | Path) -> str | None:
+    """Why the tokenizer of a local model directory cannot template a prompt (`chat_prompt_ids`), in one line: it does
+    not load (a file cut short), or it has no chat template (a base model saved without one: Llama's and Mistral's
+    bases). None when it templates. Asked of transformers itself (a template may sit in chat_template.jinja,
+    chat_template.json or tokenizer_config.json)."""
     from transformers import AutoTokenizer
 
-    if AutoTokenizer.from_pretrained(str(model_dir)).chat_template is not None:
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # JSONDecodeError, OSError, ValueError: transformers' words, in one line
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.json"):
+            try:  # a JSON file cut short is named: transformers' JSONDecodeError names none
+                json.loads((Path(model_dir) / name).read_bytes())
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError):
+                return f"{Path(model_dir) / name}: not valid JSON, and the tokenizer does not load without it " \
+                       f"({type(e).__name__}: {why}): a file cut short?"
+        return f"{model_dir}: its tokenizer does not load ({type(e).__name__}: {why})"
+    if tokenizer.chat_template is not None:
         return None
     return (f"{model_dir}: its tokenizer has no chat template, and every prompt is chat-templated (the user turn, then "
             "the assistant's header): give an instruct model or one whose base has a template (Qwen3's), or save a "
@@ -1742,7 +1756,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"{parser.prog} sample: error: --model {no_model_config(args.model)}\n")
     if pointers := git_lfs_pointers(list(args.model.iterdir())):  # vLLM's words would be a header error
         parser.exit(2, f"{parser.prog} sample: error: --model {pointers}\n")
-    if why := chat_template_problem(args.model):
+    if why := tokenizer_problem(args.model):
         parser.exit(2, f"{parser.prog} sample: error: --model {why}\n")
     rows = sample_completions(args.model, task, args.samples, args.max_tokens, args.temperature, args.seed)
     write_output(args.out, "".join(json.dumps(row) + "\n" for row in rows))

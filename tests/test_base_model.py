@@ -374,10 +374,11 @@ def test_a_model_cloned_without_git_lfs_is_named_so(tmp_path, capsys):
     assert exit_info.value.code == 2 and f"error: --model {problems[0]}" in capsys.readouterr().err
 
 
-def test_a_model_without_a_chat_template_is_one_line_before_any_rank_loads_it(tmp_path, capsys, monkeypatch):
+def test_a_model_whose_tokenizer_cannot_template_is_one_line_before_any_rank_loads_it(tmp_path, capsys, monkeypatch):
     """--model naming a base model saved without a chat template (Llama's and Mistral's bases): the run built its
     learner, then failed on its first prompt with transformers' ValueError traceback; `tasks sample` the same. Every
-    prompt is chat-templated, so it is one line before anything starts, asked of transformers itself."""
+    prompt is chat-templated, so it is one line before anything starts, asked of transformers itself. So is a
+    tokenizer file cut short (transformers' JSONDecodeError named no file), with the file named."""
     import shutil
 
     from harness import flags, tasks
@@ -400,6 +401,13 @@ def test_a_model_without_a_chat_template_is_one_line_before_any_rank_loads_it(tm
     assert exit_info.value.code == 2 and capsys.readouterr().err.endswith(f"--model {problems[0]}\n")
     shutil.copy(base_model.BASE_MODEL_DIR / "chat_template.jinja", model)
     assert base_model.model_dir_problems(str(model)) == []
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        whole = (model / name).read_bytes()
+        (model / name).write_bytes(whole[:100])
+        [problem] = base_model.model_dir_problems(str(model))
+        assert problem.startswith(f"{model / name}: not valid JSON, and the tokenizer does not load without it "
+                                  "(JSONDecodeError: Expecting ") and problem.endswith("): a file cut short?")
+        (model / name).write_bytes(whole)
 
 
 def test_a_sharded_model_missing_a_weight_file_is_one_line_before_any_rank_loads_it(tmp_path, capsys):

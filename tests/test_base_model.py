@@ -408,6 +408,9 @@ def test_a_model_whose_tokenizer_cannot_template_is_one_line_before_any_rank_loa
         assert problem.startswith(f"{model / name}: not valid JSON, and the tokenizer does not load without it "
                                   "(JSONDecodeError: Expecting ") and problem.endswith("): a file cut short?")
         (model / name).write_bytes(whole)
+    (model / "config.json").write_bytes((model / "config.json").read_bytes()[:100])  # asked before the tokenizer
+    assert base_model.model_dir_problems(str(model))[0].startswith(
+        f"{model / 'config.json'}: cannot read the attention head size (JSONDecodeError: ")
 
 
 def test_a_sharded_model_missing_a_weight_file_is_one_line_before_any_rank_loads_it(tmp_path, capsys):

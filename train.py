@@ -91,6 +91,7 @@ from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_
                              idle_forwards_needed, load_tasks, model_flops_utilisation, new_row, peak_flops_per_s,
                              push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks,
                              summary_line, this_ranks_share)
+from harness.cli import note_error_lines  # under torchrun, a rank's error line for torchrun's summary
 from harness.vllm_replica import exit_at_once, report_exit  # a rank's exit, finished or stopped
 
 # --loss NAME -> its loss file. The flags take their choices and each file's hyper-parameters from this table
@@ -1036,6 +1037,7 @@ COMMANDS = {
 
 
 if __name__ == "__main__":  # vLLM on CPU spawns its workers: the entry point must be guarded
+    note_error_lines()  # under torchrun: the error line a rank prints is handed to torchrun's failure summary too
     try:
         main()
     except (SystemExit, Exception) as stop:  # a run that stops on an error skips the teardown as well: a gloo

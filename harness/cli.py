@@ -12,9 +12,11 @@ harness/base_model.py) can use it without pulling in torch or making an import c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import re
 import select
 import signal
 import sys
@@ -91,6 +93,52 @@ def quiet_if_reader_gone(error: BaseException) -> bool:
     if gone:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return gone
+
+
+class ErrorLineNoter:
+    """A rank's stderr under torchrun (`note_error_lines`): written through as it is, noting the last line that says
+    "PROG: error: ..." (`line`), the one line a rank prints before it stops on a bad flag, file or state, so that
+    `torchrun_error_file` can hand it to torchrun's failure summary."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.line, self._unfinished = stream, "", ""
+
+    def write(self, text: str) -> int:
+        lines = re.split(r"[\r\n]", self._unfinished + text)
+        self._unfinished = lines.pop()[-4096:]  # a line still being written, or a progress bar's redraw
+        self.line = next((line for line in reversed(lines) if ": error: " in line), self.line)
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, buffer, ...: the stream's own
+        return getattr(self.stream, name)
+
+
+def note_error_lines() -> None:
+    """Under torchrun (which gives each worker TORCHELASTIC_ERROR_FILE), note the error lines written to stderr."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE") and not isinstance(sys.stderr, ErrorLineNoter):
+        sys.stderr = ErrorLineNoter(sys.stderr)  # type: ignore[assignment]
+
+
+def torchrun_error_file(stop: BaseException, code: int) -> None:
+    """What ended a torchrun worker with status `code` != 0, written to the error file torchrun gave it: torchrun's
+    failure summary, the last thing a user reads (and, across nodes, the launcher's record of a rank whose output
+    is on another node), shows it as the root cause, where it said "To enable traceback see: https://...". The one
+    error line the rank printed (`note_error_lines`) or SystemExit's message, in the file's plain form (a "message"
+    text and a "timestamp"); an exception through torch's own ErrorHandler, with its traceback (call it inside the
+    except block). Nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or code == 0:
+        return
+    if not isinstance(stop, SystemExit):
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        with contextlib.suppress(Exception):
+            ErrorHandler().record_exception(stop)
+        return
+    line = stop.code if isinstance(stop.code, str) else getattr(sys.stderr, "line", "")
+    if line:  # a rank that exits quietly (rank 0 speaks for it) has none: torchrun names its status
+        with contextlib.suppress(OSError):
+            Path(path).write_text(json.dumps({"message": line.strip(), "timestamp": int(time.time())}))
 
 
 class OneLineParser(argparse.ArgumentParser):

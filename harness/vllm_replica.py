@@ -57,6 +57,7 @@ import torch
 
 from harness import tasks, vllm_internals, wire  # vllm_internals imports no vLLM until a call needs it
 from harness.cli import OneLineParser, int_at_least, number  # one error line for a bad flag; argparse types
+from harness.cli import torchrun_error_file  # what ended a torchrun worker, for torchrun's failure summary
 from harness.cli import quiet_if_reader_gone  # a closed stdout (`| head`) ends a process quietly
 from harness.cli import path_text  # the argparse type of a path: not empty, its ~ the home directory
 from harness.cli import DefaultsHelpFormatter  # --help with each default, where there is one to give
@@ -871,15 +872,20 @@ def exit_at_once(code: int = 0) -> None:
 def report_exit(stop: BaseException) -> int:
     """What the interpreter would print and return for an exception that ended the program: SystemExit's message
     (to stderr, status 1) or status, else the traceback (through sys.excepthook) and status 1; but nothing, status 1,
-    when stdout's reader is gone (`train.py plan ... | head`), as harness/cli.exit_with ends a command."""
+    when stdout's reader is gone (`train.py plan ... | head`), as harness/cli.exit_with ends a command. Under torchrun
+    the error is also handed to its failure summary (harness/cli.torchrun_error_file)."""
     if quiet_if_reader_gone(stop):
         return 1
     if isinstance(stop, SystemExit):
         if stop.code is None or isinstance(stop.code, int):
-            return stop.code or 0
-        print(stop.code, file=sys.stderr)
-        return 1
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+        torchrun_error_file(stop, code)  # under torchrun: its failure summary names the error, not a URL
+        return code
     sys.excepthook(type(stop), stop, stop.__traceback__)
+    torchrun_error_file(stop, 1)
     return 1
 
 

@@ -396,3 +396,42 @@ def test_a_broken_pipe_that_is_not_stdouts_keeps_its_traceback(tmp_path):
     run = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 1 and run.stdout == "reading\n", run
     assert run.stderr.rstrip().endswith("BrokenPipeError: [Errno 32] Broken pipe"), run.stderr
+
+
+def test_torchruns_failure_summary_names_the_error_a_rank_stopped_on(tmp_path, monkeypatch, capsys):
+    """Under torchrun a rank's one error line was followed by torchrun's failure summary, the last thing a user
+    reads, whose root cause said only "To enable traceback see: https://pytorch.org/...". Each torchrun worker now
+    hands what ended it to the error file torchrun gives it: read back by torch's own ProcessFailure (what the
+    summary prints), it is the error line, SystemExit's message, or the exception with its traceback. A real
+    torchrun of train.py with a bad flag ends with the line."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from harness import cli
+
+    def summary_message(stop: BaseException, code: int) -> str:
+        error_file = tmp_path / f"error-{code}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        monkeypatch.setattr(sys, "stderr", cli.ErrorLineNoter(sys.stderr))
+        print("train.py: error: --lr must be > 0 (got -1.0) (see --help)", file=sys.stderr)
+        print("a later line\r[progress bar]", file=sys.stderr, end="")
+        assert vllm_replica.report_exit(stop) == code
+        failure = ProcessFailure(local_rank=0, pid=1, exitcode=code, error_file=str(error_file))
+        return failure.message if isinstance(failure.message, str) else failure.message["extraInfo"]["py_callstack"]
+
+    assert summary_message(SystemExit(2), 2) == "train.py: error: --lr must be > 0 (got -1.0) (see --help)"
+    assert summary_message(SystemExit("resume runs/a: no checkpoint could be read"), 1) == \
+        "resume runs/a: no checkpoint could be read"
+    try:
+        raise ValueError("a malformed row")
+    except ValueError as error:
+        trace = summary_message(error, 1)
+    assert trace.startswith("Traceback") and trace.rstrip().endswith("ValueError: a malformed row")
+    assert not (tmp_path / "error-0.json").exists() and vllm_replica.report_exit(SystemExit(0)) == 0
+    capsys.readouterr()
+    monkeypatch.undo()
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          "train.py", "--lr", "-1", "--output-dir", str(tmp_path / "run")], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and run.stderr.count("train.py: error: --lr must be > 0 (got -1.0)") == 2, run.stderr
+    assert run.stderr.rstrip().splitlines()[-2] == "  traceback : train.py: error: --lr must be > 0 (got -1.0) " \
+                                                   "(see --help)", run.stderr

@@ -1,8 +1,10 @@
 """harness/cli.py: what every command line of the project shares: a bad flag is one error line (`OneLineParser`),
 the argparse types of a text, a path, a directory and a file written into, a figure's file, a count, a number and a
 list of integers (`text_value`, `path_text`, `path_value`, `directory_path`, `output_file`, `figure_path`,
-`int_at_least`, `number`, `int_list`), and a quiet end when the reader of the output stops reading (`exit_with`). A
-runtime module: a reader of the recipe may skip it.
+`int_at_least`, `number`, `int_list`), a quiet end when the reader of the output stops reading (`exit_with`), the
+Git LFS pointers of a hub repository cloned without git-lfs named (`git_lfs_pointers`), and under torchrun the error
+that stopped a rank handed to torchrun's failure summary (`note_error_lines`, `torchrun_error_file`). A runtime
+module: a reader of the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
 replica`, scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py,

@@ -244,14 +244,17 @@ def test_train_plan_says_in_one_line_why_a_local_model_has_no_config_to_read(tmp
 
 def model_dir(tmp_path, shape: str):
     """A directory that passes train.py's model checks: the shape's config.json, a safetensors file of no tensors
-    (its header is checked) and an empty tokenizer file (nothing reads them before the memory plan refuses or
-    passes)."""
+    (its header is checked) and the tiny model's tokenizer with its chat template (the check loads it); nothing
+    reads the weights before the memory plan refuses or passes."""
+    import shutil
+
     from safetensors.torch import save_file
 
     path = tmp_path / shape
     mp.shape_config(shape).save_pretrained(path)
     save_file({}, str(path / "model.safetensors"))
-    (path / "tokenizer.json").touch()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(base_model.BASE_MODEL_DIR / name, path)
     return str(path)
 
 

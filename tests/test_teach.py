@@ -261,3 +261,17 @@ def test_the_workshops_fit_is_what_its_command_prints_on_the_committed_runs(tmp_
     assert run.returncode == 0, run.stderr
     assert _same_but_for_the_last_digit(output_block, run.stdout), run.stdout
     assert (tmp_path / "scaling_fit.png").stat().st_size > 0  # where the section says the figure goes
+
+
+def test_a_student_loop_that_never_ends_is_stopped_and_named(tmp_path):
+    """Grading a file whose function never returns (a `while` whose condition never changes) hung until someone
+    pressed Ctrl-C, in a room of students: now the tests are stopped past --timeout and the line says why."""
+    assert run_teach("exercise", "grpo", str(tmp_path)).returncode == 0
+    student = tmp_path / "grpo.py"
+    source = student.read_text()
+    stub = "    # EXERCISE: replace the raise below with your implementation.\n"
+    assert stub in source, "the exercise's stubs changed their words: update this test"
+    student.write_text(source.replace(stub, stub + "    while True:\n        pass\n", 1))
+    graded = run_teach("grade", "grpo", str(tmp_path), "--timeout", "3")
+    assert graded.returncode == 1 and "NOT YET" in graded.stdout
+    assert f"the tests did not finish in 3 s and were stopped: does a loop in {student} never end?" in graded.stderr

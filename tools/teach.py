@@ -33,6 +33,7 @@ from typing import Any
 from harness.cli import OneLineParser  # one error line for a bad flag, no usage block (its subcommands too)
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 from harness.cli import directory_path  # the argparse type of a directory written into: no file in its way
+from harness.cli import number  # the argparse type of a finite number
 
 REPO = Path(__file__).resolve().parent.parent  # the repository root: this module lives in tools/
 LOSS_FUNCTIONS = ("compute_advantages", "loss_denominator", "compute_loss")
@@ -195,9 +196,13 @@ def write_exercise(algo: str, directory: Path, *, force: bool = False) -> Path:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def grade(algo: str, directory: Path) -> int:
+GRADE_TIMEOUT_S = 120.0  # the tests take a second or two; a student's loop that never ends stops here
+
+
+def grade(algo: str, directory: Path, timeout_s: float = GRADE_TIMEOUT_S) -> int:
     """Run tests/test_ALGO.py in a fresh pytest process with DIR/ALGO.py in place of the reference ALGO.py;
-    returns pytest's exit status (0 only when every test passed)."""
+    returns pytest's exit status (0 only when every test passed). A run past `timeout_s` (a loop in the student's
+    file that never ends: grading hung until someone pressed Ctrl-C) is stopped, said in one line, status 1."""
     student_file = (directory / f"{algo}.py").resolve()
     if not student_file.is_file():
         raise FileNotFoundError(f"no {student_file}; write one with: "
@@ -206,7 +211,12 @@ def grade(algo: str, directory: Path) -> int:
     env = {**os.environ, "SCALERL_STUDENT_FILE": str(student_file)}
     # No cache: a student's failures must not become the developers' `pytest --lf`.
     command = [sys.executable, "-m", "pytest", f"tests/test_{algo}.py", "-q", "--tb=short", "-p", "no:cacheprovider"]
-    return subprocess.run(command, cwd=REPO, env=env).returncode
+    try:
+        return subprocess.run(command, cwd=REPO, env=env, timeout=timeout_s).returncode
+    except subprocess.TimeoutExpired:  # run() has killed pytest
+        print(f"\nthe tests did not finish in {timeout_s:g} s and were stopped: does a loop in {student_file} never "
+              "end? (--timeout sets the limit)", file=sys.stderr)
+        return 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -420,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("algo", choices=list(EXERCISE_BY_ALGO), metavar="ALGO", help=", ".join(EXERCISE_BY_ALGO))
         sub.add_argument("dir", type=directory_path, metavar="DIR", help="the student's directory")
     exercise_parser.add_argument("--force", action="store_true", help="overwrite an existing DIR/ALGO.py")
+    grade_parser.add_argument("--timeout", type=number(0.0, above=True), default=GRADE_TIMEOUT_S,
+                              help=f"seconds the tests may take before they are stopped (default {GRADE_TIMEOUT_S:g})")
     pictures_parser = commands.add_parser("pictures", help="draw gradients.png and aggregation.png")
     pictures_parser.add_argument("--out", type=directory_path, default=REPO / "docs", help="output directory (default "
                                  "docs/)")
@@ -445,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "grade":
         try:
-            returncode = grade(args.algo, args.dir)
+            returncode = grade(args.algo, args.dir, args.timeout)
         except FileNotFoundError as error:
             print(error, file=sys.stderr)
             return 1

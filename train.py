@@ -54,9 +54,11 @@ import functools
 import inspect
 import math
 import random
+import re
 import sys
 import time
 import types
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -604,7 +606,11 @@ def optimizer_step(args: Args, learner: Learner, loss: float, has_groups: bool) 
         learner.optimizer.zero_grad(set_to_none=True)
     elif not fused:
         learner.optimizer.step()
-    learner.scheduler.step()
+    # A skipped step still counts in the schedule. When the run's first steps skip (every group dropped: the usual
+    # start on a hard data set), torch warns that the scheduler stepped before the optimizer: no mistake of the run.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before"))
+        learner.scheduler.step()
     return grad_norm_value, finite
 
 

@@ -456,6 +456,23 @@ def test_fsdp_reshard_and_fused_adamw_change_no_step(one_rank_group, base_model_
         torch.testing.assert_close(fused[k], weights[k], rtol=1e-5, atol=1e-6)
 
 
+def test_a_first_step_with_no_groups_steps_the_schedule_without_torchs_warning(one_rank_group, base_model_dir):
+    """A run whose first step had no group to train on (every group dropped as zero-variance: SmolLM2 on GSM8K's
+    start) printed torch's "Detected call of `lr_scheduler.step()` before `optimizer.step()`... you should call them in
+    the opposite order", which reads as the project's mistake. The skipped step counts in the schedule (a resume steps
+    it once per step), so the schedule moves, and the warning is not shown."""
+    import warnings
+
+    args = flags.Args(dtype="float32", lr=1e-3, adam_eps=1e-8, weight_decay=0.01, warmup_steps=4)
+    learner = train.make_learner(args, str(base_model_dir), torch.device("cpu"), 0)
+    warm_up_lr = learner.optimizer.param_groups[0]["lr"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train.optimizer_step(args, learner, 0.0, has_groups=False)
+    assert [str(w.message) for w in caught if "lr_scheduler" in str(w.message)] == []
+    assert learner.scheduler.last_epoch == 1 and learner.optimizer.param_groups[0]["lr"] > warm_up_lr
+
+
 def test_a_non_finite_step_changes_nothing_with_either_adamw_and_the_next_one_trains(one_rank_group,
                                                                                       base_model_dir):
     """optimizer_step skips a step whose loss or gradient is not finite. With PyTorch's default AdamW the host

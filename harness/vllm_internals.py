@@ -37,6 +37,9 @@ INTERNALS: tuple[Internal, ...] = (
     Internal("vllm.v1.engine.llm_engine:LLMEngine.engine_core", "_Replica: pause/resume, shutdown", instance=True),
     Internal("vllm.v1.engine.llm_engine:LLMEngine.step", "_Replica.run: one engine step at a time"),
     Internal("vllm.v1.engine.llm_engine:LLMEngine.add_request", "_Replica.handle: requests by id, with cache salt"),
+    Internal("vllm.entrypoints.llm:LLM.renderer", "_Replica.handle: the engine's inputs, rendered", instance=True),
+    Internal("vllm.renderers.base:BaseRenderer.render_cmpl", "_Replica.handle: token prompts as add_request takes them "
+             "(raw prompts are deprecated in 0.32)"),
     Internal("vllm.v1.engine.llm_engine:LLMEngine.has_unfinished_requests", "_Replica.run"),
     Internal("vllm.v1.engine.llm_engine:LLMEngine.reset_prefix_cache", "_Replica.weight_call: after an update"),
     Internal("vllm.v1.engine.core_client:SyncMPClient.call_utility", "pause_scheduler/resume_scheduler below"),

@@ -747,10 +747,11 @@ class _Replica:
 
     def handle(self, msg: tuple) -> None:
         kind = msg[0]
-        if kind == "add":
-            for rid, prompt_ids, salt, spec in msg[1]:
-                self.engine.add_request(rid, {"prompt_token_ids": prompt_ids, "cache_salt": salt},
-                                        self.sampling_params(spec))
+        if kind == "add":  # rendered as vLLM 0.32 asks (Renderer.render_cmpl), where raw prompts are deprecated
+            rendered = self.llm.renderer.render_cmpl([{"prompt_token_ids": prompt_ids, "cache_salt": salt}
+                                                      for _, prompt_ids, salt, _ in msg[1]]) if msg[1] else []
+            for (rid, _, _, spec), engine_input in zip(msg[1], rendered):
+                self.engine.add_request(rid, engine_input, self.sampling_params(spec))
         elif kind == "weights":  # one call of vLLM's weight-transfer API, relayed from the learner's trainer engine
             self.weight_call(msg[1], msg[2])
         elif kind == "debug":

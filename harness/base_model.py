@@ -424,27 +424,41 @@ def missing_model_dir(model: str) -> str | None:
 def model_dir_problems(model: str, on_gpu: bool = False) -> list[str]:
     """What keeps a local model directory from working here, in words (empty: nothing found). A hub name that is
     not a local path is checked for its config.json (`hub_config_problems`: the hub's answer, in one line) and its
-    attention head size; its other files are the hub's. A local path where nothing is: `missing_model_dir`."""
+    attention head size; its other files are the hub's, unless the hub is offline (HF_HUB_OFFLINE, as on CPU):
+    then the cache's copy is all a run will have, and its snapshot is checked as a directory is (a download cut
+    short was every rank's traceback). A local path where nothing is: `missing_model_dir`."""
     if missing := missing_model_dir(model):
         return [missing]
     path = Path(model).expanduser()
     if not path.exists():
         problems, cached = hub_config_problems(model), model_file(model, "config.json")
-        return problems if problems or cached is None else head_size_problems(model, cached, on_gpu)
+        if problems or cached is None:
+            return problems
+        import huggingface_hub.constants
+
+        if huggingface_hub.constants.is_offline_mode():
+            return _local_model_problems(model, cached.parent, on_gpu,
+                                         f" (offline: the Hugging Face cache's copy, {cached.parent})")
+        return head_size_problems(model, cached, on_gpu)
     if not path.is_dir():
         return [f"{model} is a file; expected a Hugging Face model directory (config.json, weights, tokenizer)"]
+    if not (path / "config.json").is_file():
+        return [no_model_config(model)]
+    return _local_model_problems(model, path, on_gpu)
+
+
+def _local_model_problems(model: str, path: Path, on_gpu: bool, where: str = "") -> list[str]:
+    """model_dir_problems of the directory `path` that holds `model`'s config.json (its own directory, or its
+    snapshot in the Hugging Face cache, `where` then saying so in the words about a file it lacks)."""
     if pointers := git_lfs_pointers(list(path.iterdir())):  # each would be "not safetensors", "not JSON", ...
         return [pointers]
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        return [no_model_config(model)]
     problems = []
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        problems.append(f"{model} has no weights (*.safetensors or *.bin)")
+        problems.append(f"{model}{where} has no weights (*.safetensors or *.bin)")
     problems += filter(None, [*map(safetensors_problem, sorted(path.glob("*.safetensors"))), missing_shards(path)])
     if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        problems.append(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json)")
-    problems += head_size_problems(model, config_file, on_gpu)
+        problems.append(f"{model}{where} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+    problems += head_size_problems(model, path / "config.json", on_gpu)
     if not problems and (why := tokenizer_problem(path)):  # the first prompt would be transformers' traceback
         problems.append(why)
     return problems

@@ -141,8 +141,7 @@ def test_a_hub_names_context_is_read_from_the_hugging_face_cache(base_model_dir,
     import huggingface_hub.constants
 
     snapshot = tmp_path / "hub" / "models--ORG--NAME" / "snapshots" / ("0" * 40)  # huggingface_hub's cache layout
-    snapshot.mkdir(parents=True)
-    shutil.copy(base_model_dir / "config.json", snapshot / "config.json")  # 256 positions
+    shutil.copytree(base_model_dir, snapshot)  # its config.json: 256 positions
     (tmp_path / "hub" / "models--ORG--NAME" / "refs").mkdir()
     (tmp_path / "hub" / "models--ORG--NAME" / "refs" / "main").write_text("0" * 40)
     assert base_model.model_positions("ORG/NAME") is None  # not in this machine's cache
@@ -164,6 +163,16 @@ def test_a_hub_names_context_is_read_from_the_hugging_face_cache(base_model_dir,
     run = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                          env={**env, "HF_HUB_CACHE": str(tmp_path / "hub"), "PYTHONPATH": str(REPO)})
     assert run.returncode == 0 and run.stdout.split() == ["True"], run.stderr
+    # Offline, the cache's copy is all a run will have: its snapshot is checked as a directory is (a download cut
+    # short was every rank's traceback); online, the hub gives what is missing
+    (snapshot / "model.safetensors").rename(tmp_path / "weights")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    assert base_model.model_dir_problems("ORG/NAME") == []
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert base_model.model_dir_problems("ORG/NAME") == [
+        f"ORG/NAME (offline: the Hugging Face cache's copy, {snapshot}) has no weights (*.safetensors or *.bin)"]
+    (tmp_path / "weights").rename(snapshot / "model.safetensors")
+    assert base_model.model_dir_problems("ORG/NAME") == []
     # vLLM's CPU attention has no kernel for a head size of 40: said before anything starts, as for a directory
     config = json.loads((snapshot / "config.json").read_text())
     (snapshot / "config.json").write_text(json.dumps({**config, "head_dim": 40}))

@@ -271,3 +271,9 @@ def run_torchrun(cmd: list[str], state: list[Path] = (), timeout: float = 600) -
 
 LFS_POINTER = ("version https://git-lfs.github.com/spec/v1\noid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258d"
                "aaa5e2ca24d17e2393\nsize 1234567\n")  # what a hub clone made without git-lfs holds for a large file
+
+
+def rank_lines(stderr: str, text: str) -> int:
+    """How many lines of a torchrun run's stderr that the ranks printed hold `text`: torchrun's failure summary,
+    whose root cause repeats the error line a rank stopped on (harness/cli.torchrun_error_file), is not theirs."""
+    return sum(text in line for line in stderr.splitlines() if not line.startswith("  traceback : "))

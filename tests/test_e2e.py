@@ -22,7 +22,8 @@ import torch
 
 from harness import checkpoints, flags
 from train import LOSSES  # --loss's table
-from helpers import REPO, TORCHRUN, assert_same_gradient, at_once, metrics_rows, run_torchrun, why_failed
+from helpers import (REPO, TORCHRUN, assert_same_gradient, at_once, metrics_rows, rank_lines, run_torchrun,
+                     why_failed)
 
 
 @pytest.fixture(scope="module")
@@ -888,7 +889,8 @@ def test_a_remote_replica_that_never_joins_is_one_line_once_under_torchrun(evalu
     beside test_evaluate_prints_pass_at_k_of_the_base_model's command: evaluate_and_unjoined_runs.)"""
     run, out = evaluate_and_unjoined_runs["unjoined"], evaluate_and_unjoined_runs["out"]
     assert run.returncode != 0
-    assert run.stderr.count("train.py: error:") == 1, run.stderr[-3000:]
+    assert rank_lines(run.stderr, "train.py: error:") == 1, run.stderr[-3000:]
+    assert "\n  traceback : train.py: error: " in run.stderr, run.stderr[-3000:]  # torchrun's summary names it too
     assert "replica 0 (remote) never connected to" in run.stderr
     assert 'train.py", line' not in run.stderr and "Connection closed by peer" not in run.stderr, run.stderr[-3000:]
     assert not out.exists()
@@ -922,7 +924,7 @@ def test_a_reward_timeout_shorter_than_the_math_verify_start_is_one_line_before_
     evaluate = subprocess.CompletedProcess(evaluate_cmd, evaluating.returncode, logs[0].read_text(),
                                            logs[1].read_text())
     assert run.returncode != 0
-    assert run.stderr.count("train.py: error:") == 1, run.stderr[-3000:]
+    assert rank_lines(run.stderr, "train.py: error:") == 1, run.stderr[-3000:]
     assert re.search(r"\ntrain.py: error: generator process failed during start: --reward-timeout 0.5 s is shorter "
                      r"than the math-verify server's start \(\d+\.\d s, measured as this run started\) plus one "
                      r"answer's bound \(1 s\): .* raise --reward-timeout to at least \d+ s\n",
@@ -941,7 +943,7 @@ def test_bad_data_rows_are_named_once_without_a_traceback(tmp_path, base_model_d
     out = tmp_path / "run"
     run = _train(out, "--dataset", str(data), "--max-steps", "2", *SHORT, timeout=300, retry=False)
     assert run.returncode != 0
-    assert run.stderr.count("bad.jsonl: 2 bad rows") == 1, run.stderr[-3000:]  # printed by rank 0 only
+    assert rank_lines(run.stderr, "bad.jsonl: 2 bad rows") == 1, run.stderr[-3000:]  # printed by rank 0 only
     assert "bad.jsonl line 2: not JSON" in run.stderr and "bad.jsonl line 3: field 'question'" in run.stderr
     assert 'train.py", line' not in run.stderr  # no traceback of ours (torchrun adds its own summary)
     assert not out.exists()

@@ -352,26 +352,34 @@ def test_a_model_directory_with_cut_short_or_empty_weights_is_one_line_before_an
     assert base_model.model_dir_problems(str(base_model.BASE_MODEL_DIR)) == []
 
 
+def refused_at_the_check(model: Path, tmp_path: Path, capsys) -> str:
+    """The one problem model_dir_problems finds in `model`, checked to be train.py's one error line at its flags'
+    check, before any rank loads the model."""
+    from harness import flags
+
+    problems = base_model.model_dir_problems(str(model))
+    assert len(problems) == 1, problems
+    with pytest.raises(SystemExit) as exit_info:
+        flags.parse_args(["--model", str(model), "--output-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and f"error: --model {problems[0]}" in capsys.readouterr().err
+    return problems[0]
+
+
 def test_a_model_cloned_without_git_lfs_is_named_so(tmp_path, capsys):
     """A hub model cloned without git-lfs holds ~130-byte pointer files in place of its weights (and of a large
     tokenizer.json): each was "not a readable safetensors file (header too large)", or transformers' JSON error, which
     sent a user hunting a corrupt download. Named as pointers, with the command that fetches the files."""
     import shutil
 
-    from harness import flags
     from helpers import LFS_POINTER
 
     model = tmp_path / "Qwen3-0.6B"
     shutil.copytree(base_model.BASE_MODEL_DIR, model)
     for name in ("model.safetensors", "tokenizer.json"):
         (model / name).write_text(LFS_POINTER)
-    problems = base_model.model_dir_problems(str(model))
-    assert problems == [f"{model / 'model.safetensors'}, {model / 'tokenizer.json'} are Git LFS pointers, not the "
-                        "file itself: the repository was cloned without git-lfs; run `git lfs install && git lfs "
-                        "pull` in the clone"]
-    with pytest.raises(SystemExit) as exit_info:
-        flags.parse_args(["--model", str(model), "--output-dir", str(tmp_path / "out")])
-    assert exit_info.value.code == 2 and f"error: --model {problems[0]}" in capsys.readouterr().err
+    assert refused_at_the_check(model, tmp_path, capsys) == (
+        f"{model / 'model.safetensors'}, {model / 'tokenizer.json'} are Git LFS pointers, not the file itself: the "
+        "repository was cloned without git-lfs; run `git lfs install && git lfs pull` in the clone")
 
 
 def test_a_model_whose_tokenizer_cannot_template_is_one_line_before_any_rank_loads_it(tmp_path, capsys, monkeypatch):
@@ -381,24 +389,21 @@ def test_a_model_whose_tokenizer_cannot_template_is_one_line_before_any_rank_loa
     tokenizer file cut short (transformers' JSONDecodeError named no file), with the file named."""
     import shutil
 
-    from harness import flags, tasks
+    from harness import tasks
 
     model = tmp_path / "base-without-template"
     shutil.copytree(base_model.BASE_MODEL_DIR, model)
     (model / "chat_template.jinja").unlink()
     assert "chat_template" not in json.loads((model / "tokenizer_config.json").read_text())
-    problems = base_model.model_dir_problems(str(model))
-    assert problems == [f"{model}: its tokenizer has no chat template, and every prompt is chat-templated (the user "
-                        "turn, then the assistant's header): give an instruct model or one whose base has a template "
-                        "(Qwen3's), or save a template into it (chat_template.jinja)"]
-    with pytest.raises(SystemExit) as exit_info:
-        flags.parse_args(["--model", str(model), "--output-dir", str(tmp_path / "out")])
-    assert exit_info.value.code == 2 and f"error: --model {problems[0]}" in capsys.readouterr().err
+    problem = refused_at_the_check(model, tmp_path, capsys)
+    assert problem == (f"{model}: its tokenizer has no chat template, and every prompt is chat-templated (the user "
+                       "turn, then the assistant's header): give an instruct model or one whose base has a template "
+                       "(Qwen3's), or save a template into it (chat_template.jinja)")
     monkeypatch.setattr(tasks, "sample_completions", lambda *a: pytest.fail("vLLM was started"))
     with pytest.raises(SystemExit) as exit_info:
         tasks.main(["sample", "--model", str(model), "--out", str(tmp_path / "s.jsonl"), "--dataset",
                     str(tasks.REPO_DIR / "tests" / "data" / "gsm8k_small.jsonl")])
-    assert exit_info.value.code == 2 and capsys.readouterr().err.endswith(f"--model {problems[0]}\n")
+    assert exit_info.value.code == 2 and capsys.readouterr().err.endswith(f"--model {problem}\n")
     shutil.copy(base_model.BASE_MODEL_DIR / "chat_template.jinja", model)
     assert base_model.model_dir_problems(str(model)) == []
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -421,8 +426,6 @@ def test_a_sharded_model_missing_a_weight_file_is_one_line_before_any_rank_loads
 
     from transformers import AutoModelForCausalLM
 
-    from harness import flags
-
     model = tmp_path / "sharded"
     AutoModelForCausalLM.from_pretrained(base_model.BASE_MODEL_DIR).save_pretrained(model, max_shard_size="200KB")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -431,12 +434,9 @@ def test_a_sharded_model_missing_a_weight_file_is_one_line_before_any_rank_loads
     assert len(shards) > 4 and base_model.model_dir_problems(str(model)) == []
     for shard in shards[2:6]:
         shard.unlink()
-    problems = base_model.model_dir_problems(str(model))
-    assert problems == [f"{model}: 4 of the {len(shards)} weight files its index names are missing "
-                        f"({', '.join(s.name for s in shards[2:5])}, ...): a download cut short? Fetch them again"]
-    with pytest.raises(SystemExit) as exit_info:
-        flags.parse_args(["--model", str(model), "--output-dir", str(tmp_path / "out")])
-    assert exit_info.value.code == 2 and f"error: --model {problems[0]}" in capsys.readouterr().err
+    assert refused_at_the_check(model, tmp_path, capsys) == (
+        f"{model}: 4 of the {len(shards)} weight files its index names are missing "
+        f"({', '.join(s.name for s in shards[2:5])}, ...): a download cut short? Fetch them again")
     (model / "model.safetensors.index.json").write_text('{"weight_map": ')
     assert base_model.model_dir_problems(str(model))[0].startswith(
         f"{model / 'model.safetensors.index.json'}: not a readable index of the weight files (JSONDecodeError: ")

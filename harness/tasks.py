@@ -389,7 +389,7 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
     if not is_local_data_file(name_or_path):
         import datasets
 
-        label = f"{name_or_path}{f' ({config})' if config else ''}:{split}"
+        label = _split_label(name_or_path, split, config)
         try:
             hub_rows = datasets.load_dataset(name_or_path, config, split=split)
         except (ConnectionError, FileNotFoundError) as e:  # offline: ConnectionError; online: DatasetNotFoundError
@@ -426,6 +426,11 @@ def read_rows(name_or_path: str, split: str = "train", config: str | None = None
     return _some_rows(rows, data)
 
 
+def _split_label(source: str, split: str, config: str | None) -> str:
+    """How a split of a hub set or a directory is named in messages and row names: "openai/gsm8k (main):train"."""
+    return f"{source}{f' ({config})' if config else ''}:{split}"
+
+
 def _datasets_words(error: ValueError, label: str) -> Exception:
     """datasets' ValueError for a split or a configuration the set does not have, as one line naming the set (a
     DataConfigError, whose caller names its flag); any other ValueError as it came."""
@@ -448,6 +453,7 @@ def _directory_rows(path: Path, split: str, config: str | None = None) -> DataRo
     README alone, so a second clone of that name (another version, an edited copy) was given the first one's rows."""
     import datasets
 
+    label = _split_label(str(path), split, config)
     if glob.has_magic(resolved := path.resolve().as_posix()):  # datasets globs below it: it would find no file
         raise DataFileError(f"{path}: its path ({resolved}) holds *, ? or [, and datasets reads a directory's path "
                             "as a pattern, which matches other directories or none: rename it, or give a file")
@@ -457,11 +463,11 @@ def _directory_rows(path: Path, split: str, config: str | None = None) -> DataRo
         raise DataFileError(f"{path}: a directory with no data files (data files are "
                             f"{', '.join(_LOCAL_SUFFIXES)})") from None
     except ValueError as e:  # a clone's configuration missing (its README names several) or not one of its own
-        raise _datasets_words(e, f"{path}{f' ({config})' if config else ''}:{split}") from None
+        raise _datasets_words(e, label) from None
     if split not in files:
         raise DataFileError(f"{path}: no {split} split among its data files (it has {', '.join(map(str, files))}: "
                             f"name a file {split}*, or give the file itself)")
-    rows = DataRows(f"{path}{f' ({config})' if config else ''}:{split}")
+    rows = DataRows(label)
     for file in files[split]:
         rows.rows += [(len(rows.rows) + i, where, row) for i, where, row in read_rows(str(file)).rows]
     return rows

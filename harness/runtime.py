@@ -211,8 +211,9 @@ def set_up(args: Args) -> Iterator[Setup]:
     try:  # until the first metrics row, a failure leaves the output directory as it was found
         # Data and model (without --model: the base model shipped with the repository).
         setup.task, setup.test_task = _data(args, is_main)
+        setup.data_digest = tasks.data_digest(setup.task, setup.test_task)
         if args.resume and (newest := newest_trainer_state(out)) is not None:  # before the learner is built
-            _refuse_changed_data(args, out, newest, tasks.data_digest(setup.task, setup.test_task), rank)
+            _refuse_changed_data(args, out, newest, setup.data_digest, rank)
         setup.model_path = _model_path(args, is_main)
         resolve_defaults(args, args.model is None, device.type == "cuda")
         yield setup
@@ -246,6 +247,7 @@ class Setup:
     model_path: str = ""  # --model, or the embedded base model
     task: Any = None
     test_task: Any = None
+    data_digest: str = ""  # tasks.data_digest of task and test_task, kept in the run's checkpoints
     generator: Any = None  # rank 0, once train.py has started it (set_up closes it, however the run ends)
     problems: tuple[list, list] | None = None  # evaluation_problems', once asked for
     log: MetricsLog | None = None  # rank 0, once begin has opened metrics.jsonl
@@ -253,7 +255,7 @@ class Setup:
     def resume(self, learner: Any) -> TrainerState:
         """The TrainerState the loop starts from: a fresh one, or with --resume the checkpoint's, its weights and
         optimizer loaded into `learner` and the warm-up schedule stepped to where it was."""
-        return _resumed_state(self.args, self.out, learner, self.rank, tasks.data_digest(self.task, self.test_task))
+        return _resumed_state(self.args, self.out, learner, self.rank, self.data_digest)
 
     def check_generator(self, max_tokens: int, max_model_len: int) -> None:
         """Rank 0, before the generator starts (train.py's start_generator): on a GPU, where everything goes and how

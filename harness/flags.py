@@ -792,6 +792,35 @@ def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -
     return plan.problems()
 
 
+def host_memory_problems(args: Args, num_gpus: int) -> list[str]:
+    """On CPU, this node's replicas' KV caches (vllm_replica.cpu_kv_cache_bytes each) against the host memory
+    available now: vLLM checks one engine's cache against what is free as that engine starts, so replicas that start
+    together each pass, then take more than there is between them. A VLLM_CPU_KVCACHE_SPACE vLLM would not read is
+    one line too. The weights and the learner are not counted: this refuses only what cannot fit at all."""
+    if num_gpus:
+        return []
+    import psutil  # here, not at the top: vLLM's dependency, asked only on CPU
+
+    model, context, replicas = args.model or str(base_model.BASE_MODEL_DIR), model_context(args), \
+        local_replicas(args, 0)
+    try:
+        each = vllm_replica.cpu_kv_cache_bytes(model, compute_dtype(args, on_gpu=False), context)
+        setting = vllm_replica.cpu_kv_cache_setting()
+    except ValueError as e:
+        return [str(e)]
+    available = psutil.virtual_memory().available
+    if replicas * each <= available:
+        return []
+    gib = memory_plan.gib
+    why, remedy = ((f"VLLM_CPU_KVCACHE_SPACE's {setting >> 30}", " or a smaller VLLM_CPU_KVCACHE_SPACE" if
+                    setting > 1 << 30 else "") if each == setting
+                   else (f"one sequence of {context} tokens of {args.model or 'the tiny model'} in {gib(each)}",
+                         " or a lower --max-tokens or --max-model-len"))
+    return [f"the generator's KV caches alone take {gib(replicas * each)} GiB of host memory ({replicas} replica(s), "
+            f"each holding {why} GiB), and this machine has {gib(available)} GiB available: fewer --gen-replicas"
+            f"{remedy}"]
+
+
 def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory: int,
                         shares_gpu: bool = False) -> memory_plan.MemoryPlan:
     """The memory plan of this run's learner on `learner_ranks` GPUs of `gpu_memory` bytes, `config` being the
@@ -910,6 +939,7 @@ def parse_args(argv: list[str] | None = None, evaluating: bool = False,
     if not problems and not evaluating:  # evaluating trains nothing: no learner to fit
         problems = memory_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                    int(os.environ.get("WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        problems += host_memory_problems(args, torch.cuda.device_count())
     if problems:
         parser.error("; ".join(problems))
     return args

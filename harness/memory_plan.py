@@ -8,6 +8,8 @@ GPU. It holds:
   - SHAPES and `shape_config`: the configs of a few real models, written here so that neither the plan nor a
     benchmark's random-weight model needs a download;
   - `parameter_counts`: a dense decoder's parameters from its config, without building the model;
+  - `kv_cache_bytes_per_token`: what vLLM's KV cache holds per token (harness/vllm_replica.py sizes a CPU
+    replica's cache by it, harness/flags.py checks the replicas' caches against host memory);
   - `activation_bytes_per_token_layer`: what backward keeps of one decoder layer, per token;
   - `Layout` (the flags and the machine the plan depends on), `estimate` and `plan_memory` -> `MemoryPlan`, whose
     `problems()` say, when it does not fit, which flags would make it fit, in order of cost.
@@ -111,6 +113,14 @@ def parameter_counts(config: Any) -> ParameterCounts:
     layer = attention + mlp + 2 * h  # two RMSNorms: before attention and before the MLP
     return ParameterCounts(embedding=v * h, layer=layer, layers=config.num_hidden_layers, final_norm=h,
                            head=0 if config.tie_word_embeddings else v * h)
+
+
+def kv_cache_bytes_per_token(config: Any, dtype_bytes: int) -> int:
+    """Bytes of vLLM's KV cache per token of a sequence: a key and a value of head_dim for every KV head of every
+    layer. A decoder whose layers all attend to the whole context holds this; one with sliding-window or other
+    layers holds less, so it bounds them."""
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * _head_dim(config) * dtype_bytes
 
 
 def activation_bytes_per_token_layer(config: Any, dtype_bytes: int) -> int:

@@ -69,7 +69,7 @@ VLLM_CPU_ENV = {
     "TORCHDYNAMO_DISABLE": "1",  # first generate call ~37 s -> ~1.4 s on CPU
     "VLLM_HOST_IP": "127.0.0.1",
     "HF_HUB_OFFLINE": "1",  # no model-hub access on these machines; local paths still work
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; plenty for the tiny model
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; a replica takes more for a longer context (vllm_replica.cpu_kv_cache_bytes)
     "TOKENIZERS_PARALLELISM": "false",
     # vLLM's engine inside the process that calls LLM(), not in an engine process and a worker process of its own:
     # one import of vLLM instead of three, and `build-base`'s measurement of the tiny model took 13 s instead of

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 import numpy as np
 import torch
 
-from harness import tasks, vllm_internals, wire  # vllm_internals imports no vLLM until a call needs it
+from harness import memory_plan, tasks, vllm_internals, wire  # vllm_internals imports no vLLM until a call needs it
 from harness.cli import OneLineParser, int_at_least, number  # one error line for a bad flag; argparse types
 from harness.cli import torchrun_error_file  # what ended a torchrun worker, for torchrun's failure summary
 from harness.cli import quiet_if_reader_gone  # a closed stdout (`| head`) ends a process quietly
@@ -584,6 +584,33 @@ TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                   "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
+def cpu_kv_cache_bytes(model: str, dtype: str | None, max_model_len: int) -> int:
+    """Host memory for the KV cache of one replica on CPU, given to vLLM as `kv_cache_memory_bytes`: the
+    VLLM_CPU_KVCACHE_SPACE GiB of the environment (vLLM's own setting; tasks.VLLM_CPU_ENV makes it 1 unless the user
+    set it), or more where one sequence of `max_model_len` tokens of `model` needs more: vLLM refuses to start an
+    engine that cannot hold one ("To serve at least one request ..."), with advice for a GPU. The need is a key and a
+    value per KV head of every layer (memory_plan.kv_cache_bytes_per_token, in the generator's dtype; float32 when
+    None), for the context and two of vLLM's blocks of up to 256 tokens: the last one filled in part, and the one
+    vLLM holds back. A config that does not read leaves the environment's size, and vLLM to say what is wrong."""
+    from transformers import AutoConfig  # here, not at the top: a replica on a GPU does not ask
+
+    setting = cpu_kv_cache_setting()
+    try:
+        config = AutoConfig.from_pretrained(model).get_text_config()
+        per_token = memory_plan.kv_cache_bytes_per_token(config, DTYPES.get(dtype, torch.float32).itemsize)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return setting
+    return max(setting, per_token * (max_model_len + 2 * 256))
+
+
+def cpu_kv_cache_setting() -> int:
+    """VLLM_CPU_KVCACHE_SPACE in bytes (1 GiB where it is not set); a value vLLM would not read raises ValueError."""
+    setting = os.environ.get("VLLM_CPU_KVCACHE_SPACE") or tasks.VLLM_CPU_ENV["VLLM_CPU_KVCACHE_SPACE"]
+    if not setting.strip().isdigit() or int(setting) < 1:
+        raise ValueError(f"VLLM_CPU_KVCACHE_SPACE={setting}: vLLM reads a whole number of GiB, at least 1")
+    return int(setting) << 30
+
+
 def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
     """The arguments of replica `replica`'s `vllm.LLM` (each replica samples with a seed of its own); `cfg` is a
     harness/fleet.py's ReplicaSettings. vLLM finds our classes by the names of this module."""
@@ -613,7 +640,8 @@ def vllm_engine_kwargs(cfg: Any, replica: int = 0) -> dict[str, Any]:
     else:  # every request is seeded (pipeline_rl.sampling_seed); vLLM rewinds a seeded request's generator after a
         # chunk of its prefill (Generator.set_offset), which a CPU generator cannot do: "CPU Generator does not use
         # offset". Whole prefills only, then, in steps of at least one full sequence.
-        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, cfg.max_model_len))
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, cfg.max_model_len),
+                      kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg.model, cfg.dtype, cfg.max_model_len))
     if cfg.max_num_seqs:
         kwargs["max_num_seqs"] = cfg.max_num_seqs
     return kwargs
@@ -683,7 +711,10 @@ class _Replica:
     def init_engine(self) -> dict:
         from vllm import LLM
 
-        self.llm = LLM(**vllm_engine_kwargs(self.cfg, self.id))
+        kwargs = vllm_engine_kwargs(self.cfg, self.id)
+        if "kv_cache_memory_bytes" in kwargs:  # its size holds VLLM_CPU_KVCACHE_SPACE, which vLLM lets override it
+            os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()  # texts are decoded once a completion ends (completion_text)
         self.llm.update_weight_version(str(self.version))

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 
@@ -286,6 +287,41 @@ def test_the_models_positions_are_read_as_vllm_derives_them(tmp_path):
 # The generator's fields whose flag starts unset and is resolved at start-up (the model directory, dtype by device,
 # the context by model, the replicas by --gen-devices), so its default differs from GeneratorConfig's on purpose.
 RESOLVED_AT_START = {"model", "dtype", "max_model_len", "replicas"}
+
+
+def test_replicas_whose_kv_caches_cannot_fit_the_host_are_one_line_before_anything_starts(base_model_dir, tmp_path,
+                                                                                          capsys, monkeypatch):
+    """On CPU each replica takes its KV cache whole as its engine starts (vllm_replica.cpu_kv_cache_bytes), and vLLM
+    checks it against the memory free at that moment only: replicas that start together each pass, then take more
+    than there is between them. What this node's replicas take is refused against what is available, in one line
+    that says what decided each one's size; a VLLM_CPU_KVCACHE_SPACE vLLM would not read is one line too."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=3 << 30))  # 3 GiB free
+    assert flags.host_memory_problems(flags.Args(gen_replicas=3), num_gpus=0) == []
+    assert flags.host_memory_problems(flags.Args(gen_replicas=4), num_gpus=8) == []  # a GPU's replicas: not here
+    with pytest.raises(SystemExit):
+        train.main(["--gen-replicas", "4", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert ("the generator's KV caches alone take 4.0 GiB of host memory (4 replica(s), each holding "
+            "VLLM_CPU_KVCACHE_SPACE's 1 GiB), and this machine has 3.0 GiB available: fewer --gen-replicas") in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists(), err
+    model = tmp_path / "wide-kv"  # 32 KV heads of 128 in 8 layers: 256 KiB a token in float32
+    shutil.copytree(base_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                  max_position_embeddings=16384)
+    (model / "config.json").write_text(json.dumps(config))
+    problems = flags.host_memory_problems(flags.Args(model=str(model), max_tokens=6000, gen_replicas=2), num_gpus=0)
+    assert problems == ["the generator's KV caches alone take 3.4 GiB of host memory (2 replica(s), each holding one "
+                        f"sequence of 6512 tokens of {model} in 1.7 GiB), and this machine has 3.0 GiB available: "
+                        "fewer --gen-replicas or a lower --max-tokens or --max-model-len"]
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert "or a smaller VLLM_CPU_KVCACHE_SPACE" in flags.host_memory_problems(flags.Args(gen_replicas=2), 0)[0]
+    for setting in ("1.5", "0", "one"):
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", setting)
+        assert flags.host_memory_problems(flags.Args(), num_gpus=0) == [
+            f"VLLM_CPU_KVCACHE_SPACE={setting}: vLLM reads a whole number of GiB, at least 1"]
 
 
 def test_the_flags_the_generator_shares_take_its_defaults():

@@ -93,6 +93,15 @@ def test_hand_checked_parts_of_a_tiny_config():
     assert plan.total == sum(plan.gpu.values()) + plan.margin and plan.fits() and plan.problems() == []
 
 
+def test_the_kv_cache_of_a_token_is_a_key_and_a_value_per_kv_head_of_every_layer():
+    """Hand-computed; tests/test_pipeline_rl.py checks the same count against vLLM's own KV cache specs."""
+    assert mp.kv_cache_bytes_per_token(mp.shape_config("qwen3-8b"), 2) == 36 * 8 * 128 * 2 * 2 == 147456  # bf16
+    assert mp.kv_cache_bytes_per_token(mp.shape_config("smollm2-135m"), 4) == 30 * 3 * 64 * 2 * 4 == 46080
+    # no head_dim in the config: hidden_size / heads; no num_key_value_heads: one KV head per query head
+    assert mp.kv_cache_bytes_per_token(LlamaConfig(hidden_size=128, num_attention_heads=2, num_hidden_layers=4,
+                                                   head_dim=None, num_key_value_heads=None), 4) == 4 * 2 * 64 * 2 * 4
+
+
 def test_a_shared_gpu_counts_vllm_outside_its_share_and_a_push_counts_rank_0s_host_memory():
     """vLLM's gpu_memory_utilization budget leaves out its worker's CUDA context and the layer a weight reload
     builds before copying it in; a push casts the gathered weights on the GPU and keeps them there for NCCL, in the

@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -294,6 +295,44 @@ def test_config_validation_and_device_split():
     assert vllm_replica.split_devices(None, 2) == ([0, 1], [])
     with pytest.raises(ValueError):
         vllm_replica.split_devices("8", 8)
+
+
+def test_a_cpu_replicas_kv_cache_holds_one_sequence_of_its_context_as_vllm_counts_it(base_model_dir, tmp_path,
+                                                                                     monkeypatch):
+    """vLLM on CPU refuses to start an engine whose KV cache cannot hold one sequence of max_model_len ("To serve at
+    least one request ...", advising gpu_memory_utilization, a GPU's setting), and the 1 GiB of VLLM_CPU_KVCACHE_SPACE
+    holds 3,968 tokens of a model with 32 KV heads of 128 in each of 8 layers: a context of 6,512 did not start. Each
+    replica's cache (cpu_kv_cache_bytes, given as vLLM's kv_cache_memory_bytes) holds what vLLM's own accounting asks
+    for one sequence (the model's KV cache specs as its engine builds them, max_memory_usage_bytes, and the block it
+    holds back), and is the environment's 1 GiB where that is more; the environment's size is never cut."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.kv_cache_utils import max_memory_usage_bytes
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    model = tmp_path / "wide-kv"
+    shutil.copytree(base_model_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))  # a config is all it needs
+    config = json.loads((model / "config.json").read_text())
+    config.update(num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                  max_position_embeddings=16384)
+    (model / "config.json").write_text(json.dumps(config))
+    settings = fleet.ReplicaSettings(model=str(model), max_model_len=6512)
+    kwargs = vllm_replica.vllm_engine_kwargs(settings)  # the replica's
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"  # set, vLLM's legacy setting overrides the argument ...
+    assert EngineArgs(**kwargs).create_engine_config().cache_config.kv_cache_memory_bytes == 1 << 30
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")  # ... which is why the replica unsets it (_Replica.init_engine)
+    for context, more in ((6512, True), (2048, False)):
+        settings = fleet.ReplicaSettings(model=str(model), max_model_len=context)
+        engine = EngineArgs(**vllm_replica.vllm_engine_kwargs(settings)).create_engine_config()
+        model_config, parallel = engine.model_config, engine.parallel_config
+        spec = FullAttentionSpec(block_size=engine.cache_config.block_size, dtype=torch.float32,
+                                 num_kv_heads=model_config.get_num_kv_heads(parallel),
+                                 head_size=model_config.get_head_size())
+        layers = [spec] * model_config.get_num_layers(parallel)
+        needed = max_memory_usage_bytes(engine, layers) + spec.page_size_bytes * len(layers)  # + the held-back block
+        given = engine.cache_config.kv_cache_memory_bytes
+        assert given == vllm_replica.cpu_kv_cache_bytes(str(model), "float32", context)
+        assert given >= needed and (needed > 1 << 30) == more and given >= 1 << 30, (context, given, needed)
+    assert vllm_replica.cpu_kv_cache_bytes(str(tmp_path / "no-model"), "float32", 6512) == 1 << 30  # vLLM says why
 
 
 def test_engine_arguments():

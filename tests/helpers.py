@@ -127,6 +127,18 @@ def tied_llama(out: Path) -> Path:
     return out
 
 
+def wide_kv_model(base_model_dir: Path, out: Path) -> Path:
+    """The tiny model's directory without its weights, its config made of 8 layers of 32 KV heads of 128: 256 KiB of
+    KV cache a token in float32, so that 1 GiB holds 3,968 tokens of it in vLLM (a config is all the KV cache's
+    size is read from)."""
+    shutil.copytree(base_model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((out / "config.json").read_text())
+    config.update(num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
+                  max_position_embeddings=16384)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
 def saved_run(out: Path, steps: tuple[int, ...] = (1, 2), size: int = 4) -> tuple:
     """A run directory with a checkpoint per step of `steps` (a Linear layer and its AdamW state), its args.json and
     a metrics row per step. Returns (model, optimizer)."""

@@ -16,7 +16,7 @@ import pytest
 import pipeline_rl as pl
 import train
 from harness import base_model, checkpoints, flags, fleet, vllm_replica
-from helpers import REPO
+from helpers import REPO, wide_kv_model
 
 
 def test_help_explains_every_flag(capsys):
@@ -306,12 +306,7 @@ def test_replicas_whose_kv_caches_cannot_fit_the_host_are_one_line_before_anythi
     assert ("the generator's KV caches alone take 4.0 GiB of host memory (4 replica(s), each holding "
             "VLLM_CPU_KVCACHE_SPACE's 1 GiB), and this machine has 3.0 GiB available: fewer --gen-replicas") in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists(), err
-    model = tmp_path / "wide-kv"  # 32 KV heads of 128 in 8 layers: 256 KiB a token in float32
-    shutil.copytree(base_model_dir, model)
-    config = json.loads((model / "config.json").read_text())
-    config.update(num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
-                  max_position_embeddings=16384)
-    (model / "config.json").write_text(json.dumps(config))
+    model = wide_kv_model(base_model_dir, tmp_path / "wide-kv")  # 256 KiB of KV cache a token
     problems = flags.host_memory_problems(flags.Args(model=str(model), max_tokens=6000, gen_replicas=2), num_gpus=0)
     assert problems == ["the generator's KV caches alone take 3.4 GiB of host memory (2 replica(s), each holding one "
                         f"sequence of 6512 tokens of {model} in 1.7 GiB), and this machine has 3.0 GiB available: "

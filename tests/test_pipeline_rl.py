@@ -14,7 +14,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,7 +29,7 @@ import torch
 
 import pipeline_rl as pl
 from harness import fleet, tasks, vllm_replica, wire
-from helpers import REPO, run_where
+from helpers import REPO, run_where, wide_kv_model
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -309,12 +308,7 @@ def test_a_cpu_replicas_kv_cache_holds_one_sequence_of_its_context_as_vllm_count
     from vllm.v1.core.kv_cache_utils import max_memory_usage_bytes
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    model = tmp_path / "wide-kv"
-    shutil.copytree(base_model_dir, model, ignore=shutil.ignore_patterns("*.safetensors"))  # a config is all it needs
-    config = json.loads((model / "config.json").read_text())
-    config.update(num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
-                  max_position_embeddings=16384)
-    (model / "config.json").write_text(json.dumps(config))
+    model = wide_kv_model(base_model_dir, tmp_path / "wide-kv")
     settings = fleet.ReplicaSettings(model=str(model), max_model_len=6512)
     kwargs = vllm_replica.vllm_engine_kwargs(settings)  # the replica's
     assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1"  # set, vLLM's legacy setting overrides the argument ...

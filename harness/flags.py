@@ -792,33 +792,48 @@ def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -
     return plan.problems()
 
 
-def host_memory_problems(args: Args, num_gpus: int) -> list[str]:
-    """On CPU, this node's replicas' KV caches (vllm_replica.cpu_kv_cache_bytes each) against the host memory
-    available now: vLLM checks one engine's cache against what is free as that engine starts, so replicas that start
-    together each pass, then take more than there is between them. A VLLM_CPU_KVCACHE_SPACE vLLM would not read is
-    one line too. The weights and the learner are not counted: this refuses only what cannot fit at all."""
+def host_memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -> list[str]:
+    """On CPU, what this node's processes hold at once at the least, against the host memory available now: the
+    learner's float32 weights, gradients and AdamW moments at its optimizer step (16 bytes a parameter, sharded over
+    the `world` ranks, `learner_ranks` of them here; 4 more for --kl-coef's reference model), and each replica's
+    weights in the generator's dtype and its KV cache (vllm_replica.cpu_kv_cache_bytes), which vLLM takes whole as
+    its engine starts, checking it against what is free at that moment only. Activations, the model's load on rank 0
+    and the weight push come on top: this refuses what cannot fit at all, in one line with its parts, before the
+    kernel's out-of-memory killer ends a rank ("Signal 9" in torchrun's summary). A VLLM_CPU_KVCACHE_SPACE vLLM
+    would not read is one line too. The parameters are read from the safetensors headers (none: only the caches)."""
     if num_gpus:
         return []
     import psutil  # here, not at the top: vLLM's dependency, asked only on CPU
 
     model, context, replicas = args.model or str(base_model.BASE_MODEL_DIR), model_context(args), \
         local_replicas(args, 0)
+    dtype = compute_dtype(args, on_gpu=False)
     try:
-        each = vllm_replica.cpu_kv_cache_bytes(model, compute_dtype(args, on_gpu=False), context)
+        kv_cache = vllm_replica.cpu_kv_cache_bytes(model, dtype, context)
         setting = vllm_replica.cpu_kv_cache_setting()
     except ValueError as e:
         return [str(e)]
-    available = psutil.virtual_memory().available
-    if replicas * each <= available:
+    config = base_model.model_file(model, "config.json")
+    try:
+        params = base_model.count_parameters(config.parent) if config is not None else 0
+    except Exception:  # noqa: BLE001 (safetensors' SafetensorError, an unreadable file): the loaders will say
+        params = 0
+    learner = math.ceil(params * (20 if args.kl_coef > 0 else 16) / world) * learner_ranks
+    weights = params * vllm_replica.DTYPES[dtype].itemsize
+    needed, available = learner + replicas * (weights + kv_cache), psutil.virtual_memory().available
+    if needed <= available:
         return []
     gib = memory_plan.gib
-    why, remedy = ((f"VLLM_CPU_KVCACHE_SPACE's {setting >> 30}", " or a smaller VLLM_CPU_KVCACHE_SPACE" if
-                    setting > 1 << 30 else "") if each == setting
-                   else (f"one sequence of {context} tokens of {args.model or 'the tiny model'} in {gib(each)}",
-                         " or a lower --max-tokens or --max-model-len"))
-    return [f"the generator's KV caches alone take {gib(replicas * each)} GiB of host memory ({replicas} replica(s), "
-            f"each holding {why} GiB), and this machine has {gib(available)} GiB available: fewer --gen-replicas"
-            f"{remedy}"]
+    cache = (f"VLLM_CPU_KVCACHE_SPACE's {setting >> 30} GiB" if kv_cache == setting else
+             f"one sequence of {context} tokens of {args.model or 'the tiny model'}")
+    remedies = ["a smaller model"] * (learner + replicas * weights > needed / 2) + ["fewer --gen-replicas"] * (
+        replicas > 1)  # then what sized the caches
+    remedies += (["a smaller VLLM_CPU_KVCACHE_SPACE"] * (setting > 1 << 30) if kv_cache == setting else
+                 ["a lower --max-tokens or --max-model-len"])
+    return [f"this node's learner and generator need at least {gib(needed)} GiB of host memory, and this machine has "
+            f"{gib(available)} GiB available (GiB: the learner's float32 weights, gradients and AdamW moments "
+            f"{gib(learner)} over {learner_ranks} rank(s) here; {replicas} replica(s) of {gib(weights)} of weights "
+            f"and {gib(kv_cache)} of KV cache each, holding {cache}): {' or '.join(remedies) or 'more memory'}"]
 
 
 def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory: int,
@@ -937,9 +952,9 @@ def parse_args(argv: list[str] | None = None, evaluating: bool = False,
     problems = check_args(args, generator_checks)
     problems += loss_problems(args, losses[args.loss]) if losses is not None else []
     if not problems and not evaluating:  # evaluating trains nothing: no learner to fit
-        problems = memory_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                                   int(os.environ.get("WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-        problems += host_memory_problems(args, torch.cuda.device_count())
+        layout = (torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                  int(os.environ.get("WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))  # GPUs, ranks here, all
+        problems = memory_problems(args, *layout) + host_memory_problems(args, *layout)
     if problems:
         parser.error("; ".join(problems))
     return args

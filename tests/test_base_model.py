@@ -11,7 +11,7 @@ import pytest
 
 from harness import base_model, tasks
 from harness.tasks import ArithmeticTask
-from helpers import why_failed
+from helpers import tied_llama, why_failed
 
 
 def test_base_model_is_an_ordinary_hf_directory(base_model_dir):
@@ -41,6 +41,19 @@ def test_base_model_is_an_ordinary_hf_directory(base_model_dir):
     logprobs = torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])
     # Warm-started: the correct solution is likely token by token (the slips make it imperfect, not random).
     assert logprobs.mean() > -0.2
+
+
+def test_the_parameters_are_counted_from_every_weight_file_of_a_sharded_model(tmp_path):
+    """An 8B model comes in shards (model-0000N-of-0000M.safetensors): the host memory check counts them all, from
+    their headers. A tied head is one tensor, in the file and in the learner."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tied_llama(tmp_path / "whole"))
+    model.save_pretrained(tmp_path / "shards", max_shard_size="40KB")
+    assert len(list((tmp_path / "shards").glob("*.safetensors"))) > 2
+    numel = sum(p.numel() for p in model.parameters())
+    assert base_model.count_parameters(tmp_path / "shards") == base_model.count_parameters(tmp_path / "whole") == numel
+    assert base_model.count_parameters(tmp_path) == 0  # no weight files (*.bin only, say): nothing to count
 
 
 @pytest.mark.slow

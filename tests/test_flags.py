@@ -289,33 +289,51 @@ def test_the_models_positions_are_read_as_vllm_derives_them(tmp_path):
 RESOLVED_AT_START = {"model", "dtype", "max_model_len", "replicas"}
 
 
-def test_replicas_whose_kv_caches_cannot_fit_the_host_are_one_line_before_anything_starts(base_model_dir, tmp_path,
-                                                                                          capsys, monkeypatch):
-    """On CPU each replica takes its KV cache whole as its engine starts (vllm_replica.cpu_kv_cache_bytes), and vLLM
-    checks it against the memory free at that moment only: replicas that start together each pass, then take more
-    than there is between them. What this node's replicas take is refused against what is available, in one line
-    that says what decided each one's size; a VLLM_CPU_KVCACHE_SPACE vLLM would not read is one line too."""
+def test_a_layout_that_cannot_fit_the_hosts_memory_is_one_line_before_anything_starts(base_model_dir, tmp_path,
+                                                                                      capsys, monkeypatch):
+    """On CPU the learner's ranks and the replicas share the host's memory, and each replica takes its KV cache whole
+    as its engine starts (vllm_replica.cpu_kv_cache_bytes), vLLM checking it against the memory free at that moment
+    only: replicas that start together each pass, then take more than there is between them, and a model too large
+    for the host met the kernel's out-of-memory killer. The least they hold at once (the learner's float32 weights,
+    gradients and AdamW moments at its step; each replica's weights and cache) is refused against what is available,
+    in one line with its parts and what would shrink them; a VLLM_CPU_KVCACHE_SPACE vLLM would not read is one line
+    too."""
     import psutil
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=3 << 30))  # 3 GiB free
-    assert flags.host_memory_problems(flags.Args(gen_replicas=3), num_gpus=0) == []
-    assert flags.host_memory_problems(flags.Args(gen_replicas=4), num_gpus=8) == []  # a GPU's replicas: not here
+    assert flags.host_memory_problems(flags.Args(gen_replicas=2), 0, 1, 1) == []
+    assert flags.host_memory_problems(flags.Args(gen_replicas=4), 8, 1, 1) == []  # a GPU's plan is memory_problems
     with pytest.raises(SystemExit):
         train.main(["--gen-replicas", "4", "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert ("the generator's KV caches alone take 4.0 GiB of host memory (4 replica(s), each holding "
-            "VLLM_CPU_KVCACHE_SPACE's 1 GiB), and this machine has 3.0 GiB available: fewer --gen-replicas") in err
+    assert ("this node's learner and generator need at least 4.0 GiB of host memory, and this machine has 3.0 GiB "
+            "available (GiB: the learner's float32 weights, gradients and AdamW moments 0.0 over 1 rank(s) here; 4 "
+            "replica(s) of 0.0 of weights and 1.0 of KV cache each, holding VLLM_CPU_KVCACHE_SPACE's 1 GiB): fewer "
+            "--gen-replicas") in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists(), err
-    model = wide_kv_model(base_model_dir, tmp_path / "wide-kv")  # 256 KiB of KV cache a token
-    problems = flags.host_memory_problems(flags.Args(model=str(model), max_tokens=6000, gen_replicas=2), num_gpus=0)
-    assert problems == ["the generator's KV caches alone take 3.4 GiB of host memory (2 replica(s), each holding one "
-                        f"sequence of 6512 tokens of {model} in 1.7 GiB), and this machine has 3.0 GiB available: "
-                        "fewer --gen-replicas or a lower --max-tokens or --max-model-len"]
+    model = wide_kv_model(base_model_dir, tmp_path / "wide-kv")  # 256 KiB of KV cache a token, no weight files
+    assert flags.host_memory_problems(flags.Args(model=str(model), max_tokens=6000, gen_replicas=2), 0, 1, 1) == [
+        "this node's learner and generator need at least 3.4 GiB of host memory, and this machine has 3.0 GiB "
+        "available (GiB: the learner's float32 weights, gradients and AdamW moments 0.0 over 1 rank(s) here; 2 "
+        f"replica(s) of 0.0 of weights and 1.7 of KV cache each, holding one sequence of 6512 tokens of {model}): "
+        "fewer --gen-replicas or a lower --max-tokens or --max-model-len"]
+    # 150M parameters: 2.4 GB of learner state over 4 ranks, 2 of them here or all 4; 0.6 GB of float32 weights
+    monkeypatch.setattr(base_model, "count_parameters", lambda path: 150_000_000)
+    args = flags.Args(model=str(model))
+    assert flags.host_memory_problems(args, 0, 2, 4) == []  # 1.2 + 0.6 + 1.07 GB: 2.9 GB, 2.7 GiB
+    assert flags.host_memory_problems(args, 0, 4, 4) == [
+        "this node's learner and generator need at least 3.8 GiB of host memory, and this machine has 3.0 GiB "
+        "available (GiB: the learner's float32 weights, gradients and AdamW moments 2.2 over 4 rank(s) here; 1 "
+        "replica(s) of 0.6 of weights and 1.0 of KV cache each, holding VLLM_CPU_KVCACHE_SPACE's 1 GiB): a smaller "
+        "model"]
+    assert "moments 2.8 over 4 rank(s)" in flags.host_memory_problems(dataclasses.replace(args, kl_coef=0.1),
+                                                                       0, 4, 4)[0]  # + the reference's weights
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
-    assert "or a smaller VLLM_CPU_KVCACHE_SPACE" in flags.host_memory_problems(flags.Args(gen_replicas=2), 0)[0]
+    assert flags.host_memory_problems(flags.Args(gen_replicas=2), 0, 1, 1)[0].endswith(
+        ": fewer --gen-replicas or a smaller VLLM_CPU_KVCACHE_SPACE")
     for setting in ("1.5", "0", "one"):
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", setting)
-        assert flags.host_memory_problems(flags.Args(), num_gpus=0) == [
+        assert flags.host_memory_problems(flags.Args(), 0, 1, 1) == [
             f"VLLM_CPU_KVCACHE_SPACE={setting}: vLLM reads a whole number of GiB, at least 1"]
 
 

@@ -373,7 +373,8 @@ class Args:
 
     gen_replicas: int | None = _arg(HelpGroup.REPLICAS, None, "vLLM engines on this node, under one scheduler "
                                     "(default: on GPU, the --gen-devices / --tensor-parallel-size; on CPU, 1: they "
-                                    "share the cores)")
+                                    "share the cores, and each takes its KV cache in host memory: "
+                                    "VLLM_CPU_KVCACHE_SPACE GiB, 1 unless set, or one sequence's where that is more)")
     gen_threads: int | None = _arg(HelpGroup.REPLICAS, None, "CPU only: torch threads of each local replica "
                                    "(default: in sync mode the machine's cores shared among the replicas, since the "
                                    "learner ranks wait while they generate; in pipeline mode 1, beside the busy "

@@ -167,6 +167,20 @@ def fleet_problems(values: Mapping[str, Any], name: Callable[[str], str] = str) 
 # --------------------------------------------------------------------------------------------------------------
 
 
+def exit_reason(code: int) -> str:
+    """How a replica's process ended (its exit code; -N: killed by signal N), in words. SIGKILL is what the kernel's
+    out-of-memory killer sends, which nothing else in a run's output would name."""
+    if code == -signal.SIGKILL:
+        return ("its process was killed by SIGKILL: the kernel's out-of-memory killer, unless someone sent it (dmesg "
+                "names the processes it killed)")
+    if code < 0:
+        try:
+            return f"its process was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"its process was killed by signal {-code}"
+    return f"its process exited with code {code}"
+
+
 @dataclass
 class ReplicaSlot:
     """The scheduler's view of one replica: expected -> starting (connected) -> ready (engine up) -> dead, each step
@@ -337,7 +351,7 @@ class ReplicaPool:
                 if owner == "learner":
                     messages.append(("learner", None))
                 else:
-                    self.on_death(owner, "its connection closed (process killed, or the network broke)")
+                    self.on_death(owner, self.gone_reason(owner))
                 continue
             messages.append((owner, msg))
         for slot, reason in self.silent_exits():
@@ -509,8 +523,17 @@ class ReplicaPool:
             if s.local and s.proc is not None and s.state != "dead" and not s.proc.is_alive():
                 if s.conn is not None and s.conn.poll(0):
                     continue  # its last message first
-                exits.append((s, f"its process exited with code {s.proc.exitcode}"))
+                exits.append((s, exit_reason(s.proc.exitcode)))
         return exits
+
+    def gone_reason(self, slot: ReplicaSlot) -> str:
+        """Why `slot`'s replica is gone once its connection closed: how its process ended, for a local one whose
+        process ends within a second; else what a closed connection means."""
+        if slot.local and slot.proc is not None:
+            slot.proc.join(1.0)
+            if slot.proc.exitcode is not None:
+                return exit_reason(slot.proc.exitcode)
+        return "its connection closed (process killed, or the network broke)"
 
     def dead_summary(self) -> str:
         return "; ".join(f"{s.name}: {s.reason}" for s in self.replicas.values() if s.state == "dead")

@@ -3,9 +3,13 @@
 The fleet's processes, connections and handshake are exercised through the scheduler in test_pipeline_rl.py and
 test_wire.py; the push's real engines in test_weight_transfer.py and the end-to-end runs."""
 
+import multiprocessing
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -98,3 +102,32 @@ def test_the_fleet_settings_are_checked_where_they_are_written():
         "--dtype must be one of ['bf16', 'bfloat16', 'float', 'float16', 'float32', 'fp16', 'fp32', 'half'], got "
         "'int3'"]
     assert fleet.FleetConfig(debug_slowdown=[1, 3]).slowdown_of(5) == 3.0  # the last factor for the rest
+
+
+def _sleep_holding(conn) -> None:  # a child process: it holds its end of the pipe until it is killed
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("sig, said", [
+    (signal.SIGKILL, "its process was killed by SIGKILL: the kernel's out-of-memory killer, unless someone sent it "
+                     "(dmesg names the processes it killed)"),
+    (signal.SIGSEGV, "its process was killed by SIGSEGV")])
+def test_a_local_replica_whose_process_is_killed_is_named_with_its_signal(sig, said):
+    """A local replica's process killed: its connection closes, and the line that names the dead replica says how
+    its process ended. The kernel's out-of-memory killer sends SIGKILL to the largest process when the host runs out
+    of memory, and nothing else in a run's output would name it; the line said "its connection closed (process
+    killed, or the network broke)"."""
+    deaths = []
+    pool = fleet.ReplicaPool(fleet.ReplicaSettings(model="m", replicas=1), b"x" * 32,
+                             lambda slot, why: deaths.append((slot.id, why)))
+    ours, theirs = multiprocessing.Pipe()
+    learner, _ = multiprocessing.Pipe()
+    proc = multiprocessing.get_context("fork").Process(target=_sleep_holding, args=(theirs,), daemon=True)
+    proc.start()
+    theirs.close()
+    slot = pool.slot(0)
+    slot.spawned(proc)
+    slot.conn, slot.state = ours, "ready"
+    os.kill(proc.pid, sig)
+    assert pool.poll(learner, 10, 0, True) == [] and deaths == [(0, said)]
+    assert fleet.exit_reason(3) == "its process exited with code 3"

@@ -494,7 +494,9 @@ def load_shards(ckpt: Path, headers: dict[str, dict], tensors: dict) -> None:
     collective when a process group is up. A failure is a SystemExit naming the checkpoint."""
     reader = SafetensorsShardReader(ckpt, headers)
     try:
-        dcp.load(tensors, storage_reader=reader)
+        with warnings.catch_warnings():  # export's one process: torch warns "assuming the intent is to load in a
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # single process" (it is)
+            dcp.load(tensors, storage_reader=reader, no_dist=not dist.is_initialized())
     except (Exception, dcp.api.CheckpointException) as e:
         raise SystemExit(f"could not load {ckpt} ({_first_line(_cause(e))})") from None
     finally:

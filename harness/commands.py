@@ -21,7 +21,9 @@ import torch
 from harness import base_model
 from harness.checkpoints import load_model_weights, migrate_checkpoint, read_checkpoint
 from harness.cli import positionals  # a subcommand's arguments, checked like flags: one error line
+from harness.cli import OneLineParser, path_text  # export's: its arguments and --dtype, one error line each
 from harness.fleet import GeneratorError
+from harness.vllm_replica import DTYPES  # a dtype's name, as --dtype spells it, to torch's
 from harness.flags import (Args, GeneratorChecks, LossFiles, flags_markdown, misplaced_run_dir, parse_args, plan,
                            read_args_json, resolve_defaults)
 from harness.runtime import check_eval_prompts, load_tasks
@@ -38,9 +40,16 @@ MakeGenerator = Callable[[Args, str, Any], Any]
 
 
 def export_command(argv: list[str]) -> str:
-    """`train.py export RUN_DIR OUT_DIR`: export's result as one JSON line."""
-    run_dir, out_dir = positionals("train.py export", ("RUN_DIR", "OUT_DIR"), argv, export.__doc__)
-    return json.dumps(export(Path(run_dir), Path(out_dir))) + "\n"
+    """`train.py export RUN_DIR OUT_DIR [--dtype D]`: export's result as one JSON line."""
+    parser = OneLineParser(prog="train.py export", description=export.__doc__)
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=path_text, help="the run's output directory")
+    parser.add_argument("out_dir", metavar="OUT_DIR", type=path_text, help="a new or empty directory")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="the exported weights' dtype: float32, the learner's master weights as trained "
+                             "(default), or bfloat16 or float16, rounded from them to the nearest: half the bytes, "
+                             "the dtype a GPU serves in")
+    args = parser.parse_args(argv)
+    return json.dumps(export(Path(args.run_dir), Path(args.out_dir), args.dtype)) + "\n"
 
 
 def migrate_command(argv: list[str]) -> str:
@@ -75,9 +84,11 @@ def help_markdown(argv: list[str], losses: LossFiles) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
+def export(run_dir: Path, out_dir: Path, dtype: str = "float32") -> dict[str, Any]:
     """The policy of a run's newest readable checkpoint as a Hugging Face model directory (config, weights,
-    tokenizer, chat template) that transformers and vLLM load as they load the base model. Returns what it wrote."""
+    tokenizer, chat template) that transformers and vLLM load as they load the base model, its weights in `dtype`
+    (the float32 master weights, or rounded from them to bfloat16 or float16; its config.json says which). Returns
+    what it wrote."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # here, not at the top: see train.py's build_learner
 
     if misplaced := misplaced_run_dir(run_dir):
@@ -98,9 +109,10 @@ def export(run_dir: Path, out_dir: Path) -> dict[str, Any]:
     # the model's tensors alone, each assembled from the ranks' shards (FSDP2 keeps the HF names): the optimizer's
     # are never read
     load_model_weights(ckpt, shards, model.state_dict())
-    model.save_pretrained(out_dir)
+    model.to(DTYPES[dtype]).save_pretrained(out_dir)  # float32 stays as it is; the config says the dtype
     AutoTokenizer.from_pretrained(base).save_pretrained(out_dir)
-    return {"model_dir": str(out_dir), "checkpoint": str(ckpt), "step": state["step"], "base_model": base}
+    return {"model_dir": str(out_dir), "checkpoint": str(ckpt), "step": state["step"], "base_model": base,
+            "dtype": dtype}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -352,6 +352,34 @@ def test_a_checkpoint_of_the_older_format_is_migrated_into_shards(tmp_path, one_
             train.main(["migrate-checkpoint", str(where)])
 
 
+@pytest.mark.filterwarnings("error::UserWarning")  # torch's "assuming the intent is to load in a single process"
+def test_an_export_in_bfloat16_holds_the_master_weights_rounded_and_says_so(tmp_path, capsys):
+    """`train.py export --dtype bfloat16`: half the bytes of the float32 master weights, each tensor rounded from
+    them to the nearest (as torch casts), and a config.json that says bfloat16, so that transformers and vLLM load it
+    in that dtype without a flag. float32 stays the default: the weights as trained."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    run = _old_run_copy(tmp_path)
+    train.main(["migrate-checkpoint", str(run)])
+    train.main(["export", str(run), str(tmp_path / "f32")])
+    train.main(["export", str(run), str(tmp_path / "bf16"), "--dtype", "bfloat16"])
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(line)["dtype"] for line in lines[-2:]] == ["float32", "bfloat16"]
+    master = load_file(tmp_path / "f32" / "model.safetensors")
+    rounded = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert master.keys() == rounded.keys() and all(t.dtype == torch.float32 for t in master.values())
+    assert all(rounded[n].dtype == torch.bfloat16 and torch.equal(rounded[n], master[n].to(torch.bfloat16))
+               for n in master)
+    assert AutoConfig.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    assert AutoConfig.from_pretrained(tmp_path / "f32").dtype == torch.float32
+    with pytest.raises(SystemExit):
+        train.main(["export", str(run), str(tmp_path / "int8"), "--dtype", "int8"])
+    err = capsys.readouterr().err
+    assert "argument --dtype: invalid choice: 'int8'" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "int8").exists()
+
+
 def test_a_large_shard_is_split_into_files_and_reads_back_whole(tmp_path, one_rank_group, monkeypatch, capsys):
     """A rank's shard goes into files of about SHARD_FILE_BYTES (each serialised in memory whole before it is
     written, so the file's size bounds a save's host memory); a resume reads every piece back bit for bit."""

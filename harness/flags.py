@@ -796,7 +796,8 @@ def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -
 def host_memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -> list[str]:
     """On CPU, what this node's processes hold at once at the least, against the host memory available now: the
     learner's float32 weights, gradients and AdamW moments at its optimizer step (16 bytes a parameter, sharded over
-    the `world` ranks, `learner_ranks` of them here; 4 more for --kl-coef's reference model), and each replica's
+    the `world` ranks, `learner_ranks` of them here, none for `train.py evaluate`; 4 more for --kl-coef's reference
+    model), and each replica's
     weights in the generator's dtype and its KV cache (vllm_replica.cpu_kv_cache_bytes), which vLLM takes whole as
     its engine starts, checking it against what is free at that moment only. Activations, the model's load on rank 0
     and the weight push come on top: this refuses what cannot fit at all, in one line with its parts, before the
@@ -831,10 +832,12 @@ def host_memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: i
         replicas > 1)  # then what sized the caches
     remedies += (["a smaller VLLM_CPU_KVCACHE_SPACE"] * (setting > 1 << 30) if kv_cache == setting else
                  ["a lower --max-tokens or --max-model-len"])
-    return [f"this node's learner and generator need at least {gib(needed)} GiB of host memory, and this machine has "
-            f"{gib(available)} GiB available (GiB: the learner's float32 weights, gradients and AdamW moments "
-            f"{gib(learner)} over {learner_ranks} rank(s) here; {replicas} replica(s) of {gib(weights)} of weights "
-            f"and {gib(kv_cache)} of KV cache each, holding {cache}): {' or '.join(remedies) or 'more memory'}"]
+    parts = [f"the learner's float32 weights, gradients and AdamW moments {gib(learner)} over {learner_ranks} rank(s) "
+             "here"] * bool(learner_ranks)
+    parts.append(f"{replicas} replica(s) of {gib(weights)} of weights and {gib(kv_cache)} of KV cache each, holding "
+                 f"{cache}")
+    return [f"this node's processes need at least {gib(needed)} GiB of host memory, and this machine has "
+            f"{gib(available)} GiB available (GiB: {'; '.join(parts)}): {' or '.join(remedies) or 'more memory'}"]
 
 
 def learner_memory_plan(args: Args, config: Any, learner_ranks: int, gpu_memory: int,
@@ -952,10 +955,13 @@ def parse_args(argv: list[str] | None = None, evaluating: bool = False,
     tasks.set_vllm_cpu_env()
     problems = check_args(args, generator_checks)
     problems += loss_problems(args, losses[args.loss]) if losses is not None else []
-    if not problems and not evaluating:  # evaluating trains nothing: no learner to fit
-        layout = (torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                  int(os.environ.get("WORLD_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))))  # GPUs, ranks here, all
-        problems = memory_problems(args, *layout) + host_memory_problems(args, *layout)
+    if not problems:
+        gpus, ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        world = int(os.environ.get("WORLD_SIZE", ranks))
+        if evaluating:  # it trains nothing: no learner to fit, only the replicas
+            problems = host_memory_problems(args, gpus, 0, world)
+        else:
+            problems = memory_problems(args, gpus, ranks, world) + host_memory_problems(args, gpus, ranks, world)
     if problems:
         parser.error("; ".join(problems))
     return args

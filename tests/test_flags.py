@@ -306,14 +306,18 @@ def test_a_layout_that_cannot_fit_the_hosts_memory_is_one_line_before_anything_s
     with pytest.raises(SystemExit):
         train.main(["--gen-replicas", "4", "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
-    assert ("this node's learner and generator need at least 4.0 GiB of host memory, and this machine has 3.0 GiB "
+    assert ("this node's processes need at least 4.0 GiB of host memory, and this machine has 3.0 GiB "
             "available (GiB: the learner's float32 weights, gradients and AdamW moments 0.0 over 1 rank(s) here; 4 "
             "replica(s) of 0.0 of weights and 1.0 of KV cache each, holding VLLM_CPU_KVCACHE_SPACE's 1 GiB): fewer "
             "--gen-replicas") in err
     assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists(), err
+    with pytest.raises(SystemExit):  # `evaluate` starts the replicas alone
+        train.main(["evaluate", "--gen-replicas", "4"])
+    assert ("need at least 4.0 GiB of host memory, and this machine has 3.0 GiB available (GiB: 4 replica(s) of 0.0 "
+            "of weights and 1.0 of KV cache each") in capsys.readouterr().err
     model = wide_kv_model(base_model_dir, tmp_path / "wide-kv")  # 256 KiB of KV cache a token, no weight files
     assert flags.host_memory_problems(flags.Args(model=str(model), max_tokens=6000, gen_replicas=2), 0, 1, 1) == [
-        "this node's learner and generator need at least 3.4 GiB of host memory, and this machine has 3.0 GiB "
+        "this node's processes need at least 3.4 GiB of host memory, and this machine has 3.0 GiB "
         "available (GiB: the learner's float32 weights, gradients and AdamW moments 0.0 over 1 rank(s) here; 2 "
         f"replica(s) of 0.0 of weights and 1.7 of KV cache each, holding one sequence of 6512 tokens of {model}): "
         "fewer --gen-replicas or a lower --max-tokens or --max-model-len"]
@@ -322,7 +326,7 @@ def test_a_layout_that_cannot_fit_the_hosts_memory_is_one_line_before_anything_s
     args = flags.Args(model=str(model))
     assert flags.host_memory_problems(args, 0, 2, 4) == []  # 1.2 + 0.6 + 1.07 GB: 2.9 GB, 2.7 GiB
     assert flags.host_memory_problems(args, 0, 4, 4) == [
-        "this node's learner and generator need at least 3.8 GiB of host memory, and this machine has 3.0 GiB "
+        "this node's processes need at least 3.8 GiB of host memory, and this machine has 3.0 GiB "
         "available (GiB: the learner's float32 weights, gradients and AdamW moments 2.2 over 4 rank(s) here; 1 "
         "replica(s) of 0.6 of weights and 1.0 of KV cache each, holding VLLM_CPU_KVCACHE_SPACE's 1 GiB): a smaller "
         "model"]

@@ -788,9 +788,35 @@ def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -
         return []
     learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, num_gpus)
     in_use = learner_ids[:learner_ranks]
-    plan = learner_memory_plan(args, config, world, min(learner_gpu_memory(i) for i in in_use),
-                               shares_gpu=bool(set(in_use) & set(gen_ids)))
-    return plan.problems()
+    shares_gpu = bool(set(in_use) & set(gen_ids))
+    plan = learner_memory_plan(args, config, world, min(learner_gpu_memory(i) for i in in_use), shares_gpu)
+    return plan.problems() + generator_gpu_problems(args, config, gen_ids, shares_gpu)
+
+
+def generator_gpu_problems(args: Args, config: Any, gen_ids: list[int], shares_gpu: bool) -> list[str]:
+    """vLLM's share of each generator GPU (--gen-memory-fraction) against the least a replica holds there: its
+    weights in the generator's dtype and the KV cache of one sequence of the run's context, each split over
+    --tensor-parallel-size (KV heads no finer than one a GPU, as vLLM replicates them). vLLM refuses an engine whose
+    share cannot hold them ("No available memory for the cache blocks" or "To serve at least one request ..."),
+    advising its gpu_memory_utilization, once the learner has loaded; here it is one line with this project's flags.
+    Its activations and CUDA graphs come on top: a floor, not a plan."""
+    if not gen_ids:
+        return []
+    tp, dtype_bytes = args.tensor_parallel_size, vllm_replica.DTYPES[compute_dtype(args, on_gpu=True)].itemsize
+    weights = math.ceil(memory_plan.parameter_counts(config).total * dtype_bytes / tp)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv_cache = (memory_plan.kv_cache_bytes_per_token(config, dtype_bytes) * max(1, kv_heads // tp) // kv_heads
+                * (model_context(args) + 2 * 256))
+    fraction, memory = generator_memory_fraction(args, shares_gpu), min(learner_gpu_memory(i) for i in gen_ids)
+    if weights + kv_cache <= fraction * memory:
+        return []
+    gib = memory_plan.gib
+    remedies = ["a larger --gen-memory-fraction"] + ["a larger --tensor-parallel-size"] * (len(gen_ids) > tp)
+    remedies += ["generator GPUs the learner does not share (--gen-devices)"] * shares_gpu
+    return [f"vLLM's share of each generator GPU ({fraction:g} of {gib(memory)} GiB: {gib(fraction * memory)} GiB, "
+            f"--gen-memory-fraction) cannot hold {args.model}'s weights in {compute_dtype(args, on_gpu=True)} "
+            f"({gib(weights)} GiB a GPU at --tensor-parallel-size {tp}) and one sequence's KV cache "
+            f"({model_context(args)} tokens: {gib(kv_cache)} GiB): {', or '.join(remedies)}"]
 
 
 def host_memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -> list[str]:

@@ -293,6 +293,26 @@ def test_train_refuses_a_layout_that_cannot_fit_before_anything_starts(tmp_path,
     assert flags.memory_problems(flags.parse_args(small), num_gpus=0, learner_ranks=2, world=2) == []  # CPU
 
 
+def test_a_generator_share_that_cannot_hold_the_weights_and_one_sequence_is_refused(tmp_path, eight_gpus, capsys):
+    """vLLM refuses an engine whose share of its GPU (--gen-memory-fraction) cannot hold its weights and one
+    sequence's KV cache, advising its own gpu_memory_utilization, once the learner has loaded. Qwen3-8B in bf16 is
+    15.3 GiB of weights, and one sequence of ScaleRL's 14,848 tokens (and two blocks of 256) 2.1 GiB of KV cache (8
+    KV heads of 128 in 36 layers: 144 KiB a token): a tenth of an 80 GiB GPU holds neither, a quarter of the four GPUs of
+    --tensor-parallel-size 4 holds both (3.8 + 0.5 GiB). The learner fits here with the flags the docs give it."""
+    argv = ["--model", model_dir(tmp_path, "qwen3-8b"), "--gen-devices", "0,1,2,3", "--output-dir",
+            str(tmp_path / "run"), *scalerl_args(), "--activation-checkpointing", "--cpu-offload",
+            "--gen-memory-fraction", "0.1"]
+    with pytest.raises(SystemExit):
+        train.main(argv)
+    err = capsys.readouterr().err
+    assert (f"vLLM's share of each generator GPU (0.1 of 80.0 GiB: 8.0 GiB, --gen-memory-fraction) cannot hold "
+            f"{argv[1]}'s weights in bfloat16 (15.3 GiB a GPU at --tensor-parallel-size 1) and one sequence's KV cache "
+            "(14848 tokens: 2.1 GiB): a larger --gen-memory-fraction, or a larger --tensor-parallel-size") in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+    assert flags.memory_problems(flags.parse_args(argv + ["--tensor-parallel-size", "4"]), 8, 2, 2) == []
+    assert flags.memory_problems(flags.parse_args(argv[:-2]), 8, 2, 2) == []  # its own GPUs' default share, 0.85
+
+
 def test_docs_memory_table_is_what_the_plan_prints():
     """docs/memory.md's Qwen3-8B table, cell by cell, from the command beside it."""
     page = (Path(__file__).resolve().parent.parent / "docs" / "memory.md").read_text()

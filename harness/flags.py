@@ -823,15 +823,16 @@ def host_memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: i
     """On CPU, what this node's processes hold at once at the least, against the host memory available now: the
     learner's float32 weights, gradients and AdamW moments at its optimizer step (16 bytes a parameter, sharded over
     the `world` ranks, `learner_ranks` of them here, none for `train.py evaluate`; 4 more for --kl-coef's reference
-    model), and each replica's
-    weights in the generator's dtype and its KV cache (vllm_replica.cpu_kv_cache_bytes), which vLLM takes whole as
-    its engine starts, checking it against what is free at that moment only. Activations, the model's load on rank 0
-    and the weight push come on top: this refuses what cannot fit at all, in one line with its parts, before the
-    kernel's out-of-memory killer ends a rank ("Signal 9" in torchrun's summary). A VLLM_CPU_KVCACHE_SPACE vLLM
-    would not read is one line too. The parameters are read from the safetensors headers (none: only the caches)."""
+    model), and each replica's weights in the generator's dtype and its KV cache (vllm_replica.cpu_kv_cache_bytes),
+    which vLLM takes whole as its engine starts, checking it against what is free at that moment only. Activations,
+    the model's load on rank 0 and the weight push come on top: this refuses what cannot fit at all, in one line with
+    its parts, before the kernel's out-of-memory killer ends a rank ("Signal 9" in torchrun's summary). A
+    VLLM_CPU_KVCACHE_SPACE vLLM would not read is one line too. The parameters are read from the safetensors
+    headers (none there, or unreadable ones, which the model checks name: only the caches)."""
     if num_gpus:
         return []
     import psutil  # here, not at the top: vLLM's dependency, asked only on CPU
+    from safetensors import SafetensorError
 
     model, context, replicas = args.model or str(base_model.BASE_MODEL_DIR), model_context(args), \
         local_replicas(args, 0)
@@ -844,7 +845,7 @@ def host_memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: i
     config = base_model.model_file(model, "config.json")
     try:
         params = base_model.count_parameters(config.parent) if config is not None else 0
-    except Exception:  # noqa: BLE001 (safetensors' SafetensorError, an unreadable file): the loaders will say
+    except (SafetensorError, OSError):  # a weight file cut short: base_model's checks name it
         params = 0
     learner = math.ceil(params * (20 if args.kl_coef > 0 else 16) / world) * learner_ranks
     weights = params * vllm_replica.DTYPES[dtype].itemsize

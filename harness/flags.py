@@ -790,31 +790,39 @@ def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -
     in_use = learner_ids[:learner_ranks]
     shares_gpu = bool(set(in_use) & set(gen_ids))
     plan = learner_memory_plan(args, config, world, min(learner_gpu_memory(i) for i in in_use), shares_gpu)
-    return plan.problems() + generator_gpu_problems(args, config, gen_ids, shares_gpu)
+    gen_memory = min((learner_gpu_memory(i) for i in gen_ids), default=0)
+    return plan.problems() + generator_gpu_problems(args, config, gen_ids, shares_gpu, gen_memory)
 
 
-def generator_gpu_problems(args: Args, config: Any, gen_ids: list[int], shares_gpu: bool) -> list[str]:
-    """vLLM's share of each generator GPU (--gen-memory-fraction) against the least a replica holds there: its
-    weights in the generator's dtype and the KV cache of one sequence of the run's context, each split over
-    --tensor-parallel-size (KV heads no finer than one a GPU, as vLLM replicates them). vLLM refuses an engine whose
-    share cannot hold them ("No available memory for the cache blocks" or "To serve at least one request ..."),
-    advising its gpu_memory_utilization, once the learner has loaded; here it is one line with this project's flags.
-    Its activations and CUDA graphs come on top: a floor, not a plan."""
-    if not gen_ids:
-        return []
+def generator_gpu_need(args: Args, config: Any) -> tuple[int, int]:
+    """The least a replica holds on each of its GPUs: (its weights in the generator's dtype, the KV cache of one
+    sequence of the run's context), each split over --tensor-parallel-size (KV heads no finer than one a GPU, as vLLM
+    replicates them), in bytes."""
     tp, dtype_bytes = args.tensor_parallel_size, vllm_replica.DTYPES[compute_dtype(args, on_gpu=True)].itemsize
     weights = math.ceil(memory_plan.parameter_counts(config).total * dtype_bytes / tp)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     kv_cache = (memory_plan.kv_cache_bytes_per_token(config, dtype_bytes) * max(1, kv_heads // tp) // kv_heads
                 * (model_context(args) + 2 * 256))
-    fraction, memory = generator_memory_fraction(args, shares_gpu), min(learner_gpu_memory(i) for i in gen_ids)
-    if weights + kv_cache <= fraction * memory:
+    return weights, kv_cache
+
+
+def generator_gpu_problems(args: Args, config: Any, gen_ids: list[int], shares_gpu: bool,
+                           gpu_memory: int) -> list[str]:
+    """vLLM's share of each generator GPU (--gen-memory-fraction of `gpu_memory` bytes) against the least a replica
+    holds there (generator_gpu_need). vLLM refuses an engine whose share cannot hold it ("No available memory for
+    the cache blocks" or "To serve at least one request ..."), advising its gpu_memory_utilization, once the learner
+    has loaded; here it is one line with this project's flags. Its activations and CUDA graphs come on top: a
+    floor, not a plan."""
+    if not gen_ids:
         return []
-    gib = memory_plan.gib
+    (weights, kv_cache), fraction = generator_gpu_need(args, config), generator_memory_fraction(args, shares_gpu)
+    if weights + kv_cache <= fraction * gpu_memory:
+        return []
+    gib, tp = memory_plan.gib, args.tensor_parallel_size
     remedies = ["a larger --gen-memory-fraction"] + ["a larger --tensor-parallel-size"] * (len(gen_ids) > tp)
     remedies += ["generator GPUs the learner does not share (--gen-devices)"] * shares_gpu
-    return [f"vLLM's share of each generator GPU ({fraction:g} of {gib(memory)} GiB: {gib(fraction * memory)} GiB, "
-            f"--gen-memory-fraction) cannot hold {args.model}'s weights in {compute_dtype(args, on_gpu=True)} "
+    return [f"vLLM's share of each generator GPU ({fraction:g} of {gib(gpu_memory)} GiB: {gib(fraction * gpu_memory)} "
+            f"GiB, --gen-memory-fraction) cannot hold {args.model}'s weights in {compute_dtype(args, on_gpu=True)} "
             f"({gib(weights)} GiB a GPU at --tensor-parallel-size {tp}) and one sequence's KV cache "
             f"({model_context(args)} tokens: {gib(kv_cache)} GiB): {', or '.join(remedies)}"]
 
@@ -1029,7 +1037,7 @@ def plan(argv: list[str], generator_checks: GeneratorChecks | None = None, losse
             problems.append(f"--gen-devices {args.gen_devices}: {e}")
     if problems:  # what holds on any machine: the plan divides by these
         parser.error("; ".join(problems))
-    layout, shares = [], False
+    layout, shares, gen_ids = [], False, []
     if args.gen_devices and options.gpus:
         try:
             layout = layout_lines(args, options.gpus, options.learner_ranks)
@@ -1047,9 +1055,16 @@ def plan(argv: list[str], generator_checks: GeneratorChecks | None = None, losse
         return "\n".join([*layout, "memory: give --shape NAME or --model DIR for the learner's memory per rank"])
     else:
         raise SystemExit("train.py plan: give --shape NAME or --model DIR (a config.json is enough)")
-    memory = learner_memory_plan(args, config, options.learner_ranks, int(options.gpu_memory_gib * memory_plan.GIB),
-                                 shares_gpu=shares)
-    return "\n".join([*layout, memory.describe(), *memory.problems()])
+    gpu_memory = int(options.gpu_memory_gib * memory_plan.GIB)
+    memory = learner_memory_plan(args, config, options.learner_ranks, gpu_memory, shares_gpu=shares)
+    generator = []
+    if gen_ids:  # a GPU of the same memory: what vLLM's share must hold at the least
+        (weights, kv_cache), fraction = generator_gpu_need(args, config), generator_memory_fraction(args, shares)
+        generator = [f"vLLM, each generator GPU: {memory_plan.gib(weights)} GiB of weights and "
+                     f"{memory_plan.gib(kv_cache)} GiB of one sequence's KV cache at the least, of its share "
+                     f"{memory_plan.gib(fraction * gpu_memory)} GiB (--gen-memory-fraction {fraction:g})"]
+    return "\n".join([*layout, memory.describe(), *generator, *memory.problems(),
+                      *generator_gpu_problems(args, config, gen_ids, shares, gpu_memory)])
 
 
 def resumed_values(parser: argparse.ArgumentParser, argv: list[str] | None, run_dir: str,

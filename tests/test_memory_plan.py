@@ -223,6 +223,12 @@ def test_train_plan_prints_the_plan_without_a_gpu():
     assert "(host memory, --cpu-offload)" in text
     shared = flags.plan(["--shape", "smollm2-135m", "--gpus", "1", "--gen-devices", "0"])
     assert "24.0 GiB  vLLM's share" in shared  # 0.3 of a GPU the learner shares with vLLM
+    assert ("vLLM, each generator GPU: 0.3 GiB of weights and 0.0 GiB of one sequence's KV cache at the least, of its "
+            "share 24.0 GiB (--gen-memory-fraction 0.3)") in shared.splitlines()
+    small = flags.plan(["--shape", "qwen3-4b", "--gpus", "1", "--gen-devices", "0", "--gpu-memory-gib", "24",
+                        *scalerl_args("--activation-checkpointing", "--cpu-offload")])  # a 24 GiB GPU, shared
+    assert small.splitlines()[-1].startswith("vLLM's share of each generator GPU (0.3 of 24.0 GiB: 7.2 GiB, "
+                                             "--gen-memory-fraction) cannot hold qwen3-4b's weights in bfloat16 (7.5 GiB")
     with pytest.raises(SystemExit, match="give --shape NAME or --model DIR"):
         flags.plan([])
 

@@ -839,8 +839,7 @@ def host_memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: i
     headers (none there, or unreadable ones, which the model checks name: only the caches)."""
     if num_gpus:
         return []
-    import psutil  # here, not at the top: vLLM's dependency, asked only on CPU
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError  # here, not at the top: asked only on CPU
 
     model, context, replicas = args.model or str(base_model.BASE_MODEL_DIR), model_context(args), \
         local_replicas(args, 0)
@@ -857,7 +856,7 @@ def host_memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: i
         params = 0
     learner = math.ceil(params * (20 if args.kl_coef > 0 else 16) / world) * learner_ranks
     weights = params * vllm_replica.DTYPES[dtype].itemsize
-    needed, available = learner + replicas * (weights + kv_cache), psutil.virtual_memory().available
+    needed, available = learner + replicas * (weights + kv_cache), memory_plan.host_memory_available()
     if needed <= available:
         return []
     gib = memory_plan.gib

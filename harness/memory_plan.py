@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 GIB = 1 << 30
@@ -279,6 +280,38 @@ class MemoryPlan:
                 f"learner ranks makes it fit: with both flags, the smallest micro-batch ({smallest:,} tokens) still "
                 f"needs {gib(least.total)} GiB, {gib(least.gpu['activations'])} of them activations; only fewer "
                 f"tokens per sequence (--max-tokens) or a larger GPU can make it fit"]
+
+
+def host_memory_available(cgroup: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> int:
+    """Bytes of host memory this process's processes may still take: the system's available memory (psutil), or
+    less under a control group's limit (a container's `--memory`, a job scheduler's), which the kernel enforces with
+    its out-of-memory killer whatever the machine has free: the limit less what the group uses, its inactive page
+    cache counted free as the kernel reclaims it. Reads cgroup v2's memory.max and v1's memory.limit_in_bytes, in
+    this process's own group (`own`, /proc/self/cgroup, names it) or, inside a container, at the root."""
+    import psutil  # here, not at the top: vLLM's dependency, asked only by the CPU check
+
+    memory = psutil.virtual_memory()
+    try:  # "0::/PATH" (v2), "N:memory:/PATH" (v1)
+        paths = {kind: path.lstrip("/") for _, kind, path in (line.split(":", 2) for line in
+                                                             own.read_text().splitlines() if line.count(":") >= 2)}
+    except OSError:
+        paths = {}
+    available = memory.available
+    for base, kind, limit_name, usage_name, cache_key in (
+            (cgroup, "", "memory.max", "memory.current", "inactive_file"),
+            (cgroup / "memory", "memory", "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")):
+        group = next((d for d in (base / paths.get(kind, ""), base) if (d / limit_name).is_file()), None)
+        try:
+            limit = (group / limit_name).read_text().strip() if group is not None else "max"
+            if limit == "max" or int(limit) >= memory.total:
+                continue
+            stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines()
+                        if len(line.split()) == 2)
+            usage = int((group / usage_name).read_text()) - int(stat.get(cache_key, 0))
+            available = min(available, max(0, int(limit) - usage))
+        except (OSError, ValueError):
+            continue
+    return available
 
 
 def gib(n: float) -> str:

@@ -298,9 +298,9 @@ def test_a_layout_that_cannot_fit_the_hosts_memory_is_one_line_before_anything_s
     gradients and AdamW moments at its step; each replica's weights and cache) is refused against what is available,
     in one line with its parts and what would shrink them; a VLLM_CPU_KVCACHE_SPACE vLLM would not read is one line
     too."""
-    import psutil
+    from harness import memory_plan
 
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=3 << 30))  # 3 GiB free
+    monkeypatch.setattr(memory_plan, "host_memory_available", lambda: 3 << 30)  # 3 GiB free
     assert flags.host_memory_problems(flags.Args(gen_replicas=2), 0, 1, 1) == []
     assert flags.host_memory_problems(flags.Args(gen_replicas=4), 8, 1, 1) == []  # a GPU's plan is memory_problems
     with pytest.raises(SystemExit):

@@ -3,6 +3,7 @@ that make a layout fit, and train.py refusing a layout that cannot fit before an
 
 import dataclasses
 import re
+import types
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,33 @@ def test_the_kv_cache_of_a_token_is_a_key_and_a_value_per_kv_head_of_every_layer
     # no head_dim in the config: hidden_size / heads; no num_key_value_heads: one KV head per query head
     assert mp.kv_cache_bytes_per_token(LlamaConfig(hidden_size=128, num_attention_heads=2, num_hidden_layers=4,
                                                    head_dim=None, num_key_value_heads=None), 4) == 4 * 2 * 64 * 2 * 4
+
+
+@pytest.mark.parametrize("version, own", [("v2", "0::/"), ("v1", "4:memory:/"), ("v2", "0::/slurm/job_7"),
+                                          ("v1", "9:cpu:/\n4:memory:/slurm/job_7")])
+def test_the_host_memory_available_is_a_control_groups_where_it_limits_the_process(tmp_path, monkeypatch, version,
+                                                                                 own):
+    """A container's --memory or a job scheduler's limit (a control group's) is what the kernel's out-of-memory
+    killer enforces, whatever the machine has free: the host check counts the limit less the group's use, its
+    inactive page cache free (the kernel reclaims it). Both cgroup versions' files as the kernel writes them, at the
+    root (inside a container) or in the process's own group (/proc/self/cgroup); none, or no limit: the system's."""
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=20 * GIB, total=24 * GIB))
+    (tmp_path / "self").write_text(own + "\n")
+    root = tmp_path / "cgroup"
+    group = (root / ("memory" if version == "v1" else "") / own.split(":")[-1].lstrip("/"))
+    limit_name, usage_name, cache_key = {"v2": ("memory.max", "memory.current", "inactive_file"),
+                                         "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                                "total_inactive_file")}[version]
+    assert mp.host_memory_available(root, tmp_path / "self") == 20 * GIB  # no control group files
+    group.mkdir(parents=True, exist_ok=True)
+    (group / limit_name).write_text(f"{8 * GIB}\n")
+    (group / usage_name).write_text(f"{6 * GIB}\n")
+    (group / "memory.stat").write_text(f"anon {4 * GIB}\n{cache_key} {GIB}\nactive_file 0\n")
+    assert mp.host_memory_available(root, tmp_path / "self") == 3 * GIB  # 8 - (6 - 1)
+    (group / limit_name).write_text("max\n" if version == "v2" else "9223372036854771712\n")  # no limit
+    assert mp.host_memory_available(root, tmp_path / "self") == 20 * GIB
 
 
 def test_a_shared_gpu_counts_vllm_outside_its_share_and_a_push_counts_rank_0s_host_memory():
@@ -227,8 +255,9 @@ def test_train_plan_prints_the_plan_without_a_gpu():
             "share 24.0 GiB (--gen-memory-fraction 0.3)") in shared.splitlines()
     small = flags.plan(["--shape", "qwen3-4b", "--gpus", "1", "--gen-devices", "0", "--gpu-memory-gib", "24",
                         *scalerl_args("--activation-checkpointing", "--cpu-offload")])  # a 24 GiB GPU, shared
-    assert small.splitlines()[-1].startswith("vLLM's share of each generator GPU (0.3 of 24.0 GiB: 7.2 GiB, "
-                                             "--gen-memory-fraction) cannot hold qwen3-4b's weights in bfloat16 (7.5 GiB")
+    assert small.splitlines()[-1].startswith(
+        "vLLM's share of each generator GPU (0.3 of 24.0 GiB: 7.2 GiB, --gen-memory-fraction) cannot hold qwen3-4b's "
+        "weights in bfloat16 (7.5 GiB")
     with pytest.raises(SystemExit, match="give --shape NAME or --model DIR"):
         flags.plan([])
 
@@ -303,8 +332,8 @@ def test_a_generator_share_that_cannot_hold_the_weights_and_one_sequence_is_refu
     """vLLM refuses an engine whose share of its GPU (--gen-memory-fraction) cannot hold its weights and one
     sequence's KV cache, advising its own gpu_memory_utilization, once the learner has loaded. Qwen3-8B in bf16 is
     15.3 GiB of weights, and one sequence of ScaleRL's 14,848 tokens (and two blocks of 256) 2.1 GiB of KV cache (8
-    KV heads of 128 in 36 layers: 144 KiB a token): a tenth of an 80 GiB GPU holds neither, a quarter of the four GPUs of
-    --tensor-parallel-size 4 holds both (3.8 + 0.5 GiB). The learner fits here with the flags the docs give it."""
+    KV heads of 128 in 36 layers: 144 KiB a token): a tenth of an 80 GiB GPU holds neither, a quarter of the four
+    GPUs of --tensor-parallel-size 4 holds both (3.8 + 0.5 GiB). The learner fits here with the flags the docs give it."""
     argv = ["--model", model_dir(tmp_path, "qwen3-8b"), "--gen-devices", "0,1,2,3", "--output-dir",
             str(tmp_path / "run"), *scalerl_args(), "--activation-checkpointing", "--cpu-offload",
             "--gen-memory-fraction", "0.1"]

@@ -329,6 +329,24 @@ def test_a_cpu_replicas_kv_cache_holds_one_sequence_of_its_context_as_vllm_count
     assert vllm_replica.cpu_kv_cache_bytes(str(tmp_path / "no-model"), "float32", 6512) == 1 << 30  # vLLM says why
 
 
+def test_a_cpu_replica_builds_its_engine_without_the_setting_that_would_override_its_cache(monkeypatch):
+    """vLLM lets VLLM_CPU_KVCACHE_SPACE override kv_cache_memory_bytes (the test above): the replica's process
+    builds its engine without it, its value already held in the size it gives (cpu_kv_cache_bytes)."""
+    import vllm
+
+    seen = {}
+
+    def engine(**kwargs):  # vLLM's LLM, as the replica calls it: what it is given, and the environment it sees
+        seen.update(kwargs=kwargs, setting=os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
+        raise RuntimeError("no engine here")
+
+    monkeypatch.setattr(vllm, "LLM", engine)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    with pytest.raises(RuntimeError, match="no engine here"):
+        vllm_replica._Replica(None, 0, fleet.ReplicaSettings(model="m"), None).init_engine()
+    assert seen == {"kwargs": {**seen["kwargs"], "kv_cache_memory_bytes": 2 << 30}, "setting": None}
+
+
 def test_engine_arguments():
     kw = vllm_replica.vllm_engine_kwargs(fleet.ReplicaSettings(model="m"))
     assert kw["logprobs_mode"] == "processed_logprobs" and kw["enforce_eager"]  # CPU: eager

@@ -104,30 +104,34 @@ def test_the_fleet_settings_are_checked_where_they_are_written():
     assert fleet.FleetConfig(debug_slowdown=[1, 3]).slowdown_of(5) == 3.0  # the last factor for the rest
 
 
-def _sleep_holding(conn) -> None:  # a child process: it holds its end of the pipe until it is killed
+def _hold_then_end(conn, code: int | None) -> None:  # a child process: it holds its end of the pipe, then exits
+    if code is not None:  # with `code`, or sleeps until it is killed
+        os._exit(code)
     time.sleep(600)
 
 
-@pytest.mark.parametrize("sig, said", [
-    (signal.SIGKILL, "its process was killed by SIGKILL: the kernel's out-of-memory killer, unless someone sent it "
-                     "(dmesg names the processes it killed)"),
-    (signal.SIGSEGV, "its process was killed by SIGSEGV")])
-def test_a_local_replica_whose_process_is_killed_is_named_with_its_signal(sig, said):
-    """A local replica's process killed: its connection closes, and the line that names the dead replica says how
-    its process ended. The kernel's out-of-memory killer sends SIGKILL to the largest process when the host runs out
-    of memory, and nothing else in a run's output would name it; the line said "its connection closed (process
-    killed, or the network broke)"."""
+@pytest.mark.parametrize("code, said", [
+    (None, "its process was killed by SIGKILL: the kernel's out-of-memory killer, unless someone sent it (dmesg names "
+           "the processes it killed)"),
+    (3, "its process exited with code 3")])
+def test_a_local_replica_whose_process_ends_is_named_with_how_it_ended(code, said):
+    """A local replica's process killed, or exiting: its connection closes, and the line that names the dead replica
+    says how its process ended. The kernel's out-of-memory killer sends SIGKILL to the largest process when the host
+    runs out of memory, and nothing else in a run's output would name it; the line said "its connection closed
+    (process killed, or the network broke)". (SIGKILL, which no handler the child inherits from pytest can catch.)"""
     deaths = []
     pool = fleet.ReplicaPool(fleet.ReplicaSettings(model="m", replicas=1), b"x" * 32,
                              lambda slot, why: deaths.append((slot.id, why)))
     ours, theirs = multiprocessing.Pipe()
     learner, _ = multiprocessing.Pipe()
-    proc = multiprocessing.get_context("fork").Process(target=_sleep_holding, args=(theirs,), daemon=True)
+    proc = multiprocessing.get_context("fork").Process(target=_hold_then_end, args=(theirs, code), daemon=True)
     proc.start()
     theirs.close()
     slot = pool.slot(0)
     slot.spawned(proc)
     slot.conn, slot.state = ours, "ready"
-    os.kill(proc.pid, sig)
+    if code is None:
+        os.kill(proc.pid, signal.SIGKILL)
     assert pool.poll(learner, 10, 0, True) == [] and deaths == [(0, said)]
-    assert fleet.exit_reason(3) == "its process exited with code 3"
+    assert fleet.exit_reason(-signal.SIGSEGV) == "its process was killed by SIGSEGV"
+    assert fleet.exit_reason(-99) == "its process was killed by signal 99"

@@ -796,14 +796,10 @@ def memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: int) -
 
 def generator_gpu_need(args: Args, config: Any) -> tuple[int, int]:
     """The least a replica holds on each of its GPUs: (its weights in the generator's dtype, the KV cache of one
-    sequence of the run's context), each split over --tensor-parallel-size (KV heads no finer than one a GPU, as vLLM
-    replicates them), in bytes."""
+    sequence of the run's context), each split over --tensor-parallel-size, in bytes."""
     tp, dtype_bytes = args.tensor_parallel_size, vllm_replica.DTYPES[compute_dtype(args, on_gpu=True)].itemsize
     weights = math.ceil(memory_plan.parameter_counts(config).total * dtype_bytes / tp)
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    kv_cache = (memory_plan.kv_cache_bytes_per_token(config, dtype_bytes) * max(1, kv_heads // tp) // kv_heads
-                * (model_context(args) + 2 * 256))
-    return weights, kv_cache
+    return weights, memory_plan.sequence_kv_cache_bytes(config, dtype_bytes, model_context(args), tp)
 
 
 def generator_gpu_problems(args: Args, config: Any, gen_ids: list[int], shares_gpu: bool,

@@ -8,8 +8,8 @@ GPU. It holds:
   - SHAPES and `shape_config`: the configs of a few real models, written here so that neither the plan nor a
     benchmark's random-weight model needs a download;
   - `parameter_counts`: a dense decoder's parameters from its config, without building the model;
-  - `kv_cache_bytes_per_token`: what vLLM's KV cache holds per token (harness/vllm_replica.py sizes a CPU
-    replica's cache by it, harness/flags.py checks the replicas' caches against host memory);
+  - `kv_cache_bytes_per_token` and `sequence_kv_cache_bytes`: what vLLM's KV cache holds per token and for one
+    sequence (harness/vllm_replica.py sizes a CPU replica's cache by it, harness/flags.py checks a GPU's share);
   - `activation_bytes_per_token_layer`: what backward keeps of one decoder layer, per token;
   - `Layout` (the flags and the machine the plan depends on), `estimate` and `plan_memory` -> `MemoryPlan`, whose
     `problems()` say, when it does not fit, which flags would make it fit, in order of cost.
@@ -116,12 +116,20 @@ def parameter_counts(config: Any) -> ParameterCounts:
                            head=0 if config.tie_word_embeddings else v * h)
 
 
-def kv_cache_bytes_per_token(config: Any, dtype_bytes: int) -> int:
-    """Bytes of vLLM's KV cache per token of a sequence: a key and a value of head_dim for every KV head of every
-    layer. A decoder whose layers all attend to the whole context holds this; one with sliding-window or other
-    layers holds less, so it bounds them."""
+def kv_cache_bytes_per_token(config: Any, dtype_bytes: int, tensor_parallel_size: int = 1) -> int:
+    """Bytes of vLLM's KV cache per token of a sequence, on each GPU of `tensor_parallel_size`: a key and a value of
+    head_dim for every KV head of every layer, the heads split over the GPUs (no finer than one a GPU: vLLM
+    replicates them). A decoder whose layers all attend to the whole context holds this; one with sliding-window or
+    other layers holds less, so it bounds them."""
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * kv_heads * _head_dim(config) * dtype_bytes
+    return 2 * config.num_hidden_layers * max(1, kv_heads // tensor_parallel_size) * _head_dim(config) * dtype_bytes
+
+
+def sequence_kv_cache_bytes(config: Any, dtype_bytes: int, tokens: int, tensor_parallel_size: int = 1) -> int:
+    """The KV cache vLLM needs to hold one sequence of `tokens` (its max_model_len), on each GPU: the tokens and two
+    of its blocks of up to 256, the last one filled in part and the one it holds back. vLLM refuses to start an
+    engine whose cache cannot hold this ("To serve at least one request ...")."""
+    return kv_cache_bytes_per_token(config, dtype_bytes, tensor_parallel_size) * (tokens + 2 * 256)
 
 
 def activation_bytes_per_token_layer(config: Any, dtype_bytes: int) -> int:

@@ -588,19 +588,18 @@ def cpu_kv_cache_bytes(model: str, dtype: str | None, max_model_len: int) -> int
     """Host memory for the KV cache of one replica on CPU, given to vLLM as `kv_cache_memory_bytes`: the
     VLLM_CPU_KVCACHE_SPACE GiB of the environment (vLLM's own setting; tasks.VLLM_CPU_ENV makes it 1 unless the user
     set it), or more where one sequence of `max_model_len` tokens of `model` needs more: vLLM refuses to start an
-    engine that cannot hold one ("To serve at least one request ..."), with advice for a GPU. The need is a key and a
-    value per KV head of every layer (memory_plan.kv_cache_bytes_per_token, in the generator's dtype; float32 when
-    None), for the context and two of vLLM's blocks of up to 256 tokens: the last one filled in part, and the one
-    vLLM holds back. A config that does not read leaves the environment's size, and vLLM to say what is wrong."""
+    engine that cannot hold one ("To serve at least one request ..."), with advice for a GPU. The need is
+    memory_plan.sequence_kv_cache_bytes, in the generator's dtype (float32 when None). A config that does not read
+    leaves the environment's size, and vLLM to say what is wrong."""
     from transformers import AutoConfig  # here, not at the top: a replica on a GPU does not ask
 
     setting = cpu_kv_cache_setting()
     try:
         config = AutoConfig.from_pretrained(model).get_text_config()
-        per_token = memory_plan.kv_cache_bytes_per_token(config, DTYPES.get(dtype, torch.float32).itemsize)
+        need = memory_plan.sequence_kv_cache_bytes(config, DTYPES.get(dtype, torch.float32).itemsize, max_model_len)
     except (OSError, ValueError, AttributeError, TypeError):
         return setting
-    return max(setting, per_token * (max_model_len + 2 * 256))
+    return max(setting, need)
 
 
 def cpu_kv_cache_setting() -> int:

@@ -98,6 +98,10 @@ def test_the_kv_cache_of_a_token_is_a_key_and_a_value_per_kv_head_of_every_layer
     """Hand-computed; tests/test_pipeline_rl.py checks the same count against vLLM's own KV cache specs."""
     assert mp.kv_cache_bytes_per_token(mp.shape_config("qwen3-8b"), 2) == 36 * 8 * 128 * 2 * 2 == 147456  # bf16
     assert mp.kv_cache_bytes_per_token(mp.shape_config("smollm2-135m"), 4) == 30 * 3 * 64 * 2 * 4 == 46080
+    # over 4 GPUs, 2 of the 8 KV heads each; over 16, one each (vLLM replicates a head rather than split it)
+    assert mp.kv_cache_bytes_per_token(mp.shape_config("qwen3-8b"), 2, 4) == 147456 // 4
+    assert mp.kv_cache_bytes_per_token(mp.shape_config("qwen3-8b"), 2, 16) == 147456 // 8
+    assert mp.sequence_kv_cache_bytes(mp.shape_config("qwen3-8b"), 2, 14848) == 147456 * (14848 + 512)
     # no head_dim in the config: hidden_size / heads; no num_key_value_heads: one KV head per query head
     assert mp.kv_cache_bytes_per_token(LlamaConfig(hidden_size=128, num_attention_heads=2, num_hidden_layers=4,
                                                    head_dim=None, num_key_value_heads=None), 4) == 4 * 2 * 64 * 2 * 4

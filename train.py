@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv, generator_checks=pipeline_rl.config_problems, losses=LOSSES)  # the rule checked by the rule
     # A crash in native code (gloo, a kernel) kills a rank with no Python traceback: print every thread's stack.
     faulthandler.enable(all_threads=True)
-    with rank0_speaks(), set_up(args) as setup:  # process groups, the output directory, data, the model's path
+    with rank0_speaks(Path(args.output_dir)), set_up(args) as setup:  # process groups, OUTPUT_DIR, data, model path
         learner = make_learner(args, setup.model_path, setup.device, setup.rank)
         state = setup.resume(learner)  # with --resume: the checkpoint's weights, optimizer and schedule
         generator = start_generator(args, setup, state)  # rank 0's, from the base weights (None on the others)

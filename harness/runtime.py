@@ -43,8 +43,8 @@ from harness import base_model, fleet, tasks
 from harness.cli import quiet_rank_exit
 from harness import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
-                                 newest_trainer_state, open_no_follow, read_no_follow, refuse_unless_regular,
-                                 write_atomically, write_failure)
+                                 newest_checkpoint_step, newest_trainer_state, open_no_follow, read_no_follow,
+                                 refuse_unless_regular, write_atomically, write_failure)
 from harness.flags import (Args, fleet_values, generator_memory_fraction, layout_lines, local_replicas,
                            resolve_defaults, step_ranges, trackio_dir, trackio_dir_problem, write_args_json)
 from harness.packing import model_device
@@ -749,18 +749,26 @@ class GracefulStop:
         return bool(flag.item())
 
 
-# What gloo raises on a rank whose peer has gone (rank 0 stopped, and says why itself).
+# What gloo raises on a rank whose peer has gone (rank 0 stopped, and says why itself; or another rank died).
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 
 
 @contextlib.contextmanager
-def rank0_speaks() -> Iterator[None]:
+def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
     """A run that stops says why once, on rank 0. Another rank prints nothing for what rank 0 reports: a SystemExit
     that every rank raises together (a message: a refused output directory, a failed start, a stop; or a status: a
     bad data row), which it leaves through cli.`quiet_rank_exit` (status 1 for a message), or a collective that failed
-    because rank 0 left (gloo's "Connection closed by peer"), status 1 at once."""
+    because rank 0 left (gloo's "Connection closed by peer"), status 1 at once. On rank 0 of several, a collective
+    that failed because another rank died (the out-of-memory killer's SIGKILL leaves no line of its own) is one line
+    that says so and where `run_dir` resumes (peer_gone_message), not gloo's traceback."""
     if os.environ.get("RANK", "0") == "0":
-        yield
+        try:
+            yield
+        except RuntimeError as e:
+            gone = next((text for text in PEER_GONE if text in str(e)), None)
+            if gone is None or run_dir is None or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+                raise
+            raise SystemExit(peer_gone_message(run_dir, gone)) from None
         return
     try:
         yield
@@ -773,6 +781,19 @@ def rank0_speaks() -> Iterator[None]:
         if any(text in str(e) for text in PEER_GONE):
             raise SystemExit(1) from None
         raise
+
+
+def peer_gone_message(run_dir: Path, gone: str) -> str:
+    """Rank 0's line when a collective failed because another rank's process ended (gloo's `gone`): which rank and
+    how are in torchrun's summary, which follows; a SIGKILL there is most often the kernel's out-of-memory killer,
+    which leaves no line of its own. Then where --resume starts (the newest complete checkpoint), if anywhere."""
+    step = newest_checkpoint_step(run_dir)
+    resume = (f"the newest checkpoint is step {step}: continue with --resume {run_dir}" if step is not None else
+              "no checkpoint was written yet: nothing to resume")
+    return (f"stopping: another learner rank's process ended in the middle of a collective (gloo: {gone}); its own "
+            "output above, or torchrun's summary below, says how. \"Signal 9 (SIGKILL)\" there is most often the "
+            "kernel's out-of-memory killer (dmesg names it): a lower --micro-batch-tokens or --activation-checkpointing "
+            f"lowers a rank's memory (docs/memory.md); {resume}")
 
 
 class OutputDirBusyError(RuntimeError):

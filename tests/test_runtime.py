@@ -657,6 +657,66 @@ def test_other_ranks_leave_what_rank_0_reports_to_rank_0(monkeypatch, capsys):
     assert capsys.readouterr().err == "" and waits == []
 
 
+def test_rank_0_names_a_dead_rank_and_where_to_resume_in_one_line(tmp_path, monkeypatch, one_rank_group):
+    """A learner rank killed mid-step (the out-of-memory killer's SIGKILL prints nothing) left rank 0 with gloo's
+    traceback, "Connection reset by peer" under forty lines of FSDP's frames. On rank 0 of several it is one line:
+    another rank ended, where torchrun says how, what a SIGKILL most often is, and where --resume starts. A world of
+    one has no peer rank, so the error stays the error; so does any other."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    gone = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:38611: Connection reset by peer. This is typically")
+    with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks(tmp_path / "run"):
+        raise gone
+    line = str(exit_info.value.code)
+    assert "another learner rank" in line and "(gloo: Connection reset by peer)" in line and "SIGKILL" in line
+    assert line.endswith("no checkpoint was written yet: nothing to resume") and "\n" not in line
+    saved_run(tmp_path / "run", steps=(4, 8))
+    with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks(tmp_path / "run"):
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:3254")
+    assert str(exit_info.value.code).endswith(f"the newest checkpoint is step 8: continue with --resume {tmp_path / 'run'}")
+    with pytest.raises(RuntimeError, match="a bug"), runtime.rank0_speaks(tmp_path / "run"):
+        raise RuntimeError("a bug")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(RuntimeError, match="reset by peer"), runtime.rank0_speaks(tmp_path / "run"):
+        raise gone
+
+
+RANK_DIES = """
+import os, signal, sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+import torch
+import torch.distributed as dist
+from harness import runtime
+
+with runtime.rank0_speaks(Path(sys.argv[1])):
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(4))
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer ends a rank: nothing printed
+    dist.all_reduce(torch.ones(4))
+"""
+
+
+def test_a_rank_killed_under_torchrun_leaves_rank_0_s_one_line_and_torchruns_summary(tmp_path):
+    """The real thing: two gloo ranks under torchrun, rank 1 SIGKILLed between two collectives. gloo's error on
+    rank 0 is one of PEER_GONE, so rank 0 prints its one line and no traceback, and torchrun's summary names the
+    rank and the signal. (train.py's main runs in runtime.rank0_speaks(OUTPUT_DIR).)"""
+    import subprocess
+
+    from helpers import REPO, TORCHRUN
+
+    script = tmp_path / "rank_dies.py"
+    script.write_text(RANK_DIES.format(repo=str(REPO)))
+    run = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", str(script), str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=120)
+    output = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "stopping: another learner rank's process ended in the middle of a collective (gloo:" in output, output
+    assert "nothing to resume" in output and "Signal 9 (SIGKILL)" in output, output
+    assert "work.wait()" not in output and "[rank0]: Traceback" not in output, output
+
+
 def test_a_quiet_ranks_wait_ends_on_torchruns_signal_and_puts_the_handlers_back():
     """The wait of cli.quiet_rank_exit: a SIGTERM (torchrun's, once rank 0 has exited) ends it at once, even when
     another thread receives the signal; without one it lasts its time; the handlers in place before are restored."""

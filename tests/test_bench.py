@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,28 @@ def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed
         assert result[f"host_ms_per_micro_batch_{layout}"] > 0 and result[f"micro_batches_{layout}"] > 0
     assert "real tokens/s" in run.stdout
     assert "packed_mfu" not in result and "peak_tflops" not in result  # a CPU's peak is unknown: no MFU
+    for name in ("packed", "padded", "bare"):  # off a GPU: the process's memory at its highest, and the steps' part
+        assert 0 <= result[f"{name}_host_step_gib"] <= result[f"{name}_host_peak_gib"], result
+        assert "peak_gib" not in result and "host memory (RSS) at most" in run.stdout
     profile = (tmp_path / "profile.txt").read_text()
     assert "Self CPU" in profile and "aten::mm" in profile and "AdamW.step" in profile
+
+
+def test_host_memory_sees_a_buffer_that_lives_a_moment():
+    """_host_memory, what the train bench reports off a GPU: a 256 MiB buffer written and held for 0.1 s inside the
+    block shows in its peak over its start, and the sampling thread has stopped when the block ends."""
+    import threading
+
+    import torch
+
+    before = threading.active_count()
+    held: dict = {}
+    with bench._host_memory(held):
+        buffer = torch.ones(64 << 20)  # 256 MiB of float32, every page written
+        time.sleep(0.1)
+        del buffer
+    assert held["host_peak_bytes"] - held["host_start_bytes"] >= 200 << 20, held
+    assert threading.active_count() == before
 
 
 def _one_rank_env(monkeypatch) -> None:

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from harness.cli import exit_with  # a closed stdout (`| head`) ends the command quietly
 from harness.cli import run_subcommand, subcommand_parser  # one subcommand per benchmark, one error line for a bad flag
@@ -759,12 +759,37 @@ def _free_memory(device: Any) -> None:
         torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def _host_memory(into: dict) -> Iterator[None]:
+    """This process's resident memory (RSS) as the block starts, `into["host_start_bytes"]`, and its highest while
+    it runs, `into["host_peak_bytes"]`, sampled every 5 ms by a thread: what a step adds on CPU, where there is no
+    allocator's peak to read (a tensor that lives under 5 ms can be missed)."""
+    import psutil
+
+    process, done = psutil.Process(), threading.Event()
+    into["host_start_bytes"] = into["host_peak_bytes"] = process.memory_info().rss
+
+    def sample() -> None:
+        while not done.wait(0.005):
+            into["host_peak_bytes"] = max(into["host_peak_bytes"], process.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield
+    finally:
+        done.set()
+        sampler.join()
+
+
 def _time_methods(methods: dict[str, Callable[[], None]], repeats: int, device: Any) -> dict[str, dict]:
     """Each method's step time, the best of 2 interleaved rounds of `repeats` steps (fair to the noise of a shared
     machine), after one warm-up step; and the peak GPU memory of its first round's steps (max_memory_allocated since
-    a reset after the warm-up: steps as a run has them, AdamW's state allocated by the step before):
-    {"s": ..., "peak_bytes": ...}. A method that runs out of GPU memory gets {"oom": the error's first line}, and
-    the methods not yet run are left out ({}): a step cut short may leave an FSDP2 model half gathered."""
+    a reset after the warm-up: steps as a run has them, AdamW's state allocated by the step before), or off a GPU
+    the process's resident memory before and at its highest during them (_host_memory):
+    {"s": ..., "peak_bytes": ...} or {"s": ..., "host_start_bytes": ..., "host_peak_bytes": ...}. A method that runs
+    out of GPU memory gets {"oom": the error's first line}, and the methods not yet run are left out ({}): a step cut
+    short may leave an FSDP2 model half gathered."""
     import torch
 
     wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)  # CUDA kernels run asynchronously
@@ -778,11 +803,13 @@ def _time_methods(methods: dict[str, Callable[[], None]], repeats: int, device: 
                     wait()
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    fn()
-                wait()
-                times[name].append((time.perf_counter() - start) / repeats)
+                host = {} if round_ or device.type == "cuda" else out[name]
+                with _host_memory(host):
+                    start = time.perf_counter()
+                    for _ in range(repeats):
+                        fn()
+                    wait()
+                    times[name].append((time.perf_counter() - start) / repeats)
                 if round_ == 0 and device.type == "cuda":
                     out[name]["peak_bytes"] = torch.cuda.max_memory_allocated(device)
     except torch.cuda.OutOfMemoryError as error:
@@ -1140,6 +1167,10 @@ def _train_report(args: argparse.Namespace, cli: Any, groups: list, learner: dic
         if "peak_bytes" in timed[name]:
             results[f"{name}_peak_gib"] = round(timed[name]["peak_bytes"] / 2**30, 2)
             results[f"{name}_peak_beyond_weights_gib"] = round((timed[name]["peak_bytes"] - weights[name]) / 2**30, 2)
+        if "host_peak_bytes" in timed[name]:  # off a GPU: the process's memory, the step's over what it held before
+            results[f"{name}_host_peak_gib"] = round(timed[name]["host_peak_bytes"] / 2**30, 2)
+            results[f"{name}_host_step_gib"] = round(
+                (timed[name]["host_peak_bytes"] - timed[name]["host_start_bytes"]) / 2**30, 2)
         results[f"{name}_head_s"] = None if head_s.get(name) is None else float(f"{head_s[name]:.4g}")
         results[f"{name}_head_share"] = None if s is None or head_s.get(name) is None else round(head_s[name] / s, 3)
         if "oom" in timed[name]:
@@ -1204,7 +1235,9 @@ def _print_train_report(r: dict) -> None:
             print(f"{label}: not run (--packed-only, or an earlier method ran out of GPU memory)")
             continue
         memory = (f"; peak {r[f'{name}_peak_gib']} GiB, {r[f'{name}_peak_beyond_weights_gib']} beyond the weights"
-                  if f"{name}_peak_gib" in r else "")
+                  if f"{name}_peak_gib" in r else
+                  f"; host memory (RSS) at most {r[f'{name}_host_peak_gib']} GiB, {r[f'{name}_host_step_gib']} GiB "
+                  "over what it held before its steps" if f"{name}_host_peak_gib" in r else "")
         mfu = f", MFU {r[f'{name}_mfu']:.1%}" if r.get(f"{name}_mfu") is not None else ""
         print(f"{label}: {r[f'{name}_s']:.4g} s = {r[f'{name}_tokens_per_s']:,} real tokens/s{mfu}; LM head "
               f"{fmt(r[f'{name}_head_s'], '.3f')} s alone ({fmt(r[f'{name}_head_share'], '.0%')} of the step, "

@@ -463,9 +463,6 @@ class _DataStream:
     def retire(self, problem_ids: Iterable[str]) -> None:
         self.retired.update(problem_ids)
 
-    def retired_count(self) -> int:
-        return len(self.retired)
-
     def unretired_count(self) -> int:
         """A data set's training prompts not retired; 0 for a task generated here (its prompts are not listed)."""
         return len(self.listed - self.retired)

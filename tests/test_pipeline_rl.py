@@ -793,7 +793,7 @@ def test_the_data_stream_gives_a_dropped_prompt_first_and_counts_it_once():
     assert data.admitted_total() == 2
     again = pl._DataStream(tasks.ArithmeticTask(), 0, 0, skip=[], retired=[])
     again.retire([first[1].id])  # No-Positive-Resampling: a retired prompt is not given again
-    assert again.next()[1].id != first[1].id and again.retired_count() == 1
+    assert again.next()[1].id != first[1].id and again.retired == {first[1].id}
 
 
 def test_a_data_set_whose_every_prompt_is_retired_stops_the_generator_saying_why(tmp_path):

@@ -52,6 +52,7 @@ def test_host_memory_sees_a_buffer_that_lives_a_moment():
     import torch
 
     kept = [torch.ones(16_000) for _ in range(6_000)]  # 64 KB each, 384 MB: from the heap, not mmap
+    pin = torch.ones(16_000)  # above them on the heap: freeing them cannot shrink its top, as glibc's free() would
     del kept
     rss_before = psutil.Process().memory_info().rss
     before = threading.active_count()
@@ -62,6 +63,7 @@ def test_host_memory_sees_a_buffer_that_lives_a_moment():
         del buffer
     assert held["host_peak_bytes"] - held["host_start_bytes"] >= 200 << 20, held
     assert rss_before - held["host_start_bytes"] >= 200 << 20, (rss_before, held)  # the freed heap handed back
+    del pin
     assert threading.active_count() == before
 
 

@@ -254,7 +254,8 @@ class Args:
                                    "--packing, its padded rows x length without; a group may span micro-batches, a "
                                    "completion over the budget is one of its own. Sized for large "
                                    "models' memory: on a GPU with a small model, where each micro-batch costs fixed "
-                                   "host time, a larger one is faster")
+                                   "host time, a larger one is faster; on CPU a smaller one costs little time and "
+                                   "lowers a rank's memory, which grows with it (docs/memory.md)")
     packing: bool = _arg(HelpGroup.LOSS, True, "pack the completions (with their prompts) end to end into a few "
                          "rows per micro-batch, position ids restarting with each, so that the learner computes on "
                          "real tokens, not padding; each sequence attends to itself only (their length: pack_rows). "

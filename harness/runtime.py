@@ -792,8 +792,8 @@ def peer_gone_message(run_dir: Path, gone: str) -> str:
               "no checkpoint was written yet: nothing to resume")
     return (f"stopping: another learner rank's process ended in the middle of a collective (gloo: {gone}); its own "
             "output above, or torchrun's summary below, says how. \"Signal 9 (SIGKILL)\" there is most often the "
-            "kernel's out-of-memory killer (dmesg names it): a lower --micro-batch-tokens or --activation-checkpointing "
-            f"lowers a rank's memory (docs/memory.md); {resume}")
+            "kernel's out-of-memory killer (dmesg names it): a lower --micro-batch-tokens or "
+            f"--activation-checkpointing lowers a rank's memory (docs/memory.md); {resume}")
 
 
 class OutputDirBusyError(RuntimeError):

@@ -673,7 +673,8 @@ def test_rank_0_names_a_dead_rank_and_where_to_resume_in_one_line(tmp_path, monk
     saved_run(tmp_path / "run", steps=(4, 8))
     with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks(tmp_path / "run"):
         raise RuntimeError("Connection closed by peer [127.0.0.1]:3254")
-    assert str(exit_info.value.code).endswith(f"the newest checkpoint is step 8: continue with --resume {tmp_path / 'run'}")
+    resume = f"the newest checkpoint is step 8: continue with --resume {tmp_path / 'run'}"
+    assert str(exit_info.value.code).endswith(resume)
     with pytest.raises(RuntimeError, match="a bug"), runtime.rank0_speaks(tmp_path / "run"):
         raise RuntimeError("a bug")
     monkeypatch.setenv("WORLD_SIZE", "1")

@@ -44,7 +44,7 @@ def test_train_bench_reports_the_learner_packed_and_padded_against_a_bare_packed
 
 def test_host_memory_sees_a_buffer_that_lives_a_moment():
     """_host_memory, what the train bench reports off a GPU: a 256 MiB buffer written and held for 0.1 s inside the
-    block shows in its peak over its start, and the sampling thread has stopped when the block ends. Memory freed
+    block shows in its peak over its start (the kernel's high-water mark), and no thread is left behind. Memory freed
     before the block, which glibc's allocator keeps in the process (small blocks, as a step's many tensors), is
     handed back before the start is read (malloc_trim): a warm-up step's activations are not counted in it."""
     import threading

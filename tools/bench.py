@@ -762,30 +762,26 @@ def _free_memory(device: Any) -> None:
 @contextlib.contextmanager
 def _host_memory(into: dict) -> Iterator[None]:
     """This process's resident memory (RSS) as the block starts, `into["host_start_bytes"]`, and its highest while
-    it runs, `into["host_peak_bytes"]`, sampled every 5 ms by a thread: what a step adds on CPU, where there is no
-    allocator's peak to read (a tensor that lives under 5 ms can be missed). The C allocator first hands back the
-    memory freed since (glibc's malloc_trim), which it would otherwise keep in the process: the warm-up step's
-    activations counted in the start, and the steps' peak over it read as gibibytes less."""
+    it runs, `into["host_peak_bytes"]`: the kernel's high-water mark (VmHWM), reset to the resident size as the block
+    starts (/proc/self/clear_refs), so no short-lived tensor is missed. The C allocator first hands back the memory
+    freed since (glibc's malloc_trim), which it would otherwise keep in the process: a warm-up step's activations
+    counted in the start, and the peak over it read as gibibytes less. Off a GPU, where there is no allocator's peak
+    to read: what a train step or a checkpoint's save adds."""
     import ctypes
 
-    import psutil
+    def status(key: str) -> int:
+        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key))
+        return int(line.split()[1]) * 1024
 
+    gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # a C library without malloc_trim (not glibc): as it is
         ctypes.CDLL(None).malloc_trim(0)
-    process, done = psutil.Process(), threading.Event()
-    into["host_start_bytes"] = into["host_peak_bytes"] = process.memory_info().rss
-
-    def sample() -> None:
-        while not done.wait(0.005):
-            into["host_peak_bytes"] = max(into["host_peak_bytes"], process.memory_info().rss)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the resident size now
+    into["host_start_bytes"] = status("VmRSS:")
     try:
         yield
     finally:
-        done.set()
-        sampler.join()
+        into["host_peak_bytes"] = status("VmHWM:")
 
 
 def _time_methods(methods: dict[str, Callable[[], None]], repeats: int, device: Any) -> dict[str, dict]:
@@ -809,7 +805,7 @@ def _time_methods(methods: dict[str, Callable[[], None]], repeats: int, device: 
                     wait()
                     if device.type == "cuda":
                         torch.cuda.reset_peak_memory_stats(device)
-                measured = round_ == 0 and device.type != "cuda"  # the second round's steps run without a sampler
+                measured = round_ == 0 and device.type != "cuda"  # the second round: no trim nor collection first
                 with _host_memory(out[name]) if measured else contextlib.nullcontext():
                     start = time.perf_counter()
                     for _ in range(repeats):
@@ -1588,20 +1584,13 @@ def bench_checkpoint(args: argparse.Namespace) -> dict:
 
 
 def _peak_mb(fn: Callable[[], None]) -> tuple[float, float]:
-    """(seconds, this process's peak resident MB above its resident size before) of fn()."""
-    def status(key: str) -> int:
-        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key))
-        return int(line.split()[1]) * 1024
-
-    import ctypes
-    import gc
-
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # the heap a previous operation freed, returned: not counted as resident
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the resident size now
-    before, start = status("VmRSS:"), time.perf_counter()
-    fn()
-    return time.perf_counter() - start, (status("VmHWM:") - before) / 1e6
+    """(seconds, this process's peak resident MB above its resident size before) of fn() (_host_memory)."""
+    held: dict = {}
+    with _host_memory(held):
+        start = time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+    return seconds, (held["host_peak_bytes"] - held["host_start_bytes"]) / 1e6
 
 
 def _checkpoint_rank(args: argparse.Namespace) -> dict:

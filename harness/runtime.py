@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -209,6 +210,7 @@ def set_up(args: Args) -> Iterator[Setup]:
     setup = Setup(args, rank, world, device, stopper, out, lock, old_run_kept=args.overwrite and not fresh_dir,
                   found=found)
     try:  # until the first metrics row, a failure leaves the output directory as it was found
+        refuse_unshared_output_dir(out, rank, world)
         # Data and model (without --model: the base model shipped with the repository).
         setup.task, setup.test_task = _data(args, is_main)
         setup.data_digest = tasks.data_digest(setup.task, setup.test_task)
@@ -500,6 +502,37 @@ def claim_output_dir(out: Path, is_main: bool) -> Any:
         dist.destroy_process_group()
         raise SystemExit(error[0])
     return lock
+
+
+SHARED_DIR_WAIT_S = 60.0  # NFS's longest attribute cache by default (acdirmax): a new file may take that long to show
+
+
+def refuse_unshared_output_dir(out: Path, rank: int, world: int, wait_s: float = SHARED_DIR_WAIT_S) -> None:
+    """On several ranks, OUTPUT_DIR must be one directory for all of them: each writes its own shard of every
+    checkpoint there, and rank 0 reads them all back before rotating the checkpoint in. Nodes that each have a
+    directory of their own (a local disk at the same path) trained until the first checkpoint, --checkpoint-every
+    steps in, to fail on rank 0's "shard-00002-... is missing". Asked at the start instead: rank 0 writes a file of a
+    fresh name there and each other rank must read it within `wait_s` (a shared file system's client may cache the
+    directory's old listing that long). A rank that does not is one line on every rank, naming it and its host."""
+    if world < 2:
+        return
+    name = [f".shared-{secrets.token_hex(8)}" if rank == 0 else None]
+    if rank == 0:
+        os.close(open_no_follow(out / name[0], os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+    dist.broadcast_object_list(name, src=0)
+    deadline = time.monotonic() + wait_s
+    while not (seen := rank == 0 or os.path.lexists(out / name[0])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    views: list[Any] = [None] * world
+    dist.all_gather_object(views, (seen, socket.gethostname()))
+    if rank == 0:
+        (out / name[0]).unlink()
+    blind = [f"rank {r} (on {host})" for r, (saw, host) in enumerate(views) if not saw]
+    if blind:
+        raise SystemExit(f"train.py: error: --output-dir {out} is not one directory for every rank: {', '.join(blind)} "
+                         f"did not see the file rank 0 (on {views[0][1]}) wrote there within {wait_s:g} s. Each rank "
+                         "writes its own shard of every checkpoint into it: on several nodes it must be on a file "
+                         "system they share (NFS, Lustre, a cloud file store), at the same path on each")
 
 
 def remove_previous_run(out: Path) -> None:

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -716,6 +717,53 @@ def test_a_rank_killed_under_torchrun_leaves_rank_0_s_one_line_and_torchruns_sum
     assert "stopping: another learner rank's process ended in the middle of a collective (gloo:" in output, output
     assert "nothing to resume" in output and "Signal 9 (SIGKILL)" in output, output
     assert "work.wait()" not in output and "[rank0]: Traceback" not in output, output
+
+
+UNSHARED_DIR = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, {repo!r})
+import torch.distributed as dist
+from harness import runtime
+
+dist.init_process_group("gloo")
+rank, base = dist.get_rank(), Path(sys.argv[1])
+runtime.refuse_unshared_output_dir(base / "shared", rank, 2, wait_s=1.0)
+print(f"rank {{rank}} shared: passed, left {{os.listdir(base / 'shared')}}", flush=True)
+try:  # rank 1's own directory at the same path on its node: here, another directory
+    runtime.refuse_unshared_output_dir(base / ("shared" if rank == 0 else "own"), rank, 2, wait_s=1.0)
+except SystemExit as e:
+    print(f"rank {{rank}} refused: {{e}}", flush=True)
+"""
+
+
+def test_an_output_dir_that_is_not_one_directory_for_every_rank_is_refused_at_the_start(tmp_path):
+    """Two gloo ranks under torchrun. Where both name one directory, the check passes and leaves nothing there.
+    Where rank 1's --output-dir is a directory of its own (a node's local disk at the same path: here, another
+    directory), every rank stops with the line naming rank 1, where training went on to the first checkpoint and
+    failed there on rank 0's "shard-00002-... is missing"."""
+    import subprocess
+
+    from helpers import REPO, TORCHRUN
+
+    script = tmp_path / "unshared_dir.py"
+    script.write_text(UNSHARED_DIR.format(repo=str(REPO)))
+    for name in ("shared", "own"):
+        (tmp_path / name).mkdir()
+    run = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", str(script), str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    assert "rank 0 shared: passed, left []" in output and "rank 1 shared: passed, left []" in output, output
+    for rank, name in ((0, "shared"), (1, "own")):  # (rank 0's line is the one train.py prints)
+        assert (f"rank {rank} refused: train.py: error: --output-dir {tmp_path / name} is not one directory for "
+                f"every rank: rank 1 (on {socket.gethostname()}) did not see the file rank 0") in output, output
+    assert os.listdir(tmp_path / "shared") == [] and os.listdir(tmp_path / "own") == []
+
+
+def test_an_output_dir_check_on_one_rank_writes_nothing(tmp_path):
+    runtime.refuse_unshared_output_dir(tmp_path, 0, 1)
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_quiet_ranks_wait_ends_on_torchruns_signal_and_puts_the_handlers_back():

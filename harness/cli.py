@@ -21,6 +21,7 @@ import os
 import re
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -55,13 +56,27 @@ def wait_for_a_signal(seconds: float) -> bool:
     return bool(received)
 
 
-def quiet_rank_exit(code: int, wait: bool = True) -> NoReturn:
+class RankStop(SystemExit):
+    """SystemExit(code) on every rank for an error whose line (`message`) rank 0 prints: another rank keeps it for
+    quiet_rank_exit, which prints it only where rank 0 did not stop on it."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(code)
+        self.message = message
+
+
+def quiet_rank_exit(code: int, wait: bool = True, message: str | None = None) -> NoReturn:
     """How a rank other than 0 exits, with status `code`, on an error that rank 0 reports. Had it exited first,
     torchrun would have ended rank 0 before rank 0 had said why (seen on CI: a run ended with torchrun's traceback
     only), so it first waits, up to QUIET_RANK_GRACE_S, for the SIGTERM that torchrun sends every rank once rank 0
-    has exited. `wait=False` where a signal stopped the run: torchrun is then ending every rank itself."""
-    if wait:
-        wait_for_a_signal(QUIET_RANK_GRACE_S)
+    has exited. `wait=False` where a signal stopped the run: torchrun is then ending every rank itself. A wait that
+    no signal ends means rank 0 did not stop on the error: on several nodes, this node sees another file or setting
+    (a --dataset that is not on it). Then nobody else says it: this rank prints its `message`, with its rank and
+    host, where rank 0 waits in a collective for its process group's timeout."""
+    if wait and not wait_for_a_signal(QUIET_RANK_GRACE_S) and message:
+        print(f"{message} [rank {os.environ.get('RANK')} on {socket.gethostname()}, where rank 0 did not stop on it "
+              f"within {QUIET_RANK_GRACE_S:g} s: on several nodes, does this node see other files than rank 0's?]",
+              file=sys.stderr, flush=True)
     raise SystemExit(code)
 
 
@@ -158,9 +173,10 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        line = f"{self.prog}: error: {message} (see --help)"
         if os.environ.get("RANK", "0") != "0":
-            quiet_rank_exit(2)
-        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+            quiet_rank_exit(2, message=line)
+        print(line, file=sys.stderr)
         raise SystemExit(2)
 
 

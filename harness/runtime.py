@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tqdm import tqdm
 
 from harness import base_model, fleet, tasks
-from harness.cli import quiet_rank_exit
+from harness.cli import RankStop, quiet_rank_exit
 from harness import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
                                  newest_checkpoint_step, newest_trainer_state, open_no_follow, read_no_follow,
@@ -331,7 +331,7 @@ def _data(args: Args, is_main: bool) -> tuple[tasks.Task, tasks.Task | None]:
     except (tasks.BadRowError, FileNotFoundError) as e:  # every bad row is named: a message, not a traceback
         if is_main:
             print(f"train.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise RankStop(2, f"train.py: error: {e}") from None
     for t in (task, test_task):
         if is_main and getattr(t, "skipped_summary", ""):
             print(f"[data] {t.name_or_path}: {t.skipped_summary}", file=sys.stderr)
@@ -353,7 +353,7 @@ def _model_path(args: Args, is_main: bool) -> str:
     except base_model.BaseModelDamagedError as e:
         if is_main:
             print(f"train.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise RankStop(2, f"train.py: error: {e}") from None
 
 
 # A share of unknown tokens in the evaluation prompts past which the model cannot read the data set: GSM8K's prompts
@@ -412,13 +412,14 @@ def _refuse_changed_data(args: Args, out: Path, saved_state: dict, data_digest: 
     and SystemExit(2) on every rank. A checkpoint from before the digest was kept (none saved) passes."""
     if saved_state.get("data_digest", "") in ("", data_digest):
         return
+    data = " and ".join(f"--{flag.replace('_', '-')} {getattr(args, flag)}"
+                        for flag in ("dataset", "test_dataset") if getattr(args, flag))
+    line = (f"train.py: error: --resume {out}: the run's data changed since it started ({data}): its checkpoint's "
+            "data position and its validation would point at other problems; restore the data as it was, or start "
+            "a new run (another --output-dir)")
     if rank == 0:
-        data = " and ".join(f"--{flag.replace('_', '-')} {getattr(args, flag)}"
-                            for flag in ("dataset", "test_dataset") if getattr(args, flag))
-        print(f"train.py: error: --resume {out}: the run's data changed since it started ({data}): its "
-              "checkpoint's data position and its validation would point at other problems; restore the "
-              "data as it was, or start a new run (another --output-dir)", file=sys.stderr, flush=True)
-    raise SystemExit(2)
+        print(line, file=sys.stderr, flush=True)
+    raise RankStop(2, line)
 
 
 def _devices_in_use(args: Args, world: int, gen_config: fleet.FleetConfig) -> int:
@@ -809,7 +810,8 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
         if e.code in (None, 0):
             raise
         # after a signal torchrun is ending every rank itself: no need to wait for rank 0
-        quiet_rank_exit(1 if isinstance(e.code, str) else e.code, wait=GracefulStop.first_signal is None)
+        quiet_rank_exit(1 if isinstance(e.code, str) else e.code, wait=GracefulStop.first_signal is None,
+                        message=e.code if isinstance(e.code, str) else getattr(e, "message", None))
     except RuntimeError as e:
         if any(text in str(e) for text in PEER_GONE):
             raise SystemExit(1) from None

@@ -632,7 +632,7 @@ def test_other_ranks_leave_what_rank_0_reports_to_rank_0(monkeypatch, capsys):
     from harness import cli
 
     waits = []
-    monkeypatch.setattr(cli, "wait_for_a_signal", waits.append)
+    monkeypatch.setattr(cli, "wait_for_a_signal", lambda seconds: waits.append(seconds) or True)  # rank 0 ended first
     monkeypatch.setattr(runtime.GracefulStop, "first_signal", None)
     monkeypatch.setenv("RANK", "1")
     for raised, code, waited in ((SystemExit("out is in use by another train.py"), 1, 1),
@@ -656,6 +656,36 @@ def test_other_ranks_leave_what_rank_0_reports_to_rank_0(monkeypatch, capsys):
     with pytest.raises(SystemExit, match="in use"), runtime.rank0_speaks():  # rank 0 says it
         raise SystemExit("out is in use by another train.py")
     assert capsys.readouterr().err == "" and waits == []
+
+
+def test_a_rank_whose_error_rank_0_did_not_stop_on_says_it_with_its_rank_and_host(monkeypatch, capsys, tmp_path):
+    """On two nodes, a --dataset that is on rank 0's node only: rank 1 stopped quietly, leaving the line to rank 0,
+    and rank 0, which had read its file, waited in its first collective for the process group's timeout (over an
+    hour) with nothing said anywhere. A rank whose wait for torchrun's SIGTERM runs out (rank 0 did not stop on the
+    error) prints the line itself, with its rank and host; one whose wait a signal ended stays quiet. The same for an
+    argument error, which every rank meets in parse_args before any collective."""
+    import socket
+
+    from harness import cli
+
+    signalled = []
+    monkeypatch.setattr(cli, "wait_for_a_signal", lambda seconds: bool(signalled))
+    monkeypatch.setattr(runtime.GracefulStop, "first_signal", None)
+    monkeypatch.setenv("RANK", "1")
+    for signalled[:] in ([], [True]):
+        with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks():
+            runtime._data(flags.Args(dataset=str(tmp_path / "missing.jsonl")), is_main=False)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2
+        if signalled:
+            assert err == ""
+        else:
+            assert err.startswith(f"train.py: error: ") and "missing.jsonl" in err, err
+            assert f"[rank 1 on {socket.gethostname()}, where rank 0 did not stop on it within" in err, err
+        with pytest.raises(SystemExit) as exit_info:
+            flags.parse_args(["--lr", "-1"])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and ("--lr must be > 0" in err) == (not signalled), err
 
 
 def test_rank_0_names_a_dead_rank_and_where_to_resume_in_one_line(tmp_path, monkeypatch, one_rank_group):

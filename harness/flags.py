@@ -710,6 +710,16 @@ def local_replicas(args: Args, num_gpus: int) -> int:
     return 1
 
 
+def learner_gpus(gen_devices: str | None, num_gpus: int) -> list[int]:
+    """The GPUs of this node's learner ranks, local rank r on the r-th: on the node of learner rank 0, which starts
+    the generator, those --gen-devices leaves it (vllm_replica.split_devices); on another node of a multi-node run
+    every GPU, since the generator and its --gen-devices are on rank 0's node. torchrun numbers a node's ranks
+    together, from 0 on rank 0's node: there, and only there, each rank's RANK is its LOCAL_RANK."""
+    learner_ids, _ = vllm_replica.split_devices(gen_devices, num_gpus)
+    generator_node = os.environ.get("RANK", "0") == os.environ.get("LOCAL_RANK", "0")
+    return learner_ids if generator_node else list(range(num_gpus))
+
+
 def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[str]:
     """Where the generator and the learner ranks of this node go, refused before anything starts when it cannot
     work: on a GPU machine vLLM needs --gen-devices, and every learner rank a GPU of its own among the others (NCCL
@@ -726,10 +736,11 @@ def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[s
         learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, num_gpus)
     except ValueError as e:
         return [f"--gen-devices {args.gen_devices}: {e}"]
-    problems = []
-    if learner_ranks > len(learner_ids):
-        problems.append(f"--nproc_per_node {learner_ranks}: each learner rank needs a GPU of its own, and "
-                        f"{len(learner_ids)} of the {num_gpus} are left after --gen-devices {args.gen_devices}")
+    problems, here = [], learner_gpus(args.gen_devices, num_gpus)
+    if learner_ranks > len(here):
+        problems.append(f"--nproc_per_node {learner_ranks}: each learner rank needs a GPU of its own, and " + (
+            f"{len(here)} of the {num_gpus} are left after --gen-devices {args.gen_devices}" if here == learner_ids
+            else f"this node has {num_gpus} (the generator's --gen-devices are on rank 0's node)"))
     if args.tensor_parallel_size > len(gen_ids):
         problems.append(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many --gen-devices (got "
                         f"{args.gen_devices})")

@@ -46,8 +46,9 @@ from harness import vllm_replica  # the replica runtime: the secret file, the pa
 from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
                                  newest_checkpoint_step, newest_trainer_state, open_no_follow, read_no_follow,
                                  refuse_unless_regular, write_atomically, write_failure)
-from harness.flags import (Args, fleet_values, generator_memory_fraction, layout_lines, local_replicas,
-                           resolve_defaults, step_ranges, trackio_dir, trackio_dir_problem, write_args_json)
+from harness.flags import (Args, fleet_values, generator_memory_fraction, layout_lines, learner_gpus,
+                           local_replicas, resolve_defaults, step_ranges, trackio_dir, trackio_dir_problem,
+                           write_args_json)
 from harness.packing import model_device
 
 
@@ -290,7 +291,8 @@ class Setup:
             data_skipped = {"data_skipped_rows": getattr(task, "skipped_rows", 0),
                             "data_skipped_reasons": getattr(task, "skipped_reasons", {})}
         val_problems, test_problems = self.evaluation_problems()
-        devices_in_use = _devices_in_use(args, self.world, fleet_config(args))
+        devices_in_use = _devices_in_use(args, self.world, fleet_config(args),
+                                         int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         eval_rows: list[dict] = []
         if is_main:  # the run's files appear only once it has started
             if args.overwrite:  # data, model and generator have all started: only now is the old run deleted
@@ -422,13 +424,16 @@ def _refuse_changed_data(args: Args, out: Path, saved_state: dict, data_digest: 
     raise RankStop(2, line)
 
 
-def _devices_in_use(args: Args, world: int, gen_config: fleet.FleetConfig) -> int:
-    """learner ranks + the replicas (on CPU a replica counts as a device); on GPU: the GPUs either of them uses."""
+def _devices_in_use(args: Args, world: int, gen_config: fleet.FleetConfig, local_ranks: int) -> int:
+    """learner ranks + the replicas (on CPU a replica counts as a device); on GPU: the GPUs either of them uses, a
+    GPU rank 0's node shares between a learner rank and a replica (one of its `local_ranks`) counted once. The
+    learner ranks of other nodes count too: taking only rank 0's node's, a run over two nodes was counted 8 GPUs
+    where it held 14, and its compute_hours (the scaling fit's x axis) with them."""
     devices_in_use = world + gen_config.replicas + gen_config.remote_replicas
     if args.gen_devices:
         learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, torch.cuda.device_count())
-        devices_in_use = (len(set(gen_ids) | set(learner_ids[:world]))
-                          + gen_config.remote_replicas * args.tensor_parallel_size)
+        shared = len(set(gen_ids) & set(learner_ids[:local_ranks]))
+        devices_in_use = world + len(gen_ids) - shared + gen_config.remote_replicas * args.tensor_parallel_size
     return devices_in_use
 
 
@@ -475,7 +480,7 @@ def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False,
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
-        learner_ids, _ = vllm_replica.split_devices(gen_devices, torch.cuda.device_count())
+        learner_ids = learner_gpus(gen_devices, torch.cuda.device_count())
         device = torch.device("cuda", learner_ids[int(os.environ["LOCAL_RANK"]) % len(learner_ids)])
         torch.cuda.set_device(device)
         dist.init_process_group("cuda:nccl,cpu:gloo" if cpu_offload else "nccl", device_id=device, timeout=timeout,

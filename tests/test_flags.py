@@ -434,6 +434,26 @@ def test_gpu_layouts_that_cannot_work_are_refused_before_anything_starts(gen_dev
     assert (problems == []) if message is None else any(p.startswith(message) for p in problems), problems
 
 
+def test_a_second_node_gives_its_learner_ranks_every_gpu(monkeypatch):
+    """--gen-devices names GPUs of rank 0's node, where the generator runs. A second node of learner ranks (torchrun
+    --nnodes 2, its ranks 2..9) kept those GPUs free all the same: of its 8 GPUs, 2 could hold a learner rank, and 8
+    ranks there were refused. There every GPU is the learner's; on rank 0's node nothing changes."""
+    args = flags.Args(gen_devices="0,1,2,3,4,5")
+    for rank, local_rank, gpus in (("0", "0", [6, 7]), ("1", "1", [6, 7]), ("2", "0", list(range(8))),
+                                   ("9", "7", list(range(8)))):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert flags.learner_gpus(args.gen_devices, 8) == gpus, rank
+    assert flags.gpu_layout_problems(args, num_gpus=8, learner_ranks=8) == []
+    assert flags.gpu_layout_problems(args, num_gpus=8, learner_ranks=9) == [
+        "--nproc_per_node 9: each learner rank needs a GPU of its own, and this node has 8 (the generator's "
+        "--gen-devices are on rank 0's node)"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert flags.gpu_layout_problems(args, num_gpus=8, learner_ranks=8)[0].startswith(
+        "--nproc_per_node 8: each learner rank needs a GPU of its own, and 2 of the 8 are left")
+
+
 def test_the_readme_s_eight_gpu_node_is_six_replicas_and_two_learner_ranks():
     """--gen-devices 0,1,2,3,4,5 on an 8-GPU node: six vLLM replicas of one GPU each (three with
     --tensor-parallel-size 2), and GPUs 6 and 7 for two learner ranks."""

@@ -1,6 +1,7 @@
 """harness/runtime.py: the generator's start from the flags, the metrics log and its reporters, the output
 directory's lock and links, a full disk, Ctrl-C and the other ranks."""
 
+import dataclasses
 import importlib
 import json
 import os
@@ -686,6 +687,34 @@ def test_a_rank_whose_error_rank_0_did_not_stop_on_says_it_with_its_rank_and_hos
             flags.parse_args(["--lr", "-1"])
         err = capsys.readouterr().err
         assert exit_info.value.code == 2 and ("--lr must be > 0" in err) == (not signalled), err
+
+
+def test_two_nodes_count_every_gpu_they_hold_and_a_second_nodes_ranks_take_its_every_gpu(monkeypatch):
+    """An 8-GPU node of six replicas and two learner ranks, and a second 8-GPU node of eight learner ranks (ranks
+    2..9): the run holds 16 GPUs, where only rank 0's node's were counted (8), and with them compute_hours, the
+    scaling fit's x axis. The second node's ranks take its GPUs 0..7 (they took 6 and 7 of them, a rank on
+    each, then 6 and 7 again). One node, and one GPU that a learner rank shares with a replica, count as before."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    fleet = pl.FleetConfig(replicas=6, remote_replicas=0)
+    args = flags.Args(gen_devices="0,1,2,3,4,5")
+    assert runtime._devices_in_use(args, 10, fleet, local_ranks=2) == 16
+    assert runtime._devices_in_use(args, 2, fleet, local_ranks=2) == 8
+    assert runtime._devices_in_use(dataclasses.replace(args, tensor_parallel_size=2), 2,
+                                   pl.FleetConfig(replicas=3, remote_replicas=2, secret=b"x" * 32), local_ranks=2) == 12
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert runtime._devices_in_use(flags.Args(gen_devices="0"), 1, pl.FleetConfig(replicas=1), local_ranks=1) == 1
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(runtime.dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setenv("WORLD_SIZE", "10")
+    placed = {}
+    for rank, local_rank in (("0", "0"), ("1", "1"), ("2", "0"), ("8", "6"), ("9", "7")):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        placed[int(rank)] = runtime.init_distributed("0,1,2,3,4,5")[2].index
+    assert placed == {0: 6, 1: 7, 2: 0, 8: 6, 9: 7}
 
 
 def test_rank_0_names_a_dead_rank_and_where_to_resume_in_one_line(tmp_path, monkeypatch, one_rank_group):

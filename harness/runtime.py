@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
 import json
 import math
 import os
@@ -807,7 +808,7 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
             gone = next((text for text in PEER_GONE if text in str(e)), None)
             if gone is None or run_dir is None or int(os.environ.get("WORLD_SIZE", "1")) < 2:
                 raise
-            raise SystemExit(peer_gone_message(run_dir, gone)) from None
+            raise SystemExit(peer_gone_message(run_dir, gone, str(e))) from None
         return
     try:
         yield
@@ -823,15 +824,24 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
         raise
 
 
-def peer_gone_message(run_dir: Path, gone: str) -> str:
+def peer_gone_message(run_dir: Path, gone: str, error: str = "") -> str:
     """Rank 0's line when a collective failed because another rank's process ended (gloo's `gone`): which rank and
     how are in torchrun's summary, which follows; a SIGKILL there is most often the kernel's out-of-memory killer,
-    which leaves no line of its own. Then where --resume starts (the newest complete checkpoint), if anywhere."""
+    which leaves no line of its own. Then where --resume starts (the newest complete checkpoint), if anywhere. A
+    rank on another node (gloo's `error` names its address, not a loopback one) has its output and its torchrun's
+    summary there: the line names the address."""
     step = newest_checkpoint_step(run_dir)
     resume = (f"the newest checkpoint is step {step}: continue with --resume {run_dir}" if step is not None else
               "no checkpoint was written yet: nothing to resume")
-    return (f"stopping: another learner rank's process ended in the middle of a collective (gloo: {gone}); its own "
-            "output above, or torchrun's summary below, says how. \"Signal 9 (SIGKILL)\" there is most often the "
+    peer = (re.search(r"\[([^\]]+)\]:\d+", error) or [None, ""])[1]
+    try:
+        local = not peer or ipaddress.ip_address(peer).is_loopback
+    except ValueError:  # a host name
+        local = False
+    where = ("its own output above, or torchrun's summary below, says how" if local else
+             f"its own output and its torchrun's summary on that node ({peer}) say how")
+    return (f"stopping: another learner rank's process ended in the middle of a collective (gloo: {gone}); {where}. "
+            "\"Signal 9 (SIGKILL)\" there is most often the "
             "kernel's out-of-memory killer (dmesg names it): a lower --micro-batch-tokens or "
             f"--activation-checkpointing lowers a rank's memory (docs/memory.md); {resume}")
 

@@ -665,8 +665,6 @@ def test_a_rank_whose_error_rank_0_did_not_stop_on_says_it_with_its_rank_and_hos
     hour) with nothing said anywhere. A rank whose wait for torchrun's SIGTERM runs out (rank 0 did not stop on the
     error) prints the line itself, with its rank and host; one whose wait a signal ended stays quiet. The same for an
     argument error, which every rank meets in parse_args before any collective."""
-    import socket
-
     from harness import cli
 
     signalled = []
@@ -681,7 +679,7 @@ def test_a_rank_whose_error_rank_0_did_not_stop_on_says_it_with_its_rank_and_hos
         if signalled:
             assert err == ""
         else:
-            assert err.startswith(f"train.py: error: ") and "missing.jsonl" in err, err
+            assert err.startswith("train.py: error: ") and "missing.jsonl" in err, err
             assert f"[rank 1 on {socket.gethostname()}, where rank 0 did not stop on it within" in err, err
         with pytest.raises(SystemExit) as exit_info:
             flags.parse_args(["--lr", "-1"])
@@ -735,6 +733,10 @@ def test_rank_0_names_a_dead_rank_and_where_to_resume_in_one_line(tmp_path, monk
         raise RuntimeError("Connection closed by peer [127.0.0.1]:3254")
     resume = f"the newest checkpoint is step 8: continue with --resume {tmp_path / 'run'}"
     assert str(exit_info.value.code).endswith(resume)
+    assert "its own output above, or torchrun's summary below, says how" in str(exit_info.value.code)
+    with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks(tmp_path / "run"):  # a rank on another node
+        raise RuntimeError("[pair.cc:537] Read error [10.0.3.7]:38611: Connection reset by peer. This is typically")
+    assert "its own output and its torchrun's summary on that node (10.0.3.7) say how" in str(exit_info.value.code)
     with pytest.raises(RuntimeError, match="a bug"), runtime.rank0_speaks(tmp_path / "run"):
         raise RuntimeError("a bug")
     monkeypatch.setenv("WORLD_SIZE", "1")

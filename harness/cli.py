@@ -58,7 +58,7 @@ def wait_for_a_signal(seconds: float) -> bool:
 
 class RankStop(SystemExit):
     """SystemExit(code) on every rank for an error whose line (`message`) rank 0 prints: another rank keeps it for
-    quiet_rank_exit, which prints it only where rank 0 did not stop on it."""
+    quiet_rank_exit, which prints it where torchrun did not end the rank (another node than rank 0's)."""
 
     def __init__(self, code: int, message: str) -> None:
         super().__init__(code)
@@ -70,12 +70,13 @@ def quiet_rank_exit(code: int, wait: bool = True, message: str | None = None) ->
     torchrun would have ended rank 0 before rank 0 had said why (seen on CI: a run ended with torchrun's traceback
     only), so it first waits, up to QUIET_RANK_GRACE_S, for the SIGTERM that torchrun sends every rank once rank 0
     has exited. `wait=False` where a signal stopped the run: torchrun is then ending every rank itself. A wait that
-    no signal ends means rank 0 did not stop on the error: on several nodes, this node sees another file or setting
-    (a --dataset that is not on it). Then nobody else says it: this rank prints its `message`, with its rank and
-    host, where rank 0 waits in a collective for its process group's timeout."""
-    if wait and not wait_for_a_signal(QUIET_RANK_GRACE_S) and message:
-        print(f"{message} [rank {os.environ.get('RANK')} on {socket.gethostname()}, where rank 0 did not stop on it "
-              f"within {QUIET_RANK_GRACE_S:g} s: on several nodes, does this node see other files than rank 0's?]",
+    no signal ends happens on several nodes: torchrun ends the ranks of rank 0's node only, and rank 0 may not have
+    met this rank's error at all (a --dataset that is not on this node), waiting in a collective for its process
+    group's timeout instead. So the first rank of this node prints `message` (the rank's own error: an argument's,
+    a data file's), with its rank and host."""
+    if wait and not wait_for_a_signal(QUIET_RANK_GRACE_S) and message and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"{message} [rank {os.environ.get('RANK')} on {socket.gethostname()}, {QUIET_RANK_GRACE_S:g} s on: "
+              "where rank 0 has not stopped on the same error, this node sees another file or setting than rank 0's]",
               file=sys.stderr, flush=True)
     raise SystemExit(code)
 

@@ -428,8 +428,8 @@ def _refuse_changed_data(args: Args, out: Path, saved_state: dict, data_digest: 
 def _devices_in_use(args: Args, world: int, gen_config: fleet.FleetConfig, local_ranks: int) -> int:
     """learner ranks + the replicas (on CPU a replica counts as a device); on GPU: the GPUs either of them uses, a
     GPU rank 0's node shares between a learner rank and a replica (one of its `local_ranks`) counted once. The
-    learner ranks of other nodes count too: taking only rank 0's node's, a run over two nodes was counted 8 GPUs
-    where it held 14, and its compute_hours (the scaling fit's x axis) with them."""
+    learner ranks of other nodes count too: taking only rank 0's node's, a run over two 8-GPU nodes was counted 8
+    GPUs where it held 16, and its compute_hours (the scaling fit's x axis) with them."""
     devices_in_use = world + gen_config.replicas + gen_config.remote_replicas
     if args.gen_devices:
         learner_ids, gen_ids = vllm_replica.split_devices(args.gen_devices, torch.cuda.device_count())
@@ -817,7 +817,7 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
             raise
         # after a signal torchrun is ending every rank itself: no need to wait for rank 0
         quiet_rank_exit(1 if isinstance(e.code, str) else e.code, wait=GracefulStop.first_signal is None,
-                        message=e.code if isinstance(e.code, str) else getattr(e, "message", None))
+                        message=getattr(e, "message", None))  # (a line every rank raised is rank 0's to say)
     except RuntimeError as e:
         if any(text in str(e) for text in PEER_GONE):
             raise SystemExit(1) from None

@@ -710,14 +710,18 @@ def local_replicas(args: Args, num_gpus: int) -> int:
     return 1
 
 
+def generator_node() -> bool:
+    """Whether this process is on the node of learner rank 0, which starts the generator (its local replicas and
+    --gen-devices). torchrun numbers a node's ranks together, from 0 on rank 0's node: there, and only there, each
+    rank's RANK is its LOCAL_RANK."""
+    return os.environ.get("RANK", "0") == os.environ.get("LOCAL_RANK", "0")
+
+
 def learner_gpus(gen_devices: str | None, num_gpus: int) -> list[int]:
-    """The GPUs of this node's learner ranks, local rank r on the r-th: on the node of learner rank 0, which starts
-    the generator, those --gen-devices leaves it (vllm_replica.split_devices); on another node of a multi-node run
-    every GPU, since the generator and its --gen-devices are on rank 0's node. torchrun numbers a node's ranks
-    together, from 0 on rank 0's node: there, and only there, each rank's RANK is its LOCAL_RANK."""
+    """The GPUs of this node's learner ranks, local rank r on the r-th: on the generator's node, those --gen-devices
+    leaves it (vllm_replica.split_devices); on another node of a multi-node run, every GPU."""
     learner_ids, _ = vllm_replica.split_devices(gen_devices, num_gpus)
-    generator_node = os.environ.get("RANK", "0") == os.environ.get("LOCAL_RANK", "0")
-    return learner_ids if generator_node else list(range(num_gpus))
+    return learner_ids if generator_node() else list(range(num_gpus))
 
 
 def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[str]:

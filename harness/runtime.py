@@ -47,9 +47,9 @@ from harness import vllm_replica  # the replica runtime: the secret file, the pa
 from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
                                  newest_checkpoint_step, newest_trainer_state, open_no_follow, read_no_follow,
                                  refuse_unless_regular, write_atomically, write_failure)
-from harness.flags import (Args, fleet_values, generator_memory_fraction, layout_lines, learner_gpus,
-                           local_replicas, resolve_defaults, step_ranges, trackio_dir, trackio_dir_problem,
-                           write_args_json)
+from harness.flags import (Args, fleet_values, generator_memory_fraction, generator_node, layout_lines,
+                           learner_gpus, local_replicas, resolve_defaults, step_ranges, trackio_dir,
+                           trackio_dir_problem, write_args_json)
 from harness.packing import model_device
 
 
@@ -489,8 +489,11 @@ def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False,
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", **alone)  # gloo's own 30 minutes: a CPU run's dead peer is not waited longer
-        # Two cores are shared by the learner ranks and the generator: oversubscribing threads only slows all down.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // (world + 1)))
+        # The cores this process may use are shared by this node's learner ranks and, on rank 0's node, the
+        # generator: oversubscribing threads only slows all down. (Counting every node's ranks, and the machine's
+        # cores rather than those a job scheduler gave it, left a rank a thread where it had several.)
+        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", world)) + generator_node()
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // sharing))
     return rank, world, device
 
 

@@ -719,6 +719,28 @@ def test_two_nodes_count_every_gpu_they_hold_and_a_second_nodes_ranks_take_its_e
     assert placed == {0: 6, 1: 7, 2: 0, 8: 6, 9: 7}
 
 
+def test_a_cpu_ranks_threads_share_the_cores_it_may_use_with_its_nodes_ranks_alone(monkeypatch):
+    """On CPU each rank's torch threads are the cores this process may use (its affinity, which a job scheduler
+    narrows) over this node's learner ranks, plus the generator on rank 0's node. Every node's ranks were counted,
+    and the machine's cores: two 16-core nodes of 4 ranks each got 1 thread a rank, where rank 0's node's ranks have
+    3 and the other's 4; a job given 4 of a machine's 64 cores gave 21 threads to each of its 2 ranks."""
+    monkeypatch.setattr(runtime.dist, "init_process_group", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    threads = torch.get_num_threads()
+    try:
+        for cores, world, local, rank, local_rank, expected in ((16, 8, 4, 0, 0, 3), (16, 8, 4, 5, 1, 4),
+                                                                (4, 2, 2, 1, 1, 1), (2, 2, 2, 0, 0, 1)):
+            monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+            monkeypatch.setattr(runtime.os, "cpu_count", lambda: 64)
+            for name, value in (("WORLD_SIZE", world), ("LOCAL_WORLD_SIZE", local), ("RANK", rank),
+                                ("LOCAL_RANK", local_rank)):
+                monkeypatch.setenv(name, str(value))
+            runtime.init_distributed()
+            assert torch.get_num_threads() == expected, (cores, world, local, rank)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_rank_0_names_a_dead_rank_and_where_to_resume_in_one_line(tmp_path, monkeypatch, one_rank_group):
     """A learner rank killed mid-step (the out-of-memory killer's SIGKILL prints nothing) left rank 0 with gloo's
     traceback, "Connection reset by peer" under forty lines of FSDP's frames. On rank 0 of several it is one line:

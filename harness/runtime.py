@@ -612,13 +612,14 @@ def fleet_config(args: Args) -> fleet.FleetConfig:
 
 def generator_threads(args: Args) -> int | None:
     """Torch threads of each local replica on CPU (None: the process's default, one under torchrun). In sync mode
-    the learner ranks wait while the replicas generate, so the replicas may take every core between them."""
+    the learner ranks wait while the replicas generate, so the replicas may take every core between them: every
+    core this process may use (its affinity, which a job scheduler narrows), not the machine's."""
     if torch.cuda.is_available():
         return None
     if args.gen_threads is not None:
         return args.gen_threads
     if args.mode == "sync":
-        return max(1, (os.cpu_count() or 1) // max(1, local_replicas(args, 0)))
+        return max(1, len(os.sched_getaffinity(0)) // max(1, local_replicas(args, 0)))
     return None
 
 

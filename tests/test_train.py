@@ -125,7 +125,8 @@ def test_cpu_replicas_take_every_core_in_sync_mode_and_one_thread_beside_a_busy_
     """On CPU, sync mode's replicas generate while the learner ranks wait, so they share the machine's cores;
     pipeline mode leaves them torchrun's one thread (None), since two threads beside a training learner stall."""
     monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(runtime.os, "sched_getaffinity", lambda pid: set(range(8)))  # the cores it may use
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 64)  # the machine's
     assert runtime.generator_threads(flags.Args(mode="sync")) == 8
     assert runtime.generator_threads(flags.Args(mode="sync", gen_replicas=3)) == 2
     assert runtime.generator_threads(flags.Args(mode="pipeline")) is None

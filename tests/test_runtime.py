@@ -662,9 +662,9 @@ def test_other_ranks_leave_what_rank_0_reports_to_rank_0(monkeypatch, capsys):
 def test_a_rank_whose_error_rank_0_did_not_stop_on_says_it_with_its_rank_and_host(monkeypatch, capsys, tmp_path):
     """On two nodes, a --dataset that is on rank 0's node only: rank 1 stopped quietly, leaving the line to rank 0,
     and rank 0, which had read its file, waited in its first collective for the process group's timeout (over an
-    hour) with nothing said anywhere. A rank whose wait for torchrun's SIGTERM runs out (rank 0 did not stop on the
-    error) prints the line itself, with its rank and host; one whose wait a signal ended stays quiet. The same for an
-    argument error, which every rank meets in parse_args before any collective."""
+    hour) with nothing said anywhere. A node's first rank whose wait for torchrun's SIGTERM runs out (torchrun ends
+    only rank 0's node's ranks) prints the line itself, with its rank and host; one whose wait a signal ended, and
+    the node's other ranks, stay quiet. The same for an argument error, which every rank meets in parse_args."""
     from harness import cli
 
     signalled = []

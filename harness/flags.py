@@ -743,7 +743,7 @@ def gpu_layout_problems(args: Args, num_gpus: int, learner_ranks: int) -> list[s
     problems, here = [], learner_gpus(args.gen_devices, num_gpus)
     if learner_ranks > len(here):
         problems.append(f"--nproc_per_node {learner_ranks}: each learner rank needs a GPU of its own, and " + (
-            f"{len(here)} of the {num_gpus} are left after --gen-devices {args.gen_devices}" if here == learner_ids
+            f"{len(here)} of the {num_gpus} are left after --gen-devices {args.gen_devices}" if generator_node()
             else f"this node has {num_gpus} (the generator's --gen-devices are on rank 0's node)"))
     if args.tensor_parallel_size > len(gen_ids):
         problems.append(f"--tensor-parallel-size {args.tensor_parallel_size} needs as many --gen-devices (got "

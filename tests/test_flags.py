@@ -448,6 +448,9 @@ def test_a_second_node_gives_its_learner_ranks_every_gpu(monkeypatch):
     assert flags.gpu_layout_problems(args, num_gpus=8, learner_ranks=9) == [
         "--nproc_per_node 9: each learner rank needs a GPU of its own, and this node has 8 (the generator's "
         "--gen-devices are on rank 0's node)"]
+    assert flags.gpu_layout_problems(flags.Args(gen_devices="0"), num_gpus=1, learner_ranks=2)[0] == (  # a GPU a node
+        "--nproc_per_node 2: each learner rank needs a GPU of its own, and this node has 1 (the generator's "
+        "--gen-devices are on rank 0's node)")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert flags.gpu_layout_problems(args, num_gpus=8, learner_ranks=8)[0].startswith(

@@ -429,7 +429,7 @@ def plan_model_problems(model: str) -> list[str]:
 def check_args(args: Args, generator_checks: GeneratorChecks | None = None) -> list[str]:
     """Incompatible flags, explained before anything starts (the rule's and the sampling's settings by
     `generator_checks`, pipeline_rl.config_problems, where given)."""
-    problems = gpu_layout_problems(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    problems = gpu_layout_problems(args, torch.cuda.device_count(), node_learner_ranks())
     if args.gen_threads is not None and args.gen_threads < 1:
         problems.append(f"--gen-threads {args.gen_threads}: a replica needs at least one thread")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
@@ -717,6 +717,11 @@ def generator_node() -> bool:
     return os.environ.get("RANK", "0") == os.environ.get("LOCAL_RANK", "0")
 
 
+def node_learner_ranks() -> int:
+    """This node's learner ranks: torchrun's LOCAL_WORLD_SIZE (1 outside torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def learner_gpus(gen_devices: str | None, num_gpus: int) -> list[int]:
     """The GPUs of this node's learner ranks, local rank r on the r-th: on the generator's node, those --gen-devices
     leaves it (vllm_replica.split_devices); on another node of a multi-node run, every GPU."""
@@ -1002,7 +1007,7 @@ def parse_args(argv: list[str] | None = None, evaluating: bool = False,
     problems = check_args(args, generator_checks)
     problems += loss_problems(args, losses[args.loss]) if losses is not None else []
     if not problems:
-        gpus, ranks = torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        gpus, ranks = torch.cuda.device_count(), node_learner_ranks()
         world = int(os.environ.get("WORLD_SIZE", ranks))
         if evaluating:  # it trains nothing: no learner to fit, only the replicas
             problems = host_memory_problems(args, gpus, 0, world)

@@ -48,8 +48,8 @@ from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState
                                  newest_checkpoint_step, newest_trainer_state, open_no_follow, read_no_follow,
                                  refuse_unless_regular, write_atomically, write_failure)
 from harness.flags import (Args, fleet_values, generator_memory_fraction, generator_node, layout_lines,
-                           learner_gpus, local_replicas, resolve_defaults, step_ranges, trackio_dir,
-                           trackio_dir_problem, write_args_json)
+                           learner_gpus, local_replicas, node_learner_ranks, resolve_defaults, step_ranges,
+                           trackio_dir, trackio_dir_problem, write_args_json)
 from harness.packing import model_device
 
 
@@ -267,8 +267,7 @@ class Setup:
         refused in one line; the remote replicas awaited, with the command that starts them."""
         args = self.args
         if self.device.type == "cuda":
-            print("\n".join(layout_lines(args, torch.cuda.device_count(), int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                                                        "1")))), flush=True)
+            print("\n".join(layout_lines(args, torch.cuda.device_count(), node_learner_ranks())), flush=True)
         val_problems, test_problems = self.evaluation_problems()
         check_eval_prompts(self.model_path, max_tokens, max_model_len, val_problems + test_problems)
         if args.gen_remote_replicas:
@@ -292,8 +291,7 @@ class Setup:
             data_skipped = {"data_skipped_rows": getattr(task, "skipped_rows", 0),
                             "data_skipped_reasons": getattr(task, "skipped_reasons", {})}
         val_problems, test_problems = self.evaluation_problems()
-        devices_in_use = _devices_in_use(args, self.world, fleet_config(args),
-                                         int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+        devices_in_use = _devices_in_use(args, self.world, fleet_config(args), node_learner_ranks())
         eval_rows: list[dict] = []
         if is_main:  # the run's files appear only once it has started
             if args.overwrite:  # data, model and generator have all started: only now is the old run deleted
@@ -492,7 +490,7 @@ def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False,
         # The cores this process may use are shared by this node's learner ranks and, on rank 0's node, the
         # generator: oversubscribing threads only slows all down. (Counting every node's ranks, and the machine's
         # cores rather than those a job scheduler gave it, left a rank a thread where it had several.)
-        sharing = int(os.environ.get("LOCAL_WORLD_SIZE", world)) + generator_node()
+        sharing = node_learner_ranks() + generator_node()
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // sharing))
     return rank, world, device
 

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -330,9 +330,7 @@ def _data(args: Args, is_main: bool) -> tuple[tasks.Task, tasks.Task | None]:
     try:
         task, test_task = load_tasks(args)
     except (tasks.BadRowError, FileNotFoundError) as e:  # every bad row is named: a message, not a traceback
-        if is_main:
-            print(f"train.py: error: {e}", file=sys.stderr)
-        raise RankStop(2, f"train.py: error: {e}") from None
+        _stop_every_rank(f"train.py: error: {e}", is_main)
     for t in (task, test_task):
         if is_main and getattr(t, "skipped_summary", ""):
             print(f"[data] {t.name_or_path}: {t.skipped_summary}", file=sys.stderr)
@@ -344,6 +342,14 @@ def _data(args: Args, is_main: bool) -> tuple[tasks.Task, tasks.Task | None]:
     return task, test_task
 
 
+def _stop_every_rank(line: str, is_main: bool) -> NoReturn:
+    """Status 2 on every rank for an error each rank met itself: rank 0 prints `line`, another keeps it (cli.RankStop)
+    for the node where torchrun does not end it."""
+    if is_main:
+        print(line, file=sys.stderr, flush=True)
+    raise RankStop(2, line) from None
+
+
 def _model_path(args: Args, is_main: bool) -> str:
     """--model, or the embedded base model shipped with the repository, its checksum checked (a damaged copy is a
     message naming how to restore it, not a traceback)."""
@@ -352,9 +358,7 @@ def _model_path(args: Args, is_main: bool) -> str:
     try:
         return str(base_model.embedded_base_model())
     except base_model.BaseModelDamagedError as e:
-        if is_main:
-            print(f"train.py: error: {e}", file=sys.stderr)
-        raise RankStop(2, f"train.py: error: {e}") from None
+        _stop_every_rank(f"train.py: error: {e}", is_main)
 
 
 # A share of unknown tokens in the evaluation prompts past which the model cannot read the data set: GSM8K's prompts
@@ -418,9 +422,7 @@ def _refuse_changed_data(args: Args, out: Path, saved_state: dict, data_digest: 
     line = (f"train.py: error: --resume {out}: the run's data changed since it started ({data}): its checkpoint's "
             "data position and its validation would point at other problems; restore the data as it was, or start "
             "a new run (another --output-dir)")
-    if rank == 0:
-        print(line, file=sys.stderr, flush=True)
-    raise RankStop(2, line)
+    _stop_every_rank(line, rank == 0)
 
 
 def _devices_in_use(args: Args, world: int, gen_config: fleet.FleetConfig, local_ranks: int) -> int:

@@ -646,7 +646,7 @@ def replica_problems(args: Args) -> list[str]:
             problems.append(f"--gen-listen {args.gen_listen}: remote replicas need a fixed port to connect to")
     except ValueError:
         pass
-    if args.gen_secret_file:
+    if args.gen_secret_file and generator_node():  # rank 0 reads it; a node of learner ranks only needs no copy
         try:
             vllm_replica.read_secret(args.gen_secret_file)
         except ValueError as e:

@@ -600,12 +600,13 @@ def load_tasks(args: Args) -> tuple[tasks.Task, tasks.Task | None]:
 def fleet_config(args: Args) -> fleet.FleetConfig:
     """Where and how this run's replicas run (train.py's generator_config puts it into the GeneratorConfig): the
     fleet's flags, and what the machine decides (the replicas by --gen-devices, vLLM's memory share, the engine's
-    threads, the secret read from --gen-secret-file)."""
+    threads, the secret read from --gen-secret-file on the generator's node: rank 0 proves it, other nodes never read
+    it)."""
     return fleet.FleetConfig(
         **fleet_values(args),
         gpu_memory_utilization=generator_memory_fraction(args, generator_shares_a_gpu(args)),
         replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
-        secret=vllm_replica.read_secret(args.gen_secret_file) if args.gen_secret_file else None,
+        secret=vllm_replica.read_secret(args.gen_secret_file) if args.gen_secret_file and generator_node() else None,
         num_threads=generator_threads(args),
     )
 

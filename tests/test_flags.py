@@ -15,7 +15,7 @@ import pytest
 
 import pipeline_rl as pl
 import train
-from harness import base_model, checkpoints, flags, fleet, vllm_replica
+from harness import base_model, checkpoints, flags, fleet, runtime, vllm_replica
 from helpers import REPO, wide_kv_model
 
 
@@ -455,6 +455,20 @@ def test_a_second_node_gives_its_learner_ranks_every_gpu(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert flags.gpu_layout_problems(args, num_gpus=8, learner_ranks=8)[0].startswith(
         "--nproc_per_node 8: each learner rank needs a GPU of its own, and 2 of the 8 are left")
+
+
+def test_a_node_of_learner_ranks_needs_no_copy_of_the_replicas_secret(monkeypatch):
+    """Only rank 0 proves the secret to remote replicas. A second node of learner ranks (torchrun --nnodes 2, the same
+    command line) was refused for lacking a copy of the file, and begin() read it there again; on rank 0's node a
+    missing file is still one line before anything starts."""
+    args = flags.Args(gen_secret_file="/nonexistent/secret")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert flags.replica_problems(args) == [] and runtime.fleet_config(args).secret is None
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        assert flags.replica_problems(args) == ["--gen-secret-file: secret file /nonexistent/secret: no such file"]
 
 
 def test_the_readme_s_eight_gpu_node_is_six_replicas_and_two_learner_ranks():

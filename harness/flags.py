@@ -848,18 +848,19 @@ def host_memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: i
     """On CPU, what this node's processes hold at once at the least, against the host memory available now: the
     learner's float32 weights, gradients and AdamW moments at its optimizer step (16 bytes a parameter, sharded over
     the `world` ranks, `learner_ranks` of them here, none for `train.py evaluate`; 4 more for --kl-coef's reference
-    model), and each replica's weights in the generator's dtype and its KV cache (vllm_replica.cpu_kv_cache_bytes),
-    which vLLM takes whole as its engine starts, checking it against what is free at that moment only. Activations,
-    the model's load on rank 0 and the weight push come on top: this refuses what cannot fit at all, in one line with
-    its parts, before the kernel's out-of-memory killer ends a rank ("Signal 9" in torchrun's summary). A
-    VLLM_CPU_KVCACHE_SPACE vLLM would not read is one line too. The parameters are read from the safetensors
-    headers (none there, or unreadable ones, which the model checks name: only the caches)."""
+    model), and each replica's weights in the generator's dtype and its KV cache (vllm_replica.cpu_kv_cache_bytes;
+    on learner rank 0's node, the only one with replicas), which vLLM takes whole as its engine starts, checking it
+    against what is free at that moment only. Activations, the model's load on rank 0 and the weight push come on
+    top: this refuses what cannot fit at all, in one line with its parts, before the kernel's out-of-memory killer
+    ends a rank ("Signal 9" in torchrun's summary). A VLLM_CPU_KVCACHE_SPACE vLLM would not read is one line too.
+    The parameters are read from the safetensors headers (none there, or unreadable ones, which the model checks
+    name: only the caches)."""
     if num_gpus:
         return []
     from safetensors import SafetensorError  # here, not at the top: asked only on CPU
 
-    model, context, replicas = args.model or str(base_model.BASE_MODEL_DIR), model_context(args), \
-        local_replicas(args, 0)
+    model, context = args.model or str(base_model.BASE_MODEL_DIR), model_context(args)
+    replicas = local_replicas(args, 0) if generator_node() else 0  # they run on learner rank 0's node only
     dtype = compute_dtype(args, on_gpu=False)
     try:
         kv_cache = vllm_replica.cpu_kv_cache_bytes(model, dtype, context)
@@ -882,11 +883,11 @@ def host_memory_problems(args: Args, num_gpus: int, learner_ranks: int, world: i
     remedies = ["a smaller model"] * (learner + replicas * weights > needed / 2) + ["fewer --gen-replicas"] * (
         replicas > 1)  # then what sized the caches
     remedies += (["a smaller VLLM_CPU_KVCACHE_SPACE"] * (setting > 1 << 30) if kv_cache == setting else
-                 ["a lower --max-tokens or --max-model-len"])
+                 ["a lower --max-tokens or --max-model-len"]) if replicas else []
     parts = [f"the learner's float32 weights, gradients and AdamW moments {gib(learner)} over {learner_ranks} rank(s) "
              "here"] * bool(learner_ranks)
-    parts.append(f"{replicas} replica(s) of {gib(weights)} of weights and {gib(kv_cache)} of KV cache each, holding "
-                 f"{cache}")
+    parts += [f"{replicas} replica(s) of {gib(weights)} of weights and {gib(kv_cache)} of KV cache each, holding "
+              f"{cache}"] * bool(replicas)
     return [f"this node's processes need at least {gib(needed)} GiB of host memory, and this machine has "
             f"{gib(available)} GiB available (GiB: {'; '.join(parts)}): {' or '.join(remedies) or 'more memory'}"]
 

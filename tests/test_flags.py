@@ -332,6 +332,16 @@ def test_a_layout_that_cannot_fit_the_hosts_memory_is_one_line_before_anything_s
         "model"]
     assert "moments 2.8 over 4 rank(s)" in flags.host_memory_problems(dataclasses.replace(args, kl_coef=0.1),
                                                                        0, 4, 4)[0]  # + the reference's weights
+    monkeypatch.setenv("RANK", "4")  # a second node of learner ranks (torchrun --nnodes 2): the replicas are not here
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert flags.host_memory_problems(args, 0, 3, 4) == []  # 1.8 GB here, where the replica's 1.7 GB refused it
+    monkeypatch.setattr(memory_plan, "host_memory_available", lambda: 1 << 30)
+    assert flags.host_memory_problems(args, 0, 3, 4) == [
+        "this node's processes need at least 1.7 GiB of host memory, and this machine has 1.0 GiB "
+        "available (GiB: the learner's float32 weights, gradients and AdamW moments 1.7 over 3 rank(s) here): a "
+        "smaller model"]
+    monkeypatch.setattr(memory_plan, "host_memory_available", lambda: 3 << 30)
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
     assert flags.host_memory_problems(flags.Args(gen_replicas=2), 0, 1, 1)[0].endswith(
         ": fewer --gen-replicas or a smaller VLLM_CPU_KVCACHE_SPACE")

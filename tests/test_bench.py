@@ -131,7 +131,9 @@ def test_train_bench_times_a_shape_with_the_learner_and_the_bare_model_never_ali
         assert result[f"{name}_tokens_per_s"] == pytest.approx(result["tokens"] / s, rel=1e-2)
         assert result[f"{name}_mfu"] == pytest.approx(6 * result["n_params"] * result["tokens"] / (s * 0.5e12),
                                                       rel=1e-2, abs=1e-4)
-        assert 0 < result[f"{name}_head_s"] and 0 < result[f"{name}_head_share"] < 1
+        # two separate timings: on a loaded machine the head alone may take longer than the step that holds it
+        assert 0 < result[f"{name}_head_s"] and result[f"{name}_head_share"] == pytest.approx(
+            result[f"{name}_head_s"] / s, rel=1e-2, abs=1e-3)
         assert f"{name}_peak_gib" not in result and f"{name}_oom" not in result
     assert 0 < result["scored_tokens_learner"] < result["scored_tokens_bare"] < result["tokens"]
     assert result["learner_vs_bare_packed"] > 0 and "learner_weights_gib" not in result

@@ -632,8 +632,9 @@ def measure_with_vllm(model_dir: Path, problems: list[Problem], task: Task, samp
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    llm = LLM(model=vllm_internals.loadable_model_path(str(model_dir)), dtype="float32", seed=seed, max_model_len=256,
-              enforce_eager=True)
+    with vllm_internals.engine_start():
+        llm = LLM(model=vllm_internals.loadable_model_path(str(model_dir)), dtype="float32", seed=seed,
+                  max_model_len=256, enforce_eager=True)
     prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, p.prompt)} for p in problems]
     params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens, seed=seed)
     outputs = llm.generate(prompts, params, use_tqdm=False)

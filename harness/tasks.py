@@ -1511,8 +1511,9 @@ def sample_completions(model_dir: Path, task: MathDataset, samples: int = 4, max
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # Whole prompts prefilled at once, as the replicas do on CPU: a seeded request's generator cannot be rewound
     # after a prefill chunk there ('CPU Generator does not use offset').
-    llm = LLM(model=vllm_internals.loadable_model_path(str(model_dir)), dtype="float32", seed=seed, max_model_len=1024,
-              enforce_eager=True, enable_chunked_prefill=False, max_num_batched_tokens=4096)
+    with vllm_internals.engine_start():
+        llm = LLM(model=vllm_internals.loadable_model_path(str(model_dir)), dtype="float32", seed=seed,
+                  max_model_len=1024, enforce_eager=True, enable_chunked_prefill=False, max_num_batched_tokens=4096)
     prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, p.prompt)} for p in problems]
     params = SamplingParams(n=samples, temperature=temperature, max_tokens=max_tokens, seed=seed)
     outputs = llm.generate(prompts, params, use_tqdm=False)

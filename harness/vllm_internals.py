@@ -12,10 +12,12 @@ Checked against vLLM VLLM_CHECKED (the version requirements*.txt pin).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 VLLM_CHECKED = "0.32.0"
 
@@ -136,6 +138,16 @@ def shutdown_engine_core(llm: Any, timeout: float | None = None) -> None:
     """Stop an LLM's engine core now (its processes, if it has any), rather than when the LLM is collected."""
     core = llm.llm_engine.engine_core
     core.shutdown() if timeout is None else core.shutdown(timeout=timeout)
+
+
+@contextlib.contextmanager
+def engine_start() -> Iterator[None]:
+    """Around each `LLM(...)` the project builds: vLLM's CPU platform scans every loaded module for Triton kernels
+    to replace (its triton_utils dispatcher) and so touches torch.distributed.reduce_op, whose deprecation then
+    warned in every process that started an engine, a FutureWarning of vLLM's that no user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning)
+        yield
 
 
 def loadable_model_path(model: str) -> str:

@@ -48,7 +48,6 @@ import sys
 import threading
 import time
 import traceback
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -714,10 +713,7 @@ class _Replica:
         kwargs = vllm_engine_kwargs(self.cfg, self.id)
         if "kv_cache_memory_bytes" in kwargs:  # its size holds VLLM_CPU_KVCACHE_SPACE, which vLLM lets override it
             os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        with warnings.catch_warnings():
-            # vLLM's CPU platform scans every loaded module for Triton kernels to replace (its triton_utils
-            # dispatcher) and so touches torch.distributed.reduce_op, whose deprecation then warned in every run
-            warnings.filterwarnings("ignore", r"`torch\.distributed\.reduce_op` is deprecated", FutureWarning)
+        with vllm_internals.engine_start():  # no deprecation of vLLM's in every run
             self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.tokenizer = self.llm.get_tokenizer()  # texts are decoded once a completion ends (completion_text)

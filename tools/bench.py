@@ -425,8 +425,9 @@ def _sync_generator_runs(bench: _PipelineBench) -> dict:
     from harness import vllm_internals
 
     args, W, N = bench.args, bench.warmup, bench.args.prompts
-    llm = LLM(model=vllm_internals.loadable_model_path(bench.model_dir), dtype="float32", seed=args.seed,
-              max_model_len=256, enforce_eager=True, logprobs_mode="processed_logprobs", disable_log_stats=True)
+    with vllm_internals.engine_start():
+        llm = LLM(model=vllm_internals.loadable_model_path(bench.model_dir), dtype="float32", seed=args.seed,
+                  max_model_len=256, enforce_eager=True, logprobs_mode="processed_logprobs", disable_log_stats=True)
     params = SamplingParams(n=args.group_size, temperature=1.0, max_tokens=args.max_tokens, logprobs=0)
     inputs = [{"prompt_token_ids": ids} for ids in bench.prompt_ids]
     llm.generate(inputs[:W], params, use_tqdm=False)  # warm-up

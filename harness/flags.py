@@ -405,8 +405,9 @@ class Args:
 
     # debugging: turn the generator/learner speed ratio on purpose
     debug_gen_slowdown: str = _arg(HelpGroup.DEBUG, f"{generator_default('debug_slowdown'):g}",
-                                   "debug: make the generator X times slower (it sleeps X-1 "
-                                   "times each engine step's duration), to see how the recipe behaves on a machine "
+                                   "debug: make the generator X times slower (it sleeps X-1 times each engine "
+                                   "step's work: on CPU the engine thread's CPU time, which a busy machine does not "
+                                   "stretch), to see how the recipe behaves on a machine "
                                    "whose generator is slower relative to its learner; X,Y,...: one factor per "
                                    "replica (the last for the rest)")
     debug_learner_slowdown: float = _arg(HelpGroup.DEBUG, 1.0, "debug: make the learner X times slower (each rank "

@@ -336,19 +336,25 @@ _SLOWDOWN_ENV = "SCALERL_DEBUG_GEN_SLOWDOWN"  # FleetConfig.debug_slowdown, read
 
 
 class _Pace:
-    """Sleeps (x - 1) times the duration of each engine step (x: SCALERL_DEBUG_GEN_SLOWDOWN), so that the engine
-    itself (not just our reading of its outputs: vLLM's EngineCore runs in its own process) runs x times slower."""
+    """Sleeps (x - 1) times the work of each engine step (x: SCALERL_DEBUG_GEN_SLOWDOWN), so that the engine itself
+    (not just our reading of its outputs: vLLM's EngineCore runs in its own process) runs x times slower. A step's
+    work is what happened since the previous step ended, a gap of a second or more being an idle engine. On CPU it
+    is the CPU time of the engine's thread (the one that steps the model and calls this): the wall time there also
+    held the time other processes had the cores, which the sleep multiplied, so that the busier the machine the
+    slower the knob made it (a test's generator at x = 4 took 10 s on two cores shared with busy loops, and 178 s
+    with another fixture's replicas beside it). On a GPU, whose work is not a thread's CPU time, the wall time."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_cpu: bool) -> None:
         self.factor = float(os.environ.get(_SLOWDOWN_ENV, "1"))
-        self.last_step_end: float | None = None
+        self.work_clock = time.thread_time if on_cpu else time.perf_counter
+        self.last_step_end: float | None = None  # wall time
+        self.last_work_end = 0.0  # work_clock
 
     def step(self) -> None:
-        now = time.perf_counter()
-        # the time since the previous step ended is this step's work; a longer gap is an idle engine
+        now, work_now = time.perf_counter(), self.work_clock()
         if self.last_step_end is not None and now - self.last_step_end < 1.0 and self.factor > 1:
-            time.sleep((self.factor - 1) * (now - self.last_step_end))
-        self.last_step_end = time.perf_counter()
+            time.sleep((self.factor - 1) * (work_now - self.last_work_end))
+        self.last_step_end, self.last_work_end = time.perf_counter(), self.work_clock()
 
 
 def _slowdown_processor_class() -> type:
@@ -358,7 +364,7 @@ def _slowdown_processor_class() -> type:
 
     class SlowdownLogitsProcessor(LogitsProcessor):
         def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool):
-            self.pace = _Pace()
+            self.pace = _Pace(on_cpu=torch.device(device).type == "cpu")
 
         def is_argmax_invariant(self) -> bool:
             return False  # keep vLLM from skipping it
@@ -501,7 +507,7 @@ def _slowdown_processor_v2_class() -> type:
 
     class SlowdownLogitsProcessorV2(LogitsProcessor):
         def __init__(self, vllm_config: Any, req_states: Any):
-            self.pace = _Pace()
+            self.pace = _Pace(on_cpu=False)  # V2 runs on a GPU only
 
         def add_request(self, req_idx: int, sampling_params: Any) -> bool:
             return True  # V2 calls apply only for a batch where some request asks for it: all do

@@ -379,19 +379,29 @@ def test_engine_arguments():
 
 
 def test_slowdown_processor_stretches_each_engine_step_and_changes_no_logit(monkeypatch):
-    """The debug knob behind --debug-gen-slowdown: each step takes x times as long; an idle gap is not stretched."""
+    """The debug knob behind --debug-gen-slowdown: each step takes x times its work; an idle gap is not stretched. On
+    CPU a step's work is the engine thread's CPU time: the time it spent off the CPU (here a sleep; on a busy machine,
+    other processes' turns) was multiplied too, and a paced test's generator took 178 s where it took 10 without
+    another fixture's replicas beside it. On a GPU, whose work is not a thread's CPU time, the wall time."""
     monkeypatch.setenv(vllm_replica._SLOWDOWN_ENV, "3")
-    processor = vllm_replica.SlowdownLogitsProcessor(None, torch.device("cpu"), False)
     logits = torch.randn(2, 5)
-    assert torch.equal(processor.apply(logits.clone()), logits)  # the first step: nothing to measure yet
-    first_end = time.perf_counter()
-    time.sleep(0.05)  # a step's work
-    t0 = time.perf_counter()
-    assert torch.equal(processor.apply(logits.clone()), logits)
-    # slept (3 - 1) x the step as the processor measured it: at least the step seen here (the sleep above, which a
-    # loaded machine stretches), and at most that and a sleep's lateness on a loaded machine
-    step = t0 - first_end
-    assert 2 * step <= time.perf_counter() - t0 < 2 * step + 0.2
+    for device in ("cpu", "cuda"):  # no GPU is needed to build the processor a GPU's V1 engine would have
+        processor = vllm_replica.SlowdownLogitsProcessor(None, torch.device(device), False)
+        assert torch.equal(processor.apply(logits.clone()), logits)  # the first step: nothing to measure yet
+        work_start = time.thread_time()
+        busy_until = time.perf_counter() + 0.05
+        while time.perf_counter() < busy_until:  # a step's work, on the CPU
+            pass
+        time.sleep(0.5)  # off the CPU, within the second after which a gap is an idle engine
+        work = time.thread_time() - work_start  # 0.05 s, or less where the machine took the core away meanwhile
+        wall = time.perf_counter() - processor.pace.last_step_end
+        t0 = time.perf_counter()
+        assert torch.equal(processor.apply(logits.clone()), logits)
+        slept = time.perf_counter() - t0
+        # (3 - 1) x the step's work as the processor measured it (a window holding the one measured here), and at
+        # most that and a sleep's lateness on a loaded machine
+        measured = work if device == "cpu" else wall
+        assert 2 * measured <= slept < 2 * measured + 0.2, (device, work, wall, slept)
     processor.pace.last_step_end -= 2.0  # an idle engine for 2 s: no sleep
     t0 = time.perf_counter()
     processor.apply(logits)

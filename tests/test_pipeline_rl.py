@@ -1305,7 +1305,7 @@ def test_pipeline_slow_learner_fast_generator(pipeline):
 @pytest.fixture(scope="module")
 def slow_pipeline(base_model_dir, hf_model):
     """The pipeline fixture's generator made 4x slower on purpose (debug_slowdown: vLLM's engine sleeps 3 times each
-    step's duration). Without it, whether a learner that only pushes weights outpaces the generator depends on the
+    step's work). Without it, whether a learner that only pushes weights outpaces the generator depends on the
     machine: on one whose vLLM makes 13,000 tokens/s it never waited more than 0.04 s. One replica."""
     config = pl.GeneratorConfig(model=str(base_model_dir), group_size=4, temperature=TEMPERATURE, max_off_policy=K,
                                 groups_per_batch=B, seed=1, buffer_steps=None, fleet=pl.FleetConfig(debug_slowdown=4.0))

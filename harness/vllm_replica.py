@@ -353,7 +353,8 @@ class _Pace:
     def step(self) -> None:
         now, work_now = time.perf_counter(), self.work_clock()
         if self.last_step_end is not None and now - self.last_step_end < 1.0 and self.factor > 1:
-            time.sleep((self.factor - 1) * (work_now - self.last_work_end))
+            # a thread's clock: were vLLM to call from another thread, a difference below 0 is no sleep, not an error
+            time.sleep((self.factor - 1) * max(0.0, work_now - self.last_work_end))
         self.last_step_end, self.last_work_end = time.perf_counter(), self.work_clock()
 
 

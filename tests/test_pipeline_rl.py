@@ -392,7 +392,7 @@ def test_slowdown_processor_stretches_each_engine_step_and_changes_no_logit(monk
         busy_until = time.perf_counter() + 0.05
         while time.perf_counter() < busy_until:  # a step's work, on the CPU
             pass
-        time.sleep(0.5)  # off the CPU, within the second after which a gap is an idle engine
+        time.sleep(0.3)  # off the CPU, well within the second after which a gap is an idle engine
         work = time.thread_time() - work_start  # 0.05 s, or less where the machine took the core away meanwhile
         wall = time.perf_counter() - processor.pace.last_step_end
         t0 = time.perf_counter()

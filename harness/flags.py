@@ -647,9 +647,9 @@ def replica_problems(args: Args) -> list[str]:
             problems.append(f"--gen-listen {args.gen_listen}: remote replicas need a fixed port to connect to")
     except ValueError:
         pass
-    if args.gen_secret_file and generator_node():  # rank 0 reads it; a node of learner ranks only needs no copy
+    if secret_file := secret_file_here(args):
         try:
-            vllm_replica.read_secret(args.gen_secret_file)
+            vllm_replica.read_secret(secret_file)
         except ValueError as e:
             problems.append(f"--gen-secret-file: {e}")
     return problems
@@ -702,8 +702,9 @@ def gen_slowdowns(args: Args) -> tuple[float, ...]:
 
 
 def local_replicas(args: Args, num_gpus: int) -> int:
-    """How many replicas this node runs: --gen-replicas, else one per --tensor-parallel-size GPUs of --gen-devices
-    on GPU, else 1."""
+    """How many replicas the generator's node (learner rank 0's: generator_node) runs, whichever node asks:
+    --gen-replicas, else one per --tensor-parallel-size GPUs of --gen-devices on GPU, else 1. Every rank counts them
+    among the run's devices (runtime._devices_in_use); only that node's memory holds them (host_memory_problems)."""
     if args.gen_replicas is not None:
         return args.gen_replicas
     if args.gen_devices and num_gpus:
@@ -716,6 +717,12 @@ def generator_node() -> bool:
     --gen-devices). torchrun numbers a node's ranks together, from 0 on rank 0's node: there, and only there, each
     rank's RANK is its LOCAL_RANK."""
     return os.environ.get("RANK", "0") == os.environ.get("LOCAL_RANK", "0")
+
+
+def secret_file_here(args: Args) -> str | None:
+    """--gen-secret-file where this process reads it: on the generator's node, where rank 0 proves the replicas'
+    secret; None on a node of learner ranks only, which needs no copy of it."""
+    return args.gen_secret_file if generator_node() else None
 
 
 def node_learner_ranks() -> int:

@@ -48,8 +48,8 @@ from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState
                                  newest_checkpoint_step, newest_trainer_state, open_no_follow, read_no_follow,
                                  refuse_unless_regular, write_atomically, write_failure)
 from harness.flags import (Args, fleet_values, generator_memory_fraction, generator_node, layout_lines,
-                           learner_gpus, local_replicas, node_learner_ranks, resolve_defaults, step_ranges,
-                           trackio_dir, trackio_dir_problem, write_args_json)
+                           learner_gpus, local_replicas, node_learner_ranks, resolve_defaults, secret_file_here,
+                           step_ranges, trackio_dir, trackio_dir_problem, write_args_json)
 from harness.packing import model_device
 
 
@@ -606,7 +606,7 @@ def fleet_config(args: Args) -> fleet.FleetConfig:
         **fleet_values(args),
         gpu_memory_utilization=generator_memory_fraction(args, generator_shares_a_gpu(args)),
         replicas=local_replicas(args, torch.cuda.device_count() if torch.cuda.is_available() else 0),
-        secret=vllm_replica.read_secret(args.gen_secret_file) if args.gen_secret_file and generator_node() else None,
+        secret=vllm_replica.read_secret(secret_file) if (secret_file := secret_file_here(args)) else None,
         num_threads=generator_threads(args),
     )
 

@@ -94,7 +94,7 @@ from harness.runtime import (PER_REPLICA_MISMATCH, Run, RunFileError, broadcast_
                              push_state_dict, rank0_speaks, read_run_metrics, reduce_metrics, set_up, sum_over_ranks,
                              summary_line, this_ranks_share)
 from harness.cli import note_error_lines  # under torchrun, a rank's error line for torchrun's summary
-from harness.vllm_replica import exit_at_once, report_exit  # a rank's exit, finished or stopped
+from harness.vllm_replica import WorkPace, exit_at_once, report_exit  # the debug slowdown; a rank's exit
 
 # --loss NAME -> its loss file. The flags take their choices and each file's hyper-parameters from this table
 # (parse_args reads the files' signatures), so the names and the defaults are written once.
@@ -142,6 +142,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
             tqdm.write(f"step 0: val pass rate {row['val_pass_rate']:.3f} (the base model)")
     consecutive_bad = 0
     peak_flops = peak_flops_per_s(args.dtype, args.peak_tflops)  # one learner rank's; None: no mfu
+    learner_pace = WorkPace(args.debug_learner_slowdown, on_cpu=model_device(learner.model).type == "cpu")
     while state.step < args.max_steps:
         # Pull groups, then the data-side steps on them (rank 0): retire solved prompts, filter zero-variance
         # groups, overlong penalty and filter. A round is one step's batch (pipeline mode) or k steps' (sync mode,
@@ -165,6 +166,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                 break
             stop_if_signalled(args, learner, run, state)
             step_start, version = time.time(), state.step
+            learner_pace.start()
             rewards, my_advantages = compute_advantages(args, learner, batch, run)
             learner.optimizer.zero_grad(set_to_none=True)
             totals = loss_and_backward(args, learner, my_groups, my_advantages,
@@ -176,8 +178,7 @@ def train(args: Args, learner: Learner, run: Run, state: TrainerState) -> None:
                 state.bad_steps_total += 1
             elif batch:
                 consecutive_bad = 0
-            if args.debug_learner_slowdown > 1:  # debug knob: a learner X times slower than this one
-                time.sleep((args.debug_learner_slowdown - 1) * (time.time() - step_start))
+            learner_pace.pause()  # --debug-learner-slowdown X: a learner X times slower than this one
             state.step += 1
             state.consumed.update([grp.data_index for grp in batch] + round_.dropped)
             sync_s, broadcast_s = push_weights(learner, run, state.step)

@@ -411,7 +411,8 @@ class Args:
                                    "whose generator is slower relative to its learner; X,Y,...: one factor per "
                                    "replica (the last for the rest)")
     debug_learner_slowdown: float = _arg(HelpGroup.DEBUG, 1.0, "debug: make the learner X times slower (each rank "
-                                         "sleeps X-1 times each step's compute), to emulate a relatively faster "
+                                         "sleeps X-1 times each step's compute: on CPU its thread's CPU time, which "
+                                         "a busy machine does not stretch), to emulate a relatively faster "
                                          "generator")
 
 

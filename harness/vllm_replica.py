@@ -335,27 +335,42 @@ def _interruption_processor_class() -> type:
 _SLOWDOWN_ENV = "SCALERL_DEBUG_GEN_SLOWDOWN"  # FleetConfig.debug_slowdown, read inside vLLM's worker
 
 
-class _Pace:
-    """Sleeps (x - 1) times the work of each engine step (x: SCALERL_DEBUG_GEN_SLOWDOWN), so that the engine itself
-    (not just our reading of its outputs: vLLM's EngineCore runs in its own process) runs x times slower. A step's
-    work is what happened since the previous step ended, a gap of a second or more being an idle engine. On CPU it
-    is the CPU time of the engine's thread (the one that steps the model and calls this): the wall time there also
-    held the time other processes had the cores, which the sleep multiplied, so that the busier the machine the
-    slower the knob made it (a test's generator at x = 4 took 10 s on two cores shared with busy loops, and 178 s
-    with another fixture's replicas beside it). On a GPU, whose work is not a thread's CPU time, the wall time."""
+class WorkPace:
+    """A debug slowdown: `pause()` sleeps (x - 1) times the work done since `start()`, so that the work takes x times
+    as long. The work is measured by the clock a busy machine does not stretch: on CPU the calling thread's CPU time;
+    the wall time there also held the time other processes had the cores, which the sleep multiplied, so that the
+    busier the machine the slower the knob made the work (a test's generator at x = 4 took 10 s on two cores shared
+    with busy loops, and 178 s with another fixture's replicas beside it). On a GPU, whose work is no thread's CPU
+    time, the wall time. Used by the generator's engine (_Pace) and train.py's --debug-learner-slowdown."""
+
+    def __init__(self, factor: float, on_cpu: bool) -> None:
+        self.factor = factor
+        self.work_clock = time.thread_time if on_cpu else time.perf_counter
+        self.work_start = self.work_clock()
+
+    def start(self) -> None:
+        self.work_start = self.work_clock()
+
+    def pause(self) -> None:
+        if self.factor > 1:  # a thread's clock read from another thread could go back: that is no sleep, no error
+            time.sleep((self.factor - 1) * max(0.0, self.work_clock() - self.work_start))
+
+
+class _Pace(WorkPace):
+    """Paces each engine step by x = SCALERL_DEBUG_GEN_SLOWDOWN (WorkPace), so that the engine itself (not just our
+    reading of its outputs: vLLM's EngineCore runs in its own process) runs x times slower. A step's work is what
+    happened since the previous step ended (on CPU, the CPU time of the engine's thread, the one that steps the
+    model and calls this), a gap of a second or more being an idle engine."""
 
     def __init__(self, on_cpu: bool) -> None:
-        self.factor = float(os.environ.get(_SLOWDOWN_ENV, "1"))
-        self.work_clock = time.thread_time if on_cpu else time.perf_counter
+        super().__init__(float(os.environ.get(_SLOWDOWN_ENV, "1")), on_cpu)
         self.last_step_end: float | None = None  # wall time
-        self.last_work_end = 0.0  # work_clock
 
     def step(self) -> None:
-        now, work_now = time.perf_counter(), self.work_clock()
-        if self.last_step_end is not None and now - self.last_step_end < 1.0 and self.factor > 1:
-            # a thread's clock: were vLLM to call from another thread, a difference below 0 is no sleep, not an error
-            time.sleep((self.factor - 1) * max(0.0, work_now - self.last_work_end))
-        self.last_step_end, self.last_work_end = time.perf_counter(), self.work_clock()
+        if self.last_step_end is not None and time.perf_counter() - self.last_step_end < 1.0:
+            self.pause()
+        self.last_step_end = time.perf_counter()
+        self.start()
 
 
 def _slowdown_processor_class() -> type:

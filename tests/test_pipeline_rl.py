@@ -408,6 +408,31 @@ def test_slowdown_processor_stretches_each_engine_step_and_changes_no_logit(monk
     assert time.perf_counter() - t0 < 0.05
 
 
+def test_the_learner_slowdown_multiplies_a_steps_work_not_its_time_off_the_cpu():
+    """--debug-learner-slowdown X: train.py's WorkPace sleeps X - 1 times each step's work after it. The wall time
+    it multiplied on CPU also held other processes' turns on the cores (in the recipe run, the generator beside the
+    two ranks); a step's work there is the rank's thread's CPU time, on a GPU the wall time. X = 1 never sleeps."""
+    for on_cpu in (True, False):
+        pace = vllm_replica.WorkPace(3.0, on_cpu)
+        pace.start()
+        work_start, wall_start = time.thread_time(), time.perf_counter()
+        busy_until = wall_start + 0.05
+        while time.perf_counter() < busy_until:  # the step's work, on the CPU
+            pass
+        time.sleep(0.3)  # off the CPU: a collective's wait, or the time another process had the core
+        work, wall = time.thread_time() - work_start, time.perf_counter() - wall_start
+        t0 = time.perf_counter()
+        pace.pause()
+        slept = time.perf_counter() - t0
+        measured = work if on_cpu else wall  # inside the pace's own window: it measured this, and a little more
+        assert 2 * measured <= slept < 2 * measured + 0.2, (on_cpu, work, wall, slept)
+    pace = vllm_replica.WorkPace(1.0, on_cpu=False)
+    time.sleep(0.1)
+    t0 = time.perf_counter()
+    pace.pause()
+    assert time.perf_counter() - t0 < 0.05
+
+
 def test_update_weights_requires_lm_head(base_model_dir):
     gen = pl.Generator(pl.GeneratorConfig(model=str(base_model_dir)), tasks.ArithmeticTask())
     with pytest.raises(ValueError, match="lm_head"):

@@ -3,8 +3,9 @@ the argparse types of a text, a path, a directory and a file written into, a fig
 list of integers (`text_value`, `path_text`, `path_value`, `directory_path`, `output_file`, `figure_path`,
 `int_at_least`, `number`, `int_list`), a quiet end when the reader of the output stops reading (`exit_with`), the
 Git LFS pointers of a hub repository cloned without git-lfs named (`git_lfs_pointers`), and under torchrun the error
-that stopped a rank handed to torchrun's failure summary (`note_error_lines`, `torchrun_error_file`). A runtime
-module: a reader of the recipe may skip it.
+that stopped a rank handed to torchrun's failure summary (`note_error_lines`, `torchrun_error_file`) and, before the
+ranks have joined their process group, to the ranks waiting for it (`start_store`). A runtime module: a reader of
+the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
 replica`, scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py,
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
@@ -157,6 +159,43 @@ def torchrun_error_file(stop: BaseException, code: int) -> None:
     if line:  # a rank that exits quietly (rank 0 speaks for it) has none: torchrun names its status
         with contextlib.suppress(OSError):
             Path(path).write_text(json.dumps({"message": line.strip(), "timestamp": int(time.time())}))
+        distributed = sys.modules.get("torch.distributed")  # (a process that never imported torch joins nothing)
+        if distributed is not None and not distributed.is_initialized():
+            tell_the_ranks_waiting_to_join(line.strip())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Before the process group: a rank that stops tells the ranks waiting for it (torchrun's store)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def start_store() -> Any | None:
+    """This torchrun attempt's part of the launcher's key-value store, the one every rank's process group is set up
+    through (TORCHELASTIC_USE_AGENT_STORE: on every node, the store of node 0's torchrun); None outside torchrun or
+    where it cannot be reached."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist  # here, not at the top: only a torchrun rank asks, and it has torch
+
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=30))
+    except (KeyError, ValueError, RuntimeError):  # (torch's DistError is a RuntimeError)
+        return None
+    return dist.PrefixStore(f"scalerl/start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def tell_the_ranks_waiting_to_join(line: str) -> None:
+    """A rank that stops on `line` before it joined its process group leaves the line in the start store, where the
+    others, waiting to join (runtime.wait_for_every_rank), read it. Without it a rank whose node lacked a file that
+    rank 0's has (a --model, a --lr typed on one node's command line) stopped in its flag checks, and rank 0 waited
+    in its process group's set-up for torch's timeout: 30 minutes on CPU, over an hour on GPU. The first line stays."""
+    store = start_store()
+    if store is None:
+        return
+    stopped = {"rank": int(os.environ.get("RANK", "0")), "host": socket.gethostname(), "line": line}
+    with contextlib.suppress(RuntimeError):
+        store.compare_set("stopped", "", json.dumps(stopped))
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from tqdm import tqdm
 
-from harness import base_model, fleet, tasks
+from harness import base_model, cli, fleet, tasks
 from harness.cli import RankStop, quiet_rank_exit
 from harness import vllm_replica  # the replica runtime: the secret file, the parent-death signal
 from harness.checkpoints import (CHECKPOINT_DIRS, LinkRefusedError, TrainerState, load_checkpoint, make_run_dir,
@@ -480,6 +480,8 @@ def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False,
     if alone:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not alone:
+        wait_for_every_rank(rank, world, timeout or timedelta(minutes=30))  # (torch's gloo default)
     if torch.cuda.is_available():
         learner_ids = learner_gpus(gen_devices, torch.cuda.device_count())
         device = torch.device("cuda", learner_ids[int(os.environ["LOCAL_RANK"]) % len(learner_ids)])
@@ -495,6 +497,35 @@ def init_distributed(gen_devices: str | None = None, cpu_offload: bool = False,
         sharing = node_learner_ranks() + generator_node()
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // sharing))
     return rank, world, device
+
+
+JOIN_POLL_S = 0.2  # how often a rank waiting for the others to join looks at the start store
+
+
+def wait_for_every_rank(rank: int, world: int, timeout: timedelta) -> None:
+    """Before the process group: count this rank in the start store (cli.start_store), then wait until all `world`
+    ranks are in, or one has stopped before joining (cli.tell_the_ranks_waiting_to_join). Rank 0 then stops with that
+    rank's line, its rank and host; the others stop quietly, rank 0 speaking for them. torch's own set-up would have
+    waited out its timeout for a rank that will never come (a flag check that failed on one node only). A rank that
+    never arrives nor says why (killed before) is one line of rank 0 at `timeout`. Outside torchrun: no wait."""
+    store = cli.start_store()
+    if store is None or world < 2:
+        return
+    store.add("joined", 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    while (joined := store.add("joined", 0)) < world:
+        if store.check(["stopped"]):
+            stopped = json.loads(store.get("stopped"))
+            if rank != 0:
+                raise SystemExit(1)
+            line = re.sub(r" \[rank \d+ on .*\]$", "", stopped["line"].removeprefix("train.py: error: "))
+            raise SystemExit(f"train.py: error: learner rank {stopped['rank']} on {stopped['host']} stopped before "
+                             f"the ranks could join (its torchrun's summary there says so too): {line}")
+        if time.monotonic() > deadline:
+            raise SystemExit(1 if rank else f"train.py: error: {joined} of {world} learner ranks joined within "
+                             f"{timeout.total_seconds():g} s; the others never came: their nodes' torchrun output "
+                             "says why")
+        time.sleep(JOIN_POLL_S)
 
 
 def claim_output_dir(out: Path, is_main: bool) -> Any:

@@ -950,6 +950,52 @@ def test_bad_data_rows_are_named_once_without_a_traceback(tmp_path, base_model_d
 
 
 @pytest.mark.slow
+def test_a_rank_that_stops_before_the_ranks_join_stops_rank_0_with_its_line(tmp_path, base_model_dir):
+    """Two nodes (two torchrun launchers on this machine, static rendezvous), one rank each, the same command line;
+    the second node lacks the --model directory (a tmpfs over its folder, in a mount namespace of its own). Its rank
+    stops in the flag checks, before the process group. Rank 0, which has the model, waited in torch's set-up of the
+    process group for its timeout (30 minutes on CPU, over an hour on GPU) with nothing said on its node; now it stops
+    with the other rank's line once that rank has given it (after cli.QUIET_RANK_GRACE_S), and neither node's run
+    leaves an output directory behind."""
+    import socket
+
+    from harness.cli import QUIET_RANK_GRACE_S
+
+    models = tmp_path / "models"
+    model = models / "tiny"
+    shutil.copytree(base_model_dir, model)
+    if subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {models}"],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs in a mount namespace here (not root, or no unshare)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "run"
+
+    def launcher(node_rank: int) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+                "--nproc_per_node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "train.py",
+                "--output-dir", str(out), "--model", str(model), "--max-steps", "1", *SHORT]
+
+    second = subprocess.Popen(["unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs "$0" && exec "$@"',
+                               str(models), *launcher(1)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        first = subprocess.run(launcher(0), cwd=REPO, capture_output=True, text=True, timeout=QUIET_RANK_GRACE_S + 120)
+        second_stdout, second_stderr = second.communicate(timeout=60)
+    finally:
+        if second.poll() is None:
+            second.kill()
+    assert first.returncode != 0 and second.returncode != 0, (why_failed(first), second_stderr[-2000:])
+    lines = [line for line in first.stderr.splitlines() if line.startswith("train.py: error:")]  # then torchrun's own
+    assert lines == [f"train.py: error: learner rank 1 on {socket.gethostname()} stopped before the ranks could join "
+                     f"(its torchrun's summary there says so too): --model {model}: no such directory (a hub model is "
+                     "named ORG/NAME) (see --help)"], first.stderr[-3000:]
+    assert f"train.py: error: --model {model}: no such directory" in second_stderr, second_stderr[-3000:]
+    assert not out.exists()
+
+
+@pytest.mark.slow
 def test_a_failed_start_leaves_the_output_dir_as_it_found_it(tmp_path, base_model_dir):
     """Weights cut short are one line before any rank loads them (SafetensorError's traceback on every rank before).
     A model whose weights read but do not fit its config fails while the ranks load it: no traceback-only ending,

@@ -691,6 +691,61 @@ def test_a_rank_whose_error_rank_0_did_not_stop_on_says_it_with_its_rank_and_hos
     assert capsys.readouterr().err == ""
 
 
+def test_ranks_waiting_to_join_read_the_line_of_one_that_stopped_before_it_joined(monkeypatch, tmp_path):
+    """Before the process group, through a real store as torchrun's agent keeps it: a rank that stops with an error
+    line leaves it (cli.torchrun_error_file), and a rank waiting for the others to join stops on it at once (rank 0
+    with that rank's line, host and rank, without the "[rank N on HOST ...]" its node adds; another quietly), where
+    torch's set-up waited out its timeout. All ranks in: no stop. None coming: rank 0's line at the timeout. Outside
+    torchrun, and once the process group is up, nothing is written or read."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from harness import cli
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))  # torchrun's
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setattr(runtime, "JOIN_POLL_S", 0.01)
+    minute = timedelta(minutes=1)
+    runtime.wait_for_every_rank(0, 2, minute)  # outside torchrun: no store asked, no wait
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    runtime.wait_for_every_rank(0, 1, minute)  # a world of one waits for nobody
+    with pytest.raises(SystemExit) as exit_info:
+        runtime.wait_for_every_rank(0, 3, timedelta(seconds=0.3))  # rank 0 in, the two others never come
+    assert exit_info.value.code == ("train.py: error: 1 of 3 learner ranks joined within 0.3 s; the others never "
+                                    "came: their nodes' torchrun output says why")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun's next attempt: a count of its own
+    cli.start_store().add("joined", 1)  # rank 1 in
+    runtime.wait_for_every_rank(0, 2, minute)  # rank 0 in: both, no stop
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    monkeypatch.setenv("RANK", "1")
+    line = f"train.py: error: --model /m: no such directory (see --help) [rank 1 on {socket.gethostname()}, 20 s on: x]"
+    cli.torchrun_error_file(SystemExit(line), 1)  # rank 1 stops in its flag checks, before the process group
+    cli.torchrun_error_file(SystemExit("train.py: error: a later line"), 1)  # the first line stays
+    assert json.loads((tmp_path / "error.json").read_text())["message"] == "train.py: error: a later line"
+    with pytest.raises(SystemExit) as exit_info:
+        runtime.wait_for_every_rank(0, 2, minute)
+    assert exit_info.value.code == (f"train.py: error: learner rank 1 on {socket.gethostname()} stopped before the "
+                                    "ranks could join (its torchrun's summary there says so too): --model /m: no such "
+                                    "directory (see --help)")
+    with pytest.raises(SystemExit) as exit_info:
+        runtime.wait_for_every_rank(2, 3, minute)  # another rank waiting: quiet, rank 0 says it
+    assert exit_info.value.code == 1
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # after the process group: the store is not written
+    cli.torchrun_error_file(SystemExit(line), 1)
+    assert not cli.start_store().check(["stopped"])
+    del agent_store
+
+
 def test_two_nodes_count_every_gpu_they_hold_and_a_second_nodes_ranks_take_its_every_gpu(monkeypatch):
     """An 8-GPU node of six replicas and two learner ranks, and a second 8-GPU node of eight learner ranks (ranks
     2..9): the run holds 16 GPUs, where only rank 0's node's were counted (8), and with them compute_hours, the

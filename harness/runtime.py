@@ -511,6 +511,7 @@ def wait_for_every_rank(rank: int, world: int, timeout: timedelta) -> None:
     store = cli.start_store()
     if store is None or world < 2:
         return
+    store.set(f"process/{rank}", json.dumps([socket.gethostname(), os.getpid()]))  # (set before it counts in)
     store.add("joined", 1)
     deadline = time.monotonic() + timeout.total_seconds()
     while (joined := store.add("joined", 0)) < world:
@@ -526,6 +527,28 @@ def wait_for_every_rank(rank: int, world: int, timeout: timedelta) -> None:
                              f"{timeout.total_seconds():g} s; the others never came: their nodes' torchrun output "
                              "says why")
         time.sleep(JOIN_POLL_S)
+    global RANK0_PROCESS
+    RANK0_PROCESS = tuple(json.loads(store.get("process/0")))
+
+
+RANK0_PROCESS: tuple[str, int] | None = None  # (host, pid) of learner rank 0, once the ranks have joined
+
+
+def rank0_ended(wait_s: float = 1.0) -> bool:
+    """On rank 0's node: whether learner rank 0's process has ended (gone, or a zombie not yet reaped), looked at for
+    up to `wait_s` (its sockets close as it exits, a moment before it is a zombie). False where it is not known."""
+    if RANK0_PROCESS is None or RANK0_PROCESS[0] != socket.gethostname():
+        return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(f"/proc/{RANK0_PROCESS[1]}/stat") as stat:
+                ended = stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        except OSError:
+            ended = True
+        if ended or time.monotonic() > deadline:
+            return ended
+        time.sleep(0.01)
 
 
 def claim_output_dir(out: Path, is_main: bool) -> Any:
@@ -836,7 +859,8 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
     bad data row), which it leaves through cli.`quiet_rank_exit` (status 1 for a message), or a collective that failed
     because rank 0 left (gloo's "Connection closed by peer"), status 1 at once. On rank 0 of several, a collective
     that failed because another rank died (the out-of-memory killer's SIGKILL leaves no line of its own) is one line
-    that says so and where `run_dir` resumes (peer_gone_message), not gloo's traceback."""
+    that says so and where `run_dir` resumes (peer_gone_message), not gloo's traceback; rank 0 itself killed, its
+    node's rank 1 says it instead (rank0_ended)."""
     if os.environ.get("RANK", "0") == "0":
         try:
             yield
@@ -855,12 +879,17 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
         quiet_rank_exit(1 if isinstance(e.code, str) else e.code, wait=GracefulStop.first_signal is None,
                         message=getattr(e, "message", None))  # (a line every rank raised is rank 0's to say)
     except RuntimeError as e:
-        if any(text in str(e) for text in PEER_GONE):
-            raise SystemExit(1) from None
-        raise
+        gone = next((text for text in PEER_GONE if text in str(e)), None)
+        if gone is None:
+            raise
+        # Rank 0 itself killed (the out-of-memory killer's likeliest choice: it loads the model and feeds the
+        # generator) says nothing, nor did any other rank: its node's rank 1 says it for it.
+        if run_dir is not None and os.environ.get("RANK") == os.environ.get("LOCAL_RANK") == "1" and rank0_ended():
+            print(peer_gone_message(run_dir, gone, str(e), who="learner rank 0's"), file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
-def peer_gone_message(run_dir: Path, gone: str, error: str = "") -> str:
+def peer_gone_message(run_dir: Path, gone: str, error: str = "", who: str = "another learner rank's") -> str:
     """Rank 0's line when a collective failed because another rank's process ended (gloo's `gone`): which rank and
     how are in torchrun's summary, which follows; a SIGKILL there is most often the kernel's out-of-memory killer,
     which leaves no line of its own. Then where --resume starts (the newest complete checkpoint), if anywhere. A
@@ -876,7 +905,7 @@ def peer_gone_message(run_dir: Path, gone: str, error: str = "") -> str:
         local = False
     where = ("its own output above, or torchrun's summary below, says how" if local else
              f"its own output and its torchrun's summary on that node ({peer}) say how")
-    return (f"stopping: another learner rank's process ended in the middle of a collective (gloo: {gone}); {where}. "
+    return (f"stopping: {who} process ended in the middle of a collective (gloo: {gone}); {where}. "
             "\"Signal 9 (SIGKILL)\" there is most often the "
             "kernel's out-of-memory killer (dmesg names it): a lower --micro-batch-tokens or "
             f"--activation-checkpointing lowers a rank's memory (docs/memory.md); {resume}")

@@ -834,31 +834,38 @@ import torch.distributed as dist
 from harness import runtime
 
 with runtime.rank0_speaks(Path(sys.argv[1])):
-    dist.init_process_group("gloo")
+    rank, _, _ = runtime.init_distributed()  # as train.py's ranks: the process group, after the ranks have joined
+    runtime.GracefulStop(announce=False)  # as mid-run: torchrun's SIGTERM to the others is noted, not fatal
     dist.all_reduce(torch.ones(4))
-    if dist.get_rank() == 1:
+    if rank == int(sys.argv[2]):
         os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer ends a rank: nothing printed
     dist.all_reduce(torch.ones(4))
 """
 
 
-def test_a_rank_killed_under_torchrun_leaves_rank_0_s_one_line_and_torchruns_summary(tmp_path):
-    """The real thing: two gloo ranks under torchrun, rank 1 SIGKILLed between two collectives. gloo's error on
-    rank 0 is one of PEER_GONE, so rank 0 prints its one line and no traceback, and torchrun's summary names the
-    rank and the signal. (train.py's main runs in runtime.rank0_speaks(OUTPUT_DIR).)"""
+@pytest.mark.parametrize("killed, who", [(1, "another learner rank's"), (0, "learner rank 0's")])
+def test_a_rank_killed_under_torchrun_leaves_one_line_and_torchruns_summary(tmp_path, killed, who):
+    """The real thing: two gloo ranks under torchrun, one SIGKILLed between two collectives, and gloo's error on the
+    other is one of PEER_GONE. Rank 1 killed: rank 0 prints its one line and no traceback. Rank 0 killed (the likeliest
+    victim of the out-of-memory killer: it loads the model and feeds the generator): no rank said anything, and now
+    rank 1, on rank 0's node, says it. torchrun's summary names the rank and the signal. (train.py's main runs in
+    runtime.rank0_speaks(OUTPUT_DIR).)"""
     import subprocess
 
     from helpers import REPO, TORCHRUN
 
     script = tmp_path / "rank_dies.py"
     script.write_text(RANK_DIES.format(repo=str(REPO)))
-    run = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", str(script), str(tmp_path / "run")],
+    run = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", str(script), str(tmp_path / "run"), str(killed)],
                          capture_output=True, text=True, timeout=120)
     output = run.stdout + run.stderr
     assert run.returncode != 0
-    assert "stopping: another learner rank's process ended in the middle of a collective (gloo:" in output, output
-    assert "nothing to resume" in output and "Signal 9 (SIGKILL)" in output, output
-    assert "work.wait()" not in output and "[rank0]: Traceback" not in output, output
+    lines = [line for line in output.splitlines() if line.startswith("stopping: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"stopping: {who} process ended in the middle of a collective "
+                                                   "(gloo:"), output
+    assert "nothing to resume" in lines[0] and "Signal 9 (SIGKILL)" in output, output
+    assert f"rank      : {killed} (local_rank: {killed})" in output, output  # torchrun's summary: the rank it lost
+    assert "work.wait()" not in output and f"[rank{1 - killed}]: Traceback" not in output, output
 
 
 UNSHARED_DIR = """

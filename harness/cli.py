@@ -149,6 +149,9 @@ def torchrun_error_file(stop: BaseException, code: int) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or code == 0:
         return
+    if os.environ.get("RANK") == "0" and (store := start_store()) is not None:
+        with contextlib.suppress(RuntimeError):  # rank 0 says why it stops: no other rank says it for it
+            store.set("rank0-stopped", "1")      # (runtime.rank0_killed)
     if not isinstance(stop, SystemExit):
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 

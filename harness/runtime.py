@@ -534,11 +534,22 @@ def wait_for_every_rank(rank: int, world: int, timeout: timedelta) -> None:
 RANK0_PROCESS: tuple[str, int] | None = None  # (host, pid) of learner rank 0, once the ranks have joined
 
 
-def rank0_ended(wait_s: float = 1.0) -> bool:
-    """On rank 0's node: whether learner rank 0's process has ended (gone, or a zombie not yet reaped), looked at for
-    up to `wait_s` (its sockets close as it exits, a moment before it is a zombie). False where it is not known."""
-    if RANK0_PROCESS is None or RANK0_PROCESS[0] != socket.gethostname():
+def rank0_killed(wait_s: float = 1.0) -> bool:
+    """On rank 0's node: whether learner rank 0's process has ended (gone, or a zombie not yet reaped, looked at for
+    up to `wait_s`: its sockets close as it exits, a moment before it is a zombie) without saying why. A rank 0 that
+    stops with a line or a traceback marks the start store first (cli.torchrun_error_file), before its process ends.
+    False where it is not known."""
+    if RANK0_PROCESS is None or RANK0_PROCESS[0] != socket.gethostname() or not _rank0_ended(wait_s):
         return False
+    store = cli.start_store()
+    try:
+        return store is not None and not store.check(["rank0-stopped"])
+    except RuntimeError:  # torchrun's store is gone too
+        return False
+
+
+def _rank0_ended(wait_s: float) -> bool:
+    """Whether rank 0's process (RANK0_PROCESS, on this host) is gone or a zombie, looked at for up to `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -860,7 +871,7 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
     because rank 0 left (gloo's "Connection closed by peer"), status 1 at once. On rank 0 of several, a collective
     that failed because another rank died (the out-of-memory killer's SIGKILL leaves no line of its own) is one line
     that says so and where `run_dir` resumes (peer_gone_message), not gloo's traceback; rank 0 itself killed, its
-    node's rank 1 says it instead (rank0_ended)."""
+    node's rank 1 says it instead (rank0_killed)."""
     if os.environ.get("RANK", "0") == "0":
         try:
             yield
@@ -884,7 +895,7 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
             raise
         # Rank 0 itself killed (the out-of-memory killer's likeliest choice: it loads the model and feeds the
         # generator) says nothing, nor did any other rank: its node's rank 1 says it for it.
-        if run_dir is not None and os.environ.get("RANK") == os.environ.get("LOCAL_RANK") == "1" and rank0_ended():
+        if run_dir is not None and os.environ.get("RANK") == os.environ.get("LOCAL_RANK") == "1" and rank0_killed():
             print(peer_gone_message(run_dir, gone, str(e), who="learner rank 0's"), file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 

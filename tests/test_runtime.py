@@ -832,23 +832,30 @@ sys.path.insert(0, {repo!r})
 import torch
 import torch.distributed as dist
 from harness import runtime
+from harness.vllm_replica import exit_at_once, report_exit
 
-with runtime.rank0_speaks(Path(sys.argv[1])):
-    rank, _, _ = runtime.init_distributed()  # as train.py's ranks: the process group, after the ranks have joined
-    runtime.GracefulStop(announce=False)  # as mid-run: torchrun's SIGTERM to the others is noted, not fatal
-    dist.all_reduce(torch.ones(4))
-    if rank == int(sys.argv[2]):
-        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer ends a rank: nothing printed
-    dist.all_reduce(torch.ones(4))
+try:  # as train.py's ranks: in rank0_speaks, and out through report_exit
+    with runtime.rank0_speaks(Path(sys.argv[1])):
+        rank, _, _ = runtime.init_distributed()  # the process group, after the ranks have joined
+        runtime.GracefulStop(announce=False)  # as mid-run: torchrun's SIGTERM to the others is noted, not fatal
+        dist.all_reduce(torch.ones(4))
+        if rank == int(sys.argv[2]) and sys.argv[3] == "line":
+            raise SystemExit("train.py: error: rank 0 stops with a line of its own")
+        if rank == int(sys.argv[2]):
+            os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer ends a rank: nothing printed
+        dist.all_reduce(torch.ones(4))
+except (SystemExit, Exception) as stop:
+    exit_at_once(report_exit(stop))
 """
 
 
-@pytest.mark.parametrize("killed, who", [(1, "another learner rank's"), (0, "learner rank 0's")])
+@pytest.mark.parametrize("killed, who", [(1, "another learner rank's"), (0, "learner rank 0's"), (0, None)])
 def test_a_rank_killed_under_torchrun_leaves_one_line_and_torchruns_summary(tmp_path, killed, who):
     """The real thing: two gloo ranks under torchrun, one SIGKILLed between two collectives, and gloo's error on the
     other is one of PEER_GONE. Rank 1 killed: rank 0 prints its one line and no traceback. Rank 0 killed (the likeliest
     victim of the out-of-memory killer: it loads the model and feeds the generator): no rank said anything, and now
-    rank 1, on rank 0's node, says it. torchrun's summary names the rank and the signal. (train.py's main runs in
+    rank 1, on rank 0's node, says it. Rank 0 that stops with a line of its own (who None) is not killed: rank 1 stays
+    quiet. torchrun's summary names the rank and the signal. (train.py's main runs in
     runtime.rank0_speaks(OUTPUT_DIR).)"""
     import subprocess
 
@@ -856,11 +863,14 @@ def test_a_rank_killed_under_torchrun_leaves_one_line_and_torchruns_summary(tmp_
 
     script = tmp_path / "rank_dies.py"
     script.write_text(RANK_DIES.format(repo=str(REPO)))
-    run = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", str(script), str(tmp_path / "run"), str(killed)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run([*TORCHRUN, "--nproc_per_node", "2", str(script), str(tmp_path / "run"), str(killed),
+                          "kill" if who else "line"], capture_output=True, text=True, timeout=120)
     output = run.stdout + run.stderr
     assert run.returncode != 0
     lines = [line for line in output.splitlines() if line.startswith("stopping: ")]
+    if who is None:
+        assert lines == [] and output.count("\ntrain.py: error: rank 0 stops with a line of its own") == 1, output
+        return
     assert len(lines) == 1 and lines[0].startswith(f"stopping: {who} process ended in the middle of a collective "
                                                    "(gloo:"), output
     assert "nothing to resume" in lines[0] and "Signal 9 (SIGKILL)" in output, output

@@ -4,7 +4,7 @@ list of integers (`text_value`, `path_text`, `path_value`, `directory_path`, `ou
 `int_at_least`, `number`, `int_list`), a quiet end when the reader of the output stops reading (`exit_with`), the
 Git LFS pointers of a hub repository cloned without git-lfs named (`git_lfs_pointers`), and under torchrun the error
 that stopped a rank handed to torchrun's failure summary (`note_error_lines`, `torchrun_error_file`) and, before the
-ranks have joined their process group, to the ranks waiting for it (`start_store`). A runtime module: a reader of
+ranks have joined their process group, to the ranks waiting for it (`start_store`, `tell_the_other_ranks`). A runtime module: a reader of
 the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
@@ -145,26 +145,22 @@ def torchrun_error_file(stop: BaseException, code: int) -> None:
     is on another node), shows it as the root cause, where it said "To enable traceback see: https://...". The one
     error line the rank printed (`note_error_lines`) or SystemExit's message, in the file's plain form (a "message"
     text and a "timestamp"); an exception through torch's own ErrorHandler, with its traceback (call it inside the
-    except block). Nothing outside torchrun."""
+    except block). The other ranks are told too (tell_the_other_ranks). Nothing outside torchrun."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or code == 0:
         return
-    if os.environ.get("RANK") == "0" and (store := start_store()) is not None:
-        with contextlib.suppress(RuntimeError):  # rank 0 says why it stops: no other rank says it for it
-            store.set("rank0-stopped", "1")      # (runtime.rank0_killed)
     if not isinstance(stop, SystemExit):
+        tell_the_other_ranks("")
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         with contextlib.suppress(Exception):
             ErrorHandler().record_exception(stop)
         return
     line = stop.code if isinstance(stop.code, str) else getattr(sys.stderr, "line", "")
+    tell_the_other_ranks(line.strip())
     if line:  # a rank that exits quietly (rank 0 speaks for it) has none: torchrun names its status
         with contextlib.suppress(OSError):
             Path(path).write_text(json.dumps({"message": line.strip(), "timestamp": int(time.time())}))
-        distributed = sys.modules.get("torch.distributed")  # (a process that never imported torch joins nothing)
-        if distributed is not None and not distributed.is_initialized():
-            tell_the_ranks_waiting_to_join(line.strip())
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -188,17 +184,24 @@ def start_store() -> Any | None:
     return dist.PrefixStore(f"scalerl/start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def tell_the_ranks_waiting_to_join(line: str) -> None:
-    """A rank that stops on `line` before it joined its process group leaves the line in the start store, where the
-    others, waiting to join (runtime.wait_for_every_rank), read it. Without it a rank whose node lacked a file that
-    rank 0's has (a --model, a --lr typed on one node's command line) stopped in its flag checks, and rank 0 waited
-    in its process group's set-up for torch's timeout: 30 minutes on CPU, over an hour on GPU. The first line stays."""
-    store = start_store()
-    if store is None:
+def tell_the_other_ranks(line: str) -> None:
+    """What a rank that stops with an error (its one `line`, "" where it has none) leaves in the start store, in one
+    connection to it. Rank 0 marks that it said why it stops, so that no other rank says it for it
+    (runtime.rank0_killed). A rank that stops with a line before it joined its process group leaves the line, where
+    the others, waiting to join (runtime.wait_for_every_rank), read it: without it a rank whose node lacked a file
+    that rank 0's has (a --model, a --lr typed on one node's command line) stopped in its flag checks, and rank 0
+    waited in its process group's set-up for torch's timeout, 30 minutes on CPU, over an hour on GPU. The first line
+    stays."""
+    rank = int(os.environ.get("RANK", "0"))
+    distributed = sys.modules.get("torch.distributed")  # (a process that never imported torch joins nothing)
+    before_joining = bool(line) and distributed is not None and not distributed.is_initialized()
+    if (rank != 0 and not before_joining) or (store := start_store()) is None:
         return
-    stopped = {"rank": int(os.environ.get("RANK", "0")), "host": socket.gethostname(), "line": line}
     with contextlib.suppress(RuntimeError):
-        store.compare_set("stopped", "", json.dumps(stopped))
+        if rank == 0:
+            store.set("rank0-stopped", "1")
+        if before_joining:
+            store.compare_set("stopped", "", json.dumps({"rank": rank, "host": socket.gethostname(), "line": line}))
 
 
 class OneLineParser(argparse.ArgumentParser):

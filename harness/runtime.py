@@ -504,7 +504,7 @@ JOIN_POLL_S = 0.2  # how often a rank waiting for the others to join looks at th
 
 def wait_for_every_rank(rank: int, world: int, timeout: timedelta) -> None:
     """Before the process group: count this rank in the start store (cli.start_store), then wait until all `world`
-    ranks are in, or one has stopped before joining (cli.tell_the_ranks_waiting_to_join). Rank 0 then stops with that
+    ranks are in, or one has stopped before joining (cli.tell_the_other_ranks). Rank 0 then stops with that
     rank's line, its rank and host; the others stop quietly, rank 0 speaking for them. torch's own set-up would have
     waited out its timeout for a rank that will never come (a flag check that failed on one node only). A rank that
     never arrives nor says why (killed before) is one line of rank 0 at `timeout`. Outside torchrun: no wait."""
@@ -527,33 +527,29 @@ def wait_for_every_rank(rank: int, world: int, timeout: timedelta) -> None:
                              f"{timeout.total_seconds():g} s; the others never came: their nodes' torchrun output "
                              "says why")
         time.sleep(JOIN_POLL_S)
-    global RANK0_PROCESS
-    RANK0_PROCESS = tuple(json.loads(store.get("process/0")))
-
-
-RANK0_PROCESS: tuple[str, int] | None = None  # (host, pid) of learner rank 0, once the ranks have joined
 
 
 def rank0_killed(wait_s: float = 1.0) -> bool:
-    """On rank 0's node: whether learner rank 0's process has ended (gone, or a zombie not yet reaped, looked at for
-    up to `wait_s`: its sockets close as it exits, a moment before it is a zombie) without saying why. A rank 0 that
-    stops with a line or a traceback marks the start store first (cli.torchrun_error_file), before its process ends.
-    False where it is not known."""
-    if RANK0_PROCESS is None or RANK0_PROCESS[0] != socket.gethostname() or not _rank0_ended(wait_s):
-        return False
+    """On rank 0's node: whether learner rank 0's process (noted in the start store as it joined) has ended (gone, or
+    a zombie not yet reaped, looked at for up to `wait_s`: its sockets close as it exits, a moment before it is a
+    zombie) without saying why. A rank 0 that stops with a line or a traceback marks the start store first
+    (cli.torchrun_error_file), before its process ends. False where it is not known."""
     store = cli.start_store()
     try:
-        return store is not None and not store.check(["rank0-stopped"])
+        if store is None or not store.check(["process/0"]):
+            return False
+        host, pid = json.loads(store.get("process/0"))
+        return host == socket.gethostname() and _process_ended(pid, wait_s) and not store.check(["rank0-stopped"])
     except RuntimeError:  # torchrun's store is gone too
         return False
 
 
-def _rank0_ended(wait_s: float) -> bool:
-    """Whether rank 0's process (RANK0_PROCESS, on this host) is gone or a zombie, looked at for up to `wait_s`."""
+def _process_ended(pid: int, wait_s: float) -> bool:
+    """Whether process `pid` (of this host) is gone or a zombie, looked at for up to `wait_s`."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            with open(f"/proc/{RANK0_PROCESS[1]}/stat") as stat:
+            with open(f"/proc/{pid}/stat") as stat:
                 ended = stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
         except OSError:
             ended = True
@@ -876,7 +872,7 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
         try:
             yield
         except RuntimeError as e:
-            gone = next((text for text in PEER_GONE if text in str(e)), None)
+            gone = _peer_gone(e)
             if gone is None or run_dir is None or int(os.environ.get("WORLD_SIZE", "1")) < 2:
                 raise
             raise SystemExit(peer_gone_message(run_dir, gone, str(e))) from None
@@ -890,7 +886,7 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
         quiet_rank_exit(1 if isinstance(e.code, str) else e.code, wait=GracefulStop.first_signal is None,
                         message=getattr(e, "message", None))  # (a line every rank raised is rank 0's to say)
     except RuntimeError as e:
-        gone = next((text for text in PEER_GONE if text in str(e)), None)
+        gone = _peer_gone(e)
         if gone is None:
             raise
         # Rank 0 itself killed (the out-of-memory killer's likeliest choice: it loads the model and feeds the
@@ -898,6 +894,11 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
         if run_dir is not None and os.environ.get("RANK") == os.environ.get("LOCAL_RANK") == "1" and rank0_killed():
             print(peer_gone_message(run_dir, gone, str(e), who="learner rank 0's"), file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+
+
+def _peer_gone(error: RuntimeError) -> str | None:
+    """Which of PEER_GONE gloo's `error` says, if any."""
+    return next((text for text in PEER_GONE if text in str(error)), None)
 
 
 def peer_gone_message(run_dir: Path, gone: str, error: str = "", who: str = "another learner rank's") -> str:

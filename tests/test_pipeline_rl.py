@@ -378,6 +378,17 @@ def test_engine_arguments():
     assert kw["logits_processors"] == ["harness.vllm_replica:SlowdownLogitsProcessor"]
 
 
+def _work_then_time_off_the_cpu() -> float:
+    """0.05 s of work on the CPU, then 0.3 s off it (a sleep; on a busy machine, other processes' turns): a paced
+    step. Returns its work as this thread's CPU time: 0.05 s, or less where the machine took the core away."""
+    work_start = time.thread_time()
+    busy_until = time.perf_counter() + 0.05
+    while time.perf_counter() < busy_until:
+        pass
+    time.sleep(0.3)
+    return time.thread_time() - work_start
+
+
 def test_slowdown_processor_stretches_each_engine_step_and_changes_no_logit(monkeypatch):
     """The debug knob behind --debug-gen-slowdown: each step takes x times its work; an idle gap is not stretched. On
     CPU a step's work is the engine thread's CPU time: the time it spent off the CPU (here a sleep; on a busy machine,
@@ -388,12 +399,7 @@ def test_slowdown_processor_stretches_each_engine_step_and_changes_no_logit(monk
     for device in ("cpu", "cuda"):  # no GPU is needed to build the processor a GPU's V1 engine would have
         processor = vllm_replica.SlowdownLogitsProcessor(None, torch.device(device), False)
         assert torch.equal(processor.apply(logits.clone()), logits)  # the first step: nothing to measure yet
-        work_start = time.thread_time()
-        busy_until = time.perf_counter() + 0.05
-        while time.perf_counter() < busy_until:  # a step's work, on the CPU
-            pass
-        time.sleep(0.3)  # off the CPU, well within the second after which a gap is an idle engine
-        work = time.thread_time() - work_start  # 0.05 s, or less where the machine took the core away meanwhile
+        work = _work_then_time_off_the_cpu()  # the sleep well within the second after which a gap is an idle engine
         wall = time.perf_counter() - processor.pace.last_step_end
         t0 = time.perf_counter()
         assert torch.equal(processor.apply(logits.clone()), logits)
@@ -415,12 +421,9 @@ def test_the_learner_slowdown_multiplies_a_steps_work_not_its_time_off_the_cpu()
     for on_cpu in (True, False):
         pace = vllm_replica.WorkPace(3.0, on_cpu)
         pace.start()
-        work_start, wall_start = time.thread_time(), time.perf_counter()
-        busy_until = wall_start + 0.05
-        while time.perf_counter() < busy_until:  # the step's work, on the CPU
-            pass
-        time.sleep(0.3)  # off the CPU: a collective's wait, or the time another process had the core
-        work, wall = time.thread_time() - work_start, time.perf_counter() - wall_start
+        wall_start = time.perf_counter()
+        work = _work_then_time_off_the_cpu()  # the time off: a collective's wait, or another process's turn
+        wall = time.perf_counter() - wall_start
         t0 = time.perf_counter()
         pace.pause()
         slept = time.perf_counter() - t0

@@ -710,7 +710,6 @@ def test_ranks_waiting_to_join_read_the_line_of_one_that_stopped_before_it_joine
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setattr(runtime, "JOIN_POLL_S", 0.01)
-    monkeypatch.setattr(runtime, "RANK0_PROCESS", None)  # a join below notes this process as rank 0's: not after
     minute = timedelta(minutes=1)
     runtime.wait_for_every_rank(0, 2, minute)  # outside torchrun: no store asked, no wait
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")

@@ -167,19 +167,24 @@ def torchrun_error_file(stop: BaseException, code: int) -> None:
 # Before the process group: a rank that stops tells the ranks waiting for it (torchrun's store)
 # ----------------------------------------------------------------------------------------------------------------
 
+STORE_CONNECT_S = 5.0  # a connect to node 0's torchrun (milliseconds on a cluster's network)
+
 
 def start_store() -> Any | None:
     """This torchrun attempt's part of the launcher's key-value store, the one every rank's process group is set up
     through (TORCHELASTIC_USE_AGENT_STORE: on every node, the store of node 0's torchrun); None outside torchrun or
-    where it cannot be reached."""
+    where it cannot be reached. Reached first by a plain connect of STORE_CONNECT_S: a rank that stops after node
+    0's torchrun has gone (its node lost) asks too, and torch's client retried its connect for twice its timeout
+    (a minute), printing C++ frames at each try, before it gave up."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     import torch.distributed as dist  # here, not at the top: only a torchrun rank asks, and it has torch
 
     try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=30))
-    except (KeyError, ValueError, RuntimeError):  # (torch's DistError is a RuntimeError)
+        address = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        socket.create_connection(address, timeout=STORE_CONNECT_S).close()
+        store = dist.TCPStore(*address, is_master=False, timeout=timedelta(seconds=30))
+    except (KeyError, ValueError, OSError, RuntimeError):  # (torch's DistError is a RuntimeError)
         return None
     return dist.PrefixStore(f"scalerl/start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 

@@ -511,22 +511,30 @@ def wait_for_every_rank(rank: int, world: int, timeout: timedelta) -> None:
     store = cli.start_store()
     if store is None or world < 2:
         return
-    store.set(f"process/{rank}", json.dumps([socket.gethostname(), os.getpid()]))  # (set before it counts in)
-    store.add("joined", 1)
-    deadline = time.monotonic() + timeout.total_seconds()
-    while (joined := store.add("joined", 0)) < world:
-        if store.check(["stopped"]):
-            stopped = json.loads(store.get("stopped"))
-            if rank != 0:
-                raise SystemExit(1)
-            line = re.sub(r" \[rank \d+ on .*\]$", "", stopped["line"].removeprefix("train.py: error: "))
-            raise SystemExit(f"train.py: error: learner rank {stopped['rank']} on {stopped['host']} stopped before "
-                             f"the ranks could join (its torchrun's summary there says so too): {line}")
-        if time.monotonic() > deadline:
-            raise SystemExit(1 if rank else f"train.py: error: {joined} of {world} learner ranks joined within "
-                             f"{timeout.total_seconds():g} s; the others never came: their nodes' torchrun output "
-                             "says why")
-        time.sleep(JOIN_POLL_S)
+    try:
+        store.set(f"process/{rank}", json.dumps([socket.gethostname(), os.getpid()]))  # (set before it counts in)
+        store.add("joined", 1)
+        deadline = time.monotonic() + timeout.total_seconds()
+        while (joined := store.add("joined", 0)) < world:
+            if store.check(["stopped"]):
+                stopped = json.loads(store.get("stopped"))
+                if rank != 0:
+                    raise SystemExit(1)
+                line = re.sub(r" \[rank \d+ on .*\]$", "", stopped["line"].removeprefix("train.py: error: "))
+                raise SystemExit(f"train.py: error: learner rank {stopped['rank']} on {stopped['host']} stopped "
+                                 f"before the ranks could join (its torchrun's summary there says so too): {line}")
+            if time.monotonic() > deadline:
+                raise SystemExit(1 if rank else f"train.py: error: {joined} of {world} learner ranks joined within "
+                                 f"{timeout.total_seconds():g} s; the others never came: their nodes' torchrun "
+                                 "output says why")
+            time.sleep(JOIN_POLL_S)
+    except RuntimeError as error:  # (torch's DistNetworkError): node 0's torchrun, which holds the store, is gone,
+        # and rank 0 with it; each node's first rank says so, where torch's traceback said "Failed to recv"
+        address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise SystemExit(1 if os.environ.get("LOCAL_RANK", "0") != "0" else
+                         f"train.py: error: torchrun's store at {address} went away while the learner ranks were "
+                         f"joining ({str(error).splitlines()[0]}): the torchrun of node 0 there stopped, and its "
+                         "output says why") from None
 
 
 def rank0_killed(wait_s: float = 1.0) -> bool:

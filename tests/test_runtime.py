@@ -746,6 +746,49 @@ def test_ranks_waiting_to_join_read_the_line_of_one_that_stopped_before_it_joine
     del agent_store
 
 
+def test_ranks_that_find_node_0s_torchrun_gone_say_so_at_once(monkeypatch, tmp_path):
+    """Node 0's torchrun, which holds the store the ranks join through, gone (its node lost): a rank waiting for
+    the others to join says so in one line (its node's first rank; the others quietly), where torch's traceback said
+    "Failed to recv"; and a rank that then stops with an error finds no store at once, where torch's client retried
+    its connect for a minute, printing C++ frames at each try."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from harness import cli
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    agent_store = [dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))]  # torchrun's
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("TORCHELASTIC_RESTART_COUNT", "0"),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True"), ("RANK", "2"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    store = cli.start_store()
+    monkeypatch.setattr(cli, "start_store", lambda: store)  # the waiting rank's connection, made while it was up
+    monkeypatch.setattr(runtime, "JOIN_POLL_S", 0.01)
+    # node 0's torchrun gone while this rank waits: its store's server stops, and the connection to it closes
+    threading.Timer(0.3, agent_store.clear).start()
+    with pytest.raises(SystemExit) as exit_info:
+        runtime.wait_for_every_rank(2, 3, timedelta(minutes=1))
+    assert exit_info.value.code.startswith(f"train.py: error: torchrun's store at 127.0.0.1:{port} went away while "
+                                           "the learner ranks were joining (")
+    assert exit_info.value.code.endswith("): the torchrun of node 0 there stopped, and its output says why")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as exit_info:
+        runtime.wait_for_every_rank(3, 3, timedelta(minutes=1))
+    assert exit_info.value.code == 1  # its node's first rank says it
+
+    monkeypatch.undo()
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True"), ("TORCHELASTIC_ERROR_FILE", str(tmp_path / "e"))):
+        monkeypatch.setenv(name, value)
+    started = time.monotonic()
+    assert cli.start_store() is None
+    cli.torchrun_error_file(SystemExit("train.py: error: a line"), 1)  # rank 0 stopping marks the store: none there
+    assert time.monotonic() - started < 2 * cli.STORE_CONNECT_S  # refused at once: no minute of torch's retries
+
+
 def test_two_nodes_count_every_gpu_they_hold_and_a_second_nodes_ranks_take_its_every_gpu(monkeypatch):
     """An 8-GPU node of six replicas and two learner ranks, and a second 8-GPU node of eight learner ranks (ranks
     2..9): the run holds 16 GPUs, where only rank 0's node's were counted (8), and with them compute_hours, the

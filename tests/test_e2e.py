@@ -1140,7 +1140,7 @@ def test_make_run_real_trains_the_real_model_end_to_end(tmp_path, real_model_dir
     assert [r["step"] for r in rows if "val_pass_rate" in r] == [0, 2]
     args = json.loads((out / "args.json").read_text())
     assert args["model"] == str(real_model_dir)  # what `build-real-model --print-dir` printed
-    assert args["mode"] == "sync" and args["lr"] == 1e-5  # the target's settings ...
+    assert args["mode"] == "sync" and args["lr"] == 1e-5 and args["micro_batch_tokens"] == 512  # the target's ...
     assert args["max_tokens"] == 48  # ... then ARGS
     for r in rows[1:]:
         assert r["groups"] == 2 and r["num_tokens"] > 0 and math.isfinite(r["loss"]) and r["skipped_step"] == 0.0

@@ -38,10 +38,11 @@ from typing import Any, Callable, NoReturn
 QUIET_RANK_GRACE_S = 20.0
 
 
-def wait_for_a_signal(seconds: float) -> bool:
-    """Sleep up to `seconds`; a SIGTERM or SIGINT ends the sleep early (True), the previous handlers back after.
-    Polls, since a signal may be delivered to another thread (gloo's), where it would not interrupt a sleep here.
-    Outside the main thread, where no handler can be set, it sleeps the whole time."""
+def wait_for_a_signal(seconds: float, until: Callable[[], bool] | None = None) -> bool:
+    """Sleep up to `seconds`; a SIGTERM or SIGINT ends the sleep early (True), the previous handlers back after, and
+    so does `until` (False), asked at each poll. Polls, since a signal may be delivered to another thread (gloo's),
+    where it would not interrupt a sleep here. Outside the main thread, where no handler can be set, it sleeps the
+    whole time."""
     deadline = time.monotonic() + seconds
     if threading.current_thread() is not threading.main_thread():
         time.sleep(seconds)
@@ -50,7 +51,7 @@ def wait_for_a_signal(seconds: float) -> bool:
     previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while not received and time.monotonic() < deadline:
+        while not received and time.monotonic() < deadline and not (until is not None and until()):
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
     finally:
         for sig, handler in previous.items():
@@ -75,12 +76,43 @@ def quiet_rank_exit(code: int, wait: bool = True, message: str | None = None) ->
     no signal ends happens on several nodes: torchrun ends the ranks of rank 0's node only, and rank 0 may not have
     met this rank's error at all (a --dataset that is not on this node), waiting in a collective for its process
     group's timeout instead. So the first rank of this node prints `message` (the rank's own error: an argument's,
-    a data file's), with its rank and host."""
-    if wait and not wait_for_a_signal(QUIET_RANK_GRACE_S) and message and os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"{message} [rank {os.environ.get('RANK')} on {socket.gethostname()}, {QUIET_RANK_GRACE_S:g} s on: "
-              "where rank 0 has not stopped on the same error, this node sees another file or setting than rank 0's]",
-              file=sys.stderr, flush=True)
+    a data file's), with its rank and host. A rank that stops before the ranks join (a flag check, a data file) need
+    not wait so long: the start store says at once whether rank 0 went past that check (this node's files differ:
+    the line now, where it came 20 s on and rank 0 waited for it) or stopped with its own line (nothing to add at
+    the wait's end)."""
+    speaks = bool(message) and os.environ.get("LOCAL_RANK", "0") == "0"  # (the node's others wait for the signal)
+    rank0 = Rank0BeforeJoining(speaks and wait)
+    if wait and not wait_for_a_signal(QUIET_RANK_GRACE_S, until=rank0.joined) and speaks and rank0.state != "stopped":
+        where = (": rank 0 went past this check, so this node sees another file or setting than rank 0's"
+                 if rank0.state == "joined" else f", {QUIET_RANK_GRACE_S:g} s on: where rank 0 has not stopped on the "
+                 "same error, this node sees another file or setting than rank 0's")
+        print(f"{message} [rank {os.environ.get('RANK')} on {socket.gethostname()}{where}]", file=sys.stderr,
+              flush=True)
     raise SystemExit(code)
+
+
+class Rank0BeforeJoining:
+    """Where rank 0 stands, for a rank that stops before it joined its process group, read from the start store
+    (start_store): `state` is "joined" once rank 0 has counted itself in (runtime.wait_for_every_rank: it went past
+    the check this rank stopped on), "stopped" once it has stopped with its line (tell_the_other_ranks), and ""
+    until then, outside torchrun, or once this rank's process group is up (rank 0 is in it whatever happened)."""
+
+    def __init__(self, ask: bool = True) -> None:
+        distributed = sys.modules.get("torch.distributed")
+        joined = distributed is not None and distributed.is_initialized()
+        asks = ask and not joined and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self.store = start_store() if asks else None
+        self.state = ""
+
+    def joined(self) -> bool:
+        """Whether rank 0 has joined (one look at the store, which notes a stop too). A rank 0 that stopped is not
+        an end of the wait: it marks the store before it writes torchrun's error file, which a rank that left at
+        once could have torchrun end it before."""
+        if self.store is not None and not self.state:
+            with contextlib.suppress(RuntimeError):  # (the store gone: nothing known, the wait runs out)
+                self.state = ("stopped" if self.store.check(["rank0-stopped"]) else
+                              "joined" if self.store.check(["process/0"]) else "")
+        return self.state == "joined"
 
 
 def exit_with(main: Callable[[], int | None]) -> NoReturn:

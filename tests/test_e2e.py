@@ -955,8 +955,9 @@ def test_a_rank_that_stops_before_the_ranks_join_stops_rank_0_with_its_line(tmp_
     the second node lacks the --model directory (a tmpfs over its folder, in a mount namespace of its own). Its rank
     stops in the flag checks, before the process group. Rank 0, which has the model, waited in torch's set-up of the
     process group for its timeout (30 minutes on CPU, over an hour on GPU) with nothing said on its node; now it stops
-    with the other rank's line once that rank has given it (after cli.QUIET_RANK_GRACE_S), and neither node's run
-    leaves an output directory behind."""
+    with the other rank's line once that rank has given it, and neither node's run leaves an output directory
+    behind. That rank gives it as soon as it sees rank 0 joined (went past the check it stopped on), where it waited
+    cli.QUIET_RANK_GRACE_S for a signal first."""
     import socket
 
     from harness.cli import QUIET_RANK_GRACE_S
@@ -991,7 +992,9 @@ def test_a_rank_that_stops_before_the_ranks_join_stops_rank_0_with_its_line(tmp_
     assert lines == [f"train.py: error: learner rank 1 on {socket.gethostname()} stopped before the ranks could join "
                      f"(its torchrun's summary there says so too): --model {model}: no such directory (a hub model is "
                      "named ORG/NAME) (see --help)"], first.stderr[-3000:]
-    assert f"train.py: error: --model {model}: no such directory" in second_stderr, second_stderr[-3000:]
+    assert (f"train.py: error: --model {model}: no such directory (a hub model is named ORG/NAME) (see --help) "
+            f"[rank 1 on {socket.gethostname()}: rank 0 went past this check, so this node sees another file or "
+            "setting than rank 0's]") in second_stderr, second_stderr[-3000:]
     assert not out.exists()
 
 

@@ -403,7 +403,8 @@ def test_argument_errors_are_printed_by_rank_0_only(monkeypatch, capsys):
     from harness import cli
 
     waits = []
-    monkeypatch.setattr(cli, "wait_for_a_signal", lambda seconds: waits.append(seconds) or True)  # rank 0 ended first
+    # rank 0 ended first
+    monkeypatch.setattr(cli, "wait_for_a_signal", lambda seconds, until=None: waits.append(seconds) or True)
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as exit_info:
         flags.parse_args(["--lr", "-1"])

@@ -633,7 +633,8 @@ def test_other_ranks_leave_what_rank_0_reports_to_rank_0(monkeypatch, capsys):
     from harness import cli
 
     waits = []
-    monkeypatch.setattr(cli, "wait_for_a_signal", lambda seconds: waits.append(seconds) or True)  # rank 0 ended first
+    # rank 0 ended first
+    monkeypatch.setattr(cli, "wait_for_a_signal", lambda seconds, until=None: waits.append(seconds) or True)
     monkeypatch.setattr(runtime.GracefulStop, "first_signal", None)
     monkeypatch.setenv("RANK", "1")
     for raised, code, waited in ((SystemExit("out is in use by another train.py"), 1, 1),
@@ -668,7 +669,7 @@ def test_a_rank_whose_error_rank_0_did_not_stop_on_says_it_with_its_rank_and_hos
     from harness import cli
 
     signalled = []
-    monkeypatch.setattr(cli, "wait_for_a_signal", lambda seconds: bool(signalled))
+    monkeypatch.setattr(cli, "wait_for_a_signal", lambda seconds, until=None: bool(signalled))
     monkeypatch.setattr(runtime.GracefulStop, "first_signal", None)
     monkeypatch.setenv("RANK", "1")
     for signalled[:] in ([], [True]):
@@ -787,6 +788,58 @@ def test_ranks_that_find_node_0s_torchrun_gone_say_so_at_once(monkeypatch, tmp_p
     assert cli.start_store() is None
     cli.torchrun_error_file(SystemExit("train.py: error: a line"), 1)  # rank 0 stopping marks the store: none there
     assert time.monotonic() - started < 2 * cli.STORE_CONNECT_S  # refused at once: no minute of torch's retries
+
+
+def test_a_rank_that_stops_before_joining_speaks_once_rank_0_has_joined_and_not_after_rank_0s_line(monkeypatch, capsys):
+    """A rank that stops on its own error before the ranks join (a --dataset that is not on this node) waited
+    cli.QUIET_RANK_GRACE_S for a signal before it said so, and rank 0, waiting for the ranks to join, waited as long
+    for its line. Through a real store as torchrun's agent keeps it: rank 0 counted in (it went past the check) ends
+    the wait at once, with the line; rank 0 stopped with its own line leaves nothing to add; neither, the wait runs
+    out and the line says so. Another rank of the node waits for torchrun's signal as before."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from harness import cli
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))  # torchrun's
+    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "1"), ("LOCAL_RANK", "0"),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli, "QUIET_RANK_GRACE_S", 0.5)
+    line = "train.py: error: --dataset /d.jsonl: no such file (see --help)"
+
+    def stop(restart: int) -> tuple[float, str]:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))  # each case an attempt of its own
+        started = time.monotonic()
+        with pytest.raises(SystemExit) as exit_info:
+            cli.quiet_rank_exit(2, message=line)
+        assert exit_info.value.code == 2
+        return time.monotonic() - started, capsys.readouterr().err
+
+    waited, err = stop(0)  # rank 0 in no state yet: the wait runs out
+    assert waited >= 0.5 and err == (f"{line} [rank 1 on {socket.gethostname()}, 0.5 s on: where rank 0 has not "
+                                     "stopped on the same error, this node sees another file or setting than "
+                                     "rank 0's]\n")
+    monkeypatch.setattr(cli, "QUIET_RANK_GRACE_S", 60.0)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    threading.Timer(0.2, cli.start_store().set, ("process/0", "[]")).start()  # rank 0 joins while this rank waits
+    waited, err = stop(1)
+    assert waited < 30.0 and err == (f"{line} [rank 1 on {socket.gethostname()}: rank 0 went past this check, so "
+                                     "this node sees another file or setting than rank 0's]\n")
+    monkeypatch.setattr(cli, "QUIET_RANK_GRACE_S", 0.5)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    cli.start_store().set("rank0-stopped", "1")  # rank 0 met the same error and said so
+    waited, err = stop(2)
+    assert waited >= 0.5 and err == ""  # the wait for torchrun's signal is kept, the line left to rank 0
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # rank 0 joined, but this node's first rank says it
+    waited, err = stop(1)
+    assert waited >= 0.5 and err == ""
+    del agent_store
 
 
 def test_two_nodes_count_every_gpu_they_hold_and_a_second_nodes_ranks_take_its_every_gpu(monkeypatch):

@@ -78,14 +78,15 @@ def quiet_rank_exit(code: int, wait: bool = True, message: str | None = None) ->
     group's timeout instead. So the first rank of this node prints `message` (the rank's own error: an argument's,
     a data file's), with its rank and host. A rank that stops before the ranks join (a flag check, a data file) need
     not wait so long: the start store says at once whether rank 0 went past that check (this node's files differ:
-    the line now, where it came 20 s on and rank 0 waited for it) or stopped with its own line (nothing to add at
-    the wait's end)."""
+    the line now, where it came 20 s on and rank 0 waited for it) or stopped with its own line (the line then says
+    so, at the wait's end)."""
     speaks = bool(message) and os.environ.get("LOCAL_RANK", "0") == "0"  # (the node's others wait for the signal)
     rank0 = Rank0BeforeJoining(speaks and wait)
-    if wait and not wait_for_a_signal(QUIET_RANK_GRACE_S, until=rank0.joined) and speaks and rank0.state != "stopped":
-        where = (": rank 0 went past this check, so this node sees another file or setting than rank 0's"
-                 if rank0.state == "joined" else f", {QUIET_RANK_GRACE_S:g} s on: where rank 0 has not stopped on the "
-                 "same error, this node sees another file or setting than rank 0's")
+    if wait and not wait_for_a_signal(QUIET_RANK_GRACE_S, until=rank0.joined) and speaks:
+        where = {"joined": ": rank 0 went past this check, so this node sees another file or setting than rank 0's",
+                 "stopped": f", {QUIET_RANK_GRACE_S:g} s on: rank 0 stopped too, its own line on its node"}.get(
+            rank0.state, f", {QUIET_RANK_GRACE_S:g} s on: where rank 0 has not stopped on the same error, this node "
+            "sees another file or setting than rank 0's")
         print(f"{message} [rank {os.environ.get('RANK')} on {socket.gethostname()}{where}]", file=sys.stderr,
               flush=True)
     raise SystemExit(code)

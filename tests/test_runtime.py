@@ -790,12 +790,12 @@ def test_ranks_that_find_node_0s_torchrun_gone_say_so_at_once(monkeypatch, tmp_p
     assert time.monotonic() - started < 2 * cli.STORE_CONNECT_S  # refused at once: no minute of torch's retries
 
 
-def test_a_rank_that_stops_before_joining_speaks_once_rank_0_has_joined_and_not_after_rank_0s_line(monkeypatch, capsys):
+def test_a_rank_that_stops_before_joining_speaks_once_rank_0_has_joined(monkeypatch, capsys):
     """A rank that stops on its own error before the ranks join (a --dataset that is not on this node) waited
     cli.QUIET_RANK_GRACE_S for a signal before it said so, and rank 0, waiting for the ranks to join, waited as long
     for its line. Through a real store as torchrun's agent keeps it: rank 0 counted in (it went past the check) ends
-    the wait at once, with the line; rank 0 stopped with its own line leaves nothing to add; neither, the wait runs
-    out and the line says so. Another rank of the node waits for torchrun's signal as before."""
+    the wait at once, with the line; rank 0 stopped with its own line, and neither, the wait runs out and the line
+    says which. Another rank of the node waits for torchrun's signal as before, quietly."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -832,9 +832,10 @@ def test_a_rank_that_stops_before_joining_speaks_once_rank_0_has_joined_and_not_
                                      "this node sees another file or setting than rank 0's]\n")
     monkeypatch.setattr(cli, "QUIET_RANK_GRACE_S", 0.5)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    cli.start_store().set("rank0-stopped", "1")  # rank 0 met the same error and said so
-    waited, err = stop(2)
-    assert waited >= 0.5 and err == ""  # the wait for torchrun's signal is kept, the line left to rank 0
+    cli.start_store().set("rank0-stopped", "1")  # rank 0 stopped and said why, on its node
+    waited, err = stop(2)  # the wait for torchrun's signal is kept; this node's output still names the error
+    assert waited >= 0.5 and err == (f"{line} [rank 1 on {socket.gethostname()}, 0.5 s on: rank 0 stopped too, its "
+                                     "own line on its node]\n")
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # rank 0 joined, but this node's first rank says it
     waited, err = stop(1)

@@ -100,7 +100,7 @@ run: setup
 # steps, and 3e-5 collapsed the entropy within 12 steps, after which the curve fell); mixed arithmetic, whose
 # two-digit level keeps the run from running out of problems; an evaluation of 96 problems x 3 samples every 3 steps;
 # micro-batches of 512 tokens, where the default 8192 (sized for GPUs) took the run's processes to 13-17 GiB, more
-# than a 16 GiB laptop has, for the same step time and gradient. ARGS come last, so they override these.
+# than a 16 GiB laptop has, for about the same step time and the same gradient. ARGS come last, so they override these.
 REAL_ARGS := --dataset mixed-arithmetic --output-dir runs/real --mode sync --max-off-policy 1 --max-steps 48 \
 	--prompts-per-step 8 --group-size 8 --lr 1e-5 --warmup-steps 0 --adam-eps 1e-8 --weight-decay 0 \
 	--max-tokens 96 --think-budget 40,48 --answer-budget 16 --eval-every 3 --eval-samples 3 --micro-batch-tokens 512

@@ -531,10 +531,13 @@ def wait_for_every_rank(rank: int, world: int, timeout: timedelta) -> None:
     except RuntimeError as error:  # (torch's DistNetworkError): node 0's torchrun, which holds the store, is gone,
         # and rank 0 with it; each node's first rank says so, where torch's traceback said "Failed to recv"
         address = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        raise SystemExit(1 if os.environ.get("LOCAL_RANK", "0") != "0" else
-                         f"train.py: error: torchrun's store at {address} went away while the learner ranks were "
-                         f"joining ({str(error).splitlines()[0]}): the torchrun of node 0 there stopped, and its "
-                         "output says why") from None
+        line = (f"train.py: error: torchrun's store at {address} went away while the learner ranks were joining "
+                f"({str(error).splitlines()[0]}): the torchrun of node 0 there stopped, and its output says why")
+        if rank == 0:
+            raise SystemExit(line) from None
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # here, not through rank0_speaks: no rank 0 is left to say it
+            print(line, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 
 def rank0_killed(wait_s: float = 1.0) -> bool:

@@ -747,7 +747,7 @@ def test_ranks_waiting_to_join_read_the_line_of_one_that_stopped_before_it_joine
     del agent_store
 
 
-def test_ranks_that_find_node_0s_torchrun_gone_say_so_at_once(monkeypatch, tmp_path):
+def test_ranks_that_find_node_0s_torchrun_gone_say_so_at_once(monkeypatch, tmp_path, capsys):
     """Node 0's torchrun, which holds the store the ranks join through, gone (its node lost): a rank waiting for
     the others to join says so in one line (its node's first rank; the others quietly), where torch's traceback said
     "Failed to recv"; and a rank that then stops with an error finds no store at once, where torch's client retried
@@ -770,15 +770,22 @@ def test_ranks_that_find_node_0s_torchrun_gone_say_so_at_once(monkeypatch, tmp_p
     monkeypatch.setattr(runtime, "JOIN_POLL_S", 0.01)
     # node 0's torchrun gone while this rank waits: its store's server stops, and the connection to it closes
     threading.Timer(0.3, agent_store.clear).start()
-    with pytest.raises(SystemExit) as exit_info:
+    monkeypatch.setattr(cli, "wait_for_a_signal", lambda seconds, until=None: False)  # no signal from torchrun
+    with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks():  # as train.py's ranks run it
         runtime.wait_for_every_rank(2, 3, timedelta(minutes=1))
-    assert exit_info.value.code.startswith(f"train.py: error: torchrun's store at 127.0.0.1:{port} went away while "
-                                           "the learner ranks were joining (")
-    assert exit_info.value.code.endswith("): the torchrun of node 0 there stopped, and its output says why")
+    err = capsys.readouterr().err  # said here: rank 0, which speaks for the others, is gone
+    assert exit_info.value.code == 1 and err.startswith(f"train.py: error: torchrun's store at 127.0.0.1:{port} went "
+                                                        "away while the learner ranks were joining ("), err
+    assert err.endswith("): the torchrun of node 0 there stopped, and its output says why\n"), err
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(SystemExit) as exit_info:
         runtime.wait_for_every_rank(3, 3, timedelta(minutes=1))
-    assert exit_info.value.code == 1  # its node's first rank says it
+    assert exit_info.value.code == 1 and capsys.readouterr().err == ""  # its node's first rank says it
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    with pytest.raises(SystemExit) as exit_info:  # rank 0 (its node's torchrun gone, itself not yet): its own line
+        runtime.wait_for_every_rank(0, 3, timedelta(minutes=1))
+    assert exit_info.value.code.startswith("train.py: error: torchrun's store at ") and capsys.readouterr().err == ""
 
     monkeypatch.undo()
     for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),

@@ -537,7 +537,12 @@ def wait_for_every_rank(rank: int, world: int, timeout: timedelta) -> None:
             raise SystemExit(line) from None
         if os.environ.get("LOCAL_RANK", "0") == "0":  # here, not through rank0_speaks: no rank 0 is left to say it
             print(line, file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        raise Rank0Gone(1) from None
+
+
+class Rank0Gone(SystemExit):
+    """A rank's stop with no rank 0 left to speak for it (node 0's torchrun gone): it has said why itself, and
+    rank0_speaks lets it exit without the wait for the signal that rank 0's exit would have brought."""
 
 
 def rank0_killed(wait_s: float = 1.0) -> bool:
@@ -893,8 +898,9 @@ def rank0_speaks(run_dir: Path | None = None) -> Iterator[None]:
     except SystemExit as e:
         if e.code in (None, 0):
             raise
-        # after a signal torchrun is ending every rank itself: no need to wait for rank 0
-        quiet_rank_exit(1 if isinstance(e.code, str) else e.code, wait=GracefulStop.first_signal is None,
+        # after a signal torchrun is ending every rank itself: no need to wait for rank 0, nor where it is gone
+        quiet_rank_exit(1 if isinstance(e.code, str) else e.code,
+                        wait=GracefulStop.first_signal is None and not isinstance(e, Rank0Gone),
                         message=getattr(e, "message", None))  # (a line every rank raised is rank 0's to say)
     except RuntimeError as e:
         gone = _peer_gone(e)

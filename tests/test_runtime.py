@@ -750,7 +750,7 @@ def test_ranks_waiting_to_join_read_the_line_of_one_that_stopped_before_it_joine
 def test_ranks_that_find_node_0s_torchrun_gone_say_so_at_once(monkeypatch, tmp_path, capsys):
     """Node 0's torchrun, which holds the store the ranks join through, gone (its node lost): a rank waiting for
     the others to join says so in one line (its node's first rank; the others quietly), where torch's traceback said
-    "Failed to recv"; and a rank that then stops with an error finds no store at once, where torch's client retried
+    "Failed to recv", and exits without waiting for the signal rank 0's exit would have brought; and a rank that then stops with an error finds no store at once, where torch's client retried
     its connect for a minute, printing C++ frames at each try."""
     from datetime import timedelta
 
@@ -770,9 +770,11 @@ def test_ranks_that_find_node_0s_torchrun_gone_say_so_at_once(monkeypatch, tmp_p
     monkeypatch.setattr(runtime, "JOIN_POLL_S", 0.01)
     # node 0's torchrun gone while this rank waits: its store's server stops, and the connection to it closes
     threading.Timer(0.3, agent_store.clear).start()
-    monkeypatch.setattr(cli, "wait_for_a_signal", lambda seconds, until=None: False)  # no signal from torchrun
+    waits = []  # no rank 0 left whose exit would bring torchrun's signal: no wait for it
+    monkeypatch.setattr(cli, "wait_for_a_signal", lambda seconds, until=None: waits.append(seconds) or False)
     with pytest.raises(SystemExit) as exit_info, runtime.rank0_speaks():  # as train.py's ranks run it
         runtime.wait_for_every_rank(2, 3, timedelta(minutes=1))
+    assert waits == []
     err = capsys.readouterr().err  # said here: rank 0, which speaks for the others, is gone
     assert exit_info.value.code == 1 and err.startswith(f"train.py: error: torchrun's store at 127.0.0.1:{port} went "
                                                         "away while the learner ranks were joining ("), err

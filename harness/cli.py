@@ -4,8 +4,8 @@ list of integers (`text_value`, `path_text`, `path_value`, `directory_path`, `ou
 `int_at_least`, `number`, `int_list`), a quiet end when the reader of the output stops reading (`exit_with`), the
 Git LFS pointers of a hub repository cloned without git-lfs named (`git_lfs_pointers`), and under torchrun the error
 that stopped a rank handed to torchrun's failure summary (`note_error_lines`, `torchrun_error_file`) and, before the
-ranks have joined their process group, to the ranks waiting for it (`start_store`, `tell_the_other_ranks`). A runtime module: a reader of
-the recipe may skip it.
+ranks have joined their process group, to the ranks waiting for it (`start_store`, `tell_the_other_ranks`). A runtime
+module: a reader of the recipe may skip it.
 
 It imports nothing of the project, so that every entry point (train.py through harness/flags.py, `pipeline_rl.py
 replica`, scaling_fit.py, tools/bench.py, tools/experiments.py, tools/teach.py, harness/tasks.py,
@@ -99,10 +99,7 @@ class Rank0BeforeJoining:
     until then, outside torchrun, or once this rank's process group is up (rank 0 is in it whatever happened)."""
 
     def __init__(self, ask: bool = True) -> None:
-        distributed = sys.modules.get("torch.distributed")
-        joined = distributed is not None and distributed.is_initialized()
-        asks = ask and not joined and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        self.store = start_store() if asks else None
+        self.store = start_store() if ask and before_joining() else None
         self.state = ""
 
     def joined(self) -> bool:
@@ -222,6 +219,13 @@ def start_store() -> Any | None:
     return dist.PrefixStore(f"scalerl/start/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
+def before_joining() -> bool:
+    """Whether this process is a rank that has not joined its process group (yet): torch's distributed package
+    loaded, no process group up. A process that never imported torch joins nothing."""
+    distributed = sys.modules.get("torch.distributed")
+    return distributed is not None and not distributed.is_initialized()
+
+
 def tell_the_other_ranks(line: str) -> None:
     """What a rank that stops with an error (its one `line`, "" where it has none) leaves in the start store, in one
     connection to it. Rank 0 marks that it said why it stops, so that no other rank says it for it
@@ -231,14 +235,13 @@ def tell_the_other_ranks(line: str) -> None:
     waited in its process group's set-up for torch's timeout, 30 minutes on CPU, over an hour on GPU. The first line
     stays."""
     rank = int(os.environ.get("RANK", "0"))
-    distributed = sys.modules.get("torch.distributed")  # (a process that never imported torch joins nothing)
-    before_joining = bool(line) and distributed is not None and not distributed.is_initialized()
-    if (rank != 0 and not before_joining) or (store := start_store()) is None:
+    leaves_line = bool(line) and before_joining()
+    if (rank != 0 and not leaves_line) or (store := start_store()) is None:
         return
     with contextlib.suppress(RuntimeError):
         if rank == 0:
             store.set("rank0-stopped", "1")
-        if before_joining:
+        if leaves_line:
             store.compare_set("stopped", "", json.dumps({"rank": rank, "host": socket.gethostname(), "line": line}))
 
 

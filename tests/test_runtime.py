@@ -692,7 +692,24 @@ def test_a_rank_whose_error_rank_0_did_not_stop_on_says_it_with_its_rank_and_hos
     assert capsys.readouterr().err == ""
 
 
-def test_ranks_waiting_to_join_read_the_line_of_one_that_stopped_before_it_joined(monkeypatch, tmp_path):
+@pytest.fixture
+def agent_store(monkeypatch):
+    """torchrun's agent store, the one the ranks join through, as a rank reaches it (MASTER_ADDR, MASTER_PORT; the
+    test sets the rest of torchrun's environment), in a list: a test that empties it ends the store's server, as node
+    0's torchrun gone."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    # port 0: a free one. The list is the store's only holder, so that emptying it ends the server
+    held = [dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=10))]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(held[0].port))
+    yield held
+    held.clear()
+
+
+def test_ranks_waiting_to_join_read_the_line_of_one_that_stopped_before_it_joined(monkeypatch, tmp_path, agent_store):
     """Before the process group, through a real store as torchrun's agent keeps it: a rank that stops with an error
     line leaves it (cli.torchrun_error_file), and a rank waiting for the others to join stops on it at once (rank 0
     with that rank's line, host and rank, without the "[rank N on HOST ...]" its node adds; another quietly), where
@@ -704,12 +721,6 @@ def test_ranks_waiting_to_join_read_the_line_of_one_that_stopped_before_it_joine
 
     from harness import cli
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))  # torchrun's
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setattr(runtime, "JOIN_POLL_S", 0.01)
     minute = timedelta(minutes=1)
     runtime.wait_for_every_rank(0, 2, minute)  # outside torchrun: no store asked, no wait
@@ -744,26 +755,21 @@ def test_ranks_waiting_to_join_read_the_line_of_one_that_stopped_before_it_joine
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # after the process group: the store is not written
     cli.torchrun_error_file(SystemExit(line), 1)
     assert not cli.start_store().check(["stopped"])
-    del agent_store
 
 
-def test_ranks_that_find_node_0s_torchrun_gone_say_so_at_once(monkeypatch, tmp_path, capsys):
+def test_ranks_that_find_node_0s_torchrun_gone_say_so_at_once(monkeypatch, tmp_path, capsys, agent_store):
     """Node 0's torchrun, which holds the store the ranks join through, gone (its node lost): a rank waiting for
     the others to join says so in one line (its node's first rank; the others quietly), where torch's traceback said
-    "Failed to recv", and exits without waiting for the signal rank 0's exit would have brought; and a rank that then stops with an error finds no store at once, where torch's client retried
-    its connect for a minute, printing C++ frames at each try."""
+    "Failed to recv", and exits without waiting for the signal rank 0's exit would have brought; and a rank that then
+    stops with an error finds no store at once, where torch's client retried its connect for a minute, printing C++
+    frames at each try."""
     from datetime import timedelta
-
-    import torch.distributed as dist
 
     from harness import cli
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    agent_store = [dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))]  # torchrun's
-    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("TORCHELASTIC_RESTART_COUNT", "0"),
-                        ("TORCHELASTIC_USE_AGENT_STORE", "True"), ("RANK", "2"), ("LOCAL_RANK", "0")):
+    port = agent_store[0].port
+    for name, value in (("TORCHELASTIC_RESTART_COUNT", "0"), ("TORCHELASTIC_USE_AGENT_STORE", "True"), ("RANK", "2"),
+                        ("LOCAL_RANK", "0")):
         monkeypatch.setenv(name, value)
     store = cli.start_store()
     monkeypatch.setattr(cli, "start_store", lambda: store)  # the waiting rank's connection, made while it was up
@@ -799,24 +805,15 @@ def test_ranks_that_find_node_0s_torchrun_gone_say_so_at_once(monkeypatch, tmp_p
     assert time.monotonic() - started < 2 * cli.STORE_CONNECT_S  # refused at once: no minute of torch's retries
 
 
-def test_a_rank_that_stops_before_joining_speaks_once_rank_0_has_joined(monkeypatch, capsys):
+def test_a_rank_that_stops_before_joining_speaks_once_rank_0_has_joined(monkeypatch, capsys, agent_store):
     """A rank that stops on its own error before the ranks join (a --dataset that is not on this node) waited
     cli.QUIET_RANK_GRACE_S for a signal before it said so, and rank 0, waiting for the ranks to join, waited as long
     for its line. Through a real store as torchrun's agent keeps it: rank 0 counted in (it went past the check) ends
     the wait at once, with the line; rank 0 stopped with its own line, and neither, the wait runs out and the line
     says which. Another rank of the node waits for torchrun's signal as before, quietly."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     from harness import cli
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    agent_store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=10))  # torchrun's
-    for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "1"), ("LOCAL_RANK", "0"),
-                        ("TORCHELASTIC_USE_AGENT_STORE", "True")):
+    for name, value in (("RANK", "1"), ("LOCAL_RANK", "0"), ("TORCHELASTIC_USE_AGENT_STORE", "True")):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(cli, "QUIET_RANK_GRACE_S", 0.5)
     line = "train.py: error: --dataset /d.jsonl: no such file (see --help)"
@@ -849,7 +846,6 @@ def test_a_rank_that_stops_before_joining_speaks_once_rank_0_has_joined(monkeypa
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # rank 0 joined, but this node's first rank says it
     waited, err = stop(1)
     assert waited >= 0.5 and err == ""
-    del agent_store
 
 
 def test_two_nodes_count_every_gpu_they_hold_and_a_second_nodes_ranks_take_its_every_gpu(monkeypatch):
